@@ -1,0 +1,38 @@
+"""The FastAPI application factory (`uvicorn --factory api.app:create_app`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from fastapi import FastAPI
+
+from api import errors
+from api.body_limit import BodyLimitMiddleware
+from api.routes import futures, service, sessions, training
+from core import db, redis_client
+from core.settings import get_api_settings, get_core_settings
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    core = get_core_settings()
+    app.state.pool = db.async_pool(db.resolve_url(core))
+    await app.state.pool.open(wait=True, timeout=30)
+    app.state.redis = redis_client.async_client(redis_client.resolve_url(core))
+    try:
+        yield
+    finally:
+        await app.state.redis.aclose()
+        await app.state.pool.close()
+
+
+def create_app() -> FastAPI:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    settings = get_api_settings()
+    app = FastAPI(title="Quilt", version="0.1.0", lifespan=_lifespan)
+    errors.install(app)
+    for module in (service, sessions, training, futures):
+        app.include_router(module.router, prefix="/api/v1")
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    return app

@@ -1,0 +1,76 @@
+"""Turn every error into a JSON body with a category and the request id, and log it with context."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from core.errors import InvalidInput, QuiltError, ServerError, UserError
+
+log = logging.getLogger("quilt.api")
+
+REQUEST_ID_HEADER = "X-Request-ID"
+
+
+def request_id_of(request: Request) -> str:
+    rid = getattr(request.state, "request_id", None)
+    if rid is None:
+        rid = request.headers.get(REQUEST_ID_HEADER) or "http-" + uuid.uuid4().hex[:16]
+        request.state.request_id = rid
+    return rid
+
+
+def _respond(request: Request, err: QuiltError) -> JSONResponse:
+    err.request_id = err.request_id or request_id_of(request)
+    headers = {REQUEST_ID_HEADER: err.request_id}
+    if err.status_code == 429:
+        headers["Retry-After"] = "1"
+    level = logging.WARNING if isinstance(err, UserError) else logging.ERROR
+    log.log(level, "%s %s -> %d %s", request.method, request.url.path, err.status_code, err.message,
+            extra={"request_id": err.request_id, "tenant_id": getattr(request.state, "tenant_id", None)})
+    return JSONResponse(err.to_json(), status_code=err.status_code, headers=headers)
+
+
+def _field_of(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or "body"
+
+
+def install(app: FastAPI) -> None:
+    @app.middleware("http")
+    async def _request_id(request: Request, call_next):
+        rid = request_id_of(request)
+        response = await call_next(request)
+        response.headers.setdefault(REQUEST_ID_HEADER, rid)
+        return response
+
+    @app.exception_handler(QuiltError)
+    async def _quilt(request: Request, exc: QuiltError):
+        return _respond(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        field = _field_of(tuple(first.get("loc", ())))
+        msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+        return _respond(request, InvalidInput(f"{field}: {msg}", field=field))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        cls = UserError if exc.status_code < 500 else ServerError
+        err = cls(str(exc.detail))
+        err.status_code = exc.status_code
+        return _respond(request, err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _respond(request, ServerError("internal error; it has been logged with this request id"))

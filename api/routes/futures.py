@@ -1,0 +1,35 @@
+"""`retrieve_future`: the long-poll every future goes through."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from api.deps import Pool, RedisDep, Settings, Who
+from api.schemas import RetrieveFutureRequest
+from core import queue
+from core.errors import UserError
+from tenancy import scoped
+
+router = APIRouter(tags=["futures"])
+
+
+class FutureExpired(UserError):
+    status_code = 410
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(body: RetrieveFutureRequest, who: Who, pool: Pool, redis: RedisDep, settings: Settings):
+    """Wait up to about 30 s for a future. Answers the result, a failure
+    (`{"error", "category": "user"|"server", "request_id"}`), or `{"type": "try_again", ...}`."""
+    async with pool.connection() as conn:
+        row = await scoped.get_request(conn, who, body.request_id)
+    outcome = await queue.wait(redis, body.request_id, settings.long_poll_seconds)
+    if outcome is None:
+        if row["status"] in ("done", "failed"):
+            raise FutureExpired(f"the result of {body.request_id!r} has expired", field="request_id")
+        return {"type": "try_again", "request_id": body.request_id, "queue_state": "active",
+                "queue_state_reason": f"request is {row['status']}"}
+    if not outcome.ok:
+        return JSONResponse(outcome.error)
+    return outcome.result

@@ -1,0 +1,54 @@
+"""Service-level routes: health, capabilities, the SDK handshake."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Response
+
+from api.deps import Pool, RedisDep, Who
+from core import catalog, health
+
+router = APIRouter(tags=["service"])
+
+
+@router.get("/healthz")
+async def healthz(pool: Pool, redis: RedisDep, response: Response) -> dict:
+    """Report each component: postgres, redis, one trainer per base model, celery."""
+    components: dict[str, dict] = {}
+    bases: list[catalog.BaseModel] = []
+    try:
+        async with pool.connection() as conn:
+            await conn.execute("SELECT 1")
+            bases = await catalog.list_models(conn)
+        components["postgres"] = {"ok": True}
+    except Exception as exc:  # health must report, not raise
+        components["postgres"] = {"ok": False, "error": str(exc)}
+    try:
+        await redis.ping()
+        components["redis"] = {"ok": True}
+        for base in bases:
+            raw = await redis.get(health.trainer_key(base.name))
+            components[f"trainer:{base.name}"] = {"ok": raw is not None, **(json.loads(raw) if raw else {})}
+        raw = await redis.get(health.CELERY_KEY)
+        components["celery"] = {"ok": raw is not None, **(json.loads(raw) if raw else {})}
+    except Exception as exc:
+        components["redis"] = {"ok": False, "error": str(exc)}
+    ok = all(c["ok"] for c in components.values())
+    if not ok:
+        response.status_code = 503
+    return {"status": "ok" if ok else "degraded", "components": components}
+
+
+@router.get("/get_server_capabilities")
+async def get_server_capabilities(pool: Pool) -> dict:
+    """The base models this server serves."""
+    async with pool.connection() as conn:
+        models = await catalog.list_models(conn)
+    return {"supported_models": [m.capability() for m in models]}
+
+
+@router.post("/client/config")
+async def client_config(who: Who) -> dict:
+    """SDK handshake; flags left at the SDK's defaults."""
+    return {}

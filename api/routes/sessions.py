@@ -1,0 +1,54 @@
+"""Sessions: a client's lifetime, kept alive by heartbeats."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from psycopg.types.json import Jsonb
+
+from api.deps import Pool, Who
+from api.schemas import CreateSessionRequest, FinishSessionRequest, SessionHeartbeatRequest
+from core import ids
+from core.errors import UserError
+from tenancy import scoped
+
+router = APIRouter(tags=["sessions"])
+
+
+class SessionFinished(UserError):
+    status_code = 410
+
+
+@router.post("/create_session")
+async def create_session(body: CreateSessionRequest, who: Who, pool: Pool) -> dict:
+    """Open a session; models and samplers are created inside one."""
+    session_id = ids.new_session_id()
+    async with pool.connection() as conn:
+        await conn.execute(
+            "INSERT INTO sessions (id, tenant_id, api_key_id, tags, user_metadata, sdk_version) "
+            "VALUES (%s, %s, %s, %s, %s, %s)",
+            (session_id, who.tenant_id, who.key_id, Jsonb(body.tags), Jsonb(body.user_metadata), body.sdk_version),
+        )
+    return {"session_id": session_id, "type": "create_session"}
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(body: SessionHeartbeatRequest, who: Who, pool: Pool) -> dict:
+    """Keep a session alive; 410 once it has finished."""
+    async with pool.connection() as conn:
+        session = await scoped.get_session(conn, who, body.session_id)
+        if session["finished_at"] is not None:
+            raise SessionFinished(f"session {body.session_id!r} has finished", field="session_id")
+        await conn.execute("UPDATE sessions SET last_heartbeat_at = now() WHERE id = %s", (body.session_id,))
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str, body: FinishSessionRequest, who: Who, pool: Pool) -> dict:
+    """Close a session (first reason wins)."""
+    async with pool.connection() as conn:
+        await scoped.get_session(conn, who, session_id)
+        await conn.execute(
+            "UPDATE sessions SET finished_at = now(), finish_reason = %s WHERE id = %s AND finished_at IS NULL",
+            (str(body.reason.get("type", "success")), session_id),
+        )
+    return {}

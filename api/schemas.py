@@ -1,0 +1,153 @@
+"""Request bodies, in the Tinker SDK's JSON shapes. Unknown fields are ignored (the SDK adds
+fields over time); `type` literals are accepted but not required."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from api.datums import RawDatum, RawTensor
+from core.ids import CHECKPOINT_NAME_RE
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class CreateSessionRequest(_Body):
+    tags: list[str] = Field(default_factory=list, max_length=64)
+    user_metadata: dict[str, Any] = Field(default_factory=dict)
+    sdk_version: str | None = Field(None, max_length=64)
+
+
+class SessionHeartbeatRequest(_Body):
+    session_id: str = Field(max_length=128)
+
+
+class FinishSessionRequest(_Body):
+    reason: dict[str, Any] = Field(default_factory=lambda: {"type": "success"})
+    detail: str | None = None
+
+
+class LoraConfig(_Body):
+    rank: int = Field(ge=1, le=512)
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+    @model_validator(mode="after")
+    def _something_trains(self) -> "LoraConfig":
+        if not (self.train_unembed or self.train_mlp or self.train_attn):
+            raise ValueError("at least one of train_unembed, train_mlp, train_attn must be true")
+        return self
+
+
+class CreateModelRequest(_Body):
+    session_id: str = Field(max_length=128)
+    model_seq_id: int = Field(ge=0, le=1_000_000)
+    base_model: str = Field(max_length=256)
+    lora_config: LoraConfig
+    optimizer_config: dict[str, Any] | None = None
+    user_metadata: dict[str, Any] | None = None
+
+    @field_validator("optimizer_config")
+    @classmethod
+    def _adamw_only(cls, value: dict | None) -> dict | None:
+        if value and value.get("type", "adamw") != "adamw":
+            raise ValueError(f"optimizer type {value.get('type')!r} is not supported; use 'adamw'")
+        return value
+
+
+class ModelRef(_Body):
+    model_id: str = Field(max_length=256)
+
+
+class TensorDataIn(_Body):
+    data: list[float | int]
+    dtype: Literal["int64", "float32"] | None = None
+    shape: list[int] | None = None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _dense_only(self) -> "TensorDataIn":
+        if self.sparse_crow_indices is not None or self.sparse_col_indices is not None:
+            raise ValueError("sparse tensors are not supported yet; send dense data")
+        return self
+
+
+class EncodedTextChunk(_Body):
+    type: Literal["encoded_text"] = "encoded_text"
+    tokens: list[int | float]
+
+
+class ModelInputIn(_Body):
+    chunks: list[EncodedTextChunk] = Field(min_length=1)
+
+
+class DatumIn(_Body):
+    model_input: ModelInputIn
+    loss_fn_inputs: dict[str, TensorDataIn | list[float | int]]
+
+    def raw(self) -> RawDatum:
+        tokens = [t for chunk in self.model_input.chunks for t in chunk.tokens]
+        inputs = {
+            k: RawTensor(v, "", None) if isinstance(v, list) else RawTensor(v.data, v.dtype or "", v.shape)
+            for k, v in self.loss_fn_inputs.items()
+        }
+        return RawDatum(tokens, inputs)
+
+
+class ForwardBackwardInput(_Body):
+    data: list[DatumIn]
+    loss_fn: str = Field(max_length=64)
+    loss_fn_config: dict[str, Any] | None = None
+
+
+class ForwardBackwardRequest(_Body):
+    model_id: str = Field(max_length=256)
+    seq_id: int = Field(ge=1, le=2**31 - 1)
+    forward_backward_input: ForwardBackwardInput
+
+
+class AdamParams(_Body):
+    learning_rate: float = Field(1e-4, ge=0, le=10, allow_inf_nan=False)
+    beta1: float = Field(0.9, ge=0, lt=1, allow_inf_nan=False)
+    beta2: float = Field(0.95, ge=0, lt=1, allow_inf_nan=False)
+    eps: float = Field(1e-12, gt=0, le=1, allow_inf_nan=False)
+    weight_decay: float = Field(0.0, ge=0, le=10, allow_inf_nan=False)
+    grad_clip_norm: float = Field(0.0, ge=0, allow_inf_nan=False)
+
+
+class OptimStepRequest(_Body):
+    model_id: str = Field(max_length=256)
+    seq_id: int = Field(ge=1, le=2**31 - 1)
+    adam_params: AdamParams
+
+
+class SaveWeightsRequest(_Body):
+    model_id: str = Field(max_length=256)
+    seq_id: int = Field(ge=1, le=2**31 - 1)
+    path: str = Field(description="checkpoint name, not a URI")
+    overwrite: bool = False
+
+    @field_validator("path")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not CHECKPOINT_NAME_RE.match(value):
+            raise ValueError("checkpoint name must be 1-128 characters of letters, digits, '.', '_' or '-'")
+        return value
+
+
+class LoadWeightsRequest(_Body):
+    model_id: str = Field(max_length=256)
+    seq_id: int = Field(ge=1, le=2**31 - 1)
+    path: str = Field(max_length=1024)
+    optimizer: bool = False
+
+
+class RetrieveFutureRequest(_Body):
+    request_id: str = Field(max_length=128)
+    allow_metadata_only: bool = False

@@ -1,0 +1,327 @@
+"""The tensors behind the trainer loop: one frozen base, one PEFT LoRA adapter and one AdamW per
+training model, and a fused forward/backward over many adapters.
+
+The loop (batcher.worker) owns queues and storage; this class owns tensors, behind a few methods
+that each return one result or one error per request, so one tenant's bad request fails only that
+request.
+
+Fusing uses PEFT's mixed-adapter forward (`adapter_names=`, one adapter per row). PEFT refuses it in
+training mode, but in eval mode autograd still gives every adapter exactly the gradient of a separate
+pass; LoRA dropout is 0, so eval mode changes nothing else. PEFT freezes adapters other than the
+active one whenever adapters are added, so `requires_grad` is restored on every adapter afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from batcher import losses
+from core.errors import Conflict, InvalidInput, QuiltError, ServerError
+
+log = logging.getLogger("quilt.trainer.backend")
+
+LORA_ALPHA = 32  # Tinker sends no alpha; a fixed alpha keeps the effective step size comparable across ranks
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+OPTIMIZER_FILE = "optimizer.pt"
+META_FILE = "quilt_state.json"
+
+
+def target_modules(lora_config: dict) -> list[str]:
+    mods: list[str] = []
+    if lora_config.get("train_attn", True):
+        mods += ATTN_MODULES
+    if lora_config.get("train_mlp", True):
+        mods += MLP_MODULES
+    if lora_config.get("train_unembed", True):
+        mods += UNEMBED_MODULES
+    return mods
+
+
+@dataclass
+class Adapter:
+    """One training model's trainable state."""
+
+    model_id: str
+    name: str  # the PEFT adapter name (a slot label; model ids contain characters PEFT keys cannot)
+    lora_config: dict
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.AdamW
+    steps: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class PassRequest:
+    """One forward/forward_backward request's slice of a fused pass."""
+
+    request_id: str
+    model_id: str
+    loss_fn: str
+    loss_fn_config: dict
+    forward_only: bool
+    data: list[dict]  # [{"tokens": [...], "inputs": {key: [...]}}]
+
+
+@dataclass(frozen=True)
+class _Row:
+    request_index: int
+    datum_index: int
+    tokens: list[int]
+    inputs: dict[str, list]
+    adapter: str
+
+
+class LoraBackend:
+    def __init__(self, base_path: str | Path, *, device: str = "cpu", max_tokens_per_pass: int = 16384):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        self.max_tokens_per_pass = max_tokens_per_pass
+        base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
+        base.requires_grad_(False)
+        self.base = base.to(self.device).eval()
+        self.model = None  # the PeftModel, made when the first adapter is created
+        self.adapters: dict[str, Adapter] = {}
+        self._next_slot = 0
+
+    # ------------------------------------------------------------------ adapters
+
+    def has(self, model_id: str) -> bool:
+        return model_id in self.adapters
+
+    def create(self, model_id: str, lora_config: dict) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        if model_id in self.adapters:
+            self.delete(model_id)
+        name = f"slot{self._next_slot}"
+        self._next_slot += 1
+        config = LoraConfig(
+            r=int(lora_config["rank"]), lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+            target_modules=target_modules(lora_config), bias="none", task_type="CAUSAL_LM",
+        )
+        seed = lora_config.get("seed")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+            if self.model is None:
+                self.model = get_peft_model(self.base, config, adapter_name=name)
+            else:
+                self.model.add_adapter(name, config)
+        self.model.eval()
+        params = self._params_of(name)
+        self.adapters[model_id] = Adapter(model_id, name, dict(lora_config), params, torch.optim.AdamW(params))
+        self._restore_requires_grad()
+
+    def delete(self, model_id: str) -> None:
+        adapter = self.adapters.pop(model_id, None)
+        if adapter is not None and self.model is not None:
+            self.model.delete_adapter(adapter.name)
+            self._restore_requires_grad()
+
+    def _params_of(self, name: str) -> list[torch.nn.Parameter]:
+        pattern = re.compile(rf"\.lora_(A|B)\.{re.escape(name)}\.")
+        return [p for n, p in self.model.named_parameters() if pattern.search(n)]
+
+    def _restore_requires_grad(self) -> None:
+        for adapter in self.adapters.values():
+            for p in adapter.params:
+                p.requires_grad_(True)
+
+    def adapter_state(self, model_id: str) -> dict[str, torch.Tensor]:
+        """The adapter's weights in PEFT's saved format (keys without the adapter name)."""
+        from peft import get_peft_model_state_dict
+
+        # Without save_embedding_layers=False PEFT would copy the whole lm_head into every checkpoint.
+        return get_peft_model_state_dict(self.model, adapter_name=self.adapters[model_id].name,
+                                         save_embedding_layers=False)
+
+    # ------------------------------------------------------------------ fused pass
+
+    def run_pass(self, requests: list[PassRequest]) -> list[dict | QuiltError]:
+        """Run many models' forward/forward_backward requests through one pass over the base.
+
+        Returns one result (Tinker ForwardBackwardOutput JSON) or one error per request, in order.
+        """
+        outcomes: list[dict | QuiltError | None] = [None] * len(requests)
+        configs: dict[int, losses.LossConfig] = {}
+        rows: list[_Row] = []
+        for i, req in enumerate(requests):
+            if req.model_id not in self.adapters:
+                outcomes[i] = ServerError(f"model {req.model_id!r} is not loaded on this trainer")
+                continue
+            try:
+                configs[i] = losses.parse_loss_config(req.loss_fn, req.loss_fn_config)
+            except losses.LossInputError as exc:
+                outcomes[i] = InvalidInput(str(exc), field=f"loss_fn_config.{exc.field}" if exc.field else "loss_fn_config")
+                continue
+            adapter = self.adapters[req.model_id]
+            adapter.last_used = time.monotonic()
+            rows += [_Row(i, j, d["tokens"], d["inputs"], adapter.name) for j, d in enumerate(req.data)]
+
+        # Rows run sorted by length; results are keyed by datum so each request gets them in its own order.
+        per_datum: dict[int, dict[int, losses.DatumLoss]] = {i: {} for i in configs}
+        try:
+            for chunk in self._micro_batches(rows):
+                self._run_chunk(chunk, requests, configs, per_datum)
+        except Exception as exc:
+            log.exception("fused pass failed")
+            self._clear_peft_hooks()
+            for i in configs:
+                outcomes[i] = ServerError(f"trainer pass failed: {type(exc).__name__}: {exc}")
+            return outcomes
+
+        for i in configs:
+            outcomes[i] = _forward_backward_output([per_datum[i][j] for j in sorted(per_datum[i])])
+        return outcomes
+
+    def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
+        """Split rows so each pass holds at most `max_tokens_per_pass` padded tokens; gradients of
+        successive chunks accumulate, so the split changes nothing numerically beyond rounding."""
+        chunks: list[list[_Row]] = []
+        current: list[_Row] = []
+        longest = 0
+        for row in sorted(rows, key=lambda r: len(r.tokens)):
+            longest_if_added = max(longest, len(row.tokens))
+            if current and longest_if_added * (len(current) + 1) > self.max_tokens_per_pass:
+                chunks.append(current)
+                current, longest_if_added = [], len(row.tokens)
+            current.append(row)
+            longest = longest_if_added
+        if current:
+            chunks.append(current)
+        return chunks
+
+    def _run_chunk(self, chunk: list[_Row], requests, configs, per_datum) -> None:
+        needs_grad = any(not requests[r.request_index].forward_only for r in chunk)
+        T = max(len(r.tokens) for r in chunk)
+        input_ids_B_T = torch.zeros((len(chunk), T), dtype=torch.long)
+        targets_B_T = torch.zeros((len(chunk), T), dtype=torch.long)
+        for b, row in enumerate(chunk):
+            n = len(row.tokens)
+            input_ids_B_T[b, :n] = torch.tensor(row.tokens)
+            targets_B_T[b, :n] = torch.tensor(row.inputs["target_tokens"], dtype=torch.long)
+        input_ids_B_T = input_ids_B_T.to(self.device)
+        targets_B_T = targets_B_T.to(self.device)
+        adapter_names = [row.adapter for row in chunk]
+        # Right padding needs no attention mask: causal attention never lets a real position see a later pad.
+        with torch.set_grad_enabled(needs_grad):
+            logits_B_T_V = self.model(input_ids=input_ids_B_T, adapter_names=adapter_names).logits.float()
+            logprobs_B_T = -F.cross_entropy(
+                logits_B_T_V.flatten(0, 1), targets_B_T.flatten(), reduction="none"
+            ).view(len(chunk), T)
+            total = None
+            for b, row in enumerate(chunk):
+                req = requests[row.request_index]
+                n = len(row.tokens)
+                inputs = {k: torch.tensor(v, dtype=torch.long if k == "target_tokens" else torch.float32)
+                          for k, v in row.inputs.items()}
+                datum = losses.compute_loss(req.loss_fn, logprobs_B_T[b, :n], inputs, configs[row.request_index])
+                per_datum[row.request_index][row.datum_index] = datum
+                if not req.forward_only:
+                    total = datum.loss if total is None else total + datum.loss
+            if needs_grad and total is not None:
+                total.backward()
+
+    def _clear_peft_hooks(self) -> None:
+        """PEFT leaves its adapter_names pre-forward hooks behind when a forward raises."""
+        from peft.tuners.lora import LoraLayer
+
+        for module in self.model.modules():
+            if isinstance(module, LoraLayer):
+                module._forward_pre_hooks.clear()
+
+    # ------------------------------------------------------------------ barriers
+
+    def optim_step(self, model_id: str, adam: dict) -> dict:
+        """AdamW on one model's accumulated gradients (per-model clipping), then clear them."""
+        adapter = self.adapters[model_id]
+        if not any(p.grad is not None for p in adapter.params):
+            return {"metrics": {"skipped:sum": 1.0}}
+        for group in adapter.optimizer.param_groups:
+            group.update(lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"],
+                         weight_decay=adam["weight_decay"])
+        clip = adam.get("grad_clip_norm") or 0.0
+        norm = torch.nn.utils.clip_grad_norm_(adapter.params, max_norm=clip if clip > 0 else math.inf)
+        adapter.optimizer.step()
+        adapter.optimizer.zero_grad(set_to_none=True)
+        adapter.steps += 1
+        return {"metrics": {"grad_norm:mean": float(norm), "learning_rate:mean": adam["learning_rate"],
+                            "step:max": float(adapter.steps)}}
+
+    def save(self, model_id: str, directory: str, *, overwrite: bool) -> int:
+        """Write adapter (PEFT format) + optimizer state; returns bytes written. Atomic via rename."""
+        from safetensors.torch import save_file
+
+        adapter = self.adapters[model_id]
+        dest = Path(directory)
+        if dest.exists() and not overwrite:
+            raise Conflict(f"checkpoint {dest.name!r} already exists; pass overwrite=True to replace it", field="path")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
+        try:
+            state = {k: v.detach().contiguous().cpu() for k, v in self.adapter_state(model_id).items()}
+            save_file(state, str(tmp / "adapter_model.safetensors"))
+            self.model.peft_config[adapter.name].save_pretrained(str(tmp))
+            torch.save(adapter.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+            (tmp / META_FILE).write_text(json.dumps({"lora_config": adapter.lora_config, "steps": adapter.steps}))
+            if dest.exists():
+                shutil.rmtree(dest)
+            tmp.rename(dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return sum(f.stat().st_size for f in dest.iterdir())
+
+    def load(self, model_id: str, directory: str, *, optimizer: bool) -> None:
+        """Load a checkpoint into an existing model with the same LoRA shape; clears gradients.
+        Without `optimizer`, the optimizer starts fresh (Tinker's load_state semantics)."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        adapter = self.adapters[model_id]
+        src = Path(directory)
+        meta = json.loads((src / META_FILE).read_text())
+        saved, ours = meta["lora_config"], adapter.lora_config
+        for key in ("rank", "train_attn", "train_mlp", "train_unembed"):
+            if saved.get(key, True) != ours.get(key, True):
+                raise InvalidInput(
+                    f"checkpoint has lora_config.{key}={saved.get(key)!r} but this model has {ours.get(key)!r}",
+                    field="path",
+                )
+        state = load_file(str(src / "adapter_model.safetensors"), device=str(self.device))
+        result = set_peft_model_state_dict(self.model, state, adapter_name=adapter.name)
+        if getattr(result, "unexpected_keys", None):
+            raise InvalidInput(f"checkpoint has unexpected tensors {result.unexpected_keys[:3]}", field="path")
+        for p in adapter.params:
+            p.grad = None
+        adapter.optimizer = torch.optim.AdamW(adapter.params)
+        if optimizer:
+            adapter.optimizer.load_state_dict(torch.load(src / OPTIMIZER_FILE, weights_only=True))
+        adapter.steps = int(meta.get("steps", 0))
+        self._restore_requires_grad()
+
+
+def _forward_backward_output(per_datum: list[losses.DatumLoss]) -> dict:
+    outputs = []
+    for d in per_datum:
+        outputs.append({
+            key: {"data": t.detach().float().cpu().tolist(), "dtype": "float32", "shape": list(t.shape)}
+            for key, t in d.outputs.items()
+        })
+    return {"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": outputs,
+            "metrics": losses.reduce_metrics(per_datum)}

@@ -1,0 +1,208 @@
+"""The trainer worker: reads its base model's stream, plans rounds, runs them, records results.
+
+The loop only moves data: Redis -> ModelQueues -> plan_round (pure) -> LoraBackend -> results to
+Redis (futures) and Postgres (request rows, checkpoints), then acknowledges the stream entries.
+
+Run: `python -m batcher.worker` (the embedded launcher does this).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import psycopg
+from psycopg.rows import dict_row
+
+from batcher.backend import LoraBackend, PassRequest
+from batcher.policy import RoundPlan, plan_round
+from batcher.queues import ModelQueues, _Entry
+from core import catalog, db, health, queue, records, redis_client
+from core.errors import QuiltError, ServerError
+from core.settings import get_api_settings, get_trainer_settings
+
+log = logging.getLogger("quilt.trainer")
+
+
+class TrainerWorker:
+    def __init__(self, *, base_model: str, backend: LoraBackend, redis, db_url: str, consumer: str,
+                 block_ms: int, result_ttl_s: int):
+        self.base_model = base_model
+        self.backend = backend
+        self.redis = redis
+        self.db_url = db_url
+        self.consumer = consumer
+        self.block_ms = block_ms
+        self.result_ttl_s = result_ttl_s
+        self.stream = queue.train_stream(base_model)
+        self.queues = ModelQueues()
+        self.stopping = False
+        self.stats = {"rounds": 0, "requests": 0, "busy_s": 0.0, "started_at": time.time()}
+
+    # ------------------------------------------------------------------ setup
+
+    def _db(self) -> psycopg.Connection:
+        """One autocommit connection for the worker's small writes, reopened if it broke."""
+        conn = getattr(self, "_conn", None)
+        if conn is None or conn.closed or conn.broken:
+            conn = self._conn = psycopg.connect(self.db_url, autocommit=True, row_factory=dict_row)
+        return conn
+
+    def prepare(self) -> None:
+        try:
+            self.redis.xgroup_create(self.stream, queue.TRAIN_GROUP, id="0", mkstream=True)
+        except Exception as exc:  # BUSYGROUP: it exists already
+            if "BUSYGROUP" not in str(exc):
+                raise
+        lost = records.mark_models_lost(self._db(), self.base_model)
+        if lost:
+            log.warning("%d models of a previous trainer process are lost (adapters live in memory)", lost)
+        # Our own unacknowledged entries from before a crash come back first.
+        self._ingest(self._read("0", block_ms=None))
+
+    # ------------------------------------------------------------------ loop
+
+    def run_forever(self) -> None:
+        self.prepare()
+        log.info("trainer for %s ready", self.base_model)
+        while not self.stopping:
+            self.step()
+
+    def step(self) -> bool:
+        """One iteration: read, plan, execute. Returns True if it did any work."""
+        plan = plan_round(self.queues.snapshot())
+        # Block on the stream only when nothing is runnable; otherwise just drain what has arrived.
+        self._ingest(self._read(">", block_ms=self.block_ms if plan.empty else None))
+        plan = plan_round(self.queues.snapshot())
+        self._beacon()
+        if plan.empty:
+            return False
+        started = time.monotonic()
+        self._execute(plan)
+        self.stats["busy_s"] += time.monotonic() - started
+        self.stats["rounds"] += 1
+        return True
+
+    def _read(self, last_id: str, *, block_ms: int | None) -> list:
+        reply = self.redis.xreadgroup(queue.TRAIN_GROUP, self.consumer, {self.stream: last_id}, count=512,
+                                      block=block_ms)
+        return reply[0][1] if reply else []
+
+    def _ingest(self, entries: list) -> None:
+        for stream_id, fields in entries:
+            sid = stream_id.decode() if isinstance(stream_id, bytes) else stream_id
+            if not fields:  # deleted while pending
+                self._ack(sid)
+                continue
+            item = queue.WorkItem.from_fields(fields)
+            if item.kind != "create_model" and not self.queues.knows(item.model_id) and not self.backend.has(item.model_id):
+                self._finish(_Entry(item, sid), ServerError(
+                    f"model {item.model_id!r} was lost when its trainer restarted; load your last checkpoint "
+                    "into a new model"))
+                continue
+            if not self.queues.add(item, sid):
+                self._ack(sid)  # a duplicate delivery of work already queued or done
+
+    def _execute(self, plan: RoundPlan) -> None:
+        entries = {p.request_id: self.queues.take(p) for p in (*plan.fused, *plan.barriers)}
+        records.mark_running(self._db(), list(entries))
+        if plan.fused:
+            reqs = [self._pass_request(entries[p.request_id].item) for p in plan.fused]
+            for p, outcome in zip(plan.fused, self.backend.run_pass(reqs)):
+                self._finish(entries[p.request_id], outcome)
+        for p in plan.barriers:
+            self._finish(entries[p.request_id], self._barrier(entries[p.request_id].item))
+        self.stats["requests"] += len(entries)
+
+    @staticmethod
+    def _pass_request(item: queue.WorkItem) -> PassRequest:
+        b = item.body
+        return PassRequest(item.request_id, item.model_id, b["loss_fn"], b.get("loss_fn_config") or {},
+                           bool(b.get("forward_only")), b["data"])
+
+    def _barrier(self, item: queue.WorkItem) -> dict | QuiltError:
+        try:
+            if item.kind == "create_model":
+                self.backend.create(item.model_id, item.body["lora_config"])
+                records.set_model_status(self._db(), item.model_id, "ready")
+                return {"type": "create_model", "model_id": item.model_id}
+            if item.kind == "optim_step":
+                return self.backend.optim_step(item.model_id, item.body["adam_params"])
+            if item.kind == "save_weights":
+                return self._save(item)
+            if item.kind == "load_weights":
+                self.backend.load(item.model_id, item.body["storage_path"], optimizer=bool(item.body["optimizer"]))
+                return {"type": "load_weights", "path": item.body["path"], "model_id": item.model_id}
+            return ServerError(f"unknown request kind {item.kind!r}")
+        except QuiltError as exc:
+            return exc
+        except Exception as exc:
+            log.exception("%s failed for %s", item.kind, item.model_id)
+            if item.kind == "create_model":
+                records.set_model_status(self._db(), item.model_id, "failed", str(exc))
+            return ServerError(f"{item.kind} failed: {type(exc).__name__}: {exc}")
+
+    def _save(self, item: queue.WorkItem) -> dict:
+        name = item.body["name"]
+        size = self.backend.save(item.model_id, item.body["storage_path"], overwrite=bool(item.body["overwrite"]))
+        records.upsert_checkpoint(self._db(), tenant_id=item.tenant_id, model_id=item.model_id, kind="weights",
+                                  name=name, storage_path=item.body["storage_path"], size_bytes=size)
+        return {"type": "save_weights", "path": f"tinker://{item.model_id}/weights/{name}"}
+
+    # ------------------------------------------------------------------ results
+
+    def _finish(self, entry: _Entry, outcome: dict | QuiltError) -> None:
+        item = entry.item
+        if isinstance(outcome, QuiltError):
+            result = queue.failure(item.request_id, outcome)
+            log.info("request %s (%s %s) failed: %s", item.request_id, item.kind, item.model_id, outcome.message)
+        else:
+            result = queue.Outcome(item.request_id, result=outcome)
+        # Redis first so the waiting client is answered; then the durable record; then the ack.
+        queue.publish_sync(self.redis, result, self.result_ttl_s)
+        records.mark_finished(self._db(), item.request_id, result.error)
+        self._ack(entry.stream_id)
+
+    def _ack(self, stream_id: str) -> None:
+        pipe = self.redis.pipeline()
+        pipe.xack(self.stream, queue.TRAIN_GROUP, stream_id)
+        pipe.xdel(self.stream, stream_id)
+        pipe.execute()
+
+    def _beacon(self) -> None:
+        now = time.time()
+        if now - getattr(self, "_last_beacon", 0.0) < 2.0:
+            return
+        self._last_beacon = now
+        uptime = max(now - self.stats["started_at"], 1e-9)
+        health.beacon(self.redis, health.trainer_key(self.base_model), health.TRAINER_TTL_S,
+                      models=len(self.backend.adapters), queued=self.queues.depth(), rounds=self.stats["rounds"],
+                      requests=self.stats["requests"], busy_fraction=round(self.stats["busy_s"] / uptime, 4))
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    settings = get_trainer_settings()
+    db_url = db.resolve_url()
+    with db.connect(db_url) as conn:
+        base = catalog.get_model_sync(conn, settings.base_model)
+    if base is None:
+        raise SystemExit(f"base model {settings.base_model!r} is not in the catalogue; run `quilt models create-tiny`")
+    worker = TrainerWorker(
+        base_model=base.name, backend=LoraBackend(base.path, device=settings.device),
+        redis=redis_client.sync_client(), db_url=db_url, consumer=settings.consumer_name,
+        block_ms=settings.read_block_ms, result_ttl_s=get_api_settings().future_ttl_seconds,
+    )
+
+    def _stop(signum, frame):
+        worker.stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    worker.run_forever()
+    log.info("trainer stopped")
+
+
+if __name__ == "__main__":
+    main()

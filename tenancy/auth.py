@@ -1,0 +1,45 @@
+"""Resolve an `X-API-Key` to the tenant it belongs to. The only place keys are checked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from psycopg import AsyncConnection
+
+from core.errors import Unauthenticated
+from tenancy.keys import hash_key
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the tenant, its role and quotas, and which key they used."""
+
+    tenant_id: str
+    tenant_name: str
+    role: str
+    key_id: str
+    plan_weight: float
+    max_models: int
+    max_inflight_requests: int
+    tokens_per_minute: int
+
+    @property
+    def is_operator(self) -> bool:
+        return self.role == "operator"
+
+
+async def authenticate(conn: AsyncConnection, api_key: str | None) -> Principal:
+    if not api_key:
+        raise Unauthenticated("missing API key: send it in the X-API-Key header", field="X-API-Key")
+    cur = await conn.execute(
+        "SELECT k.id AS key_id, k.revoked_at, t.id AS tenant_id, t.name AS tenant_name, t.role, "
+        "t.plan_weight, t.max_models, t.max_inflight_requests, t.tokens_per_minute "
+        "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.key_hash = %s",
+        (hash_key(api_key),),
+    )
+    row = await cur.fetchone()
+    if row is None:
+        raise Unauthenticated("unknown API key", field="X-API-Key")
+    if row.pop("revoked_at") is not None:
+        raise Unauthenticated("this API key has been revoked; create a new one", field="X-API-Key")
+    return Principal(**row)

@@ -1,0 +1,53 @@
+"""Tenants and their quotas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg
+
+from core import ids
+from core.errors import Conflict, NotFound
+from core.settings import get_tenancy_settings
+
+ROLES = ("tenant", "operator")
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: str
+    name: str
+    role: str
+    plan_weight: float
+    max_models: int
+    max_inflight_requests: int
+    tokens_per_minute: int
+
+
+_COLUMNS = "id, name, role, plan_weight, max_models, max_inflight_requests, tokens_per_minute"
+
+
+def create_tenant(conn: psycopg.Connection, name: str, *, role: str = "tenant", plan_weight: float = 1.0) -> Tenant:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}")
+    quotas = get_tenancy_settings()
+    row = conn.execute(
+        f"INSERT INTO tenants ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+        f"ON CONFLICT (name) DO NOTHING RETURNING {_COLUMNS}",
+        (ids.new_tenant_id(), name, role, plan_weight, quotas.max_models,
+         quotas.max_inflight_requests, quotas.tokens_per_minute),
+    ).fetchone()
+    if row is None:
+        raise Conflict(f"a tenant named {name!r} already exists", field="name")
+    return Tenant(**row)
+
+
+def get_tenant_by_name(conn: psycopg.Connection, name: str) -> Tenant:
+    row = conn.execute(f"SELECT {_COLUMNS} FROM tenants WHERE name = %s", (name,)).fetchone()
+    if row is None:
+        raise NotFound(f"no tenant named {name!r}", field="name")
+    return Tenant(**row)
+
+
+def list_tenants(conn: psycopg.Connection) -> list[Tenant]:
+    return [Tenant(**r) for r in conn.execute(f"SELECT {_COLUMNS} FROM tenants ORDER BY created_at")]

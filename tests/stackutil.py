@@ -1,0 +1,53 @@
+"""Small helpers for tests that speak raw HTTP to the stack (the SDK has its own tests)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+TINY = "quilt/tiny-qwen3"
+
+
+def wait_future(client: httpx.Client, request_id: str, timeout_s: float = 120) -> dict:
+    """Poll retrieve_future until the result or the failure arrives."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = client.post("/retrieve_future", json={"request_id": request_id})
+        r.raise_for_status()
+        body = r.json()
+        if body.get("type") != "try_again":
+            return body
+    raise TimeoutError(f"future {request_id} not done in {timeout_s}s")
+
+
+def new_model(client: httpx.Client, *, rank: int = 8, seed: int | None = 0, session_id: str | None = None,
+              model_seq_id: int = 0) -> str:
+    if session_id is None:
+        session_id = client.post("/create_session", json={}).json()["session_id"]
+    lora = {"rank": rank} | ({"seed": seed} if seed is not None else {})
+    r = client.post("/create_model", json={"session_id": session_id, "model_seq_id": model_seq_id,
+                                           "base_model": TINY, "lora_config": lora})
+    r.raise_for_status()
+    result = wait_future(client, r.json()["request_id"])
+    assert "error" not in result, result
+    return result["model_id"]
+
+
+def datum(tokens: list[int], weights: list[float] | None = None) -> dict:
+    n = len(tokens) - 1
+    return {
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+        "loss_fn_inputs": {
+            "target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [n]},
+            "weights": {"data": weights if weights is not None else [1.0] * n, "dtype": "float32", "shape": [n]},
+        },
+    }
+
+
+def fb_body(model_id: str, seq_id: int, data: list[dict], loss_fn: str = "cross_entropy", **extra) -> dict:
+    return {"model_id": model_id, "seq_id": seq_id,
+            "forward_backward_input": {"data": data, "loss_fn": loss_fn, **extra}}
+
+
+ADAM = {"learning_rate": 0.01, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}

@@ -1,0 +1,453 @@
+"""Built-in losses against literal per-token recomputations (values and gradients)."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+
+from batcher.losses import (
+    LOSS_FUNCTIONS,
+    DatumLoss,
+    LossConfig,
+    LossInputError,
+    compute_loss,
+    parse_loss_config,
+    reduce_metrics,
+    validate_datum_inputs,
+)
+
+N = 24
+
+
+def _rl_datum(seed: int = 0, n: int = N) -> tuple[list[float], list[float], list[float]]:
+    """Trainer logprobs, sampler logprobs and advantages; ratios spread across 0.8/1.2."""
+    gen = torch.Generator().manual_seed(seed)
+    lp = (-3 * torch.rand(n, generator=gen, dtype=torch.float64)).tolist()
+    slp = [v + 0.4 * float(e) for v, e in zip(lp, torch.randn(n, generator=gen, dtype=torch.float64))]
+    adv = torch.randn(n, generator=gen, dtype=torch.float64).tolist()
+    return lp, slp, adv
+
+
+def _run(loss_fn: str, lp: list[float], inputs: dict, config: LossConfig | None = None, **kw):
+    lp_T = torch.tensor(lp, dtype=torch.float64, requires_grad=True)
+    result = compute_loss(loss_fn, lp_T, inputs, config or LossConfig(), **kw)
+    result.loss.backward()
+    return result, lp_T.grad.tolist()
+
+
+def _rl_inputs(slp: list[float], adv: list[float], **extra) -> dict:
+    return {
+        "target_tokens": torch.arange(len(slp)),
+        "logprobs": torch.tensor(slp, dtype=torch.float64),
+        "advantages": torch.tensor(adv, dtype=torch.float64),
+        **extra,
+    }
+
+
+def _assert_close(actual, expected) -> None:
+    if isinstance(expected, list):
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            assert a == pytest.approx(e, rel=1e-9, abs=1e-12)
+    else:
+        assert actual == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+# --- values and gradients, one loss per test --------------------------------------------------
+
+
+def test_cross_entropy_matches_literal_sum():
+    lp, _, _ = _rl_datum(1)
+    weights = [0.0] * 5 + [1.0] * 10 + [0.5, -2.0] + [1.0] * (N - 17)
+    inputs = {"target_tokens": torch.arange(N), "weights": torch.tensor(weights)}
+    result, grad = _run("cross_entropy", lp, inputs)
+
+    loss, expected_grad = 0.0, []
+    for t in range(N):
+        loss += -lp[t] * weights[t]
+        expected_grad.append(-weights[t])
+    _assert_close(result.loss.item(), loss)
+    _assert_close(grad, expected_grad)
+    assert result.metrics["loss:sum"] == pytest.approx(loss)
+
+
+def test_cross_entropy_without_weights_is_plain_sum():
+    lp, _, _ = _rl_datum(2)
+    result, grad = _run("cross_entropy", lp, {"target_tokens": torch.arange(N)})
+    _assert_close(result.loss.item(), -sum(lp))
+    _assert_close(grad, [-1.0] * N)
+
+
+def test_importance_sampling_matches_literal():
+    lp, slp, adv = _rl_datum(3)
+    result, grad = _run("importance_sampling", lp, _rl_inputs(slp, adv))
+
+    loss, expected_grad = 0.0, []
+    for t in range(N):
+        ratio = math.exp(lp[t] - slp[t])
+        loss += -ratio * adv[t]
+        expected_grad.append(-ratio * adv[t])  # d ratio / d lp = ratio
+    _assert_close(result.loss.item(), loss)
+    _assert_close(grad, expected_grad)
+
+
+def test_importance_sampling_cap_truncates_value_and_gradient():
+    lp, slp, adv = _rl_datum(4)
+    cap = 1.1
+    result, grad = _run("importance_sampling", lp, _rl_inputs(slp, adv), LossConfig(is_weight_cap=cap))
+
+    loss, expected_grad, n_capped = 0.0, [], 0
+    for t in range(N):
+        ratio = math.exp(lp[t] - slp[t])
+        weight = min(ratio, cap)
+        n_capped += ratio > cap
+        loss += -weight * adv[t]
+        expected_grad.append(-weight * adv[t])  # sg(min(r, C)) · ∇lp
+    assert 0 < n_capped < N
+    _assert_close(result.loss.item(), loss)
+    _assert_close(grad, expected_grad)
+
+
+def _literal_ppo(lp, slp, adv, lo, hi):
+    loss, grad, n_clipped = 0.0, [], 0
+    for t in range(len(lp)):
+        ratio = math.exp(lp[t] - slp[t])
+        clipped = min(max(ratio, lo[t]), hi[t])
+        unclipped_obj, clipped_obj = ratio * adv[t], clipped * adv[t]
+        loss += -min(unclipped_obj, clipped_obj)
+        if unclipped_obj <= clipped_obj:
+            grad.append(-ratio * adv[t])
+        else:  # the clipped branch is chosen; it moves only inside [lo, hi]
+            n_clipped += 1
+            grad.append(-ratio * adv[t] if lo[t] < ratio < hi[t] else 0.0)
+    return loss, grad, n_clipped
+
+
+def test_ppo_matches_literal_with_config_thresholds():
+    lp, slp, adv = _rl_datum(5)
+    config = parse_loss_config("ppo", {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3})
+    result, grad = _run("ppo", lp, _rl_inputs(slp, adv), config)
+
+    loss, expected_grad, n_clipped = _literal_ppo(lp, slp, adv, [0.7] * N, [1.3] * N)
+    assert 0 < n_clipped < N
+    _assert_close(result.loss.item(), loss)
+    _assert_close(grad, expected_grad)
+
+
+def test_ppo_default_thresholds_are_0_8_and_1_2():
+    lp, slp, adv = _rl_datum(6)
+    result, grad = _run("ppo", lp, _rl_inputs(slp, adv))
+    loss, expected_grad, _ = _literal_ppo(lp, slp, adv, [0.8] * N, [1.2] * N)
+    _assert_close(result.loss.item(), loss)
+    _assert_close(grad, expected_grad)
+
+
+def test_ppo_thresholds_from_inputs_override_config():
+    lp, slp, adv = _rl_datum(7)
+    lo = [0.5 if t % 2 else 0.95 for t in range(N)]
+    hi = [1.05 if t % 3 else 2.0 for t in range(N)]
+    inputs = _rl_inputs(
+        slp,
+        adv,
+        clip_low_threshold=torch.tensor(lo, dtype=torch.float64),
+        clip_high_threshold=torch.tensor(hi, dtype=torch.float64),
+    )
+    validate_datum_inputs("ppo", inputs, N, 0)
+    config = LossConfig(clip_low_threshold=0.8, clip_high_threshold=1.2)
+    result, grad = _run("ppo", lp, inputs, config)
+
+    loss, expected_grad, n_clipped = _literal_ppo(lp, slp, adv, lo, hi)
+    assert 0 < n_clipped < N
+    _assert_close(result.loss.item(), loss)
+    _assert_close(grad, expected_grad)
+    config_only, _, _ = _literal_ppo(lp, slp, adv, [0.8] * N, [1.2] * N)
+    assert loss != pytest.approx(config_only)
+
+
+def test_cispo_matches_literal_and_stops_gradient_through_ratio():
+    lp, slp, adv = _rl_datum(8)
+    result, grad = _run("cispo", lp, _rl_inputs(slp, adv))
+
+    loss, expected_grad, n_clipped = 0.0, [], 0
+    for t in range(N):
+        ratio = math.exp(lp[t] - slp[t])
+        coefficient = min(max(ratio, 0.8), 1.2)
+        n_clipped += coefficient != ratio
+        loss += -coefficient * lp[t] * adv[t]
+        expected_grad.append(-coefficient * adv[t])  # no d ratio / d lp term
+    assert 0 < n_clipped < N
+    _assert_close(result.loss.item(), loss)
+    _assert_close(grad, expected_grad)
+
+
+def test_dro_matches_literal():
+    lp, slp, adv = _rl_datum(9)
+    beta = 0.3
+    result, grad = _run("dro", lp, _rl_inputs(slp, adv), parse_loss_config("dro", {"beta": beta}))
+
+    loss, expected_grad = 0.0, []
+    for t in range(N):
+        loss += -(lp[t] * adv[t] - 0.5 * beta * (lp[t] - slp[t]) ** 2)
+        expected_grad.append(-(adv[t] - beta * (lp[t] - slp[t])))
+    _assert_close(result.loss.item(), loss)
+    _assert_close(grad, expected_grad)
+
+
+def test_elementwise_loss_sums_to_loss_and_logprobs_are_returned_detached():
+    lp, slp, adv = _rl_datum(10)
+    for loss_fn in ("importance_sampling", "ppo", "cispo", "dro"):
+        result, _ = _run(loss_fn, lp, _rl_inputs(slp, adv))
+        assert result.outputs["elementwise_loss"].shape == (N,)
+        _assert_close(result.outputs["elementwise_loss"].sum().item(), result.loss.item())
+        assert not result.outputs["logprobs"].requires_grad
+        _assert_close(result.outputs["logprobs"].tolist(), lp)
+
+
+def test_float32_logprobs_work_with_list_inputs():
+    lp_T = torch.tensor([-1.0, -0.5, -2.0], requires_grad=True)
+    inputs = {"target_tokens": [1, 2, 3], "logprobs": [-1.1, -0.4, -2.0], "advantages": [1.0, -1.0, 0.5]}
+    validate_datum_inputs("ppo", inputs, 3, 0)
+    result = compute_loss("ppo", lp_T, inputs, LossConfig())
+    result.loss.backward()
+    assert result.loss.dtype == torch.float32
+    assert lp_T.grad is not None and torch.isfinite(lp_T.grad).all()
+
+
+# --- staleness ---------------------------------------------------------------------------------
+
+
+def test_stale_datum_is_masked_and_counted():
+    lp, slp, adv = _rl_datum(11)
+    config = LossConfig(max_staleness=2, current_policy_version=10)
+    stale, stale_grad = _run("importance_sampling", lp, _rl_inputs(slp, adv), config, policy_version=7)
+    fresh, fresh_grad = _run("importance_sampling", lp, _rl_inputs(slp, adv), config, policy_version=8)
+
+    assert stale.loss.item() == 0.0
+    assert stale_grad == [0.0] * N
+    assert stale.metrics["dropped_stale:sum"] == 1.0
+    assert stale.metrics["staleness:max"] == 3.0
+    _assert_close(stale.outputs["logprobs"].tolist(), lp)
+    assert stale.outputs["elementwise_loss"].tolist() == [0.0] * N
+
+    assert fresh.loss.item() != 0.0
+    assert any(g != 0.0 for g in fresh_grad)
+    assert fresh.metrics["dropped_stale:sum"] == 0.0
+    assert fresh.metrics["staleness:mean"] == 2.0
+
+    request = reduce_metrics([stale, fresh])
+    assert request["dropped_stale:sum"] == 1.0
+    assert request["staleness:mean"] == 2.5
+    assert request["staleness:max"] == 3.0
+    _assert_close(request["loss:sum"], fresh.loss.item())
+
+
+def test_staleness_needs_both_versions_and_max_staleness_to_drop():
+    lp, slp, adv = _rl_datum(12)
+    no_version, _ = _run("dro", lp, _rl_inputs(slp, adv), LossConfig(max_staleness=0, current_policy_version=5))
+    assert "staleness:mean" not in no_version.metrics and "dropped_stale:sum" not in no_version.metrics
+    no_limit, _ = _run("dro", lp, _rl_inputs(slp, adv), LossConfig(current_policy_version=50), policy_version=1)
+    assert no_limit.metrics["staleness:max"] == 49.0
+    assert "dropped_stale:sum" not in no_limit.metrics
+    assert no_limit.loss.item() != 0.0
+
+
+def test_all_datums_dropped_still_backpropagates():
+    lp_T = torch.tensor([-1.0, -2.0], requires_grad=True)
+    inputs = {"target_tokens": [0, 1], "logprobs": [-1.0, -2.0], "advantages": [1.0, 1.0]}
+    config = LossConfig(max_staleness=0, current_policy_version=3)
+    result = compute_loss("ppo", lp_T, inputs, config, policy_version=1)
+    result.loss.backward()
+    assert lp_T.grad.tolist() == [0.0, 0.0]
+
+
+# --- mismatch metrics --------------------------------------------------------------------------
+
+
+def test_mismatch_metrics_on_hand_computed_example():
+    # Position 0 is a padded prompt token (logprob 0, advantage 0): excluded.
+    lp = [-0.3, -1.0, -2.0, -0.5]
+    inputs = {
+        "target_tokens": [0, 1, 2, 3],
+        "logprobs": [0.0, -1.5, -2.0, -0.25],
+        "advantages": [0.0, 1.0, 1.0, 1.0],
+    }
+    result, _ = _run("importance_sampling", lp, inputs)
+    # d = lp - slp = 0.5, 0.0, -0.25; k3 = (r - 1) - log r with r = exp(d)
+    k3 = [math.exp(0.5) - 1 - 0.5, 0.0, math.exp(-0.25) - 1 + 0.25]
+    _assert_close(result.metrics["mismatch_kl:mean"], sum(k3) / 3)
+    _assert_close(result.metrics["logprob_diff_abs:mean"], (0.5 + 0.0 + 0.25) / 3)
+    assert result.metric_weights["mismatch_kl:mean"] == 3.0
+
+
+def test_mismatch_mask_uses_weights_when_given():
+    lp = [-0.3, -1.0, -2.0]
+    inputs = {"target_tokens": [0, 1, 2], "weights": [0.0, 1.0, 0.0], "logprobs": [-0.1, -1.5, -1.0]}
+    result, _ = _run("cross_entropy", lp, inputs)
+    _assert_close(result.metrics["logprob_diff_abs:mean"], 0.5)
+    _assert_close(result.metrics["mismatch_kl:mean"], math.exp(0.5) - 1 - 0.5)
+    _assert_close(result.loss.item(), 1.0)
+
+
+def test_no_mismatch_metrics_without_sampler_logprobs():
+    result, _ = _run("cross_entropy", [-1.0, -2.0], {"target_tokens": [0, 1]})
+    assert set(result.metrics) == {"loss:sum"}
+
+
+def test_reduce_metrics_weights_mismatch_by_tokens():
+    def datum(loss: float, kl: float, n_tokens: int) -> DatumLoss:
+        return DatumLoss(
+            loss=torch.tensor(loss),
+            outputs={},
+            metrics={"loss:sum": loss, "mismatch_kl:mean": kl},
+            metric_weights={"mismatch_kl:mean": float(n_tokens)},
+        )
+
+    request = reduce_metrics([datum(1.5, 0.1, 1), datum(2.0, 0.4, 3)])
+    assert request["loss:sum"] == 3.5
+    _assert_close(request["mismatch_kl:mean"], (0.1 * 1 + 0.4 * 3) / 4)
+    assert reduce_metrics([]) == {"loss:sum": 0.0}
+
+
+def test_every_metric_key_has_exactly_one_colon():
+    lp, slp, adv = _rl_datum(13)
+    config = LossConfig(max_staleness=1, current_policy_version=4, is_weight_cap=2.0)
+    results = []
+    for loss_fn in LOSS_FUNCTIONS:
+        inputs = _rl_inputs(slp, adv) if loss_fn != "cross_entropy" else {
+            "target_tokens": torch.arange(N), "logprobs": torch.tensor(slp)}
+        for version in (4, 1):
+            result, _ = _run(loss_fn, lp, inputs, config, policy_version=version)
+            results.append(result)
+    keys = set(reduce_metrics(results))
+    for result in results:
+        keys |= set(result.metrics)
+    assert {"loss:sum", "mismatch_kl:mean", "logprob_diff_abs:mean", "staleness:mean",
+            "staleness:max", "dropped_stale:sum"} <= keys
+    for key in keys:
+        assert key.count(":") == 1, key
+
+
+# --- user errors -------------------------------------------------------------------------------
+
+
+def test_unknown_loss_fn_is_named():
+    with pytest.raises(LossInputError, match="'gspo'.*must be one of.*cross_entropy") as info:
+        validate_datum_inputs("gspo", {}, 0, 0)
+    assert info.value.field == "loss_fn"
+    with pytest.raises(LossInputError, match="nope"):
+        parse_loss_config("nope", None)
+    with pytest.raises(LossInputError, match="nope"):
+        compute_loss("nope", torch.zeros(1), {}, LossConfig())
+
+
+def test_unknown_config_key_names_key_and_allowed_keys():
+    with pytest.raises(LossInputError, match="'clip_ratio'.*allowed keys: clip_low_threshold") as info:
+        parse_loss_config("ppo", {"clip_ratio": 0.2})
+    assert info.value.field == "clip_ratio"
+
+
+def test_server_only_config_key_is_rejected():
+    with pytest.raises(LossInputError, match="set by the server") as info:
+        parse_loss_config("ppo", {"current_policy_version": 3})
+    assert info.value.field == "current_policy_version"
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ({"clip_low_threshold": 1.3, "clip_high_threshold": 1.2}, "clip_low_threshold"),
+        ({"clip_high_threshold": 0.9}, "clip_high_threshold"),
+        ({"clip_low_threshold": float("nan")}, "clip_low_threshold"),
+        ({"beta": float("inf")}, "beta"),
+        ({"beta": -0.1}, "beta"),
+        ({"is_weight_cap": -1.0}, "is_weight_cap"),
+        ({"is_weight_cap": 0.0}, "is_weight_cap"),
+        ({"max_staleness": 1.5}, "max_staleness"),
+        ({"max_staleness": -1}, "max_staleness"),
+        ({"beta": "0.1"}, "beta"),
+        ({"beta": True}, "beta"),
+    ],
+)
+def test_bad_config_values_name_the_key(raw, field):
+    with pytest.raises(LossInputError) as info:
+        parse_loss_config("dro", raw)
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_config_parses_proto_doubles_and_nulls():
+    config = parse_loss_config(
+        "importance_sampling", {"max_staleness": 2.0, "is_weight_cap": None, "beta": 1}
+    )
+    assert config.max_staleness == 2 and isinstance(config.max_staleness, int)
+    assert config.is_weight_cap is None
+    assert parse_loss_config("ppo", None) == LossConfig()
+
+
+def test_length_mismatch_names_the_field():
+    inputs = {"target_tokens": [1, 2, 3], "logprobs": [-1.0, -1.0, -1.0], "advantages": [1.0, 1.0]}
+    with pytest.raises(LossInputError, match=r"datums\[4\].*'advantages'.*length 2.*3 tokens") as info:
+        validate_datum_inputs("ppo", inputs, 3, 4)
+    assert info.value.field == "advantages"
+
+
+def test_missing_and_extra_keys_are_named():
+    with pytest.raises(LossInputError, match="missing 'advantages'") as info:
+        validate_datum_inputs("cispo", {"target_tokens": [1], "logprobs": [-1.0]}, 1, 0)
+    assert info.value.field == "advantages"
+    with pytest.raises(LossInputError, match="unknown key 'mask'.*allowed keys") as info:
+        validate_datum_inputs("cross_entropy", {"target_tokens": [1], "mask": [1.0]}, 1, 0)
+    assert info.value.field == "mask"
+    with pytest.raises(LossInputError, match="'clip_low_threshold'"):
+        validate_datum_inputs(
+            "importance_sampling",
+            {"target_tokens": [1], "logprobs": [-1.0], "advantages": [1.0], "clip_low_threshold": [0.8]},
+            1,
+            0,
+        )
+
+
+def test_non_finite_and_non_integer_inputs_are_rejected():
+    base = {"target_tokens": [1, 2], "logprobs": [-1.0, -1.0], "advantages": [1.0, 1.0]}
+    with pytest.raises(LossInputError, match="finite; position 1") as info:
+        validate_datum_inputs("ppo", {**base, "advantages": [1.0, float("nan")]}, 2, 0)
+    assert info.value.field == "advantages"
+    with pytest.raises(LossInputError, match="integers") as info:
+        validate_datum_inputs("ppo", {**base, "target_tokens": [1.0, 2.0]}, 2, 0)
+    assert info.value.field == "target_tokens"
+    with pytest.raises(LossInputError, match=">= 0"):
+        validate_datum_inputs("ppo", {**base, "target_tokens": [-1, 2]}, 2, 0)
+    with pytest.raises(LossInputError, match="vocabulary size 10"):
+        validate_datum_inputs("ppo", {**base, "target_tokens": [1, 10]}, 2, 0, vocab_size=10)
+
+
+def test_two_dimensional_targets_are_rejected_clearly():
+    inputs = {"target_tokens": torch.zeros(3, 4, dtype=torch.int64), "weights": torch.ones(3, 4)}
+    with pytest.raises(LossInputError, match="top-K distillation.*not supported") as info:
+        validate_datum_inputs("cross_entropy", inputs, 3, 0)
+    assert info.value.field == "target_tokens"
+
+
+def test_per_token_thresholds_are_range_checked():
+    base = {"target_tokens": [1, 2], "logprobs": [-1.0, -1.0], "advantages": [1.0, 1.0]}
+    with pytest.raises(LossInputError, match=r"'clip_high_threshold'.*position 0 is 0.9") as info:
+        validate_datum_inputs("ppo", {**base, "clip_high_threshold": [0.9, 1.2]}, 2, 0)
+    assert info.value.field == "clip_high_threshold"
+
+
+def test_valid_datums_pass_validation():
+    validate_datum_inputs("cross_entropy", {"target_tokens": [5, 6], "weights": [0, 1]}, 2, 0)
+    validate_datum_inputs(
+        "dro", {"target_tokens": [5], "logprobs": [-1.0], "advantages": [0.5], "weights": [1.0]}, 1, 0
+    )
+
+
+def test_loss_input_error_pickles():
+    error = LossInputError("datums[0].loss_fn_inputs['weights'] is bad", "weights")
+    copy = pickle.loads(pickle.dumps(error))
+    assert isinstance(copy, LossInputError) and isinstance(copy, ValueError)
+    assert copy.field == "weights" and str(copy) == str(error)
+    assert copy.category == "user"
