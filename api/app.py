@@ -9,7 +9,7 @@ from fastapi import FastAPI
 
 from api import errors
 from api.body_limit import BodyLimitMiddleware
-from api.routes import futures, service, sessions, training
+from api.routes import futures, metrics, service, sessions, training
 from core import db, redis_client
 from core.settings import get_api_settings, get_core_settings
 
@@ -34,5 +34,6 @@ def create_app() -> FastAPI:
     errors.install(app)
     for module in (service, sessions, training, futures):
         app.include_router(module.router, prefix="/api/v1")
+    app.include_router(metrics.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     return app

@@ -26,6 +26,7 @@ class RawTensor:
 class RawDatum:
     tokens: list[int]
     inputs: dict[str, RawTensor]
+    policy_version: int | None = None  # the sampler's policy version, for staleness accounting
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,8 @@ def normalise(data: list[RawDatum], loss_fn: str, limits: Limits) -> tuple[list[
                         raise InvalidInput(f"{field}: values must be finite numbers, found {v!r}", field=field)
                 inputs[key] = [float(v) for v in values]
         total += n
-        out.append({"tokens": tokens, "inputs": inputs})
+        out.append({"tokens": tokens, "inputs": inputs}
+                   | ({"policy_version": datum.policy_version} if datum.policy_version is not None else {}))
     if total > limits.max_tokens:
         raise InvalidInput(
             f"data: {total} model-input tokens exceed the limit of {limits.max_tokens} per request; split it",

@@ -90,6 +90,7 @@ class ModelInputIn(_Body):
 class DatumIn(_Body):
     model_input: ModelInputIn
     loss_fn_inputs: dict[str, TensorDataIn | list[float | int]]
+    policy_version: int | None = Field(None, ge=0, description="policy version the datum was sampled with")
 
     def raw(self) -> RawDatum:
         tokens = [t for chunk in self.model_input.chunks for t in chunk.tokens]
@@ -97,7 +98,7 @@ class DatumIn(_Body):
             k: RawTensor(v, "", None) if isinstance(v, list) else RawTensor(v.data, v.dtype or "", v.shape)
             for k, v in self.loss_fn_inputs.items()
         }
-        return RawDatum(tokens, inputs)
+        return RawDatum(tokens, inputs, self.policy_version)
 
 
 class ForwardBackwardInput(_Body):

@@ -13,6 +13,7 @@ active one whenever adapters are added, so `requires_grad` is restored on every 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -60,8 +61,25 @@ class Adapter:
     lora_config: dict
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.AdamW
-    steps: int = 0
+    steps: int = 0  # optimizer steps taken: the model's policy version
     last_used: float = field(default_factory=time.monotonic)
+    resident: bool = True  # on the compute device (False: parked on the offload device)
+
+
+@dataclass(frozen=True)
+class PassStats:
+    """What one fused pass did, for observability."""
+
+    models: int
+    rows: int
+    tokens: int  # real model-input tokens
+    padded_tokens: int  # tokens computed including right padding
+    micro_batches: int
+    seconds: float
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - self.tokens / self.padded_tokens if self.padded_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -83,15 +101,19 @@ class _Row:
     tokens: list[int]
     inputs: dict[str, list]
     adapter: str
+    policy_version: int | None  # the version this datum was sampled with, if it says
 
 
 class LoraBackend:
-    def __init__(self, base_path: str | Path, *, device: str = "cpu", max_tokens_per_pass: int = 16384):
+    def __init__(self, base_path: str | Path, *, device: str = "cpu", max_tokens_per_pass: int = 16384,
+                 offload_device: str = "cpu"):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
+        self.offload_device = torch.device(offload_device)
         self.max_tokens_per_pass = max_tokens_per_pass
+        self.last_pass: PassStats | None = None
         base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
         base.requires_grad_(False)
         self.base = base.to(self.device).eval()
@@ -142,6 +164,43 @@ class LoraBackend:
             for p in adapter.params:
                 p.requires_grad_(True)
 
+    # ------------------------------------------------------------------ residency
+
+    def _move(self, adapter: Adapter, device: torch.device) -> None:
+        """Move an adapter's weights, gradients and optimizer moments together."""
+        for p in adapter.params:
+            p.data = p.data.to(device)
+            if p.grad is not None:
+                p.grad = p.grad.to(device)
+        for state in adapter.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and key != "step":
+                    state[key] = value.to(device)
+
+    def ensure_resident(self, model_ids) -> None:
+        for model_id in model_ids:
+            adapter = self.adapters[model_id]
+            adapter.last_used = time.monotonic()
+            if not adapter.resident:
+                self._move(adapter, self.device)
+                adapter.resident = True
+
+    def offload_idle(self, idle_s: float, *, now: float | None = None) -> int:
+        """Park adapters unused for `idle_s` on the offload device; returns how many moved.
+        On a CPU-only worker both devices are the CPU: only the bookkeeping changes."""
+        now = time.monotonic() if now is None else now
+        moved = 0
+        for adapter in self.adapters.values():
+            if adapter.resident and now - adapter.last_used >= idle_s:
+                self._move(adapter, self.offload_device)
+                adapter.resident = False
+                moved += 1
+        return moved
+
+    def residency(self) -> dict[str, int]:
+        resident = sum(a.resident for a in self.adapters.values())
+        return {"resident": resident, "offloaded": len(self.adapters) - resident}
+
     def adapter_state(self, model_id: str) -> dict[str, torch.Tensor]:
         """The adapter's weights in PEFT's saved format (keys without the adapter name)."""
         from peft import get_peft_model_state_dict
@@ -170,13 +229,18 @@ class LoraBackend:
                 outcomes[i] = InvalidInput(str(exc), field=f"loss_fn_config.{exc.field}" if exc.field else "loss_fn_config")
                 continue
             adapter = self.adapters[req.model_id]
-            adapter.last_used = time.monotonic()
-            rows += [_Row(i, j, d["tokens"], d["inputs"], adapter.name) for j, d in enumerate(req.data)]
+            # The trainer's policy version is the model's optimizer step count.
+            configs[i] = dataclasses.replace(configs[i], current_policy_version=adapter.steps)
+            rows += [_Row(i, j, d["tokens"], d["inputs"], adapter.name, d.get("policy_version"))
+                     for j, d in enumerate(req.data)]
+        self.ensure_resident({requests[i].model_id for i in configs})
+        started = time.perf_counter()
+        chunks = self._micro_batches(rows)
 
         # Rows run sorted by length; results are keyed by datum so each request gets them in its own order.
         per_datum: dict[int, dict[int, losses.DatumLoss]] = {i: {} for i in configs}
         try:
-            for chunk in self._micro_batches(rows):
+            for chunk in chunks:
                 self._run_chunk(chunk, requests, configs, per_datum)
         except Exception as exc:
             log.exception("fused pass failed")
@@ -187,6 +251,12 @@ class LoraBackend:
 
         for i in configs:
             outcomes[i] = _forward_backward_output([per_datum[i][j] for j in sorted(per_datum[i])])
+        self.last_pass = PassStats(
+            models=len({requests[i].model_id for i in configs}), rows=len(rows),
+            tokens=sum(len(r.tokens) for r in rows),
+            padded_tokens=sum(len(c) * max(len(r.tokens) for r in c) for c in chunks),
+            micro_batches=len(chunks), seconds=time.perf_counter() - started,
+        )
         return outcomes
 
     def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
@@ -230,7 +300,9 @@ class LoraBackend:
                 n = len(row.tokens)
                 inputs = {k: torch.tensor(v, dtype=torch.long if k == "target_tokens" else torch.float32)
                           for k, v in row.inputs.items()}
-                datum = losses.compute_loss(req.loss_fn, logprobs_B_T[b, :n], inputs, configs[row.request_index])
+                config = configs[row.request_index]
+                sampled_at = row.policy_version if row.policy_version is not None else config.policy_version
+                datum = losses.compute_loss(req.loss_fn, logprobs_B_T[b, :n], inputs, config, policy_version=sampled_at)
                 per_datum[row.request_index][row.datum_index] = datum
                 if not req.forward_only:
                     total = datum.loss if total is None else total + datum.loss
@@ -249,6 +321,7 @@ class LoraBackend:
 
     def optim_step(self, model_id: str, adam: dict) -> dict:
         """AdamW on one model's accumulated gradients (per-model clipping), then clear them."""
+        self.ensure_resident([model_id])
         adapter = self.adapters[model_id]
         if not any(p.grad is not None for p in adapter.params):
             return {"metrics": {"skipped:sum": 1.0}}
@@ -263,10 +336,16 @@ class LoraBackend:
         return {"metrics": {"grad_norm:mean": float(norm), "learning_rate:mean": adam["learning_rate"],
                             "step:max": float(adapter.steps)}}
 
-    def save(self, model_id: str, directory: str, *, overwrite: bool) -> int:
-        """Write adapter (PEFT format) + optimizer state; returns bytes written. Atomic via rename."""
+    def policy_version(self, model_id: str) -> int:
+        """The model's policy version: how many optimizer steps its weights have taken."""
+        return self.adapters[model_id].steps
+
+    def save(self, model_id: str, directory: str, *, overwrite: bool, with_optimizer: bool = True) -> int:
+        """Write the adapter in PEFT format (what vLLM loads), plus optimizer state for training
+        checkpoints; returns bytes written. Atomic: written beside the target, then renamed."""
         from safetensors.torch import save_file
 
+        self.ensure_resident([model_id])
         adapter = self.adapters[model_id]
         dest = Path(directory)
         if dest.exists() and not overwrite:
@@ -277,7 +356,8 @@ class LoraBackend:
             state = {k: v.detach().contiguous().cpu() for k, v in self.adapter_state(model_id).items()}
             save_file(state, str(tmp / "adapter_model.safetensors"))
             self.model.peft_config[adapter.name].save_pretrained(str(tmp))
-            torch.save(adapter.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+            if with_optimizer:
+                torch.save(adapter.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
             (tmp / META_FILE).write_text(json.dumps({"lora_config": adapter.lora_config, "steps": adapter.steps}))
             if dest.exists():
                 shutil.rmtree(dest)
@@ -293,6 +373,7 @@ class LoraBackend:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
+        self.ensure_resident([model_id])
         adapter = self.adapters[model_id]
         src = Path(directory)
         meta = json.loads((src / META_FILE).read_text())

@@ -101,6 +101,7 @@ class LossConfig:
     is_weight_cap: float | None = None  # TIS cap C > 0 on the importance ratio; None = no cap
     max_staleness: int | None = None  # datums with policy lag > this get zero loss; ≥ 0
     current_policy_version: int | None = None  # set by the trainer, never by the user
+    policy_version: int | None = None  # version the request's data was sampled with (a datum's own wins)
 
     def __post_init__(self) -> None:
         _check_number("clip_low_threshold", self.clip_low_threshold, low=0.0, high=1.0)
@@ -112,6 +113,8 @@ class LossConfig:
             _check_int("max_staleness", self.max_staleness, low=0)
         if self.current_policy_version is not None:
             _check_int("current_policy_version", self.current_policy_version, low=0)
+        if self.policy_version is not None:
+            _check_int("policy_version", self.policy_version, low=0)
 
 
 CONFIG_KEYS: tuple[str, ...] = (
@@ -120,8 +123,9 @@ CONFIG_KEYS: tuple[str, ...] = (
     "beta",
     "is_weight_cap",
     "max_staleness",
+    "policy_version",
 )
-_OPTIONAL_CONFIG_KEYS = frozenset({"is_weight_cap", "max_staleness"})
+_OPTIONAL_CONFIG_KEYS = frozenset({"is_weight_cap", "max_staleness", "policy_version"})
 _SERVER_CONFIG_KEYS = frozenset({"current_policy_version"})
 
 
@@ -172,7 +176,7 @@ def parse_loss_config(loss_fn: str, raw: Mapping[str, Any] | None) -> LossConfig
             )
         if value is None and key in _OPTIONAL_CONFIG_KEYS:
             continue
-        if key == "max_staleness" and isinstance(value, float) and value.is_integer():
+        if key in ("max_staleness", "policy_version") and isinstance(value, float) and value.is_integer():
             value = int(value)
         values[key] = value
     return LossConfig(**values)

@@ -8,7 +8,9 @@ Run: `python -m batcher.worker` (the embedded launcher does this).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import signal
 import time
 
@@ -16,9 +18,9 @@ import psycopg
 from psycopg.rows import dict_row
 
 from batcher.backend import LoraBackend, PassRequest
-from batcher.policy import RoundPlan, plan_round
+from batcher.policy import FairShare, RoundPlan, plan_round
 from batcher.queues import ModelQueues, _Entry
-from core import catalog, db, health, queue, records, redis_client
+from core import catalog, db, health, ids, queue, records, redis_client
 from core.errors import QuiltError, ServerError
 from core.settings import get_api_settings, get_trainer_settings
 
@@ -27,7 +29,8 @@ log = logging.getLogger("quilt.trainer")
 
 class TrainerWorker:
     def __init__(self, *, base_model: str, backend: LoraBackend, redis, db_url: str, consumer: str,
-                 block_ms: int, result_ttl_s: int):
+                 block_ms: int, result_ttl_s: int, token_budget: int | None = None, offload_idle_s: float = 300.0,
+                 stats_history: int = 1000):
         self.base_model = base_model
         self.backend = backend
         self.redis = redis
@@ -35,10 +38,17 @@ class TrainerWorker:
         self.consumer = consumer
         self.block_ms = block_ms
         self.result_ttl_s = result_ttl_s
+        self.token_budget = token_budget
+        self.offload_idle_s = offload_idle_s
+        self.stats_history = stats_history
         self.stream = queue.train_stream(base_model)
         self.queues = ModelQueues()
+        self.deficits: dict[str, float] = {}  # fair-share state carried between rounds
+        self._weights: dict[str, float] = {}
+        self._weights_at = 0.0
         self.stopping = False
-        self.stats = {"rounds": 0, "requests": 0, "busy_s": 0.0, "started_at": time.time()}
+        self.stats = {"rounds": 0, "requests": 0, "busy_s": 0.0, "wait_s": 0.0, "tokens": 0, "padded_tokens": 0,
+                      "models_fused": 0, "tenants_fused": 0, "started_at": time.time()}
 
     # ------------------------------------------------------------------ setup
 
@@ -69,20 +79,41 @@ class TrainerWorker:
         while not self.stopping:
             self.step()
 
+    def _plan(self) -> RoundPlan:
+        return plan_round(self.queues.snapshot(), FairShare(self.token_budget, self._tenant_weights(), self.deficits))
+
     def step(self) -> bool:
         """One iteration: read, plan, execute. Returns True if it did any work."""
-        plan = plan_round(self.queues.snapshot())
+        waited = time.monotonic()
         # Block on the stream only when nothing is runnable; otherwise just drain what has arrived.
-        self._ingest(self._read(">", block_ms=self.block_ms if plan.empty else None))
-        plan = plan_round(self.queues.snapshot())
-        self._beacon()
-        if plan.empty:
-            return False
+        runnable = not self._plan().empty
+        arrived = self._read(">", block_ms=None if runnable else self.block_ms)
+        while arrived:  # a blocking read returns on the first entry: drain what came with it
+            self._ingest(arrived)
+            arrived = self._read(">", block_ms=None)
+        plan = self._plan()
         started = time.monotonic()
+        self.stats["wait_s"] += started - waited
+        if plan.empty:
+            self.backend.offload_idle(self.offload_idle_s)
+            self._beacon()
+            return False
+        self.deficits = dict(plan.deficits)
         self._execute(plan)
-        self.stats["busy_s"] += time.monotonic() - started
+        compute_s = time.monotonic() - started
+        self.stats["busy_s"] += compute_s
         self.stats["rounds"] += 1
+        self._record_round(plan, compute_s, started - waited)
+        self._beacon()
         return True
+
+    def _tenant_weights(self) -> dict[str, float]:
+        """Plan weights for fair sharing, re-read every 30 s (plans change rarely)."""
+        if time.monotonic() - self._weights_at > 30:
+            rows = self._db().execute("SELECT id, plan_weight FROM tenants").fetchall()
+            self._weights = {r["id"]: float(r["plan_weight"]) for r in rows}
+            self._weights_at = time.monotonic()
+        return self._weights
 
     def _read(self, last_id: str, *, block_ms: int | None) -> list:
         reply = self.redis.xreadgroup(queue.TRAIN_GROUP, self.consumer, {self.stream: last_id}, count=512,
@@ -129,7 +160,7 @@ class TrainerWorker:
                 return {"type": "create_model", "model_id": item.model_id}
             if item.kind == "optim_step":
                 return self.backend.optim_step(item.model_id, item.body["adam_params"])
-            if item.kind == "save_weights":
+            if item.kind in ("save_weights", "save_weights_for_sampler"):
                 return self._save(item)
             if item.kind == "load_weights":
                 self.backend.load(item.model_id, item.body["storage_path"], optimizer=bool(item.body["optimizer"]))
@@ -144,11 +175,20 @@ class TrainerWorker:
             return ServerError(f"{item.kind} failed: {type(exc).__name__}: {exc}")
 
     def _save(self, item: queue.WorkItem) -> dict:
-        name = item.body["name"]
-        size = self.backend.save(item.model_id, item.body["storage_path"], overwrite=bool(item.body["overwrite"]))
-        records.upsert_checkpoint(self._db(), tenant_id=item.tenant_id, model_id=item.model_id, kind="weights",
+        """Training checkpoints carry optimizer state; sampler weights are the adapter alone,
+        tagged with the policy version they were taken at."""
+        name, for_sampler = item.body["name"], item.kind == "save_weights_for_sampler"
+        kind = "sampler_weights" if for_sampler else "weights"
+        size = self.backend.save(item.model_id, item.body["storage_path"], overwrite=bool(item.body["overwrite"]),
+                                 with_optimizer=not for_sampler)
+        records.upsert_checkpoint(self._db(), tenant_id=item.tenant_id, model_id=item.model_id, kind=kind,
                                   name=name, storage_path=item.body["storage_path"], size_bytes=size)
-        return {"type": "save_weights", "path": f"tinker://{item.model_id}/weights/{name}"}
+        result = {"type": item.kind, "path": ids.tinker_path(item.model_id, kind, name)}
+        if for_sampler:
+            result["policy_version"] = self.backend.policy_version(item.model_id)
+            if item.body.get("sampling_session_id"):
+                result["sampling_session_id"] = item.body["sampling_session_id"]
+        return result
 
     # ------------------------------------------------------------------ results
 
@@ -170,15 +210,39 @@ class TrainerWorker:
         pipe.xdel(self.stream, stream_id)
         pipe.execute()
 
+    def _record_round(self, plan: RoundPlan, compute_s: float, wait_s: float) -> None:
+        """Per-round stats for the dashboard (a capped Redis list) and cumulative counters."""
+        ps = self.backend.last_pass if plan.fused else None
+        tenants = len({p.tenant_id for p in plan.fused})
+        record = {
+            "at": time.time(), "models": ps.models if ps else 0, "tenants": tenants,
+            "requests": len(plan.fused) + len(plan.barriers), "barriers": len(plan.barriers),
+            "tokens": ps.tokens if ps else 0, "padded_tokens": ps.padded_tokens if ps else 0,
+            "padding_fraction": round(ps.padding_fraction, 4) if ps else 0.0,
+            "micro_batches": ps.micro_batches if ps else 0,
+            "compute_s": round(compute_s, 6), "wait_s": round(wait_s, 6),
+        }
+        if ps:
+            self.stats["tokens"] += ps.tokens
+            self.stats["padded_tokens"] += ps.padded_tokens
+            self.stats["models_fused"] += ps.models
+            self.stats["tenants_fused"] += tenants
+        key = health.trainer_rounds_key(self.base_model)
+        pipe = self.redis.pipeline()
+        pipe.lpush(key, json.dumps(record))
+        pipe.ltrim(key, 0, self.stats_history - 1)
+        pipe.execute()
+
     def _beacon(self) -> None:
         now = time.time()
         if now - getattr(self, "_last_beacon", 0.0) < 2.0:
             return
         self._last_beacon = now
-        uptime = max(now - self.stats["started_at"], 1e-9)
+        s = self.stats
         health.beacon(self.redis, health.trainer_key(self.base_model), health.TRAINER_TTL_S,
-                      models=len(self.backend.adapters), queued=self.queues.depth(), rounds=self.stats["rounds"],
-                      requests=self.stats["requests"], busy_fraction=round(self.stats["busy_s"] / uptime, 4))
+                      pid=os.getpid(), models=len(self.backend.adapters), queued=self.queues.depth(),
+                      **self.backend.residency(),
+                      **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items() if k != "started_at"})
 
 
 def main() -> None:
@@ -190,9 +254,11 @@ def main() -> None:
     if base is None:
         raise SystemExit(f"base model {settings.base_model!r} is not in the catalogue; run `quilt models create-tiny`")
     worker = TrainerWorker(
-        base_model=base.name, backend=LoraBackend(base.path, device=settings.device),
+        base_model=base.name, backend=LoraBackend(base.path, device=settings.device, max_tokens_per_pass=settings.token_budget,
+                                                    offload_device=settings.offload_device),
         redis=redis_client.sync_client(), db_url=db_url, consumer=settings.consumer_name,
         block_ms=settings.read_block_ms, result_ttl_s=get_api_settings().future_ttl_seconds,
+        token_budget=settings.token_budget, offload_idle_s=settings.offload_idle_s, stats_history=settings.stats_history,
     )
 
     def _stop(signum, frame):

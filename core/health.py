@@ -13,6 +13,11 @@ def trainer_key(base_model: str) -> str:
     return f"quilt:health:trainer:{base_model}"
 
 
+def trainer_rounds_key(base_model: str) -> str:
+    """Recent fused-round records (newest first), for the dashboard."""
+    return f"quilt:stats:trainer:{base_model}:rounds"
+
+
 CELERY_KEY = "quilt:health:celery"
 
 

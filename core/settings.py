@@ -64,6 +64,10 @@ class TrainerSettings(BaseSettings):
     read_block_ms: int = Field(1000, ge=1, le=60_000, description="XREADGROUP block time")
     max_rank: int = Field(64, ge=1, le=512, description="largest LoRA rank accepted")
     device: str = Field("cpu", description="torch device of the base model")
+    offload_device: str = Field("cpu", description="where idle adapters and their optimizer state are parked")
+    offload_idle_s: float = Field(300.0, ge=0, description="seconds unused before an adapter is parked")
+    token_budget: int = Field(16384, ge=64, description="model-input tokens per fused pass (fair-shared)")
+    stats_history: int = Field(1000, ge=10, le=100_000, description="round records kept in Redis")
 
 
 class TenancySettings(BaseSettings):

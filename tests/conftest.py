@@ -41,6 +41,7 @@ class Stack:
     base_url: str
     data_dir: Path
     database_url: str
+    redis_url: str
     log_dir: Path
 
     def create_tenant(self, prefix: str = "t") -> TenantHandle:
@@ -99,7 +100,7 @@ def stack():
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         state = _wait_healthy(proc, data_dir, out_path)
-        yield Stack(state["base_url"], data_dir, state["database_url"], data_dir / "logs")
+        yield Stack(state["base_url"], data_dir, state["database_url"], state["redis_url"], data_dir / "logs")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

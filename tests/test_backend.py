@@ -76,3 +76,67 @@ def test_optim_step_without_gradients_is_a_no_op(base_path):
     before = {k: v.clone() for k, v in be.adapter_state("m").items()}
     assert be.optim_step("m", ADAM)["metrics"]["skipped:sum"] == 1.0
     assert all(torch.equal(v, before[k]) for k, v in be.adapter_state("m").items())
+
+
+def test_four_tenants_fused_match_training_alone(base_path):
+    """Different data, ranks, target modules, learning rates and clipping: after 3 steps of fused
+    rounds every adapter equals the one trained by itself."""
+    specs = {
+        "t1": ({"rank": 4, "seed": 11}, {**ADAM, "learning_rate": 1e-2, "grad_clip_norm": 0.0}, [_datum(3, 12)]),
+        "t2": ({"rank": 8, "seed": 12, "train_mlp": False}, {**ADAM, "learning_rate": 3e-3}, [_datum(20, 7), _datum(90, 20)]),
+        "t3": ({"rank": 16, "seed": 13, "train_unembed": False}, {**ADAM, "learning_rate": 2e-2, "grad_clip_norm": 0.5},
+               [_datum(200, 16)]),
+        "t4": ({"rank": 2, "seed": 14, "train_attn": False}, {**ADAM, "learning_rate": 5e-3, "weight_decay": 0.1},
+               [_datum(400, 5), _datum(500, 9), _datum(600, 3)]),
+    }
+    fused, alone = LoraBackend(base_path), LoraBackend(base_path)
+    for be in (fused, alone):
+        for model_id, (lora, _, _) in specs.items():
+            be.create(model_id, lora)
+    for _ in range(3):
+        outs = fused.run_pass([PassRequest(m, m, "cross_entropy", {}, False, data) for m, (_, _, data) in specs.items()])
+        assert all(isinstance(o, dict) for o in outs)
+        assert fused.last_pass.models == 4
+        for model_id, (_, adam, data) in specs.items():
+            fused.optim_step(model_id, adam)
+            alone.run_pass([PassRequest(model_id, model_id, "cross_entropy", {}, False, data)])
+            alone.optim_step(model_id, adam)
+    # Padding to the longest row changes matmul shapes, so float32 rounding differs (about 1e-6
+    # relative in the gradients); Adam's normalisation carries that into the weights.
+    for model_id in specs:
+        a, b = fused.adapter_state(model_id), alone.adapter_state(model_id)
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=f"{model_id} {key}")
+
+
+def test_sixty_four_models_live_on_one_worker_and_idle_ones_are_offloaded(base_path):
+    be = LoraBackend(base_path)
+    for i in range(64):
+        be.create(f"m{i}", {"rank": 4, "seed": i})
+    outs = be.run_pass([PassRequest(f"r{i}", f"m{i}", "cross_entropy", {}, False, [_datum(i, 6)]) for i in range(64)])
+    assert all(isinstance(o, dict) for o in outs) and be.last_pass.models == 64
+    for i in range(64):
+        be.optim_step(f"m{i}", ADAM)
+    assert be.residency() == {"resident": 64, "offloaded": 0}
+    assert be.offload_idle(0.0) == 64
+    assert be.residency() == {"resident": 0, "offloaded": 64}
+    # Using two of them brings exactly those back, with their optimizer state intact.
+    steps = be.adapters["m3"].optimizer.state_dict()["state"][0]["step"].item()
+    be.run_pass([PassRequest("x", "m3", "cross_entropy", {}, False, [_datum(1)]),
+                 PassRequest("y", "m7", "cross_entropy", {}, False, [_datum(2)])])
+    be.optim_step("m3", ADAM)
+    assert be.residency() == {"resident": 2, "offloaded": 62}
+    assert be.adapters["m3"].optimizer.state_dict()["state"][0]["step"].item() == steps + 1
+
+
+def test_staleness_is_reported_and_stale_datums_are_dropped(base_path):
+    be = LoraBackend(base_path)
+    be.create("m", {"rank": 4, "seed": 0})
+    for _ in range(3):  # policy version 3
+        be.run_pass([PassRequest("r", "m", "cross_entropy", {}, False, [_datum(5)])])
+        be.optim_step("m", ADAM)
+    fresh, stale = _datum(5), _datum(9)
+    fresh["policy_version"], stale["policy_version"] = 3, 0
+    out = be.run_pass([PassRequest("r", "m", "cross_entropy", {"max_staleness": 1}, False, [fresh, stale])])[0]
+    assert out["metrics"]["staleness:max"] == 3.0
+    assert out["metrics"]["dropped_stale:sum"] == 1.0

@@ -1,0 +1,63 @@
+"""`GET /metrics`: Prometheus text built from the workers' Redis beacons at scrape time.
+
+Workers are separate processes (and several API replicas may serve scrapes), so nothing is kept in
+this process: every scrape reads the current beacons. Only aggregates are exposed, no tenant data.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from api.deps import Pool, RedisDep
+from core import catalog, health
+
+router = APIRouter(tags=["service"])
+
+# beacon field -> (metric name, help, kind)
+_TRAINER_FIELDS = {
+    "rounds": ("quilt_trainer_rounds", "fused rounds run", "counter"),
+    "requests": ("quilt_trainer_requests", "requests completed", "counter"),
+    "tokens": ("quilt_trainer_tokens", "model-input tokens in fused passes", "counter"),
+    "padded_tokens": ("quilt_trainer_padded_tokens", "tokens computed including padding", "counter"),
+    "models_fused": ("quilt_trainer_models_fused", "sum over rounds of models in the pass", "counter"),
+    "tenants_fused": ("quilt_trainer_tenants_fused", "sum over rounds of tenants in the pass", "counter"),
+    "busy_s": ("quilt_trainer_busy_seconds", "time computing", "counter"),
+    "wait_s": ("quilt_trainer_wait_seconds", "time waiting for work", "counter"),
+    "queued": ("quilt_trainer_queued_requests", "requests waiting in the trainer", "gauge"),
+    "models": ("quilt_trainer_models", "training models held", "gauge"),
+    "resident": ("quilt_trainer_resident_adapters", "adapters on the compute device", "gauge"),
+    "offloaded": ("quilt_trainer_offloaded_adapters", "adapters parked on the offload device", "gauge"),
+}
+
+
+class _Snapshot:
+    def __init__(self, beacons: dict[str, dict]):
+        self.beacons = beacons
+
+    def collect(self):
+        for field, (name, doc, kind) in _TRAINER_FIELDS.items():
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            family = cls(name, doc, labels=["base_model"])
+            for base, beacon in self.beacons.items():
+                if field in beacon:
+                    family.add_metric([base], float(beacon[field]))
+            yield family
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(pool: Pool, redis: RedisDep) -> Response:
+    """Prometheus exposition of trainer round statistics."""
+    async with pool.connection() as conn:
+        bases = await catalog.list_models(conn)
+    beacons = {}
+    for base in bases:
+        raw = await redis.get(health.trainer_key(base.name))
+        if raw:
+            beacons[base.name] = json.loads(raw)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(beacons))
+    return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
