@@ -1,14 +1,13 @@
-"""The tensors behind the trainer loop: one frozen base, one PEFT LoRA adapter and one AdamW per
+"""The tensors behind the trainer loop: one frozen base, one LoRA adapter and one AdamW per
 training model, and a fused forward/backward over many adapters.
 
 The loop (batcher.worker) owns queues and storage; this class owns tensors, behind a few methods
 that each return one result or one error per request, so one tenant's bad request fails only that
 request.
 
-Fusing uses PEFT's mixed-adapter forward (`adapter_names=`, one adapter per row). PEFT refuses it in
-training mode, but in eval mode autograd still gives every adapter exactly the gradient of a separate
-pass; LoRA dropout is 0, so eval mode changes nothing else. PEFT freezes adapters other than the
-active one whenever adapters are added, so `requires_grad` is restored on every adapter afterwards.
+Fusing uses the grouped multi-LoRA layer of `batcher.multilora` (rows ordered by adapter, one slice
+per adapter). It was picked over PEFT's mixed-adapter forward by `bench/trainer_fusion.py`, which
+measures both side by side. Checkpoints are PEFT-format adapter directories.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -29,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from batcher import losses
+from batcher.multilora import MultiLoraModel
 from core.errors import Conflict, InvalidInput, QuiltError, ServerError
 
 log = logging.getLogger("quilt.trainer.backend")
@@ -106,7 +105,7 @@ class _Row:
 
 class LoraBackend:
     def __init__(self, base_path: str | Path, *, device: str = "cpu", max_tokens_per_pass: int = 16384,
-                 offload_device: str = "cpu"):
+                 offload_device: str = "cpu", dtype: torch.dtype = torch.float32):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
 
@@ -114,10 +113,11 @@ class LoraBackend:
         self.offload_device = torch.device(offload_device)
         self.max_tokens_per_pass = max_tokens_per_pass
         self.last_pass: PassStats | None = None
-        base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=dtype)
         base.requires_grad_(False)
+        self.base_path = str(base_path)
         self.base = base.to(self.device).eval()
-        self.model = None  # the PeftModel, made when the first adapter is created
+        self.lora = MultiLoraModel(self.base, ATTN_MODULES + MLP_MODULES + UNEMBED_MODULES)
         self.adapters: dict[str, Adapter] = {}
         self._next_slot = 0
 
@@ -127,42 +127,21 @@ class LoraBackend:
         return model_id in self.adapters
 
     def create(self, model_id: str, lora_config: dict) -> None:
-        from peft import LoraConfig, get_peft_model
-
         if model_id in self.adapters:
             self.delete(model_id)
         name = f"slot{self._next_slot}"
         self._next_slot += 1
-        config = LoraConfig(
-            r=int(lora_config["rank"]), lora_alpha=LORA_ALPHA, lora_dropout=0.0,
-            target_modules=target_modules(lora_config), bias="none", task_type="CAUSAL_LM",
-        )
         seed = lora_config.get("seed")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
-            if self.model is None:
-                self.model = get_peft_model(self.base, config, adapter_name=name)
-            else:
-                self.model.add_adapter(name, config)
-        self.model.eval()
-        params = self._params_of(name)
+        params = self.lora.add_adapter(
+            name, rank=int(lora_config["rank"]), alpha=LORA_ALPHA, targets=target_modules(lora_config),
+            seed=seed if seed is not None else int.from_bytes(os.urandom(4), "little"),
+        )
         self.adapters[model_id] = Adapter(model_id, name, dict(lora_config), params, torch.optim.AdamW(params))
-        self._restore_requires_grad()
 
     def delete(self, model_id: str) -> None:
         adapter = self.adapters.pop(model_id, None)
-        if adapter is not None and self.model is not None:
-            self.model.delete_adapter(adapter.name)
-            self._restore_requires_grad()
-
-    def _params_of(self, name: str) -> list[torch.nn.Parameter]:
-        pattern = re.compile(rf"\.lora_(A|B)\.{re.escape(name)}\.")
-        return [p for n, p in self.model.named_parameters() if pattern.search(n)]
-
-    def _restore_requires_grad(self) -> None:
-        for adapter in self.adapters.values():
-            for p in adapter.params:
-                p.requires_grad_(True)
+        if adapter is not None:
+            self.lora.remove_adapter(adapter.name)
 
     # ------------------------------------------------------------------ residency
 
@@ -202,12 +181,8 @@ class LoraBackend:
         return {"resident": resident, "offloaded": len(self.adapters) - resident}
 
     def adapter_state(self, model_id: str) -> dict[str, torch.Tensor]:
-        """The adapter's weights in PEFT's saved format (keys without the adapter name)."""
-        from peft import get_peft_model_state_dict
-
-        # Without save_embedding_layers=False PEFT would copy the whole lm_head into every checkpoint.
-        return get_peft_model_state_dict(self.model, adapter_name=self.adapters[model_id].name,
-                                         save_embedding_layers=False)
+        """The adapter's weights under PEFT's saved key names."""
+        return self.lora.state_dict(self.adapters[model_id].name)
 
     # ------------------------------------------------------------------ fused pass
 
@@ -244,7 +219,6 @@ class LoraBackend:
                 self._run_chunk(chunk, requests, configs, per_datum)
         except Exception as exc:
             log.exception("fused pass failed")
-            self._clear_peft_hooks()
             for i in configs:
                 outcomes[i] = ServerError(f"trainer pass failed: {type(exc).__name__}: {exc}")
             return outcomes
@@ -278,6 +252,13 @@ class LoraBackend:
 
     def _run_chunk(self, chunk: list[_Row], requests, configs, per_datum) -> None:
         needs_grad = any(not requests[r.request_index].forward_only for r in chunk)
+        chunk = sorted(chunk, key=lambda r: r.adapter)  # each adapter's rows contiguous: one slice each
+        segments: list[tuple[str, int, int]] = []
+        for b, row in enumerate(chunk):
+            if segments and segments[-1][0] == row.adapter:
+                segments[-1] = (row.adapter, segments[-1][1], b + 1)
+            else:
+                segments.append((row.adapter, b, b + 1))
         T = max(len(r.tokens) for r in chunk)
         input_ids_B_T = torch.zeros((len(chunk), T), dtype=torch.long)
         targets_B_T = torch.zeros((len(chunk), T), dtype=torch.long)
@@ -287,10 +268,11 @@ class LoraBackend:
             targets_B_T[b, :n] = torch.tensor(row.inputs["target_tokens"], dtype=torch.long)
         input_ids_B_T = input_ids_B_T.to(self.device)
         targets_B_T = targets_B_T.to(self.device)
-        adapter_names = [row.adapter for row in chunk]
         # Right padding needs no attention mask: causal attention never lets a real position see a later pad.
         with torch.set_grad_enabled(needs_grad):
-            logits_B_T_V = self.model(input_ids=input_ids_B_T, adapter_names=adapter_names).logits.float()
+            logits_B_T_V = self.lora.forward(input_ids_B_T, segments)
+            if logits_B_T_V.dtype in (torch.float16, torch.bfloat16):  # log-softmax in at least float32
+                logits_B_T_V = logits_B_T_V.float()
             logprobs_B_T = -F.cross_entropy(
                 logits_B_T_V.flatten(0, 1), targets_B_T.flatten(), reduction="none"
             ).view(len(chunk), T)
@@ -308,14 +290,6 @@ class LoraBackend:
                     total = datum.loss if total is None else total + datum.loss
             if needs_grad and total is not None:
                 total.backward()
-
-    def _clear_peft_hooks(self) -> None:
-        """PEFT leaves its adapter_names pre-forward hooks behind when a forward raises."""
-        from peft.tuners.lora import LoraLayer
-
-        for module in self.model.modules():
-            if isinstance(module, LoraLayer):
-                module._forward_pre_hooks.clear()
 
     # ------------------------------------------------------------------ barriers
 
@@ -355,7 +329,7 @@ class LoraBackend:
         try:
             state = {k: v.detach().contiguous().cpu() for k, v in self.adapter_state(model_id).items()}
             save_file(state, str(tmp / "adapter_model.safetensors"))
-            self.model.peft_config[adapter.name].save_pretrained(str(tmp))
+            self._peft_config(adapter).save_pretrained(str(tmp))
             if with_optimizer:
                 torch.save(adapter.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
             (tmp / META_FILE).write_text(json.dumps({"lora_config": adapter.lora_config, "steps": adapter.steps}))
@@ -370,7 +344,6 @@ class LoraBackend:
     def load(self, model_id: str, directory: str, *, optimizer: bool) -> None:
         """Load a checkpoint into an existing model with the same LoRA shape; clears gradients.
         Without `optimizer`, the optimizer starts fresh (Tinker's load_state semantics)."""
-        from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
         self.ensure_resident([model_id])
@@ -385,16 +358,24 @@ class LoraBackend:
                     field="path",
                 )
         state = load_file(str(src / "adapter_model.safetensors"), device=str(self.device))
-        result = set_peft_model_state_dict(self.model, state, adapter_name=adapter.name)
-        if getattr(result, "unexpected_keys", None):
-            raise InvalidInput(f"checkpoint has unexpected tensors {result.unexpected_keys[:3]}", field="path")
+        try:
+            self.lora.load_state_dict(adapter.name, state)
+        except ValueError as exc:
+            raise InvalidInput(f"checkpoint does not fit this model: {exc}", field="path") from None
         for p in adapter.params:
             p.grad = None
         adapter.optimizer = torch.optim.AdamW(adapter.params)
         if optimizer:
             adapter.optimizer.load_state_dict(torch.load(src / OPTIMIZER_FILE, weights_only=True))
         adapter.steps = int(meta.get("steps", 0))
-        self._restore_requires_grad()
+
+    def _peft_config(self, adapter: Adapter):
+        """The adapter_config.json that PEFT and vLLM read."""
+        from peft import LoraConfig
+
+        return LoraConfig(r=int(adapter.lora_config["rank"]), lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                          target_modules=target_modules(adapter.lora_config), bias="none", task_type="CAUSAL_LM",
+                          base_model_name_or_path=self.base_path)
 
 
 def _forward_backward_output(per_datum: list[losses.DatumLoss]) -> dict:

@@ -1,0 +1,221 @@
+"""Does fusing many tenants' small steps into one pass pay? Measured side by side, in one run.
+
+1. Saturation curve: trained tokens/s of one adapter against tokens per pass (64-token rows).
+2. N tenants (1, 2, 4, 8, 16), each submitting one small batch (the under-used regime of an RL step
+   on a large accelerator), interleaved repetitions of:
+   (a) fused:      one forward/backward over the base for all N adapters (Quilt's trainer),
+   (b) sequential: the same work one adapter at a time (what a single-tenant PEFT loop does),
+   (c) ceiling:    one adapter over all N tenants' rows (no routing: the best any fused
+                   implementation can reach),
+   (d) PEFT mixed: the same fused step through PEFT's mixed-adapter forward (`adapter_names=`),
+                   the other known way to fuse; Quilt uses the grouped layer of batcher.multilora
+                   because this column loses to it.
+3. A grid over per-tenant batch sizes at 8 tenants: fusion pays where one tenant's batch leaves the
+   hardware under-used and stops paying where one batch already saturates it.
+
+Model FLOPs utilisation counts 4·P·T per trained token pass (forward 2PT + backward to the
+activations 2PT; the base's weight gradients are never computed) against a float32 matmul peak
+measured in the same run. Which regime favours fusion: small per-tenant batches (here 64 tokens);
+which does not: per-tenant batches that already saturate the machine (512+ tokens here), where
+fusion only adds routing overhead.
+
+    python bench/trainer_fusion.py [--quick]
+
+Ends with one JSON line of headline figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from batcher.backend import LoraBackend, PassRequest  # noqa: E402
+
+TENANTS = (1, 2, 4, 8, 16)
+ROW = 64  # tokens per sequence
+
+
+def build_base(directory: Path, *, hidden: int, layers: int, vocab: int) -> int:
+    """A random-weight Qwen3-architecture base (no tokenizer needed: the bench feeds token ids)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128), head_dim=64,
+                         intermediate_size=3 * hidden, max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(directory)
+    return sum(p.numel() for p in model.parameters())
+
+
+def matmul_peak(seconds: float = 2.0) -> float:
+    """Float32 FLOP/s of a large square matmul on this machine, now."""
+    n = 1536
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        count += 1
+    return 2 * n**3 * count / (time.perf_counter() - start)
+
+
+def datum(seed: int, n: int = ROW) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(0, 4096, (n + 1,), generator=g).tolist()  # ids valid for both model sizes
+    return {"tokens": toks[:-1], "inputs": {"target_tokens": toks[1:], "weights": [1.0] * n}}
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_pass(be: LoraBackend, work: list[tuple[str, list[dict]]]) -> None:
+    outs = be.run_pass([PassRequest(f"r{i}", m, "cross_entropy", {}, False, data) for i, (m, data) in enumerate(work)])
+    assert all(isinstance(o, dict) for o in outs), outs
+    for adapter in be.adapters.values():  # gradients would accumulate; the bench measures passes only
+        for p in adapter.params:
+            p.grad = None
+
+
+class PeftMixed:
+    """PEFT's mixed-adapter batch over its own copy of the base: one forward with a per-row adapter
+    name, summed cross-entropy, one backward (PEFT allows `adapter_names` only in eval mode, where
+    autograd still gives each adapter its own gradient)."""
+
+    def __init__(self, base_path: str, n: int, rank: int):
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).requires_grad_(False)
+        config = LoraConfig(r=rank, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
+                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                            "down_proj", "lm_head"])
+        self.model = get_peft_model(base, config, adapter_name="t0")
+        for i in range(1, n):
+            self.model.add_adapter(f"t{i}", config)
+        self.model.eval()
+        for name, p in self.model.named_parameters():
+            p.requires_grad_("lora_" in name)
+
+    def step(self, work: list[tuple[str, list[dict]]]) -> None:
+        rows = [(m, d) for m, data in work for d in data]
+        T = max(len(d["tokens"]) for _, d in rows)
+        ids = torch.zeros((len(rows), T), dtype=torch.long)
+        tgt = torch.zeros((len(rows), T), dtype=torch.long)
+        for b, (_, d) in enumerate(rows):
+            ids[b, : len(d["tokens"])] = torch.tensor(d["tokens"])
+            tgt[b, : len(d["tokens"])] = torch.tensor(d["inputs"]["target_tokens"])
+        logits = self.model(input_ids=ids, adapter_names=[m for m, _ in rows]).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="sum").backward()
+        self.model.zero_grad(set_to_none=True)
+
+
+def measure_modes(be: LoraBackend, n: int, rows_per_tenant: int, reps: int,
+                  peft: PeftMixed | None = None) -> dict[str, float]:
+    """Median seconds of each mode, interleaved so machine noise hits all of them alike."""
+    work = [(f"t{i}", [datum(1000 * i + j) for j in range(rows_per_tenant)]) for i in range(n)]
+    all_rows = [d for _, data in work for d in data]
+    modes = {
+        "fused": lambda: run_pass(be, work),
+        "sequential": lambda: [run_pass(be, [w]) for w in work],
+        "ceiling": lambda: run_pass(be, [("t0", all_rows)]),
+    }
+    if peft is not None:
+        modes["peft"] = lambda: peft.step(work)
+    for fn in modes.values():  # warm-up
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in modes}
+    for _ in range(reps):
+        for name, fn in modes.items():
+            times[name].append(timed(fn))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller model and fewer repetitions (smoke run)")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--rank", type=int, default=16)
+    args = parser.parse_args()
+    hidden, layers, vocab = (256, 4, 4096) if args.quick else (512, 8, 8192)
+    reps = 2 if args.quick else args.reps
+
+    with tempfile.TemporaryDirectory() as tmp:
+        params = build_base(Path(tmp), hidden=hidden, layers=layers, vocab=vocab)
+        be = LoraBackend(tmp, max_tokens_per_pass=1 << 20)
+        for i in range(max(TENANTS)):
+            be.create(f"t{i}", {"rank": args.rank, "seed": i})
+        peak = matmul_peak()
+        print(f"base: random Qwen3, {params / 1e6:.1f}M parameters, {torch.get_num_threads()} threads; "
+              f"LoRA rank {args.rank} on attention, MLP and lm_head")
+        print(f"float32 matmul peak measured now: {peak / 1e9:.1f} GFLOP/s\n")
+
+        def mfu(tokens: int, seconds: float) -> float:
+            return 4 * params * tokens / seconds / peak
+
+        # 1. saturation curve
+        print("1. one adapter: trained tokens/s against tokens per pass")
+        print(f"{'tokens/pass':>12} {'tokens/s':>10} {'of best':>8} {'MFU':>6}")
+        curve = {}
+        for rows in (1, 2, 4, 8, 16, 32):
+            work = [("t0", [datum(j) for j in range(rows)])]
+            run_pass(be, work)
+            t = statistics.median(timed(lambda: run_pass(be, work)) for _ in range(reps))
+            curve[rows * ROW] = (rows * ROW / t, t)
+        best = max(v[0] for v in curve.values())
+        for tokens, (tps, t) in curve.items():
+            print(f"{tokens:>12} {tps:>10.0f} {tps / best:>8.0%} {mfu(tokens, t):>6.1%}")
+
+        # 2. tenants
+        print(f"\n2. N tenants x one {ROW}-token sequence each (trained tokens/s; median of {reps}, interleaved)")
+        print(f"{'tenants':>8} {'fused':>9} {'sequential':>11} {'ceiling':>9} {'PEFT mixed':>11} "
+              f"{'fused/seq':>10} {'fused/ceil':>11} {'fused/PEFT':>11} {'MFU fused':>10}")
+        headline = {}
+        peft = PeftMixed(tmp, max(TENANTS), args.rank)
+        for n in TENANTS:
+            t = measure_modes(be, n, 1, reps, peft)
+            tokens = n * ROW
+            tps = {k: tokens / v for k, v in t.items()}
+            row = (tps["fused"] / tps["sequential"], tps["fused"] / tps["ceiling"], mfu(tokens, t["fused"]),
+                   tps["fused"] / tps["peft"])
+            headline[n] = row
+            print(f"{n:>8} {tps['fused']:>9.0f} {tps['sequential']:>11.0f} {tps['ceiling']:>9.0f} {tps['peft']:>11.0f} "
+                  f"{row[0]:>10.2f} {row[1]:>11.2f} {row[3]:>11.2f} {row[2]:>10.1%}")
+        del peft
+
+        # 3. grid at 8 tenants
+        print("\n3. 8 tenants, per-tenant batch size: where fusion pays")
+        print(f"{'tokens/tenant':>14} {'fused/seq':>10} {'fused/ceil':>11} {'MFU fused':>10}")
+        grid = {}
+        for rows in (1, 2, 4, 8):
+            t = measure_modes(be, 8, rows, max(2, reps // 2))
+            tokens = 8 * rows * ROW
+            grid[rows * ROW] = (t["sequential"] / t["fused"], t["ceiling"] / t["fused"], mfu(tokens, t["fused"]))
+            g = grid[rows * ROW]
+            print(f"{rows * ROW:>14} {g[0]:>10.2f} {g[1]:>11.2f} {g[2]:>10.1%}")
+
+    print(json.dumps({
+        "fused_over_sequential_8": round(headline[8][0], 3),
+        "fused_over_ceiling_8": round(headline[8][1], 3),
+        "mfu_fused_8": round(headline[8][2], 4),
+        "fused_over_peft_mixed_8": round(headline[8][3], 3),
+        "tenant_tokens": ROW,
+        "saturation_64_over_best": round(curve[ROW][0] / best, 3),
+        "grid_fused_over_sequential": {str(k): round(v[0], 3) for k, v in grid.items()},
+    }))
+
+
+if __name__ == "__main__":
+    main()
