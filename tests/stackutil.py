@@ -9,7 +9,7 @@ import httpx
 TINY = "quilt/tiny-qwen3"
 
 
-def wait_future(client: httpx.Client, request_id: str, timeout_s: float = 120) -> dict:
+def wait_future(client: httpx.Client, request_id: str, timeout_s: float = 300) -> dict:
     """Poll retrieve_future until the result or the failure arrives."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
