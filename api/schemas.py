@@ -143,10 +143,29 @@ class SaveWeightsRequest(_Body):
 
 
 class LoadWeightsRequest(_Body):
-    model_id: str = Field(max_length=256)
-    seq_id: int = Field(ge=1, le=2**31 - 1)
+    """Either into an existing model (`model_id`, `seq_id`) or, without them, as a new model's
+    first request (`session_id`, `model_seq_id`: the tinker SDK's create-from-state)."""
+
+    model_id: str | None = Field(None, max_length=256)
+    seq_id: int | None = Field(None, ge=1, le=2**31 - 1)
+    session_id: str | None = Field(None, max_length=128)
+    model_seq_id: int | None = Field(None, ge=0, le=1_000_000)
     path: str = Field(max_length=1024)
     optimizer: bool = False
+    user_metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_addressing(self) -> "LoadWeightsRequest":
+        if self.model_id is not None:
+            if self.seq_id is None:
+                raise ValueError("seq_id is required with model_id")
+        elif self.session_id is None or self.model_seq_id is None:
+            raise ValueError("send model_id and seq_id, or session_id and model_seq_id to create a model from the checkpoint")
+        return self
+
+
+class WeightsInfoRequest(_Body):
+    tinker_path: str = Field(max_length=1024)
 
 
 class RetrieveFutureRequest(_Body):

@@ -156,7 +156,12 @@ class TrainerWorker:
         try:
             if item.kind == "create_model":
                 self.backend.create(item.model_id, item.body["lora_config"])
+                load = item.body.get("load")
+                if load:  # create-from-checkpoint: the model's first request also loads its state
+                    self.backend.load(item.model_id, load["storage_path"], optimizer=bool(load["optimizer"]))
                 records.set_model_status(self._db(), item.model_id, "ready")
+                if load:
+                    return {"type": "load_weights", "model_id": item.model_id, "path": load["path"]}
                 return {"type": "create_model", "model_id": item.model_id}
             if item.kind == "optim_step":
                 return self.backend.optim_step(item.model_id, item.body["adam_params"])
@@ -166,13 +171,14 @@ class TrainerWorker:
                 self.backend.load(item.model_id, item.body["storage_path"], optimizer=bool(item.body["optimizer"]))
                 return {"type": "load_weights", "path": item.body["path"], "model_id": item.model_id}
             return ServerError(f"unknown request kind {item.kind!r}")
-        except QuiltError as exc:
-            return exc
         except Exception as exc:
-            log.exception("%s failed for %s", item.kind, item.model_id)
+            if not isinstance(exc, QuiltError):
+                log.exception("%s failed for %s", item.kind, item.model_id)
+                exc = ServerError(f"{item.kind} failed: {type(exc).__name__}: {exc}")
             if item.kind == "create_model":
-                records.set_model_status(self._db(), item.model_id, "failed", str(exc))
-            return ServerError(f"{item.kind} failed: {type(exc).__name__}: {exc}")
+                self.backend.delete(item.model_id)
+                records.set_model_status(self._db(), item.model_id, "failed", exc.message)
+            return exc
 
     def _save(self, item: queue.WorkItem) -> dict:
         """Training checkpoints carry optimizer state; sampler weights are the adapter alone,

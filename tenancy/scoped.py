@@ -57,6 +57,16 @@ async def get_checkpoint(conn: AsyncConnection, who: Principal, model_id: str, k
     )
 
 
+async def get_sampling_session(conn: AsyncConnection, who: Principal, sampling_session_id: str) -> dict:
+    return await _one(
+        conn,
+        "SELECT * FROM sampling_sessions WHERE id = %s AND tenant_id = %s",
+        (sampling_session_id, who.tenant_id),
+        f"sampling session {sampling_session_id!r} not found",
+        "sampling_session_id",
+    )
+
+
 async def count_live_models(conn: AsyncConnection, who: Principal) -> int:
     cur = await conn.execute(
         "SELECT count(*) AS n FROM training_models WHERE tenant_id = %s AND status IN ('creating', 'ready')",
@@ -71,3 +81,29 @@ async def count_inflight(conn: AsyncConnection, who: Principal) -> int:
         (who.tenant_id,),
     )
     return (await cur.fetchone())["n"]
+
+
+async def list_models(conn: AsyncConnection, who: Principal, *, limit: int, offset: int) -> tuple[list[dict], int]:
+    cur = await conn.execute(
+        "SELECT m.*, count(*) OVER () AS total FROM training_models m WHERE tenant_id = %s AND status <> 'deleted' "
+        "ORDER BY created_at DESC LIMIT %s OFFSET %s",
+        (who.tenant_id, limit, offset),
+    )
+    rows = await cur.fetchall()
+    if rows:
+        return rows, rows[0]["total"]
+    cur = await conn.execute(
+        "SELECT count(*) AS n FROM training_models WHERE tenant_id = %s AND status <> 'deleted'", (who.tenant_id,)
+    )
+    return [], (await cur.fetchone())["n"]
+
+
+async def list_checkpoints(conn: AsyncConnection, who: Principal, *, model_id: str | None = None,
+                           limit: int = 1000, offset: int = 0) -> tuple[list[dict], int]:
+    cur = await conn.execute(
+        "SELECT c.*, count(*) OVER () AS total FROM checkpoints c WHERE tenant_id = %s "
+        "AND (%s::text IS NULL OR model_id = %s) ORDER BY created_at DESC LIMIT %s OFFSET %s",
+        (who.tenant_id, model_id, model_id, limit, offset),
+    )
+    rows = await cur.fetchall()
+    return rows, (rows[0]["total"] if rows else 0)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from api import tinker_proto
 from api.deps import Pool, RedisDep, Settings, Who
 from api.schemas import RetrieveFutureRequest
 from core import queue
@@ -13,15 +14,25 @@ from tenancy import scoped
 
 router = APIRouter(tags=["futures"])
 
+# Result kinds the tinker SDK reads only as protobuf, and their encoders.
+_PROTO_RESULTS = {
+    "forward": tinker_proto.encode_forward_backward_output,
+    "forward_backward": tinker_proto.encode_forward_backward_output,
+    "sample": tinker_proto.encode_sample_response,
+}
+
 
 class FutureExpired(UserError):
     status_code = 410
 
 
 @router.post("/retrieve_future")
-async def retrieve_future(body: RetrieveFutureRequest, who: Who, pool: Pool, redis: RedisDep, settings: Settings):
+async def retrieve_future(body: RetrieveFutureRequest, request: Request, who: Who, pool: Pool, redis: RedisDep,
+                          settings: Settings):
     """Wait up to about 30 s for a future. Answers the result, a failure
-    (`{"error", "category": "user"|"server", "request_id"}`), or `{"type": "try_again", ...}`."""
+    (`{"error", "category": "user"|"server", "request_id"}`), or `{"type": "try_again", ...}`.
+    Forward/backward and sampling results come as protobuf when the client accepts
+    `application/x-protobuf` (the tinker SDK does), as JSON otherwise."""
     async with pool.connection() as conn:
         row = await scoped.get_request(conn, who, body.request_id)
     outcome = await queue.wait(redis, body.request_id, settings.long_poll_seconds)
@@ -32,4 +43,7 @@ async def retrieve_future(body: RetrieveFutureRequest, who: Who, pool: Pool, red
                 "queue_state_reason": f"request is {row['status']}"}
     if not outcome.ok:
         return JSONResponse(outcome.error)
+    encode = _PROTO_RESULTS.get(row["kind"])
+    if encode is not None and tinker_proto.wants_protobuf(request.headers.get("accept")):
+        return Response(encode(outcome.result), media_type=tinker_proto.PROTOBUF)
     return outcome.result

@@ -50,5 +50,18 @@ async def get_server_capabilities(pool: Pool) -> dict:
 
 @router.post("/client/config")
 async def client_config(who: Who) -> dict:
-    """SDK handshake; flags left at the SDK's defaults."""
-    return {}
+    """SDK handshake (tinker `ClientConfigResponse`). Only flags whose endpoints exist are turned on;
+    plain httpx transport, and forward_backward bodies uncompressed."""
+    return {"use_pyqwest_transport": False, "proto_compress_fwdbwd": False}
+
+
+@router.post("/client/dynamic_config")
+async def client_dynamic_config(who: Who) -> dict:
+    """Refreshed SDK flags (tinker `ClientDynamicConfigResponse`): the defaults."""
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+
+@router.post("/telemetry")
+async def telemetry(who: Who) -> dict:
+    """Accept and drop SDK telemetry: nothing leaves a self-hosted installation."""
+    return {"status": "accepted"}

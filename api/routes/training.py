@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
-from psycopg.types.json import Jsonb
+import dataclasses
 
-from api import datums
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from psycopg.types.json import Jsonb
+from pydantic import ValidationError
+
+from api import datums, tinker_proto
 from api.deps import Pool, RedisDep, Settings, Who
 from api.schemas import (
     CreateModelRequest,
@@ -24,23 +28,19 @@ from tenancy import scoped
 router = APIRouter(tags=["training"])
 
 
-@router.post("/create_model")
-async def create_model(body: CreateModelRequest, who: Who, pool: Pool, redis: RedisDep) -> dict:
-    """Create a LoRA training model `{session_id}:train:{model_seq_id}` on a base model (a future)."""
-    max_rank = get_trainer_settings().max_rank
-    if body.lora_config.rank > max_rank:
-        raise InvalidInput(f"lora_config.rank {body.lora_config.rank} exceeds the limit of {max_rank}",
-                           field="lora_config.rank")
-    model_id = ids.training_model_id(body.session_id, body.model_seq_id)
+async def _new_model(pool, redis, who, *, session_id: str, model_seq_id: int, base_model: str, lora: dict,
+                     user_metadata: dict | None, work: dict) -> dict:
+    """Record a new training model and queue its first request (seq_id 0): a create, or a
+    create-from-checkpoint. A repeat of the same (session, model_seq_id) returns the first future."""
+    model_id = ids.training_model_id(session_id, model_seq_id)
     async with pool.connection() as conn:
-        session = await scoped.get_session(conn, who, body.session_id)
+        session = await scoped.get_session(conn, who, session_id)
         if session["finished_at"] is not None:
-            raise InvalidInput(f"session {body.session_id!r} has finished; create a new one", field="session_id")
-        base = await catalog.get_model(conn, body.base_model)
+            raise InvalidInput(f"session {session_id!r} has finished; create a new one", field="session_id")
+        base = await catalog.get_model(conn, base_model)
         if base is None or not base.trainable:
             names = [m.name for m in await catalog.list_models(conn) if m.trainable]
-            raise NotFound(f"base_model {body.base_model!r} is not served here; choose one of {names}",
-                           field="base_model")
+            raise NotFound(f"base_model {base_model!r} is not served here; choose one of {names}", field="base_model")
         cur = await conn.execute(
             "SELECT id FROM requests WHERE model_id = %s AND seq_id = 0 AND tenant_id = %s", (model_id, who.tenant_id)
         )
@@ -54,12 +54,10 @@ async def create_model(body: CreateModelRequest, who: Who, pool: Pool, redis: Re
                             field="max_models")
         await _admit(conn, who)
         request_id = ids.new_request_id()
-        lora = body.lora_config.model_dump()
         await conn.execute(
             "INSERT INTO training_models (id, tenant_id, session_id, model_seq_id, base_model, lora_config, user_metadata) "
             "VALUES (%s, %s, %s, %s, %s, %s, %s)",
-            (model_id, who.tenant_id, body.session_id, body.model_seq_id, base.name, Jsonb(lora),
-             Jsonb(body.user_metadata or {})),
+            (model_id, who.tenant_id, session_id, model_seq_id, base.name, Jsonb(lora), Jsonb(user_metadata or {})),
         )
         await conn.execute(
             "INSERT INTO requests (id, tenant_id, api_key_id, model_id, seq_id, kind) VALUES (%s, %s, %s, %s, 0, 'create_model')",
@@ -67,9 +65,21 @@ async def create_model(body: CreateModelRequest, who: Who, pool: Pool, redis: Re
         )
     await enqueue(pool, redis, base.name, queue.WorkItem(
         request_id=request_id, tenant_id=who.tenant_id, model_id=model_id, seq_id=0, kind="create_model",
-        n_tokens=0, body={"lora_config": lora},
+        n_tokens=0, body={"lora_config": lora, **work},
     ))
     return future_response(request_id, model_id)
+
+
+@router.post("/create_model")
+async def create_model(body: CreateModelRequest, who: Who, pool: Pool, redis: RedisDep) -> dict:
+    """Create a LoRA training model `{session_id}:train:{model_seq_id}` on a base model (a future)."""
+    max_rank = get_trainer_settings().max_rank
+    if body.lora_config.rank > max_rank:
+        raise InvalidInput(f"lora_config.rank {body.lora_config.rank} exceeds the limit of {max_rank}",
+                           field="lora_config.rank")
+    return await _new_model(pool, redis, who, session_id=body.session_id, model_seq_id=body.model_seq_id,
+                            base_model=body.base_model, lora=body.lora_config.model_dump(),
+                            user_metadata=body.user_metadata, work={})
 
 
 @router.post("/get_info")
@@ -89,32 +99,57 @@ async def get_info(body: ModelRef, who: Who, pool: Pool) -> dict:
     }
 
 
-async def _forward(body: ForwardBackwardRequest, who, pool, redis, settings, *, forward_only: bool) -> dict:
+async def _parse_forward(request: Request, *, forward_only: bool) -> tinker_proto.ForwardBackwardProto:
+    """The same request from either encoding: JSON (Quilt SDK) or protobuf (tinker SDK)."""
+    raw = await request.body()
+    if tinker_proto.PROTOBUF in request.headers.get("content-type", ""):
+        parsed = tinker_proto.decode_forward_backward(raw, request.headers.get("content-encoding"))
+        return dataclasses.replace(parsed, forward_only=parsed.forward_only or forward_only)
+    try:
+        body = ForwardBackwardRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
     fb = body.forward_backward_input
-    datums.check_loss_fn(fb.loss_fn)
+    return tinker_proto.ForwardBackwardProto(body.model_id, body.seq_id, fb.loss_fn, fb.loss_fn_config or {},
+                                             forward_only, [d.raw() for d in fb.data])
+
+
+async def _forward(request: Request, who, pool, redis, settings, *, forward_only: bool) -> dict:
+    req = await _parse_forward(request, forward_only=forward_only)
+    if req.seq_id < 1:
+        raise InvalidInput(f"seq_id must be at least 1, got {req.seq_id}", field="seq_id")
+    datums.check_loss_fn(req.loss_fn)
     async with pool.connection() as conn:
-        model = await scoped.get_model(conn, who, body.model_id)
+        model = await scoped.get_model(conn, who, req.model_id)
         base = await catalog.get_model(conn, model["base_model"])
     limits = datums.Limits(base.vocab_size, base.max_context_length, settings.max_datums_per_request,
                            settings.max_tokens_per_request)
-    data, n_tokens = datums.normalise([d.raw() for d in fb.data], fb.loss_fn, limits)
-    work = {"loss_fn": fb.loss_fn, "loss_fn_config": datums.check_loss_config(fb.loss_fn_config),
-            "forward_only": forward_only, "data": data}
-    kind = "forward" if forward_only else "forward_backward"
-    return await submit_model_request(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id, kind=kind,
+    data, n_tokens = datums.normalise(req.data, req.loss_fn, limits)
+    work = {"loss_fn": req.loss_fn, "loss_fn_config": datums.check_loss_config(req.loss_fn_config),
+            "forward_only": req.forward_only, "data": data}
+    kind = "forward" if req.forward_only else "forward_backward"
+    return await submit_model_request(pool, redis, who, model_id=req.model_id, seq_id=req.seq_id, kind=kind,
                                       body=work, n_tokens=n_tokens)
 
 
-@router.post("/forward_backward")
-async def forward_backward(body: ForwardBackwardRequest, who: Who, pool: Pool, redis: RedisDep, settings: Settings) -> dict:
-    """Forward and backward pass; gradients accumulate until the next optim_step (a future)."""
-    return await _forward(body, who, pool, redis, settings, forward_only=False)
+_FORWARD_BODY = {"requestBody": {"content": {
+    "application/json": {"schema": ForwardBackwardRequest.model_json_schema(ref_template="#/components/schemas/{model}")},
+    tinker_proto.PROTOBUF: {"schema": {"type": "string", "format": "binary",
+                                       "description": "tinker_public.ForwardBackwardRequest"}},
+}}}
 
 
-@router.post("/forward")
-async def forward(body: ForwardBackwardRequest, who: Who, pool: Pool, redis: RedisDep, settings: Settings) -> dict:
+@router.post("/forward_backward", openapi_extra=_FORWARD_BODY)
+async def forward_backward(request: Request, who: Who, pool: Pool, redis: RedisDep, settings: Settings) -> dict:
+    """Forward and backward pass; gradients accumulate until the next optim_step (a future).
+    Accepts a JSON body or a `tinker_public.ForwardBackwardRequest` protobuf (tinker SDK)."""
+    return await _forward(request, who, pool, redis, settings, forward_only=False)
+
+
+@router.post("/forward", openapi_extra=_FORWARD_BODY)
+async def forward(request: Request, who: Who, pool: Pool, redis: RedisDep, settings: Settings) -> dict:
     """Forward pass only: loss and per-token logprobs, no gradients (a future)."""
-    return await _forward(body, who, pool, redis, settings, forward_only=True)
+    return await _forward(request, who, pool, redis, settings, forward_only=True)
 
 
 @router.post("/optim_step")
@@ -139,7 +174,9 @@ async def save_weights(body: SaveWeightsRequest, who: Who, pool: Pool, redis: Re
 
 @router.post("/load_weights")
 async def load_weights(body: LoadWeightsRequest, who: Who, pool: Pool, redis: RedisDep) -> dict:
-    """Load a saved `tinker://.../weights/...` checkpoint of yours into this model (a future)."""
+    """Load a `tinker://.../weights/...` checkpoint of yours (a future): into an existing model
+    (`model_id`, `seq_id`), or as a new model `{session_id}:train:{model_seq_id}` whose LoRA shape
+    and base come from the checkpoint."""
     try:
         run, kind, name = ids.parse_tinker_path(body.path)
     except ValueError as exc:
@@ -148,6 +185,11 @@ async def load_weights(body: LoadWeightsRequest, who: Who, pool: Pool, redis: Re
         raise InvalidInput(f"path must name a training checkpoint (.../weights/...), got kind {kind!r}", field="path")
     async with pool.connection() as conn:
         ckpt = await scoped.get_checkpoint(conn, who, run, kind, name)
-    work = {"storage_path": ckpt["storage_path"], "optimizer": body.optimizer, "path": body.path}
+        source = await scoped.get_model(conn, who, run) if body.model_id is None else None
+    load = {"storage_path": ckpt["storage_path"], "optimizer": body.optimizer, "path": body.path}
+    if body.model_id is None:
+        return await _new_model(pool, redis, who, session_id=body.session_id, model_seq_id=body.model_seq_id,
+                                base_model=source["base_model"], lora=source["lora_config"],
+                                user_metadata=body.user_metadata, work={"load": load})
     return await submit_model_request(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id,
-                                      kind="load_weights", body=work)
+                                      kind="load_weights", body=load)

@@ -1,0 +1,137 @@
+"""Training runs and checkpoints as REST resources (the tinker SDK's RestClient reads these).
+
+A training run is a training model; its id is the model id (`{session_id}:train:{n}`), which is
+also the first part of its checkpoints' `tinker://` paths.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from fastapi import APIRouter, Query, Response
+
+from api.deps import Pool, Who
+from api.schemas import WeightsInfoRequest
+from core import ids
+from core.errors import InvalidInput, NotFound
+from tenancy import scoped
+from tenancy.auth import Principal
+
+router = APIRouter(tags=["runs"])
+
+_CHECKPOINT_TYPE = {"weights": "training", "sampler_weights": "sampler"}
+
+
+def checkpoint_json(row: dict) -> dict:
+    return {
+        "checkpoint_id": f"{row['kind']}/{row['name']}",
+        "checkpoint_type": _CHECKPOINT_TYPE[row["kind"]],
+        "time": row["created_at"].isoformat(),
+        "tinker_path": ids.tinker_path(row["model_id"], row["kind"], row["name"]),
+        "size_bytes": row["size_bytes"],
+        "public": False,
+    }
+
+
+def _run_json(model: dict, who: Principal, checkpoints: list[dict]) -> dict:
+    last = {kind: next((c for c in checkpoints if c["kind"] == kind), None) for kind in _CHECKPOINT_TYPE}
+    out = {
+        "training_run_id": model["id"],
+        "base_model": model["base_model"],
+        "model_owner": who.tenant_name,
+        "is_lora": True,
+        "lora_rank": model["lora_config"]["rank"],
+        "corrupted": model["status"] in ("failed", "lost"),
+        "last_request_time": model["last_request_at"].isoformat(),
+        "user_metadata": {str(k): str(v) for k, v in (model["user_metadata"] or {}).items()},
+        "status": model["status"],
+    }
+    if last["weights"]:
+        out["last_checkpoint"] = checkpoint_json(last["weights"])
+    if last["sampler_weights"]:
+        out["last_sampler_checkpoint"] = checkpoint_json(last["sampler_weights"])
+    return out
+
+
+def _cursor(offset: int, limit: int, total: int) -> dict:
+    return {"offset": offset, "limit": limit, "total_count": total}
+
+
+@router.get("/training_runs")
+async def list_training_runs(who: Who, pool: Pool, limit: int = Query(20, ge=1, le=1000),
+                             offset: int = Query(0, ge=0), access_scope: str = "owned") -> dict:
+    """Your training runs, newest first (`access_scope` other than `owned` sees the same: runs are private)."""
+    async with pool.connection() as conn:
+        models, total = await scoped.list_models(conn, who, limit=limit, offset=offset)
+        runs = []
+        for m in models:
+            ckpts, _ = await scoped.list_checkpoints(conn, who, model_id=m["id"])
+            runs.append(_run_json(m, who, ckpts))
+    return {"training_runs": runs, "cursor": _cursor(offset, limit, total)}
+
+
+@router.get("/training_runs/{run_id}")
+async def get_training_run(run_id: str, who: Who, pool: Pool, access_scope: str = "owned") -> dict:
+    """One of your training runs."""
+    async with pool.connection() as conn:
+        model = await scoped.get_model(conn, who, run_id)
+        ckpts, _ = await scoped.list_checkpoints(conn, who, model_id=run_id)
+    return _run_json(model, who, ckpts)
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+async def list_run_checkpoints(run_id: str, who: Who, pool: Pool) -> dict:
+    """A run's checkpoints (training and sampler weights), newest first."""
+    async with pool.connection() as conn:
+        await scoped.get_model(conn, who, run_id)
+        ckpts, total = await scoped.list_checkpoints(conn, who, model_id=run_id)
+    return {"checkpoints": [checkpoint_json(c) for c in ckpts], "cursor": _cursor(0, len(ckpts), total)}
+
+
+@router.get("/checkpoints")
+async def list_user_checkpoints(who: Who, pool: Pool, limit: int = Query(100, ge=1, le=1000),
+                                offset: int = Query(0, ge=0)) -> dict:
+    """All your checkpoints across runs, newest first."""
+    async with pool.connection() as conn:
+        ckpts, total = await scoped.list_checkpoints(conn, who, limit=limit, offset=offset)
+    return {"checkpoints": [checkpoint_json(c) for c in ckpts], "cursor": _cursor(offset, limit, total)}
+
+
+def _split_checkpoint_id(checkpoint_id: str) -> tuple[str, str]:
+    kind, _, name = checkpoint_id.partition("/")
+    if kind not in _CHECKPOINT_TYPE or not name:
+        raise InvalidInput(f"checkpoint_id must look like weights/<name> or sampler_weights/<name>, got {checkpoint_id!r}",
+                           field="checkpoint_id")
+    return kind, name
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", status_code=204)
+async def delete_checkpoint(run_id: str, checkpoint_id: str, who: Who, pool: Pool) -> Response:
+    """Delete one of your checkpoints and its files."""
+    kind, name = _split_checkpoint_id(checkpoint_id)
+    async with pool.connection() as conn:
+        ckpt = await scoped.get_checkpoint(conn, who, run_id, kind, name)
+        await conn.execute("DELETE FROM checkpoints WHERE id = %s", (ckpt["id"],))
+    shutil.rmtree(Path(ckpt["storage_path"]), ignore_errors=True)
+    return Response(status_code=204)
+
+
+@router.post("/weights_info")
+async def weights_info(body: WeightsInfoRequest, who: Who, pool: Pool) -> dict:
+    """What a `tinker://` checkpoint of yours holds: its base model and LoRA shape."""
+    try:
+        run, kind, name = ids.parse_tinker_path(body.tinker_path)
+    except ValueError as exc:
+        raise InvalidInput(str(exc), field="tinker_path") from None
+    if kind not in _CHECKPOINT_TYPE:
+        raise NotFound(f"checkpoint {body.tinker_path!r} not found", field="tinker_path")
+    async with pool.connection() as conn:
+        await scoped.get_checkpoint(conn, who, run, kind, name)
+        model = await scoped.get_model(conn, who, run)
+    lora = model["lora_config"]
+    return {"base_model": model["base_model"], "is_lora": True, "lora_rank": lora["rank"],
+            "train_unembed": lora.get("train_unembed", True), "train_mlp": lora.get("train_mlp", True),
+            "train_attn": lora.get("train_attn", True)}
+
+

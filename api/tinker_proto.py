@@ -1,0 +1,126 @@
+"""The protobuf encoding the official tinker SDK uses, translated to and from the same plain data
+the JSON routes use, so both encodings run one implementation.
+
+Requests: `ForwardBackwardRequest` (optionally zstd-compressed) -> fields + `RawDatum`s for
+`api.datums.normalise`. Results: the JSON results the workers store -> `ForwardBackwardOutput` and
+`SampleResponse` bytes. Message classes come from the tinker SDK's own generated module, so the
+wire format is exactly what that SDK version reads and writes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from api.datums import RawDatum, RawTensor
+from core.errors import InvalidInput
+
+PROTOBUF = "application/x-protobuf"
+
+
+def _pb():
+    from tinker.proto import tinker_public_pb2
+
+    return tinker_public_pb2
+
+
+@dataclass(frozen=True)
+class ForwardBackwardProto:
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    loss_fn_config: dict[str, float]
+    forward_only: bool
+    data: list[RawDatum]
+
+
+def _np_dtype(pb, dtype: int, field: str):
+    if dtype == pb.DTYPE_FLOAT32:
+        return np.dtype("<f4"), "float32"
+    if dtype == pb.DTYPE_INT64:
+        return np.dtype("<i8"), "int64"
+    if dtype == pb.DTYPE_INT32:
+        return np.dtype("<i4"), "int64"
+    raise InvalidInput(f"{field}: tensor dtype {dtype} is not supported (float32, int64, int32)", field=field)
+
+
+def _tensor(pb, t, field: str) -> RawTensor:
+    np_dtype, name = _np_dtype(pb, t.dtype, field)
+    if t.WhichOneof("encoding") != "dense":
+        raise InvalidInput(f"{field}: sparse tensors are 2-D; only 1-D per-token inputs are supported", field=field)
+    if len(t.dense) % np_dtype.itemsize:
+        raise InvalidInput(f"{field}: {len(t.dense)} bytes is not a whole number of {name} values", field=field)
+    values = np.frombuffer(t.dense, dtype=np_dtype)
+    return RawTensor(values.tolist(), name, list(t.shape) or None)
+
+
+def decode_forward_backward(body: bytes, content_encoding: str | None) -> ForwardBackwardProto:
+    pb = _pb()
+    if content_encoding and "zstd" in content_encoding:
+        import zstandard
+
+        try:
+            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 30)
+        except zstandard.ZstdError as exc:
+            raise InvalidInput(f"body: not valid zstd ({exc})", field="body") from None
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as exc:  # DecodeError and friends: the body is not this message
+        raise InvalidInput(f"body: not a ForwardBackwardRequest protobuf ({exc})", field="body") from None
+    config: dict[str, float] = {k: v for k, v in msg.loss_fn_config.items()}
+    for key, value in msg.loss_fn_config_v2.items():  # v2 carries every value; it wins
+        if value.WhichOneof("value") == "text":
+            raise InvalidInput(f"loss_fn_config.{key}: text values are not supported", field=f"loss_fn_config.{key}")
+        config[key] = value.number
+    data = []
+    for i, d in enumerate(msg.data):
+        tokens: list[int] = []
+        for chunk in d.model_input:
+            kind = chunk.WhichOneof("chunk")
+            if kind != "encoded_text":
+                raise InvalidInput(f"data[{i}].model_input: {kind} chunks are not supported; send encoded text",
+                                   field=f"data[{i}].model_input")
+            tokens += np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist()
+        inputs = {k: _tensor(pb, t, f"data[{i}].loss_fn_inputs.{k}") for k, t in d.loss_fn_inputs.items()}
+        data.append(RawDatum(tokens, inputs))
+    return ForwardBackwardProto(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only, data)
+
+
+def encode_forward_backward_output(result: dict) -> bytes:
+    """One ArrayRecord: per field, every datum's values concatenated, with byte offsets."""
+    pb = _pb()
+    out = pb.ForwardBackwardOutput(loss_fn_output_type=result.get("loss_fn_output_type", "ArrayRecord"))
+    outputs = result.get("loss_fn_outputs", [])
+    record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(outputs))
+    keys = [k for k in (outputs[0] if outputs else {}) if all(k in o for o in outputs)]
+    for key in keys:
+        arrays = [np.asarray(o[key]["data"], dtype="<f4") for o in outputs]
+        offsets = np.concatenate([[0], np.cumsum([a.nbytes for a in arrays])]).astype("<i8")
+        tensor = record.fields[key]
+        tensor.data = b"".join(a.tobytes() for a in arrays)
+        tensor.offsets = offsets.tobytes()
+        tensor.dtype = pb.DTYPE_FLOAT32
+    for name, value in result.get("metrics", {}).items():
+        out.metrics[name] = float(value)
+    return out.SerializeToString()
+
+
+def encode_sample_response(result: dict) -> bytes:
+    pb = _pb()
+    out = pb.SampleResponse()
+    for seq in result.get("sequences", []):
+        s = out.sequences.add()
+        s.stop_reason = pb.STOP_REASON_LENGTH if seq.get("stop_reason") == "length" else pb.STOP_REASON_STOP
+        s.tokens = np.asarray(seq.get("tokens", []), dtype="<i4").tobytes()
+        s.logprobs = np.asarray(seq.get("logprobs") or [], dtype="<f4").tobytes()
+    prompt = result.get("prompt_logprobs")
+    if prompt is not None:
+        out.prompt_logprobs = np.asarray([math.nan if v is None else v for v in prompt], dtype="<f4").tobytes()
+    return out.SerializeToString()
+
+
+def wants_protobuf(accept: str | None) -> bool:
+    return bool(accept) and PROTOBUF in accept

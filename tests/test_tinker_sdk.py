@@ -1,0 +1,106 @@
+"""The official tinker SDK (0.38.0), unchanged, trains against a running embedded Quilt."""
+
+from __future__ import annotations
+
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+TINY = "quilt/tiny-qwen3"
+
+
+@pytest.fixture(autouse=True)
+def _offline_sdk(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _sft_data() -> list:
+    out = []
+    for start in (40, 80, 120, 160):
+        toks = list(range(start, start + 17))
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
+                               loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 16}))
+    return out
+
+
+def _is_data(tc) -> list:
+    toks = list(range(300, 313))
+    fwd = tc.forward(_sft_data()[:1], "cross_entropy").result()
+    sampler_lp = fwd.loss_fn_outputs[0]["logprobs"].tolist()
+    return [types.Datum(model_input=types.ModelInput.from_ints(list(range(40, 56))),
+                        loss_fn_inputs={"target_tokens": list(range(41, 57)),
+                                        "logprobs": sampler_lp, "advantages": [1.0] * 8 + [-0.5] * 8})], toks
+
+
+def test_training_flow_through_the_official_sdk(stack, tenant):
+    adam = types.AdamParams(learning_rate=1e-2)
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
+        caps = service.get_server_capabilities()
+        assert TINY in [m.model_name for m in caps.supported_models]
+
+        tc = service.create_lora_training_client(base_model=TINY, rank=8).result()
+        assert tc.get_info().model_data.model_name == TINY
+        tokenizer = tc.get_tokenizer()  # loaded offline from the path the server names
+        assert tokenizer.decode(tokenizer.encode("alice has 3 apples")).strip() == "alice has 3 apples"
+
+        losses = []
+        for _ in range(5):
+            fb = tc.forward_backward(_sft_data(), "cross_entropy")
+            opt = tc.optim_step(adam)
+            out = fb.result()
+            opt.result()
+            assert len(out.loss_fn_outputs) == 4 and out.loss_fn_outputs[0]["logprobs"].shape == [16]
+            losses.append(out.metrics["loss:sum"])
+        assert losses[-1] < 0.7 * losses[0], losses
+
+        data, _ = _is_data(tc)
+        is_out = tc.forward_backward(data, "importance_sampling").result()
+        assert "loss:sum" in is_out.metrics and "mismatch_kl:mean" in is_out.metrics
+        ppo = tc.forward_backward(data, "ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}).result()
+        assert "loss:sum" in ppo.metrics
+        tc.optim_step(adam).result()
+
+        saved = tc.save_state("ckpt-1").result()
+        assert saved.path == f"tinker://{tc.model_id}/weights/ckpt-1"
+        at_save = tc.forward(_sft_data(), "cross_entropy").result().metrics["loss:sum"]
+
+        restored = service.create_training_client_from_state_with_optimizer(saved.path).result()
+        assert restored.model_id != tc.model_id
+        assert restored.forward(_sft_data(), "cross_entropy").result().metrics["loss:sum"] == pytest.approx(at_save, rel=1e-6)
+
+        rest = tinker.RestClient(base_url=stack.base_url, api_key=tenant.key)
+        ckpts = rest.list_checkpoints(tc.model_id).result().checkpoints
+        assert [c.tinker_path for c in ckpts] == [saved.path]
+        runs = rest.list_training_runs().result().training_runs
+        assert {tc.model_id, restored.model_id} <= {r.training_run_id for r in runs}
+        info = rest.get_weights_info_by_tinker_path(saved.path).result()
+        assert info.base_model == TINY and info.lora_rank == 8
+
+
+def test_custom_loss_runs_through_forward_and_cross_entropy(stack, tenant):
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
+        tc = service.create_lora_training_client(base_model=TINY, rank=4).result()
+
+        def loss_fn(data, logprobs_list):
+            total = sum(-lp.sum() for lp in logprobs_list)
+            return total, {"custom:sum": float(total.detach())}
+
+        out = tc.forward_backward_custom(_sft_data()[:2], loss_fn).result()
+        assert "custom:sum" in out.metrics
+
+
+def test_tenant_sees_only_its_own_runs(stack):
+    a, b = stack.create_tenant("ta"), stack.create_tenant("tb")
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=a.key) as service_a:
+        tc = service_a.create_lora_training_client(base_model=TINY, rank=4)
+        path = tc.save_state("mine").result().path
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=b.key) as service_b:
+        rest = tinker.RestClient(base_url=stack.base_url, api_key=b.key)
+        assert tc.model_id not in {r.training_run_id for r in rest.list_training_runs().result().training_runs}
+        with pytest.raises(tinker.NotFoundError):
+            rest.list_checkpoints(tc.model_id).result()
+        with pytest.raises(tinker.NotFoundError):
+            rest.get_weights_info_by_tinker_path(path).result()
+        with pytest.raises(tinker.NotFoundError):
+            service_b.create_training_client_from_state(path).result()
