@@ -107,9 +107,9 @@ def stack():
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-        artifacts = os.environ.get("QUILT_TEST_ARTIFACTS")
-        if artifacts:
-            shutil.copytree(data_dir / "logs", Path(artifacts) / "stack-logs", dirs_exist_ok=True)
+        # Keep the processes' logs for a post-mortem (CI keeps artifacts/).
+        artifacts = Path(os.environ.get("QUILT_TEST_ARTIFACTS") or ROOT / "artifacts")
+        shutil.copytree(data_dir / "logs", artifacts / "stack-logs", dirs_exist_ok=True)
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
