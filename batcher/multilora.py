@@ -2,9 +2,9 @@
 own adapter, in one forward and one backward.
 
 Rows are ordered so each adapter's rows are contiguous (`Routing.segments`); a wrapped Linear then
-computes `base(x)` once and, per segment, `x[s:e] @ A.T @ B.T * scale` on a slice view, joined with
-one concatenation. Slices are views, so there is no gather or scatter per adapter, and autograd
-gives every adapter exactly the gradient of a separate pass.
+computes `base(x)` once and, per segment, `x_seg @ A.T @ (B.T * scale)` on one split of the input,
+joined with one concatenation. There is no gather or scatter per adapter, and autograd gives every
+adapter exactly the gradient of a separate pass.
 
 Adapters are stored and exported in PEFT's format (`base_model.model.<module>.lora_A.weight`,
 `adapter_config.json`), which is what vLLM loads and what `peft` reads back.
@@ -21,7 +21,8 @@ from torch import nn
 
 @dataclass
 class Routing:
-    """Which rows of the current batch belong to which adapter: (adapter, start, end), contiguous."""
+    """Which rows of the current batch belong to which adapter: (adapter, start, end), contiguous
+    and covering the whole batch in order."""
 
     segments: list[tuple[str, int, int]] = field(default_factory=list)
 
@@ -56,19 +57,19 @@ class MultiLoraLinear(nn.Module):
 
     def forward(self, x_B_T_in: torch.Tensor) -> torch.Tensor:
         y = self.base(x_B_T_in)
-        active = [(name, s, e) for name, s, e in self.routing.segments if name in self.adapters]
-        if not active:
+        segments = self.routing.segments
+        if not any(name in self.adapters for name, _, _ in segments):
             return y
+        # One split and one concatenation: their backward passes are one concatenation and one
+        # split, where per-adapter slicing would allocate a full-size gradient per adapter.
+        xs = x_B_T_in.split([e - s for _, s, e in segments], dim=0)
         pieces = []
-        cursor = 0
-        for name, s, e in active:
-            if s > cursor:
-                pieces.append(y.new_zeros((s - cursor, *y.shape[1:])))
-            w = self.adapters[name]
-            pieces.append((x_B_T_in[s:e] @ w.A_r_in.T) @ w.B_out_r.T * w.scale)
-            cursor = e
-        if cursor < y.shape[0]:
-            pieces.append(y.new_zeros((y.shape[0] - cursor, *y.shape[1:])))
+        for (name, _, _), x in zip(segments, xs):
+            w = self.adapters.get(name)
+            if w is None:
+                pieces.append(y.new_zeros((x.shape[0], *y.shape[1:])))
+            else:  # the scale goes on the small B, not on the output
+                pieces.append((x @ w.A_r_in.T) @ (w.B_out_r.T * w.scale))
         return y + torch.cat(pieces, dim=0)
 
 
@@ -100,6 +101,8 @@ class MultiLoraModel:
             layer.adapters.pop(name, None)
 
     def forward(self, input_ids_B_T: torch.Tensor, segments: list[tuple[str, int, int]]) -> torch.Tensor:
+        if sum(e - s for _, s, e in segments) != input_ids_B_T.shape[0]:
+            raise ValueError("segments must cover every row of the batch, in order")
         self.routing.segments = segments
         try:
             return self.model(input_ids=input_ids_B_T).logits
