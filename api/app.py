@@ -9,7 +9,8 @@ from fastapi import FastAPI
 
 from api import errors
 from api.body_limit import BodyLimitMiddleware
-from api.routes import futures, metrics, runs, service, sessions, training
+from api.routes import billing, futures, metrics, runs, sampling, service, sessions, training
+from api.spend_header import SpendHeaderMiddleware
 from core import db, redis_client
 from core.settings import get_api_settings, get_core_settings
 
@@ -32,8 +33,9 @@ def create_app() -> FastAPI:
     settings = get_api_settings()
     app = FastAPI(title="Quilt", version="0.1.0", lifespan=_lifespan)
     errors.install(app)
-    for module in (service, sessions, training, futures, runs):
+    for module in (service, sessions, training, sampling, futures, billing, runs):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(metrics.router)
+    app.add_middleware(SpendHeaderMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     return app

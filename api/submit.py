@@ -1,9 +1,10 @@
 """Admission of training work: one path for every request kind.
 
-Checks ownership (404 for anything not the caller's), the tenant's in-flight quota, de-duplicates on
-`(model_id, seq_id)` (a retried submission gets the existing future), records the request in
-Postgres, then appends it to the base model's stream. The row is committed before the stream entry
-exists, so a worker never sees work the database does not know.
+Checks ownership (404 for anything not the caller's), the tenant's in-flight quota and monthly
+budgets (402, see billing.budgets), de-duplicates on `(model_id, seq_id)` (a retried submission gets
+the existing future), records the request in Postgres, then appends it to the base model's stream.
+The row is committed before the stream entry exists, so a worker never sees work the database does
+not know.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
+from billing import budgets
 from core import ids, queue
 from core.errors import InvalidInput, QuotaExceeded
 from tenancy import scoped
@@ -43,7 +45,9 @@ async def _existing(conn, model_id: str, seq_id: int, kind: str) -> str | None:
     return row["id"]
 
 
-async def _admit(conn, who: Principal) -> None:
+async def _admit(conn, who: Principal, *, billable: bool = True) -> None:
+    """Quota, then budget. `billable=False` (requests that meter no tokens: optim_step, save, load)
+    skips the budget, so a tenant over budget can still step and save the work it paid for."""
     inflight = await scoped.count_inflight(conn, who)
     if inflight >= who.max_inflight_requests:
         raise QuotaExceeded(
@@ -51,6 +55,8 @@ async def _admit(conn, who: Principal) -> None:
             "wait for some futures to finish",
             field="max_inflight_requests",
         )
+    if billable:
+        await budgets.check(conn, tenant_id=who.tenant_id, tenant_name=who.tenant_name, key_id=who.key_id)
 
 
 async def submit_model_request(
@@ -65,7 +71,7 @@ async def submit_model_request(
         existing = await _existing(conn, model_id, seq_id, kind)
         if existing:
             return future_response(existing, model_id)
-        await _admit(conn, who)
+        await _admit(conn, who, billable=n_tokens > 0)
         request_id = ids.new_request_id()
         cur = await conn.execute(
             "INSERT INTO requests (id, tenant_id, api_key_id, model_id, seq_id, kind, n_tokens) "

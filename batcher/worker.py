@@ -20,6 +20,8 @@ from psycopg.rows import dict_row
 from batcher.backend import LoraBackend, PassRequest
 from batcher.policy import FairShare, RoundPlan, plan_round
 from batcher.queues import ModelQueues, _Entry
+from billing.ledger import record_usage
+from billing.pricing import training_units
 from core import catalog, db, health, ids, queue, records, redis_client
 from core.errors import QuiltError, ServerError
 from core.settings import get_api_settings, get_trainer_settings
@@ -207,7 +209,15 @@ class TrainerWorker:
             result = queue.Outcome(item.request_id, result=outcome)
         # Redis first so the waiting client is answered; then the durable record; then the ack.
         queue.publish_sync(self.redis, result, self.result_ttl_s)
-        records.mark_finished(self._db(), item.request_id, result.error)
+        conn = self._db()
+        # Done and billed together, in one transaction; the ledger is unique on request_id, so a
+        # redelivered request is not billed twice, and a failed request is not billed at all.
+        with conn.transaction():
+            finished_now = records.mark_finished(conn, item.request_id, result.error)
+            if finished_now and result.ok:
+                record_usage(conn, request_id=item.request_id, tenant_id=item.tenant_id, api_key_id=None,
+                             model_id=item.model_id, base_model=self.base_model,
+                             units=training_units(item.kind, item.n_tokens))
         self._ack(entry.stream_id)
 
     def _ack(self, stream_id: str) -> None:

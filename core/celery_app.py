@@ -1,4 +1,4 @@
-"""The Celery app for independent background jobs (upkeep now; billing sync later).
+"""The Celery app for independent background jobs: upkeep, and billing (Stripe customers and sync).
 
 `celery -A core.celery_app worker -B`. The broker address is read when Celery first configures
 itself, not at import, so importing this module starts nothing.
@@ -7,10 +7,11 @@ itself, not at import, so importing this module starts nothing.
 from __future__ import annotations
 
 from celery import Celery
+from celery.schedules import crontab
 
 from core import embedded, redis_client
 
-app = Celery("quilt", include=["core.upkeep"])
+app = Celery("quilt", include=["core.upkeep", "billing.tasks"])
 
 
 @app.on_configure.connect
@@ -26,5 +27,8 @@ def _configure(sender: Celery, **_) -> None:
         beat_schedule={
             "heartbeat": {"task": "quilt.upkeep.heartbeat", "schedule": 10.0},
             "expire-sessions": {"task": "quilt.upkeep.expire_sessions", "schedule": 60.0},
+            # Hourly, after the previous hour's window has settled (QUILT_BILLING_SETTLE_S, 5 min).
+            "billing-stripe-sync": {"task": "quilt.billing.sync_stripe", "schedule": crontab(minute="10")},
+            "billing-stripe-customers": {"task": "quilt.billing.ensure_customers", "schedule": 900.0},
         },
     )

@@ -62,6 +62,10 @@ def cmd_tenants_create(args) -> int:
     with db.connect(_prepared(args)) as conn:
         tenant = create_tenant(conn, args.name, role="operator" if args.operator else "tenant")
         secret, key = create_key(conn, tenant.id, name="default")
+    if tenant.role == "tenant":
+        from billing.customers import request_customer
+
+        request_customer(tenant.id)  # its Stripe customer, created by a Celery task (after the commit above)
     print(f"tenant {tenant.name} ({tenant.id}, role {tenant.role}); API key {key.prefix}... shown once:")
     print(secret)
     return 0
@@ -158,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     _data_dir_option(p)
     p.add_argument("prefix")
     p.set_defaults(func=cmd_keys_revoke)
+
+    from billing.cli import add_commands as add_billing_commands
+
+    add_billing_commands(sub, _data_dir_option, _prepared)  # usage, budgets, prices, billing
     return parser
 
 

@@ -5,6 +5,7 @@
     │   ├── InvalidInput          a field breaks a rule (names the field and the limit)   400
     │   ├── PayloadTooLarge       body over the size limit                                413
     │   ├── Unauthenticated       missing, unknown or revoked API key                     401
+    │   ├── BudgetExceeded        a monthly spend limit is reached (names it, its fix)    402
     │   ├── Forbidden             authenticated, but the role does not allow it           403
     │   ├── NotFound              no such resource *for this tenant*                      404
     │   ├── Conflict              a name is already taken (reported in the future)        409
@@ -67,6 +68,10 @@ class PayloadTooLarge(UserError):
 
 class Unauthenticated(UserError):
     status_code = 401
+
+
+class BudgetExceeded(UserError):
+    status_code = 402
 
 
 class Forbidden(UserError):

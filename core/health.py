@@ -18,8 +18,18 @@ def trainer_rounds_key(base_model: str) -> str:
     return f"quilt:stats:trainer:{base_model}:rounds"
 
 
+def gen_key(base_model: str) -> str:
+    return f"quilt:health:gen:{base_model}"
+
+
+GEN_TTL_S = 15
+
 CELERY_KEY = "quilt:health:celery"
 
 
 def beacon(redis, key: str, ttl_s: int, **info) -> None:
     redis.set(key, json.dumps({"at": time.time(), **info}), ex=ttl_s)
+
+
+async def beacon_async(redis, key: str, ttl_s: int, **info) -> None:
+    await redis.set(key, json.dumps({"at": time.time(), **info}), ex=ttl_s)

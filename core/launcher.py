@@ -1,13 +1,14 @@
 """`quilt up`: the embedded stack as child processes of one command.
 
 Starts (or attaches to) Postgres and Redis under the data directory, applies migrations, makes sure
-a base model exists, then runs the API, one trainer per trainable base model and a Celery worker
-with beat. A child that dies is restarted (with a pause); Ctrl-C or SIGTERM stops them all, then
-the embedded servers.
+a base model exists, then runs the API, one trainer per trainable base model, one generation worker
+per sampleable base model and a Celery worker with beat. A child that dies is restarted (with a
+pause); Ctrl-C or SIGTERM stops them all, then the embedded servers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -93,11 +94,17 @@ def _children(db_url: str, redis_url: str, host: str, port: int) -> list[Child]:
               env, logs / "celery.log"),
     ]
     with db.connect(db_url) as conn:
-        bases = [m for m in catalog.list_models_sync(conn) if m.trainable]
+        models = catalog.list_models_sync(conn)
+    bases = [m for m in models if m.trainable]
     for i, base in enumerate(bases):
         children.append(Child(f"trainer:{base.name}", [py, "-m", "batcher.worker"],
                               {**env, "QUILT_TRAINER_BASE_MODEL": base.name, "QUILT_TRAINER_CONSUMER_NAME": f"trainer-{i}"},
                               logs / f"trainer-{i}.log"))
+    # One generation worker (vLLM engine) per sampleable base model.
+    for i, base in enumerate(m for m in models if m.sampleable):
+        children.append(Child(f"gen:{base.name}", [py, "-m", "gen_pool.worker"],
+                              {**env, "QUILT_GEN_BASE_MODEL": base.name, "QUILT_GEN_CONSUMER_NAME": f"gen-{i}"},
+                              logs / f"gen-{i}.log"))
     return children
 
 
@@ -115,6 +122,9 @@ def _stop(children: list[Child]) -> None:
             log.warning("%s did not stop in %.0f s; killing it", child.name, STOP_GRACE_S)
             os.killpg(child.proc.pid, signal.SIGKILL)
             child.proc.wait()
+        # A child's own children (vLLM's engine core) must not outlive it: end its process group.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.proc.pid, signal.SIGKILL)
 
 
 def up(*, data_dir: Path | None, host: str, port: int) -> int:
@@ -144,6 +154,8 @@ def up(*, data_dir: Path | None, host: str, port: int) -> int:
                 if code is None or stop_requested:
                     continue
                 log.error("%s exited with %s; restarting (see %s)", child.name, code, child.log_path)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.proc.pid, signal.SIGKILL)  # what it left behind (vLLM's engine core)
                 time.sleep(RESTART_PAUSE_S)
                 child.restarts += 1
                 child.start()

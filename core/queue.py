@@ -23,6 +23,21 @@ def train_stream(base_model: str) -> str:
     return f"quilt:train:{base_model}"
 
 
+# Sampling: one stream per base model, consumer group `samplers` (every generation worker of that
+# base reads it). Cancellation is broadcast, because the group hands an entry to one worker only:
+# a key that says "cancelled" (read when the work arrives) plus a pub/sub message to every worker.
+SAMPLE_GROUP = "samplers"
+CANCEL_CHANNEL = "quilt:cancels"
+
+
+def sample_stream(base_model: str) -> str:
+    return f"quilt:sample:{base_model}"
+
+
+def cancel_key(request_id: str) -> str:
+    return f"quilt:cancel:{request_id}"
+
+
 def future_key(request_id: str) -> str:
     return f"quilt:future:{request_id}"
 
@@ -107,3 +122,7 @@ async def wait(redis, request_id: str, timeout_s: float) -> Outcome | None:
 
 async def enqueue(redis, base_model: str, item: WorkItem) -> None:
     await redis.xadd(train_stream(base_model), item.to_fields())
+
+
+async def enqueue_sample(redis, base_model: str, item: WorkItem) -> None:
+    await redis.xadd(sample_stream(base_model), item.to_fields())

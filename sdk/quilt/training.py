@@ -17,6 +17,7 @@ from ._loop import LoopThread
 from ._transport import HTTPTransport
 from .errors import APIStatusError
 from .futures import APIFuture, require
+from .sampling import SamplingClient
 from .types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResult, TrainStepResult
 
 __all__ = ["TrainingClient"]
@@ -74,11 +75,12 @@ class TrainingClient:
         model_id: the server's id of this model (also the run id in ``tinker://`` paths).
     """
 
-    def __init__(self, model_id: str, *, runner: LoopThread, http: HTTPTransport) -> None:
+    def __init__(self, model_id: str, *, runner: LoopThread, http: HTTPTransport, owner: Any = None) -> None:
         """Internal: built by :class:`quilt.Client`; users never call this directly."""
         self.model_id = model_id
         self._runner = runner
         self._http = http
+        self._owner = owner  # the quilt.Client: session-wide sampler ids and sampling sessions
         self._seq_lock = asyncio.Lock()
         self._last_seq_id = 0  # create_model holds seq_id 0
 
@@ -240,6 +242,56 @@ class TrainingClient:
         return await self._runner.run_async(
             self._submit("load_weights", _load_payload(path, optimizer), _nothing)
         )
+
+    # -- sampling ------------------------------------------------------------------------
+
+    def save_weights_for_sampler(self, name: str) -> APIFuture[str]:
+        """Publish the current weights for sampling as ``name``; resolves to their
+        ``tinker://{model_id}/sampler_weights/{name}`` path.
+
+        Publishing the same name again makes a new version of it; samplers created from the path
+        afterwards sample the newest version, while sequences already running finish on theirs.
+        """
+        return self._runner.run(self._submit("save_weights_for_sampler", _sampler_payload(name), _saved_path))
+
+    async def save_weights_for_sampler_async(self, name: str) -> APIFuture[str]:
+        """Async form of :meth:`save_weights_for_sampler`."""
+        return await self._runner.run_async(
+            self._submit("save_weights_for_sampler", _sampler_payload(name), _saved_path)
+        )
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
+        """Publish the current weights and return a SamplingClient bound to exactly them.
+
+        Without ``name`` the weights are published anonymously (a snapshot: later training steps
+        do not change what this client samples). Blocks until the weights are published.
+        """
+        return self._runner.run(self._save_and_get_sampler(name))
+
+    async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
+        """Async form of :meth:`save_weights_and_get_sampling_client`."""
+        return await self._runner.run_async(self._save_and_get_sampler(name))
+
+    async def _save_and_get_sampler(self, name: str | None) -> SamplingClient:
+        if self._owner is None:
+            raise RuntimeError("this TrainingClient was not made by a quilt.Client; it cannot open samplers")
+        if name is not None:
+            future = await self._submit("save_weights_for_sampler", _sampler_payload(name), _saved_path)
+            return await self._owner._create_sampling_client(model_path=await future, base_model=None)
+        payload = {"sampling_session_seq_id": self._owner._take_sampling_seq_id(), "kind": "snapshot",
+                   "type": "save_weights_for_sampler"}
+        result = await (await self._submit("save_weights_for_sampler", payload, dict))
+        session_id = str(require(result, "sampling_session_id", "save_weights_for_sampler result"))
+        info = await self._get_info()
+        base_model = (info.get("model_data") or {}).get("model_name")
+        return SamplingClient(session_id, base_model=base_model, model_path=result.get("path"),
+                              runner=self._runner, http=self._http)
+
+
+def _sampler_payload(name: str) -> Payload:
+    if not name or "/" in name:
+        raise ValueError(f"sampler weights name must be non-empty and contain no '/', got {name!r}")
+    return {"path": name, "kind": "snapshot", "type": "save_weights_for_sampler"}
 
 
 def _save_payload(name: str, overwrite: bool) -> Payload:

@@ -6,9 +6,11 @@ import quilt
 
 EXPECTED = {
     "__version__",
-    "Client", "TrainingClient", "APIFuture",
+    "Client", "TrainingClient", "SamplingClient", "APIFuture",
+    "SamplingParams", "SampledSequence", "SampleResponse",
     "TensorData", "EncodedTextChunk", "ModelInput", "Datum", "AdamParams",
     "ForwardBackwardOutput", "OptimStepResult", "TrainStepResult", "datum_for_next_token",
+    "CostEstimate", "UsageReport",
     "progress",
     "QuiltError", "ConfigurationError", "APIConnectionError", "APITimeoutError",
     "APIResponseError", "APIStatusError", "BadRequestError", "AuthenticationError",

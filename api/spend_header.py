@@ -1,0 +1,48 @@
+"""`X-Quilt-Spend-USD`: the caller's tenant's spend this UTC month, on every authenticated response.
+
+Pure ASGI middleware: it adds the header when the response starts, once authentication has put
+the tenant on `request.state` (so long-polls report the spend at the moment they answer, and
+responses without a known tenant, such as a 401, carry no header). The amount is exact decimal
+USD with six places ("0.001234"); it counts completed requests only, not work still in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from billing.budgets import month_to_date
+from billing.pricing import usd
+
+log = logging.getLogger("quilt.api")
+
+SPEND_HEADER = b"x-quilt-spend-usd"
+
+
+class SpendHeaderMiddleware:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_spend(message):
+            if message["type"] == "http.response.start":
+                tenant_id = (scope.get("state") or {}).get("tenant_id")
+                if tenant_id:
+                    spend = await _spend(scope, tenant_id)
+                    if spend is not None:
+                        message = {**message, "headers": [*message.get("headers", []),
+                                                          (SPEND_HEADER, usd(spend).encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_spend)
+
+
+async def _spend(scope, tenant_id: str) -> int | None:
+    try:
+        async with scope["app"].state.pool.connection() as conn:
+            return await month_to_date(conn, tenant_id)
+    except Exception:  # the header is informative; never fail a response for it
+        log.warning("could not read the spend of %s for the spend header", tenant_id, exc_info=True)
+        return None

@@ -1,0 +1,330 @@
+"""Does one shared multi-LoRA pool beat a statically partitioned one? Real vLLM, one run.
+
+RL post-training alternates: sample a batch of rollouts, wait for the slowest, train, repeat. The
+lengths have a long tail, so a tenant's slots idle at the end of every batch and during every
+trainer step. A pool shared across tenants can give those slots to other tenants' rollouts.
+
+1. The decode-step curve of the engine first: time per step and tokens/s against the number of
+   running sequences. The comparison below is meaningful where the step time barely grows with the
+   number of sequences (as on a GPU); an overhead-bound tiny model on CPU is chosen for that.
+2. TENANTS tenants, each running ROUNDS synchronous batches (GROUPS sample(n) groups of lognormal
+   lengths, a pause of 0.5-1.5x PAUSE standing in for the trainer step between batches, tenants
+   starting staggered), in three modes on the same engine with the same seeded workload:
+   (a) shared:      one admission queue (gen_pool.admission) across tenants, gap filling on;
+   (b) partitioned: the same engine, each tenant capped at target / TENANTS running sequences;
+   (c) serial:      one tenant's batch at a time, with the whole engine.
+   Printed per mode: generated tokens/s, slot utilisation (busy sequence-seconds / target / wall),
+   and each tenant's time-to-trainable-batch (submit -> last group done) p50/p95.
+3. Publish-to-first-token: a new adapter version is written and sampled (1 token) while the pool
+   is busy with other work; no restart.
+
+    python bench/genpool_fill.py [--quick] [--target 32] [--rounds 5] ...
+
+Ends with one JSON line: {"shared_over_partitioned_tps", "worst_tenant_p95_ttb_ratio",
+"slot_util_shared", ...}. Target: shared >= 1.5x partitioned tokens/s, every tenant's p95
+time-to-batch <= 1.1x its partitioned value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from gen_pool.adapters import AdapterRef
+from gen_pool.engine import GenEngine, SeqRequest
+from gen_pool.params import SamplingSpec
+from gen_pool.scheduler import Group, Scheduler
+from gen_pool.settings import GenPoolSettings
+
+# An overhead-bound model: so small that a decode step costs about the same for 1 or 32 sequences.
+BENCH_SPEC = {"hidden_size": 64, "num_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+              "intermediate_size": 128}
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def build(root: Path, tenants: int) -> tuple[str, list[str]]:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from core.tiny_model import TinyModelSpec, build_tiny_model
+
+    base = build_tiny_model(root / "base", spec=TinyModelSpec(**BENCH_SPEC)).path
+    paths = []
+    for i in range(tenants + 1):  # one spare: the "new version" of part 3
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                               LoraConfig(r=8, lora_alpha=16, target_modules=MODULES, task_type="CAUSAL_LM"))
+        gen = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        model.save_pretrained(str(root / f"adapter-{i}"))
+        paths.append(str(root / f"adapter-{i}"))
+    return base, paths
+
+
+async def run_pool(sched: Scheduler, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        sched.step()
+        await sched.wait(0.2)
+
+
+def submit(sched: Scheduler, futures: dict, group: Group) -> asyncio.Future:
+    fut = asyncio.get_running_loop().create_future()
+    futures[group.request_id] = fut
+    sched.add(group)
+    sched.wake()
+    return fut
+
+
+def make_scheduler(engine: GenEngine, target: int, cap: int, done: list[Group]) -> tuple[Scheduler, dict]:
+    futures: dict[str, asyncio.Future] = {}
+
+    def on_finish(g: Group, outcome) -> None:
+        done.append(g)
+        fut = futures.pop(g.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(outcome)
+
+    return Scheduler(engine, target=target, default_cap=cap, on_finish=on_finish), futures
+
+
+# --------------------------------------------------------------------------- 1. the curve
+
+
+async def step_curve(engine: GenEngine, refs: list[AdapterRef], target: int) -> list[tuple[int, float, float]]:
+    spec = SamplingSpec(max_tokens=48, eos_stops=False)
+    rows = []
+    k = 1
+    while k <= 2 * target:
+        reqs = [SeqRequest(f"curve-{k}-{i}", (5, 6, 7, 8), spec, i, refs[i % len(refs)]) for i in range(k)]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(engine.generate(r) for r in reqs))
+        dt = time.perf_counter() - t0
+        rows.append((k, 1000 * dt / 48, k * 48 / dt))
+        k *= 2
+    return rows
+
+
+# --------------------------------------------------------------------------- 2. the modes
+
+
+@dataclass
+class Workload:
+    tenants: int
+    rounds: int
+    groups: int
+    n: int
+    median_len: int
+    sigma: float
+    max_len: int
+    pause_s: float
+    seed: int
+
+    def lengths(self, tenant: int, rnd: int, group: int) -> tuple[int, ...]:
+        rng = random.Random(hash((self.seed, tenant, rnd, group)) & 0xFFFFFFFF)
+        return tuple(max(4, min(self.max_len, int(rng.lognormvariate(math.log(self.median_len), self.sigma))))
+                     for _ in range(self.n))
+
+
+@dataclass
+class ModeResult:
+    name: str
+    wall_s: float
+    tokens: int
+    busy_seq_s: float
+    target: int
+    ttb: dict[int, list[float]] = field(default_factory=dict)
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.wall_s
+
+    @property
+    def util(self) -> float:
+        return self.busy_seq_s / (self.target * self.wall_s)
+
+    def p(self, tenant: int, q: float) -> float:
+        xs = sorted(self.ttb[tenant])
+        return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Workload, target: int) -> ModeResult:
+    cap = target // w.tenants if name == "partitioned" else 0
+    done: list[Group] = []
+    sched, futures = make_scheduler(engine, target, cap, done)
+    stop = asyncio.Event()
+    pool = asyncio.create_task(run_pool(sched, stop))
+    serial = asyncio.Lock()
+    result = ModeResult(name, 0.0, 0, 0.0, target, {t: [] for t in range(w.tenants)})
+
+    async def tenant(t: int) -> None:
+        # Tenants do not start in lockstep, and trainer steps vary (seeded: the same in every mode).
+        rng = random.Random(w.seed * 1000 + t)
+        await asyncio.sleep(w.pause_s * t / w.tenants)
+        for rnd in range(w.rounds):
+            ready = time.perf_counter()
+            async with (serial if name == "serial" else _nothing()):
+                futs = []
+                for gi in range(w.groups):
+                    lengths = w.lengths(t, rnd, gi)
+                    g = Group(request_id=f"{name}-{t}-{rnd}-{gi}", tenant_id=f"tenant-{t}", prompt=(5 + t, 6, 7, 8),
+                              spec=SamplingSpec(max_tokens=max(lengths), eos_stops=False, seed=gi), n=w.n,
+                              adapter=refs[t], model_id=f"m{t}", lengths=lengths)
+                    futs.append(submit(sched, futures, g))
+                await asyncio.gather(*futs)
+            result.ttb[t].append(time.perf_counter() - ready)
+            await asyncio.sleep(w.pause_s * rng.uniform(0.5, 1.5))  # the trainer step
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(tenant(t) for t in range(w.tenants)))
+    result.wall_s = time.perf_counter() - t0
+    stop.set()
+    sched.wake()
+    await pool
+    for g in done:
+        for i, r in enumerate(g.results):
+            if r is not None:
+                result.tokens += len(r.tokens)
+                result.busy_seq_s += g.finished_at[i] - g.started_at[i]
+    return result
+
+
+class _nothing:
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+
+# --------------------------------------------------------------------------- 3. publish latency
+
+
+async def publish_latency(engine: GenEngine, refs: list[AdapterRef], spare: str, root: Path, trials: int) -> list[float]:
+    done: list[Group] = []
+    sched, futures = make_scheduler(engine, 32, 0, done)
+    stop = asyncio.Event()
+    pool = asyncio.create_task(run_pool(sched, stop))
+    busy = [submit(sched, futures, Group(request_id=f"busy-{i}", tenant_id="busy", prompt=(5, 6, 7), n=4,
+                                         spec=SamplingSpec(max_tokens=200, eos_stops=False), adapter=refs[i % len(refs)]))
+            for i in range(4)]
+    out = []
+    for k in range(trials):
+        version = root / f"published-v{k}"
+        shutil.copytree(spare, version)  # what save_weights_for_sampler leaves: a new directory
+        ref = AdapterRef(key=str(version), path=str(version), model_id="m-new", name="new")
+        t0 = time.perf_counter()
+        await submit(sched, futures, Group(request_id=f"pub-{k}", tenant_id="pub", prompt=(5, 6, 7), n=1,
+                                           spec=SamplingSpec(max_tokens=1), adapter=ref, model_id="m-new"))
+        out.append(time.perf_counter() - t0)
+    await asyncio.gather(*busy)
+    stop.set()
+    sched.wake()
+    await pool
+    return out
+
+
+# --------------------------------------------------------------------------- main
+
+
+async def main_async(args) -> dict:
+    root = Path(tempfile.mkdtemp(prefix="genpool-fill-"))
+    try:
+        base, paths = build(root, args.tenants)
+        settings = GenPoolSettings(max_loras=args.tenants + 2, max_cpu_loras=4 * args.tenants + 8, max_lora_rank=8,
+                                   concurrency_target=2 * args.target, kv_cache_gib=1)
+        t0 = time.perf_counter()
+        engine = await GenEngine.start(base, settings, root / "work")
+        print(f"engine start: {time.perf_counter() - t0:.1f} s (model {BENCH_SPEC})", flush=True)
+        refs = [AdapterRef(key=p, path=p, model_id=f"m{i}", name=f"t{i}") for i, p in enumerate(paths[:-1])]
+        for r in refs:
+            await engine.load(r)
+        await step_curve(engine, refs, 4)  # warm-up
+
+        print("\n1. decode-step curve (mixed adapters, 48 tokens each)")
+        print(f"{'running':>8} {'ms/step':>9} {'tokens/s':>9}")
+        curve = await step_curve(engine, refs, args.target)
+        for k, ms, tps in curve:
+            print(f"{k:>8} {ms:>9.1f} {tps:>9.0f}")
+        w = Workload(args.tenants, args.rounds, args.groups, args.n, args.median_len, args.sigma, args.max_len,
+                     args.pause, args.seed)
+        mean_len = statistics.mean(x for t in range(w.tenants) for r in range(w.rounds) for gi in range(w.groups)
+                                   for x in w.lengths(t, r, gi))
+        print(f"\n2. {w.tenants} tenants x {w.rounds} rounds x {w.groups} groups x n={w.n}; lengths lognormal "
+              f"(median {w.median_len}, sigma {w.sigma}, cap {w.max_len}, mean {mean_len:.0f}); pause {w.pause_s} s; "
+              f"target {args.target} running sequences", flush=True)
+        results = {}
+        for mode in ("shared", "partitioned", "serial"):
+            results[mode] = await run_mode(mode, engine, refs, w, args.target)
+            r = results[mode]
+            print(f"   {mode:<12} done in {r.wall_s:6.1f} s", flush=True)
+        print(f"\n{'':<22}" + "".join(f"{m:>14}" for m in results))
+        print(f"{'tokens/s':<22}" + "".join(f"{r.tps:>14.0f}" for r in results.values()))
+        print(f"{'slot utilisation':<22}" + "".join(f"{r.util:>14.2f}" for r in results.values()))
+        print(f"{'wall s':<22}" + "".join(f"{r.wall_s:>14.1f}" for r in results.values()))
+        for t in range(w.tenants):
+            print(f"{f'tenant {t} ttb p50/p95 s':<22}" +
+                  "".join(f"{f'{r.p(t, 0.5):.2f}/{r.p(t, 0.95):.2f}':>14}" for r in results.values()))
+        shared, part = results["shared"], results["partitioned"]
+        ratios = [shared.p(t, 0.95) / part.p(t, 0.95) for t in range(w.tenants)]
+
+        lat = await publish_latency(engine, refs, paths[-1], root, args.publish_trials)
+        print(f"\n3. publish-to-first-token while busy: p50 {1000 * statistics.median(lat):.0f} ms, "
+              f"max {1000 * max(lat):.0f} ms over {len(lat)} new versions")
+        engine.shutdown()
+        summary = {
+            "shared_over_partitioned_tps": round(shared.tps / part.tps, 3),
+            "worst_tenant_p95_ttb_ratio": round(max(ratios), 3),
+            "slot_util_shared": round(shared.util, 3),
+            "slot_util_partitioned": round(part.util, 3),
+            "slot_util_serial": round(results["serial"].util, 3),
+            "tps": {m: round(r.tps, 1) for m, r in results.items()},
+            "step_ms_1_vs_target": [round(curve[0][1], 1), round(next(ms for k, ms, _ in curve if k >= args.target), 1)],
+            "publish_to_first_token_ms_p50": round(1000 * statistics.median(lat), 1),
+        }
+        summary["target_met"] = summary["shared_over_partitioned_tps"] >= 1.5 and summary["worst_tenant_p95_ttb_ratio"] <= 1.1
+        return summary
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
+    ap.add_argument("--tenants", type=int, default=4)
+    ap.add_argument("--target", type=int, default=32, help="running sequences the engine is kept at")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--groups", type=int, default=16, help="sample(n) groups per batch")
+    ap.add_argument("--n", type=int, default=4, help="sequences per group")
+    ap.add_argument("--median-len", type=int, default=32)
+    ap.add_argument("--sigma", type=float, default=1.0)
+    ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--pause", type=float, default=1.5, help="seconds of 'trainer step' between batches")
+    ap.add_argument("--publish-trials", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.publish_trials = 2, 2
+    summary = asyncio.run(main_async(args))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

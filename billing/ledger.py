@@ -1,0 +1,125 @@
+"""The usage ledger: one append-only row per completed request, priced when it is written.
+
+Workers call `record_usage` inside the transaction that marks the request done, so a request is
+done and billed together or neither; the ledger's unique `request_id` makes a second call for the
+same request a no-op, so a request is billed at most once. A failed request is never recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+
+import psycopg
+from psycopg.rows import dict_row
+
+from billing.price_book import current_price_sync
+from billing.pricing import Cost, Units, cost_of
+
+log = logging.getLogger("quilt.billing")
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    id: int
+    request_id: str
+    tenant_id: str
+    base_model: str
+    units: Units
+    price_id: int | None
+    cost: Cost
+    created_at: datetime
+
+
+_INSERT = """
+INSERT INTO usage_ledger (request_id, tenant_id, api_key_id, model_id, base_model,
+                          prefill_tokens, sample_tokens, train_tokens, price_id,
+                          prefill_micro_usd, sample_micro_usd, train_micro_usd, cost_micro_usd)
+VALUES (%(request_id)s, %(tenant_id)s,
+        COALESCE(%(api_key_id)s, (SELECT api_key_id FROM requests WHERE id = %(request_id)s)),
+        %(model_id)s, %(base_model)s, %(prefill)s, %(sample)s, %(train)s, %(price_id)s,
+        %(prefill_cost)s, %(sample_cost)s, %(train_cost)s, %(cost)s)
+ON CONFLICT (request_id) DO NOTHING
+RETURNING id, api_key_id, created_at
+"""
+
+_DAILY = """
+INSERT INTO usage_daily AS d (tenant_id, api_key_id, day, base_model, requests, prefill_tokens, sample_tokens,
+                              train_tokens, prefill_micro_usd, sample_micro_usd, train_micro_usd, cost_micro_usd)
+VALUES (%(tenant_id)s, %(key)s, (%(at)s::timestamptz AT TIME ZONE 'UTC')::date, %(base_model)s, 1,
+        %(prefill)s, %(sample)s, %(train)s, %(prefill_cost)s, %(sample_cost)s, %(train_cost)s, %(cost)s)
+ON CONFLICT (tenant_id, day, base_model, api_key_id) DO UPDATE SET
+    requests = d.requests + 1,
+    prefill_tokens = d.prefill_tokens + EXCLUDED.prefill_tokens,
+    sample_tokens = d.sample_tokens + EXCLUDED.sample_tokens,
+    train_tokens = d.train_tokens + EXCLUDED.train_tokens,
+    prefill_micro_usd = d.prefill_micro_usd + EXCLUDED.prefill_micro_usd,
+    sample_micro_usd = d.sample_micro_usd + EXCLUDED.sample_micro_usd,
+    train_micro_usd = d.train_micro_usd + EXCLUDED.train_micro_usd,
+    cost_micro_usd = d.cost_micro_usd + EXCLUDED.cost_micro_usd
+"""
+
+_HOURLY = """
+INSERT INTO usage_hourly AS h (tenant_id, hour, requests, prefill_tokens, sample_tokens, train_tokens, cost_micro_usd)
+VALUES (%(tenant_id)s, date_trunc('hour', %(at)s::timestamptz, 'UTC'), 1, %(prefill)s, %(sample)s, %(train)s, %(cost)s)
+ON CONFLICT (tenant_id, hour) DO UPDATE SET
+    requests = h.requests + 1,
+    prefill_tokens = h.prefill_tokens + EXCLUDED.prefill_tokens,
+    sample_tokens = h.sample_tokens + EXCLUDED.sample_tokens,
+    train_tokens = h.train_tokens + EXCLUDED.train_tokens,
+    cost_micro_usd = h.cost_micro_usd + EXCLUDED.cost_micro_usd
+"""
+
+
+def record_usage(conn: psycopg.Connection, *, request_id: str, tenant_id: str, api_key_id: str | None,
+                 model_id: str | None, base_model: str, units: Units) -> LedgerEntry | None:
+    """Price and record one successfully completed request; returns its entry, or None if this
+    request was already recorded (a redelivery): it is never billed twice.
+
+    Call it on the SAME connection and inside the SAME transaction that marks the request done, and
+    only for requests that succeeded (a failed request is not billed)::
+
+        with conn.transaction():
+            records.mark_finished(conn, request_id, None)
+            record_usage(conn, request_id=request_id, tenant_id=tenant_id, api_key_id=None,
+                         model_id=model_id, base_model=base_model,
+                         units=Units(prefill_tokens=prompt_tokens, sample_tokens=sampled_tokens))
+
+    Args:
+        request_id: the request's id (the ledger is unique on it).
+        tenant_id: who pays.
+        api_key_id: the key that submitted the request; None = read it from the `requests` row with
+            this id (NULL if there is none).
+        model_id: the training model or sampler the request ran on (informational).
+        base_model: catalogue name of the base model; selects the price.
+        units: metered tokens. Trainer: `forward_backward` -> train_tokens = model-input tokens;
+            `forward` -> prefill_tokens. Sampler: prefill_tokens = prompt tokens actually prefilled
+            (x n sequences unless the prompt is shared), sample_tokens = tokens generated across all
+            sequences. Requests with no tokens (optim_step, save, ...) are recorded at zero cost so
+            every completed request has a row.
+
+    The price is the price-book entry for `base_model` in force at the transaction's `now()`; a base
+    model without any price is recorded at zero cost with `price_id` NULL (and logged), so usage is
+    never lost for want of a price.
+    """
+    price = current_price_sync(conn, base_model)
+    if price is None and not units.empty:
+        log.warning("no price for base model %r: request %s recorded at zero cost", base_model, request_id)
+    cost = cost_of(units, price)
+    params = {
+        "request_id": request_id, "tenant_id": tenant_id, "api_key_id": api_key_id, "model_id": model_id,
+        "base_model": base_model, "prefill": units.prefill_tokens, "sample": units.sample_tokens,
+        "train": units.train_tokens, "price_id": price.id if price else None,
+        "prefill_cost": cost.prefill_micro_usd, "sample_cost": cost.sample_micro_usd,
+        "train_cost": cost.train_micro_usd, "cost": cost.total_micro_usd,
+    }
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(_INSERT, params).fetchone()
+        if row is None:
+            return None
+        params.update(at=row["created_at"], key=row["api_key_id"] or "")
+        cur.execute(_DAILY, params)
+        cur.execute(_HOURLY, params)
+    return LedgerEntry(id=row["id"], request_id=request_id, tenant_id=tenant_id, base_model=base_model,
+                       units=units, price_id=price.id if price else None, cost=cost, created_at=row["created_at"])

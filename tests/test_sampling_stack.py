@@ -1,0 +1,181 @@
+"""Sampling through the real stack (API, trainer, generation worker with vLLM), via the SDK and raw
+HTTP: versioned weights, trainer/sampler agreement, deadlines, cancellation, isolation, bad input."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import quilt
+from stackutil import TINY, wait_future
+
+pytestmark = pytest.mark.stack
+
+# The sampler (vLLM, fp32) and the trainer (torch + PEFT, fp32) compute the same logprobs; the
+# tolerance covers summation-order differences (measured ~1e-5).
+LOGPROB_TOL = 1e-3
+PROMPT = [5, 6, 7, 8, 9]
+
+
+def _train(tc: quilt.TrainingClient, steps: int) -> None:
+    datum = quilt.datum_for_next_token([5, 6, 7, 8, 9, 10, 11, 12])
+    for _ in range(steps):
+        tc.train_step([datum], adam=quilt.AdamParams(learning_rate=1e-2))
+
+
+def _trainer_logprobs(tc: quilt.TrainingClient, prompt: list[int], completion: list[int]) -> list[float]:
+    out = tc.forward([quilt.datum_for_next_token(prompt + completion)]).result()
+    return out.loss_fn_outputs[0]["logprobs"].data[len(prompt) - 1:]
+
+
+def test_published_versions_are_tagged_and_served_without_restart(stack, tenant):
+    with stack.sdk(tenant.key) as client:
+        tc = client.create_training_client(TINY, rank=8, seed=1)
+        snapshot = tc.save_weights_and_get_sampling_client()
+        _train(tc, 2)
+        path = tc.save_weights_for_sampler("pub").result()
+        assert path == f"tinker://{tc.model_id}/sampler_weights/pub"
+        sampler = client.create_sampling_client(model_path=path)
+        params = quilt.SamplingParams(max_tokens=6, seed=3, stop=[])
+        v2 = sampler.sample(PROMPT, 3, params).result()
+        assert [(s.model_id, s.policy_version) for s in v2.sequences] == [(tc.model_id, 2)] * 3
+        assert all(len(s.tokens) == 6 and s.stop_reason == "length" for s in v2.sequences)
+        for seq in v2.sequences:  # the sampler's logprobs are the trainer's (torch + PEFT) logprobs
+            expected = _trainer_logprobs(tc, PROMPT, seq.tokens)
+            assert max(abs(a - b) for a, b in zip(seq.logprobs, expected)) < LOGPROB_TOL
+
+        # Publish the same name again: the same sampler serves the new version, no restart.
+        _train(tc, 1)
+        tc.save_weights_for_sampler("pub").result()
+        v3 = sampler.sample(PROMPT, 1, params).result().sequences[0]
+        assert v3.policy_version == 3
+        assert max(abs(a - b) for a, b in zip(v3.logprobs, _trainer_logprobs(tc, PROMPT, v3.tokens))) < LOGPROB_TOL
+
+        # The anonymous snapshot still samples the weights it was taken from (before training).
+        old = snapshot.sample(PROMPT, 1, params).result().sequences[0]
+        assert old.policy_version == 0
+        base = client.create_sampling_client(base_model=TINY).sample(PROMPT, 1, params).result().sequences[0]
+        assert (base.model_id, base.policy_version) == (TINY, 0)
+        # A fresh LoRA's B is zero: the untrained snapshot samples exactly like the base.
+        assert old.tokens == base.tokens
+
+
+def test_compute_logprobs_matches_the_trainer(stack, tenant):
+    with stack.sdk(tenant.key) as client:
+        tc = client.create_training_client(TINY, rank=4, seed=2)
+        _train(tc, 2)
+        sampler = tc.save_weights_and_get_sampling_client()
+        tokens = [5, 6, 7, 8, 9, 10, 40, 41]
+        lps = sampler.compute_logprobs(tokens).result()
+        assert lps[0] is None and len(lps) == len(tokens)
+        expected = _trainer_logprobs(tc, tokens[:1], tokens[1:])
+        assert max(abs(a - b) for a, b in zip(lps[1:], expected)) < LOGPROB_TOL
+
+
+def test_group_completes_with_all_samples_and_stop_tokens(stack, tenant):
+    with stack.sdk(tenant.key) as client:
+        sampler = client.create_sampling_client(base_model=TINY)
+        free = sampler.sample(PROMPT, 4, quilt.SamplingParams(max_tokens=12, seed=9, stop=[])).result()
+        assert len(free.sequences) == 4 and len({s.sequence_id for s in free.sequences}) == 4
+        assert all(len(s.tokens) == 12 and len(s.logprobs) == 12 for s in free.sequences)
+        first = free.sequences[0].tokens
+        stop_tok = first[4]
+        stopped = sampler.sample(PROMPT, 1, quilt.SamplingParams(max_tokens=12, seed=9, stop=[stop_tok])).result()
+        seq = stopped.sequences[0]
+        assert seq.stop_reason == "stop" and seq.tokens == first[: first.index(stop_tok) + 1]
+
+
+def _asample(client, sampler_id: str, **kw) -> dict:
+    body = {"sampling_session_id": sampler_id, "num_samples": kw.pop("n", 1),
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": kw.pop("tokens", PROMPT)}]},
+            "sampling_params": kw.pop("params", {"max_tokens": 4}), **kw}
+    return client.post("/asample", json=body)
+
+
+def _base_sampler(http) -> str:
+    session = http.post("/create_session", json={}).json()["session_id"]
+    r = http.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
+                                                    "base_model": TINY})
+    r.raise_for_status()
+    return r.json()["sampling_session_id"]
+
+
+def test_deadline_aborts_and_reports(stack, tenant):
+    http = stack.http(tenant.key)
+    sampler = _base_sampler(http)
+    r = _asample(http, sampler, n=2, params={"max_tokens": 1900, "stop": []}, deadline_s=0.5)
+    assert r.status_code == 200 and len(r.json()["sample_sequence_ids"]) == 2
+    result = wait_future(http, r.json()["request_id"])
+    assert result["category"] == "user" and "deadline" in result["error"], result
+    # The pool is still healthy and serves the next request.
+    ok = wait_future(http, _asample(http, sampler, params={"max_tokens": 3}).json()["request_id"])
+    assert len(ok["sequences"][0]["tokens"]) == 3
+
+
+def test_cancel_future_aborts(stack, tenant):
+    http = stack.http(tenant.key)
+    sampler = _base_sampler(http)
+    rid = _asample(http, sampler, params={"max_tokens": 1900, "stop": []}).json()["request_id"]
+    assert http.post("/cancel_future", json={"request_id": rid}).status_code == 200
+    result = wait_future(http, rid)
+    assert result["category"] == "user" and "cancelled" in result["error"], result
+
+
+def test_other_tenants_samplers_are_404(stack):
+    a, b = stack.create_tenant("a"), stack.create_tenant("b")
+    with stack.sdk(a.key) as client:
+        tc = client.create_training_client(TINY, rank=4, seed=0)
+        path = tc.save_weights_for_sampler("mine").result()
+        sampler = client.create_sampling_client(model_path=path)
+    http = stack.http(b.key)
+    session = http.post("/create_session", json={}).json()["session_id"]
+    r = http.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
+                                                    "model_path": path})
+    assert r.status_code == 404
+    assert http.get(f"/samplers/{sampler.sampling_session_id}").status_code == 404
+    assert _asample(http, sampler.sampling_session_id).status_code == 404
+    r = http.post("/asample", json={"model_path": path, "num_samples": 1,
+                                    "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]}})
+    assert r.status_code == 404
+    r = http.post("/save_weights_for_sampler", json={"model_id": tc.model_id, "seq_id": 9, "path": "x"})
+    assert r.status_code == 404
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"params": {"max_tokens": 4, "temperature": -1}}, "sampling_params.temperature"),
+    ({"params": {"max_tokens": 4, "top_p": 0}}, "sampling_params.top_p"),
+    ({"params": {"max_tokens": 4, "top_k": 0}}, "sampling_params.top_k"),
+    ({"params": {"max_tokens": 10**7}}, "sampling_params.max_tokens"),
+    ({"params": {"max_tokens": 0}}, "sampling_params.max_tokens"),
+    ({"params": {"max_tokens": 4, "stop": [1, "x"]}}, "sampling_params.stop"),
+    ({"params": {"max_tokens": 4, "seed": -1}}, "sampling_params.seed"),
+    ({"tokens": [5, 100_000]}, "prompt"),
+    ({"tokens": [5, -1]}, "prompt"),
+    ({"tokens": []}, "prompt"),
+    ({"n": 0}, "num_samples"),
+    ({"n": 100_000}, "num_samples"),
+    ({"topk_prompt_logprobs": 5}, "topk_prompt_logprobs"),
+    ({"deadline_s": -1}, "deadline_s"),
+])
+def test_bad_sampling_requests_are_4xx(stack, tenant, change, field):
+    http = stack.http(tenant.key)
+    r = _asample(http, _base_sampler(http), **change)
+    assert r.status_code == 400, r.text
+    assert r.json()["field"].startswith(field), r.json()
+
+
+def test_bad_adapter_fails_only_its_request(stack, tenant):
+    with stack.sdk(tenant.key) as client:
+        tc = client.create_training_client(TINY, rank=4, seed=0)
+        path = tc.save_weights_for_sampler("broken").result()
+        storage = next(Path(stack.data_dir, "checkpoints").glob(f"*/{tc.model_id}/sampler_weights/broken/*"))
+        (storage / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+        sampler = client.create_sampling_client(model_path=path)
+        with pytest.raises(quilt.UserRequestError, match="adapter"):
+            sampler.sample(PROMPT, 1, quilt.SamplingParams(max_tokens=3)).result()
+        shutil.rmtree(storage)
+        with pytest.raises(quilt.UserRequestError, match="adapter"):
+            sampler.sample(PROMPT, 1, quilt.SamplingParams(max_tokens=3)).result()
+        good = tc.save_weights_and_get_sampling_client()
+        assert len(good.sample(PROMPT, 2, quilt.SamplingParams(max_tokens=3)).result().sequences) == 2
