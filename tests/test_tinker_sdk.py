@@ -76,6 +76,8 @@ def test_training_flow_through_the_official_sdk(stack, tenant):
         assert {tc.model_id, restored.model_id} <= {r.training_run_id for r in runs}
         info = rest.get_weights_info_by_tinker_path(saved.path).result()
         assert info.base_model == TINY and info.lora_rank == 8
+        rest.delete_checkpoint_from_tinker_path(saved.path).result()
+        assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
 
 
 def test_custom_loss_runs_through_forward_and_cross_entropy(stack, tenant):
