@@ -15,12 +15,11 @@ import signal
 import time
 
 import psycopg
-from psycopg.rows import dict_row
 
 from batcher.backend import LoraBackend, PassRequest
 from batcher.policy import FairShare, RoundPlan, plan_round
 from batcher.queues import ModelQueues, _Entry
-from billing.ledger import record_usage
+from billing.ledger import settle
 from billing.pricing import training_units
 from core import catalog, db, health, ids, queue, records, redis_client
 from core.errors import QuiltError, ServerError
@@ -55,11 +54,8 @@ class TrainerWorker:
     # ------------------------------------------------------------------ setup
 
     def _db(self) -> psycopg.Connection:
-        """One autocommit connection for the worker's small writes, reopened if it broke."""
-        conn = getattr(self, "_conn", None)
-        if conn is None or conn.closed or conn.broken:
-            conn = self._conn = psycopg.connect(self.db_url, autocommit=True, row_factory=dict_row)
-        return conn
+        self._conn = db.live_connection(getattr(self, "_conn", None), self.db_url)
+        return self._conn
 
     def prepare(self) -> None:
         try:
@@ -209,15 +205,8 @@ class TrainerWorker:
             result = queue.Outcome(item.request_id, result=outcome)
         # Redis first so the waiting client is answered; then the durable record; then the ack.
         queue.publish_sync(self.redis, result, self.result_ttl_s)
-        conn = self._db()
-        # Done and billed together, in one transaction; the ledger is unique on request_id, so a
-        # redelivered request is not billed twice, and a failed request is not billed at all.
-        with conn.transaction():
-            finished_now = records.mark_finished(conn, item.request_id, result.error)
-            if finished_now and result.ok:
-                record_usage(conn, request_id=item.request_id, tenant_id=item.tenant_id, api_key_id=None,
-                             model_id=item.model_id, base_model=self.base_model,
-                             units=training_units(item.kind, item.n_tokens))
+        settle(self._db(), request_id=item.request_id, tenant_id=item.tenant_id, model_id=item.model_id,
+               base_model=self.base_model, error=result.error, units=training_units(item.kind, item.n_tokens))
         self._ack(entry.stream_id)
 
     def _ack(self, stream_id: str) -> None:

@@ -15,6 +15,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from billing.price_book import current_price_sync
+from core import records
 from billing.pricing import Cost, Units, cost_of
 
 log = logging.getLogger("quilt.billing")
@@ -123,3 +124,15 @@ def record_usage(conn: psycopg.Connection, *, request_id: str, tenant_id: str, a
         cur.execute(_HOURLY, params)
     return LedgerEntry(id=row["id"], request_id=request_id, tenant_id=tenant_id, base_model=base_model,
                        units=units, price_id=price.id if price else None, cost=cost, created_at=row["created_at"])
+
+
+def settle(conn: psycopg.Connection, *, request_id: str, tenant_id: str, model_id: str | None, base_model: str,
+           error: dict | None, units: Units | None) -> None:
+    """Finish a request the way every worker must: mark it done or failed and, if it succeeded and
+    only the first time, record its usage, all in one transaction. A redelivery after a crash
+    changes nothing; a failed request (or one with `units` None) is not billed."""
+    with conn.transaction():
+        finished_now = records.mark_finished(conn, request_id, error)
+        if finished_now and error is None and units is not None:
+            record_usage(conn, request_id=request_id, tenant_id=tenant_id, api_key_id=None, model_id=model_id,
+                         base_model=base_model, units=units)

@@ -24,6 +24,13 @@ def connect(url: str | None = None) -> Iterator[psycopg.Connection]:
         yield conn
 
 
+def live_connection(conn: psycopg.Connection | None, url: str) -> psycopg.Connection:
+    """A worker's one autocommit connection for its small writes: `conn` if usable, else a new one."""
+    if conn is None or conn.closed or conn.broken:
+        conn = psycopg.connect(url, autocommit=True, row_factory=dict_row)
+    return conn
+
+
 def async_pool(url: str, *, max_size: int = 16) -> AsyncConnectionPool:
     """A pool for the API; open it in the app's lifespan."""
     return AsyncConnectionPool(

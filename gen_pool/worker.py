@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 
 import psycopg
-from psycopg.rows import dict_row
 
-from core import catalog, db, health, queue, records, redis_client
+from billing.ledger import settle
+from billing.pricing import Units
+from core import catalog, db, health, queue, redis_client
 from core.errors import QuiltError, ServerError
 from core.settings import get_api_settings, get_core_settings
 from gen_pool import wire
@@ -31,11 +32,6 @@ from gen_pool.params import SamplingSpec
 from gen_pool.scheduler import Group, Scheduler
 from gen_pool.settings import GenPoolSettings, get_gen_pool_settings
 
-try:  # metering lives in billing/; sampling works without it
-    from billing.ledger import record_usage
-    from billing.pricing import Units
-except ImportError:  # pragma: no cover
-    record_usage = None
 
 log = logging.getLogger("quilt.gen")
 
@@ -184,20 +180,15 @@ class GenWorker:
 
     def _record(self, conn: psycopg.Connection, item: queue.WorkItem, error: dict | None,
                 usage: tuple[int, int] | None) -> None:
-        with conn.transaction():
-            records.mark_finished(conn, item.request_id, error)
-            if error is None and usage is not None and record_usage is not None:
-                record_usage(conn, request_id=item.request_id, tenant_id=item.tenant_id, api_key_id=None,
-                             model_id=item.model_id or None, base_model=self.base_model,
-                             units=Units(prefill_tokens=usage[0], sample_tokens=usage[1]))
+        settle(conn, request_id=item.request_id, tenant_id=item.tenant_id, model_id=item.model_id or None,
+               base_model=self.base_model, error=error,
+               units=Units(prefill_tokens=usage[0], sample_tokens=usage[1]) if usage is not None else None)
 
     # ------------------------------------------------------------------ plumbing
 
     def _db(self) -> psycopg.Connection:
-        conn = self._conn
-        if conn is None or conn.closed or conn.broken:
-            conn = self._conn = psycopg.connect(self.db_url, autocommit=True, row_factory=dict_row)
-        return conn
+        self._conn = db.live_connection(self._conn, self.db_url)
+        return self._conn
 
     async def _db_call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._db_thread, lambda: fn(self._db(), *args))
