@@ -133,14 +133,17 @@ class SamplingClient:
         sampling_session_id: the server's id of this sampler.
         base_model: the base model it samples.
         model_path: the ``tinker://.../sampler_weights/...`` weights it samples (None for a base).
+        policy_version: optimizer steps of those weights when they were published, where known
+            (``TrainingClient.save_weights_and_get_sampling_client`` knows it; None otherwise).
     """
 
     def __init__(self, sampling_session_id: str, *, base_model: str | None, model_path: str | None,
-                 runner: LoopThread, http: HTTPTransport) -> None:
+                 runner: LoopThread, http: HTTPTransport, policy_version: int | None = None) -> None:
         """Internal: built by :class:`quilt.Client` and :class:`quilt.TrainingClient`."""
         self.sampling_session_id = sampling_session_id
         self.base_model = base_model
         self.model_path = model_path
+        self.policy_version = policy_version
         self._runner = runner
         self._http = http
         self._seq_ids = itertools.count()  # dedupe key of resubmissions, not an order

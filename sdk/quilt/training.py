@@ -284,8 +284,10 @@ class TrainingClient:
         session_id = str(require(result, "sampling_session_id", "save_weights_for_sampler result"))
         info = await self._get_info()
         base_model = (info.get("model_data") or {}).get("model_name")
+        version = result.get("policy_version")
         return SamplingClient(session_id, base_model=base_model, model_path=result.get("path"),
-                              runner=self._runner, http=self._http)
+                              runner=self._runner, http=self._http,
+                              policy_version=int(version) if version is not None else None)
 
 
 def _sampler_payload(name: str) -> Payload:

@@ -186,24 +186,34 @@ class Datum:
 
     ``loss_fn_inputs`` maps names (``target_tokens``, ``weights``, ``advantages``, ...) to
     TensorData; lists and array-likes are converted using :data:`LOSS_FN_INPUT_DTYPES`.
-    ``model_input`` may also be given as a plain list of token ids.
+    ``model_input`` may also be given as a plain list of token ids. ``policy_version`` names the
+    policy version (optimizer steps) of the weights that sampled this datum's tokens; the server
+    then reports its staleness and can drop it past ``loss_fn_config["max_staleness"]``.
     """
 
     model_input: ModelInput
     loss_fn_inputs: dict[str, TensorData] = field(default_factory=dict)
+    policy_version: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_input, ModelInput):
             object.__setattr__(self, "model_input", ModelInput.from_ints(self.model_input))
         converted = {key: _loss_input(key, value) for key, value in self.loss_fn_inputs.items()}
         object.__setattr__(self, "loss_fn_inputs", converted)
+        if self.policy_version is not None and (isinstance(self.policy_version, bool)
+                                                or not isinstance(self.policy_version, int)
+                                                or self.policy_version < 0):
+            raise ValueError(f"policy_version must be an int >= 0, got {self.policy_version!r}")
 
     def to_json(self) -> dict[str, Any]:
-        """The wire form ``{"model_input": {...}, "loss_fn_inputs": {name: TensorData}}``."""
-        return {
+        """The wire form ``{"model_input": {...}, "loss_fn_inputs": {name: TensorData}, "policy_version"?}``."""
+        body: dict[str, Any] = {
             "model_input": self.model_input.to_json(),
             "loss_fn_inputs": {k: v.to_json() for k, v in self.loss_fn_inputs.items()},
         }
+        if self.policy_version is not None:
+            body["policy_version"] = self.policy_version
+        return body
 
 
 def datum_for_next_token(tokens: Sequence[int] | Any, weights: Sequence[float] | Any = None) -> Datum:

@@ -1,0 +1,266 @@
+"""quilt.rl without a server: advantages, group filtering, outcome handling, datums, the staleness
+rule, and the pipeline's bound under out-of-order group completion.
+
+The pipeline tests drive `run_grpo` with an in-process trainer/sampler pair that keeps a policy
+version like the real server does (every optimizer step +1, every published sampler tagged with
+it) and finishes sample requests after random delays, so groups complete out of order as long-tail
+rollouts do. The same pipeline runs against the real stack in tests/test_rl_stack.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+import quilt
+from quilt import rl
+from quilt.rl.grpo import Episode, Turn
+
+
+def ep(reward: float, outcome: str = "success", version: int | None = 3) -> Episode:
+    return Episode(turns=[Turn(prompt=[1, 2, 3], tokens=[7, 8], logprobs=[-0.5, -1.5], policy_version=version)],
+                   reward=reward, outcome=outcome)
+
+
+# -- advantages and filtering -------------------------------------------------------------
+
+
+def test_group_advantages_are_centred_and_optionally_normalised():
+    assert rl.group_advantages([1.0, 0.0, 0.5, 0.5]) == [0.5, -0.5, 0.0, 0.0]
+    normed = rl.group_advantages([1.0, 0.0], normalize=True)
+    assert normed[0] == pytest.approx(1.0, abs=1e-5) and normed[1] == pytest.approx(-1.0, abs=1e-5)
+    assert rl.group_advantages([]) == []
+
+
+def test_zero_advantage_group_is_filtered():
+    plan = rl.plan_group([ep(1.0), ep(1.0), ep(1.0)])
+    assert plan.status == "zero_advantage" and plan.advantages == [0.0, 0.0, 0.0]
+    assert rl.plan_group([ep(0.0), ep(0.0)]).status == "zero_advantage"
+
+
+def test_infra_failures_are_excluded_before_the_mean():
+    plan = rl.plan_group([ep(1.0), ep(0.0), ep(0.0, "infra_failure"), ep(0.5, "unknown")])
+    assert plan.status == "train"
+    assert plan.trainable == [True, True, False, True]
+    # mean over the three trainable episodes is 0.5; the infra one gets no advantage
+    assert plan.advantages == pytest.approx([0.5, -0.5, 0.0, 0.0])
+
+
+def test_group_with_fewer_than_two_trainable_episodes_is_dropped():
+    plan = rl.plan_group([ep(1.0), ep(0.0, "infra_failure"), ep(0.3, "infra_failure")])
+    assert plan.status == "too_few"
+    # model failures are trained on: a wrong answer is a real, low reward
+    assert rl.plan_group([ep(1.0), ep(0.0, "model_failure")]).status == "train"
+
+
+def test_episode_datums_carry_logprobs_advantages_and_version():
+    (datum,) = rl.episode_datums(ep(1.0, version=4), 0.25)
+    assert datum.model_input.to_ints() == [1, 2, 3, 7]
+    inputs = {k: v.data for k, v in datum.loss_fn_inputs.items()}
+    assert inputs["target_tokens"] == [2, 3, 7, 8]
+    assert inputs["logprobs"] == [0.0, 0.0, -0.5, -1.5]
+    assert inputs["advantages"] == [0.0, 0.0, 0.25, 0.25]
+    assert inputs["weights"] == [0.0, 0.0, 1.0, 1.0]
+    assert datum.policy_version == 4 and datum.to_json()["policy_version"] == 4
+
+
+def test_step_result_validates():
+    with pytest.raises(ValueError, match="outcome"):
+        rl.StepResult(reward=1.0, outcome="great")
+    with pytest.raises(ValueError, match="finite"):
+        rl.StepResult(reward=float("nan"))
+    with pytest.raises(ValueError, match="next_prompt"):
+        rl.StepResult(reward=0.0, done=False)
+
+
+# -- the staleness rule -------------------------------------------------------------------
+
+
+def gate(**kw):
+    base = dict(consuming_step=5, queued=0, groups_per_batch=4, sampler_version=5, max_staleness=0,
+                in_flight=0, concurrency=100, groups_needed=100)
+    return rl.may_start_group(**{**base, **kw})
+
+
+def test_on_policy_gate_fills_one_batch_then_waits_for_new_weights():
+    assert gate(queued=3)
+    assert not gate(queued=4)  # a fifth group would feed step 6 with version-5 weights
+    assert not gate(consuming_step=6)  # batch taken, new weights not published yet
+
+
+def test_staleness_one_allows_one_batch_ahead():
+    assert gate(max_staleness=1, queued=7)
+    assert not gate(max_staleness=1, queued=8)
+    assert gate(max_staleness=1, consuming_step=6, queued=3)
+    assert not gate(max_staleness=1, consuming_step=6, queued=4)
+
+
+def test_gate_respects_concurrency_and_remaining_need():
+    assert not gate(max_staleness=3, in_flight=4, concurrency=4)
+    assert not gate(max_staleness=3, queued=8, groups_needed=8)
+
+
+# -- outcome handling in rollouts ---------------------------------------------------------
+
+
+class FakeSampler:
+    """Samples `n` sequences of fixed tokens after a random delay, tagged with its version."""
+
+    def __init__(self, version: int, rng: random.Random, fail: bool = False) -> None:
+        self.policy_version = version
+        self.rng = rng
+        self.fail = fail
+        self.requests = 0
+
+    async def sample_async(self, prompt, n, params):
+        self.requests += 1
+        if self.fail:
+            raise quilt.ServerRequestError("engine died", category="server")
+        delay = self.rng.lognormvariate(-5, 1.0)
+        version = self.policy_version
+
+        async def result():
+            await asyncio.sleep(delay)
+            return quilt.SampleResponse(sequences=[
+                quilt.SampledSequence(tokens=[self.rng.randrange(10) for _ in range(3)], logprobs=[-1.0] * 3,
+                                      stop_reason="length", model_id="m", policy_version=version)
+                for _ in range(n)])
+        return result()
+
+
+class ScoreEnv(rl.Env):
+    def __init__(self, behaviour: str = "ok") -> None:
+        self.behaviour = behaviour
+
+    async def reset(self):
+        return [1, 2]
+
+    async def step(self, tokens):
+        if self.behaviour == "raise":
+            raise RuntimeError("grader crashed")
+        if self.behaviour == "hang":
+            await asyncio.sleep(10)
+        if self.behaviour == "infra":
+            return rl.StepResult(reward=0.0, outcome="infra_failure")
+        return rl.StepResult(reward=sum(tokens) / 27, metrics={"total": float(sum(tokens))})
+
+
+def test_rollout_maps_env_failures_to_infra_and_samples_the_group_once():
+    sampler = FakeSampler(2, random.Random(0))
+    envs = [ScoreEnv(), ScoreEnv("raise"), ScoreEnv("hang"), ScoreEnv("infra"), ScoreEnv()]
+    group = asyncio.run(rl.rollout_group(0, sampler, envs, quilt.SamplingParams(max_tokens=3),
+                                         rl.EpisodeBudget(step_timeout_s=0.2)))
+    assert sampler.requests == 1  # one sample(n) for the shared prompt
+    outcomes = [e.outcome for e in group.episodes]
+    assert outcomes == ["success", "infra_failure", "infra_failure", "infra_failure", "success"]
+    assert "grader crashed" in group.episodes[1].error and "timed out" in group.episodes[2].error
+    assert group.policy_version == 2
+
+
+def test_sampling_failure_is_infra_and_budget_ends_multi_turn_episodes():
+    group = asyncio.run(rl.rollout_group(0, FakeSampler(0, random.Random(0), fail=True), [ScoreEnv()] * 2,
+                                         quilt.SamplingParams(max_tokens=3)))
+    assert [e.outcome for e in group.episodes] == ["infra_failure"] * 2
+
+    class Chatty(rl.Env):
+        async def reset(self):
+            return [5]
+
+        async def step(self, tokens):
+            return rl.StepResult(reward=0.1, done=False, next_prompt=[5, *tokens])
+
+    group = asyncio.run(rl.rollout_group(0, FakeSampler(0, random.Random(1)), [Chatty(), Chatty()],
+                                         quilt.SamplingParams(max_tokens=3), rl.EpisodeBudget(max_turns=3)))
+    for episode in group.episodes:
+        assert episode.outcome == "model_failure" and len(episode.turns) == 3
+        assert episode.reward == pytest.approx(0.3)
+        assert "3 turns" in episode.error
+
+
+# -- the pipeline -------------------------------------------------------------------------
+
+
+class FakeTrainer:
+    """Duck-types the TrainingClient methods run_grpo uses, keeping a policy version."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.version = 0
+        self.rng = rng
+        self.trained: list[tuple[int, list[int]]] = []  # (version at training, datum versions)
+        self.samplers: list[FakeSampler] = []
+
+    async def save_weights_and_get_sampling_client_async(self):
+        await asyncio.sleep(0.001)
+        sampler = FakeSampler(self.version, self.rng)
+        self.samplers.append(sampler)
+        return sampler
+
+    async def forward_backward_async(self, data, loss_fn, config):
+        assert loss_fn == "importance_sampling" and config["max_staleness"] >= 0
+        self.trained.append((self.version, [d.policy_version for d in data]))
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(quilt.ForwardBackwardOutput("", [], {"loss:sum": 1.0, "mismatch_kl:mean": 0.0}))
+        return fut
+
+    async def optim_step_async(self, adam):
+        await asyncio.sleep(self.rng.uniform(0, 0.01))
+        self.version += 1
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(quilt.OptimStepResult())
+        return fut
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_pipeline_never_trains_past_the_staleness_bound(max_staleness):
+    trainer = FakeTrainer(random.Random(max_staleness))
+    config = rl.RLConfig(group_size=4, groups_per_batch=3, max_staleness=max_staleness, log_to_server=False)
+    logs = asyncio.run(rl.run_grpo(trainer, lambda i, n: [ScoreEnv() for _ in range(n)], config, steps=12))
+    assert len(logs) == 12
+    lags = [version - v for version, versions in trainer.trained for v in versions]
+    assert lags and max(lags) <= max_staleness
+    assert all(entry.staleness_max <= max_staleness for entry in logs)
+    if max_staleness > 0:
+        assert max(lags) >= 1, "the pipeline never overlapped sampling with training"
+    if max_staleness == 0:  # synchronous: nothing can age, so nothing is dropped
+        assert sum(entry.dropped_stale for entry in logs) == 0
+
+
+def test_pipeline_counts_zero_advantage_and_infra_groups():
+    trainer = FakeTrainer(random.Random(7))
+
+    class Constant(rl.Env):
+        async def reset(self):
+            return [1]
+
+        async def step(self, tokens):
+            return rl.StepResult(reward=1.0)
+
+    def make_group(index, n):
+        kind = index % 3
+        if kind == 0:
+            return [Constant() for _ in range(n)]  # zero advantage
+        if kind == 1:
+            return [ScoreEnv("infra") for _ in range(n)]  # all infra: too few to compare
+        return [ScoreEnv() for _ in range(n)]
+
+    config = rl.RLConfig(group_size=4, groups_per_batch=3, max_staleness=0, log_to_server=False)
+    logs = asyncio.run(rl.run_grpo(trainer, make_group, config, steps=4))
+    for entry in logs:
+        assert entry.groups == 3
+        assert entry.zero_advantage_fraction == pytest.approx(1 / 3)
+        assert entry.infra_failure_rate == pytest.approx(1 / 3)
+        assert entry.outcomes["infra_failure"] == 4
+        assert entry.groups_trained == 1 and entry.datums == 4  # infra episodes never become datums
+
+
+def test_pipeline_raises_a_failing_group_builder():
+    trainer = FakeTrainer(random.Random(0))
+
+    def make_group(index, n):
+        raise KeyError("no such task")
+
+    with pytest.raises(KeyError, match="no such task"):
+        asyncio.run(rl.run_grpo(trainer, make_group, rl.RLConfig(group_size=2, groups_per_batch=1,
+                                                                 log_to_server=False), steps=2))
