@@ -49,7 +49,7 @@ class TrainerWorker:
         self._weights_at = 0.0
         self.stopping = False
         self.stats = {"rounds": 0, "requests": 0, "busy_s": 0.0, "wait_s": 0.0, "tokens": 0, "padded_tokens": 0,
-                      "models_fused": 0, "tenants_fused": 0, "started_at": time.time()}
+                      "models_fused": 0, "tenants_fused": 0, "fused_rounds": 0, "started_at": time.time()}
 
     # ------------------------------------------------------------------ setup
 
@@ -232,6 +232,7 @@ class TrainerWorker:
             self.stats["padded_tokens"] += ps.padded_tokens
             self.stats["models_fused"] += ps.models
             self.stats["tenants_fused"] += tenants
+            self.stats["fused_rounds"] += 1  # rounds with a pass: tenants_fused / fused_rounds is the mean
         key = health.trainer_rounds_key(self.base_model)
         pipe = self.redis.pipeline()
         pipe.lpush(key, json.dumps(record))

@@ -21,30 +21,43 @@ import argparse
 import json
 import random
 import time
+from dataclasses import dataclass
 
 import quilt
 from quilt import rl
 
 BASE_MODEL = "quilt/tiny-qwen3"
 BAND_WIDTH = 96
-# Disjoint bands of token ids (inside the first 1024 ids, so any base model has them), and for each
-# an instruction: a fixed arbitrary prompt that names it. With four bands it learns too, more slowly.
-BANDS = [(start, start + BAND_WIDTH) for start in (256, 640)]
-INSTRUCTIONS = [[11, 87, 140 + 9 * k, 201, 33 + k] for k in range(len(BANDS))]
+
+
+@dataclass(frozen=True)
+class BandTask:
+    """Disjoint bands of token ids (inside the first 1024 ids, so any base model has them), and for
+    each an instruction: a fixed, arbitrary prompt that names it. ``variant`` shifts both, so several
+    tenants can each learn their own version of the task."""
+
+    variant: int = 0
+    n_bands: int = 2  # with four bands it learns too, more slowly
+
+    def band(self, k: int) -> tuple[int, int]:
+        start = 256 + k * (768 // self.n_bands) + 24 * self.variant
+        return start, start + BAND_WIDTH
+
+    def instruction(self, k: int) -> list[int]:
+        return [11 + self.variant, 87, 140 + 9 * k, 201 + self.variant, 33 + k]
 
 
 class BandEnv(rl.Env):
     """One episode: read the instruction for band ``k``, answer with tokens from that band."""
 
-    def __init__(self, band: int, answer_tokens: int) -> None:
-        self.band = band
-        self.answer_tokens = answer_tokens
+    def __init__(self, task: BandTask, band: int, answer_tokens: int) -> None:
+        self.task, self.band, self.answer_tokens = task, band, answer_tokens
 
     async def reset(self) -> list[int]:
-        return INSTRUCTIONS[self.band]
+        return self.task.instruction(self.band)
 
     async def step(self, tokens: list[int]) -> rl.StepResult:
-        low, high = BANDS[self.band]
+        low, high = self.task.band(self.band)
         inside = sum(1 for t in tokens if low <= t < high)
         # Divided by the full answer length: stopping early earns nothing.
         reward = inside / self.answer_tokens
@@ -52,16 +65,34 @@ class BandEnv(rl.Env):
                              metrics={"in_band": float(inside)})
 
 
-def group_builder(seed: int, answer_tokens: int):
+def group_builder(task: BandTask, seed: int, answer_tokens: int):
+    """``make_group(index, n)``: n episodes of one instruction.
+
+    Instructions take turns (from a seeded random start) rather than being drawn at random: a batch
+    that happens to hold mostly one instruction pushes the policy towards answering in that band for
+    every prompt, and once the other band's probability is near zero its groups are all-zero
+    (zero advantage) and GRPO can no longer pull it back.
+    """
+    offset = random.Random(seed).randrange(task.n_bands)
+
     def make_group(index: int, n: int) -> list[BandEnv]:
-        band = random.Random(seed * 1_000_003 + index).randrange(len(BANDS))
-        return [BandEnv(band, answer_tokens) for _ in range(n)]
+        band = (offset + index) % task.n_bands
+        return [BandEnv(task, band, answer_tokens) for _ in range(n)]
     return make_group
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=24)
+def rl_config(args: argparse.Namespace) -> rl.RLConfig:
+    return rl.RLConfig(
+        group_size=args.group_size, groups_per_batch=args.groups, max_staleness=args.max_staleness,
+        # stop=[]: always sample answer_tokens tokens, so every answer has the same length.
+        sampling=quilt.SamplingParams(max_tokens=args.answer_tokens, temperature=1.0, stop=[]),
+        loss_fn="importance_sampling", loss_fn_config={"is_weight_cap": 2.0},
+        adam=quilt.AdamParams(learning_rate=args.lr),
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--groups", type=int, default=8, help="groups per training step")
     parser.add_argument("--answer-tokens", type=int, default=8)
@@ -69,22 +100,20 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser, steps=24)
     args = parser.parse_args()
 
-    config = rl.RLConfig(
-        group_size=args.group_size, groups_per_batch=args.groups, max_staleness=args.max_staleness,
-        # stop=[]: always sample answer_tokens tokens, so every answer has the same length.
-        sampling=quilt.SamplingParams(max_tokens=args.answer_tokens, temperature=1.0, stop=[]),
-        loss_fn="importance_sampling", loss_fn_config={"is_weight_cap": 2.0},
-        adam=quilt.AdamParams(learning_rate=args.lr),
-    )
     started = time.monotonic()
     with quilt.Client() as client:
         tc = client.create_training_client(BASE_MODEL, rank=args.rank, seed=args.seed)
         print(f"RL on {tc.model_id}: {args.steps} steps x {args.groups} groups x {args.group_size} samples, "
               f"max_staleness {args.max_staleness}")
-        logs = rl.train_grpo(tc, group_builder(args.seed, args.answer_tokens), config, args.steps,
-                             on_step=lambda entry: print(entry.line(), flush=True))
+        logs = rl.train_grpo(tc, group_builder(BandTask(), args.seed, args.answer_tokens), rl_config(args),
+                             args.steps, on_step=lambda entry: print(entry.line(), flush=True))
     seconds = time.monotonic() - started
     summary = rl.summarize(logs)
     print(f"mean reward: first {summary['reward_first']:.3f} -> last {summary['reward_last']:.3f} "

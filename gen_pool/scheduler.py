@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import statistics
 import time
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +82,38 @@ class Group:
 OnFinish = Callable[[Group, "wire.SampleOutcome | QuiltError"], None]
 
 
+class Occupancy:
+    """Integrates the engine's occupancy over time, so slot utilisation and gap filling can be read
+    off cumulative counters (a reader takes differences between two beacons).
+
+    ``slot_s``: running sequences x seconds; ``capacity_s``: concurrency target x seconds;
+    ``active_s``: seconds with anything running; ``mixed_s``: seconds with two or more tenants'
+    sequences running at once, the gap filling a shared pool exists for.
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.last = clock()
+        self.slot_s = self.capacity_s = self.active_s = self.mixed_s = 0.0
+
+    def tick(self, running_by_tenant: Counter[str], target: int) -> None:
+        """Account the time since the last tick to the state that held until now."""
+        now = self.clock()
+        dt = max(now - self.last, 0.0)
+        self.last = now
+        running = sum(running_by_tenant.values())
+        self.slot_s += min(running, target) * dt
+        self.capacity_s += target * dt
+        if running:
+            self.active_s += dt
+        if len(running_by_tenant) >= 2:
+            self.mixed_s += dt
+
+    def totals(self) -> dict[str, float]:
+        return {"slot_s": round(self.slot_s, 3), "capacity_s": round(self.capacity_s, 3),
+                "active_s": round(self.active_s, 3), "mixed_s": round(self.mixed_s, 3)}
+
+
 class Scheduler:
     def __init__(self, engine: GenEngine, *, target: int, on_finish: OnFinish, default_cap: int = 0,
                  tenant_caps: dict[str, int] | None = None, clock: Callable[[], float] = time.time):
@@ -93,6 +127,9 @@ class Scheduler:
         self.wakeup = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self.stats = {"groups": 0, "sequences": 0, "tokens": 0, "aborted": 0}
+        self.occupancy = Occupancy(clock)
+        self.tenant_tokens: Counter[str] = Counter()
+        self.group_latencies: deque[float] = deque(maxlen=256)  # arrival -> complete, recent groups
 
     # ------------------------------------------------------------------ intake
 
@@ -134,6 +171,7 @@ class Scheduler:
     def step(self) -> AdmissionPlan:
         """Plan (pure) and carry out the plan."""
         plan = plan_admission(self.view())
+        self.occupancy.tick(self._running_by_tenant(), self.target)
         for a in plan.aborts:
             g = self.groups.get(a.request_id)
             if g is not None and not g.done:
@@ -167,6 +205,25 @@ class Scheduler:
     def wake(self) -> None:
         self.wakeup.set()
 
+    def _running_by_tenant(self) -> Counter[str]:
+        running: Counter[str] = Counter()
+        for g in self.groups.values():
+            if not g.done and g.n_admitted > g.n_finished:
+                running[g.tenant_id] += g.n_admitted - g.n_finished
+        return running
+
+    def report(self) -> dict[str, Any]:
+        """Counters and gauges for the health beacon (dashboard, /metrics, examples)."""
+        self.occupancy.tick(self._running_by_tenant(), self.target)
+        latencies = sorted(self.group_latencies)
+        return {
+            **self.stats, **self.occupancy.totals(),
+            "tenants_running": len(self._running_by_tenant()),
+            "group_latency_p50_s": round(statistics.median(latencies), 4) if latencies else None,
+            "group_latency_p95_s": round(latencies[int(0.95 * (len(latencies) - 1))], 4) if latencies else None,
+            "tenant_tokens": dict(self.tenant_tokens),
+        }
+
     def running(self) -> int:
         return sum(g.n_admitted - g.n_finished for g in self.groups.values() if not g.done)
 
@@ -195,11 +252,13 @@ class Scheduler:
             self.wake()
         if g.done:
             return
+        self.occupancy.tick(self._running_by_tenant(), self.target)
         g.results[index] = result
         g.finished_at[index] = self.clock()
         g.n_finished += 1
         self.stats["sequences"] += 1
         self.stats["tokens"] += len(result.tokens)
+        self.tenant_tokens[g.tenant_id] += len(result.tokens)
         if result.stop_reason == "abort":
             self._fail(g, ServerError(f"sequence {index} of {g.request_id} was aborted by the engine"))
         elif g.n_finished == g.n:
@@ -208,6 +267,7 @@ class Scheduler:
     def _complete(self, g: Group) -> None:
         g.done = True
         self.groups.pop(g.request_id, None)
+        self.group_latencies.append(self.clock() - g.arrival)
         seqs = tuple(wire.SampledSequence(r.tokens, r.logprobs, r.stop_reason, g.model_id, g.version)
                      for r in g.results)
         prompt_lps = None
@@ -221,6 +281,7 @@ class Scheduler:
     def _fail(self, g: Group, err: QuiltError) -> None:
         if g.done:
             return
+        self.occupancy.tick(self._running_by_tenant(), self.target)
         g.done = True
         self.groups.pop(g.request_id, None)
         current = asyncio.current_task()

@@ -206,7 +206,7 @@ class GenWorker:
         self._last_beacon = now
         s = self.scheduler
         await health.beacon_async(self.redis, health.gen_key(self.base_model), health.GEN_TTL_S,
-                                  running=s.running(), waiting=s.waiting(), target=s.target, **s.stats)
+                                  running=s.running(), waiting=s.waiting(), target=s.target, **s.report())
 
 
 async def _main_async() -> None:

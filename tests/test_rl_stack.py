@@ -97,3 +97,18 @@ def test_rl_example_reward_rises(stack):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["reward_last"] - summary["reward_first"] >= 0.3, proc.stdout[-3000:]
+
+
+@pytest.mark.timeout(900)
+def test_multitenant_example_fuses_tenants_and_shares_the_pool(stack):
+    keys = ",".join(stack.create_tenant(f"rl-mt{i}").key for i in range(4))
+    env = {**os.environ, "QUILT_API_KEYS": keys, "QUILT_BASE_URL": stack.base_url}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "rl_multitenant.py"), "--steps", "3",
+                           "--groups", "2", "--group-size", "4"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=880)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(summary["tenants"]) == 4
+    # the server's own counters: passes held several tenants, the engine ran several tenants at once
+    assert summary["mean_tenants_per_fused_round"] > 1.2, proc.stdout[-3000:]
+    assert summary["mixed_tenant_engine_fraction"] > 0.2, proc.stdout[-3000:]

@@ -38,8 +38,14 @@ def test_two_tenants_share_one_round_and_it_is_reported(stack):
     for c, f in zip(clients, futures):
         assert "loss:sum" in wait_future(c, f["request_id"])["metrics"]
 
-    rounds = [json.loads(r) for r in redis.Redis.from_url(stack.redis_url).lrange(f"quilt:stats:trainer:{TINY}:rounds", 0, 50)]
-    shared = [r for r in rounds if r["tenants"] == 2]
+    # The round's record is pushed after its requests are answered, so give it a moment.
+    deadline = time.monotonic() + 10
+    while True:
+        rounds = [json.loads(r) for r in redis.Redis.from_url(stack.redis_url).lrange(f"quilt:stats:trainer:{TINY}:rounds", 0, 50)]
+        shared = [r for r in rounds if r["tenants"] == 2]
+        if shared or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert shared and shared[0]["models"] == 2 and shared[0]["tokens"] == 2 * 22
     assert 0.0 <= shared[0]["padding_fraction"] < 1.0
 

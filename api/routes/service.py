@@ -12,6 +12,13 @@ from core import catalog, health
 router = APIRouter(tags=["service"])
 
 
+def _aggregates(raw: str | bytes | None) -> dict:
+    # healthz needs no key, so it shows only a beacon's scalars: per-tenant breakdowns (dicts and
+    # lists keyed by tenant) are for the operator dashboard.
+    beacon = json.loads(raw) if raw else {}
+    return {k: v for k, v in beacon.items() if not isinstance(v, (dict, list))}
+
+
 @router.get("/healthz")
 async def healthz(pool: Pool, redis: RedisDep, response: Response) -> dict:
     """Report each component: postgres, redis, one trainer and one generation pool per base model, celery."""
@@ -29,10 +36,10 @@ async def healthz(pool: Pool, redis: RedisDep, response: Response) -> dict:
         components["redis"] = {"ok": True}
         for base in bases:
             raw = await redis.get(health.trainer_key(base.name))
-            components[f"trainer:{base.name}"] = {"ok": raw is not None, **(json.loads(raw) if raw else {})}
+            components[f"trainer:{base.name}"] = {"ok": raw is not None, **_aggregates(raw)}
             if base.sampleable:
                 raw = await redis.get(health.gen_key(base.name))
-                components[f"gen:{base.name}"] = {"ok": raw is not None, **(json.loads(raw) if raw else {})}
+                components[f"gen:{base.name}"] = {"ok": raw is not None, **_aggregates(raw)}
         raw = await redis.get(health.CELERY_KEY)
         components["celery"] = {"ok": raw is not None, **(json.loads(raw) if raw else {})}
     except Exception as exc:
