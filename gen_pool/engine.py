@@ -84,7 +84,7 @@ class SeqResult:
     logprobs: tuple[float, ...]  # of each sampled token (raw model logprobs)
     stop_reason: StopReason
     prompt_logprobs: tuple[float | None, ...] | None = None  # None at position 0
-    first_token_s: float | None = None  # seconds from submission to the first token
+    first_token_s: float | None = None  # seconds from submission to the first output (the end, unless streamed)
 
 
 class ExclusiveGate:
@@ -208,13 +208,17 @@ class GenEngine:
         from vllm.sampling_params import RequestOutputKind
 
         spec = req.spec
+        # Only a prompt-logprob sequence needs to hear about its first step (it then lets others
+        # back in, see ExclusiveGate); every other sequence gets one output when it finishes, so
+        # the pool's event loop is not woken once per token per running sequence.
+        stream = req.prompt_logprobs and self.settings.serialise_prompt_logprobs
         return SamplingParams(
             n=1, max_tokens=spec.max_tokens, temperature=spec.temperature,
             top_k=0 if spec.top_k < 1 else spec.top_k, top_p=spec.top_p, seed=req.seed,
             stop=list(spec.stop_strings) or None, stop_token_ids=list(spec.stop_token_ids) or None,
             ignore_eos=not spec.eos_stops, logprobs=0, prompt_logprobs=0 if req.prompt_logprobs else None,
             detokenize=bool(spec.stop_strings), skip_special_tokens=False,
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
 
     async def generate(self, req: SeqRequest) -> SeqResult:

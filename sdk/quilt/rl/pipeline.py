@@ -127,6 +127,11 @@ class StepLog:
                 f"ttb {self.time_to_batch_s:.2f}s step {self.seconds:.2f}s")
 
 
+# What the run's page plots beside the trainer's loss (one curve each).
+_SERVER_METRICS = ("reward_mean", "zero_advantage_fraction", "infra_failure_rate", "staleness_mean",
+                   "mismatch_kl", "time_to_batch_s", "dropped_stale")
+
+
 def may_start_group(*, consuming_step: int, queued: int, groups_per_batch: int, sampler_version: int,
                     max_staleness: int, in_flight: int, concurrency: int, groups_needed: int) -> bool:
     """Whether one more group may start sampling now (pure; see the module docstring).
@@ -308,8 +313,7 @@ class _Pipeline:
             if inspect.isawaitable(result):
                 await result
         if self.config.log_to_server and hasattr(self.tc, "log_metrics_async"):
-            numbers = {k: float(v) for k, v in asdict(entry).items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step",)}
+            numbers = {k: float(getattr(entry, k)) for k in _SERVER_METRICS if getattr(entry, k) is not None}
             numbers.update({f"env/{k}": v for k, v in entry.env_metrics.items()})
             try:
                 await self.tc.log_metrics_async(numbers, step=entry.policy_version)
