@@ -7,9 +7,9 @@ import logging
 
 from fastapi import FastAPI
 
-from api import errors
+from api import dashboard, errors
 from api.body_limit import BodyLimitMiddleware
-from api.routes import billing, futures, metrics, runs, sampling, service, sessions, training
+from api.routes import billing, futures, metrics, run_metrics, runs, sampling, service, sessions, training
 from api.spend_header import SpendHeaderMiddleware
 from core import db, redis_client
 from core.settings import get_api_settings, get_core_settings
@@ -33,9 +33,10 @@ def create_app() -> FastAPI:
     settings = get_api_settings()
     app = FastAPI(title="Quilt", version="0.1.0", lifespan=_lifespan)
     errors.install(app)
-    for module in (service, sessions, training, sampling, futures, billing, runs):
+    for module in (service, sessions, training, sampling, futures, billing, runs, run_metrics):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(metrics.router)
+    dashboard.install(app)
     app.add_middleware(SpendHeaderMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     return app

@@ -21,7 +21,7 @@ from batcher.policy import FairShare, RoundPlan, plan_round
 from batcher.queues import ModelQueues, _Entry
 from billing.ledger import settle
 from billing.pricing import training_units
-from core import catalog, db, health, ids, queue, records, redis_client
+from core import catalog, db, health, ids, queue, records, redis_client, run_metrics
 from core.errors import QuiltError, ServerError
 from core.settings import get_api_settings, get_trainer_settings
 
@@ -139,7 +139,8 @@ class TrainerWorker:
         if plan.fused:
             reqs = [self._pass_request(entries[p.request_id].item) for p in plan.fused]
             for p, outcome in zip(plan.fused, self.backend.run_pass(reqs)):
-                self._finish(entries[p.request_id], outcome)
+                entry = entries[p.request_id]
+                self._finish(entry, outcome, metrics=self._step_metrics(entry.item, outcome))
         for p in plan.barriers:
             self._finish(entries[p.request_id], self._barrier(entries[p.request_id].item))
         self.stats["requests"] += len(entries)
@@ -196,7 +197,17 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------ results
 
-    def _finish(self, entry: _Entry, outcome: dict | QuiltError) -> None:
+    def _step_metrics(self, item: queue.WorkItem, outcome: dict | QuiltError) -> run_metrics.StepMetrics | None:
+        """A finished forward_backward's point on its run's curves. Called right after the fused
+        pass and before this round's barriers, so the model's policy version is still the one the
+        pass ran at (its optimizer step count)."""
+        if item.kind != "forward_backward" or isinstance(outcome, QuiltError):
+            return None
+        return run_metrics.StepMetrics(step=self.backend.policy_version(item.model_id),
+                                       values=run_metrics.trainer_values(item.body["data"], outcome["metrics"]))
+
+    def _finish(self, entry: _Entry, outcome: dict | QuiltError,
+                metrics: run_metrics.StepMetrics | None = None) -> None:
         item = entry.item
         if isinstance(outcome, QuiltError):
             result = queue.failure(item.request_id, outcome)
@@ -206,7 +217,8 @@ class TrainerWorker:
         # Redis first so the waiting client is answered; then the durable record; then the ack.
         queue.publish_sync(self.redis, result, self.result_ttl_s)
         settle(self._db(), request_id=item.request_id, tenant_id=item.tenant_id, model_id=item.model_id,
-               base_model=self.base_model, error=result.error, units=training_units(item.kind, item.n_tokens))
+               base_model=self.base_model, error=result.error, units=training_units(item.kind, item.n_tokens),
+               metrics=metrics)
         self._ack(entry.stream_id)
 
     def _ack(self, stream_id: str) -> None:

@@ -29,3 +29,20 @@ else
     fi
   done
 fi
+
+# System packages, only when missing: Node's npm (the dashboard's plotting library) and Debian's
+# Chromium (the dashboard's browser tests, driven by Playwright; `playwright install` is never run).
+apt_install() {
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+  else
+    echo "install.sh: $* missing and cannot be installed here (not root, or no apt-get); install it yourself" >&2
+    return 1
+  fi
+}
+command -v npm >/dev/null || apt_install nodejs npm
+command -v chromium >/dev/null || apt_install chromium || echo "install.sh: the browser tests need chromium" >&2
+
+# The dashboard serves uPlot from api/dashboard/node_modules, exactly as pinned by its
+# package-lock.json; nothing comes from a CDN and no third-party code is committed.
+(cd api/dashboard && npm ci --no-audit --no-fund --prefer-offline --loglevel=error)

@@ -28,18 +28,30 @@ class Principal:
         return self.role == "operator"
 
 
-async def authenticate(conn: AsyncConnection, api_key: str | None) -> Principal:
-    if not api_key:
-        raise Unauthenticated("missing API key: send it in the X-API-Key header", field="X-API-Key")
-    cur = await conn.execute(
-        "SELECT k.id AS key_id, k.revoked_at, t.id AS tenant_id, t.name AS tenant_name, t.role, "
-        "t.plan_weight, t.max_models, t.max_inflight_requests, t.tokens_per_minute "
-        "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.key_hash = %s",
-        (hash_key(api_key),),
-    )
+_PRINCIPAL = (
+    "SELECT k.id AS key_id, k.revoked_at, t.id AS tenant_id, t.name AS tenant_name, t.role, "
+    "t.plan_weight, t.max_models, t.max_inflight_requests, t.tokens_per_minute "
+    "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE "
+)
+
+
+async def _principal(conn: AsyncConnection, where: str, param: object) -> Principal:
+    cur = await conn.execute(_PRINCIPAL + where, (param,))
     row = await cur.fetchone()
     if row is None:
         raise Unauthenticated("unknown API key", field="X-API-Key")
     if row.pop("revoked_at") is not None:
         raise Unauthenticated("this API key has been revoked; create a new one", field="X-API-Key")
     return Principal(**row)
+
+
+async def authenticate(conn: AsyncConnection, api_key: str | None) -> Principal:
+    if not api_key:
+        raise Unauthenticated("missing API key: send it in the X-API-Key header", field="X-API-Key")
+    return await _principal(conn, "k.key_hash = %s", hash_key(api_key))
+
+
+async def principal_for_key_id(conn: AsyncConnection, key_id: str) -> Principal:
+    """The caller behind a dashboard session, which holds the id of the key it logged in with (never
+    the key): re-read on every request, so revoking that key or changing the role takes effect."""
+    return await _principal(conn, "k.id = %s", key_id)

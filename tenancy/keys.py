@@ -32,34 +32,56 @@ class KeyInfo:
     revoked_at: datetime | None
 
 
+_RETURNING = "RETURNING id, tenant_id, prefix, name, created_at, revoked_at"
+_CREATE = f"INSERT INTO api_keys (id, tenant_id, prefix, key_hash, name) VALUES (%s, %s, %s, %s, %s) {_RETURNING}"
+_LIST = ("SELECT id, tenant_id, prefix, name, created_at, revoked_at FROM api_keys "
+         "WHERE tenant_id = %s ORDER BY created_at")
+_REVOKE = ("UPDATE api_keys SET revoked_at = now() WHERE prefix = %s AND revoked_at IS NULL "
+           f"AND (%s::text IS NULL OR tenant_id = %s) {_RETURNING}")
+
+
+def _new_secret(tenant_id: str, name: str) -> tuple[str, tuple]:
+    secret = ids.new_api_key()
+    return secret, (ids.new_key_id(), tenant_id, secret[:PREFIX_LEN], hash_key(secret), name)
+
+
+def _revoked(rows: list[dict], prefix: str) -> KeyInfo:
+    if not rows:
+        raise NotFound(f"no active API key with prefix {prefix!r}", field="prefix")
+    return KeyInfo(**rows[0])
+
+
 def create_key(conn: psycopg.Connection, tenant_id: str, name: str = "") -> tuple[str, KeyInfo]:
     """Create a key for a tenant; returns (the secret, shown once; its record)."""
-    secret = ids.new_api_key()
-    row = conn.execute(
-        "INSERT INTO api_keys (id, tenant_id, prefix, key_hash, name) VALUES (%s, %s, %s, %s, %s) "
-        "RETURNING id, tenant_id, prefix, name, created_at, revoked_at",
-        (ids.new_key_id(), tenant_id, secret[:PREFIX_LEN], hash_key(secret), name),
-    ).fetchone()
-    return secret, KeyInfo(**row)
+    secret, params = _new_secret(tenant_id, name)
+    return secret, KeyInfo(**conn.execute(_CREATE, params).fetchone())
 
 
 def list_keys(conn: psycopg.Connection, tenant_id: str) -> list[KeyInfo]:
-    rows = conn.execute(
-        "SELECT id, tenant_id, prefix, name, created_at, revoked_at FROM api_keys "
-        "WHERE tenant_id = %s ORDER BY created_at",
-        (tenant_id,),
-    ).fetchall()
-    return [KeyInfo(**r) for r in rows]
+    return [KeyInfo(**r) for r in conn.execute(_LIST, (tenant_id,)).fetchall()]
 
 
 def revoke_key(conn: psycopg.Connection, prefix: str, tenant_id: str | None = None) -> KeyInfo:
     """Revoke the key with this prefix (optionally only within one tenant)."""
-    rows = conn.execute(
-        "UPDATE api_keys SET revoked_at = now() WHERE prefix = %s AND revoked_at IS NULL "
-        "AND (%s::text IS NULL OR tenant_id = %s) "
-        "RETURNING id, tenant_id, prefix, name, created_at, revoked_at",
-        (prefix, tenant_id, tenant_id),
-    ).fetchall()
-    if not rows:
-        raise NotFound(f"no active API key with prefix {prefix!r}", field="prefix")
-    return KeyInfo(**rows[0])
+    return _revoked(conn.execute(_REVOKE, (prefix, tenant_id, tenant_id)).fetchall(), prefix)
+
+
+# The same three for the API's async connections (the dashboard's key page).
+
+async def create_key_async(conn: psycopg.AsyncConnection, tenant_id: str, name: str = "") -> tuple[str, KeyInfo]:
+    """Async form of `create_key`."""
+    secret, params = _new_secret(tenant_id, name)
+    cur = await conn.execute(_CREATE, params)
+    return secret, KeyInfo(**await cur.fetchone())
+
+
+async def list_keys_async(conn: psycopg.AsyncConnection, tenant_id: str) -> list[KeyInfo]:
+    """Async form of `list_keys`."""
+    cur = await conn.execute(_LIST, (tenant_id,))
+    return [KeyInfo(**r) for r in await cur.fetchall()]
+
+
+async def revoke_key_async(conn: psycopg.AsyncConnection, prefix: str, tenant_id: str) -> KeyInfo:
+    """Async form of `revoke_key`, always within one tenant (another tenant's key is 404)."""
+    cur = await conn.execute(_REVOKE, (prefix, tenant_id, tenant_id))
+    return _revoked(await cur.fetchall(), prefix)

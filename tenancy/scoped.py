@@ -107,3 +107,50 @@ async def list_checkpoints(conn: AsyncConnection, who: Principal, *, model_id: s
     )
     rows = await cur.fetchall()
     return rows, (rows[0]["total"] if rows else 0)
+
+
+async def list_sampling_sessions(conn: AsyncConnection, who: Principal, *, limit: int = 200) -> list[dict]:
+    """Your samplers, newest first, with how many sampling requests each has run and is running."""
+    cur = await conn.execute(
+        "SELECT s.id, s.base_model, s.model_id, s.model_path, s.created_at, "
+        "count(r.id) FILTER (WHERE r.status = 'done') AS done, "
+        "count(r.id) FILTER (WHERE r.status = 'failed') AS failed, "
+        "count(r.id) FILTER (WHERE r.status IN ('queued', 'running')) AS in_flight "
+        "FROM sampling_sessions s LEFT JOIN requests r ON r.model_id = s.id AND r.tenant_id = s.tenant_id "
+        "WHERE s.tenant_id = %s GROUP BY s.id ORDER BY s.created_at DESC LIMIT %s",
+        (who.tenant_id, limit),
+    )
+    return await cur.fetchall()
+
+
+async def run_progress(conn: AsyncConnection, who: Principal, model_ids: list[str]) -> dict[str, dict]:
+    """Per training model of yours: `step` (optimizer steps completed: its policy version),
+    `in_flight` requests, and the newest trainer `loss` (loss per weighted token) if any."""
+    out = {m: {"step": 0, "in_flight": 0, "loss": None} for m in model_ids}
+    cur = await conn.execute(
+        "SELECT model_id, count(*) FILTER (WHERE kind = 'optim_step' AND status = 'done') AS step, "
+        "count(*) FILTER (WHERE status IN ('queued', 'running')) AS in_flight "
+        "FROM requests WHERE tenant_id = %s AND model_id = ANY(%s) GROUP BY model_id",
+        (who.tenant_id, model_ids),
+    )
+    for row in await cur.fetchall():
+        out[row["model_id"]].update(step=row["step"], in_flight=row["in_flight"])
+    cur = await conn.execute(
+        "SELECT DISTINCT ON (model_id) model_id, (metrics->>'loss:mean')::float8 AS loss FROM run_metrics "
+        "WHERE tenant_id = %s AND model_id = ANY(%s) AND source = 'trainer' ORDER BY model_id, step DESC, id DESC",
+        (who.tenant_id, model_ids),
+    )
+    for row in await cur.fetchall():
+        out[row["model_id"]]["loss"] = row["loss"]
+    return out
+
+
+async def list_run_metrics(conn: AsyncConnection, who: Principal, model_id: str, *, limit: int) -> list[dict]:
+    """A run of yours' per-step metrics (trainer and client rows), by step then arrival."""
+    await get_model(conn, who, model_id)
+    cur = await conn.execute(
+        "SELECT step, source, metrics, created_at FROM run_metrics WHERE model_id = %s AND tenant_id = %s "
+        "ORDER BY step, id LIMIT %s",
+        (model_id, who.tenant_id, limit),
+    )
+    return await cur.fetchall()

@@ -10,8 +10,10 @@ coroutines or threads share the client. Waiting happens outside the lock, which 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 from ._loop import LoopThread
 from ._transport import HTTPTransport
@@ -62,6 +64,29 @@ def _saved_path(result: dict[str, Any]) -> str:
 
 def _nothing(result: dict[str, Any]) -> None:
     return None
+
+
+def _metrics_payload(metrics: Mapping[str, float], step: int | None) -> Payload:
+    # Checked here so a bad value fails where it was computed; the server checks the same rules.
+    if not isinstance(metrics, Mapping) or not metrics:
+        raise TypeError("metrics must be a non-empty dict of name -> float")
+    values: dict[str, float] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str):
+            raise TypeError(f"metric names must be str, got {name!r}")
+        if isinstance(value, (bool, str, bytes)):
+            raise TypeError(f"metrics[{name!r}] must be a number, got {type(value).__name__}")
+        if not isinstance(value, (int, float)):
+            try:  # numpy and torch scalars
+                value = float(value)  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                raise TypeError(f"metrics[{name!r}] must be a number, got {type(value).__name__}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"metrics[{name!r}] must be finite, got {value!r}")
+        values[name] = float(value)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be an int >= 0 or None, got {step!r}")
+    return {"step": step, "metrics": values}
 
 
 class TrainingClient:
@@ -127,6 +152,27 @@ class TrainingClient:
             "POST", "get_info", {"model_id": self.model_id, "type": "get_info"}
         )
         return dict(info)
+
+    # -- metrics -------------------------------------------------------------------------
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Record named scalars for this run, e.g. ``{"reward_mean": 0.42}``; the dashboard plots
+        each name against ``step`` beside the trainer's loss curve.
+
+        ``step`` is the policy version the values belong to (the model's optimizer step count, the
+        same x-axis as the loss); ``None`` uses the optimizer steps the server has completed. At
+        most 64 names per call, each a finite number. Blocks until the server has stored them.
+        """
+        payload = _metrics_payload(metrics, step)
+        self._runner.run(self._log_metrics(payload))
+
+    async def log_metrics_async(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Async form of :meth:`log_metrics`."""
+        payload = _metrics_payload(metrics, step)
+        await self._runner.run_async(self._log_metrics(payload))
+
+    async def _log_metrics(self, payload: Payload) -> None:
+        await self._http.request("POST", f"quilt/models/{quote(self.model_id, safe=':')}/metrics", payload)
 
     # -- forward / backward --------------------------------------------------------------
 

@@ -1,0 +1,202 @@
+"""The operator's view of the pool's health, assembled from what the workers already publish.
+
+Sources (nothing new is written for this page):
+- Redis: the work streams (queue depth: entries are deleted when acknowledged, so a stream's length
+  is its unfinished work), the trainer's and generation workers' beacons, and the trainer's recent
+  fused-round records (`quilt:stats:trainer:<base>:rounds`);
+- Postgres: the usage ledger (token rates, each tenant's share), sampling request rows (time from
+  submission to a finished group: the time a tenant waits for a trainable batch) and the trainer's
+  per-request `run_metrics` rows (data staleness).
+
+The shaping is done by pure functions over plain rows (`*_series`, `histogram`, `shares`), tested
+without services; `snapshot` only fetches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+
+from redis.asyncio import Redis
+
+from core import catalog, health, queue
+
+ROUNDS_READ = 1000  # newest round records read per trainer (the worker keeps QUILT_TRAINER_STATS_HISTORY)
+FUSED_ROUNDS_SHOWN = 200
+STALENESS_BUCKETS = 8  # 0..7 policy versions behind, then "8+"
+MAX_TENANTS_SHOWN = 12
+
+
+def bin_edges(now: float, window_s: float, bin_s: float) -> list[float]:
+    """Start times of the bins covering the last `window_s` seconds, aligned to `bin_s`."""
+    last = math.floor(now / bin_s) * bin_s
+    n = max(1, int(window_s // bin_s))
+    return [last - (n - 1 - i) * bin_s for i in range(n)]
+
+
+def trainer_series(rounds: list[dict], *, now: float, window_s: float, bin_s: float, complete: bool) -> dict:
+    """Per time bin: the trainer's busy fraction (seconds computing / bin length) and waiting
+    fraction (the rest), from round records (`at` = when the round ended, `compute_s`). A round
+    computed during [at - compute_s, at], spread over the bins it overlaps; rounds run one after
+    another, so their seconds add up. `complete` False means older records were trimmed: bins that
+    end before the oldest record are unknown (None), not idle."""
+    edges = bin_edges(now, window_s, bin_s)
+    busy = [0.0] * len(edges)
+    oldest = min((r["at"] - r.get("compute_s", 0.0) for r in rounds), default=now)
+    for r in rounds:
+        end = float(r["at"])
+        start = end - float(r.get("compute_s", 0.0))
+        first = max(0, int((start - edges[0]) // bin_s))
+        last = min(len(edges) - 1, int((end - edges[0]) // bin_s))
+        for i in range(first, last + 1):
+            busy[i] += max(0.0, min(end, edges[i] + bin_s) - max(start, edges[i]))
+    busy_f: list[float | None] = []
+    for start, b in zip(edges, busy):
+        known = complete or start + bin_s > oldest
+        busy_f.append(round(min(1.0, b / bin_s), 4) if known else None)
+    return {"t": edges, "busy": busy_f, "waiting": [None if b is None else round(1.0 - b, 4) for b in busy_f]}
+
+
+def fused_rounds(rounds: list[dict], *, since: float) -> dict:
+    """The recent rounds that ran a fused pass, oldest first: tenants and models in the pass,
+    model-input tokens and the padding fraction; plus their means."""
+    fused = sorted((r for r in rounds if r.get("tokens", 0) > 0 and r["at"] >= since), key=lambda r: r["at"])
+    fused = fused[-FUSED_ROUNDS_SHOWN:]
+    cols = {k: [r.get(k, 0) for r in fused] for k in ("tenants", "models", "tokens", "padding_fraction")}
+    means = {k: (round(sum(v) / len(v), 4) if v else None) for k, v in cols.items()}
+    return {"t": [r["at"] for r in fused], **cols, "mean": means, "rounds": len(fused)}
+
+
+def rate_series(rows: list[dict], *, now: float, window_s: float, bin_s: float) -> dict:
+    """Tokens per second per bin from ledger rows `{"t": bin start, "sample", "train"}`: what the
+    generation pool produced against what the trainer consumed."""
+    edges = bin_edges(now, window_s, bin_s)
+    index = {t: i for i, t in enumerate(edges)}
+    sample, train = [0.0] * len(edges), [0.0] * len(edges)
+    for r in rows:
+        i = index.get(float(r["t"]))
+        if i is not None:
+            sample[i] += r["sample"] / bin_s
+            train[i] += r["train"] / bin_s
+    return {"t": edges, "generated_tokens_per_s": [round(x, 3) for x in sample],
+            "trained_tokens_per_s": [round(x, 3) for x in train]}
+
+
+def histogram(values: list[float], buckets: int = STALENESS_BUCKETS) -> dict:
+    """Counts of values rounded to whole policy versions: 0, 1, ..., buckets-1, and `buckets`+."""
+    counts = [0] * (buckets + 1)
+    for v in values:
+        counts[min(buckets, max(0, round(v)))] += 1
+    labels = [str(i) for i in range(buckets)] + [f"{buckets}+"]
+    return {"labels": labels, "counts": counts, "n": len(values)}
+
+
+def shares(rows: list[dict]) -> dict:
+    """Each tenant's share of the trainer's tokens, the generator's tokens and of cost (the price
+    book's view of compute), biggest cost first; tenants past the first few are summed as 'others'."""
+    totals = {k: sum(r[k] for r in rows) for k in ("train", "sample", "cost")}
+    ordered = sorted(rows, key=lambda r: (-r["cost"], -r["train"] - r["sample"], r["tenant"]))
+    head, tail = ordered[:MAX_TENANTS_SHOWN], ordered[MAX_TENANTS_SHOWN:]
+    if tail:
+        head.append({"tenant": f"{len(tail)} others", **{k: sum(r[k] for r in tail) for k in totals}})
+
+    def frac(r: dict, k: str) -> float:
+        return round(r[k] / totals[k], 4) if totals[k] else 0.0
+
+    return {"tenants": [r["tenant"] for r in head],
+            "trainer": [frac(r, "train") for r in head], "generator": [frac(r, "sample") for r in head],
+            "cost": [frac(r, "cost") for r in head],
+            "train_tokens": totals["train"], "sample_tokens": totals["sample"], "cost_micro_usd": totals["cost"]}
+
+
+# ---------------------------------------------------------------------------------------- fetching
+
+_RATES = """
+SELECT base_model, floor(extract(epoch FROM created_at) / %(bin)s) * %(bin)s AS t,
+       sum(sample_tokens)::bigint AS sample, sum(train_tokens)::bigint AS train
+FROM usage_ledger WHERE created_at >= now() - make_interval(secs => %(window)s)
+GROUP BY 1, 2
+"""
+
+_SHARES = """
+SELECT t.name AS tenant, sum(l.train_tokens)::bigint AS train, sum(l.sample_tokens)::bigint AS sample,
+       sum(l.cost_micro_usd)::bigint AS cost
+FROM usage_ledger l JOIN tenants t ON t.id = l.tenant_id
+WHERE l.created_at >= now() - make_interval(secs => %(window)s)
+GROUP BY t.name
+"""
+
+# One row per tenant plus the overall row (tenant NULL), through GROUPING SETS.
+_TIME_TO_BATCH = """
+SELECT t.name AS tenant, count(*) AS groups,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM r.finished_at - r.created_at)) AS p50,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY extract(epoch FROM r.finished_at - r.created_at)) AS p95
+FROM requests r JOIN tenants t ON t.id = r.tenant_id
+WHERE r.kind = 'sample' AND r.status = 'done' AND r.finished_at >= now() - make_interval(secs => %(window)s)
+GROUP BY GROUPING SETS ((t.name), ())
+"""
+
+_STALENESS = """
+SELECT (metrics->>'staleness:mean')::float8 AS lag FROM run_metrics
+WHERE source = 'trainer' AND created_at >= now() - make_interval(secs => %(window)s) AND metrics ? 'staleness:mean'
+  AND jsonb_typeof(metrics->'staleness:mean') = 'number'
+"""
+
+
+def _json(raw) -> dict | None:
+    return json.loads(raw) if raw else None
+
+
+async def _base_health(redis: Redis, base: catalog.BaseModel, *, now: float, window_s: float, bin_s: float) -> dict:
+    trainer = _json(await redis.get(health.trainer_key(base.name)))
+    gen = _json(await redis.get(health.gen_key(base.name))) if base.sampleable else None
+    rounds = [json.loads(r) for r in await redis.lrange(health.trainer_rounds_key(base.name), 0, ROUNDS_READ - 1)]
+    busy_total = (trainer or {}).get("busy_s", 0.0) + (trainer or {}).get("wait_s", 0.0)
+    return {
+        "base_model": base.name,
+        "queues": {"training": await redis.xlen(queue.train_stream(base.name)),
+                   "sampling": await redis.xlen(queue.sample_stream(base.name)) if base.sampleable else None},
+        "trainer": {"up": trainer is not None, **(trainer or {}),
+                    "busy_fraction_since_start": round(trainer["busy_s"] / busy_total, 4) if busy_total else None},
+        "gen": None if not base.sampleable else {
+            "up": gen is not None, **(gen or {}),
+            "slot_utilisation": round(gen["running"] / gen["target"], 4) if gen and gen.get("target") else None},
+        "busy": trainer_series(rounds, now=now, window_s=window_s, bin_s=bin_s, complete=len(rounds) < ROUNDS_READ),
+        "fused": fused_rounds(rounds, since=now - window_s),
+    }
+
+
+async def snapshot(conn, redis: Redis, *, window_s: float) -> dict:
+    """Everything the operator page draws, for the last `window_s` seconds."""
+    now = time.time()
+    bin_s = max(5, round(window_s / 60))  # whole seconds, so Postgres' bin starts equal ours exactly
+    bases = await catalog.list_models(conn)
+    params = {"window": window_s, "bin": bin_s}
+    rates: dict[str, list[dict]] = defaultdict(list)
+    for r in await (await conn.execute(_RATES, params)).fetchall():
+        rates[r["base_model"]].append(r)
+    per_base = []
+    for base in bases:
+        item = await _base_health(redis, base, now=now, window_s=window_s, bin_s=bin_s)
+        item["rates"] = rate_series(rates.get(base.name, []), now=now, window_s=window_s, bin_s=bin_s)
+        per_base.append(item)
+    ttb = await (await conn.execute(_TIME_TO_BATCH, params)).fetchall()
+    overall = next((r for r in ttb if r["tenant"] is None), None)
+    tenants = sorted((r for r in ttb if r["tenant"] is not None), key=lambda r: -r["p95"])[:MAX_TENANTS_SHOWN]
+    lags = [r["lag"] for r in await (await conn.execute(_STALENESS, params)).fetchall()]
+    share_rows = [{k: (int(v) if k != "tenant" else v) for k, v in r.items()}
+                  for r in await (await conn.execute(_SHARES, params)).fetchall()]
+    return {
+        "at": now, "window_s": window_s, "bin_s": bin_s,
+        "bases": per_base,
+        "time_to_batch": {
+            "groups": overall["groups"] if overall else 0,
+            "p50_s": overall["p50"] if overall else None, "p95_s": overall["p95"] if overall else None,
+            "tenants": [r["tenant"] for r in tenants], "p50": [r["p50"] for r in tenants],
+            "p95": [r["p95"] for r in tenants],
+        },
+        "staleness": histogram(lags),
+        "shares": shares(share_rows),
+    }

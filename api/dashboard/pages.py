@@ -1,0 +1,204 @@
+"""The dashboard's pages: log in and out, a tenant's runs, checkpoints, samplers, spend and API
+keys, and the operator's health page. Every read goes through the tenant-scoped queries, so another
+tenant's run or checkpoint is a 404 page, exactly as in the API."""
+
+from __future__ import annotations
+
+from datetime import date
+from pathlib import Path
+from typing import Annotated
+from urllib.parse import urlencode
+
+from fastapi import APIRouter, Form, Query, Request
+from fastapi.responses import RedirectResponse, StreamingResponse
+
+from api.dashboard import adapter_archive, sessions
+from api.dashboard.deps import Changing, LoggedIn, OperatorOnly, Viewer
+from api.dashboard.render import PageRoute, page
+from api.deps import Pool, RedisDep
+from api.routes.billing import get_usage
+from core import catalog
+from core.errors import Forbidden, NotFound, Unauthenticated
+from tenancy import keys, scoped
+from tenancy.auth import authenticate
+
+router = APIRouter(prefix="/dashboard", route_class=PageRoute, include_in_schema=False)
+
+PAGE_SIZE = 50
+CHECKPOINT_KINDS = ("weights", "sampler_weights")
+HOME = "/dashboard/runs"
+
+
+def _safe_next(target: str | None) -> str:
+    """Where to go after logging in: only a dashboard path of this site (no open redirect)."""
+    if target and target.startswith("/dashboard/") and not target.startswith("//") and "\\" not in target:
+        return target
+    return HOME
+
+
+def _ctx(viewer: Viewer, nav: str, **extra) -> dict:
+    return {"viewer": viewer, "who": viewer.who, "csrf_token": viewer.session.csrf_token, "nav": nav, **extra}
+
+
+# ------------------------------------------------------------------------------ log in / out
+
+def _login_page(request: Request, next_path: str, *, error: str | None = None, status_code: int = 200):
+    token = sessions.new_csrf_token()
+    response = page(request, "login.html", {"csrf_token": token, "next": next_path, "error": error},
+                    status_code=status_code)
+    sessions.set_cookie(response, request, sessions.LOGIN_CSRF_COOKIE, token)
+    return response
+
+
+@router.get("")
+@router.get("/")
+async def home() -> RedirectResponse:
+    """The dashboard's front page is the runs list."""
+    return RedirectResponse(HOME, status_code=303)
+
+
+@router.get("/login")
+async def login_form(request: Request, next: str = Query(HOME, max_length=2000)):
+    """The login form: paste an API key."""
+    return _login_page(request, _safe_next(next))
+
+
+@router.post("/login")
+async def login(request: Request, pool: Pool, redis: RedisDep,
+                api_key: Annotated[str, Form(max_length=200)] = "",
+                csrf_token: Annotated[str, Form(max_length=200)] = "",
+                next: Annotated[str, Form(max_length=2000)] = HOME):
+    """Check the API key and start a session (a fresh token every time: no session fixation)."""
+    if not sessions.tokens_match(request.cookies.get(sessions.LOGIN_CSRF_COOKIE), csrf_token):
+        raise Forbidden("missing or wrong CSRF token: reload the login page and try again", field="csrf_token")
+    async with pool.connection() as conn:
+        try:
+            who = await authenticate(conn, api_key.strip())
+        except Unauthenticated as exc:
+            return _login_page(request, _safe_next(next), error=exc.message, status_code=401)
+    token, _ = await sessions.create(redis, who.key_id)
+    response = RedirectResponse(_safe_next(next), status_code=303)
+    sessions.set_cookie(response, request, sessions.COOKIE, token)
+    sessions.clear_cookie(response, request, sessions.LOGIN_CSRF_COOKIE)
+    return response
+
+
+@router.post("/logout")
+async def logout(request: Request, viewer: Changing, redis: RedisDep) -> RedirectResponse:
+    """End the session (server side: the cookie's token stops working even if it was copied)."""
+    await sessions.end(redis, viewer.token)
+    response = RedirectResponse("/dashboard/login", status_code=303)
+    sessions.clear_cookie(response, request, sessions.COOKIE)
+    return response
+
+
+# ------------------------------------------------------------------------------ runs and checkpoints
+
+def _run_state(model: dict, progress: dict) -> str:
+    if model["status"] == "ready":
+        return "training" if progress["in_flight"] else "idle"
+    return model["status"]
+
+
+@router.get("/runs")
+async def runs(request: Request, viewer: LoggedIn, pool: Pool, offset: int = Query(0, ge=0, le=10**9)):
+    """Your training runs, newest first, with state, step and latest loss."""
+    async with pool.connection() as conn:
+        models, total = await scoped.list_models(conn, viewer.who, limit=PAGE_SIZE, offset=offset)
+        progress = await scoped.run_progress(conn, viewer.who, [m["id"] for m in models])
+    rows = [{"model": m, "progress": progress[m["id"]], "state": _run_state(m, progress[m["id"]])} for m in models]
+    return page(request, "runs.html", _ctx(viewer, "runs", rows=rows, total=total, offset=offset, page_size=PAGE_SIZE))
+
+
+@router.get("/runs/{model_id}")
+async def run_detail(request: Request, model_id: str, viewer: LoggedIn, pool: Pool):
+    """One run: its curves (drawn from `/dashboard/data/runs/{id}`) and its checkpoints."""
+    async with pool.connection() as conn:
+        model = await scoped.get_model(conn, viewer.who, model_id)
+        progress = (await scoped.run_progress(conn, viewer.who, [model_id]))[model_id]
+        ckpts, _ = await scoped.list_checkpoints(conn, viewer.who, model_id=model_id)
+    return page(request, "run.html", _ctx(viewer, "runs", model=model, progress=progress,
+                                          state=_run_state(model, progress), checkpoints=ckpts))
+
+
+@router.get("/checkpoints")
+async def checkpoints(request: Request, viewer: LoggedIn, pool: Pool, offset: int = Query(0, ge=0, le=10**9)):
+    """All your checkpoints, newest first, each with a download of its adapter."""
+    async with pool.connection() as conn:
+        ckpts, total = await scoped.list_checkpoints(conn, viewer.who, limit=PAGE_SIZE, offset=offset)
+    return page(request, "checkpoints.html", _ctx(viewer, "checkpoints", checkpoints=ckpts, total=total,
+                                                  offset=offset, page_size=PAGE_SIZE))
+
+
+@router.get("/runs/{model_id}/checkpoints/{kind}/{name}/adapter.tar.gz")
+async def download_adapter(model_id: str, kind: str, name: str, viewer: LoggedIn, pool: Pool) -> StreamingResponse:
+    """The checkpoint's PEFT adapter (adapter_config.json, adapter_model.safetensors) as a .tar.gz."""
+    if kind not in CHECKPOINT_KINDS:
+        raise NotFound(f"no checkpoint kind {kind!r}; kinds are {list(CHECKPOINT_KINDS)}", field="kind")
+    async with pool.connection() as conn:
+        ckpt = await scoped.get_checkpoint(conn, viewer.who, model_id, kind, name)
+    directory = Path(ckpt["storage_path"])
+    if not directory.is_dir():
+        raise NotFound(f"the files of checkpoint {kind}/{name} are gone from the checkpoint store", field="path")
+    filename = adapter_archive.archive_name(model_id, name)
+    return StreamingResponse(adapter_archive.stream_tar_gz(directory, top=filename.removesuffix(".tar.gz")),
+                             media_type="application/gzip",
+                             headers={"Content-Disposition": f'attachment; filename="{filename}"',
+                                      "Cache-Control": "no-store"})
+
+
+@router.get("/samplers")
+async def samplers(request: Request, viewer: LoggedIn, pool: Pool):
+    """Your samplers (sampling sessions) and how many requests each has run."""
+    async with pool.connection() as conn:
+        rows = await scoped.list_sampling_sessions(conn, viewer.who)
+    return page(request, "samplers.html", _ctx(viewer, "samplers", samplers=rows))
+
+
+# ------------------------------------------------------------------------------ spend and keys
+
+@router.get("/spend")
+async def spend(request: Request, viewer: LoggedIn, pool: Pool, since: date | None = None, until: date | None = None):
+    """Spend by day and by model (plots) and this month's budgets; the same numbers as
+    `GET /api/v1/quilt/usage`, which this page calls in-process."""
+    usage = await get_usage(viewer.who, pool, since, until)
+    return page(request, "spend.html", _ctx(viewer, "spend", usage=usage))
+
+
+async def _keys_page(request: Request, viewer: Viewer, pool, **extra):
+    async with pool.connection() as conn:
+        rows = await keys.list_keys_async(conn, viewer.who.tenant_id)
+    return page(request, "keys.html", _ctx(viewer, "keys", keys=rows, **extra))
+
+
+@router.get("/keys")
+async def keys_page(request: Request, viewer: LoggedIn, pool: Pool, revoked: str | None = Query(None, max_length=40)):
+    """Your API keys (prefixes only; secrets are never stored)."""
+    return await _keys_page(request, viewer, pool, revoked=revoked)
+
+
+@router.post("/keys")
+async def create_key(request: Request, viewer: Changing, pool: Pool,
+                     name: Annotated[str, Form(max_length=100)] = ""):
+    """Create a key; its secret is in this response only (not in a redirect URL, not in the session)."""
+    async with pool.connection() as conn:
+        secret, info = await keys.create_key_async(conn, viewer.who.tenant_id, name.strip())
+    return await _keys_page(request, viewer, pool, new_secret=secret, new_key=info)
+
+
+@router.post("/keys/revoke")
+async def revoke_key(viewer: Changing, pool: Pool, prefix: Annotated[str, Form(max_length=40)] = ""):
+    """Revoke one of your keys by prefix. Revoking the key this session logged in with ends it."""
+    async with pool.connection() as conn:
+        await keys.revoke_key_async(conn, prefix, viewer.who.tenant_id)
+    return RedirectResponse("/dashboard/keys?" + urlencode({"revoked": prefix}), status_code=303)
+
+
+# ------------------------------------------------------------------------------ operator
+
+@router.get("/ops")
+async def ops(request: Request, viewer: OperatorOnly, pool: Pool):
+    """Queue and pool health, refreshed live from `/dashboard/data/ops` (operators only)."""
+    async with pool.connection() as conn:
+        bases = await catalog.list_models(conn)
+    return page(request, "ops.html", _ctx(viewer, "ops", bases=bases))

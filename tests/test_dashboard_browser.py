@@ -1,0 +1,162 @@
+"""The dashboard in headless Chromium (Debian's package, driven by Playwright) against the real
+stack: log in, the SFT example's loss curve, API keys through the UI, tenant isolation, CSRF, and
+the operator's health plots. Screenshots go to artifacts/screenshots/ (CI keeps artifacts/)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import quilt
+from dashutil import operator_key, run_url
+from stackutil import datum, fb_body, new_model, wait_future
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = os.environ.get("QUILT_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+SHOTS = Path(os.environ.get("QUILT_TEST_ARTIFACTS") or ROOT / "artifacts") / "screenshots"
+SFT_STEPS = 12
+SERIES_BLUE = (37, 99, 235)  # the first series' colour in dashboard.js
+
+# Pixels of a plot's canvas in its first series' colour: a drawn curve or bars, not just axes.
+_SERIES_PIXELS = """(el, rgb) => {
+  const c = el.querySelector('canvas');
+  const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+  let n = 0;
+  for (let i = 0; i < d.length; i += 4)
+    if (d[i + 3] > 100 && Math.abs(d[i] - rgb[0]) < 40 && Math.abs(d[i + 1] - rgb[1]) < 40
+        && Math.abs(d[i + 2] - rgb[2]) < 40) n++;
+  return n;
+}"""
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: scripts/install.sh installs Debian's chromium (or set QUILT_CHROMIUM)")
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    yield page
+    context.close()
+    assert not errors, f"script errors on the page: {errors}"
+
+
+def _login(page, stack, key: str) -> None:
+    page.goto(stack.base_url + "/dashboard/login")
+    page.fill("#api-key", key)
+    page.click("#login-submit")
+    page.wait_for_url("**/dashboard/runs")
+
+
+def _shot(page, name: str) -> None:
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+@pytest.fixture(scope="module")
+def sft_run(stack):
+    """A tenant who ran the SFT example; returns (tenant, model id)."""
+    tenant = stack.create_tenant("ui")
+    env = {**os.environ, "QUILT_API_KEY": tenant.key, "QUILT_BASE_URL": stack.base_url}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "sft_tiny.py"), "--steps", str(SFT_STEPS)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model_id = re.search(r"^training (\S+) \(rank", proc.stdout, re.M).group(1)
+    return tenant, model_id
+
+
+def test_sft_loss_curve_has_one_point_per_step(stack, page, sft_run):
+    tenant, model_id = sft_run
+    _login(page, stack, tenant.key)
+    _shot(page, "runs")
+    page.click(f"a.run-link:text-is('{model_id}')")
+    page.wait_for_selector("#loss-plot[data-drawn='1'] canvas")
+    assert page.get_attribute("#loss-plot", "data-points") == str(SFT_STEPS)
+    assert page.eval_on_selector("#loss-plot", _SERIES_PIXELS, list(SERIES_BLUE)) > 50
+    assert page.text_content("#run-step") == str(SFT_STEPS)
+    _shot(page, "run-loss-curve")
+
+
+def test_create_and_revoke_a_key_in_the_ui(stack, page, tenant):
+    _login(page, stack, tenant.key)
+    page.click("text=API keys")
+    page.fill("#key-name", "made-in-the-ui")
+    page.click("#create-key")
+    secret = page.text_content("#new-key-secret").strip()
+    assert secret.startswith("tml-")
+    assert stack.http(secret).post("/create_session", json={}).status_code == 200
+    _shot(page, "key-created")
+
+    row = f"#keys-table tr[data-prefix='{secret[:12]}']"
+    page.click(f"{row} button.revoke")
+    page.wait_for_selector("#revoked-notice")
+    assert page.text_content(f"{row} .key-status").strip().startswith("revoked")
+    assert stack.http(secret).post("/create_session", json={}).status_code == 401
+    assert page.text_content(f"#keys-table tr[data-prefix='{tenant.key[:12]}'] .key-status").strip() == "active"
+    _shot(page, "key-revoked")
+
+
+def test_tenant_b_cannot_reach_tenant_a_pages(stack, page, sft_run):
+    _, model_id = sft_run
+    _login(page, stack, stack.create_tenant("ui-b").key)
+    response = page.goto(stack.base_url + run_url(model_id))
+    assert response.status == 404 and page.text_content("#error-status") == "404"
+    _shot(page, "other-tenants-run-404")
+    download = page.request.get(stack.base_url + run_url(model_id) + "/checkpoints/weights/sft-final/adapter.tar.gz")
+    assert download.status == 404
+    page.goto(stack.base_url + "/dashboard/checkpoints")
+    assert model_id not in page.content()
+
+
+def test_a_change_without_the_csrf_token_is_403(stack, page, tenant):
+    _login(page, stack, tenant.key)
+    page.goto(stack.base_url + "/dashboard/keys")
+    post = """token => fetch('/dashboard/keys', {method: 'POST', body: new URLSearchParams(
+        Object.assign({name: 'via-fetch'}, token ? {csrf_token: token} : {}))}).then(r => r.status)"""
+    assert page.evaluate(post, None) == 403
+    token = page.get_attribute("#create-key-form input[name=csrf_token]", "value")
+    assert page.evaluate(post, token) == 200
+
+
+def test_operator_page_draws_its_health_plots(stack, page, sft_run):
+    tenant, _ = sft_run
+    with stack.sdk(tenant.key) as client:  # one finished sampling group: a time-to-batch sample
+        sampler = client.create_sampling_client(base_model="quilt/tiny-qwen3")
+        sampler.sample([5, 6, 7], 2, quilt.SamplingParams(max_tokens=4, seed=0)).result()
+    http = stack.http(tenant.key)  # one forward_backward on data of a named policy version: staleness
+    model_id = new_model(http)
+    body = fb_body(model_id, 1, [datum(list(range(5, 20)))], loss_fn_config={"policy_version": 0})
+    assert "error" not in wait_future(http, http.post("/forward_backward", json=body).json()["request_id"])
+    _login(page, stack, operator_key(stack))
+    page.click("#nav-ops")
+    page.wait_for_function("() => { const p = [...document.querySelectorAll('.plot.health')];"
+                           " return p.length > 0 && p.every(e => e.dataset.drawn === '1'); }")
+    plots = page.eval_on_selector_all(".plot.health", "els => els.map(e => [e.id, +e.dataset.points])")
+    ids = {name for name, _ in plots}
+    assert {"queue-plot-0", "rate-plot-0", "busy-plot-0", "slots-plot-0", "rounds-plot-0", "tokens-plot-0",
+            "ttb-plot", "staleness-plot", "share-plot"} <= ids
+    for name in ("rate-plot-0", "busy-plot-0", "rounds-plot-0", "ttb-plot", "share-plot"):
+        assert dict(plots)[name] > 0, plots
+        assert page.eval_on_selector(f"#{name}", _SERIES_PIXELS, list(SERIES_BLUE)) > 20, name
+    assert "forward_backward requests" in page.text_content("#staleness-n")
+    refreshed = page.evaluate("() => document.body.dataset.lastRefresh")
+    page.wait_for_function("r => document.body.dataset.lastRefresh !== r", arg=refreshed)  # live polling
+    _shot(page, "operator-health")

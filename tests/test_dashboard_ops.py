@@ -1,0 +1,61 @@
+"""The operator page's numbers, shaped by pure functions over plain rows (no services)."""
+
+from __future__ import annotations
+
+import pytest
+
+from api.dashboard import ops
+
+
+def test_bins_are_aligned_and_cover_the_window():
+    assert ops.bin_edges(now=1005.0, window_s=30, bin_s=10) == [980.0, 990.0, 1000.0]
+
+
+def test_busy_fraction_spreads_a_round_over_the_bins_it_overlaps():
+    rounds = [{"at": 1005.0, "compute_s": 10.0}, {"at": 1008.0, "compute_s": 2.0}]
+    series = ops.trainer_series(rounds, now=1009.0, window_s=30, bin_s=10, complete=True)
+    assert series["t"] == [980.0, 990.0, 1000.0]
+    assert series["busy"] == [0.0, 0.5, 0.7]  # 5 s of the first round in each bin, + 2 s
+    assert series["waiting"] == [1.0, 0.5, 0.3]
+
+
+def test_busy_bins_before_trimmed_history_are_unknown():
+    series = ops.trainer_series([{"at": 1005.0, "compute_s": 1.0}], now=1009.0, window_s=30, bin_s=10, complete=False)
+    assert series["busy"] == [None, None, 0.1]
+
+
+def test_fused_rounds_skip_barrier_only_rounds_and_average():
+    rounds = [{"at": 3.0, "tenants": 2, "models": 3, "tokens": 100, "padding_fraction": 0.2},
+              {"at": 1.0, "tenants": 0, "models": 0, "tokens": 0, "padding_fraction": 0.0},  # optim_step only
+              {"at": 2.0, "tenants": 4, "models": 4, "tokens": 300, "padding_fraction": 0.0}]
+    fused = ops.fused_rounds(rounds, since=0.0)
+    assert fused["t"] == [2.0, 3.0] and fused["tenants"] == [4, 2]
+    assert fused["mean"] == {"tenants": 3.0, "models": 3.5, "tokens": 200.0, "padding_fraction": 0.1}
+
+
+def test_rate_series_is_tokens_per_second_per_bin():
+    rows = [{"t": 990, "sample": 50, "train": 20}, {"t": 1000, "sample": 0, "train": 100},
+            {"t": 500, "sample": 9, "train": 9}]  # the last is outside the window
+    rates = ops.rate_series(rows, now=1009.0, window_s=30, bin_s=10)
+    assert rates["generated_tokens_per_s"] == [0.0, 5.0, 0.0]
+    assert rates["trained_tokens_per_s"] == [0.0, 2.0, 10.0]
+
+
+def test_staleness_histogram_rounds_and_caps():
+    h = ops.histogram([0.0, 0.4, 1.6, 2.0, 30.0], buckets=3)
+    assert h == {"labels": ["0", "1", "2", "3+"], "counts": [2, 0, 2, 1], "n": 5}
+
+
+def test_shares_sum_to_one_and_group_the_tail(monkeypatch):
+    monkeypatch.setattr(ops, "MAX_TENANTS_SHOWN", 2)
+    rows = [{"tenant": "a", "train": 30, "sample": 0, "cost": 6}, {"tenant": "b", "train": 10, "sample": 50, "cost": 3},
+            {"tenant": "c", "train": 0, "sample": 50, "cost": 1}, {"tenant": "d", "train": 60, "sample": 0, "cost": 0}]
+    s = ops.shares(rows)
+    assert s["tenants"] == ["a", "b", "2 others"]
+    assert s["trainer"] == [0.3, 0.1, 0.6] and s["generator"] == [0.0, 0.5, 0.5] and s["cost"] == [0.6, 0.3, 0.1]
+    assert sum(s["cost"]) == pytest.approx(1.0)
+
+
+def test_shares_of_nothing_are_zero():
+    assert ops.shares([]) == {"tenants": [], "trainer": [], "generator": [], "cost": [], "train_tokens": 0,
+                              "sample_tokens": 0, "cost_micro_usd": 0}
