@@ -14,7 +14,10 @@ trainer step. A pool shared across tenants can give those slots to other tenants
    (b) partitioned: the same engine, each tenant capped at target / TENANTS running sequences;
    (c) serial:      one tenant's batch at a time, with the whole engine.
    Printed per mode: generated tokens/s, slot utilisation (busy sequence-seconds / target / wall),
-   and each tenant's time-to-trainable-batch (submit -> last group done) p50/p95.
+   where the idle capacity comes from (time full; time with free slots and no work to run; time with
+   free slots while work waits, i.e. held back by caps or admission latency), and each tenant's
+   time-to-trainable-batch (submit -> last group done) p50/p95.
+   Sequences are unseeded by default, as RL rollouts usually are (--seeded gives each a seed).
 3. Publish-to-first-token: a new adapter version is written and sampled (1 token) while the pool
    is busy with other work; no restart.
 
@@ -108,12 +111,14 @@ def make_scheduler(engine: GenEngine, target: int, cap: int, done: list[Group]) 
 # --------------------------------------------------------------------------- 1. the curve
 
 
-async def step_curve(engine: GenEngine, refs: list[AdapterRef], target: int) -> list[tuple[int, float, float]]:
+async def step_curve(engine: GenEngine, refs: list[AdapterRef], target: int,
+                     seeded: bool) -> list[tuple[int, float, float]]:
     spec = SamplingSpec(max_tokens=48, eos_stops=False)
     rows = []
     k = 1
     while k <= 2 * target:
-        reqs = [SeqRequest(f"curve-{k}-{i}", (5, 6, 7, 8), spec, i, refs[i % len(refs)]) for i in range(k)]
+        reqs = [SeqRequest(f"curve-{k}-{i}", (5, 6, 7, 8), spec, i if seeded else None, refs[i % len(refs)])
+                for i in range(k)]
         t0 = time.perf_counter()
         await asyncio.gather(*(engine.generate(r) for r in reqs))
         dt = time.perf_counter() - t0
@@ -136,6 +141,7 @@ class Workload:
     max_len: int
     pause_s: float
     seed: int
+    seeded: bool  # per-request sampling seeds (vLLM then samples those rows one by one)
 
     def lengths(self, tenant: int, rnd: int, group: int) -> tuple[int, ...]:
         rng = random.Random(hash((self.seed, tenant, rnd, group)) & 0xFFFFFFFF)
@@ -151,6 +157,17 @@ class ModeResult:
     busy_seq_s: float
     target: int
     ttb: dict[int, list[float]] = field(default_factory=dict)
+    # (running, waiting) sampled every few ms: is idle capacity the admission's fault or no demand?
+    occupancy: list[tuple[int, int]] = field(default_factory=list)
+
+    def time_share(self, state: str) -> float:
+        """Fraction of samples: `full` (running >= target), `no_demand` (free slots, nothing
+        waiting that may run) or `held_back` (free slots while sequences wait: caps or latency)."""
+        if not self.occupancy:
+            return 0.0
+        test = {"full": lambda r, w: r >= self.target, "no_demand": lambda r, w: r < self.target and w == 0,
+                "held_back": lambda r, w: r < self.target and w > 0}[state]
+        return sum(1 for r, w in self.occupancy if test(r, w)) / len(self.occupancy)
 
     @property
     def tps(self) -> float:
@@ -185,16 +202,24 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
                 for gi in range(w.groups):
                     lengths = w.lengths(t, rnd, gi)
                     g = Group(request_id=f"{name}-{t}-{rnd}-{gi}", tenant_id=f"tenant-{t}", prompt=(5 + t, 6, 7, 8),
-                              spec=SamplingSpec(max_tokens=max(lengths), eos_stops=False, seed=gi), n=w.n,
+                              spec=SamplingSpec(max_tokens=max(lengths), eos_stops=False,
+                                                seed=gi if w.seeded else None), n=w.n,
                               adapter=refs[t], model_id=f"m{t}", lengths=lengths)
                     futs.append(submit(sched, futures, g))
                 await asyncio.gather(*futs)
             result.ttb[t].append(time.perf_counter() - ready)
             await asyncio.sleep(w.pause_s * rng.uniform(0.5, 1.5))  # the trainer step
 
+    async def watch() -> None:
+        while True:
+            result.occupancy.append((sched.running(), sched.waiting()))
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.create_task(watch())
     t0 = time.perf_counter()
     await asyncio.gather(*(tenant(t) for t in range(w.tenants)))
     result.wall_s = time.perf_counter() - t0
+    watcher.cancel()
     stop.set()
     sched.wake()
     await pool
@@ -256,15 +281,15 @@ async def main_async(args) -> dict:
         refs = [AdapterRef(key=p, path=p, model_id=f"m{i}", name=f"t{i}") for i, p in enumerate(paths[:-1])]
         for r in refs:
             await engine.load(r)
-        await step_curve(engine, refs, 4)  # warm-up
+        await step_curve(engine, refs, 4, args.seeded)  # warm-up
 
-        print("\n1. decode-step curve (mixed adapters, 48 tokens each)")
+        print(f"\n1. decode-step curve (mixed adapters, 48 tokens each, {'seeded' if args.seeded else 'unseeded'})")
         print(f"{'running':>8} {'ms/step':>9} {'tokens/s':>9}")
-        curve = await step_curve(engine, refs, args.target)
+        curve = await step_curve(engine, refs, args.target, args.seeded)
         for k, ms, tps in curve:
             print(f"{k:>8} {ms:>9.1f} {tps:>9.0f}")
         w = Workload(args.tenants, args.rounds, args.groups, args.n, args.median_len, args.sigma, args.max_len,
-                     args.pause, args.seed)
+                     args.pause, args.seed, args.seeded)
         mean_len = statistics.mean(x for t in range(w.tenants) for r in range(w.rounds) for gi in range(w.groups)
                                    for x in w.lengths(t, r, gi))
         print(f"\n2. {w.tenants} tenants x {w.rounds} rounds x {w.groups} groups x n={w.n}; lengths lognormal "
@@ -279,6 +304,9 @@ async def main_async(args) -> dict:
         print(f"{'tokens/s':<22}" + "".join(f"{r.tps:>14.0f}" for r in results.values()))
         print(f"{'slot utilisation':<22}" + "".join(f"{r.util:>14.2f}" for r in results.values()))
         print(f"{'wall s':<22}" + "".join(f"{r.wall_s:>14.1f}" for r in results.values()))
+        for state, label in (("full", "time full"), ("no_demand", "time, no demand"),
+                             ("held_back", "time, work held back")):
+            print(f"{label:<22}" + "".join(f"{r.time_share(state):>14.2f}" for r in results.values()))
         for t in range(w.tenants):
             print(f"{f'tenant {t} ttb p50/p95 s':<22}" +
                   "".join(f"{f'{r.p(t, 0.5):.2f}/{r.p(t, 0.95):.2f}':>14}" for r in results.values()))
@@ -295,6 +323,8 @@ async def main_async(args) -> dict:
             "slot_util_shared": round(shared.util, 3),
             "slot_util_partitioned": round(part.util, 3),
             "slot_util_serial": round(results["serial"].util, 3),
+            "shared_time_no_demand": round(shared.time_share("no_demand"), 3),
+            "shared_time_held_back": round(shared.time_share("held_back"), 3),
             "tps": {m: round(r.tps, 1) for m, r in results.items()},
             "step_ms_1_vs_target": [round(curve[0][1], 1), round(next(ms for k, ms, _ in curve if k >= args.target), 1)],
             "publish_to_first_token_ms_p50": round(1000 * statistics.median(lat), 1),
@@ -318,7 +348,9 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--pause", type=float, default=1.5, help="seconds of 'trainer step' between batches")
     ap.add_argument("--publish-trials", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seeds the workload (lengths, pauses)")
+    ap.add_argument("--seeded", action="store_true",
+                    help="give every sequence a sampling seed (RL rollouts usually do not; costs per row)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.publish_trials = 2, 2
