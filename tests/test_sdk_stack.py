@@ -67,3 +67,12 @@ def test_http_errors_are_typed(stack, tenant):
     with pytest.raises(quilt.AuthenticationError):
         with stack.sdk("tml-wrong") as client:
             client.create_training_client(TINY, rank=4)
+
+
+def test_sdk_cancels_a_sampling_request(stack, tenant):
+    with stack.sdk(tenant.key) as client:
+        sampler = client.create_sampling_client(base_model=TINY)
+        future = sampler.sample([5, 6, 7], 2, quilt.SamplingParams(max_tokens=1900, stop=[]))
+        assert future.cancel().result(timeout=60)["request_id"] == future.request_id
+        with pytest.raises(quilt.UserRequestError, match="cancelled"):
+            future.result(timeout=120)

@@ -68,9 +68,11 @@ class APIFuture(Generic[T]):
     their client closes are cancelled.
     """
 
-    def __init__(self, request_id: str, future: concurrent.futures.Future[T]) -> None:
+    def __init__(self, request_id: str, future: concurrent.futures.Future[T],
+                 canceller: Callable[[], concurrent.futures.Future[Any]] | None = None) -> None:
         self._request_id = request_id
         self._future = future
+        self._canceller = canceller
 
     @classmethod
     def poll(
@@ -79,13 +81,30 @@ class APIFuture(Generic[T]):
         http: HTTPTransport,
         request_id: str,
         convert: Callable[[dict[str, Any]], T],
+        *,
+        cancellable: bool = False,
     ) -> APIFuture[T]:
-        """Start polling ``request_id`` via ``submit`` (the loop's scheduler); results pass ``convert``."""
+        """Start polling ``request_id`` via ``submit`` (the loop's scheduler); results pass ``convert``.
+        ``cancellable``: the server can abort this kind of request (sampling)."""
 
         async def resolve() -> T:
             return convert(await retrieve_result(http, request_id))
 
-        return cls(request_id, submit(resolve()))
+        async def abort() -> Any:
+            return await http.request("POST", "cancel_future", {"request_id": request_id})
+
+        return cls(request_id, submit(resolve()), (lambda: submit(abort())) if cancellable else None)
+
+    def cancel(self) -> concurrent.futures.Future[Any]:
+        """Ask the server to abort the request (sampling requests only) and return at once.
+
+        The server stops its sequences, frees their slots for other work and does not bill it;
+        this future then fails with a ``cancelled`` user error. The returned future resolves to the
+        server's acknowledgement (wait on it or not). A finished request is left as it is.
+        """
+        if self._canceller is None:
+            raise TypeError(f"request {self._request_id} cannot be cancelled (only sampling requests can)")
+        return self._canceller()
 
     @property
     def request_id(self) -> str:

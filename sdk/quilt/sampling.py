@@ -174,7 +174,7 @@ class SamplingClient:
         request_id = require(answer, "request_id", "asample")
         sequence_ids = list(answer.get("sample_sequence_ids") or [])
         return APIFuture.poll(self._runner.submit, self._http, request_id,
-                              lambda result: SampleResponse.from_json(result, sequence_ids))
+                              lambda result: SampleResponse.from_json(result, sequence_ids), cancellable=True)
 
     def sample(self, prompt: ModelInput | Sequence[int], num_samples: int = 1,
                sampling_params: SamplingParams | None = None, *, include_prompt_logprobs: bool = False,

@@ -123,3 +123,14 @@ def test_bad_arguments_fail_before_sending(sampling_server, client):
     with pytest.raises(ValueError):
         sampler.sample([1], 0)
     assert "asample" not in sampling_server.routes_seen()
+
+
+def test_cancel_asks_the_server_to_abort_a_sampling_request(sampling_server, client, tc):
+    sampling_server.routes["cancel_future"] = lambda body: {"type": "cancel_future", "request_id": body["request_id"]}
+    sampler = client.create_sampling_client(base_model="tiny")
+    future = sampler.sample([1, 2], 1)
+    assert future.cancel().result(timeout=10) == {"type": "cancel_future", "request_id": future.request_id}
+    assert sampling_server.bodies("cancel_future") == [{"request_id": future.request_id}]
+    # training requests run in order on the trainer and cannot be aborted
+    with pytest.raises(TypeError, match="only sampling"):
+        tc.forward_backward([quilt.datum_for_next_token([1, 2, 3])]).cancel()

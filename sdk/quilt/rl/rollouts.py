@@ -131,7 +131,19 @@ async def _sample_turn(sampler: SamplingClient, prompt: list[int], members: list
         if params.max_tokens is None or params.max_tokens > left:
             turn_params = dataclasses.replace(params, max_tokens=left)
     try:
-        response = await (await sampler.sample_async(prompt, len(members), turn_params))
+        future = await sampler.sample_async(prompt, len(members), turn_params)
+        try:
+            response = await future
+        except asyncio.CancelledError:
+            # The run is over (or was stopped): free the pool's slots instead of finishing rollouts
+            # nobody will train on.
+            cancel = getattr(future, "cancel", None)
+            if cancel is not None:
+                try:
+                    cancel()
+                except Exception as exc:  # the SDK may already be closing; the server times it out
+                    log.debug("could not cancel %s: %s", getattr(future, "request_id", "?"), exc)
+            raise
     except _INFRA_ERRORS as exc:
         log.warning("sampling failed for %d episodes: %s", len(members), exc)
         for m in members:
