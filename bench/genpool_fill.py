@@ -16,7 +16,10 @@ trainer step. A pool shared across tenants can give those slots to other tenants
    Printed per mode: generated tokens/s, slot utilisation (busy sequence-seconds / target / wall),
    where the idle capacity comes from (time full; time with free slots and no work to run; time with
    free slots while work waits, i.e. held back by caps or admission latency), and each tenant's
-   time-to-trainable-batch (submit -> last group done) p50/p95.
+   time-to-trainable-batch (submit -> last group done) p50/p95. Then the ratio split into its two
+   factors (utilisation ratio x tokens/s per busy slot ratio) and what an ideal engine would give
+   this workload: the same workload shape and admission function in bench/genpool_sim.py's
+   flat-step model at the measured per-sequence rate.
    Sequences are unseeded by default, as RL rollouts usually are (--seeded gives each a seed).
 3. Publish-to-first-token: a new adapter version is written and sampled (1 token) while the pool
    is busy with other work; no restart.
@@ -50,6 +53,7 @@ from gen_pool.engine import GenEngine, SeqRequest
 from gen_pool.params import SamplingSpec
 from gen_pool.scheduler import Group, Scheduler
 from gen_pool.settings import GenPoolSettings
+from genpool_sim import Model, fixed_tenants, simulate
 
 # An overhead-bound model: so small that a decode step costs about the same for 1 or 32 sequences.
 BENCH_SPEC = {"hidden_size": 64, "num_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
@@ -239,6 +243,23 @@ class _nothing:
         return False
 
 
+def ideal(w: Workload, target: int, slot_rate: float, step_s: float, seeds: int = 5) -> dict:
+    """The same workload shape through the simulator's flat-step engine (every running sequence
+    decodes `slot_rate` tokens/s however many run) and the same admission function: what sharing
+    could give this workload if the engine were ideal. Medians over a few seeds."""
+    m = Model(slots=target, token_rate=slot_rate, prefill_s=step_s, groups=w.groups, n=w.n,
+              median_len=float(w.median_len), sigma=w.sigma, max_len=w.max_len, drift=0.0, pause_s=w.pause_s,
+              horizon_s=400.0, quantum_s=max(step_s, 0.02))
+    ratios, utils = [], []
+    for seed in range(seeds):
+        plans = fixed_tenants(w.tenants, m, seed)
+        shared, part = (simulate(1, m, mode, seed, plans) for mode in ("shared", "partitioned"))
+        ratios.append(shared.tps / part.tps)
+        utils.append((shared.util, part.util))
+    return {"ratio": statistics.median(ratios), "util_shared": statistics.median(u for u, _ in utils),
+            "util_partitioned": statistics.median(p for _, p in utils)}
+
+
 # --------------------------------------------------------------------------- 3. publish latency
 
 
@@ -303,6 +324,7 @@ async def main_async(args) -> dict:
         print(f"\n{'':<22}" + "".join(f"{m:>14}" for m in results))
         print(f"{'tokens/s':<22}" + "".join(f"{r.tps:>14.0f}" for r in results.values()))
         print(f"{'slot utilisation':<22}" + "".join(f"{r.util:>14.2f}" for r in results.values()))
+        print(f"{'tok/s per busy slot':<22}" + "".join(f"{r.tps / (r.util * r.target):>14.1f}" for r in results.values()))
         print(f"{'wall s':<22}" + "".join(f"{r.wall_s:>14.1f}" for r in results.values()))
         for state, label in (("full", "time full"), ("no_demand", "time, no demand"),
                              ("held_back", "time, work held back")):
@@ -312,6 +334,14 @@ async def main_async(args) -> dict:
                   "".join(f"{f'{r.p(t, 0.5):.2f}/{r.p(t, 0.95):.2f}':>14}" for r in results.values()))
         shared, part = results["shared"], results["partitioned"]
         ratios = [shared.p(t, 0.95) / part.p(t, 0.95) for t in range(w.tenants)]
+        util_ratio, rate_ratio = shared.util / part.util, (shared.tps / shared.util) / (part.tps / part.util)
+        at_target = next(row for row in curve if row[0] >= args.target)
+        flat = ideal(w, args.target, at_target[2] / at_target[0], at_target[1] / 1000)
+        print(f"\nshared / partitioned tokens/s {shared.tps / part.tps:.2f} = utilisation ratio {util_ratio:.2f} "
+              f"x per-busy-slot rate ratio {rate_ratio:.2f}")
+        print(f"ideal engine (simulated: flat decode step at the measured {at_target[2] / at_target[0]:.0f} tok/s per "
+              f"sequence, same workload shape and admission): {flat['ratio']:.2f}x, utilisation "
+              f"{flat['util_shared']:.2f} vs {flat['util_partitioned']:.2f}")
 
         lat = await publish_latency(engine, refs, paths[-1], root, args.publish_trials)
         print(f"\n3. publish-to-first-token while busy: p50 {1000 * statistics.median(lat):.0f} ms, "
@@ -323,6 +353,8 @@ async def main_async(args) -> dict:
             "slot_util_shared": round(shared.util, 3),
             "slot_util_partitioned": round(part.util, 3),
             "slot_util_serial": round(results["serial"].util, 3),
+            "per_slot_rate_ratio": round(rate_ratio, 3),
+            "ideal_flat_step_shared_over_partitioned_tps": round(flat["ratio"], 3),
             "shared_time_no_demand": round(shared.time_share("no_demand"), 3),
             "shared_time_held_back": round(shared.time_share("held_back"), 3),
             "tps": {m: round(r.tps, 1) for m, r in results.items()},

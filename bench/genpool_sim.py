@@ -83,6 +83,13 @@ def tenant_schedule(gpus: int, m: Model, seed: int) -> list[TenantPlan]:
         i += 1
 
 
+def fixed_tenants(count: int, m: Model, seed: int) -> list[TenantPlan]:
+    """`count` tenants present for the whole horizon, starting staggered over one pause (the shape
+    of bench/genpool_fill.py's workload)."""
+    rng = random.Random(seed)
+    return [TenantPlan(f"t{i}", m.pause_s * i / count, math.inf, rng.randrange(2**31)) for i in range(count)]
+
+
 @dataclass
 class SimGroup:
     gid: str
@@ -148,10 +155,11 @@ def compact_views(queued: dict, running_full: dict[str, int]) -> list[GroupView]
     return views
 
 
-def simulate(gpus: int, m: Model, mode: str, seed: int) -> Result:
+def simulate(gpus: int, m: Model, mode: str, seed: int, plans: list[TenantPlan] | None = None) -> Result:
+    """One mode over the horizon; `plans` fixes who is present (default: arrivals and departures)."""
     capacity = gpus * m.slots
     tenants = {p.tid: SimTenant(p, random.Random(p.seed), next_submit=p.arrive)
-               for p in tenant_schedule(gpus, m, seed)}
+               for p in (plans if plans is not None else tenant_schedule(gpus, m, seed))}
     groups: dict[str, SimGroup] = {}
     queued: dict[str, SimGroup] = {}  # groups with sequences not yet started
     running_full: dict[str, int] = {}  # per tenant: running sequences of fully started groups
