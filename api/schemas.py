@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from api.datums import RawDatum, RawTensor
+from core import retention
 from core.ids import CHECKPOINT_NAME_RE
 
 
@@ -133,6 +134,8 @@ class SaveWeightsRequest(_Body):
     seq_id: int = Field(ge=1, le=2**31 - 1)
     path: str = Field(description="checkpoint name, not a URI")
     overwrite: bool = False
+    ttl_seconds: int | None = Field(None, ge=retention.MIN_TTL_S, le=retention.MAX_TTL_S,
+                                    description="delete the checkpoint this long after the save; none: keep")
 
     @field_validator("path")
     @classmethod
@@ -140,6 +143,11 @@ class SaveWeightsRequest(_Body):
         if not CHECKPOINT_NAME_RE.match(value):
             raise ValueError("checkpoint name must be 1-128 characters of letters, digits, '.', '_' or '-'")
         return value
+
+
+class CheckpointTtlRequest(_Body):
+    ttl_seconds: int | None = Field(..., ge=retention.MIN_TTL_S, le=retention.MAX_TTL_S,
+                                    description="seconds from now until the checkpoint is deleted; null: never")
 
 
 class LoadWeightsRequest(_Body):

@@ -22,8 +22,8 @@ from batcher.queues import ModelQueues, _Entry
 from billing.ledger import settle
 from billing.pricing import training_units
 from core import catalog, db, health, ids, queue, records, redis_client, run_metrics
-from core.errors import QuiltError, ServerError
-from core.settings import get_api_settings, get_trainer_settings
+from core.errors import Conflict, QuiltError, ServerError
+from core.settings import get_api_settings, get_core_settings, get_trainer_settings
 
 log = logging.getLogger("quilt.trainer")
 
@@ -184,10 +184,15 @@ class TrainerWorker:
         tagged with the policy version they were taken at."""
         name, for_sampler = item.body["name"], item.kind == "save_weights_for_sampler"
         kind = "sampler_weights" if for_sampler else "weights"
+        # Every save gets a new directory (core.retention), so "exists" is a question for the records.
+        if not item.body["overwrite"] and records.checkpoint_exists(self._db(), item.model_id, kind, name):
+            raise Conflict(f"checkpoint {name!r} already exists; pass overwrite=True to replace it", field="path")
         size = self.backend.save(item.model_id, item.body["storage_path"], overwrite=bool(item.body["overwrite"]),
                                  with_optimizer=not for_sampler)
         records.upsert_checkpoint(self._db(), tenant_id=item.tenant_id, model_id=item.model_id, kind=kind,
-                                  name=name, storage_path=item.body["storage_path"], size_bytes=size)
+                                  name=name, storage_path=item.body["storage_path"], size_bytes=size,
+                                  ttl_s=item.body.get("ttl_s"), sliding=bool(item.body.get("sliding")),
+                                  grace_s=get_core_settings().superseded_version_grace_s)
         result = {"type": item.kind, "path": ids.tinker_path(item.model_id, kind, name)}
         if for_sampler:
             result["policy_version"] = self.backend.policy_version(item.model_id)

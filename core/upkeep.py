@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import socket
 
-from core import db, health, redis_client
+from core import db, health, redis_client, retention
 from core.celery_app import app
+from core.settings import get_core_settings
 
 SESSION_IDLE_LIMIT = "10 minutes"  # SDKs heartbeat every 10 s; this is 60 missed beats
 
@@ -26,3 +27,11 @@ def expire_sessions() -> int:
             (SESSION_IDLE_LIMIT,),
         )
         return cur.rowcount
+
+
+@app.task(name="quilt.upkeep.sweep_checkpoints")
+def sweep_checkpoints() -> dict:
+    """Expire checkpoints past their TTL and delete checkpoint directories that are due."""
+    with db.connect() as conn:
+        result = retention.sweep(conn, get_core_settings().checkpoint_dir)
+    return {"expired": result.expired, "removed": result.removed}

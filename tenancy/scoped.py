@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from psycopg import AsyncConnection
 
+from core import retention
 from core.errors import NotFound
 from tenancy.auth import Principal
 
@@ -50,7 +51,8 @@ async def get_request(conn: AsyncConnection, who: Principal, request_id: str) ->
 async def get_checkpoint(conn: AsyncConnection, who: Principal, model_id: str, kind: str, name: str) -> dict:
     return await _one(
         conn,
-        "SELECT * FROM checkpoints WHERE model_id = %s AND kind = %s AND name = %s AND tenant_id = %s",
+        f"SELECT * FROM checkpoints WHERE model_id = %s AND kind = %s AND name = %s AND tenant_id = %s "
+        f"AND {retention.LIVE}",
         (model_id, kind, name, who.tenant_id),
         f"checkpoint tinker://{model_id}/{kind}/{name} not found",
         "path",
@@ -101,7 +103,7 @@ async def list_models(conn: AsyncConnection, who: Principal, *, limit: int, offs
 async def list_checkpoints(conn: AsyncConnection, who: Principal, *, model_id: str | None = None,
                            limit: int = 1000, offset: int = 0) -> tuple[list[dict], int]:
     cur = await conn.execute(
-        "SELECT c.*, count(*) OVER () AS total FROM checkpoints c WHERE tenant_id = %s "
+        f"SELECT c.*, count(*) OVER () AS total FROM checkpoints c WHERE tenant_id = %s AND {retention.LIVE} "
         "AND (%s::text IS NULL OR model_id = %s) ORDER BY created_at DESC LIMIT %s OFFSET %s",
         (who.tenant_id, model_id, model_id, limit, offset),
     )

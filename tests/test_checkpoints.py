@@ -42,8 +42,9 @@ def test_checkpoint_is_in_peft_format(stack, tenant):
     model_id = new_model(client)
     r = client.post("/save_weights", json={"model_id": model_id, "seq_id": 1, "path": "fmt"}).json()
     wait_future(client, r["request_id"])
-    ckpt = stack.data_dir / "checkpoints" / tenant.tenant_id / model_id / "weights" / "fmt"
-    names = {p.name for p in Path(ckpt).iterdir()}
+    name_dir = stack.data_dir / "checkpoints" / tenant.tenant_id / model_id / "weights" / "fmt"
+    (ckpt,) = name_dir.iterdir()  # one directory per save (core.retention)
+    names = {p.name for p in ckpt.iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt"} <= names
 
 

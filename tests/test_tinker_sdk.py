@@ -80,6 +80,21 @@ def test_training_flow_through_the_official_sdk(stack, tenant):
         assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
 
 
+def test_checkpoint_ttls_through_the_official_sdk(stack, tenant):
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
+        tc = service.create_lora_training_client(base_model=TINY, rank=4).result()
+        saved = tc.save_state("short-lived", ttl_seconds=3600).result()
+        rest = tinker.RestClient(base_url=stack.base_url, api_key=tenant.key)
+        (ckpt,) = rest.list_checkpoints(tc.model_id).result().checkpoints
+        assert ckpt.expires_at is not None
+        rest.set_checkpoint_ttl_from_tinker_path(saved.path, None).result()
+        (ckpt,) = rest.list_checkpoints(tc.model_id).result().checkpoints
+        assert ckpt.expires_at is None
+        rest.set_checkpoint_ttl_from_tinker_path(saved.path, 7200).result()
+        (ckpt,) = rest.list_checkpoints(tc.model_id).result().checkpoints
+        assert ckpt.expires_at is not None
+
+
 def test_custom_loss_runs_through_forward_and_cross_entropy(stack, tenant):
     with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
         tc = service.create_lora_training_client(base_model=TINY, rank=4).result()

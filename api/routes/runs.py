@@ -6,15 +6,13 @@ also the first part of its checkpoints' `tinker://` paths.
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 from fastapi import APIRouter, Query, Response
 
 from api.deps import Pool, Who
-from api.schemas import WeightsInfoRequest
-from core import ids
+from api.schemas import CheckpointTtlRequest, WeightsInfoRequest
+from core import ids, retention
 from core.errors import InvalidInput, NotFound
+from core.settings import get_core_settings
 from tenancy import scoped
 from tenancy.auth import Principal
 
@@ -31,6 +29,7 @@ def checkpoint_json(row: dict) -> dict:
         "tinker_path": ids.tinker_path(row["model_id"], row["kind"], row["name"]),
         "size_bytes": row["size_bytes"],
         "public": False,
+        **({"expires_at": row["expires_at"].isoformat()} if row["expires_at"] else {}),
     }
 
 
@@ -113,7 +112,24 @@ async def delete_checkpoint(run_id: str, checkpoint_id: str, who: Who, pool: Poo
     async with pool.connection() as conn:
         ckpt = await scoped.get_checkpoint(conn, who, run_id, kind, name)
         await conn.execute("DELETE FROM checkpoints WHERE id = %s", (ckpt["id"],))
-    shutil.rmtree(Path(ckpt["storage_path"]), ignore_errors=True)
+    # Earlier versions of the name are already queued for deletion (core.retention).
+    retention.remove_dir(get_core_settings().checkpoint_dir, ckpt["storage_path"])
+    return Response(status_code=204)
+
+
+@router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl", status_code=204)
+async def set_checkpoint_ttl(run_id: str, checkpoint_id: str, body: CheckpointTtlRequest, who: Who,
+                             pool: Pool) -> Response:
+    """Expire one of your checkpoints `ttl_seconds` from now, or never (`null`). Replaces any
+    earlier expiry, including the default one of anonymous sampler snapshots."""
+    kind, name = _split_checkpoint_id(checkpoint_id)
+    async with pool.connection() as conn:
+        ckpt = await scoped.get_checkpoint(conn, who, run_id, kind, name)
+        await conn.execute(
+            "UPDATE checkpoints SET expires_at = now() + make_interval(secs => %s), sliding_ttl_s = NULL "
+            "WHERE id = %s",
+            (body.ttl_seconds, ckpt["id"]),
+        )
     return Response(status_code=204)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from typing import Any
 
 from fastapi import APIRouter
@@ -26,7 +25,7 @@ from pydantic import Field, field_validator, model_validator
 from api.deps import Pool, RedisDep, Settings, Who
 from api.schemas import ModelInputIn, _Body
 from api.submit import _admit, submit_model_request
-from core import catalog, ids, queue
+from core import catalog, ids, queue, retention
 from core.errors import InvalidInput, NotFound
 from core.settings import get_core_settings
 from gen_pool import params
@@ -55,6 +54,9 @@ class SaveWeightsForSamplerRequest(_Body):
     path: str | None = Field(None, description="checkpoint name (named form)")
     sampling_session_seq_id: int | None = Field(None, ge=0, le=2**31 - 1, description="anonymous form")
     kind: str | None = Field(None, max_length=32)
+    ttl_seconds: int | None = Field(None, ge=retention.MIN_TTL_S, le=retention.MAX_TTL_S,
+                                    description="delete the weights this long after the save; default: named "
+                                                "kept, anonymous expire QUILT_ANON_SAMPLER_TTL_S after last use")
 
     @field_validator("path")
     @classmethod
@@ -114,12 +116,6 @@ class CancelFutureRequest(_Body):
 # --------------------------------------------------------------------------- helpers
 
 
-def _storage_dir(tenant_id: str, model_id: str, name: str) -> str:
-    # A new directory per publication: the pool may still serve (and reload) the previous version.
-    version = f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:8]}"
-    return str(get_core_settings().checkpoint_dir / tenant_id / model_id / SAMPLER_KIND / name / version)
-
-
 def _sampler_path(path: str) -> tuple[str, str]:
     try:
         run, kind, name = ids.parse_tinker_path(path)
@@ -160,7 +156,8 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, who: Who,
 
     Named: resolves to `{"path": "tinker://{model_id}/sampler_weights/{name}", "policy_version"}`;
     publishing a name again makes a new version of it. Anonymous: resolves to
-    `{"sampling_session_id"}`, a sampler bound to exactly these weights (a snapshot).
+    `{"sampling_session_id"}`, a sampler bound to exactly these weights (a snapshot), which expires
+    QUILT_ANON_SAMPLER_TTL_S after its last use unless `ttl_seconds` says otherwise.
     """
     work: dict[str, Any] = {"overwrite": True}
     async with pool.connection() as conn:
@@ -184,7 +181,12 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, who: Who,
                     raise InvalidInput(f"sampling_session_seq_id {body.sampling_session_seq_id} is already used "
                                        f"by sampler {sid!r}", field="sampling_session_seq_id")
             work["sampling_session_id"] = sid
-    work.update(name=name, storage_path=_storage_dir(who.tenant_id, body.model_id, name))
+    # A new directory per publication: the pool may still serve (and reload) the previous version.
+    life = retention.lifetime(anonymous=body.path is None, ttl_seconds=body.ttl_seconds,
+                              anon_ttl_s=get_core_settings().anon_sampler_ttl_s)
+    work.update(name=name, ttl_s=life.ttl_s, sliding=life.sliding,
+                storage_path=retention.new_version_dir(get_core_settings().checkpoint_dir, who.tenant_id,
+                                                       body.model_id, SAMPLER_KIND, name))
     return await submit_model_request(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id,
                                       kind="save_weights_for_sampler", body=work)
 
@@ -238,8 +240,15 @@ async def _resolve(conn, who, body: SampleRequest) -> tuple[catalog.BaseModel, A
     try:
         ckpt = await scoped.get_checkpoint(conn, who, run, SAMPLER_KIND, name)
     except NotFound:
-        raise NotFound(f"sampler weights {path} not found (a save still running has not published them yet)",
-                       field="model_path") from None
+        raise NotFound(f"sampler weights {path} not found: not published yet (a save still running), deleted, "
+                       f"or expired (anonymous snapshots expire {get_core_settings().anon_sampler_ttl_s} s "
+                       f"after their last use)", field="model_path") from None
+    if ckpt["sliding_ttl_s"]:
+        await conn.execute(
+            "UPDATE checkpoints SET expires_at = now() + make_interval(secs => sliding_ttl_s) "
+            "WHERE id = %s AND expires_at < now() + make_interval(secs => sliding_ttl_s - %s)",
+            (ckpt["id"], retention.SLIDE_SLACK_S),
+        )
     base = await _sampleable(conn, await _base_of_model(conn, run))
     return base, AdapterRef(key=ckpt["storage_path"], path=ckpt["storage_path"], model_id=run, name=name)
 

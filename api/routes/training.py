@@ -20,7 +20,7 @@ from api.schemas import (
     SaveWeightsRequest,
 )
 from api.submit import _admit, enqueue, future_response, submit_model_request
-from core import catalog, ids, queue
+from core import catalog, ids, queue, retention
 from core.errors import Forbidden, InvalidInput, NotFound
 from core.settings import get_core_settings, get_trainer_settings
 from tenancy import scoped
@@ -159,15 +159,13 @@ async def optim_step(body: OptimStepRequest, who: Who, pool: Pool, redis: RedisD
                                       kind="optim_step", body={"adam_params": body.adam_params.model_dump()})
 
 
-def _storage_dir(tenant_id: str, model_id: str, kind: str, name: str) -> str:
-    return str(get_core_settings().checkpoint_dir / tenant_id / model_id / kind / name)
-
-
 @router.post("/save_weights")
 async def save_weights(body: SaveWeightsRequest, who: Who, pool: Pool, redis: RedisDep) -> dict:
-    """Save adapter and optimizer state as `tinker://{model_id}/weights/{name}` (a future)."""
-    work = {"name": body.path, "overwrite": body.overwrite,
-            "storage_path": _storage_dir(who.tenant_id, body.model_id, "weights", body.path)}
+    """Save adapter and optimizer state as `tinker://{model_id}/weights/{name}` (a future);
+    `ttl_seconds` deletes it that long after the save."""
+    work = {"name": body.path, "overwrite": body.overwrite, "ttl_s": body.ttl_seconds,
+            "storage_path": retention.new_version_dir(get_core_settings().checkpoint_dir, who.tenant_id,
+                                                      body.model_id, "weights", body.path)}
     return await submit_model_request(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id,
                                       kind="save_weights", body=work)
 

@@ -1,0 +1,103 @@
+"""How long checkpoints live, where their files go, and removing files nobody can name any more.
+
+Every save writes a new directory (`<tenant>/<model>/<kind>/<name>/<version>`) and a path is never
+reused, so deleting a directory can only ever remove files that no live checkpoint row points at,
+whatever a concurrent save does. Files become garbage three ways:
+  * a save replaces a checkpoint of the same name: the old version waits
+    `superseded_version_grace_s`, since sampling requests queued before the replacement name it;
+  * a checkpoint expires (`ttl_seconds` from the client, or the sliding default of anonymous
+    sampler snapshots): hidden at once by every query, files removed by the next sweep;
+  * a client deletes it (removed at once by the route).
+`sweep` (Celery beat, every minute) expires rows and removes due directories; both steps are safe
+to repeat after a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+
+log = logging.getLogger("quilt.retention")
+
+# The tinker SDK documents checkpoint TTLs as between one hour and ten years.
+MIN_TTL_S = 3600
+MAX_TTL_S = 10 * 365 * 24 * 3600
+# Using an anonymous snapshot moves its expiry only when this much of it has been used up, so a
+# busy sampler costs one UPDATE a minute, not one per request.
+SLIDE_SLACK_S = 60
+# Live checkpoints are hidden once expired, before the sweep gets to them.
+LIVE = "(expires_at IS NULL OR expires_at > now())"
+
+
+@dataclass(frozen=True)
+class Lifetime:
+    ttl_s: int | None  # expires this long after the save; None: kept until deleted
+    sliding: bool = False  # every use restarts the clock
+
+
+def lifetime(*, anonymous: bool, ttl_seconds: int | None, anon_ttl_s: int) -> Lifetime:
+    """A client's `ttl_seconds` is kept as asked (fixed from the save). Anonymous sampler snapshots
+    (`save_weights_and_get_sampling_client`) that asked for nothing expire `anon_ttl_s` after their
+    last use: an RL loop makes one per step and never looks back. Named ones are kept."""
+    if ttl_seconds is not None:
+        return Lifetime(ttl_seconds)
+    if anonymous:
+        return Lifetime(anon_ttl_s, sliding=True)
+    return Lifetime(None)
+
+
+def new_version_dir(checkpoint_dir: Path, tenant_id: str, model_id: str, kind: str, name: str) -> str:
+    """A fresh directory for one save of checkpoint `name` (never an existing one)."""
+    version = f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:8]}"
+    return str(checkpoint_dir / tenant_id / model_id / kind / name / version)
+
+
+def remove_dir(checkpoint_dir: Path, path: str) -> bool:
+    """Delete one version directory, and its name directory once that is empty. Refuses anything
+    outside the checkpoint root (a bad row must never delete elsewhere)."""
+    target, root = Path(path).resolve(), checkpoint_dir.resolve()
+    if root not in target.parents:
+        log.error("refusing to delete %s: not under the checkpoint root %s", target, root)
+        return False
+    shutil.rmtree(target, ignore_errors=True)
+    try:
+        target.parent.rmdir()  # the checkpoint name's directory, if no other version is left
+    except OSError:
+        pass
+    return True
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    expired: int  # checkpoint rows that expired now
+    removed: int  # directories deleted
+
+
+def sweep(conn: psycopg.Connection, checkpoint_dir: Path, *, batch: int = 500) -> SweepResult:
+    """(`conn` with dict rows, as `core.db.connect` gives.) Expire checkpoints past `expires_at` (their directories become due at once), then delete up
+    to `batch` due directories and forget them."""
+    with conn.transaction():
+        gone = conn.execute(
+            "WITH gone AS (DELETE FROM checkpoints WHERE expires_at <= now() "
+            "RETURNING tenant_id, storage_path) "
+            "INSERT INTO storage_garbage (tenant_id, path, delete_after) "
+            "SELECT tenant_id, storage_path, now() FROM gone RETURNING id"
+        ).fetchall()
+    due = conn.execute(
+        "SELECT id, path FROM storage_garbage WHERE delete_after <= now() ORDER BY delete_after LIMIT %s", (batch,)
+    ).fetchall()
+    for row in due:
+        remove_dir(checkpoint_dir, row["path"])
+    if due:
+        with conn.transaction():
+            conn.execute("DELETE FROM storage_garbage WHERE id = ANY(%s)", ([r["id"] for r in due],))
+    if gone or due:
+        log.info("checkpoint sweep: %d expired, %d directories removed", len(gone), len(due))
+    return SweepResult(expired=len(gone), removed=len(due))
+
