@@ -30,6 +30,7 @@ async def _principal(request: Request, pool: Pool, x_api_key: Annotated[str | No
     async with pool.connection() as conn:
         who = await authenticate(conn, x_api_key)
     request.state.tenant_id = who.tenant_id
+    request.state.who = who  # error handlers need the caller too (api.seq_gaps)
     return who
 
 

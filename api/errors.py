@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api import seq_gaps
 from core.errors import InvalidInput, QuiltError, ServerError, UserError
 
 log = logging.getLogger("quilt.api")
@@ -54,6 +55,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(QuiltError)
     async def _quilt(request: Request, exc: QuiltError):
+        await seq_gaps.fill(request, exc)
         return _respond(request, exc)
 
     @app.exception_handler(RequestValidationError)
@@ -61,7 +63,10 @@ def install(app: FastAPI) -> None:
         first = exc.errors()[0]
         field = _field_of(tuple(first.get("loc", ())))
         msg = first.get("msg", "invalid value").removeprefix("Value error, ")
-        return _respond(request, InvalidInput(f"{field}: {msg}", field=field))
+        err = InvalidInput(f"{field}: {msg}", field=field)
+        seq_gaps.claim_from_body(request, exc.body)
+        await seq_gaps.fill(request, err)
+        return _respond(request, err)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

@@ -22,7 +22,7 @@ from batcher.queues import ModelQueues, _Entry
 from billing.ledger import settle
 from billing.pricing import training_units
 from core import catalog, db, health, ids, queue, records, redis_client, run_metrics
-from core.errors import Conflict, QuiltError, ServerError
+from core.errors import Conflict, QuiltError, ServerError, UserError
 from core.settings import get_api_settings, get_core_settings, get_trainer_settings
 
 log = logging.getLogger("quilt.trainer")
@@ -152,6 +152,8 @@ class TrainerWorker:
                            bool(b.get("forward_only")), b["data"])
 
     def _barrier(self, item: queue.WorkItem) -> dict | QuiltError:
+        if item.kind == "rejected":  # a call the API refused: fails in its place in the order (api.seq_gaps)
+            return UserError(item.body["error"], field=item.body.get("field"))
         try:
             if item.kind == "create_model":
                 self.backend.create(item.model_id, item.body["lora_config"])

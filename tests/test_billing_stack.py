@@ -172,12 +172,13 @@ def test_over_budget_is_402_naming_the_budget_the_spend_and_the_fix(stack):
     assert f"tenant {tenant.name!r}" in body["detail"] and "spent" in body["detail"]
     assert f"quilt budgets set {tenant.name} --usd" in body["detail"]
     assert float(r.headers[SPEND]) > 0
-    # Free requests still pass, so work can be stepped and saved.
-    opt = client.post("/optim_step", json={"model_id": model, "seq_id": 2, "adam_params": ADAM})
+    # Free requests still pass, so work can be stepped and saved. The refusal used up seq_id 2
+    # (api.seq_gaps): the next call is 3, and it does not wait for 2.
+    opt = client.post("/optim_step", json={"model_id": model, "seq_id": 3, "adam_params": ADAM})
     assert opt.status_code == 200 and "error" not in wait_future(client, opt.json()["request_id"])
     with db.connect(stack.database_url) as conn:
         budgets.set_budget(conn, tenant.tenant_id, 10_000_000)
-    ok = _fb(client, model, 3)
+    ok = _fb(client, model, 4)
     assert ok.status_code == 200 and "error" not in wait_future(client, ok.json()["request_id"])
 
 

@@ -95,6 +95,18 @@ def test_checkpoint_ttls_through_the_official_sdk(stack, tenant):
         assert ckpt.expires_at is not None
 
 
+def test_a_refused_call_does_not_stall_the_official_sdk(stack, tenant):
+    # The tinker SDK never reuses a seq_id: the server must not wait for the refused one.
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
+        tc = service.create_lora_training_client(base_model=TINY, rank=4).result()
+        with pytest.raises(tinker.NotFoundError):
+            tc.load_state(f"tinker://{tc.model_id}/weights/never-saved").result()
+        with pytest.raises(tinker.BadRequestError):
+            tc.save_state("not a valid name!").result()
+        out = tc.forward_backward(_sft_data(), "cross_entropy").result(timeout=120)
+        assert len(out.loss_fn_outputs) == 4
+
+
 def test_custom_loss_runs_through_forward_and_cross_entropy(stack, tenant):
     with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
         tc = service.create_lora_training_client(base_model=TINY, rank=4).result()

@@ -19,9 +19,10 @@ import logging
 import time
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from pydantic import Field, field_validator, model_validator
 
+from api import seq_gaps
 from api.deps import Pool, RedisDep, Settings, Who
 from api.schemas import ModelInputIn, _Body
 from api.submit import _admit, submit_model_request
@@ -151,7 +152,8 @@ def _sampler_json(row: dict) -> dict:
 
 
 @router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, who: Who, pool: Pool, redis: RedisDep) -> dict:
+async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, request: Request, who: Who, pool: Pool,
+                                   redis: RedisDep) -> dict:
     """Publish the adapter's current weights as a new version for sampling (a future, in seq_id order).
 
     Named: resolves to `{"path": "tinker://{model_id}/sampler_weights/{name}", "policy_version"}`;
@@ -159,6 +161,7 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, who: Who,
     `{"sampling_session_id"}`, a sampler bound to exactly these weights (a snapshot), which expires
     QUILT_ANON_SAMPLER_TTL_S after its last use unless `ttl_seconds` says otherwise.
     """
+    seq_gaps.claim(request, body.model_id, body.seq_id)
     work: dict[str, Any] = {"overwrite": True}
     async with pool.connection() as conn:
         model = await scoped.get_model(conn, who, body.model_id)

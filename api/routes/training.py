@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from psycopg.types.json import Jsonb
 from pydantic import ValidationError
 
-from api import datums, tinker_proto
+from api import datums, seq_gaps, tinker_proto
 from api.deps import Pool, RedisDep, Settings, Who
 from api.schemas import (
     CreateModelRequest,
@@ -108,7 +109,11 @@ async def _parse_forward(request: Request, *, forward_only: bool) -> tinker_prot
     try:
         body = ForwardBackwardRequest.model_validate_json(raw)
     except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            parsed = None
+        raise RequestValidationError(exc.errors(), body=parsed) from None
     fb = body.forward_backward_input
     return tinker_proto.ForwardBackwardProto(body.model_id, body.seq_id, fb.loss_fn, fb.loss_fn_config or {},
                                              forward_only, [d.raw() for d in fb.data])
@@ -116,6 +121,7 @@ async def _parse_forward(request: Request, *, forward_only: bool) -> tinker_prot
 
 async def _forward(request: Request, who, pool, redis, settings, *, forward_only: bool) -> dict:
     req = await _parse_forward(request, forward_only=forward_only)
+    seq_gaps.claim(request, req.model_id, req.seq_id)
     if req.seq_id < 1:
         raise InvalidInput(f"seq_id must be at least 1, got {req.seq_id}", field="seq_id")
     datums.check_loss_fn(req.loss_fn)
@@ -153,16 +159,18 @@ async def forward(request: Request, who: Who, pool: Pool, redis: RedisDep, setti
 
 
 @router.post("/optim_step")
-async def optim_step(body: OptimStepRequest, who: Who, pool: Pool, redis: RedisDep) -> dict:
+async def optim_step(body: OptimStepRequest, request: Request, who: Who, pool: Pool, redis: RedisDep) -> dict:
     """Apply one AdamW step with the accumulated gradients, then clear them (a future)."""
+    seq_gaps.claim(request, body.model_id, body.seq_id)
     return await submit_model_request(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id,
                                       kind="optim_step", body={"adam_params": body.adam_params.model_dump()})
 
 
 @router.post("/save_weights")
-async def save_weights(body: SaveWeightsRequest, who: Who, pool: Pool, redis: RedisDep) -> dict:
+async def save_weights(body: SaveWeightsRequest, request: Request, who: Who, pool: Pool, redis: RedisDep) -> dict:
     """Save adapter and optimizer state as `tinker://{model_id}/weights/{name}` (a future);
     `ttl_seconds` deletes it that long after the save."""
+    seq_gaps.claim(request, body.model_id, body.seq_id)
     work = {"name": body.path, "overwrite": body.overwrite, "ttl_s": body.ttl_seconds,
             "storage_path": retention.new_version_dir(get_core_settings().checkpoint_dir, who.tenant_id,
                                                       body.model_id, "weights", body.path)}
@@ -171,10 +179,11 @@ async def save_weights(body: SaveWeightsRequest, who: Who, pool: Pool, redis: Re
 
 
 @router.post("/load_weights")
-async def load_weights(body: LoadWeightsRequest, who: Who, pool: Pool, redis: RedisDep) -> dict:
+async def load_weights(body: LoadWeightsRequest, request: Request, who: Who, pool: Pool, redis: RedisDep) -> dict:
     """Load a `tinker://.../weights/...` checkpoint of yours (a future): into an existing model
     (`model_id`, `seq_id`), or as a new model `{session_id}:train:{model_seq_id}` whose LoRA shape
     and base come from the checkpoint."""
+    seq_gaps.claim(request, body.model_id, body.seq_id)
     try:
         run, kind, name = ids.parse_tinker_path(body.path)
     except ValueError as exc:

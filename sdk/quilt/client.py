@@ -201,7 +201,7 @@ class Client:
             try:
                 answer = await self._http.request("POST", "create_model", body)
             except APIStatusError as exc:
-                # Same rule as TrainingClient seq_ids: only a 4xx proves the id was not kept.
+                # A 4xx proves no model was made under this id (ids name models; no order waits on them).
                 if exc.status_code is not None and exc.status_code < 500:
                     self._next_model_seq_id -= 1
                 raise

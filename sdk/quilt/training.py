@@ -89,6 +89,11 @@ def _metrics_payload(metrics: Mapping[str, float], step: int | None) -> Payload:
     return {"step": step, "metrics": values}
 
 
+# Refusals after which the server has not used up the call's seq_id (the server's
+# api.seq_gaps.SEQ_FREE_STATUSES; any other 4xx is recorded there as a failed request).
+SEQ_FREE_STATUSES = frozenset({401, 408, 409, 413, 425, 429})
+
+
 class TrainingClient:
     """Trains one LoRA model on the server; get one from ``Client.create_training_client``.
 
@@ -121,10 +126,11 @@ class TrainingClient:
             try:
                 answer = await self._http.request("POST", name, body)
             except APIStatusError as exc:
-                # A 4xx means the server refused and kept nothing, so free the id: otherwise
-                # the server would wait forever for the gap. After 5xx or connection errors the
-                # server may hold it, and reusing it would be deduped into the old request.
-                if exc.status_code is not None and exc.status_code < 500:
+                # The server records a final refusal (bad input, missing checkpoint, budget) at its
+                # seq_id so later calls do not wait for it; these statuses leave the id unused, so
+                # it is reused. After 5xx or connection errors the server may hold it, and reusing
+                # it would be deduped into the old request.
+                if exc.status_code in SEQ_FREE_STATUSES:
                     self._last_seq_id -= 1
                 raise
         request_id = require(answer, "request_id", name)

@@ -59,11 +59,24 @@ def test_resubmission_after_5xx_reuses_seq_id(server, tc, batch):
     assert [b["seq_id"] for b in server.bodies("forward_backward")] == [1, 1]
 
 
-def test_rejected_submission_frees_its_seq_id(server, tc, batch):
+def test_a_final_refusal_uses_up_its_seq_id(server, tc, batch):
+    # The server records a 400 (or 402, 404, ...) at its seq_id, so the next call takes the next id.
     accept = server.routes["optim_step"]
     server.routes["optim_step"] = lambda body: httpx.Response(400, json={"detail": "bad"})
     with pytest.raises(quilt.BadRequestError):
         tc.optim_step(quilt.AdamParams())
     server.routes["optim_step"] = accept
     tc.optim_step(quilt.AdamParams())
-    assert [b["seq_id"] for b in server.bodies("optim_step")] == [1, 1]
+    assert [b["seq_id"] for b in server.bodies("optim_step")] == [1, 2]
+
+
+@pytest.mark.parametrize("status", sorted(quilt.training.SEQ_FREE_STATUSES))
+def test_a_refusal_that_keeps_nothing_frees_its_seq_id(server, tc, batch, status):
+    accept = server.routes["optim_step"]
+    server.routes["optim_step"] = lambda body: httpx.Response(status, json={"detail": "no"},
+                                                              headers={"Retry-After": "0"})
+    with pytest.raises(quilt.APIStatusError):
+        tc.optim_step(quilt.AdamParams())
+    server.routes["optim_step"] = accept
+    tc.optim_step(quilt.AdamParams())
+    assert {b["seq_id"] for b in server.bodies("optim_step")} == {1}  # retried ones too
