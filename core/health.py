@@ -24,6 +24,11 @@ def gen_key(base_model: str) -> str:
 
 GEN_TTL_S = 15
 
+
+def consumer_key(stream: str, consumer: str) -> str:
+    """Set (with a TTL) while the stream consumer `consumer` is alive: its pending entries are its own."""
+    return f"quilt:health:consumer:{stream}:{consumer}"
+
 CELERY_KEY = "quilt:health:celery"
 
 

@@ -124,5 +124,11 @@ async def enqueue(redis, base_model: str, item: WorkItem) -> None:
     await redis.xadd(train_stream(base_model), item.to_fields())
 
 
+def orphaned_consumers(pending: dict[str, int], alive: set[str], me: str) -> list[str]:
+    """Consumers whose pending entries another worker should take over: they hold some, and have
+    no liveness key (they died and did not come back under the same name)."""
+    return sorted(c for c, n in pending.items() if n > 0 and c != me and c not in alive)
+
+
 async def enqueue_sample(redis, base_model: str, item: WorkItem) -> None:
     await redis.xadd(sample_stream(base_model), item.to_fields())

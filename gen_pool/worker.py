@@ -36,6 +36,14 @@ from gen_pool.settings import GenPoolSettings, get_gen_pool_settings
 log = logging.getLogger("quilt.gen")
 
 MAX_DELIVERIES = 3  # a request read this often by restarted workers is failed instead of run again
+# A worker whose liveness key is gone (no beacon for GEN_TTL_S) is dead: its pending entries are
+# taken over once they have been idle that long too, checked this often.
+RECLAIM_IDLE_MS = health.GEN_TTL_S * 1000
+RECLAIM_EVERY_S = 5.0
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def group_from_item(item: queue.WorkItem, stream_id: str, base_model: str) -> Group:
@@ -78,7 +86,8 @@ class GenWorker:
         # delivered so often that they are what keeps killing the engine.
         await self._ingest(await self._read("0", block_ms=None), check_redelivery=True)
         tasks = [asyncio.create_task(self._reader(), name="reader"),
-                 asyncio.create_task(self._cancellations(), name="cancels")]
+                 asyncio.create_task(self._cancellations(), name="cancels"),
+                 asyncio.create_task(self._reclaimer(), name="reclaim")]
         log.info("generation worker for %s ready", self.base_model)
         try:
             while not self.stopping:
@@ -120,7 +129,7 @@ class GenWorker:
     async def _ingest(self, entries: list, *, check_redelivery: bool = False) -> None:
         delivered = await self._delivery_counts() if check_redelivery else {}
         for stream_id, fields in entries:
-            sid = stream_id.decode() if isinstance(stream_id, bytes) else stream_id
+            sid = _text(stream_id)
             if not fields:  # deleted while pending
                 await self._ack(sid)
                 continue
@@ -140,11 +149,44 @@ class GenWorker:
                 g.cancelled = True
             self.scheduler.add(g)
 
+    async def _reclaimer(self) -> None:
+        while not self.stopping:
+            await asyncio.sleep(RECLAIM_EVERY_S)
+            try:
+                await self.reclaim()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("taking over a dead worker's requests failed; retrying")
+
+    async def reclaim(self) -> int:
+        """Take over the pending entries of generation workers that died and did not come back
+        (another replica, or this one under an old name); returns how many were taken. Entries
+        redelivered too often are failed by `_ingest`, as after a restart."""
+        summary = await self.redis.xpending(self.stream, queue.SAMPLE_GROUP)
+        pending = {_text(c["name"]): int(c["pending"]) for c in summary.get("consumers") or []}
+        alive = {c for c in pending if await self.redis.exists(health.consumer_key(self.stream, c))}
+        taken = 0
+        for consumer in queue.orphaned_consumers(pending, alive, self.settings.consumer_name):
+            stale = await self.redis.xpending_range(self.stream, queue.SAMPLE_GROUP, min="-", max="+", count=1000,
+                                                    consumername=consumer, idle=RECLAIM_IDLE_MS)
+            if not stale:
+                continue
+            # min_idle_time again: if two workers race, the second finds the entries freshly claimed.
+            claimed = await self.redis.xclaim(self.stream, queue.SAMPLE_GROUP, self.settings.consumer_name,
+                                              min_idle_time=RECLAIM_IDLE_MS,
+                                              message_ids=[p["message_id"] for p in stale])
+            if claimed:
+                log.warning("taking over %d sampling requests of %s, which stopped", len(claimed), consumer)
+                await self._ingest(claimed, check_redelivery=True)
+                self.scheduler.wake()
+                taken += len(claimed)
+        return taken
+
     async def _delivery_counts(self) -> dict[str, int]:
         pending = await self.redis.xpending_range(self.stream, queue.SAMPLE_GROUP, min="-", max="+", count=10_000,
                                                   consumername=self.settings.consumer_name)
-        return {(p["message_id"].decode() if isinstance(p["message_id"], bytes) else p["message_id"]):
-                int(p["times_delivered"]) for p in pending}
+        return {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
 
     async def _cancellations(self) -> None:
         pubsub = self.redis.pubsub()
@@ -152,8 +194,7 @@ class GenWorker:
         try:
             async for message in pubsub.listen():
                 if message.get("type") == "message":
-                    data = message["data"]
-                    self.scheduler.cancel(data.decode() if isinstance(data, bytes) else data)
+                    self.scheduler.cancel(_text(message["data"]))
         finally:
             await pubsub.aclose()
 
@@ -207,6 +248,7 @@ class GenWorker:
         s = self.scheduler
         await health.beacon_async(self.redis, health.gen_key(self.base_model), health.GEN_TTL_S,
                                   running=s.running(), waiting=s.waiting(), target=s.target, **s.report())
+        await self.redis.set(health.consumer_key(self.stream, self.settings.consumer_name), b"1", ex=health.GEN_TTL_S)
 
 
 async def _main_async() -> None:
