@@ -99,6 +99,16 @@ def insert_trainer_row(conn: psycopg.Connection, *, tenant_id: str, model_id: st
     conn.execute(_INSERT, (tenant_id, model_id, request_id, row.step, TRAINER, Jsonb(row.values)))
 
 
-async def insert_client_row(conn, *, tenant_id: str, model_id: str, row: StepMetrics) -> None:
-    """Append a client's row (the API, after checking that the model is the caller's)."""
-    await conn.execute(_INSERT, (tenant_id, model_id, None, row.step, CLIENT, Jsonb(row.values)))
+async def insert_client_row(conn, *, tenant_id: str, model_id: str, row: StepMetrics,
+                            client_key: str | None = None) -> int:
+    """Append a client's row (the API, after checking that the model is the caller's); returns its
+    step. A `client_key` seen before on this model adds nothing and answers the first row's step."""
+    cur = await conn.execute(
+        "INSERT INTO run_metrics (tenant_id, model_id, step, source, metrics, client_key) VALUES (%s, %s, %s, %s, %s, %s) "
+        "ON CONFLICT (model_id, client_key) WHERE client_key IS NOT NULL DO NOTHING RETURNING step",
+        (tenant_id, model_id, row.step, CLIENT, Jsonb(row.values), client_key))
+    if await cur.fetchone() is not None:
+        return row.step
+    cur = await conn.execute("SELECT step FROM run_metrics WHERE model_id = %s AND client_key = %s",
+                             (model_id, client_key))
+    return (await cur.fetchone())["step"]

@@ -62,6 +62,21 @@ def test_client_metrics_are_stored_with_their_step_or_the_models_step(trained):
     assert [(r["step"], r["metrics"]) for r in client_rows] == [(1, {"eval_acc": 1.0}), (7, {"reward_mean": 0.25})]
 
 
+def test_a_repeated_idempotency_key_records_nothing_new(stack):
+    client = stack.http(stack.create_tenant("idem").key)
+    model_id = new_model(client)
+    body = {"step": 3, "metrics": {"reward_mean": 0.5}, "idempotency_key": "log-0001"}
+    for _ in range(3):  # the first call and two retries
+        r = client.post(_metrics_url(model_id), json=body)
+        assert r.status_code == 200 and r.json()["step"] == 3, r.text
+    r = client.post(_metrics_url(model_id), json={**body, "idempotency_key": "log-0002"})
+    assert r.status_code == 200
+    rows = [r for r in client.get(_metrics_url(model_id)).json()["metrics"] if r["source"] == "client"]
+    assert len(rows) == 2
+    r = client.post(_metrics_url(model_id), json={**body, "idempotency_key": "no spaces!"})
+    assert r.status_code == 400 and r.json()["field"] == "idempotency_key"
+
+
 @pytest.mark.parametrize("body, field", [
     ({"step": 1, "metrics": {f"m{i}": 1.0 for i in range(65)}}, "metrics"),
     ({"step": 1, "metrics": {"r": "high"}}, "metrics.r"),

@@ -26,6 +26,8 @@ class LogMetricsRequest(BaseModel):
 
     step: Any = Field(None, description="policy version the values belong to; default: optimizer steps completed")
     metrics: Any = Field(description="name -> finite number, at most 64 names")
+    idempotency_key: str | None = Field(None, min_length=8, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$",
+                                        description="the same key again (a retry) records nothing new")
 
 
 def rows_json(rows: list[dict]) -> list[dict]:
@@ -37,15 +39,16 @@ def rows_json(rows: list[dict]) -> list[dict]:
 async def log_metrics(model_id: str, body: LogMetricsRequest, who: Who, pool: Pool) -> dict:
     """Record named scalars (`{"step": 12, "metrics": {"reward_mean": 0.4}}`) on one of your
     training models; the dashboard plots every name. Without `step`, the model's completed optimizer
-    steps are used."""
+    steps are used. With `idempotency_key`, repeating the call (a retry) records nothing new."""
     values = run_metrics.check_client_metrics(body.metrics)
     step = None if body.step is None else run_metrics.check_step(body.step)
     async with pool.connection() as conn:
         await scoped.get_model(conn, who, model_id)
         if step is None:
             step = (await scoped.run_progress(conn, who, [model_id]))[model_id]["step"]
-        await run_metrics.insert_client_row(conn, tenant_id=who.tenant_id, model_id=model_id,
-                                            row=run_metrics.StepMetrics(step, values))
+        step = await run_metrics.insert_client_row(conn, tenant_id=who.tenant_id, model_id=model_id,
+                                                   row=run_metrics.StepMetrics(step, values),
+                                                   client_key=body.idempotency_key)
     return {"model_id": model_id, "step": step, "recorded": len(values)}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -86,7 +87,9 @@ def _metrics_payload(metrics: Mapping[str, float], step: int | None) -> Payload:
         values[name] = float(value)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step must be an int >= 0 or None, got {step!r}")
-    return {"step": step, "metrics": values}
+    # One key per call, kept across the transport's retries: a retry after a lost answer does not
+    # record the same point twice.
+    return {"step": step, "metrics": values, "idempotency_key": uuid.uuid4().hex}
 
 
 # Refusals after which the server has not used up the call's seq_id (the server's

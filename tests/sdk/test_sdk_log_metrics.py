@@ -15,9 +15,25 @@ def accept_metrics(server):
     return server
 
 
+def _without_keys(bodies: list[dict]) -> list[dict]:
+    return [{k: v for k, v in b.items() if k != "idempotency_key"} for b in bodies]
+
+
 def test_posts_step_and_float_values(accept_metrics, tc):
     assert tc.log_metrics({"reward_mean": 0.5, "groups": 8}, step=3) is None
-    assert accept_metrics.bodies(ROUTE) == [{"step": 3, "metrics": {"reward_mean": 0.5, "groups": 8.0}}]
+    assert _without_keys(accept_metrics.bodies(ROUTE)) == [{"step": 3, "metrics": {"reward_mean": 0.5, "groups": 8.0}}]
+
+
+def test_a_retry_sends_the_same_idempotency_key(accept_metrics, tc):
+    import httpx
+
+    answers = [httpx.Response(503, json={"detail": "busy"}, headers={"Retry-After": "0"})]
+    accept = accept_metrics.routes[ROUTE]
+    accept_metrics.routes[ROUTE] = lambda body: answers.pop() if answers else accept(body)
+    tc.log_metrics({"r": 1.0}, step=1)
+    tc.log_metrics({"r": 2.0}, step=2)
+    keys = [b["idempotency_key"] for b in accept_metrics.bodies(ROUTE)]
+    assert len(keys) == 3 and keys[0] == keys[1] != keys[2]
 
 
 def test_step_defaults_to_the_server_side_count(accept_metrics, tc):
@@ -27,7 +43,7 @@ def test_step_defaults_to_the_server_side_count(accept_metrics, tc):
 
 def test_async_form(accept_metrics, tc):
     asyncio.run(tc.log_metrics_async({"reward_mean": 0.25}, step=1))
-    assert accept_metrics.bodies(ROUTE) == [{"step": 1, "metrics": {"reward_mean": 0.25}}]
+    assert _without_keys(accept_metrics.bodies(ROUTE)) == [{"step": 1, "metrics": {"reward_mean": 0.25}}]
 
 
 @pytest.mark.parametrize("metrics, step, error", [
