@@ -108,6 +108,7 @@ def test_deadline_aborts_and_reports(stack, tenant):
     assert r.status_code == 200 and len(r.json()["sample_sequence_ids"]) == 2
     result = wait_future(http, r.json()["request_id"])
     assert result["category"] == "user" and "deadline" in result["error"], result
+    assert result["field"] == "deadline_s"  # what quilt.rl counts as an infra failure
     # The pool is still healthy and serves the next request.
     ok = wait_future(http, _asample(http, sampler, params={"max_tokens": 3}).json()["request_id"])
     assert len(ok["sequences"][0]["tokens"]) == 3

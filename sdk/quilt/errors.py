@@ -244,15 +244,19 @@ class RequestFailedError(QuiltError):
         message: the server's error text.
         request_id: the id of the failed request.
         category: ``"user"``, ``"server"`` or ``"unknown"``.
+        field: the request field the failure is about, when the server names one (for example
+            ``"deadline_s"`` for a sampling request aborted at its deadline).
 
     Instances created through :meth:`from_answer` are :class:`UserRequestError` or
     :class:`ServerRequestError` when the category says so.
     """
 
-    def __init__(self, message: str, request_id: str | None = None, category: str = "unknown"):
+    def __init__(self, message: str, request_id: str | None = None, category: str = "unknown",
+                 field: str | None = None):
         super().__init__(message)
         self.request_id = request_id
         self.category = category if category in _CATEGORIES else "unknown"
+        self.field = field
 
     @classmethod
     def from_answer(cls, answer: dict[str, Any], request_id: str) -> RequestFailedError:
@@ -261,10 +265,12 @@ class RequestFailedError(QuiltError):
         message = error if isinstance(error, str) else str(error)
         category = answer.get("category", "unknown")
         sub = {"user": UserRequestError, "server": ServerRequestError}.get(category, cls)
-        return sub(message, answer.get("request_id") or request_id, category)
+        field = answer.get("field")
+        return sub(message, answer.get("request_id") or request_id, category, field if isinstance(field, str) else None)
 
     def _init_kwargs(self) -> dict[str, Any]:
-        return {"message": self.message, "request_id": self.request_id, "category": self.category}
+        return {"message": self.message, "request_id": self.request_id, "category": self.category,
+                "field": self.field}
 
     def __str__(self) -> str:
         return f"{self.message} [category={self.category}, request_id={self.request_id}]"

@@ -108,16 +108,23 @@ def test_gate_respects_concurrency_and_remaining_need():
 class FakeSampler:
     """Samples `n` sequences of fixed tokens after a random delay, tagged with its version."""
 
-    def __init__(self, version: int, rng: random.Random, fail: bool = False) -> None:
+    def __init__(self, version: int, rng: random.Random, fail: bool = False, answer: Exception | None = None) -> None:
         self.policy_version = version
         self.rng = rng
         self.fail = fail
+        self.answer = answer  # what the future fails with, if anything
         self.requests = 0
+        self.deadlines: list[float | None] = []
 
-    async def sample_async(self, prompt, n, params):
+    async def sample_async(self, prompt, n, params, deadline_s=None):
         self.requests += 1
+        self.deadlines.append(deadline_s)
         if self.fail:
             raise quilt.ServerRequestError("engine died", category="server")
+        if self.answer is not None:
+            async def failed():
+                raise self.answer
+            return failed()
         delay = self.rng.lognormvariate(-5, 1.0)
         version = self.policy_version
 
@@ -157,6 +164,21 @@ def test_rollout_maps_env_failures_to_infra_and_samples_the_group_once():
     assert outcomes == ["success", "infra_failure", "infra_failure", "infra_failure", "success"]
     assert "grader crashed" in group.episodes[1].error and "timed out" in group.episodes[2].error
     assert group.policy_version == 2
+
+
+def test_a_sampling_deadline_is_infra_and_other_user_errors_are_raised():
+    passed = quilt.UserRequestError("request r passed its deadline after 5.0 s", "r", "user", "deadline_s")
+    sampler = FakeSampler(0, random.Random(0), answer=passed)
+    group = asyncio.run(rl.rollout_group(0, sampler, [ScoreEnv()] * 2, quilt.SamplingParams(max_tokens=3),
+                                         rl.EpisodeBudget(sample_deadline_s=5.0)))
+    assert [e.outcome for e in group.episodes] == ["infra_failure"] * 2
+    assert "deadline" in group.episodes[0].error and sampler.deadlines == [5.0]
+    bad = quilt.UserRequestError("top_p must be in (0, 1]", "r", "user", "sampling_params.top_p")
+    with pytest.raises(quilt.UserRequestError, match="top_p"):
+        asyncio.run(rl.rollout_group(0, FakeSampler(0, random.Random(0), answer=bad), [ScoreEnv()] * 2,
+                                     quilt.SamplingParams(max_tokens=3)))
+    with pytest.raises(ValueError, match="sample_deadline_s"):
+        rl.EpisodeBudget(sample_deadline_s=0)
 
 
 def test_sampling_failure_is_infra_and_budget_ends_multi_turn_episodes():

@@ -7,7 +7,7 @@ sampled together.
 
 Every environment call runs under ``step_timeout_s``. An environment that raises or times out ends
 its episode as an ``infra_failure`` (kept out of training, counted); sampling that fails on the
-server's side does the same for the episodes it was sampling. A user error from the server (bad
+server's side, or passes ``sample_deadline_s``, does the same for the episodes it was sampling. A user error from the server (bad
 sampling parameters, say) is raised: it would fail every episode the same way. The episode budget
 (``max_turns`` and ``max_episode_tokens``) ends an episode that will not finish as a
 ``model_failure`` with the reward earned so far.
@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..errors import APIConnectionError, InternalServerError, ServerRequestError
+from ..errors import APIConnectionError, InternalServerError, ServerRequestError, UserRequestError
 from ..sampling import SamplingClient, SamplingParams
 from ..types import ModelInput
 from .env import Env, Prompt, StepResult
@@ -43,10 +43,15 @@ class EpisodeBudget:
     step_timeout_s: float = 60.0
     max_turns: int = 1
     max_episode_tokens: int | None = None
+    # Each sampling request is aborted by the pool if unfinished this long after submission; its
+    # episodes end as infra_failure (a congested pool, not the model's doing). None: the server's default.
+    sample_deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
+        if self.sample_deadline_s is not None and not self.sample_deadline_s > 0:
+            raise ValueError(f"sample_deadline_s must be > 0, got {self.sample_deadline_s}")
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
         if self.max_episode_tokens is not None and self.max_episode_tokens < 1:
@@ -131,7 +136,7 @@ async def _sample_turn(sampler: SamplingClient, prompt: list[int], members: list
         if params.max_tokens is None or params.max_tokens > left:
             turn_params = dataclasses.replace(params, max_tokens=left)
     try:
-        future = await sampler.sample_async(prompt, len(members), turn_params)
+        future = await sampler.sample_async(prompt, len(members), turn_params, deadline_s=budget.sample_deadline_s)
         try:
             response = await future
         except asyncio.CancelledError:
@@ -148,6 +153,13 @@ async def _sample_turn(sampler: SamplingClient, prompt: list[int], members: list
         log.warning("sampling failed for %d episodes: %s", len(members), exc)
         for m in members:
             m.end("infra_failure", f"sampling failed: {exc}")
+        return
+    except UserRequestError as exc:
+        if exc.field != "deadline_s":
+            raise
+        log.warning("sampling passed its deadline for %d episodes: %s", len(members), exc)
+        for m in members:
+            m.end("infra_failure", f"sampling passed its deadline: {exc.message}")
         return
     if len(response.sequences) != len(members):
         for m in members:
