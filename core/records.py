@@ -6,6 +6,8 @@ by ids that the API already checked.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import psycopg
 from psycopg.types.json import Jsonb
 
@@ -62,7 +64,10 @@ def upsert_checkpoint(conn: psycopg.Connection, *, tenant_id: str, model_id: str
             "sliding_ttl_s = EXCLUDED.sliding_ttl_s",
             (tenant_id, model_id, kind, name, storage_path, size_bytes, ttl_s, ttl_s if sliding else None),
         )
-        if old is not None and old["storage_path"] != storage_path:
+        # (A checkpoint saved before per-save directories holds its files in the name's directory,
+        # which the new version now lives in: that one is not queued, or it would take the new one along.)
+        if old is not None and old["storage_path"] != storage_path \
+                and not Path(storage_path).is_relative_to(old["storage_path"]):
             conn.execute(
                 "INSERT INTO storage_garbage (tenant_id, path, delete_after) "
                 "VALUES (%s, %s, now() + make_interval(secs => %s))",

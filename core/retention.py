@@ -7,9 +7,11 @@ whatever a concurrent save does. Files become garbage three ways:
     `superseded_version_grace_s`, since sampling requests queued before the replacement name it;
   * a checkpoint expires (`ttl_seconds` from the client, or the sliding default of anonymous
     sampler snapshots): hidden at once by every query, files removed by the next sweep;
-  * a client deletes it (removed at once by the route).
-`sweep` (Celery beat, every minute) expires rows and removes due directories; both steps are safe
-to repeat after a crash.
+  * a client deletes it (removed at once by the route);
+  * nobody recorded it (a worker died between writing the files and recording them): found by
+    `sweep_orphans` once an hour has passed.
+`sweep` (Celery beat, every minute) expires rows and removes due directories; `sweep_orphans`
+(hourly) walks the store. All of it is safe to repeat after a crash.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ MAX_TTL_S = 10 * 365 * 24 * 3600
 # Using an anonymous snapshot moves its expiry only when this much of it has been used up, so a
 # busy sampler costs one UPDATE a minute, not one per request.
 SLIDE_SLACK_S = 60
+# A directory nobody records is left alone this long: a save in progress records its directory
+# seconds after writing it.
+ORPHAN_MIN_AGE_S = 3600
 # Live checkpoints are hidden once expired, before the sweep gets to them.
 LIVE = "(expires_at IS NULL OR expires_at > now())"
 
@@ -71,6 +76,35 @@ def remove_dir(checkpoint_dir: Path, path: str) -> bool:
     except OSError:
         pass
     return True
+
+
+def orphan_dirs(checkpoint_dir: Path, live: set[Path], queued: set[Path], *, older_than: float) -> list[Path]:
+    """Version directories under `checkpoint_dir` (`<tenant>/<model>/<kind>/<name>/<version>`, and
+    the `.tmp-*` of a save that crashed) that no checkpoint names and none is queued for deletion,
+    untouched since the timestamp `older_than`: what a worker that died between writing the files
+    and recording them leaves behind. Paths in `live`/`queued` must be resolved."""
+    out = []
+    for name_dir in checkpoint_dir.resolve().glob("*/*/*/*"):
+        if not name_dir.is_dir() or name_dir in live:  # a checkpoint saved before per-save directories
+            continue
+        for version in name_dir.iterdir():
+            if (version.is_dir() and version not in live and version not in queued
+                    and version.stat().st_mtime < older_than):
+                out.append(version)
+    return sorted(out)
+
+
+def sweep_orphans(conn: psycopg.Connection, checkpoint_dir: Path, *, min_age_s: float = ORPHAN_MIN_AGE_S) -> int:
+    """Delete the orphaned directories `orphan_dirs` finds (hourly; walks the whole store)."""
+    live = {Path(r["storage_path"]).resolve() for r in conn.execute("SELECT storage_path FROM checkpoints")}
+    queued = {Path(r["path"]).resolve() for r in conn.execute("SELECT path FROM storage_garbage")}
+    orphans = orphan_dirs(checkpoint_dir, live, queued, older_than=time.time() - min_age_s)
+    for path in orphans:
+        remove_dir(checkpoint_dir, str(path))
+    if orphans:
+        log.warning("removed %d checkpoint directories no checkpoint named (a save that crashed midway?)",
+                    len(orphans))
+    return len(orphans)
 
 
 @dataclass(frozen=True)

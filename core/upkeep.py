@@ -35,3 +35,10 @@ def sweep_checkpoints() -> dict:
     with db.connect() as conn:
         result = retention.sweep(conn, get_core_settings().checkpoint_dir)
     return {"expired": result.expired, "removed": result.removed}
+
+
+@app.task(name="quilt.upkeep.sweep_orphan_checkpoints")
+def sweep_orphan_checkpoints() -> int:
+    """Delete checkpoint directories that no checkpoint names (left by a save that crashed)."""
+    with db.connect() as conn:
+        return retention.sweep_orphans(conn, get_core_settings().checkpoint_dir)

@@ -7,6 +7,8 @@ moving times into the past in Postgres, and assert on what is left, not on who r
 
 from __future__ import annotations
 
+import os
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -47,6 +49,27 @@ def test_remove_dir_stays_inside_the_checkpoint_root(tmp_path):
 def test_new_version_dirs_never_repeat(tmp_path):
     dirs = {retention.new_version_dir(tmp_path, "t", "m", "weights", "n") for _ in range(100)}
     assert len(dirs) == 100 and all(Path(d).parent == tmp_path / "t" / "m" / "weights" / "n" for d in dirs)
+
+
+def _aged(path: Path, seconds: float) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+    return path
+
+
+def test_orphan_dirs_are_unrecorded_old_versions(tmp_path):
+    root = tmp_path / "checkpoints"
+    name = root / "t" / "m" / "sampler_weights" / "policy"
+    live, queued = _aged(name / "v-live", 7200), _aged(name / "v-queued", 7200)
+    orphan, crashed = _aged(name / "v-orphan", 7200), _aged(name / ".tmp-abc", 7200)
+    fresh = _aged(name / "v-being-saved", 5)
+    legacy = _aged(root / "t" / "m" / "weights" / "old-style", 7200)  # files directly in the name dir
+    (legacy / "adapter_model.safetensors").write_bytes(b"x")
+    found = retention.orphan_dirs(root, {live.resolve(), legacy.resolve()}, {queued.resolve()},
+                                  older_than=time.time() - 3600)
+    assert found == sorted([orphan.resolve(), crashed.resolve()])
+    assert fresh.exists()
 
 
 # ------------------------------------------------------------------------------ on the stack
@@ -199,3 +222,42 @@ def test_delete_and_ttl_are_per_tenant(stack, tenant):
     files = Path(_checkpoint(stack, model_id, "weights", "mine")["storage_path"])
     assert owner.delete(url).status_code == 204
     assert not files.exists() and not files.parent.exists()
+
+
+def test_the_hourly_sweep_removes_what_a_crashed_save_left(stack, tenant):
+    http = stack.http(tenant.key)
+    model_id = new_model(http)
+    r = http.post("/save_weights", json={"model_id": model_id, "seq_id": 1, "path": "kept"})
+    wait_future(http, r.json()["request_id"])
+    kept = Path(_checkpoint(stack, model_id, "weights", "kept")["storage_path"])
+    _aged(kept, 7200)  # old, but recorded
+    name_dir = stack.data_dir / "checkpoints" / tenant.tenant_id / model_id / "weights" / "kept"
+    orphan = _aged(name_dir / "0000000000000-deadbeef", 7200)
+    crashed = _aged(name_dir / ".tmp-crashed", 7200)
+    with db.connect(stack.database_url) as conn:
+        assert retention.sweep_orphans(conn, stack.data_dir / "checkpoints") >= 2
+    assert not orphan.exists() and not crashed.exists() and kept.exists()
+    r = http.post("/load_weights", json={"model_id": model_id, "seq_id": 2, "path": f"tinker://{model_id}/weights/kept"})
+    assert "path" in wait_future(http, r.json()["request_id"])
+
+
+def test_overwriting_a_checkpoint_from_before_per_save_directories_keeps_the_new_one(stack, tenant):
+    http = stack.http(tenant.key)
+    model_id = new_model(http)
+    r = http.post("/save_weights", json={"model_id": model_id, "seq_id": 1, "path": "old"})
+    wait_future(http, r.json()["request_id"])
+    version = Path(_checkpoint(stack, model_id, "weights", "old")["storage_path"])
+    legacy = version.parent  # the layout before migration 0005: files in the name's directory
+    for f in version.iterdir():
+        f.rename(legacy / f.name)
+    version.rmdir()
+    _sql(stack, "UPDATE checkpoints SET storage_path = %s WHERE model_id = %s AND name = 'old'", (str(legacy), model_id))
+    r = http.post("/save_weights", json={"model_id": model_id, "seq_id": 2, "path": "old", "overwrite": True})
+    wait_future(http, r.json()["request_id"])
+    current = Path(_checkpoint(stack, model_id, "weights", "old")["storage_path"])
+    assert current.parent == legacy
+    assert _sql(stack, "SELECT 1 FROM storage_garbage WHERE path = %s", (str(legacy),)) == []
+    _sweep(stack)
+    assert current.exists()
+    r = http.post("/load_weights", json={"model_id": model_id, "seq_id": 3, "path": f"tinker://{model_id}/weights/old"})
+    assert "path" in wait_future(http, r.json()["request_id"])
