@@ -21,6 +21,7 @@ import shutil
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import psycopg
@@ -31,7 +32,7 @@ log = logging.getLogger("quilt.retention")
 MIN_TTL_S = 3600
 MAX_TTL_S = 10 * 365 * 24 * 3600
 # Using an anonymous snapshot moves its expiry only when this much of it has been used up, so a
-# busy sampler costs one UPDATE a minute, not one per request.
+# busy sampler costs one UPDATE a minute, not one per request (`due_to_slide`).
 SLIDE_SLACK_S = 60
 # A directory nobody records is left alone this long: a save in progress records its directory
 # seconds after writing it.
@@ -55,6 +56,14 @@ def lifetime(*, anonymous: bool, ttl_seconds: int | None, anon_ttl_s: int) -> Li
     if anonymous:
         return Lifetime(anon_ttl_s, sliding=True)
     return Lifetime(None)
+
+
+def due_to_slide(expires_at: datetime | None, sliding_ttl_s: int | None, now: datetime) -> bool:
+    """Whether a use at `now` should move a sliding expiry out (at most once a SLIDE_SLACK_S, so a
+    busy sampler costs no write per request)."""
+    if not sliding_ttl_s or expires_at is None:
+        return False
+    return expires_at < now + timedelta(seconds=sliding_ttl_s - SLIDE_SLACK_S)
 
 
 def new_version_dir(checkpoint_dir: Path, tenant_id: str, model_id: str, kind: str, name: str) -> str:

@@ -33,6 +33,15 @@ def test_lifetime_policy():
     assert retention.lifetime(anonymous=False, ttl_seconds=7200, anon_ttl_s=600) == retention.Lifetime(7200)
 
 
+def test_a_sliding_expiry_moves_at_most_once_a_minute():
+    now = datetime(2026, 12, 1, tzinfo=timezone.utc)
+    assert retention.due_to_slide(now + timedelta(seconds=30), 7200, now)
+    assert retention.due_to_slide(now + timedelta(seconds=7200 - 61), 7200, now)
+    assert not retention.due_to_slide(now + timedelta(seconds=7200 - 59), 7200, now)
+    assert not retention.due_to_slide(now + timedelta(seconds=30), None, now)  # fixed TTL: never moves
+    assert not retention.due_to_slide(None, None, now)
+
+
 def test_remove_dir_stays_inside_the_checkpoint_root(tmp_path):
     root, outside = tmp_path / "checkpoints", tmp_path / "elsewhere"
     version = root / "t" / "m" / "sampler_weights" / "name" / "v1"
@@ -90,6 +99,19 @@ def _checkpoint(stack, model_id: str, kind: str, name: str) -> dict | None:
     rows = _sql(stack, "SELECT * FROM checkpoints WHERE model_id = %s AND kind = %s AND name = %s",
                 (model_id, kind, name))
     return rows[0] if rows else None
+
+
+def _save_weights(stack, http, model_id: str, seq_id: int, name: str, **extra) -> Path:
+    """save_weights through the API; the directory it wrote."""
+    r = http.post("/save_weights", json={"model_id": model_id, "seq_id": seq_id, "path": name, **extra})
+    assert "path" in wait_future(http, r.json()["request_id"]), r.text
+    return Path(_checkpoint(stack, model_id, "weights", name)["storage_path"])
+
+
+def _load_weights(http, model_id: str, seq_id: int, name: str) -> dict:
+    r = http.post("/load_weights", json={"model_id": model_id, "seq_id": seq_id,
+                                         "path": f"tinker://{model_id}/weights/{name}"})
+    return wait_future(http, r.json()["request_id"])
 
 
 def _listed(http, model_id: str) -> dict[str, dict]:
@@ -158,15 +180,8 @@ def test_anonymous_snapshots_expire_after_their_last_use(stack, tenant):
 def test_ttl_seconds_on_save_and_set_later(stack, tenant):
     http = stack.http(tenant.key)
     model_id = new_model(http)
-    seq = iter(range(1, 100))
-
-    def save(path: str, **extra) -> dict:
-        r = http.post("/save_weights", json={"model_id": model_id, "seq_id": next(seq), "path": path, **extra})
-        assert r.status_code == 200, r.text
-        return wait_future(http, r.json()["request_id"])
-
-    save("kept")
-    save("short", ttl_seconds=3600)
+    _save_weights(stack, http, model_id, 1, "kept")
+    _save_weights(stack, http, model_id, 2, "short", ttl_seconds=3600)
     listed = _listed(http, model_id)
     assert "expires_at" not in listed["weights/kept"]
     assert 3500 < _expires_in(listed["weights/short"]) <= 3600
@@ -188,38 +203,31 @@ def test_ttl_seconds_on_save_and_set_later(stack, tenant):
     # An expired training checkpoint can no longer be loaded, and its name is free again.
     _sql(stack, "UPDATE checkpoints SET expires_at = now() - interval '1 second' "
                 "WHERE model_id = %s AND name = 'short'", (model_id,))
-    r = http.post("/load_weights", json={"model_id": model_id, "seq_id": 99,
+    r = http.post("/load_weights", json={"model_id": model_id, "seq_id": 3,
                                          "path": f"tinker://{model_id}/weights/short"})
-    assert r.status_code == 404, r.text
-    assert "path" in save("short")
+    assert r.status_code == 404, r.text  # (it still uses up seq_id 3: api.seq_gaps)
+    _save_weights(stack, http, model_id, 4, "short")
     assert "expires_at" not in _listed(http, model_id)["weights/short"]
 
 
 def test_overwriting_a_training_checkpoint_writes_a_new_version(stack, tenant):
     http = stack.http(tenant.key)
     model_id = new_model(http)
-    for seq_id, extra in ((1, {}), (2, {"overwrite": True})):
-        r = http.post("/save_weights", json={"model_id": model_id, "seq_id": seq_id, "path": "w", **extra})
-        wait_future(http, r.json()["request_id"])
-        if seq_id == 1:
-            first = _checkpoint(stack, model_id, "weights", "w")["storage_path"]
-    current = _checkpoint(stack, model_id, "weights", "w")["storage_path"]
-    assert current != first and Path(current).exists()
-    assert _sql(stack, "SELECT 1 FROM storage_garbage WHERE path = %s", (first,)) == [{"?column?": 1}]
-    r = http.post("/load_weights", json={"model_id": model_id, "seq_id": 3, "path": f"tinker://{model_id}/weights/w"})
-    assert "path" in wait_future(http, r.json()["request_id"])
+    first = _save_weights(stack, http, model_id, 1, "w")
+    current = _save_weights(stack, http, model_id, 2, "w", overwrite=True)
+    assert current != first and current.exists()
+    assert _sql(stack, "SELECT 1 FROM storage_garbage WHERE path = %s", (str(first),)) == [{"?column?": 1}]
+    assert "path" in _load_weights(http, model_id, 3, "w")
 
 
 def test_delete_and_ttl_are_per_tenant(stack, tenant):
     owner, other = stack.http(tenant.key), stack.http(stack.create_tenant("other").key)
     model_id = new_model(owner)
-    r = owner.post("/save_weights", json={"model_id": model_id, "seq_id": 1, "path": "mine"})
-    wait_future(owner, r.json()["request_id"])
+    files = _save_weights(stack, owner, model_id, 1, "mine")
     url = f"/training_runs/{model_id}/checkpoints/weights/mine"
     assert other.put(url + "/ttl", json={"ttl_seconds": 3600}).status_code == 404
     assert other.delete(url).status_code == 404
     assert "expires_at" not in _listed(owner, model_id)["weights/mine"]
-    files = Path(_checkpoint(stack, model_id, "weights", "mine")["storage_path"])
     assert owner.delete(url).status_code == 204
     assert not files.exists() and not files.parent.exists()
 
@@ -227,37 +235,28 @@ def test_delete_and_ttl_are_per_tenant(stack, tenant):
 def test_the_hourly_sweep_removes_what_a_crashed_save_left(stack, tenant):
     http = stack.http(tenant.key)
     model_id = new_model(http)
-    r = http.post("/save_weights", json={"model_id": model_id, "seq_id": 1, "path": "kept"})
-    wait_future(http, r.json()["request_id"])
-    kept = Path(_checkpoint(stack, model_id, "weights", "kept")["storage_path"])
-    _aged(kept, 7200)  # old, but recorded
+    kept = _aged(_save_weights(stack, http, model_id, 1, "kept"), 7200)  # old, but recorded
     name_dir = stack.data_dir / "checkpoints" / tenant.tenant_id / model_id / "weights" / "kept"
     orphan = _aged(name_dir / "0000000000000-deadbeef", 7200)
     crashed = _aged(name_dir / ".tmp-crashed", 7200)
     with db.connect(stack.database_url) as conn:
         assert retention.sweep_orphans(conn, stack.data_dir / "checkpoints") >= 2
     assert not orphan.exists() and not crashed.exists() and kept.exists()
-    r = http.post("/load_weights", json={"model_id": model_id, "seq_id": 2, "path": f"tinker://{model_id}/weights/kept"})
-    assert "path" in wait_future(http, r.json()["request_id"])
+    assert "path" in _load_weights(http, model_id, 2, "kept")
 
 
 def test_overwriting_a_checkpoint_from_before_per_save_directories_keeps_the_new_one(stack, tenant):
     http = stack.http(tenant.key)
     model_id = new_model(http)
-    r = http.post("/save_weights", json={"model_id": model_id, "seq_id": 1, "path": "old"})
-    wait_future(http, r.json()["request_id"])
-    version = Path(_checkpoint(stack, model_id, "weights", "old")["storage_path"])
+    version = _save_weights(stack, http, model_id, 1, "old")
     legacy = version.parent  # the layout before migration 0005: files in the name's directory
     for f in version.iterdir():
         f.rename(legacy / f.name)
     version.rmdir()
     _sql(stack, "UPDATE checkpoints SET storage_path = %s WHERE model_id = %s AND name = 'old'", (str(legacy), model_id))
-    r = http.post("/save_weights", json={"model_id": model_id, "seq_id": 2, "path": "old", "overwrite": True})
-    wait_future(http, r.json()["request_id"])
-    current = Path(_checkpoint(stack, model_id, "weights", "old")["storage_path"])
+    current = _save_weights(stack, http, model_id, 2, "old", overwrite=True)
     assert current.parent == legacy
     assert _sql(stack, "SELECT 1 FROM storage_garbage WHERE path = %s", (str(legacy),)) == []
     _sweep(stack)
     assert current.exists()
-    r = http.post("/load_weights", json={"model_id": model_id, "seq_id": 3, "path": f"tinker://{model_id}/weights/old"})
-    assert "path" in wait_future(http, r.json()["request_id"])
+    assert "path" in _load_weights(http, model_id, 3, "old")

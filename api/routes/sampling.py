@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -184,9 +185,9 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, request: 
                     raise InvalidInput(f"sampling_session_seq_id {body.sampling_session_seq_id} is already used "
                                        f"by sampler {sid!r}", field="sampling_session_seq_id")
             work["sampling_session_id"] = sid
-    # A new directory per publication: the pool may still serve (and reload) the previous version.
     life = retention.lifetime(anonymous=body.path is None, ttl_seconds=body.ttl_seconds,
                               anon_ttl_s=get_core_settings().anon_sampler_ttl_s)
+    # A new directory per publication: the pool may still serve (and reload) the previous version.
     work.update(name=name, ttl_s=life.ttl_s, sliding=life.sliding,
                 storage_path=retention.new_version_dir(get_core_settings().checkpoint_dir, who.tenant_id,
                                                        body.model_id, SAMPLER_KIND, name))
@@ -246,11 +247,10 @@ async def _resolve(conn, who, body: SampleRequest) -> tuple[catalog.BaseModel, A
         raise NotFound(f"sampler weights {path} not found: not published yet (a save still running), deleted, "
                        f"or expired (anonymous snapshots expire {get_core_settings().anon_sampler_ttl_s} s "
                        f"after their last use)", field="model_path") from None
-    if ckpt["sliding_ttl_s"]:
+    if retention.due_to_slide(ckpt["expires_at"], ckpt["sliding_ttl_s"], datetime.now(UTC)):
         await conn.execute(
-            "UPDATE checkpoints SET expires_at = now() + make_interval(secs => sliding_ttl_s) "
-            "WHERE id = %s AND expires_at < now() + make_interval(secs => sliding_ttl_s - %s)",
-            (ckpt["id"], retention.SLIDE_SLACK_S),
+            "UPDATE checkpoints SET expires_at = now() + make_interval(secs => sliding_ttl_s) WHERE id = %s",
+            (ckpt["id"],),
         )
     base = await _sampleable(conn, await _base_of_model(conn, run))
     return base, AdapterRef(key=ckpt["storage_path"], path=ckpt["storage_path"], model_id=run, name=name)
