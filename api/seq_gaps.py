@@ -4,7 +4,7 @@ A model's requests run in `seq_id` order, and the tinker SDK gives every call th
 happened to the one before. So when the API refuses a call for good (a 4xx that retrying cannot
 fix: bad input, a checkpoint that is not there, a budget reached), the trainer would otherwise wait
 forever for that id and every later call of the model would hang. Instead the refusal is recorded
-as a failed request at that `seq_id` and a placeholder (`kind="rejected"`) goes down the model's
+as a failed request at that `seq_id` and a placeholder (`queue.REJECTED_KIND`) goes down the model's
 stream; the trainer passes it in order, failing it with the same message, and bills nothing.
 
 Refusals a client retries with the same id (408, 409, 425, 429), a body too large to read (413) and
@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import Request
 
-from api.submit import enqueue
+from api.submit import enqueue, record_request, usable_model
 from core import ids, queue
 from core.errors import QuiltError
 from tenancy.auth import Principal
@@ -38,7 +38,6 @@ SEQUENCED_ROUTES = {
 # Refusals that leave the seq_id free. The Quilt SDK reuses the id after exactly these
 # (quilt.training.SEQ_FREE_STATUSES; tests/test_seq_gaps.py checks they agree).
 SEQ_FREE_STATUSES = frozenset({401, 408, 409, 413, 425, 429})
-REJECTED_KIND = "rejected"
 
 
 def uses_up_seq(status_code: int) -> bool:
@@ -81,23 +80,15 @@ async def _record(request: Request, who: Principal, model_id: str, seq_id: int, 
     pool, redis = request.app.state.pool, request.app.state.redis
     request_id = ids.new_request_id()
     async with pool.connection() as conn:
-        cur = await conn.execute(
-            "SELECT base_model FROM training_models WHERE id = %s AND tenant_id = %s AND status NOT IN ('failed', 'lost')",
-            (model_id, who.tenant_id),
-        )
-        model = await cur.fetchone()
-        if model is None:
+        try:
+            model = await usable_model(conn, who, model_id)
+        except QuiltError:  # not the caller's, or no longer usable: nothing waits on its seq_ids
             return
-        cur = await conn.execute(
-            "INSERT INTO requests (id, tenant_id, api_key_id, model_id, seq_id, kind) VALUES (%s, %s, %s, %s, %s, %s) "
-            "ON CONFLICT (model_id, seq_id) DO NOTHING RETURNING id",
-            (request_id, who.tenant_id, who.key_id, model_id, seq_id, kind),
-        )
-        if await cur.fetchone() is None:
+        if not await record_request(conn, who, request_id, model_id=model_id, seq_id=seq_id, kind=kind):
             return  # the id is in use already: there is no gap
     message = f"refused with HTTP {err.status_code}: {err.message}"
     await enqueue(pool, redis, model["base_model"], queue.WorkItem(
-        request_id=request_id, tenant_id=who.tenant_id, model_id=model_id, seq_id=seq_id, kind=REJECTED_KIND,
+        request_id=request_id, tenant_id=who.tenant_id, model_id=model_id, seq_id=seq_id, kind=queue.REJECTED_KIND,
         n_tokens=0, body={"error": message, "field": err.field},
     ))
     log.info("refused %s %s/%d recorded as %s so later calls do not wait for it", kind, model_id, seq_id, request_id)

@@ -59,26 +59,39 @@ async def _admit(conn, who: Principal, *, billable: bool = True) -> None:
         await budgets.check(conn, tenant_id=who.tenant_id, tenant_name=who.tenant_name, key_id=who.key_id)
 
 
+async def usable_model(conn, who: Principal, model_id: str) -> dict:
+    """The caller's model, if requests may still be queued on it (else 404 / 400)."""
+    model = await scoped.get_model(conn, who, model_id)
+    if model["status"] in _UNUSABLE:
+        raise InvalidInput(f"model {model_id!r} {_UNUSABLE[model['status']]}", field="model_id")
+    return model
+
+
+async def record_request(conn, who: Principal, request_id: str, *, model_id: str, seq_id: int, kind: str,
+                         n_tokens: int = 0) -> bool:
+    """Insert the request's row; False if `(model_id, seq_id)` is taken already."""
+    cur = await conn.execute(
+        "INSERT INTO requests (id, tenant_id, api_key_id, model_id, seq_id, kind, n_tokens) "
+        "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (model_id, seq_id) DO NOTHING RETURNING id",
+        (request_id, who.tenant_id, who.key_id, model_id, seq_id, kind, n_tokens),
+    )
+    return await cur.fetchone() is not None
+
+
 async def submit_model_request(
     pool: AsyncConnectionPool, redis: Redis, who: Principal, *, model_id: str, seq_id: int, kind: str,
     body: dict, n_tokens: int = 0,
 ) -> dict:
     """Queue one request on an existing model; returns the future's JSON."""
     async with pool.connection() as conn:
-        model = await scoped.get_model(conn, who, model_id)
-        if model["status"] in _UNUSABLE:
-            raise InvalidInput(f"model {model_id!r} {_UNUSABLE[model['status']]}", field="model_id")
+        model = await usable_model(conn, who, model_id)
         existing = await _existing(conn, model_id, seq_id, kind)
         if existing:
             return future_response(existing, model_id)
         await _admit(conn, who, billable=n_tokens > 0)
         request_id = ids.new_request_id()
-        cur = await conn.execute(
-            "INSERT INTO requests (id, tenant_id, api_key_id, model_id, seq_id, kind, n_tokens) "
-            "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (model_id, seq_id) DO NOTHING RETURNING id",
-            (request_id, who.tenant_id, who.key_id, model_id, seq_id, kind, n_tokens),
-        )
-        if await cur.fetchone() is None:  # a concurrent duplicate won the insert
+        if not await record_request(conn, who, request_id, model_id=model_id, seq_id=seq_id, kind=kind,
+                                    n_tokens=n_tokens):  # a concurrent duplicate won the insert
             return future_response(await _existing(conn, model_id, seq_id, kind), model_id)
         await conn.execute("UPDATE training_models SET last_request_at = now() WHERE id = %s", (model_id,))
     await enqueue(pool, redis, model["base_model"], queue.WorkItem(

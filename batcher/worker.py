@@ -152,7 +152,7 @@ class TrainerWorker:
                            bool(b.get("forward_only")), b["data"])
 
     def _barrier(self, item: queue.WorkItem) -> dict | QuiltError:
-        if item.kind == "rejected":  # a call the API refused: fails in its place in the order (api.seq_gaps)
+        if item.kind == queue.REJECTED_KIND:  # fails in its place in the order (api.seq_gaps)
             return UserError(item.body["error"], field=item.body.get("field"))
         try:
             if item.kind == "create_model":

@@ -181,6 +181,11 @@ class ModeResult:
     def util(self) -> float:
         return self.busy_seq_s / (self.target * self.wall_s)
 
+    @property
+    def per_slot_tps(self) -> float:
+        """Tokens/s per busy slot: the engine's speed, apart from how full it was kept."""
+        return self.tps / (self.util * self.target)
+
     def p(self, tenant: int, q: float) -> float:
         xs = sorted(self.ttb[tenant])
         return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
@@ -324,7 +329,7 @@ async def main_async(args) -> dict:
         print(f"\n{'':<22}" + "".join(f"{m:>14}" for m in results))
         print(f"{'tokens/s':<22}" + "".join(f"{r.tps:>14.0f}" for r in results.values()))
         print(f"{'slot utilisation':<22}" + "".join(f"{r.util:>14.2f}" for r in results.values()))
-        print(f"{'tok/s per busy slot':<22}" + "".join(f"{r.tps / (r.util * r.target):>14.1f}" for r in results.values()))
+        print(f"{'tok/s per busy slot':<22}" + "".join(f"{r.per_slot_tps:>14.1f}" for r in results.values()))
         print(f"{'wall s':<22}" + "".join(f"{r.wall_s:>14.1f}" for r in results.values()))
         for state, label in (("full", "time full"), ("no_demand", "time, no demand"),
                              ("held_back", "time, work held back")):
@@ -334,12 +339,13 @@ async def main_async(args) -> dict:
                   "".join(f"{f'{r.p(t, 0.5):.2f}/{r.p(t, 0.95):.2f}':>14}" for r in results.values()))
         shared, part = results["shared"], results["partitioned"]
         ratios = [shared.p(t, 0.95) / part.p(t, 0.95) for t in range(w.tenants)]
-        util_ratio, rate_ratio = shared.util / part.util, (shared.tps / shared.util) / (part.tps / part.util)
+        util_ratio, rate_ratio = shared.util / part.util, shared.per_slot_tps / part.per_slot_tps
         at_target = next(row for row in curve if row[0] >= args.target)
-        flat = ideal(w, args.target, at_target[2] / at_target[0], at_target[1] / 1000)
+        seq_rate = at_target[2] / at_target[0]  # tokens/s of one sequence with the engine at its target
+        flat = ideal(w, args.target, seq_rate, at_target[1] / 1000)
         print(f"\nshared / partitioned tokens/s {shared.tps / part.tps:.2f} = utilisation ratio {util_ratio:.2f} "
               f"x per-busy-slot rate ratio {rate_ratio:.2f}")
-        print(f"ideal engine (simulated: flat decode step at the measured {at_target[2] / at_target[0]:.0f} tok/s per "
+        print(f"ideal engine (simulated: flat decode step at the measured {seq_rate:.0f} tok/s per "
               f"sequence, same workload shape and admission): {flat['ratio']:.2f}x, utilisation "
               f"{flat['util_shared']:.2f} vs {flat['util_partitioned']:.2f}")
 

@@ -27,6 +27,8 @@ def train_stream(base_model: str) -> str:
 # base reads it). Cancellation is broadcast, because the group hands an entry to one worker only:
 # a key that says "cancelled" (read when the work arrives) plus a pub/sub message to every worker.
 SAMPLE_GROUP = "samplers"
+# A training call the API refused for good, holding its seq_id so later calls do not wait (api.seq_gaps).
+REJECTED_KIND = "rejected"
 CANCEL_CHANNEL = "quilt:cancels"
 
 
