@@ -49,11 +49,12 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from gen_pool.adapters import AdapterRef
+from gen_pool.admission import PoolView
 from gen_pool.engine import GenEngine, SeqRequest
 from gen_pool.params import SamplingSpec
 from gen_pool.scheduler import Group, Scheduler
 from gen_pool.settings import GenPoolSettings
-from genpool_sim import Model, fixed_tenants, simulate
+from genpool_sim import Model, fixed_tenants, simulate, tenant_shape
 
 # An overhead-bound model: so small that a decode step costs about the same for 1 or 32 sequences.
 BENCH_SPEC = {"hidden_size": 64, "num_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
@@ -100,7 +101,8 @@ def submit(sched: Scheduler, futures: dict, group: Group) -> asyncio.Future:
     return fut
 
 
-def make_scheduler(engine: GenEngine, target: int, cap: int, done: list[Group]) -> tuple[Scheduler, dict]:
+def make_scheduler(engine: GenEngine, target: int, cap: int, done: list[Group],
+                   share_after_s: float = PoolView.share_after_s) -> tuple[Scheduler, dict]:
     futures: dict[str, asyncio.Future] = {}
 
     def on_finish(g: Group, outcome) -> None:
@@ -109,7 +111,7 @@ def make_scheduler(engine: GenEngine, target: int, cap: int, done: list[Group]) 
         if fut is not None and not fut.done():
             fut.set_result(outcome)
 
-    return Scheduler(engine, target=target, default_cap=cap, on_finish=on_finish), futures
+    return Scheduler(engine, target=target, default_cap=cap, share_after_s=share_after_s, on_finish=on_finish), futures
 
 
 # --------------------------------------------------------------------------- 1. the curve
@@ -146,10 +148,19 @@ class Workload:
     pause_s: float
     seed: int
     seeded: bool  # per-request sampling seeds (vLLM then samples those rows one by one)
+    share_after_s: float = PoolView.share_after_s  # admission rule 3 (0 = plain fair shares first)
+    mixed: bool = False  # tenants differ in pause, batch size and length (genpool_sim.MIXED)
+
+    def groups_of(self, tenant: int) -> int:
+        return max(1, round(self.groups * tenant_shape(tenant, self.mixed)["groups_x"]))
+
+    def pause_of(self, tenant: int) -> float:
+        return self.pause_s * tenant_shape(tenant, self.mixed)["pause_x"]
 
     def lengths(self, tenant: int, rnd: int, group: int) -> tuple[int, ...]:
         rng = random.Random(hash((self.seed, tenant, rnd, group)) & 0xFFFFFFFF)
-        return tuple(max(4, min(self.max_len, int(rng.lognormvariate(math.log(self.median_len), self.sigma))))
+        median = self.median_len * tenant_shape(tenant, self.mixed)["len_x"]
+        return tuple(max(4, min(self.max_len, int(rng.lognormvariate(math.log(median), self.sigma))))
                      for _ in range(self.n))
 
 
@@ -194,7 +205,7 @@ class ModeResult:
 async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Workload, target: int) -> ModeResult:
     cap = target // w.tenants if name == "partitioned" else 0
     done: list[Group] = []
-    sched, futures = make_scheduler(engine, target, cap, done)
+    sched, futures = make_scheduler(engine, target, cap, done, w.share_after_s)
     stop = asyncio.Event()
     pool = asyncio.create_task(run_pool(sched, stop))
     serial = asyncio.Lock()
@@ -208,7 +219,7 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
             ready = time.perf_counter()
             async with (serial if name == "serial" else _nothing()):
                 futs = []
-                for gi in range(w.groups):
+                for gi in range(w.groups_of(t)):
                     lengths = w.lengths(t, rnd, gi)
                     g = Group(request_id=f"{name}-{t}-{rnd}-{gi}", tenant_id=f"tenant-{t}", prompt=(5 + t, 6, 7, 8),
                               spec=SamplingSpec(max_tokens=max(lengths), eos_stops=False,
@@ -217,7 +228,7 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
                     futs.append(submit(sched, futures, g))
                 await asyncio.gather(*futs)
             result.ttb[t].append(time.perf_counter() - ready)
-            await asyncio.sleep(w.pause_s * rng.uniform(0.5, 1.5))  # the trainer step
+            await asyncio.sleep(w.pause_of(t) * rng.uniform(0.5, 1.5))  # the trainer step
 
     async def watch() -> None:
         while True:
@@ -254,10 +265,10 @@ def ideal(w: Workload, target: int, slot_rate: float, step_s: float, seeds: int 
     could give this workload if the engine were ideal. Medians over a few seeds."""
     m = Model(slots=target, token_rate=slot_rate, prefill_s=step_s, groups=w.groups, n=w.n,
               median_len=float(w.median_len), sigma=w.sigma, max_len=w.max_len, drift=0.0, pause_s=w.pause_s,
-              horizon_s=400.0, quantum_s=max(step_s, 0.02))
+              horizon_s=400.0, quantum_s=max(step_s, 0.02), share_after_s=w.share_after_s)
     ratios, utils = [], []
     for seed in range(seeds):
-        plans = fixed_tenants(w.tenants, m, seed)
+        plans = fixed_tenants(w.tenants, m, seed, w.mixed)
         shared, part = (simulate(1, m, mode, seed, plans) for mode in ("shared", "partitioned"))
         ratios.append(shared.tps / part.tps)
         utils.append((shared.util, part.util))
@@ -315,12 +326,16 @@ async def main_async(args) -> dict:
         for k, ms, tps in curve:
             print(f"{k:>8} {ms:>9.1f} {tps:>9.0f}")
         w = Workload(args.tenants, args.rounds, args.groups, args.n, args.median_len, args.sigma, args.max_len,
-                     args.pause, args.seed, args.seeded)
-        mean_len = statistics.mean(x for t in range(w.tenants) for r in range(w.rounds) for gi in range(w.groups)
+                     args.pause, args.seed, args.seeded, args.share_after_s, args.mix == "mixed")
+        mean_len = statistics.mean(x for t in range(w.tenants) for r in range(w.rounds) for gi in range(w.groups_of(t))
                                    for x in w.lengths(t, r, gi))
         print(f"\n2. {w.tenants} tenants x {w.rounds} rounds x {w.groups} groups x n={w.n}; lengths lognormal "
               f"(median {w.median_len}, sigma {w.sigma}, cap {w.max_len}, mean {mean_len:.0f}); pause {w.pause_s} s; "
-              f"target {args.target} running sequences", flush=True)
+              f"target {args.target} running sequences; tenants {args.mix}", flush=True)
+        if w.mixed:
+            for t in range(w.tenants):
+                print(f"   tenant {t}: {w.groups_of(t)} groups, pause {w.pause_of(t):.2f} s, "
+                      f"median length {w.median_len * tenant_shape(t, True)['len_x']:.0f}")
         results = {}
         for mode in ("shared", "partitioned", "serial"):
             results[mode] = await run_mode(mode, engine, refs, w, args.target)
@@ -366,6 +381,8 @@ async def main_async(args) -> dict:
             "tps": {m: round(r.tps, 1) for m, r in results.items()},
             "step_ms_1_vs_target": [round(curve[0][1], 1), round(next(ms for k, ms, _ in curve if k >= args.target), 1)],
             "publish_to_first_token_ms_p50": round(1000 * statistics.median(lat), 1),
+            "workload": {"tenants": args.mix, "groups": w.groups, "n": w.n, "sigma": w.sigma, "pause_s": w.pause_s,
+                         "share_after_s": w.share_after_s},
         }
         summary["target_met"] = summary["shared_over_partitioned_tps"] >= 1.5 and summary["worst_tenant_p95_ttb_ratio"] <= 1.1
         return summary
@@ -387,6 +404,10 @@ def main() -> None:
     ap.add_argument("--pause", type=float, default=1.5, help="seconds of 'trainer step' between batches")
     ap.add_argument("--publish-trials", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0, help="seeds the workload (lengths, pauses)")
+    ap.add_argument("--mix", choices=("same", "mixed"), default="same",
+                    help="identical tenants, or tenants that differ in pause, batch size and length")
+    ap.add_argument("--share-after-s", type=float, default=PoolView.share_after_s,
+                    help="admission: a tenant below its fair share waiting this long goes first (0 = always)")
     ap.add_argument("--seeded", action="store_true",
                     help="give every sequence a sampling seed (RL rollouts usually do not; costs per row)")
     args = ap.parse_args()

@@ -56,6 +56,7 @@ class Model:
     lifetime_s: float = 450.0
     horizon_s: float = 900.0
     quantum_s: float = 0.5
+    share_after_s: float = PoolView.share_after_s  # admission rule 3 (0 = plain fair shares first)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,11 @@ class TenantPlan:
     arrive: float
     leave: float
     seed: int
+    # How this tenant differs from the Model's tenant: multipliers of its pause, groups per batch
+    # and median length (bench/genpool_sweep.py mixes tenants this way).
+    pause_x: float = 1.0
+    groups_x: float = 1.0
+    len_x: float = 1.0
 
 
 def tenant_schedule(gpus: int, m: Model, seed: int) -> list[TenantPlan]:
@@ -83,11 +89,24 @@ def tenant_schedule(gpus: int, m: Model, seed: int) -> list[TenantPlan]:
         i += 1
 
 
-def fixed_tenants(count: int, m: Model, seed: int) -> list[TenantPlan]:
+# A mixed population (bench/genpool_fill.py --mix, bench/genpool_sweep.py): tenant i differs from the
+# model's tenant by MIXED[i % 4]: one trains long on small batches, one briefly on large ones, one
+# samples longer answers, one shorter ones. Batch sizes average the model's; pauses a quarter more.
+MIXED = ({"pause_x": 2.0, "groups_x": 0.5}, {"pause_x": 0.5, "groups_x": 1.5},
+         {"groups_x": 0.75, "len_x": 1.5}, {"pause_x": 1.5, "groups_x": 1.25, "len_x": 0.6})
+
+
+def tenant_shape(i: int, mixed: bool) -> dict[str, float]:
+    """Tenant i's multipliers (pause_x, groups_x, len_x): all 1 unless the population is mixed."""
+    return {"pause_x": 1.0, "groups_x": 1.0, "len_x": 1.0, **(MIXED[i % len(MIXED)] if mixed else {})}
+
+
+def fixed_tenants(count: int, m: Model, seed: int, mixed: bool = False) -> list[TenantPlan]:
     """`count` tenants present for the whole horizon, starting staggered over one pause (the shape
-    of bench/genpool_fill.py's workload)."""
+    of bench/genpool_fill.py's workload); `mixed` gives them different shapes (MIXED)."""
     rng = random.Random(seed)
-    return [TenantPlan(f"t{i}", m.pause_s * i / count, math.inf, rng.randrange(2**31)) for i in range(count)]
+    return [TenantPlan(f"t{i}", m.pause_s * i / count, math.inf, rng.randrange(2**31), **tenant_shape(i, mixed))
+            for i in range(count)]
 
 
 @dataclass
@@ -182,7 +201,7 @@ def simulate(gpus: int, m: Model, mode: str, seed: int, plans: list[TenantPlan] 
                 t.pending -= 1
                 if t.pending == 0:
                     t.ttb.append(now - t.batch_start)
-                    t.next_submit = now + m.pause_s * t.rng.uniform(0.5, 1.5)
+                    t.next_submit = now + m.pause_s * t.plan.pause_x * t.rng.uniform(0.5, 1.5)
         # 2. Tenants present and between batches submit their next batch; others leave.
         present = 0
         for t in tenants.values():
@@ -194,20 +213,21 @@ def simulate(gpus: int, m: Model, mode: str, seed: int, plans: list[TenantPlan] 
             present += 1
             if t.pending == 0 and now >= t.next_submit:
                 progress = min(1.0, (now - t.plan.arrive) / max(t.plan.leave - t.plan.arrive, 1.0))
-                median = m.median_len * (1 + m.drift * progress)
-                for k in range(m.groups):
+                median = m.median_len * t.plan.len_x * (1 + m.drift * progress)
+                batch = max(1, round(m.groups * t.plan.groups_x))
+                for k in range(batch):
                     lengths = [max(1, min(m.max_len, int(t.rng.lognormvariate(math.log(median), m.sigma))))
                                for _ in range(m.n)]
                     gid = f"{t.plan.tid}/{t.step}/{k}"
                     groups[gid] = queued[gid] = SimGroup(gid, t.plan.tid, now, lengths)
-                t.pending, t.batch_start, t.step = m.groups, now, t.step + 1
+                t.pending, t.batch_start, t.step = batch, now, t.step + 1
         # 3. The policy decides who starts.
         caps = {}
         if mode == "partitioned" and present:
             share = max(1, capacity // present)
             caps = {tid: share for tid, t in tenants.items() if not t.gone}
         view = PoolView(now=now, target=capacity, groups=compact_views(queued, running_full),
-                        tenant_caps=caps)
+                        tenant_caps=caps, share_after_s=m.share_after_s)
         t0 = time.perf_counter()
         plan = plan_admission(view)
         plan_s += time.perf_counter() - t0

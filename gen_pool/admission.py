@@ -14,12 +14,15 @@ The plan is built from small rules, each a function below:
 
 1. `expired_or_cancelled`: a group past its deadline, or cancelled, is aborted (queued or running)
    and reported as such; nothing is dropped silently.
-2. `fair_shares`: the concurrency target is split between tenants that have unfinished work, by
-   weight. A tenant below its share is served first, so a tenant returning from a trainer step
-   takes back the slots that others filled while it was away, as they free up.
-3. Slots beyond the shares go to the tenant whose pending batch is closest to complete (fewest
-   sequences not yet started), so finished rollouts turn into trainable batches soonest; ties by
-   arrival. Within a tenant, groups run in arrival order, a whole group at a time where it fits.
+2. Free slots go first to the tenant whose pending batch is closest to complete (fewest sequences
+   not yet started), so finished rollouts turn into trainable batches soonest; ties by arrival.
+   Within a tenant, groups run in arrival order, a whole group at a time where it fits. Shortest
+   remaining batch first is what keeps synchronous RL tenants cycling fastest: a tenant back from
+   its trainer step with a full batch waits until the others' nearly done batches are started.
+3. `starved_tenants`, the guard on rule 2: a tenant below its `fair_shares` slice of the target
+   (split by weight among tenants with unfinished work) whose oldest unstarted group has waited
+   `share_after_s` is served first, so a large batch is never held back for long by a stream of
+   small ones.
 4. `tenant_caps`: no tenant runs more sequences than its cap (a static partition is the cap =
    target / tenants).
 5. Work conservation: while any slot is free and any eligible sequence waits, it is admitted.
@@ -69,6 +72,7 @@ class PoolView:
     tenant_caps: Mapping[str, int] = field(default_factory=dict)  # per tenant; missing = default_cap
     default_cap: int = 0  # 0 = no cap beyond target
     weights: Mapping[str, float] = field(default_factory=dict)  # fair-share weights; missing = 1.0
+    share_after_s: float = 10.0  # rule 3: waiting this long puts a tenant below its share first
 
 
 @dataclass(frozen=True)
@@ -118,12 +122,19 @@ def running_by_tenant(groups: Sequence[GroupView]) -> dict[str, int]:
 
 
 def fair_shares(view: PoolView, groups: Sequence[GroupView]) -> dict[str, float]:
-    """Rule 2: the target split by weight among tenants with unfinished work."""
+    """Rule 3's slices: the target split by weight among tenants with unfinished work."""
     active = {g.tenant_id for g in groups if g.waiting > 0 or g.running > 0}
     total = sum(view.weights.get(t, 1.0) for t in active)
     if not total:
         return {}
     return {t: view.target * view.weights.get(t, 1.0) / total for t in active}
+
+
+def starved_tenants(view: PoolView, queues: Mapping[str, Sequence[GroupView]], running: Mapping[str, int],
+                    shares: Mapping[str, float]) -> set[str]:
+    """Rule 3: tenants below their share whose oldest unstarted group has waited `share_after_s`."""
+    return {t for t, q in queues.items()
+            if running.get(t, 0) < shares.get(t, 0.0) and view.now - q[0].arrival >= view.share_after_s}
 
 
 def tenant_caps(view: PoolView, tenants: set[str]) -> dict[str, int]:
@@ -156,6 +167,7 @@ def plan_admission(view: PoolView) -> AdmissionPlan:
         return AdmissionPlan((), aborts)
 
     shares = fair_shares(view, live)
+    starved = starved_tenants(view, queues, running, shares)
     caps = tenant_caps(view, set(queues) | set(running))
     remaining = {t: sum(g.waiting for g in q) for t, q in queues.items()}  # unstarted work per tenant
     heads = dict.fromkeys(queues, 0)  # index of the next group per tenant
@@ -164,8 +176,9 @@ def plan_admission(view: PoolView) -> AdmissionPlan:
     admits: list[Admit] = []
 
     def key(t: str) -> tuple:
-        below_share = running.get(t, 0) < shares.get(t, 0.0)
-        return (0 if below_share else 1, remaining[t], queues[t][heads[t]].arrival, order[t])
+        # A starved tenant keeps its precedence only while it is still below its share.
+        first = t in starved and running.get(t, 0) < shares[t]
+        return (0 if first else 1, remaining[t], queues[t][heads[t]].arrival, order[t])
 
     # Admitting from a tenant changes only that tenant's key, so a heap of tenants stays valid:
     # pop the best, admit its next group (or as much of it as fits), push it back with its new key.

@@ -116,12 +116,14 @@ class Occupancy:
 
 class Scheduler:
     def __init__(self, engine: GenEngine, *, target: int, on_finish: OnFinish, default_cap: int = 0,
-                 tenant_caps: dict[str, int] | None = None, clock: Callable[[], float] = time.time):
+                 tenant_caps: dict[str, int] | None = None, share_after_s: float = PoolView.share_after_s,
+                 clock: Callable[[], float] = time.time):
         self.engine = engine
         self.target = target
         self.on_finish = on_finish
         self.default_cap = default_cap
         self.tenant_caps = dict(tenant_caps or {})
+        self.share_after_s = share_after_s
         self.clock = clock
         self.groups: dict[str, Group] = {}
         self.wakeup = asyncio.Event()
@@ -166,7 +168,8 @@ class Scheduler:
 
     def view(self) -> PoolView:
         return PoolView(now=self.clock(), target=self.target, tenant_caps=self.tenant_caps,
-                        default_cap=self.default_cap, groups=[g.view() for g in self.groups.values() if not g.done])
+                        default_cap=self.default_cap, share_after_s=self.share_after_s,
+                        groups=[g.view() for g in self.groups.values() if not g.done])
 
     def step(self) -> AdmissionPlan:
         """Plan (pure) and carry out the plan."""

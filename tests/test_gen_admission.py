@@ -9,9 +9,10 @@ def g(rid, tenant, n, *, arrival=0.0, admitted=0, finished=0, deadline=None, rea
     return GroupView(rid, tenant, arrival, n, admitted, finished, deadline, ready, cancelled)
 
 
-def plan(groups, *, target=8, now=10.0, caps=None, default_cap=0, weights=None):
+# share_after_s is far beyond the waits in these tables unless a test is about the guard.
+def plan(groups, *, target=8, now=10.0, caps=None, default_cap=0, weights=None, share_after_s=60.0):
     return plan_admission(PoolView(now=now, target=target, groups=groups, tenant_caps=caps or {},
-                                   default_cap=default_cap, weights=weights or {}))
+                                   default_cap=default_cap, weights=weights or {}, share_after_s=share_after_s))
 
 
 def test_fills_engine_to_target_across_tenants():
@@ -40,20 +41,38 @@ def test_priority_order(groups, target, expected):
     assert list(plan(groups, target=target).admits) == expected
 
 
-def test_tenant_below_share_first_even_with_more_work():
-    # A holds 6 of 8 slots, above its share (8/3). B and C run nothing, so both are below theirs:
-    # each gets a slot, C first because its pending batch (1 sequence) completes soonest.
-    groups = [g("a1", "A", 6, admitted=6), g("b1", "B", 5, arrival=1), g("c1", "C", 1, arrival=2)]
-    p = plan(groups, target=8)
-    assert list(p.admits) == [Admit("c1", 1), Admit("b1", 1)]
+def test_shortest_remaining_batch_first_across_shares():
+    # B is back from its trainer step with a full batch (9 unstarted) and runs nothing; A's batch
+    # has 1 sequence left to start. A's batch completes sooner, so it goes first though A is above
+    # its share: B has waited less than share_after_s.
+    groups = [g("a1", "A", 6, admitted=6), g("a2", "A", 1, arrival=3), g("b1", "B", 9, arrival=5)]
+    p = plan(groups, target=8, now=6.0, share_after_s=10.0)
+    assert list(p.admits) == [Admit("a2", 1), Admit("b1", 1)]
 
 
-def test_above_share_tenant_yields_to_below_share_tenant():
-    # Shares are 4 and 4. A runs 5 (above), B runs 1 (below): B's larger batch still goes first.
-    groups = [g("a1", "A", 5, admitted=5), g("a2", "A", 1, arrival=3), g("b1", "B", 1, admitted=1),
-              g("b2", "B", 9, arrival=5)]
-    p = plan(groups, target=8)
-    assert list(p.admits) == [Admit("b2", 2)]
+def test_starved_tenant_below_share_goes_first():
+    # The same queue once B's batch has waited share_after_s: B, below its share of 4, goes first,
+    # and A's single sequence waits for the next free slot.
+    groups = [g("a1", "A", 6, admitted=6), g("a2", "A", 1, arrival=3), g("b1", "B", 9, arrival=5)]
+    p = plan(groups, target=8, now=15.0, share_after_s=10.0)
+    assert list(p.admits) == [Admit("b1", 2)]
+
+
+def test_starved_tenant_precedence_ends_at_its_share():
+    # Shares are 4 and 4; B runs 3 and its oldest group has waited: B's next group goes first
+    # (whole, as groups are admitted), which lifts B past its share, so A's shorter batch is next.
+    groups = [g("a1", "A", 2, admitted=2), g("a2", "A", 1, arrival=15), g("b1", "B", 3, admitted=3),
+              g("b2", "B", 2, arrival=0), g("b3", "B", 9, arrival=1)]
+    assert list(plan(groups, target=8, now=20.0, share_after_s=10.0).admits) == [Admit("b2", 2), Admit("a2", 1)]
+    # Before the wait: shortest remaining batch first (A: 1 unstarted, B: 11).
+    assert list(plan(groups, target=8, now=20.0).admits) == [Admit("a2", 1), Admit("b2", 2)]
+
+
+def test_starvation_guard_needs_the_wait():
+    # share_after_s 0 reproduces plain fair shares: below-share tenants first, whatever their work.
+    groups = [g("a1", "A", 5, admitted=5), g("a2", "A", 1, arrival=9), g("b1", "B", 5, arrival=9)]
+    assert list(plan(groups, target=8, now=10.0, share_after_s=0.0).admits) == [Admit("b1", 3)]
+    assert list(plan(groups, target=8, now=10.0).admits) == [Admit("a2", 1), Admit("b1", 2)]
 
 
 def test_gap_filling_gives_idle_tenants_slots_to_others():
