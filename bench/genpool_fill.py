@@ -54,7 +54,7 @@ from gen_pool.engine import GenEngine, SeqRequest
 from gen_pool.params import SamplingSpec
 from gen_pool.scheduler import Group, Scheduler
 from gen_pool.settings import GenPoolSettings
-from genpool_sim import Model, fixed_tenants, simulate, tenant_shape
+from genpool_sim import Model, fixed_comparison, tenant_shape
 
 # An overhead-bound model: so small that a decode step costs about the same for 1 or 32 sequences.
 BENCH_SPEC = {"hidden_size": 64, "num_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
@@ -266,14 +266,7 @@ def ideal(w: Workload, target: int, slot_rate: float, step_s: float, seeds: int 
     m = Model(slots=target, token_rate=slot_rate, prefill_s=step_s, groups=w.groups, n=w.n,
               median_len=float(w.median_len), sigma=w.sigma, max_len=w.max_len, drift=0.0, pause_s=w.pause_s,
               horizon_s=400.0, quantum_s=max(step_s, 0.02), share_after_s=w.share_after_s)
-    ratios, utils = [], []
-    for seed in range(seeds):
-        plans = fixed_tenants(w.tenants, m, seed, w.mixed)
-        shared, part = (simulate(1, m, mode, seed, plans) for mode in ("shared", "partitioned"))
-        ratios.append(shared.tps / part.tps)
-        utils.append((shared.util, part.util))
-    return {"ratio": statistics.median(ratios), "util_shared": statistics.median(u for u, _ in utils),
-            "util_partitioned": statistics.median(p for _, p in utils)}
+    return fixed_comparison(m, w.tenants, w.mixed, seeds)
 
 
 # --------------------------------------------------------------------------- 3. publish latency

@@ -250,6 +250,21 @@ def simulate(gpus: int, m: Model, mode: str, seed: int, plans: list[TenantPlan] 
     return Result(tokens, busy, capacity, m.horizon_s, {tid: t.ttb for tid, t in tenants.items()}, plan_calls, plan_s)
 
 
+def fixed_comparison(m: Model, tenants: int, mixed: bool, seeds: int) -> dict:
+    """Shared vs partitioned for `tenants` tenants present throughout (fixed_tenants), medians over
+    seeds: tokens/s ratio, the worst tenant's p95 time-to-batch ratio, and both utilisations."""
+    ratios, p95s, utils = [], [], []
+    for seed in range(seeds):
+        plans = fixed_tenants(tenants, m, seed, mixed)
+        shared, part = (simulate(1, m, mode, seed, plans) for mode in ("shared", "partitioned"))
+        ratios.append(shared.tps / part.tps)
+        p95s.append(max(pct(shared.ttb[t], 0.95) / pct(part.ttb[t], 0.95) for t in shared.ttb if part.ttb[t]))
+        utils.append((shared.util, part.util))
+    return {"ratio": statistics.median(ratios), "p95": statistics.median(p95s),
+            "util_shared": statistics.median(u for u, _ in utils),
+            "util_partitioned": statistics.median(p for _, p in utils)}
+
+
 def compare(gpus: int, m: Model, seed: int) -> dict:
     t0 = time.perf_counter()
     shared = simulate(gpus, m, "shared", seed)

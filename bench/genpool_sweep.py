@@ -25,24 +25,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import time
 
-from genpool_sim import Model, fixed_tenants, pct, simulate
-
-
-def point(m: Model, tenants: int, mixed: bool, seeds: int) -> dict:
-    """Median over seeds of the ratio, and the worst tenant's p95 time-to-batch ratio there."""
-    ratios, p95s, utils = [], [], []
-    for seed in range(seeds):
-        plans = fixed_tenants(tenants, m, seed, mixed)
-        shared, part = (simulate(1, m, mode, seed, plans) for mode in ("shared", "partitioned"))
-        ratios.append(shared.tps / part.tps)
-        p95s.append(max(pct(shared.ttb[t], 0.95) / pct(part.ttb[t], 0.95) for t in shared.ttb if part.ttb[t]))
-        utils.append((shared.util, part.util))
-    return {"ratio": statistics.median(ratios), "p95": statistics.median(p95s),
-            "util_shared": statistics.median(u for u, _ in utils),
-            "util_partitioned": statistics.median(p for _, p in utils)}
+from genpool_sim import Model, fixed_comparison
 
 
 def main() -> None:
@@ -67,7 +52,7 @@ def main() -> None:
                   median_len=args.median_len, sigma=sigma, max_len=256, drift=0.0, pause_s=pause,
                   horizon_s=300.0, quantum_s=max(step_s, 0.02), share_after_s=args.share_after_s)
         rows.append({"sigma": sigma, "groups": g, "pause_s": pause, "tenants": "mixed" if mixed else "same",
-                     **point(m, args.tenants, mixed, args.seeds)})
+                     **fixed_comparison(m, args.tenants, mixed, args.seeds)})
     rows.sort(key=lambda r: -r["ratio"])
     print(f"{len(rows)} workloads x {args.seeds} seeds, {args.tenants} tenants on {args.slots} slots at "
           f"{args.token_rate:.0f} tok/s per sequence, n=4 per group, share_after_s {args.share_after_s} "
