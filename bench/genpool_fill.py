@@ -9,7 +9,8 @@ trainer step. A pool shared across tenants can give those slots to other tenants
    number of sequences (as on a GPU); an overhead-bound tiny model on CPU is chosen for that.
 2. TENANTS tenants, each running ROUNDS synchronous batches (GROUPS sample(n) groups of lognormal
    lengths, a pause of 0.5-1.5x PAUSE standing in for the trainer step between batches, tenants
-   starting staggered), in three modes on the same engine with the same seeded workload:
+   starting staggered; --mix mixed makes them differ in pause, batch size and length), in three
+   modes on the same engine with the same seeded workload:
    (a) shared:      one admission queue (gen_pool.admission) across tenants, gap filling on;
    (b) partitioned: the same engine, each tenant capped at target / TENANTS running sequences;
    (c) serial:      one tenant's batch at a time, with the whole engine.
