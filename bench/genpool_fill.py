@@ -55,7 +55,7 @@ from gen_pool.engine import GenEngine, SeqRequest
 from gen_pool.params import SamplingSpec
 from gen_pool.scheduler import Group, Scheduler
 from gen_pool.settings import GenPoolSettings
-from genpool_sim import Model, fixed_comparison, tenant_shape
+from genpool_sim import Model, fixed_comparison, pct, tenant_shape
 
 # An overhead-bound model: so small that a decode step costs about the same for 1 or 32 sequences.
 BENCH_SPEC = {"hidden_size": 64, "num_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
@@ -199,8 +199,7 @@ class ModeResult:
         return self.tps / (self.util * self.target)
 
     def p(self, tenant: int, q: float) -> float:
-        xs = sorted(self.ttb[tenant])
-        return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+        return pct(self.ttb[tenant], q)
 
 
 async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Workload, target: int) -> ModeResult:

@@ -19,7 +19,7 @@ The plan is built from small rules, each a function below:
    Within a tenant, groups run in arrival order, a whole group at a time where it fits. Shortest
    remaining batch first keeps synchronous RL tenants cycling fastest: a tenant back from its
    trainer step with a full batch lets the others' nearly done batches start first.
-3. `starved_tenants`, the guard on rule 2: a tenant below its `fair_shares` slice of the target
+3. `long_waiting`, the guard on rule 2: a tenant below its `fair_shares` slice of the target
    (split by weight among tenants with unfinished work) whose oldest unstarted group has waited
    `share_after_s` is served first. Without it a tenant with large batches under load falls
    behind what its own static partition would give it (bench/genpool_sweep.py: p95 time-to-batch
@@ -132,11 +132,9 @@ def fair_shares(view: PoolView, groups: Sequence[GroupView]) -> dict[str, float]
     return {t: view.target * view.weights.get(t, 1.0) / total for t in active}
 
 
-def starved_tenants(view: PoolView, queues: Mapping[str, Sequence[GroupView]], running: Mapping[str, int],
-                    shares: Mapping[str, float]) -> set[str]:
-    """Rule 3: tenants below their share whose oldest unstarted group has waited `share_after_s`."""
-    return {t for t, q in queues.items()
-            if running.get(t, 0) < shares.get(t, 0.0) and view.now - q[0].arrival >= view.share_after_s}
+def long_waiting(view: PoolView, queues: Mapping[str, Sequence[GroupView]]) -> set[str]:
+    """Rule 3: tenants whose oldest unstarted group has waited `share_after_s` (queues in arrival order)."""
+    return {t for t, q in queues.items() if view.now - q[0].arrival >= view.share_after_s}
 
 
 def tenant_caps(view: PoolView, tenants: set[str]) -> dict[str, int]:
@@ -169,7 +167,7 @@ def plan_admission(view: PoolView) -> AdmissionPlan:
         return AdmissionPlan((), aborts)
 
     shares = fair_shares(view, live)
-    starved = starved_tenants(view, queues, running, shares)
+    waited = long_waiting(view, queues)
     caps = tenant_caps(view, set(queues) | set(running))
     remaining = {t: sum(g.waiting for g in q) for t, q in queues.items()}  # unstarted work per tenant
     heads = dict.fromkeys(queues, 0)  # index of the next group per tenant
@@ -178,8 +176,8 @@ def plan_admission(view: PoolView) -> AdmissionPlan:
     admits: list[Admit] = []
 
     def key(t: str) -> tuple:
-        # A starved tenant keeps its precedence only while it is still below its share.
-        first = t in starved and running.get(t, 0) < shares[t]
+        # A long-waiting tenant goes first only while it is below its share.
+        first = t in waited and running.get(t, 0) < shares.get(t, 0.0)
         return (0 if first else 1, remaining[t], queues[t][heads[t]].arrival, order[t])
 
     # Admitting from a tenant changes only that tenant's key, so a heap of tenants stays valid:
