@@ -1,6 +1,7 @@
-"""Validate and normalise training data. One function for every encoding (JSON now, protobuf for
-the tinker SDK): each decoder produces `RawDatum`s, this module checks them against the limits and
-the base model's vocabulary and builds the body the trainer receives.
+"""Validate and normalise training data. One function for every encoding (JSON, and protobuf for
+the tinker SDK): each decoder produces `RawDatum`s, this module checks them and the loss config
+against the limits and the base model's vocabulary and builds the `PassWork` the trainer receives.
+Nothing is checked again behind this point.
 
 Each error names the field (`data[3].loss_fn_inputs.weights`) and the limit it broke.
 """
@@ -12,7 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.errors import InvalidInput
-from core.loss_spec import INT_INPUTS, LOSS_FUNCTIONS
+from core.loss_spec import INT_INPUTS, parse_loss_config, spec_of
+from core.work import Datum, PassWork
+
+# Per-token clip thresholds: the range their config counterparts must lie in.
+_THRESHOLD_RANGES = {"clip_low_threshold": (0.0, 1.0), "clip_high_threshold": (1.0, math.inf)}
 
 
 @dataclass(frozen=True)
@@ -35,22 +40,6 @@ class Limits:
     max_context_length: int
     max_datums: int
     max_tokens: int
-
-
-def check_loss_fn(loss_fn: str) -> None:
-    if loss_fn not in LOSS_FUNCTIONS:
-        raise InvalidInput(
-            f"loss_fn {loss_fn!r} is not supported; choose one of {sorted(LOSS_FUNCTIONS)}", field="loss_fn"
-        )
-
-
-def check_loss_config(config: dict[str, Any] | None) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for key, value in (config or {}).items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise InvalidInput(f"loss_fn_config.{key} must be a finite number, got {value!r}", field=f"loss_fn_config.{key}")
-        out[key] = float(value)
-    return out
 
 
 def _token_error(field: str, token: object, vocab: int) -> InvalidInput:
@@ -85,15 +74,35 @@ def _flat_values(field: str, tensor: RawTensor, n_tokens: int) -> list:
     return tensor.data
 
 
-def normalise(data: list[RawDatum], loss_fn: str, limits: Limits) -> tuple[list[dict], int]:
-    """Check a request's datums; returns (trainer body `data`, total model-input tokens)."""
-    check_loss_fn(loss_fn)
-    spec = LOSS_FUNCTIONS[loss_fn]
+def _check_floats(field: str, key: str, values: list) -> tuple[float, ...]:
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise InvalidInput(f"{field}: values must be finite numbers, found {v!r}", field=field)
+    if key in _THRESHOLD_RANGES:
+        low, high = _THRESHOLD_RANGES[key]
+        for pos, v in enumerate(values):
+            if not low <= v <= high:
+                bound = f"in [{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
+                raise InvalidInput(f"{field}: must be {bound}; position {pos} is {v:.6g}", field=field)
+    return tuple(float(v) for v in values)
+
+
+def pass_work(loss_fn: str, loss_fn_config: dict[str, Any] | None, data: list[RawDatum],
+              limits: Limits) -> tuple[PassWork, int]:
+    """A forward/forward_backward request, checked whole: (the trainer's work, model-input tokens)."""
+    config = parse_loss_config(loss_fn, loss_fn_config)
+    datums, n_tokens = normalise(data, loss_fn, limits)
+    return PassWork(loss_fn, config, datums), n_tokens
+
+
+def normalise(data: list[RawDatum], loss_fn: str, limits: Limits) -> tuple[tuple[Datum, ...], int]:
+    """Check a request's datums; returns (the datums, total model-input tokens)."""
+    spec = spec_of(loss_fn)
     if not data:
         raise InvalidInput("data: must hold at least one datum", field="data")
     if len(data) > limits.max_datums:
         raise InvalidInput(f"data: {len(data)} datums exceed the limit of {limits.max_datums} per request", field="data")
-    out: list[dict] = []
+    out: list[Datum] = []
     total = 0
     for i, datum in enumerate(data):
         where = f"data[{i}]"
@@ -118,23 +127,19 @@ def normalise(data: list[RawDatum], loss_fn: str, limits: Limits) -> tuple[list[
                 f"{where}.loss_fn_inputs: {sorted(unknown)} not accepted by {loss_fn}; allowed: {sorted(spec.allowed_inputs)}",
                 field=f"{where}.loss_fn_inputs",
             )
-        inputs: dict[str, list] = {}
+        inputs: dict[str, tuple] = {}
         for key, tensor in datum.inputs.items():
             field = f"{where}.loss_fn_inputs.{key}"
             values = _flat_values(field, tensor, n)
             if key in INT_INPUTS:
-                inputs[key] = _check_tokens(field, values, limits.vocab_size)
+                inputs[key] = tuple(_check_tokens(field, values, limits.vocab_size))
             else:
-                for v in values:
-                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                        raise InvalidInput(f"{field}: values must be finite numbers, found {v!r}", field=field)
-                inputs[key] = [float(v) for v in values]
+                inputs[key] = _check_floats(field, key, values)
         total += n
-        out.append({"tokens": tokens, "inputs": inputs}
-                   | ({"policy_version": datum.policy_version} if datum.policy_version is not None else {}))
+        out.append(Datum(tuple(tokens), inputs, datum.policy_version))
     if total > limits.max_tokens:
         raise InvalidInput(
             f"data: {total} model-input tokens exceed the limit of {limits.max_tokens} per request; split it",
             field="data",
         )
-    return out, total
+    return tuple(out), total

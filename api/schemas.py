@@ -16,6 +16,12 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def _check_name(value: str | None) -> str | None:
+    if value is not None and not CHECKPOINT_NAME_RE.match(value):
+        raise ValueError("checkpoint name must be 1-128 characters of letters, digits, '.', '_' or '-'")
+    return value
+
+
 class CreateSessionRequest(_Body):
     tags: list[str] = Field(default_factory=list, max_length=64)
     user_metadata: dict[str, Any] = Field(default_factory=dict)
@@ -140,9 +146,7 @@ class SaveWeightsRequest(_Body):
     @field_validator("path")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not CHECKPOINT_NAME_RE.match(value):
-            raise ValueError("checkpoint name must be 1-128 characters of letters, digits, '.', '_' or '-'")
-        return value
+        return _check_name(value)
 
 
 class CheckpointTtlRequest(_Body):
@@ -179,3 +183,71 @@ class WeightsInfoRequest(_Body):
 class RetrieveFutureRequest(_Body):
     request_id: str = Field(max_length=128)
     allow_metadata_only: bool = False
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+class SaveWeightsForSamplerRequest(_Body):
+    model_id: str = Field(max_length=256)
+    seq_id: int = Field(ge=1, le=2**31 - 1)
+    path: str | None = Field(None, description="checkpoint name (named form)")
+    sampling_session_seq_id: int | None = Field(None, ge=0, le=2**31 - 1, description="anonymous form")
+    kind: str | None = Field(None, max_length=32)
+    ttl_seconds: int | None = Field(None, ge=retention.MIN_TTL_S, le=retention.MAX_TTL_S,
+                                    description="delete the weights this long after the save; default: named "
+                                                "kept, anonymous expire QUILT_ANON_SAMPLER_TTL_S after last use")
+
+    @field_validator("path")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        return _check_name(value)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> SaveWeightsForSamplerRequest:
+        if self.path is None and self.sampling_session_seq_id is None:
+            raise ValueError("give either path (a checkpoint name) or sampling_session_seq_id")
+        return self
+
+
+class CreateSamplingSessionRequest(_Body):
+    session_id: str = Field(max_length=128)
+    sampling_session_seq_id: int = Field(ge=0, le=2**31 - 1)
+    model_path: str | None = Field(None, max_length=1024)
+    base_model: str | None = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def _one_target(self) -> CreateSamplingSessionRequest:
+        if (self.model_path is None) == (self.base_model is None):
+            raise ValueError("give exactly one of model_path or base_model")
+        return self
+
+
+class SamplingParamsIn(_Body):
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[int] | list[str] | None = None
+    temperature: float = Field(1.0, allow_inf_nan=False)
+    top_k: int = -1
+    top_p: float = Field(1.0, allow_inf_nan=False)
+
+
+class SampleRequest(_Body):
+    sampling_session_id: str | None = Field(None, max_length=256)
+    seq_id: int | None = None
+    base_model: str | None = Field(None, max_length=256)
+    model_path: str | None = Field(None, max_length=1024)
+    num_samples: int = Field(1, ge=1)
+    prompt: ModelInputIn
+    sampling_params: SamplingParamsIn = Field(default_factory=SamplingParamsIn)
+    prompt_logprobs: bool = False
+    prompt_logprobs_last_n: int | None = Field(None, ge=0)
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    prompt_alt_tokens_k: int = 0
+    deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                     description="Quilt: abort and fail the request if unfinished after this")
+
+
+class CancelFutureRequest(_Body):
+    request_id: str = Field(max_length=128)

@@ -4,7 +4,7 @@ A model's requests run in `seq_id` order, and the tinker SDK gives every call th
 happened to the one before. So when the API refuses a call for good (a 4xx that retrying cannot
 fix: bad input, a checkpoint that is not there, a budget reached), the trainer would otherwise wait
 forever for that id and every later call of the model would hang. Instead the refusal is recorded
-as a failed request at that `seq_id` and a placeholder (`queue.REJECTED_KIND`) goes down the model's
+as a failed request at that `seq_id` and a placeholder (`WorkKind.REJECTED`) goes down the model's
 stream; the trainer passes it in order, failing it with the same message, and bills nothing.
 
 Refusals a client retries with the same id (408, 409, 425, 429), a body too large to read (413) and
@@ -19,9 +19,10 @@ from typing import Any
 
 from fastapi import Request
 
-from api.submit import enqueue, record_request, usable_model
-from core import ids, queue
+from api import admission
+from core import ids
 from core.errors import QuiltError
+from core.work import Rejected, WorkItem, WorkKind
 from tenancy.auth import Principal
 
 log = logging.getLogger("quilt.api.seq_gaps")
@@ -78,17 +79,15 @@ async def fill(request: Request, err: QuiltError) -> None:
 
 async def _record(request: Request, who: Principal, model_id: str, seq_id: int, kind: str, err: QuiltError) -> None:
     pool, redis = request.app.state.pool, request.app.state.redis
-    request_id = ids.new_request_id()
     async with pool.connection() as conn:
         try:
-            model = await usable_model(conn, who, model_id)
+            model = await admission.usable_model(conn, who, model_id, seq_id=seq_id)
         except QuiltError:  # not the caller's, or no longer usable: nothing waits on its seq_ids
             return
-        if not await record_request(conn, who, request_id, model_id=model_id, seq_id=seq_id, kind=kind):
+        if model["seq_holder_id"] is not None:
             return  # the id is in use already: there is no gap
-    message = f"refused with HTTP {err.status_code}: {err.message}"
-    await enqueue(pool, redis, model["base_model"], queue.WorkItem(
-        request_id=request_id, tenant_id=who.tenant_id, model_id=model_id, seq_id=seq_id, kind=queue.REJECTED_KIND,
-        n_tokens=0, body={"error": message, "field": err.field},
-    ))
+        item = WorkItem(ids.new_request_id(), who.tenant_id, model_id, seq_id, WorkKind.REJECTED, 0,
+                        Rejected(f"refused with HTTP {err.status_code}: {err.message}", err.field))
+        request_id = await admission.admit(conn, redis, who, admission.Ticket(
+            item, model["base_model"], admission.SeqSlot.of(model, seq_id), row_kind=kind, check_quota=False))
     log.info("refused %s %s/%d recorded as %s so later calls do not wait for it", kind, model_id, seq_id, request_id)

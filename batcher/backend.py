@@ -13,13 +13,13 @@ measures both side by side. Checkpoints are PEFT-format adapter directories.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +28,10 @@ import torch.nn.functional as F
 
 from batcher import losses
 from batcher.multilora import MultiLoraModel
+from core.checkpoint_files import ADAPTER_WEIGHTS, OPTIMIZER_FILE, TrainerMeta
 from core.errors import Conflict, InvalidInput, QuiltError, ServerError
+from core.loss_spec import LossConfig
+from core.work import AdamParams, LoraShape, PassWork
 
 log = logging.getLogger("quilt.trainer.backend")
 
@@ -36,8 +39,6 @@ LORA_ALPHA = 32  # Tinker sends no alpha; a fixed alpha keeps the effective step
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
-OPTIMIZER_FILE = "optimizer.pt"
-META_FILE = "quilt_state.json"
 
 
 def target_modules(lora_config: dict) -> list[str]:
@@ -87,18 +88,16 @@ class PassRequest:
 
     request_id: str
     model_id: str
-    loss_fn: str
-    loss_fn_config: dict
+    work: PassWork
     forward_only: bool
-    data: list[dict]  # [{"tokens": [...], "inputs": {key: [...]}}]
 
 
 @dataclass(frozen=True)
 class _Row:
     request_index: int
     datum_index: int
-    tokens: list[int]
-    inputs: dict[str, list]
+    tokens: tuple[int, ...]
+    inputs: Mapping[str, tuple]
     adapter: str
     policy_version: int | None  # the version this datum was sampled with, if it says
 
@@ -126,17 +125,17 @@ class LoraBackend:
     def has(self, model_id: str) -> bool:
         return model_id in self.adapters
 
-    def create(self, model_id: str, lora_config: dict) -> None:
+    def create(self, model_id: str, lora: LoraShape) -> None:
         if model_id in self.adapters:
             self.delete(model_id)
         name = f"slot{self._next_slot}"
         self._next_slot += 1
-        seed = lora_config.get("seed")
+        lora_config = lora.to_json()
         params = self.lora.add_adapter(
-            name, rank=int(lora_config["rank"]), alpha=LORA_ALPHA, targets=target_modules(lora_config),
-            seed=seed if seed is not None else int.from_bytes(os.urandom(4), "little"),
+            name, rank=lora.rank, alpha=LORA_ALPHA, targets=target_modules(lora_config),
+            seed=lora.seed if lora.seed is not None else int.from_bytes(os.urandom(4), "little"),
         )
-        self.adapters[model_id] = Adapter(model_id, name, dict(lora_config), params, torch.optim.AdamW(params))
+        self.adapters[model_id] = Adapter(model_id, name, lora_config, params, torch.optim.AdamW(params))
 
     def delete(self, model_id: str) -> None:
         adapter = self.adapters.pop(model_id, None)
@@ -192,22 +191,17 @@ class LoraBackend:
         Returns one result (Tinker ForwardBackwardOutput JSON) or one error per request, in order.
         """
         outcomes: list[dict | QuiltError | None] = [None] * len(requests)
-        configs: dict[int, losses.LossConfig] = {}
+        configs: dict[int, LossConfig] = {}
         rows: list[_Row] = []
         for i, req in enumerate(requests):
             if req.model_id not in self.adapters:
                 outcomes[i] = ServerError(f"model {req.model_id!r} is not loaded on this trainer")
                 continue
-            try:
-                configs[i] = losses.parse_loss_config(req.loss_fn, req.loss_fn_config)
-            except losses.LossInputError as exc:
-                outcomes[i] = InvalidInput(str(exc), field=f"loss_fn_config.{exc.field}" if exc.field else "loss_fn_config")
-                continue
             adapter = self.adapters[req.model_id]
             # The trainer's policy version is the model's optimizer step count.
-            configs[i] = dataclasses.replace(configs[i], current_policy_version=adapter.steps)
-            rows += [_Row(i, j, d["tokens"], d["inputs"], adapter.name, d.get("policy_version"))
-                     for j, d in enumerate(req.data)]
+            configs[i] = dataclasses.replace(req.work.loss_config, current_policy_version=adapter.steps)
+            rows += [_Row(i, j, d.tokens, d.inputs, adapter.name, d.policy_version)
+                     for j, d in enumerate(req.work.data)]
         self.ensure_resident({requests[i].model_id for i in configs})
         started = time.perf_counter()
         chunks = self._micro_batches(rows)
@@ -284,7 +278,8 @@ class LoraBackend:
                           for k, v in row.inputs.items()}
                 config = configs[row.request_index]
                 sampled_at = row.policy_version if row.policy_version is not None else config.policy_version
-                datum = losses.compute_loss(req.loss_fn, logprobs_B_T[b, :n], inputs, config, policy_version=sampled_at)
+                datum = losses.compute_loss(req.work.loss_fn, logprobs_B_T[b, :n], inputs, config,
+                                            policy_version=sampled_at)
                 per_datum[row.request_index][row.datum_index] = datum
                 if not req.forward_only:
                     total = datum.loss if total is None else total + datum.loss
@@ -293,21 +288,21 @@ class LoraBackend:
 
     # ------------------------------------------------------------------ barriers
 
-    def optim_step(self, model_id: str, adam: dict) -> dict:
+    def optim_step(self, model_id: str, adam: AdamParams) -> dict:
         """AdamW on one model's accumulated gradients (per-model clipping), then clear them."""
         self.ensure_resident([model_id])
         adapter = self.adapters[model_id]
         if not any(p.grad is not None for p in adapter.params):
             return {"metrics": {"skipped:sum": 1.0}}
         for group in adapter.optimizer.param_groups:
-            group.update(lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"],
-                         weight_decay=adam["weight_decay"])
-        clip = adam.get("grad_clip_norm") or 0.0
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                         weight_decay=adam.weight_decay)
+        clip = adam.grad_clip_norm
         norm = torch.nn.utils.clip_grad_norm_(adapter.params, max_norm=clip if clip > 0 else math.inf)
         adapter.optimizer.step()
         adapter.optimizer.zero_grad(set_to_none=True)
         adapter.steps += 1
-        return {"metrics": {"grad_norm:mean": float(norm), "learning_rate:mean": adam["learning_rate"],
+        return {"metrics": {"grad_norm:mean": float(norm), "learning_rate:mean": adam.learning_rate,
                             "step:max": float(adapter.steps)}}
 
     def policy_version(self, model_id: str) -> int:
@@ -328,11 +323,11 @@ class LoraBackend:
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
         try:
             state = {k: v.detach().contiguous().cpu() for k, v in self.adapter_state(model_id).items()}
-            save_file(state, str(tmp / "adapter_model.safetensors"))
+            save_file(state, str(tmp / ADAPTER_WEIGHTS))
             self._peft_config(adapter).save_pretrained(str(tmp))
             if with_optimizer:
                 torch.save(adapter.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-            (tmp / META_FILE).write_text(json.dumps({"lora_config": adapter.lora_config, "steps": adapter.steps}))
+            TrainerMeta(adapter.lora_config, adapter.steps).write(tmp)
             if dest.exists():
                 shutil.rmtree(dest)
             tmp.rename(dest)
@@ -349,15 +344,15 @@ class LoraBackend:
         self.ensure_resident([model_id])
         adapter = self.adapters[model_id]
         src = Path(directory)
-        meta = json.loads((src / META_FILE).read_text())
-        saved, ours = meta["lora_config"], adapter.lora_config
+        meta = TrainerMeta.read(src)
+        saved, ours = meta.lora_config, adapter.lora_config
         for key in ("rank", "train_attn", "train_mlp", "train_unembed"):
             if saved.get(key, True) != ours.get(key, True):
                 raise InvalidInput(
                     f"checkpoint has lora_config.{key}={saved.get(key)!r} but this model has {ours.get(key)!r}",
                     field="path",
                 )
-        state = load_file(str(src / "adapter_model.safetensors"), device=str(self.device))
+        state = load_file(str(src / ADAPTER_WEIGHTS), device=str(self.device))
         try:
             self.lora.load_state_dict(adapter.name, state)
         except ValueError as exc:
@@ -367,7 +362,7 @@ class LoraBackend:
         adapter.optimizer = torch.optim.AdamW(adapter.params)
         if optimizer:
             adapter.optimizer.load_state_dict(torch.load(src / OPTIMIZER_FILE, weights_only=True))
-        adapter.steps = int(meta.get("steps", 0))
+        adapter.steps = meta.steps
 
     def _peft_config(self, adapter: Adapter):
         """The adapter_config.json that PEFT and vLLM read."""

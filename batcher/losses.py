@@ -42,15 +42,12 @@ Conventions chosen here (Tinker does not publish them):
   `mismatch_kl:mean`, `logprob_diff_abs:mean` (token-weighted over masked tokens); with versions
   `staleness:mean` (datum-weighted), `staleness:max`; with `max_staleness` also `dropped_stale:sum`.
 
-Exceptions:
-
-    ValueError
-     └── LossInputError   user category: names the offending field (`.field`) and the limit
+Inputs are checked once, at the API (`api.datums.normalise`, `core.loss_spec.parse_loss_config`):
+this module trusts them.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,255 +55,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from core.loss_spec import LOSS_FUNCTIONS, LossSpec
+from core.loss_spec import LossConfig, spec_of
 
-__all__ = [
-    "CONFIG_KEYS",
-    "DatumLoss",
-    "LOSS_FUNCTIONS",
-    "LossConfig",
-    "LossInputError",
-    "LossSpec",
-    "compute_loss",
-    "parse_loss_config",
-    "reduce_metrics",
-    "validate_datum_inputs",
-]
-
-
-class LossInputError(ValueError):
-    """A user error in `loss_fn`, `loss_fn_config` or `loss_fn_inputs`; `.field` names the culprit."""
-
-    category = "user"
-
-    def __init__(self, message: str, field: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-    def __reduce__(self) -> tuple[Any, ...]:  # picklable across Celery / processes
-        return (type(self), (self.args[0], self.field))
-
-
-# ---------------------------------------------------------------------------------------------
-# Configuration
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """`loss_fn_config`, parsed. Keys that do not apply to the chosen loss have no effect."""
-
-    clip_low_threshold: float = 0.8  # ratio clip floor, 0 ≤ lo ≤ 1 (ppo, cispo)
-    clip_high_threshold: float = 1.2  # ratio clip ceiling, hi ≥ 1 (ppo, cispo)
-    beta: float = 1.0  # DRO quadratic-penalty coefficient, ≥ 0 (see module docstring)
-    is_weight_cap: float | None = None  # TIS cap C > 0 on the importance ratio; None = no cap
-    max_staleness: int | None = None  # datums with policy lag > this get zero loss; ≥ 0
-    current_policy_version: int | None = None  # set by the trainer, never by the user
-    policy_version: int | None = None  # version the request's data was sampled with (a datum's own wins)
-
-    def __post_init__(self) -> None:
-        _check_number("clip_low_threshold", self.clip_low_threshold, low=0.0, high=1.0)
-        _check_number("clip_high_threshold", self.clip_high_threshold, low=1.0)
-        _check_number("beta", self.beta, low=0.0)
-        if self.is_weight_cap is not None:
-            _check_number("is_weight_cap", self.is_weight_cap, low=0.0, low_open=True)
-        if self.max_staleness is not None:
-            _check_int("max_staleness", self.max_staleness, low=0)
-        if self.current_policy_version is not None:
-            _check_int("current_policy_version", self.current_policy_version, low=0)
-        if self.policy_version is not None:
-            _check_int("policy_version", self.policy_version, low=0)
-
-
-CONFIG_KEYS: tuple[str, ...] = (
-    "clip_low_threshold",
-    "clip_high_threshold",
-    "beta",
-    "is_weight_cap",
-    "max_staleness",
-    "policy_version",
-)
-_OPTIONAL_CONFIG_KEYS = frozenset({"is_weight_cap", "max_staleness", "policy_version"})
-_SERVER_CONFIG_KEYS = frozenset({"current_policy_version"})
-
-
-def _check_number(
-    name: str, value: object, *, low: float, high: float | None = None, low_open: bool = False
-) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise LossInputError(f"loss_fn_config[{name!r}] must be a number, got {value!r}", name)
-    if not math.isfinite(value):
-        raise LossInputError(f"loss_fn_config[{name!r}] must be finite, got {value!r}", name)
-    too_low = value <= low if low_open else value < low
-    if too_low or (high is not None and value > high):
-        bound = f"> {low}" if low_open else f">= {low}"
-        if high is not None:
-            bound += f" and <= {high}"
-        raise LossInputError(f"loss_fn_config[{name!r}] must be {bound}, got {value!r}", name)
-
-
-def _check_int(name: str, value: object, *, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise LossInputError(
-            f"loss_fn_config[{name!r}] must be an integer >= {low}, got {value!r}", name
-        )
-
-
-def parse_loss_config(loss_fn: str, raw: Mapping[str, Any] | None) -> LossConfig:
-    """Parse the request's `loss_fn_config`; raise `LossInputError` naming a bad key or value.
-
-    Proto maps carry every number as a double, so integral floats are accepted for
-    `max_staleness`; JSON `null` unsets the optional keys.
-    """
-    _spec(loss_fn)
-    if raw is None:
-        return LossConfig()
-    if not isinstance(raw, Mapping):
-        raise LossInputError(f"loss_fn_config must be an object, got {type(raw).__name__}", "loss_fn_config")
-    values: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key in _SERVER_CONFIG_KEYS:
-            raise LossInputError(
-                f"loss_fn_config[{key!r}] is set by the server and cannot be sent", str(key)
-            )
-        if key not in CONFIG_KEYS:
-            raise LossInputError(
-                f"unknown loss_fn_config key {key!r} for loss_fn {loss_fn!r}; "
-                f"allowed keys: {', '.join(CONFIG_KEYS)}",
-                str(key),
-            )
-        if value is None and key in _OPTIONAL_CONFIG_KEYS:
-            continue
-        if key in ("max_staleness", "policy_version") and isinstance(value, float) and value.is_integer():
-            value = int(value)
-        values[key] = value
-    return LossConfig(**values)
-
-
-# ---------------------------------------------------------------------------------------------
-# Input specifications and validation
-
-
-# The table of losses and their inputs lives in core.loss_spec (the API validates with it too).
-
-
-def _spec(loss_fn: str) -> LossSpec:
-    spec = LOSS_FUNCTIONS.get(loss_fn) if isinstance(loss_fn, str) else None
-    if spec is None:
-        raise LossInputError(
-            f"loss_fn {loss_fn!r} is not supported; it must be one of {', '.join(LOSS_FUNCTIONS)}",
-            "loss_fn",
-        )
-    return spec
-
-
-def _as_tensor(value: object, key: str, where: str) -> Tensor:
-    try:
-        return torch.as_tensor(value)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise LossInputError(f"{where}[{key!r}] is not a numeric array: {exc}", key) from None
-
-
-def validate_datum_inputs(
-    loss_fn: str,
-    inputs: Mapping[str, Any],
-    n_tokens: int,
-    datum_index: int,
-    *,
-    vocab_size: int | None = None,
-) -> None:
-    """Check one datum's `loss_fn_inputs` (tensors or lists) against `loss_fn`.
-
-    `n_tokens` is the datum's model-input token count; every input must be 1-D of that length.
-    Raises `LossInputError` whose `.field` is the offending key (or "loss_fn").
-    """
-    spec = _spec(loss_fn)
-    where = f"datums[{datum_index}].loss_fn_inputs"
-    missing = sorted(spec.required_inputs - inputs.keys())
-    if missing:
-        raise LossInputError(
-            f"{where} is missing {missing[0]!r}, required by loss_fn {loss_fn!r} "
-            f"(required: {', '.join(sorted(spec.required_inputs))})",
-            missing[0],
-        )
-    extra = sorted(set(inputs) - spec.allowed_inputs)
-    if extra:
-        raise LossInputError(
-            f"{where} has unknown key {extra[0]!r} for loss_fn {loss_fn!r}; "
-            f"allowed keys: {', '.join(sorted(spec.allowed_inputs))}",
-            str(extra[0]),
-        )
-    for key, value in inputs.items():
-        tensor = _as_tensor(value, key, where)
-        if tensor.dim() == 2 and key in ("target_tokens", "weights"):
-            raise LossInputError(
-                f"{where}[{key!r}] is 2-D {tuple(tensor.shape)}: top-K distillation targets "
-                "(N, K) are not supported yet; send 1-D (N,) arrays",
-                key,
-            )
-        if tensor.dim() != 1:
-            raise LossInputError(
-                f"{where}[{key!r}] must be 1-D of length {n_tokens}, got shape {tuple(tensor.shape)}",
-                key,
-            )
-        if tensor.shape[0] != n_tokens:
-            raise LossInputError(
-                f"{where}[{key!r}] has length {tensor.shape[0]}, but the model input has "
-                f"{n_tokens} tokens; every loss_fn_inputs array must have that length",
-                key,
-            )
-        if key == "target_tokens":
-            _check_target_tokens(tensor, where, vocab_size)
-        else:
-            _check_float_input(tensor, key, where)
-    lo, hi = inputs.get("clip_low_threshold"), inputs.get("clip_high_threshold")
-    if lo is not None:
-        _check_threshold(torch.as_tensor(lo), "clip_low_threshold", where, 0.0, 1.0)
-    if hi is not None:
-        _check_threshold(torch.as_tensor(hi), "clip_high_threshold", where, 1.0, math.inf)
-
-
-def _check_target_tokens(tokens: Tensor, where: str, vocab_size: int | None) -> None:
-    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
-        raise LossInputError(
-            f"{where}['target_tokens'] must be integers (int64), got dtype {tokens.dtype}",
-            "target_tokens",
-        )
-    if tokens.numel() == 0:
-        return
-    low, high = int(tokens.min()), int(tokens.max())
-    if low < 0:
-        raise LossInputError(
-            f"{where}['target_tokens'] must be >= 0, got {low}", "target_tokens"
-        )
-    if vocab_size is not None and high >= vocab_size:
-        raise LossInputError(
-            f"{where}['target_tokens'] must be < the vocabulary size {vocab_size}, got {high}",
-            "target_tokens",
-        )
-
-
-def _check_float_input(tensor: Tensor, key: str, where: str) -> None:
-    if tensor.dtype == torch.bool or tensor.is_complex():
-        raise LossInputError(f"{where}[{key!r}] must be float32, got dtype {tensor.dtype}", key)
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-        bad = int((~torch.isfinite(tensor)).nonzero()[0, 0])
-        raise LossInputError(
-            f"{where}[{key!r}] must be finite; position {bad} is {float(tensor[bad]):.6g}", key
-        )
-
-
-def _check_threshold(tensor: Tensor, key: str, where: str, low: float, high: float) -> None:
-    bad_T = (tensor < low) | (tensor > high)
-    if bool(bad_T.any()):
-        pos = int(bad_T.nonzero()[0, 0])
-        bound = f"in [{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
-        raise LossInputError(
-            f"{where}[{key!r}] must be {bound}; position {pos} is {float(tensor[pos]):.6g}", key
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# Loss computation
+__all__ = ["DatumLoss", "compute_loss", "reduce_metrics"]
 
 
 @dataclass
@@ -410,11 +161,11 @@ def compute_loss(
     *,
     policy_version: int | None = None,
 ) -> DatumLoss:
-    """One datum's loss, outputs and metrics. `inputs` must have passed `validate_datum_inputs`.
+    """One datum's loss, outputs and metrics. `inputs` must have passed `api.datums.normalise`.
 
     `policy_version` is the policy version the datum was sampled with (None = unknown).
     """
-    _spec(loss_fn)
+    spec_of(loss_fn)
     if target_logprobs_T.dim() != 1:
         raise ValueError(f"target_logprobs_T must be 1-D, got shape {tuple(target_logprobs_T.shape)}")
     dtype = torch.promote_types(target_logprobs_T.dtype, torch.float32)

@@ -21,7 +21,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-FUSABLE = frozenset({"forward", "forward_backward"})
+from core.work import WorkKind
+
+FUSABLE = frozenset(k for k in WorkKind if k.is_pass)
 
 
 @dataclass(frozen=True)

@@ -9,23 +9,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from batcher.policy import ModelQueue, Pending
-from core.queue import WorkItem
-
-
-@dataclass
-class _Entry:
-    item: WorkItem
-    stream_id: str
+from core.consumer import Delivery
+from core.work import WorkKind
 
 
 @dataclass
 class ModelQueues:
     next_seq: dict[str, int] = field(default_factory=dict)
-    pending: dict[str, dict[int, _Entry]] = field(default_factory=dict)
+    pending: dict[str, dict[int, Delivery]] = field(default_factory=dict)
 
-    def add(self, item: WorkItem, stream_id: str) -> bool:
-        """Queue an item; False if it duplicates one already queued or already run."""
-        if item.kind == "create_model":
+    def add(self, delivery: Delivery) -> bool:
+        """Queue a delivered item; False if it duplicates one already queued or already run."""
+        item = delivery.item
+        if item.kind is WorkKind.CREATE_MODEL:
             self.next_seq[item.model_id] = 0
         expected = self.next_seq.get(item.model_id)
         if expected is not None and item.seq_id < expected:
@@ -33,7 +29,7 @@ class ModelQueues:
         slot = self.pending.setdefault(item.model_id, {})
         if item.seq_id in slot:
             return False
-        slot[item.seq_id] = _Entry(item, stream_id)
+        slot[item.seq_id] = delivery
         return True
 
     def knows(self, model_id: str) -> bool:
@@ -51,13 +47,13 @@ class ModelQueues:
             out.append(ModelQueue(model_id, self.next_seq[model_id], items))
         return out
 
-    def take(self, p: Pending) -> _Entry:
+    def take(self, p: Pending) -> Delivery:
         """Remove a planned request and advance its model's sequence."""
         entry = self.pending[p.model_id].pop(p.seq_id)
         self.next_seq[p.model_id] = p.seq_id + 1
         return entry
 
-    def drop_model(self, model_id: str) -> list[_Entry]:
+    def drop_model(self, model_id: str) -> list[Delivery]:
         self.next_seq.pop(model_id, None)
         return list(self.pending.pop(model_id, {}).values())
 

@@ -1,7 +1,8 @@
 """The trainer worker: reads its base model's stream, plans rounds, runs them, records results.
 
-The loop only moves data: Redis -> ModelQueues -> plan_round (pure) -> LoraBackend -> results to
-Redis (futures) and Postgres (request rows, checkpoints), then acknowledges the stream entries.
+The loop only moves data: stream (core.consumer) -> ModelQueues -> plan_round (pure) -> LoraBackend
+-> results to Redis (futures) and Postgres (request rows, checkpoints), then acknowledges the
+stream entries. Barriers (everything but the fused pass) dispatch through a kind -> handler table.
 
 Run: `python -m batcher.worker` (the embedded launcher does this).
 """
@@ -13,19 +14,39 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import psycopg
 
 from batcher.backend import LoraBackend, PassRequest
 from batcher.policy import FairShare, RoundPlan, plan_round
-from batcher.queues import ModelQueues, _Entry
+from batcher.queues import ModelQueues
 from billing.ledger import settle
 from billing.pricing import training_units
 from core import catalog, db, health, ids, queue, records, redis_client, run_metrics
+from core.checkpoint_files import SAMPLER_KIND, TRAINING_KIND
+from core.consumer import Delivery, StreamConsumer
 from core.errors import Conflict, QuiltError, ServerError, UserError
 from core.settings import get_api_settings, get_core_settings, get_trainer_settings
+from core.work import (
+    CreateModel,
+    LoadWeights,
+    OptimStep,
+    Rejected,
+    SaveWeights,
+    WorkItem,
+    WorkKind,
+)
 
 log = logging.getLogger("quilt.trainer")
+
+
+# A trainer's round can take seconds, and its liveness key is refreshed between rounds only: it is
+# kept long enough that a busy trainer is never taken for a dead one. A consumer without a key has
+# its entries taken once they have been idle RECLAIM_IDLE_MS, checked every RECLAIM_EVERY_S.
+LIVENESS_TTL_S = 60
+RECLAIM_IDLE_MS = 15_000
+RECLAIM_EVERY_S = 5.0
 
 
 class TrainerWorker:
@@ -36,20 +57,31 @@ class TrainerWorker:
         self.backend = backend
         self.redis = redis
         self.db_url = db_url
-        self.consumer = consumer
         self.block_ms = block_ms
-        self.result_ttl_s = result_ttl_s
         self.token_budget = token_budget
         self.offload_idle_s = offload_idle_s
         self.stats_history = stats_history
-        self.stream = queue.train_stream(base_model)
+        self.consumer = StreamConsumer(redis, stream=queue.train_stream(base_model), group=queue.TRAIN_GROUP,
+                                       consumer=consumer, settle=self._settle, result_ttl_s=result_ttl_s,
+                                       liveness_ttl_s=LIVENESS_TTL_S, reclaim_idle_ms=RECLAIM_IDLE_MS,
+                                       what="trained")
         self.queues = ModelQueues()
         self.deficits: dict[str, float] = {}  # fair-share state carried between rounds
         self._weights: dict[str, float] = {}
         self._weights_at = 0.0
+        self._reclaimed_at = time.monotonic()
         self.stopping = False
         self.stats = {"rounds": 0, "requests": 0, "busy_s": 0.0, "wait_s": 0.0, "tokens": 0, "padded_tokens": 0,
                       "models_fused": 0, "tenants_fused": 0, "fused_rounds": 0, "started_at": time.time()}
+        # Barriers run one model's request alone, in seq_id order: kind -> handler.
+        self._barriers: dict[WorkKind, Callable[[WorkItem], dict]] = {
+            WorkKind.CREATE_MODEL: self._create,
+            WorkKind.OPTIM_STEP: self._optim_step,
+            WorkKind.SAVE_WEIGHTS: self._save,
+            WorkKind.SAVE_WEIGHTS_FOR_SAMPLER: self._save,
+            WorkKind.LOAD_WEIGHTS: self._load,
+            WorkKind.REJECTED: self._rejected,
+        }
 
     # ------------------------------------------------------------------ setup
 
@@ -58,16 +90,13 @@ class TrainerWorker:
         return self._conn
 
     def prepare(self) -> None:
-        try:
-            self.redis.xgroup_create(self.stream, queue.TRAIN_GROUP, id="0", mkstream=True)
-        except Exception as exc:  # BUSYGROUP: it exists already
-            if "BUSYGROUP" not in str(exc):
-                raise
+        self.consumer.ensure_group()
+        self.consumer.heartbeat()
         lost = records.mark_models_lost(self._db(), self.base_model)
         if lost:
             log.warning("%d models of a previous trainer process are lost (adapters live in memory)", lost)
         # Our own unacknowledged entries from before a crash come back first.
-        self._ingest(self._read("0", block_ms=None))
+        self._ingest(self.consumer.read(own_pending=True))
 
     # ------------------------------------------------------------------ loop
 
@@ -85,10 +114,13 @@ class TrainerWorker:
         waited = time.monotonic()
         # Block on the stream only when nothing is runnable; otherwise just drain what has arrived.
         runnable = not self._plan().empty
-        arrived = self._read(">", block_ms=None if runnable else self.block_ms)
+        arrived = self.consumer.read(block_ms=None if runnable else self.block_ms)
         while arrived:  # a blocking read returns on the first entry: drain what came with it
             self._ingest(arrived)
-            arrived = self._read(">", block_ms=None)
+            arrived = self.consumer.read()
+        if time.monotonic() - self._reclaimed_at >= RECLAIM_EVERY_S:
+            self._reclaimed_at = time.monotonic()
+            self._ingest(self.consumer.reclaim())
         plan = self._plan()
         started = time.monotonic()
         self.stats["wait_s"] += started - waited
@@ -113,126 +145,118 @@ class TrainerWorker:
             self._weights_at = time.monotonic()
         return self._weights
 
-    def _read(self, last_id: str, *, block_ms: int | None) -> list:
-        reply = self.redis.xreadgroup(queue.TRAIN_GROUP, self.consumer, {self.stream: last_id}, count=512,
-                                      block=block_ms)
-        return reply[0][1] if reply else []
-
-    def _ingest(self, entries: list) -> None:
-        for stream_id, fields in entries:
-            sid = stream_id.decode() if isinstance(stream_id, bytes) else stream_id
-            if not fields:  # deleted while pending
-                self._ack(sid)
-                continue
-            item = queue.WorkItem.from_fields(fields)
-            if item.kind != "create_model" and not self.queues.knows(item.model_id) and not self.backend.has(item.model_id):
-                self._finish(_Entry(item, sid), ServerError(
+    def _ingest(self, deliveries: list[Delivery]) -> None:
+        for d in deliveries:
+            item = d.item
+            if item.kind is not WorkKind.CREATE_MODEL and not self.queues.knows(item.model_id) \
+                    and not self.backend.has(item.model_id):
+                self._finish(d, ServerError(
                     f"model {item.model_id!r} was lost when its trainer restarted; load your last checkpoint "
                     "into a new model"))
                 continue
-            if not self.queues.add(item, sid):
-                self._ack(sid)  # a duplicate delivery of work already queued or done
+            if not self.queues.add(d):
+                self.consumer.ack(d.stream_id)  # a duplicate delivery of work already queued or done
 
     def _execute(self, plan: RoundPlan) -> None:
-        entries = {p.request_id: self.queues.take(p) for p in (*plan.fused, *plan.barriers)}
-        records.mark_running(self._db(), list(entries))
+        taken = {p.request_id: self.queues.take(p) for p in (*plan.fused, *plan.barriers)}
+        records.mark_running(self._db(), list(taken))
         if plan.fused:
-            reqs = [self._pass_request(entries[p.request_id].item) for p in plan.fused]
+            reqs = [_pass_request(taken[p.request_id].item) for p in plan.fused]
             for p, outcome in zip(plan.fused, self.backend.run_pass(reqs)):
-                entry = entries[p.request_id]
-                self._finish(entry, outcome, metrics=self._step_metrics(entry.item, outcome))
+                d = taken[p.request_id]
+                self._finish(d, outcome, metrics=self._step_metrics(d.item, outcome))
         for p in plan.barriers:
-            self._finish(entries[p.request_id], self._barrier(entries[p.request_id].item))
-        self.stats["requests"] += len(entries)
+            d = taken[p.request_id]
+            self._finish(d, self._barrier(d.item))
+        self.stats["requests"] += len(taken)
 
-    @staticmethod
-    def _pass_request(item: queue.WorkItem) -> PassRequest:
-        b = item.body
-        return PassRequest(item.request_id, item.model_id, b["loss_fn"], b.get("loss_fn_config") or {},
-                           bool(b.get("forward_only")), b["data"])
-
-    def _barrier(self, item: queue.WorkItem) -> dict | QuiltError:
-        if item.kind == queue.REJECTED_KIND:  # fails in its place in the order (api.seq_gaps)
-            return UserError(item.body["error"], field=item.body.get("field"))
+    def _barrier(self, item: WorkItem) -> dict | QuiltError:
         try:
-            if item.kind == "create_model":
-                self.backend.create(item.model_id, item.body["lora_config"])
-                load = item.body.get("load")
-                if load:  # create-from-checkpoint: the model's first request also loads its state
-                    self.backend.load(item.model_id, load["storage_path"], optimizer=bool(load["optimizer"]))
-                records.set_model_status(self._db(), item.model_id, "ready")
-                if load:
-                    return {"type": "load_weights", "model_id": item.model_id, "path": load["path"]}
-                return {"type": "create_model", "model_id": item.model_id}
-            if item.kind == "optim_step":
-                return self.backend.optim_step(item.model_id, item.body["adam_params"])
-            if item.kind in ("save_weights", "save_weights_for_sampler"):
-                return self._save(item)
-            if item.kind == "load_weights":
-                self.backend.load(item.model_id, item.body["storage_path"], optimizer=bool(item.body["optimizer"]))
-                return {"type": "load_weights", "path": item.body["path"], "model_id": item.model_id}
-            return ServerError(f"unknown request kind {item.kind!r}")
+            return self._barriers[item.kind](item)
         except Exception as exc:
             if not isinstance(exc, QuiltError):
                 log.exception("%s failed for %s", item.kind, item.model_id)
                 exc = ServerError(f"{item.kind} failed: {type(exc).__name__}: {exc}")
-            if item.kind == "create_model":
-                self.backend.delete(item.model_id)
-                records.set_model_status(self._db(), item.model_id, "failed", exc.message)
             return exc
 
-    def _save(self, item: queue.WorkItem) -> dict:
+    # ------------------------------------------------------------------ barriers
+
+    def _create(self, item: WorkItem) -> dict:
+        work: CreateModel = item.body
+        try:
+            self.backend.create(item.model_id, work.lora)
+            if work.load:  # create-from-checkpoint: the model's first request also loads its state
+                self.backend.load(item.model_id, work.load.storage_path, optimizer=work.load.optimizer)
+            records.set_model_status(self._db(), item.model_id, "ready")
+        except Exception as exc:
+            self.backend.delete(item.model_id)
+            message = exc.message if isinstance(exc, QuiltError) else f"{type(exc).__name__}: {exc}"
+            records.set_model_status(self._db(), item.model_id, "failed", message)
+            raise
+        if work.load:
+            return {"type": "load_weights", "model_id": item.model_id, "path": work.load.path}
+        return {"type": "create_model", "model_id": item.model_id}
+
+    def _optim_step(self, item: WorkItem) -> dict:
+        work: OptimStep = item.body
+        return self.backend.optim_step(item.model_id, work.adam)
+
+    def _load(self, item: WorkItem) -> dict:
+        work: LoadWeights = item.body
+        self.backend.load(item.model_id, work.storage_path, optimizer=work.optimizer)
+        return {"type": "load_weights", "path": work.path, "model_id": item.model_id}
+
+    @staticmethod
+    def _rejected(item: WorkItem) -> dict:
+        work: Rejected = item.body  # fails in its place in the order (api.seq_gaps)
+        raise UserError(work.error, field=work.field)
+
+    def _save(self, item: WorkItem) -> dict:
         """Training checkpoints carry optimizer state; sampler weights are the adapter alone,
         tagged with the policy version they were taken at."""
-        name, for_sampler = item.body["name"], item.kind == "save_weights_for_sampler"
-        kind = "sampler_weights" if for_sampler else "weights"
-        # Every save gets a new directory (core.retention), so "exists" is a question for the records.
-        if not item.body["overwrite"] and records.checkpoint_exists(self._db(), item.model_id, kind, name):
-            raise Conflict(f"checkpoint {name!r} already exists; pass overwrite=True to replace it", field="path")
-        size = self.backend.save(item.model_id, item.body["storage_path"], overwrite=bool(item.body["overwrite"]),
+        work: SaveWeights = item.body
+        for_sampler = item.kind is WorkKind.SAVE_WEIGHTS_FOR_SAMPLER
+        kind = SAMPLER_KIND if for_sampler else TRAINING_KIND
+        # Every save gets a new directory (core.checkpoint_files), so "exists" is a question for the records.
+        if not work.overwrite and records.checkpoint_exists(self._db(), item.model_id, kind, work.name):
+            raise Conflict(f"checkpoint {work.name!r} already exists; pass overwrite=True to replace it", field="path")
+        size = self.backend.save(item.model_id, work.storage_path, overwrite=work.overwrite,
                                  with_optimizer=not for_sampler)
         records.upsert_checkpoint(self._db(), tenant_id=item.tenant_id, model_id=item.model_id, kind=kind,
-                                  name=name, storage_path=item.body["storage_path"], size_bytes=size,
-                                  ttl_s=item.body.get("ttl_s"), sliding=bool(item.body.get("sliding")),
-                                  grace_s=get_core_settings().superseded_version_grace_s)
-        result = {"type": item.kind, "path": ids.tinker_path(item.model_id, kind, name)}
+                                  name=work.name, storage_path=work.storage_path, size_bytes=size, ttl_s=work.ttl_s,
+                                  sliding=work.sliding, grace_s=get_core_settings().superseded_version_grace_s)
+        result = {"type": str(item.kind), "path": ids.tinker_path(item.model_id, kind, work.name)}
         if for_sampler:
             result["policy_version"] = self.backend.policy_version(item.model_id)
-            if item.body.get("sampling_session_id"):
-                result["sampling_session_id"] = item.body["sampling_session_id"]
+            if work.sampling_session_id:
+                result["sampling_session_id"] = work.sampling_session_id
         return result
 
     # ------------------------------------------------------------------ results
 
-    def _step_metrics(self, item: queue.WorkItem, outcome: dict | QuiltError) -> run_metrics.StepMetrics | None:
+    def _step_metrics(self, item: WorkItem, outcome: dict | QuiltError) -> run_metrics.StepMetrics | None:
         """A finished forward_backward's point on its run's curves. Called right after the fused
         pass and before this round's barriers, so the model's policy version is still the one the
         pass ran at (its optimizer step count)."""
-        if item.kind != "forward_backward" or isinstance(outcome, QuiltError):
+        if item.kind is not WorkKind.FORWARD_BACKWARD or isinstance(outcome, QuiltError):
             return None
         return run_metrics.StepMetrics(step=self.backend.policy_version(item.model_id),
-                                       values=run_metrics.trainer_values(item.body["data"], outcome["metrics"]))
+                                       values=run_metrics.trainer_values(item.body.data, outcome["metrics"]))
 
-    def _finish(self, entry: _Entry, outcome: dict | QuiltError,
+    def _finish(self, d: Delivery, outcome: dict | QuiltError,
                 metrics: run_metrics.StepMetrics | None = None) -> None:
-        item = entry.item
+        item = d.item
         if isinstance(outcome, QuiltError):
             result = queue.failure(item.request_id, outcome)
             log.info("request %s (%s %s) failed: %s", item.request_id, item.kind, item.model_id, outcome.message)
         else:
             result = queue.Outcome(item.request_id, result=outcome)
-        # Redis first so the waiting client is answered; then the durable record; then the ack.
-        queue.publish_sync(self.redis, result, self.result_ttl_s)
-        settle(self._db(), request_id=item.request_id, tenant_id=item.tenant_id, model_id=item.model_id,
-               base_model=self.base_model, error=result.error, units=training_units(item.kind, item.n_tokens),
-               metrics=metrics)
-        self._ack(entry.stream_id)
+        self.consumer.finish(d, result, metrics)
 
-    def _ack(self, stream_id: str) -> None:
-        pipe = self.redis.pipeline()
-        pipe.xack(self.stream, queue.TRAIN_GROUP, stream_id)
-        pipe.xdel(self.stream, stream_id)
-        pipe.execute()
+    def _settle(self, item: WorkItem, outcome: queue.Outcome, metrics: run_metrics.StepMetrics | None) -> None:
+        settle(self._db(), request_id=item.request_id, tenant_id=item.tenant_id, model_id=item.model_id,
+               base_model=self.base_model, error=outcome.error, units=training_units(item.kind, item.n_tokens),
+               metrics=metrics)
 
     def _record_round(self, plan: RoundPlan, compute_s: float, wait_s: float) -> None:
         """Per-round stats for the dashboard (a capped Redis list) and cumulative counters."""
@@ -268,6 +292,11 @@ class TrainerWorker:
                       pid=os.getpid(), models=len(self.backend.adapters), queued=self.queues.depth(),
                       **self.backend.residency(),
                       **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items() if k != "started_at"})
+        self.consumer.heartbeat()
+
+
+def _pass_request(item: WorkItem) -> PassRequest:
+    return PassRequest(item.request_id, item.model_id, item.body, forward_only=item.kind is WorkKind.FORWARD)
 
 
 def main() -> None:

@@ -49,13 +49,13 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from gen_pool.adapters import AdapterRef
+from genpool_sim import Model, fixed_comparison, pct, tenant_shape
+
+from core.work import AdapterRef, SamplingSpec
 from gen_pool.admission import PoolView
 from gen_pool.engine import GenEngine, SeqRequest
-from gen_pool.params import SamplingSpec
 from gen_pool.scheduler import Group, Scheduler
 from gen_pool.settings import GenPoolSettings
-from genpool_sim import Model, fixed_comparison, pct, tenant_shape
 
 # An overhead-bound model: so small that a decode step costs about the same for 1 or 32 sequences.
 BENCH_SPEC = {"hidden_size": 64, "num_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
@@ -71,7 +71,7 @@ def build(root: Path, tenants: int) -> tuple[str, list[str]]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from core.tiny_model import TinyModelSpec, build_tiny_model
+    from stack.tiny_model import TinyModelSpec, build_tiny_model
 
     base = build_tiny_model(root / "base", spec=TinyModelSpec(**BENCH_SPEC)).path
     paths = []

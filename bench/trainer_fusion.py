@@ -39,6 +39,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from batcher.backend import LoraBackend, PassRequest  # noqa: E402
+from core.loss_spec import LossConfig  # noqa: E402
+from core.work import Datum, LoraShape, PassWork  # noqa: E402
 
 TENANTS = (1, 2, 4, 8, 16)
 ROW = 64  # tokens per sequence
@@ -69,10 +71,10 @@ def matmul_peak(seconds: float = 2.0) -> float:
     return 2 * n**3 * count / (time.perf_counter() - start)
 
 
-def datum(seed: int, n: int = ROW) -> dict:
+def datum(seed: int, n: int = ROW) -> Datum:
     g = torch.Generator().manual_seed(seed)
-    toks = torch.randint(0, 4096, (n + 1,), generator=g).tolist()  # ids valid for both model sizes
-    return {"tokens": toks[:-1], "inputs": {"target_tokens": toks[1:], "weights": [1.0] * n}}
+    toks = tuple(torch.randint(0, 4096, (n + 1,), generator=g).tolist())  # ids valid for both model sizes
+    return Datum(toks[:-1], {"target_tokens": toks[1:], "weights": (1.0,) * n})
 
 
 def timed(fn) -> float:
@@ -81,8 +83,9 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def run_pass(be: LoraBackend, work: list[tuple[str, list[dict]]]) -> None:
-    outs = be.run_pass([PassRequest(f"r{i}", m, "cross_entropy", {}, False, data) for i, (m, data) in enumerate(work)])
+def run_pass(be: LoraBackend, work: list[tuple[str, list[Datum]]]) -> None:
+    outs = be.run_pass([PassRequest(f"r{i}", m, PassWork("cross_entropy", LossConfig(), tuple(data)), False)
+                        for i, (m, data) in enumerate(work)])
     assert all(isinstance(o, dict) for o in outs), outs
     for adapter in be.adapters.values():  # gradients would accumulate; the bench measures passes only
         for p in adapter.params:
@@ -109,14 +112,14 @@ class PeftMixed:
         for name, p in self.model.named_parameters():
             p.requires_grad_("lora_" in name)
 
-    def step(self, work: list[tuple[str, list[dict]]]) -> None:
+    def step(self, work: list[tuple[str, list[Datum]]]) -> None:
         rows = [(m, d) for m, data in work for d in data]
-        T = max(len(d["tokens"]) for _, d in rows)
+        T = max(len(d.tokens) for _, d in rows)
         ids = torch.zeros((len(rows), T), dtype=torch.long)
         tgt = torch.zeros((len(rows), T), dtype=torch.long)
         for b, (_, d) in enumerate(rows):
-            ids[b, : len(d["tokens"])] = torch.tensor(d["tokens"])
-            tgt[b, : len(d["tokens"])] = torch.tensor(d["inputs"]["target_tokens"])
+            ids[b, : len(d.tokens)] = torch.tensor(d.tokens)
+            tgt[b, : len(d.tokens)] = torch.tensor(d.inputs["target_tokens"])
         logits = self.model(input_ids=ids, adapter_names=[m for m, _ in rows]).logits
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="sum").backward()
         self.model.zero_grad(set_to_none=True)
@@ -156,7 +159,7 @@ def main() -> None:
         params = build_base(Path(tmp), hidden=hidden, layers=layers, vocab=vocab)
         be = LoraBackend(tmp, max_tokens_per_pass=1 << 20)
         for i in range(max(TENANTS)):
-            be.create(f"t{i}", {"rank": args.rank, "seed": i})
+            be.create(f"t{i}", LoraShape(rank=args.rank, seed=i))
         peak = matmul_peak()
         print(f"base: random Qwen3, {params / 1e6:.1f}M parameters, {torch.get_num_threads()} threads; "
               f"LoRA rank {args.rank} on attention, MLP and lm_head")

@@ -1,6 +1,6 @@
 """Billing commands of the `quilt` CLI: usage, budgets, prices, Stripe sync and reconciliation.
 
-`core.cli` calls `add_commands` with its parser and its two helpers (the `--data-dir` option and the
+`stack.cli` calls `add_commands` with its parser and its two helpers (the `--data-dir` option and the
 "prepare the stack, return the database URL" function), so these commands behave like the others.
 """
 

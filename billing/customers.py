@@ -14,6 +14,8 @@ from psycopg.rows import dict_row
 
 from billing.stripe_api import StripeGateway
 
+ENSURE_CUSTOMER_TASK = "quilt.billing.ensure_customer"  # billing.tasks.ensure_customer, sent by name
+
 log = logging.getLogger("quilt.billing")
 
 _MISSING = """
@@ -71,9 +73,9 @@ def request_customer(tenant_id: str) -> bool:
     if not get_billing_settings().stripe_enabled:
         return False
     try:
-        from billing.tasks import ensure_customer as task
+        from core.celery_app import app
 
-        task.apply_async((tenant_id,), retry=False)
+        app.send_task(ENSURE_CUSTOMER_TASK, (tenant_id,), retry=False)
         return True
     except Exception as exc:  # noqa: BLE001 - any broker failure: the sweep is the backstop
         log.warning("could not enqueue the Stripe customer of %s (%s); the periodic sweep will create it",

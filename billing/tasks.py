@@ -26,7 +26,7 @@ def _as_of(text: str | None) -> datetime | None:
     return datetime.fromisoformat(text) if text else None
 
 
-@app.task(name="quilt.billing.ensure_customer", bind=True, max_retries=8, default_retry_delay=30)
+@app.task(name=customers.ENSURE_CUSTOMER_TASK, bind=True, max_retries=8, default_retry_delay=30)
 def ensure_customer(self, tenant_id: str) -> str | None:
     """Create the Stripe customer of a new tenant (enqueued by `quilt tenants create`)."""
     settings = get_billing_settings()

@@ -1,6 +1,6 @@
 """How long checkpoints live, where their files go, and removing files nobody can name any more.
 
-Every save writes a new directory (`<tenant>/<model>/<kind>/<name>/<version>`) and a path is never
+Every save writes a new directory (the layout is core.checkpoint_files') and a path is never
 reused, so deleting a directory can only ever remove files that no live checkpoint row points at,
 whatever a concurrent save does. Files become garbage three ways:
   * a save replaces a checkpoint of the same name: the old version waits
@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -64,12 +63,6 @@ def due_to_slide(expires_at: datetime | None, sliding_ttl_s: int | None, now: da
     if not sliding_ttl_s or expires_at is None:
         return False
     return expires_at < now + timedelta(seconds=sliding_ttl_s - SLIDE_SLACK_S)
-
-
-def new_version_dir(checkpoint_dir: Path, tenant_id: str, model_id: str, kind: str, name: str) -> str:
-    """A fresh directory for one save of checkpoint `name` (never an existing one)."""
-    version = f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:8]}"
-    return str(checkpoint_dir / tenant_id / model_id / kind / name / version)
 
 
 def remove_dir(checkpoint_dir: Path, path: str) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from core.errors import InvalidInput
+from core.work import Datum
 
 TRAINER = "trainer"
 CLIENT = "client"
@@ -42,17 +44,17 @@ class StepMetrics:
     values: dict[str, float | None]
 
 
-def trainer_values(data: list[dict], result_metrics: dict[str, float]) -> dict[str, float | None]:
+def trainer_values(data: Sequence[Datum], result_metrics: dict[str, float]) -> dict[str, float | None]:
     """What a finished forward_backward adds to its run's curves: the request's reduced metrics
     (`loss:sum`, staleness, trainer-sampler mismatch, ...) plus `loss:mean`, the loss per weighted
     token: `loss:sum` over the sum of the `weights` input (over the target tokens where a datum has
-    no weights). `data` is the trainer body's datums (`{"tokens", "inputs": {...}}`).
+    no weights).
 
     Non-finite values become None: JSON (and jsonb) has no NaN, and a diverging run must still
     finish its requests."""
     weight = 0.0
     for datum in data:
-        inputs = datum["inputs"]
+        inputs = datum.inputs
         weights = inputs.get("weights")
         weight += float(sum(weights)) if weights is not None else float(len(inputs["target_tokens"]))
     values = dict(result_metrics)

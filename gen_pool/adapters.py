@@ -22,47 +22,17 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
+from core.checkpoint_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from core.errors import UserError
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# Written by the trainer beside every saved adapter: {"lora_config": ..., "steps": optimizer steps}.
-# Kept in sync with batcher.backend.META_FILE (imported there would pull torch into this module).
-TRAINER_META = "quilt_state.json"
 IDENTITY_NAME = "quilt-base-identity"
 IDENTITY_ID = 1
 
 
 class AdapterError(UserError):
     """An adapter version that cannot be served; fails only the requests that use it."""
-
-
-@dataclass(frozen=True)
-class AdapterRef:
-    """One published adapter version: what a sample request names."""
-
-    key: str  # identity of the version (its immutable storage path)
-    path: str
-    model_id: str  # the training model it came from (tags every sequence)
-    name: str = ""  # checkpoint name, for messages
-
-    def to_json(self) -> dict:
-        return {"key": self.key, "path": self.path, "model_id": self.model_id, "name": self.name}
-
-    @classmethod
-    def from_json(cls, obj: dict | None) -> AdapterRef | None:
-        return cls(**obj) if obj else None
-
-
-def policy_version(path: str | Path) -> int:
-    """Optimizer steps the weights had taken when published (0 if the trainer did not say)."""
-    try:
-        return int(json.loads((Path(path) / TRAINER_META).read_text()).get("steps", 0))
-    except (OSError, ValueError, TypeError):
-        return 0
 
 
 def check_adapter(path: str | Path, *, max_rank: int) -> int:

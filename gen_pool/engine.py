@@ -38,16 +38,15 @@ from pathlib import Path
 from typing import Literal
 
 from core.errors import ServerError
+from core.work import AdapterRef, SamplingSpec
 from gen_pool.adapters import (
     IDENTITY_ID,
     IDENTITY_NAME,
     AdapterError,
     AdapterIds,
-    AdapterRef,
     check_adapter,
     identity_adapter,
 )
-from gen_pool.params import SamplingSpec
 from gen_pool.settings import GenPoolSettings
 
 log = logging.getLogger("quilt.gen.engine")

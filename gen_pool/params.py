@@ -1,8 +1,7 @@
-"""Sampling parameters: the one normalised form that travels from the API to the engine.
-
-The API validates a Tinker `SamplingParams` into a `SamplingSpec` (raising InvalidInput that names
-the field and the limit); the worker turns it into vLLM's SamplingParams (gen_pool.engine). Pure
-and import-light: the API imports this module without vLLM.
+"""Sampling parameters checked at the edge: a Tinker `SamplingParams` into the `core.work.SamplingSpec`
+that travels to the engine (raising InvalidInput that names the field and the limit); the worker
+turns it into vLLM's SamplingParams (gen_pool.engine). Pure and import-light: the API imports this
+module without vLLM.
 
 Stop semantics (Tinker): `stop` absent/None keeps the model's EOS as the only stop; `stop=[]` stops
 on nothing (always `max_tokens` tokens); a list of strings or of token ids stops on those *instead*
@@ -11,12 +10,11 @@ of EOS. A matched stop token is part of the returned tokens.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from core.errors import InvalidInput
-
-SEED_MAX = 2**63 - 1
+from core.work import SEED_MAX, SamplingSpec
 
 
 @dataclass(frozen=True)
@@ -28,34 +26,6 @@ class Limits:
     default_max_tokens: int
     max_stop_entries: int
     max_stop_chars: int
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    max_tokens: int
-    temperature: float = 1.0
-    top_k: int = -1  # -1 = off
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_strings: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    eos_stops: bool = True  # False when `stop` was given (including [])
-
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["stop_strings"], out["stop_token_ids"] = list(self.stop_strings), list(self.stop_token_ids)
-        return out
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> SamplingSpec:
-        return cls(**{**obj, "stop_strings": tuple(obj.get("stop_strings", ())),
-                      "stop_token_ids": tuple(obj.get("stop_token_ids", ()))})
-
-    def sample_seed(self, index: int) -> int | None:
-        """The seed of the `index`-th sequence of a group: distinct per sequence, reproducible."""
-        if self.seed is None:
-            return None
-        return (self.seed + 1_000_003 * index) % SEED_MAX
 
 
 def check_prompt(tokens: list, limits: Limits, *, field: str = "prompt") -> list[int]:

@@ -22,12 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.checkpoint_files import policy_version
 from core.errors import QuiltError, ServerError, UserError
+from core.work import AdapterRef, SamplingSpec
 from gen_pool import wire
-from gen_pool.adapters import AdapterError, AdapterRef, policy_version
+from gen_pool.adapters import AdapterError
 from gen_pool.admission import AdmissionPlan, GroupView, PoolView, plan_admission
 from gen_pool.engine import GenEngine, SeqRequest, SeqResult
-from gen_pool.params import SamplingSpec
 
 log = logging.getLogger("quilt.gen.scheduler")
 

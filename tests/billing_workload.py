@@ -1,8 +1,9 @@
 """A mixed, multi-tenant training workload for the billing tests, and ledger read-back helpers.
 
 Each tenant gets one model and a second API key; it runs forward_backward passes of varied sizes,
-optimizer steps, a forward pass, a save, and one forward_backward that fails in the trainer (which
-must not be billed). Requests are pipelined: submitted first, then awaited.
+optimizer steps, a forward pass, a save, one save that fails in the trainer (its name is taken) and
+one forward_backward refused at the edge (a bad loss config: its seq_id is recorded as a failed
+request and passed by the trainer), neither of which may be billed. Requests are pipelined: submitted first, then awaited.
 
 When the server has the generation pool's `/asample` route, each tenant also samples groups from the
 base model (prefill and sampled tokens, recorded by the pool through `billing.ledger.record_usage`).
@@ -37,6 +38,7 @@ class Submitted:
 class Workload:
     tenants: list = field(default_factory=list)
     requests: list[Submitted] = field(default_factory=list)
+    refused: list[tuple[str, int]] = field(default_factory=list)  # (model_id, seq_id) refused at the edge
 
     @property
     def tenant_ids(self) -> list[str]:
@@ -73,9 +75,12 @@ def run_workload(stack, *, n_tenants: int = 3, seed: int = 0, prefix: str = "bil
             seq += 2
         probe = [datum([rng.randrange(1, 250) for _ in range(rng.randint(4, 30))]) for _ in range(2)]
         submit("/forward", fb_body(model, seq, probe), "forward")
-        submit("/forward_backward", fb_body(model, seq + 1, probe, loss_fn_config={"no_such_knob": 1.0}),
-               "forward_backward", ok=False)
+        refused = clients["first"].post("/forward_backward", json=fb_body(model, seq + 1, probe,
+                                                                          loss_fn_config={"no_such_knob": 1.0}))
+        assert refused.status_code == 400, refused.text
+        work.refused.append((model, seq + 1))
         submit("/save_weights", {"model_id": model, "seq_id": seq + 2, "path": f"bill-{i}"}, "save_weights")
+        submit("/save_weights", {"model_id": model, "seq_id": seq + 3, "path": f"bill-{i}"}, "save_weights", ok=False)
         if sampling:
             session = clients["first"].post("/create_session", json={}).json()["session_id"]
             sampler = clients["first"].post("/create_sampling_session", json={

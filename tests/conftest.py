@@ -96,7 +96,7 @@ def stack():
     env.pop("QUILT_DATABASE_URL", None)
     env.pop("QUILT_REDIS_URL", None)
     with open(out_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "core.cli", "up", "--port", str(free_port())],
+        proc = subprocess.Popen([sys.executable, "-m", "stack.cli", "up", "--port", str(free_port())],
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         state = _wait_healthy(proc, data_dir, out_path)

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from batcher.backend import LoraBackend, PassRequest
-from core.tiny_model import build_tiny_model
+from core.loss_spec import LossConfig
+from core.work import AdamParams, Datum, LoraShape, PassWork
+from stack.tiny_model import build_tiny_model
 
 ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.01, "grad_clip_norm": 1.0}
 
@@ -16,20 +18,25 @@ def base_path(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m").path
 
 
-def _datum(start: int, n: int = 16) -> dict:
-    toks = list(range(start, start + n + 1))
-    return {"tokens": toks[:-1], "inputs": {"target_tokens": toks[1:], "weights": [1.0] * n}}
+def _datum(start: int, n: int = 16, policy_version: int | None = None) -> Datum:
+    toks = tuple(range(start, start + n + 1))
+    return Datum(toks[:-1], {"target_tokens": toks[1:], "weights": (1.0,) * n}, policy_version)
 
 
-def _step(be: LoraBackend, model_id: str, data: list[dict]) -> dict:
-    out = be.run_pass([PassRequest("r", model_id, "cross_entropy", {}, False, data)])[0]
-    be.optim_step(model_id, ADAM)
+def _req(request_id: str, model_id: str, data: list[Datum], *, config: LossConfig = LossConfig(),
+         forward_only: bool = False) -> PassRequest:
+    return PassRequest(request_id, model_id, PassWork("cross_entropy", config, tuple(data)), forward_only)
+
+
+def _step(be: LoraBackend, model_id: str, data: list[Datum]) -> dict:
+    out = be.run_pass([_req("r", model_id, data)])[0]
+    be.optim_step(model_id, AdamParams(**ADAM))
     return out
 
 
 def test_save_then_load_restores_adapter_and_optimizer_exactly(base_path, tmp_path):
     be = LoraBackend(base_path)
-    be.create("m", {"rank": 8, "seed": 0})
+    be.create("m", LoraShape(rank=8, seed=0))
     _step(be, "m", [_datum(5), _datum(40)])
     be.save("m", str(tmp_path / "ck"), overwrite=False)
     adapter_at_save = {k: v.clone() for k, v in be.adapter_state("m").items()}
@@ -51,12 +58,12 @@ def test_save_then_load_restores_adapter_and_optimizer_exactly(base_path, tmp_pa
 def test_two_models_in_one_pass_get_the_gradients_of_separate_passes(base_path):
     fused, alone = LoraBackend(base_path), LoraBackend(base_path)
     for be in (fused, alone):
-        be.create("a", {"rank": 8, "seed": 1})
-        be.create("b", {"rank": 4, "seed": 2, "train_mlp": False})
-    fused.run_pass([PassRequest("1", "a", "cross_entropy", {}, False, [_datum(3)]),
-                    PassRequest("2", "b", "cross_entropy", {}, False, [_datum(9, 10), _datum(30)])])
-    alone.run_pass([PassRequest("1", "a", "cross_entropy", {}, False, [_datum(3)])])
-    alone.run_pass([PassRequest("2", "b", "cross_entropy", {}, False, [_datum(9, 10), _datum(30)])])
+        be.create("a", LoraShape(rank=8, seed=1))
+        be.create("b", LoraShape(rank=4, seed=2, train_mlp=False))
+    fused.run_pass([_req("1", "a", [_datum(3)]),
+                    _req("2", "b", [_datum(9, 10), _datum(30)])])
+    alone.run_pass([_req("1", "a", [_datum(3)])])
+    alone.run_pass([_req("2", "b", [_datum(9, 10), _datum(30)])])
     for model_id in ("a", "b"):
         for pf, pa in zip(fused.adapters[model_id].params, alone.adapters[model_id].params, strict=True):
             torch.testing.assert_close(pf.grad, pa.grad, rtol=1e-5, atol=1e-6)
@@ -64,17 +71,17 @@ def test_two_models_in_one_pass_get_the_gradients_of_separate_passes(base_path):
 
 def test_outputs_keep_each_requests_datum_order(base_path):
     be = LoraBackend(base_path, max_tokens_per_pass=32)  # forces several micro-batches
-    be.create("m", {"rank": 4, "seed": 0})
+    be.create("m", LoraShape(rank=4, seed=0))
     data = [_datum(10, 20), _datum(50, 3), _datum(80, 9)]
-    out = be.run_pass([PassRequest("r", "m", "cross_entropy", {}, True, data)])[0]
+    out = be.run_pass([_req("r", "m", data, forward_only=True)])[0]
     assert [len(o["logprobs"]["data"]) for o in out["loss_fn_outputs"]] == [20, 3, 9]
 
 
 def test_optim_step_without_gradients_is_a_no_op(base_path):
     be = LoraBackend(base_path)
-    be.create("m", {"rank": 4, "seed": 0})
+    be.create("m", LoraShape(rank=4, seed=0))
     before = {k: v.clone() for k, v in be.adapter_state("m").items()}
-    assert be.optim_step("m", ADAM)["metrics"]["skipped:sum"] == 1.0
+    assert be.optim_step("m", AdamParams(**ADAM))["metrics"]["skipped:sum"] == 1.0
     assert all(torch.equal(v, before[k]) for k, v in be.adapter_state("m").items())
 
 
@@ -95,15 +102,15 @@ def test_four_tenants_fused_match_training_alone(base_path):
     fused, alone = LoraBackend(base_path, dtype=torch.float64), LoraBackend(base_path, dtype=torch.float64)
     for be in (fused, alone):
         for model_id, (lora, _, _) in specs.items():
-            be.create(model_id, lora)
+            be.create(model_id, LoraShape(**lora))
     for _ in range(3):
-        outs = fused.run_pass([PassRequest(m, m, "cross_entropy", {}, False, data) for m, (_, _, data) in specs.items()])
+        outs = fused.run_pass([_req(m, m, data) for m, (_, _, data) in specs.items()])
         assert all(isinstance(o, dict) for o in outs)
         assert fused.last_pass.models == 4
         for model_id, (_, adam, data) in specs.items():
-            fused.optim_step(model_id, adam)
-            alone.run_pass([PassRequest(model_id, model_id, "cross_entropy", {}, False, data)])
-            alone.optim_step(model_id, adam)
+            fused.optim_step(model_id, AdamParams(**adam))
+            alone.run_pass([_req(model_id, model_id, data)])
+            alone.optim_step(model_id, AdamParams(**adam))
     for model_id in specs:
         a, b = fused.adapter_state(model_id), alone.adapter_state(model_id)
         for key in a:
@@ -113,31 +120,30 @@ def test_four_tenants_fused_match_training_alone(base_path):
 def test_sixty_four_models_live_on_one_worker_and_idle_ones_are_offloaded(base_path):
     be = LoraBackend(base_path)
     for i in range(64):
-        be.create(f"m{i}", {"rank": 4, "seed": i})
-    outs = be.run_pass([PassRequest(f"r{i}", f"m{i}", "cross_entropy", {}, False, [_datum(i, 6)]) for i in range(64)])
+        be.create(f"m{i}", LoraShape(rank=4, seed=i))
+    outs = be.run_pass([_req(f"r{i}", f"m{i}", [_datum(i, 6)]) for i in range(64)])
     assert all(isinstance(o, dict) for o in outs) and be.last_pass.models == 64
     for i in range(64):
-        be.optim_step(f"m{i}", ADAM)
+        be.optim_step(f"m{i}", AdamParams(**ADAM))
     assert be.residency() == {"resident": 64, "offloaded": 0}
     assert be.offload_idle(0.0) == 64
     assert be.residency() == {"resident": 0, "offloaded": 64}
     # Using two of them brings exactly those back, with their optimizer state intact.
     steps = be.adapters["m3"].optimizer.state_dict()["state"][0]["step"].item()
-    be.run_pass([PassRequest("x", "m3", "cross_entropy", {}, False, [_datum(1)]),
-                 PassRequest("y", "m7", "cross_entropy", {}, False, [_datum(2)])])
-    be.optim_step("m3", ADAM)
+    be.run_pass([_req("x", "m3", [_datum(1)]),
+                 _req("y", "m7", [_datum(2)])])
+    be.optim_step("m3", AdamParams(**ADAM))
     assert be.residency() == {"resident": 2, "offloaded": 62}
     assert be.adapters["m3"].optimizer.state_dict()["state"][0]["step"].item() == steps + 1
 
 
 def test_staleness_is_reported_and_stale_datums_are_dropped(base_path):
     be = LoraBackend(base_path)
-    be.create("m", {"rank": 4, "seed": 0})
+    be.create("m", LoraShape(rank=4, seed=0))
     for _ in range(3):  # policy version 3
-        be.run_pass([PassRequest("r", "m", "cross_entropy", {}, False, [_datum(5)])])
-        be.optim_step("m", ADAM)
-    fresh, stale = _datum(5), _datum(9)
-    fresh["policy_version"], stale["policy_version"] = 3, 0
-    out = be.run_pass([PassRequest("r", "m", "cross_entropy", {"max_staleness": 1}, False, [fresh, stale])])[0]
+        be.run_pass([_req("r", "m", [_datum(5)])])
+        be.optim_step("m", AdamParams(**ADAM))
+    fresh, stale = _datum(5, policy_version=3), _datum(9, policy_version=0)
+    out = be.run_pass([_req("r", "m", [fresh, stale], config=LossConfig(max_staleness=1))])[0]
     assert out["metrics"]["staleness:max"] == 3.0
     assert out["metrics"]["dropped_stale:sum"] == 1.0

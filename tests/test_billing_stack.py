@@ -39,13 +39,15 @@ def test_every_completed_request_has_exactly_one_ledger_row_and_failures_none(st
     rows = {r["request_id"]: r for r in ledger_rows(stack.database_url, workload.tenant_ids)}
     with _db(stack) as conn:
         statuses = {r["id"]: r for r in conn.execute(
-            "SELECT id, status, kind, n_tokens, api_key_id, tenant_id FROM requests WHERE tenant_id = ANY(%s)",
-            (workload.tenant_ids,))}
+            "SELECT id, status, kind, n_tokens, api_key_id, tenant_id, model_id, seq_id FROM requests "
+            "WHERE tenant_id = ANY(%s)", (workload.tenant_ids,))}
     done = {rid for rid, r in statuses.items() if r["status"] == "done"}
     failed = {rid for rid, r in statuses.items() if r["status"] == "failed"}
     assert set(rows) == done  # create_model, optim_step and save included (at zero cost)
     assert failed and not (failed & set(rows))
-    assert {s.request_id for s in workload.requests if not s.expect_ok} == failed
+    placeholders = {rid for rid, r in statuses.items() if (r["model_id"], r["seq_id"]) in workload.refused}
+    assert len(placeholders) == len(workload.refused)  # a refused call still holds its seq_id, failed
+    assert {s.request_id for s in workload.requests if not s.expect_ok} | placeholders == failed
     submitted = {s.request_id: s for s in workload.requests}
     for rid, row in rows.items():
         req = statuses[rid]
@@ -218,7 +220,7 @@ def test_quilt_usage_prints_spend_by_day_and_by_model(stack, workload):
     tenant = workload.tenants[0]
     env = {**os.environ, "QUILT_DATABASE_URL": stack.database_url, "QUILT_REDIS_URL": stack.redis_url,
            "QUILT_DATA_DIR": str(stack.data_dir)}
-    out = subprocess.run([sys.executable, "-m", "core.cli", "usage", tenant.name], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "stack.cli", "usage", tenant.name], env=env, capture_output=True,
                          text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     today = datetime.now(UTC).date().isoformat()

@@ -127,7 +127,7 @@ def _start_worker(stack, fake, queue: str, log_path: str) -> subprocess.Popen:
            "QUILT_STRIPE_MAX_NETWORK_RETRIES": "0", "QUILT_BILLING_SETTLE_S": "0"}
     env.pop("QUILT_STRIPE_API_KEY", None)
     with open(log_path, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "celery", "-A", "core.celery_app", "worker", "-Q", queue,
+        return subprocess.Popen([sys.executable, "-m", "celery", "-A", "stack.celery_worker", "worker", "-Q", queue,
                                  "--concurrency", "1", "--loglevel", "INFO", "-n", f"{queue}@%h"],
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 

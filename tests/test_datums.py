@@ -6,8 +6,10 @@ import math
 
 import pytest
 
-from api.datums import Limits, RawDatum, RawTensor, normalise
+from api.datums import Limits, RawDatum, RawTensor, normalise, pass_work
 from core.errors import InvalidInput
+from core.loss_spec import LossConfig
+from core.work import Datum, PassWork
 
 LIMITS = Limits(vocab_size=100, max_context_length=16, max_datums=4, max_tokens=40)
 
@@ -29,7 +31,7 @@ def err(data, loss_fn="cross_entropy") -> InvalidInput:
 def test_good_data_is_normalised_and_counted():
     out, n = normalise([d([1, 2, 3], weights=[1, 0, 1])], "cross_entropy", LIMITS)
     assert n == 3
-    assert out == [{"tokens": [1, 2, 3], "inputs": {"target_tokens": [1, 2, 3], "weights": [1.0, 0.0, 1.0]}}]
+    assert out == (Datum((1, 2, 3), {"target_tokens": (1, 2, 3), "weights": (1.0, 0.0, 1.0)}),)
 
 
 @pytest.mark.parametrize("data, field, words", [
@@ -58,3 +60,45 @@ def test_unknown_loss_and_foreign_inputs():
 def test_two_dimensional_inputs_are_refused_clearly():
     two_d = RawDatum([1, 2], {"target_tokens": RawTensor([1, 2, 3, 4], "int64", [2, 2])})
     assert "1-D" in err([two_d]).message
+
+
+def _rl(tokens, **extra) -> RawDatum:
+    n = len(tokens)
+    inputs = {"target_tokens": RawTensor(tokens, "int64", None), "logprobs": RawTensor([-1.0] * n, "float32", None),
+              "advantages": RawTensor([1.0] * n, "float32", None)}
+    return RawDatum(tokens, inputs | {k: RawTensor(v, "float32", None) for k, v in extra.items()})
+
+
+@pytest.mark.parametrize("data, field, words", [
+    ([_rl([1, 2], clip_high_threshold=[0.9, 1.2])], "data[0].loss_fn_inputs.clip_high_threshold",
+     ["position 0 is 0.9", ">= 1"]),
+    ([_rl([1, 2], clip_low_threshold=[0.5, 1.5])], "data[0].loss_fn_inputs.clip_low_threshold",
+     ["position 1 is 1.5", "[0, 1]"]),
+    ([d([1, 2], targets=[1.5, 2])], "data[0].loss_fn_inputs.target_tokens", ["1.5"]),
+    ([d([1, 2], targets=[-1, 2])], "data[0].loss_fn_inputs.target_tokens", ["-1"]),
+])
+def test_rl_inputs_are_checked_at_the_edge(data, field, words):
+    e = err(data, "ppo" if "clip" in field else "cross_entropy")
+    assert e.field == field
+    for w in words:
+        assert w in e.message
+
+
+def test_pass_work_parses_the_loss_config_once():
+    work, n = pass_work("ppo", {"clip_low_threshold": 0.7, "max_staleness": 2.0}, [_rl([3, 4, 5])], LIMITS)
+    assert n == 3
+    assert work == PassWork("ppo", LossConfig(clip_low_threshold=0.7, max_staleness=2), work.data)
+    assert PassWork.from_json(work.to_json()) == work
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"clip_ratio": 0.2}, "loss_fn_config.clip_ratio"),
+    ({"current_policy_version": 3}, "loss_fn_config.current_policy_version"),
+    ({"beta": math.inf}, "loss_fn_config.beta"),
+    ({"clip_low_threshold": 1.3}, "loss_fn_config.clip_low_threshold"),
+    ([1, 2], "loss_fn_config"),
+])
+def test_a_bad_loss_config_is_a_400_naming_the_key(config, field):
+    with pytest.raises(InvalidInput) as info:
+        pass_work("ppo", config, [_rl([3, 4])], LIMITS)
+    assert info.value.field == field and info.value.status_code == 400

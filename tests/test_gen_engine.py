@@ -20,9 +20,9 @@ pytest.importorskip("vllm")
 
 from genutil import Reference, make_adapter
 
-from gen_pool.adapters import AdapterError, AdapterRef
+from core.work import AdapterRef, SamplingSpec
+from gen_pool.adapters import AdapterError
 from gen_pool.engine import GenEngine, SeqRequest
-from gen_pool.params import SamplingSpec
 from gen_pool.settings import GenPoolSettings
 
 LOGPROB_TOL = 1e-3
@@ -48,7 +48,7 @@ class Loop:
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    from core.tiny_model import build_tiny_model
+    from stack.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("gen")
     base = build_tiny_model(root / "tiny").path

@@ -8,16 +8,9 @@ import pickle
 import pytest
 import torch
 
-from batcher.losses import (
-    LOSS_FUNCTIONS,
-    DatumLoss,
-    LossConfig,
-    LossInputError,
-    compute_loss,
-    parse_loss_config,
-    reduce_metrics,
-    validate_datum_inputs,
-)
+from batcher.losses import DatumLoss, compute_loss, reduce_metrics
+from core.errors import InvalidInput
+from core.loss_spec import LOSS_FUNCTIONS, LossConfig, parse_loss_config
 
 N = 24
 
@@ -155,7 +148,6 @@ def test_ppo_thresholds_from_inputs_override_config():
         clip_low_threshold=torch.tensor(lo, dtype=torch.float64),
         clip_high_threshold=torch.tensor(hi, dtype=torch.float64),
     )
-    validate_datum_inputs("ppo", inputs, N, 0)
     config = LossConfig(clip_low_threshold=0.8, clip_high_threshold=1.2)
     result, grad = _run("ppo", lp, inputs, config)
 
@@ -209,7 +201,6 @@ def test_elementwise_loss_sums_to_loss_and_logprobs_are_returned_detached():
 def test_float32_logprobs_work_with_list_inputs():
     lp_T = torch.tensor([-1.0, -0.5, -2.0], requires_grad=True)
     inputs = {"target_tokens": [1, 2, 3], "logprobs": [-1.1, -0.4, -2.0], "advantages": [1.0, -1.0, 0.5]}
-    validate_datum_inputs("ppo", inputs, 3, 0)
     result = compute_loss("ppo", lp_T, inputs, LossConfig())
     result.loss.backward()
     assert result.loss.dtype == torch.float32
@@ -334,25 +325,23 @@ def test_every_metric_key_has_exactly_one_colon():
 
 
 def test_unknown_loss_fn_is_named():
-    with pytest.raises(LossInputError, match="'gspo'.*must be one of.*cross_entropy") as info:
-        validate_datum_inputs("gspo", {}, 0, 0)
-    assert info.value.field == "loss_fn"
-    with pytest.raises(LossInputError, match="nope"):
+    with pytest.raises(InvalidInput, match="'nope'.*must be one of.*cross_entropy") as info:
         parse_loss_config("nope", None)
-    with pytest.raises(LossInputError, match="nope"):
+    assert info.value.field == "loss_fn"
+    with pytest.raises(InvalidInput, match="nope"):
         compute_loss("nope", torch.zeros(1), {}, LossConfig())
 
 
 def test_unknown_config_key_names_key_and_allowed_keys():
-    with pytest.raises(LossInputError, match="'clip_ratio'.*allowed keys: clip_low_threshold") as info:
+    with pytest.raises(InvalidInput, match="'clip_ratio'.*allowed keys: clip_low_threshold") as info:
         parse_loss_config("ppo", {"clip_ratio": 0.2})
-    assert info.value.field == "clip_ratio"
+    assert info.value.field == "loss_fn_config.clip_ratio"
 
 
 def test_server_only_config_key_is_rejected():
-    with pytest.raises(LossInputError, match="set by the server") as info:
+    with pytest.raises(InvalidInput, match="set by the server") as info:
         parse_loss_config("ppo", {"current_policy_version": 3})
-    assert info.value.field == "current_policy_version"
+    assert info.value.field == "loss_fn_config.current_policy_version"
 
 
 @pytest.mark.parametrize(
@@ -372,9 +361,9 @@ def test_server_only_config_key_is_rejected():
     ],
 )
 def test_bad_config_values_name_the_key(raw, field):
-    with pytest.raises(LossInputError) as info:
+    with pytest.raises(InvalidInput) as info:
         parse_loss_config("dro", raw)
-    assert info.value.field == field
+    assert info.value.field == f"loss_fn_config.{field}"
     assert field in str(info.value)
 
 
@@ -385,69 +374,12 @@ def test_config_parses_proto_doubles_and_nulls():
     assert config.max_staleness == 2 and isinstance(config.max_staleness, int)
     assert config.is_weight_cap is None
     assert parse_loss_config("ppo", None) == LossConfig()
+    assert LossConfig.from_json(config.to_json()) == config
 
 
-def test_length_mismatch_names_the_field():
-    inputs = {"target_tokens": [1, 2, 3], "logprobs": [-1.0, -1.0, -1.0], "advantages": [1.0, 1.0]}
-    with pytest.raises(LossInputError, match=r"datums\[4\].*'advantages'.*length 2.*3 tokens") as info:
-        validate_datum_inputs("ppo", inputs, 3, 4)
-    assert info.value.field == "advantages"
-
-
-def test_missing_and_extra_keys_are_named():
-    with pytest.raises(LossInputError, match="missing 'advantages'") as info:
-        validate_datum_inputs("cispo", {"target_tokens": [1], "logprobs": [-1.0]}, 1, 0)
-    assert info.value.field == "advantages"
-    with pytest.raises(LossInputError, match="unknown key 'mask'.*allowed keys") as info:
-        validate_datum_inputs("cross_entropy", {"target_tokens": [1], "mask": [1.0]}, 1, 0)
-    assert info.value.field == "mask"
-    with pytest.raises(LossInputError, match="'clip_low_threshold'"):
-        validate_datum_inputs(
-            "importance_sampling",
-            {"target_tokens": [1], "logprobs": [-1.0], "advantages": [1.0], "clip_low_threshold": [0.8]},
-            1,
-            0,
-        )
-
-
-def test_non_finite_and_non_integer_inputs_are_rejected():
-    base = {"target_tokens": [1, 2], "logprobs": [-1.0, -1.0], "advantages": [1.0, 1.0]}
-    with pytest.raises(LossInputError, match="finite; position 1") as info:
-        validate_datum_inputs("ppo", {**base, "advantages": [1.0, float("nan")]}, 2, 0)
-    assert info.value.field == "advantages"
-    with pytest.raises(LossInputError, match="integers") as info:
-        validate_datum_inputs("ppo", {**base, "target_tokens": [1.0, 2.0]}, 2, 0)
-    assert info.value.field == "target_tokens"
-    with pytest.raises(LossInputError, match=">= 0"):
-        validate_datum_inputs("ppo", {**base, "target_tokens": [-1, 2]}, 2, 0)
-    with pytest.raises(LossInputError, match="vocabulary size 10"):
-        validate_datum_inputs("ppo", {**base, "target_tokens": [1, 10]}, 2, 0, vocab_size=10)
-
-
-def test_two_dimensional_targets_are_rejected_clearly():
-    inputs = {"target_tokens": torch.zeros(3, 4, dtype=torch.int64), "weights": torch.ones(3, 4)}
-    with pytest.raises(LossInputError, match="top-K distillation.*not supported") as info:
-        validate_datum_inputs("cross_entropy", inputs, 3, 0)
-    assert info.value.field == "target_tokens"
-
-
-def test_per_token_thresholds_are_range_checked():
-    base = {"target_tokens": [1, 2], "logprobs": [-1.0, -1.0], "advantages": [1.0, 1.0]}
-    with pytest.raises(LossInputError, match=r"'clip_high_threshold'.*position 0 is 0.9") as info:
-        validate_datum_inputs("ppo", {**base, "clip_high_threshold": [0.9, 1.2]}, 2, 0)
-    assert info.value.field == "clip_high_threshold"
-
-
-def test_valid_datums_pass_validation():
-    validate_datum_inputs("cross_entropy", {"target_tokens": [5, 6], "weights": [0, 1]}, 2, 0)
-    validate_datum_inputs(
-        "dro", {"target_tokens": [5], "logprobs": [-1.0], "advantages": [0.5], "weights": [1.0]}, 1, 0
-    )
-
-
-def test_loss_input_error_pickles():
-    error = LossInputError("datums[0].loss_fn_inputs['weights'] is bad", "weights")
-    copy = pickle.loads(pickle.dumps(error))
-    assert isinstance(copy, LossInputError) and isinstance(copy, ValueError)
-    assert copy.field == "weights" and str(copy) == str(error)
-    assert copy.category == "user"
+def test_config_errors_pickle():
+    with pytest.raises(InvalidInput) as info:
+        parse_loss_config("ppo", {"beta": -1})
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert isinstance(copy, InvalidInput) and copy.field == "loss_fn_config.beta"
+    assert str(copy) == str(info.value) and copy.category == "user"

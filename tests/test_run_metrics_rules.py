@@ -8,11 +8,12 @@ import pytest
 
 from core.errors import InvalidInput
 from core.run_metrics import MAX_NAMES, check_client_metrics, check_step, trainer_values
+from core.work import Datum
 
 
-def _datum(n: int, weights: list[float] | None = None) -> dict:
-    inputs = {"target_tokens": list(range(n))} | ({"weights": weights} if weights is not None else {})
-    return {"tokens": list(range(n)), "inputs": inputs}
+def _datum(n: int, weights: list[float] | None = None) -> Datum:
+    inputs = {"target_tokens": tuple(range(n))} | ({"weights": tuple(weights)} if weights is not None else {})
+    return Datum(tuple(range(n)), inputs)
 
 
 def test_loss_per_token_divides_by_the_weights():

@@ -53,9 +53,10 @@ def test_save_and_load_state_round_trip(stack, tenant):
 def test_failed_future_raises_a_user_request_error(stack, tenant):
     with stack.sdk(tenant.key) as client:
         tc = client.create_training_client(TINY, rank=4)
-        with pytest.raises(quilt.UserRequestError) as info:
-            tc.forward_backward(_data(), loss_fn_config={"no_such_knob": 1.0}).result()
-        assert info.value.request_id and "no_such_knob" in str(info.value)
+        tc.save_state("taken").result()
+        with pytest.raises(quilt.UserRequestError) as info:  # the name exists: the trainer refuses
+            tc.save_state("taken").result()
+        assert info.value.request_id and "already exists" in str(info.value)
 
 
 def test_http_errors_are_typed(stack, tenant):

@@ -12,8 +12,8 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import pytest
 
-from core import tiny_model
-from core.tiny_model import (
+from stack import tiny_model
+from stack.tiny_model import (
     REQUIRED_FILES,
     TINY_MODEL_NAME,
     VLLM_CPU_HEAD_DIMS,

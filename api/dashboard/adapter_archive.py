@@ -15,18 +15,11 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from batcher.backend import OPTIMIZER_FILE
+from core.checkpoint_files import adapter_files
 
 CHUNK = 1 << 20
 _BLOCK = tarfile.BLOCKSIZE
 _RECORD = tarfile.RECORDSIZE
-
-
-def adapter_files(directory: Path) -> list[Path]:
-    """The files that make the adapter: everything a checkpoint directory holds except optimizer
-    state (a training checkpoint's Adam moments are not part of the adapter, and are twice its
-    size). Plain files only: nothing reached through a link is ever sent."""
-    return sorted(p for p in directory.iterdir() if p.is_file() and not p.is_symlink() and p.name != OPTIMIZER_FILE)
 
 
 def archive_name(model_id: str, name: str) -> str:

@@ -18,102 +18,28 @@ from __future__ import annotations
 import logging
 import time
 from datetime import UTC, datetime
-from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import Field, field_validator, model_validator
 
-from api import seq_gaps
+from api import admission, records, seq_gaps
 from api.deps import Pool, RedisDep, Settings, Who
-from api.schemas import ModelInputIn, _Body
-from api.submit import _admit, submit_model_request
+from api.schemas import (
+    CancelFutureRequest,
+    CreateSamplingSessionRequest,
+    SampleRequest,
+    SaveWeightsForSamplerRequest,
+)
 from core import catalog, ids, queue, retention
+from core.checkpoint_files import SAMPLER_KIND, new_version_dir
 from core.errors import InvalidInput, NotFound
 from core.settings import get_core_settings
+from core.work import AdapterRef, SampleWork, SaveWeights, WorkItem, WorkKind
 from gen_pool import params
-from gen_pool.adapters import AdapterRef
 from gen_pool.settings import get_gen_pool_settings
 from tenancy import scoped
 
 log = logging.getLogger("quilt.api.sampling")
 router = APIRouter(tags=["sampling"])
-
-SAMPLER_KIND = "sampler_weights"
-
-
-# --------------------------------------------------------------------------- bodies
-
-
-def _check_name(value: str | None) -> str | None:
-    if value is not None and not ids.CHECKPOINT_NAME_RE.match(value):
-        raise ValueError("checkpoint name must be 1-128 characters of letters, digits, '.', '_' or '-'")
-    return value
-
-
-class SaveWeightsForSamplerRequest(_Body):
-    model_id: str = Field(max_length=256)
-    seq_id: int = Field(ge=1, le=2**31 - 1)
-    path: str | None = Field(None, description="checkpoint name (named form)")
-    sampling_session_seq_id: int | None = Field(None, ge=0, le=2**31 - 1, description="anonymous form")
-    kind: str | None = Field(None, max_length=32)
-    ttl_seconds: int | None = Field(None, ge=retention.MIN_TTL_S, le=retention.MAX_TTL_S,
-                                    description="delete the weights this long after the save; default: named "
-                                                "kept, anonymous expire QUILT_ANON_SAMPLER_TTL_S after last use")
-
-    @field_validator("path")
-    @classmethod
-    def _name(cls, value: str | None) -> str | None:
-        return _check_name(value)
-
-    @model_validator(mode="after")
-    def _one_form(self) -> SaveWeightsForSamplerRequest:
-        if self.path is None and self.sampling_session_seq_id is None:
-            raise ValueError("give either path (a checkpoint name) or sampling_session_seq_id")
-        return self
-
-
-class CreateSamplingSessionRequest(_Body):
-    session_id: str = Field(max_length=128)
-    sampling_session_seq_id: int = Field(ge=0, le=2**31 - 1)
-    model_path: str | None = Field(None, max_length=1024)
-    base_model: str | None = Field(None, max_length=256)
-
-    @model_validator(mode="after")
-    def _one_target(self) -> CreateSamplingSessionRequest:
-        if (self.model_path is None) == (self.base_model is None):
-            raise ValueError("give exactly one of model_path or base_model")
-        return self
-
-
-class SamplingParamsIn(_Body):
-    max_tokens: int | None = None
-    seed: int | None = None
-    stop: str | list[int] | list[str] | None = None
-    temperature: float = Field(1.0, allow_inf_nan=False)
-    top_k: int = -1
-    top_p: float = Field(1.0, allow_inf_nan=False)
-
-
-class SampleRequest(_Body):
-    sampling_session_id: str | None = Field(None, max_length=256)
-    seq_id: int | None = None
-    base_model: str | None = Field(None, max_length=256)
-    model_path: str | None = Field(None, max_length=1024)
-    num_samples: int = Field(1, ge=1)
-    prompt: ModelInputIn
-    sampling_params: SamplingParamsIn = Field(default_factory=SamplingParamsIn)
-    prompt_logprobs: bool = False
-    prompt_logprobs_last_n: int | None = Field(None, ge=0)
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
-    prompt_alt_tokens_k: int = 0
-    deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False,
-                                     description="Quilt: abort and fail the request if unfinished after this")
-
-
-class CancelFutureRequest(_Body):
-    request_id: str = Field(max_length=128)
-
 
 # --------------------------------------------------------------------------- helpers
 
@@ -163,36 +89,36 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, request: 
     QUILT_ANON_SAMPLER_TTL_S after its last use unless `ttl_seconds` says otherwise.
     """
     seq_gaps.claim(request, body.model_id, body.seq_id)
-    work: dict[str, Any] = {"overwrite": True}
+    sampler_id = None
     async with pool.connection() as conn:
-        model = await scoped.get_model(conn, who, body.model_id)
+        model = await admission.usable_model(conn, who, body.model_id, seq_id=body.seq_id)
         if body.path is not None:
             name = body.path
         else:
             # Deterministic, so a retried submission names the same weights as the first one.
             name = f"anon-{body.seq_id}"
-            sid = f"{model['session_id']}:sample:{body.sampling_session_seq_id}"
+            sampler_id = f"{model['session_id']}:sample:{body.sampling_session_seq_id}"
             path = ids.tinker_path(body.model_id, SAMPLER_KIND, name)
-            cur = await conn.execute(
-                "INSERT INTO sampling_sessions (id, tenant_id, session_id, seq_id, base_model, model_id, model_path) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING RETURNING id",
-                (sid, who.tenant_id, model["session_id"], body.sampling_session_seq_id, model["base_model"],
-                 body.model_id, path),
-            )
-            if await cur.fetchone() is None:
-                row = await scoped.get_sampling_session(conn, who, sid)
+            if not await records.insert_sampling_session(conn, who, sampler_id, session_id=model["session_id"],
+                                                         seq_id=body.sampling_session_seq_id,
+                                                         base_model=model["base_model"], model_id=body.model_id,
+                                                         model_path=path):
+                row = await scoped.get_sampling_session(conn, who, sampler_id)
                 if row["model_path"] != path:
                     raise InvalidInput(f"sampling_session_seq_id {body.sampling_session_seq_id} is already used "
-                                       f"by sampler {sid!r}", field="sampling_session_seq_id")
-            work["sampling_session_id"] = sid
-    life = retention.lifetime(anonymous=body.path is None, ttl_seconds=body.ttl_seconds,
-                              anon_ttl_s=get_core_settings().anon_sampler_ttl_s)
-    # A new directory per publication: the pool may still serve (and reload) the previous version.
-    work.update(name=name, ttl_s=life.ttl_s, sliding=life.sliding,
-                storage_path=retention.new_version_dir(get_core_settings().checkpoint_dir, who.tenant_id,
-                                                       body.model_id, SAMPLER_KIND, name))
-    return await submit_model_request(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id,
-                                      kind="save_weights_for_sampler", body=work)
+                                       f"by sampler {sampler_id!r}", field="sampling_session_seq_id")
+        life = retention.lifetime(anonymous=body.path is None, ttl_seconds=body.ttl_seconds,
+                                  anon_ttl_s=get_core_settings().anon_sampler_ttl_s)
+        # A new directory per publication: the pool may still serve (and reload) the previous version.
+        work = SaveWeights(name=name, overwrite=True, ttl_s=life.ttl_s, sliding=life.sliding,
+                           sampling_session_id=sampler_id,
+                           storage_path=new_version_dir(get_core_settings().checkpoint_dir, who.tenant_id,
+                                                        body.model_id, SAMPLER_KIND, name))
+        item = WorkItem(ids.new_request_id(), who.tenant_id, body.model_id, body.seq_id,
+                        WorkKind.SAVE_WEIGHTS_FOR_SAMPLER, 0, work)
+        request_id = await admission.admit(conn, redis, who, admission.Ticket(
+            item, model["base_model"], admission.SeqSlot.of(model, body.seq_id)))
+    return admission.future_response(request_id, body.model_id)
 
 
 @router.post("/create_sampling_session")
@@ -210,11 +136,9 @@ async def create_sampling_session(body: CreateSamplingSessionRequest, who: Who, 
             base_name, model_id = await _base_of_model(conn, run), run
         else:
             base_name = (await _sampleable(conn, body.base_model)).name
-        await conn.execute(
-            "INSERT INTO sampling_sessions (id, tenant_id, session_id, seq_id, base_model, model_id, model_path) "
-            "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
-            (sid, who.tenant_id, body.session_id, body.sampling_session_seq_id, base_name, model_id, body.model_path),
-        )
+        await records.insert_sampling_session(conn, who, sid, session_id=body.session_id,
+                                              seq_id=body.sampling_session_seq_id, base_model=base_name,
+                                              model_id=model_id, model_path=body.model_path)
         row = await scoped.get_sampling_session(conn, who, sid)
     if row["model_path"] != body.model_path or row["base_model"] != base_name:
         raise InvalidInput(f"sampling_session_seq_id {body.sampling_session_seq_id} is already used by sampler "
@@ -279,49 +203,22 @@ async def asample(body: SampleRequest, who: Who, pool: Pool, redis: RedisDep, se
         raise InvalidInput(f"deadline_s {deadline_s} exceeds the limit of {gen.max_deadline_s}", field="deadline_s")
     async with pool.connection() as conn:
         base, adapter = await _resolve(conn, who, body)
-    limits = params.Limits(base.vocab_size, base.max_context_length, gen.max_samples, gen.max_new_tokens,
-                           gen.default_max_tokens, gen.max_stop_entries, gen.max_stop_chars)
-    prompt = params.check_prompt([t for c in body.prompt.chunks for t in c.tokens], limits)
-    spec = params.normalise(body.sampling_params.model_dump(), len(prompt), limits)
-
-    request_id = ids.new_request_id()
-    dedupe = None
-    if body.sampling_session_id is not None and body.seq_id is not None:
-        # The SDK resubmits after timeouts and 5xx; the same (sampler, seq_id) is the same request.
-        dedupe = f"quilt:sample-seq:{body.sampling_session_id}:{body.seq_id}"
-        won = await redis.set(dedupe, f"{request_id}|{body.num_samples}", nx=True, ex=settings.future_ttl_seconds)
-        if not won:
-            existing = (await redis.get(dedupe) or b"").decode()
-            if existing:
-                rid, n = existing.split("|")
-                return _future(rid, int(n))
-    n_tokens = len(prompt) * body.num_samples
-    now = time.time()
-    try:
-        async with pool.connection() as conn:
-            await _admit(conn, who)
-            await conn.execute(
-                "INSERT INTO requests (id, tenant_id, api_key_id, model_id, seq_id, kind, n_tokens) "
-                "VALUES (%s, %s, %s, %s, NULL, 'sample', %s)",
-                (request_id, who.tenant_id, who.key_id, body.sampling_session_id, n_tokens),
-            )
-    except BaseException:
-        if dedupe:
-            await redis.delete(dedupe)
-        raise
-    work = {"prompt": prompt, "n": body.num_samples, "spec": spec.to_json(), "prompt_logprobs": body.prompt_logprobs,
-            "prompt_logprobs_last_n": body.prompt_logprobs_last_n, "adapter": adapter.to_json() if adapter else None,
-            "submitted_at": now, "deadline_at": now + deadline_s}
-    item = queue.WorkItem(request_id=request_id, tenant_id=who.tenant_id, model_id=body.sampling_session_id or "",
-                          seq_id=body.seq_id or 0, kind="sample", n_tokens=n_tokens, body=work)
-    try:
-        await queue.enqueue_sample(redis, base.name, item)
-    except Exception:
-        log.exception("could not enqueue %s", request_id)
-        async with pool.connection() as conn:
-            await conn.execute("UPDATE requests SET status = 'failed', finished_at = now() WHERE id = %s",
-                               (request_id,))
-        raise
+        limits = params.Limits(base.vocab_size, base.max_context_length, gen.max_samples, gen.max_new_tokens,
+                               gen.default_max_tokens, gen.max_stop_entries, gen.max_stop_chars)
+        prompt = params.check_prompt([t for c in body.prompt.chunks for t in c.tokens], limits)
+        spec = params.normalise(body.sampling_params.model_dump(), len(prompt), limits)
+        now = time.time()
+        work = SampleWork(prompt=tuple(prompt), n=body.num_samples, spec=spec, adapter=adapter, submitted_at=now,
+                          deadline_at=now + deadline_s, prompt_logprobs=body.prompt_logprobs,
+                          prompt_logprobs_last_n=body.prompt_logprobs_last_n)
+        item = WorkItem(ids.new_request_id(), who.tenant_id, body.sampling_session_id or "", body.seq_id or 0,
+                        WorkKind.SAMPLE, len(prompt) * body.num_samples, work)
+        slot = None
+        if body.sampling_session_id is not None and body.seq_id is not None:
+            # The SDK resubmits after timeouts and 5xx; the same (sampler, seq_id) is the same request.
+            slot = admission.RedisSlot(f"quilt:sample-seq:{body.sampling_session_id}:{body.seq_id}",
+                                       settings.future_ttl_seconds)
+        request_id = await admission.admit(conn, redis, who, admission.Ticket(item, base.name, slot))
     return _future(request_id, body.num_samples)
 
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from psycopg.types.json import Jsonb
 
+from api import records
 from api.deps import Pool, Who
-from api.schemas import CreateSessionRequest, FinishSessionRequest, SessionHeartbeatRequest
+from api.schemas import (
+    CreateSessionRequest,
+    FinishSessionRequest,
+    SessionHeartbeatRequest,
+)
 from core import ids
 from core.errors import UserError
 from tenancy import scoped
@@ -23,11 +27,8 @@ async def create_session(body: CreateSessionRequest, who: Who, pool: Pool) -> di
     """Open a session; models and samplers are created inside one."""
     session_id = ids.new_session_id()
     async with pool.connection() as conn:
-        await conn.execute(
-            "INSERT INTO sessions (id, tenant_id, api_key_id, tags, user_metadata, sdk_version) "
-            "VALUES (%s, %s, %s, %s, %s, %s)",
-            (session_id, who.tenant_id, who.key_id, Jsonb(body.tags), Jsonb(body.user_metadata), body.sdk_version),
-        )
+        await records.insert_session(conn, who, session_id, tags=body.tags, user_metadata=body.user_metadata,
+                                     sdk_version=body.sdk_version)
     return {"session_id": session_id, "type": "create_session"}
 
 

@@ -7,10 +7,9 @@ import json
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from psycopg.types.json import Jsonb
 from pydantic import ValidationError
 
-from api import datums, seq_gaps, tinker_proto
+from api import admission, datums, records, seq_gaps, tinker_proto
 from api.deps import Pool, RedisDep, Settings, Who
 from api.schemas import (
     CreateModelRequest,
@@ -20,17 +19,28 @@ from api.schemas import (
     OptimStepRequest,
     SaveWeightsRequest,
 )
-from api.submit import _admit, enqueue, future_response, submit_model_request
-from core import catalog, ids, queue, retention
+from core import catalog, ids
+from core.checkpoint_files import TRAINING_KIND, new_version_dir
 from core.errors import Forbidden, InvalidInput, NotFound
+from core.loss_spec import spec_of
 from core.settings import get_core_settings, get_trainer_settings
+from core.work import (
+    AdamParams,
+    CreateModel,
+    LoadWeights,
+    LoraShape,
+    OptimStep,
+    SaveWeights,
+    WorkItem,
+    WorkKind,
+)
 from tenancy import scoped
 
 router = APIRouter(tags=["training"])
 
 
-async def _new_model(pool, redis, who, *, session_id: str, model_seq_id: int, base_model: str, lora: dict,
-                     user_metadata: dict | None, work: dict) -> dict:
+async def _new_model(pool, redis, who, *, session_id: str, model_seq_id: int, base_model: str, lora: LoraShape,
+                     user_metadata: dict | None, load: LoadWeights | None) -> dict:
     """Record a new training model and queue its first request (seq_id 0): a create, or a
     create-from-checkpoint. A repeat of the same (session, model_seq_id) returns the first future."""
     model_id = ids.training_model_id(session_id, model_seq_id)
@@ -42,33 +52,33 @@ async def _new_model(pool, redis, who, *, session_id: str, model_seq_id: int, ba
         if base is None or not base.trainable:
             names = [m.name for m in await catalog.list_models(conn) if m.trainable]
             raise NotFound(f"base_model {base_model!r} is not served here; choose one of {names}", field="base_model")
-        cur = await conn.execute(
-            "SELECT id FROM requests WHERE model_id = %s AND seq_id = 0 AND tenant_id = %s", (model_id, who.tenant_id)
-        )
-        existing = await cur.fetchone()
-        if existing:
-            return future_response(existing["id"], model_id)
-        live = await scoped.count_live_models(conn, who)
-        if live >= who.max_models:
-            raise Forbidden(f"{live} live models reach your limit of {who.max_models}; "
-                            "finish sessions you no longer use or ask an operator to raise max_models",
-                            field="max_models")
-        await _admit(conn, who)
-        request_id = ids.new_request_id()
-        await conn.execute(
-            "INSERT INTO training_models (id, tenant_id, session_id, model_seq_id, base_model, lora_config, user_metadata) "
-            "VALUES (%s, %s, %s, %s, %s, %s, %s)",
-            (model_id, who.tenant_id, session_id, model_seq_id, base.name, Jsonb(lora), Jsonb(user_metadata or {})),
-        )
-        await conn.execute(
-            "INSERT INTO requests (id, tenant_id, api_key_id, model_id, seq_id, kind) VALUES (%s, %s, %s, %s, 0, 'create_model')",
-            (request_id, who.tenant_id, who.key_id, model_id),
-        )
-    await enqueue(pool, redis, base.name, queue.WorkItem(
-        request_id=request_id, tenant_id=who.tenant_id, model_id=model_id, seq_id=0, kind="create_model",
-        n_tokens=0, body={"lora_config": lora, **work},
-    ))
-    return future_response(request_id, model_id)
+        slot = admission.SeqSlot(model_id, 0, *await records.seq_holder(conn, model_id, 0))
+        if slot.holder_id is None:
+            live = await scoped.count_live_models(conn, who)
+            if live >= who.max_models:
+                raise Forbidden(f"{live} live models reach your limit of {who.max_models}; "
+                                "finish sessions you no longer use or ask an operator to raise max_models",
+                                field="max_models")
+        item = WorkItem(ids.new_request_id(), who.tenant_id, model_id, 0, WorkKind.CREATE_MODEL, 0,
+                        CreateModel(lora, load))
+        new = records.NewModel(session_id, model_seq_id, base.name, lora.to_json(), user_metadata or {})
+        request_id = await admission.admit(conn, redis, who, admission.Ticket(item, base.name, slot, new_model=new))
+    return admission.future_response(request_id, model_id)
+
+
+async def _model_call(conn, redis, who, model: dict, *, seq_id: int, kind: WorkKind, body, n_tokens: int = 0) -> dict:
+    """Admit one call on `model` (a row of `admission.usable_model` read with this seq_id)."""
+    item = WorkItem(ids.new_request_id(), who.tenant_id, model["id"], seq_id, kind, n_tokens, body)
+    request_id = await admission.admit(conn, redis, who, admission.Ticket(
+        item, model["base_model"], admission.SeqSlot.of(model, seq_id)))
+    return admission.future_response(request_id, model["id"])
+
+
+async def _queue_on_model(pool, redis, who, *, model_id: str, seq_id: int, kind: WorkKind, body) -> dict:
+    """A call whose body needs nothing of the model: read it, then admit."""
+    async with pool.connection() as conn:
+        model = await admission.usable_model(conn, who, model_id, seq_id=seq_id)
+        return await _model_call(conn, redis, who, model, seq_id=seq_id, kind=kind, body=body)
 
 
 @router.post("/create_model")
@@ -79,8 +89,8 @@ async def create_model(body: CreateModelRequest, who: Who, pool: Pool, redis: Re
         raise InvalidInput(f"lora_config.rank {body.lora_config.rank} exceeds the limit of {max_rank}",
                            field="lora_config.rank")
     return await _new_model(pool, redis, who, session_id=body.session_id, model_seq_id=body.model_seq_id,
-                            base_model=body.base_model, lora=body.lora_config.model_dump(),
-                            user_metadata=body.user_metadata, work={})
+                            base_model=body.base_model, lora=LoraShape(**body.lora_config.model_dump()),
+                            user_metadata=body.user_metadata, load=None)
 
 
 @router.post("/get_info")
@@ -124,18 +134,14 @@ async def _forward(request: Request, who, pool, redis, settings, *, forward_only
     seq_gaps.claim(request, req.model_id, req.seq_id)
     if req.seq_id < 1:
         raise InvalidInput(f"seq_id must be at least 1, got {req.seq_id}", field="seq_id")
-    datums.check_loss_fn(req.loss_fn)
+    spec_of(req.loss_fn)
     async with pool.connection() as conn:
-        model = await scoped.get_model(conn, who, req.model_id)
-        base = await catalog.get_model(conn, model["base_model"])
-    limits = datums.Limits(base.vocab_size, base.max_context_length, settings.max_datums_per_request,
-                           settings.max_tokens_per_request)
-    data, n_tokens = datums.normalise(req.data, req.loss_fn, limits)
-    work = {"loss_fn": req.loss_fn, "loss_fn_config": datums.check_loss_config(req.loss_fn_config),
-            "forward_only": req.forward_only, "data": data}
-    kind = "forward" if req.forward_only else "forward_backward"
-    return await submit_model_request(pool, redis, who, model_id=req.model_id, seq_id=req.seq_id, kind=kind,
-                                      body=work, n_tokens=n_tokens)
+        model = await admission.usable_model(conn, who, req.model_id, seq_id=req.seq_id)
+        limits = datums.Limits(model["vocab_size"], model["max_context_length"], settings.max_datums_per_request,
+                               settings.max_tokens_per_request)
+        work, n_tokens = datums.pass_work(req.loss_fn, req.loss_fn_config, req.data, limits)
+        kind = WorkKind.FORWARD if req.forward_only else WorkKind.FORWARD_BACKWARD
+        return await _model_call(conn, redis, who, model, seq_id=req.seq_id, kind=kind, body=work, n_tokens=n_tokens)
 
 
 _FORWARD_BODY = {"requestBody": {"content": {
@@ -162,8 +168,8 @@ async def forward(request: Request, who: Who, pool: Pool, redis: RedisDep, setti
 async def optim_step(body: OptimStepRequest, request: Request, who: Who, pool: Pool, redis: RedisDep) -> dict:
     """Apply one AdamW step with the accumulated gradients, then clear them (a future)."""
     seq_gaps.claim(request, body.model_id, body.seq_id)
-    return await submit_model_request(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id,
-                                      kind="optim_step", body={"adam_params": body.adam_params.model_dump()})
+    return await _queue_on_model(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id, kind=WorkKind.OPTIM_STEP,
+                             body=OptimStep(AdamParams(**body.adam_params.model_dump())))
 
 
 @router.post("/save_weights")
@@ -171,11 +177,11 @@ async def save_weights(body: SaveWeightsRequest, request: Request, who: Who, poo
     """Save adapter and optimizer state as `tinker://{model_id}/weights/{name}` (a future);
     `ttl_seconds` deletes it that long after the save."""
     seq_gaps.claim(request, body.model_id, body.seq_id)
-    work = {"name": body.path, "overwrite": body.overwrite, "ttl_s": body.ttl_seconds,
-            "storage_path": retention.new_version_dir(get_core_settings().checkpoint_dir, who.tenant_id,
-                                                      body.model_id, "weights", body.path)}
-    return await submit_model_request(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id,
-                                      kind="save_weights", body=work)
+    work = SaveWeights(name=body.path, overwrite=body.overwrite, ttl_s=body.ttl_seconds,
+                       storage_path=new_version_dir(get_core_settings().checkpoint_dir, who.tenant_id, body.model_id,
+                                                    TRAINING_KIND, body.path))
+    return await _queue_on_model(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id,
+                             kind=WorkKind.SAVE_WEIGHTS, body=work)
 
 
 @router.post("/load_weights")
@@ -188,15 +194,15 @@ async def load_weights(body: LoadWeightsRequest, request: Request, who: Who, poo
         run, kind, name = ids.parse_tinker_path(body.path)
     except ValueError as exc:
         raise InvalidInput(str(exc), field="path") from None
-    if kind != "weights":
+    if kind != TRAINING_KIND:
         raise InvalidInput(f"path must name a training checkpoint (.../weights/...), got kind {kind!r}", field="path")
     async with pool.connection() as conn:
         ckpt = await scoped.get_checkpoint(conn, who, run, kind, name)
         source = await scoped.get_model(conn, who, run) if body.model_id is None else None
-    load = {"storage_path": ckpt["storage_path"], "optimizer": body.optimizer, "path": body.path}
+    load = LoadWeights(storage_path=ckpt["storage_path"], optimizer=body.optimizer, path=body.path)
     if body.model_id is None:
         return await _new_model(pool, redis, who, session_id=body.session_id, model_seq_id=body.model_seq_id,
-                                base_model=source["base_model"], lora=source["lora_config"],
-                                user_metadata=body.user_metadata, work={"load": load})
-    return await submit_model_request(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id,
-                                      kind="load_weights", body=load)
+                                base_model=source["base_model"], lora=LoraShape.from_json(source["lora_config"]),
+                                user_metadata=body.user_metadata, load=load)
+    return await _queue_on_model(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id,
+                             kind=WorkKind.LOAD_WEIGHTS, body=load)

@@ -1,5 +1,5 @@
-"""Sampling requests held by a generation worker that died are taken over by a live one; those of a
-worker that is alive (however long they run) are left alone."""
+"""Requests held by a worker that died are taken over by a live one (generation workers and the
+trainer share the consumer); those of a worker that is alive (however long they run) are left alone."""
 
 from __future__ import annotations
 
@@ -7,17 +7,24 @@ import time
 
 from stackutil import wait_future
 
-from core import db, health, ids, queue, redis_client
-from gen_pool.params import SamplingSpec
+from core import consumer, db, health, ids, queue, redis_client
+from core.work import (
+    CreateModel,
+    LoraShape,
+    SampleWork,
+    SamplingSpec,
+    WorkItem,
+    WorkKind,
+)
 
 TINY = "quilt/tiny-qwen3"
 
 
 def test_orphaned_consumers_policy():
     pending = {"gen-0": 3, "gen-1": 2, "gen-2": 0, "gen-3": 5}
-    assert queue.orphaned_consumers(pending, alive={"gen-0", "gen-3"}, me="gen-0") == ["gen-1"]
-    assert queue.orphaned_consumers(pending, alive=set(), me="gen-1") == ["gen-0", "gen-3"]
-    assert queue.orphaned_consumers({}, alive=set(), me="gen-0") == []
+    assert consumer.orphaned_consumers(pending, alive={"gen-0", "gen-3"}, me="gen-0") == ["gen-1"]
+    assert consumer.orphaned_consumers(pending, alive=set(), me="gen-1") == ["gen-0", "gen-3"]
+    assert consumer.orphaned_consumers({}, alive=set(), me="gen-0") == []
 
 
 def _deliver(stack, r, tenant, consumer: str) -> tuple[str, str]:
@@ -27,11 +34,10 @@ def _deliver(stack, r, tenant, consumer: str) -> tuple[str, str]:
     with db.connect(stack.database_url) as conn:
         conn.execute("INSERT INTO requests (id, tenant_id, model_id, seq_id, kind, n_tokens) "
                      "VALUES (%s, %s, NULL, NULL, 'sample', 6)", (request_id, tenant.tenant_id))
-    work = {"prompt": [5, 6, 7], "n": 2, "spec": SamplingSpec(max_tokens=4, eos_stops=False).to_json(),
-            "prompt_logprobs": False, "prompt_logprobs_last_n": None, "adapter": None,
-            "submitted_at": now, "deadline_at": now + 600}
-    item = queue.WorkItem(request_id=request_id, tenant_id=tenant.tenant_id, model_id="", seq_id=0, kind="sample",
-                          n_tokens=6, body=work)
+    work = SampleWork(prompt=(5, 6, 7), n=2, spec=SamplingSpec(max_tokens=4, eos_stops=False), adapter=None,
+                      submitted_at=now, deadline_at=now + 600)
+    item = WorkItem(request_id=request_id, tenant_id=tenant.tenant_id, model_id="", seq_id=0, kind=WorkKind.SAMPLE,
+                    n_tokens=6, body=work)
     stream = queue.sample_stream(TINY)
     pipe = r.pipeline(transaction=True)
     pipe.xadd(stream, item.to_fields())
@@ -74,3 +80,23 @@ def test_a_dead_workers_requests_are_taken_over(stack, tenant):
         r.xdel(stream, busy_entry)
         with db.connect(stack.database_url) as conn:
             conn.execute("UPDATE requests SET status = 'failed', finished_at = now() WHERE id = %s", (busy_id,))
+
+
+def test_a_dead_trainers_requests_are_taken_over(stack, tenant):
+    """The trainer shares the consumer (core.consumer): a create_model held by a trainer consumer
+    that died is taken over by the live trainer and answered."""
+    r = redis_client.sync_client(stack.redis_url)
+    request_id, model_id = ids.new_request_id(), f"{tenant.name}-takeover:train:0"
+    with db.connect(stack.database_url) as conn:
+        conn.execute("INSERT INTO requests (id, tenant_id, model_id, seq_id, kind) VALUES (%s, %s, %s, 0, 'create_model')",
+                     (request_id, tenant.tenant_id, model_id))
+    item = WorkItem(request_id, tenant.tenant_id, model_id, 0, WorkKind.CREATE_MODEL, 0, CreateModel(LoraShape(rank=4)))
+    stream = queue.train_stream(TINY)
+    pipe = r.pipeline(transaction=True)
+    pipe.xadd(stream, item.to_fields())
+    pipe.xreadgroup(queue.TRAIN_GROUP, "trainer-dead", {stream: ">"}, count=1)
+    _, read = pipe.execute()
+    assert read, read
+    result = wait_future(stack.http(tenant.key), request_id, timeout_s=120)
+    assert result == {"type": "create_model", "model_id": model_id}, result
+    assert r.xpending_range(stream, queue.TRAIN_GROUP, min="-", max="+", count=10, consumername="trainer-dead") == []

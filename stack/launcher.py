@@ -71,7 +71,7 @@ def prepare(data_dir: Path | None = None) -> tuple[str, str]:
 
 def ensure_tiny_model(conn) -> catalog.BaseModel:
     """Build the tiny local base model (idempotent) and add it to the catalogue."""
-    from core.tiny_model import TINY_MODEL_NAME, build_tiny_model
+    from stack.tiny_model import TINY_MODEL_NAME, build_tiny_model
 
     info = build_tiny_model(get_core_settings().models_dir / "tiny-qwen3")
     model = catalog.BaseModel(name=TINY_MODEL_NAME, path=info.path, vocab_size=info.vocab_size,
@@ -89,7 +89,7 @@ def _children(db_url: str, redis_url: str, host: str, port: int) -> list[Child]:
     children = [
         Child("api", [py, "-m", "uvicorn", "--factory", "api.app:create_app", "--host", host, "--port", str(port),
                       "--timeout-graceful-shutdown", "5"], env, logs / "api.log"),
-        Child("celery", [py, "-m", "celery", "-A", "core.celery_app", "worker", "-B", "--concurrency", "1",
+        Child("celery", [py, "-m", "celery", "-A", "stack.celery_worker", "worker", "-B", "--concurrency", "1",
                          "--loglevel", "INFO", "-s", str(settings.data_dir / "celerybeat-schedule")],
               env, logs / "celery.log"),
     ]

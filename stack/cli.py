@@ -17,14 +17,14 @@ def _data_dir_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _prepared(args) -> str:
-    from core.launcher import prepare
+    from stack.launcher import prepare
 
     db_url, _ = prepare(args.data_dir)
     return db_url
 
 
 def cmd_up(args) -> int:
-    from core.launcher import up
+    from stack.launcher import up
 
     return up(data_dir=args.data_dir, host=args.host, port=args.port)
 
@@ -37,7 +37,7 @@ def cmd_migrate(args) -> int:
 
 def cmd_models_create_tiny(args) -> int:
     from core import db
-    from core.launcher import ensure_tiny_model
+    from stack.launcher import ensure_tiny_model
 
     with db.connect(_prepared(args)) as conn:
         model = ensure_tiny_model(conn)

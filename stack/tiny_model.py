@@ -204,7 +204,12 @@ def read_model_info(path: Path | str, *, name: str = TINY_MODEL_NAME) -> TinyMod
 def _build_into(dest: Path, *, seed: int, spec: TinyModelSpec) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        GenerationConfig,
+        PreTrainedTokenizerFast,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     backend = _train_tokenizer(spec.vocab_size)
     tokenizer = PreTrainedTokenizerFast(

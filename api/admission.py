@@ -1,0 +1,154 @@
+"""Admission: the one path by which work enters a worker's stream.
+
+    async with pool.connection() as conn:          # the route's one checkout
+        model = await usable_model(conn, who, model_id, seq_id=seq_id)   # read once, 404 if not yours
+        ... validate the body against the model's base ...
+        request_id = await admit(conn, redis, who, Ticket(item, base_model, SeqSlot.of(model, seq_id)))
+
+`admit` runs, in order: the idempotency rule (a retried call gets the existing future), the
+tenant's in-flight quota (429), its monthly budgets (402, billing.budgets; skipped for calls that
+meter no tokens), the request row (and a new model's row), a commit, then the stream entry. The
+row is committed before the entry exists, so a worker never sees work the database does not know;
+if Redis refuses the entry, the row is marked failed rather than left queued.
+
+The idempotency rule is a parameter: `SeqSlot` for training calls (unique `(model_id, seq_id)` in
+Postgres; the slot's current holder comes with the model read), `RedisSlot` for sampling (the SDK's
+sampling sequence ids exceed int32, so a Redis key held for the future's lifetime), or none.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from psycopg import AsyncConnection
+from redis.asyncio import Redis
+
+from api import records
+from billing import budgets
+from core import queue
+from core.errors import InvalidInput, QuotaExceeded
+from core.work import WorkItem
+from tenancy import scoped
+from tenancy.auth import Principal
+
+log = logging.getLogger("quilt.api.admission")
+
+_UNUSABLE = {"failed": "failed to be created", "lost": "was lost when its trainer restarted; load a checkpoint into a new model"}
+
+
+@dataclass(frozen=True)
+class SeqSlot:
+    """A training call's identity: `seq_id` of `model_id`, and the request holding it, if any."""
+
+    model_id: str
+    seq_id: int
+    holder_id: str | None = None
+    holder_kind: str | None = None
+
+    @classmethod
+    def of(cls, model: dict, seq_id: int) -> SeqSlot:
+        """From a row of `usable_model(..., seq_id=seq_id)`."""
+        return cls(model["id"], seq_id, model.get("seq_holder_id"), model.get("seq_holder_kind"))
+
+
+@dataclass(frozen=True)
+class RedisSlot:
+    """A sampling call's identity: a Redis key, held (naming the request) for `ttl_s`."""
+
+    key: str
+    ttl_s: int
+
+
+@dataclass(frozen=True)
+class Ticket:
+    item: WorkItem
+    base_model: str
+    slot: SeqSlot | RedisSlot | None
+    row_kind: str | None = None  # the request row's kind, when it differs from the item's (a placeholder)
+    check_quota: bool = True  # placeholders for refused calls hold no new work: no quota, no budget
+    new_model: records.NewModel | None = None
+
+
+async def usable_model(conn: AsyncConnection, who: Principal, model_id: str, *, seq_id: int | None = None) -> dict:
+    """The caller's model, if requests may still be queued on it (else 404 / 400); with `seq_id`,
+    the row also names the request already holding that seq_id (tenancy.scoped.get_model)."""
+    model = await scoped.get_model(conn, who, model_id, seq_id=seq_id)
+    if model["status"] in _UNUSABLE:
+        raise InvalidInput(f"model {model_id!r} {_UNUSABLE[model['status']]}", field="model_id")
+    return model
+
+
+def _holder(slot: SeqSlot, kind: str, holder_id: str | None, holder_kind: str | None) -> str | None:
+    if holder_id is None:
+        return None
+    if holder_kind != kind:
+        # 400, not 409: the tinker SDK retries 409 for minutes, and this is a client bug, not a race.
+        raise InvalidInput(f"seq_id {slot.seq_id} of model {slot.model_id!r} was already used by a "
+                           f"{holder_kind} request", field="seq_id")
+    return holder_id
+
+
+async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Ticket) -> str:
+    """Admit one call (see the module docstring); returns its request id, or the id of the request
+    a retry of the same call already made. Commits `conn`."""
+    item, slot = ticket.item, ticket.slot
+    row_kind = ticket.row_kind or str(item.kind)
+    if isinstance(slot, SeqSlot):
+        existing = _holder(slot, row_kind, slot.holder_id, slot.holder_kind)
+        if existing:
+            return existing
+    elif isinstance(slot, RedisSlot):
+        if not await redis.set(slot.key, item.request_id, nx=True, ex=slot.ttl_s):
+            existing = await redis.get(slot.key)
+            if existing:
+                return existing.decode()
+    try:
+        if ticket.check_quota:
+            await _quota_and_budget(conn, who, billable=item.n_tokens > 0)
+        if ticket.new_model is not None:
+            await records.insert_training_model(conn, who, item.model_id, ticket.new_model)
+        inserted = await records.insert_request(
+            conn, who, item.request_id, model_id=item.model_id or None,
+            seq_id=item.seq_id if isinstance(slot, SeqSlot) else None, kind=row_kind, n_tokens=item.n_tokens,
+            touch_model=isinstance(slot, SeqSlot) and ticket.new_model is None)
+        if not inserted:  # a concurrent duplicate won the insert
+            await conn.rollback()
+            holder = await records.seq_holder(conn, slot.model_id, slot.seq_id)
+            return _holder(slot, row_kind, *holder) or item.request_id
+        await conn.commit()
+    except BaseException:
+        if isinstance(slot, RedisSlot):
+            await redis.delete(slot.key)
+        raise
+    try:
+        await queue.enqueue(redis, ticket.base_model, item)
+    except Exception:
+        log.exception("could not enqueue %s", item.request_id)
+        await records.mark_failed(conn, item.request_id)
+        await conn.commit()
+        if isinstance(slot, RedisSlot):
+            await redis.delete(slot.key)
+        raise
+    return item.request_id
+
+
+async def _quota_and_budget(conn: AsyncConnection, who: Principal, *, billable: bool) -> None:
+    """Quota, then budget. Calls that meter no tokens (optim_step, save, load) skip the budget, so a
+    tenant over budget can still step and save the work it paid for."""
+    inflight = await scoped.count_inflight(conn, who)
+    if inflight >= who.max_inflight_requests:
+        raise QuotaExceeded(
+            f"{inflight} requests in flight reach your limit of {who.max_inflight_requests}; "
+            "wait for some futures to finish",
+            field="max_inflight_requests",
+        )
+    if billable:
+        await budgets.check(conn, tenant_id=who.tenant_id, tenant_name=who.tenant_name, key_id=who.key_id)
+
+
+def future_response(request_id: str, model_id: str | None) -> dict:
+    out = {"request_id": request_id}
+    if model_id:
+        out["model_id"] = model_id
+    return out

@@ -1,0 +1,78 @@
+"""The API's writes to the resource records: sessions, samplers, training models and request rows.
+Every row is stamped with the caller's tenant; routes hold no SQL writes of their own (reads go
+through tenancy.scoped)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from psycopg import AsyncConnection
+from psycopg.types.json import Jsonb
+
+from tenancy.auth import Principal
+
+
+@dataclass(frozen=True)
+class NewModel:
+    """The training model a create_model call brings into being, written beside its request row."""
+
+    session_id: str
+    model_seq_id: int
+    base_model: str
+    lora_config: dict
+    user_metadata: dict
+
+
+async def insert_session(conn: AsyncConnection, who: Principal, session_id: str, *, tags: list, user_metadata: dict,
+                         sdk_version: str | None) -> None:
+    await conn.execute(
+        "INSERT INTO sessions (id, tenant_id, api_key_id, tags, user_metadata, sdk_version) "
+        "VALUES (%s, %s, %s, %s, %s, %s)",
+        (session_id, who.tenant_id, who.key_id, Jsonb(tags), Jsonb(user_metadata), sdk_version),
+    )
+
+
+async def insert_sampling_session(conn: AsyncConnection, who: Principal, sampler_id: str, *, session_id: str,
+                                  seq_id: int, base_model: str, model_id: str | None, model_path: str | None) -> bool:
+    """Record a sampler; False if its id (session, sampling seq id) exists already."""
+    cur = await conn.execute(
+        "INSERT INTO sampling_sessions (id, tenant_id, session_id, seq_id, base_model, model_id, model_path) "
+        "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING RETURNING id",
+        (sampler_id, who.tenant_id, session_id, seq_id, base_model, model_id, model_path),
+    )
+    return await cur.fetchone() is not None
+
+
+async def insert_training_model(conn: AsyncConnection, who: Principal, model_id: str, model: NewModel) -> None:
+    await conn.execute(
+        "INSERT INTO training_models (id, tenant_id, session_id, model_seq_id, base_model, lora_config, "
+        "user_metadata) VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
+        (model_id, who.tenant_id, model.session_id, model.model_seq_id, model.base_model, Jsonb(model.lora_config),
+         Jsonb(model.user_metadata)),
+    )
+
+
+async def insert_request(conn: AsyncConnection, who: Principal, request_id: str, *, model_id: str | None,
+                         seq_id: int | None, kind: str, n_tokens: int, touch_model: bool) -> bool:
+    """Insert a request's row (and, with `touch_model`, note the model's last request) in one
+    statement; False if `(model_id, seq_id)` is taken already."""
+    cur = await conn.execute(
+        "WITH r AS (INSERT INTO requests (id, tenant_id, api_key_id, model_id, seq_id, kind, n_tokens) "
+        "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (model_id, seq_id) DO NOTHING RETURNING id), "
+        "touched AS (UPDATE training_models SET last_request_at = now() "
+        "WHERE %s AND id = %s AND EXISTS (SELECT 1 FROM r)) "
+        "SELECT id FROM r",
+        (request_id, who.tenant_id, who.key_id, model_id, seq_id, kind, n_tokens, touch_model, model_id),
+    )
+    return await cur.fetchone() is not None
+
+
+async def seq_holder(conn: AsyncConnection, model_id: str, seq_id: int) -> tuple[str | None, str | None]:
+    """(request id, kind) of the request at `seq_id` of `model_id`, or (None, None)."""
+    cur = await conn.execute("SELECT id, kind FROM requests WHERE model_id = %s AND seq_id = %s", (model_id, seq_id))
+    row = await cur.fetchone()
+    return (row["id"], row["kind"]) if row else (None, None)
+
+
+async def mark_failed(conn: AsyncConnection, request_id: str) -> None:
+    await conn.execute("UPDATE requests SET status = 'failed', finished_at = now() WHERE id = %s", (request_id,))

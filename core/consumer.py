@@ -1,0 +1,209 @@
+"""A worker's side of a work stream, written once for both workers.
+
+    ensure_group      create the consumer group (and the stream) if missing
+    read              new entries (`>`), or this consumer's own unacknowledged ones after a restart
+    reclaim           take over the pending entries of consumers that died (no liveness key)
+    finish            publish the future's result, write the durable record, acknowledge
+    heartbeat         refresh this consumer's liveness key (its pending entries stay its own)
+
+Delivery rules, the same for the trainer and the generation pool:
+  * an entry delivered more than `max_deliveries` times (each crash and restart, or take-over,
+    delivers it again) is failed instead of run: it is what keeps killing the worker;
+  * an entry whose fields were deleted while pending, or that is not a readable work item, is
+    acknowledged (failed first when its request id can be read), never retried forever;
+  * a live consumer's entries are never taken, however long they run; a dead one's are taken once
+    they have been idle `reclaim_idle_ms`.
+Finishing order: Redis first so the waiting client is answered, then the durable record (request
+row and ledger, through the `settle` callable the worker passes, once per request), then the ack.
+A crash between any two leaves the entry pending, so it is delivered again, and `settle` ignores
+the second attempt.
+
+`StreamConsumer` is the synchronous face (the trainer's loop); `AsyncStreamConsumer` runs the same
+methods off the event loop for the generation worker: blocking reads on one thread, everything
+else on another, so results and acknowledgements never queue behind a read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from core import health, queue
+from core.errors import ServerError
+from core.work import MalformedWork, WorkItem
+
+log = logging.getLogger("quilt.consumer")
+
+MAX_DELIVERIES = 3
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One work item as this consumer received it."""
+
+    stream_id: str
+    item: WorkItem
+
+
+# Writes a finished request's durable record: (item, outcome, the worker's usage details).
+Settle = Callable[[WorkItem, queue.Outcome, Any], None]
+
+
+def orphaned_consumers(pending: dict[str, int], alive: set[str], me: str) -> list[str]:
+    """Consumers whose pending entries another worker should take over: they hold some, and have
+    no liveness key (they died and did not come back under the same name)."""
+    return sorted(c for c, n in pending.items() if n > 0 and c != me and c not in alive)
+
+
+def over_delivered(counts: dict[str, int], stream_id: str, max_deliveries: int) -> bool:
+    """Whether an entry was delivered too often to be run again (counts are from before this read)."""
+    return counts.get(stream_id, 0) > max_deliveries
+
+
+class StreamConsumer:
+    def __init__(self, redis, *, stream: str, group: str, consumer: str, settle: Settle, result_ttl_s: int,
+                 liveness_ttl_s: int, what: str, max_deliveries: int = MAX_DELIVERIES, batch: int = 512,
+                 reclaim_idle_ms: int | None = None):
+        self.redis = redis
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self.settle = settle
+        self.result_ttl_s = result_ttl_s
+        self.liveness_ttl_s = liveness_ttl_s
+        self.what = what  # "trained", "sampled": for the message of an over-delivered request
+        self.max_deliveries = max_deliveries
+        self.batch = batch
+        self.reclaim_idle_ms = reclaim_idle_ms if reclaim_idle_ms is not None else liveness_ttl_s * 1000
+
+    # ------------------------------------------------------------------ intake
+
+    def ensure_group(self) -> None:
+        try:
+            self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except Exception as exc:  # BUSYGROUP: it exists already
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read(self, *, block_ms: int | None = None, own_pending: bool = False) -> list[Delivery]:
+        """New entries, waiting up to `block_ms` for the first (None: don't wait); or, with
+        `own_pending`, this consumer's unacknowledged entries from before a restart."""
+        counts = self._delivery_counts() if own_pending else {}
+        reply = self.redis.xreadgroup(self.group, self.consumer, {self.stream: "0" if own_pending else ">"},
+                                      count=self.batch, block=None if own_pending else block_ms)
+        return self._accept(reply[0][1] if reply else [], counts)
+
+    def reclaim(self) -> list[Delivery]:
+        """Take over the pending entries of consumers that died and did not come back (another
+        replica, or this one under an old name)."""
+        summary = self.redis.xpending(self.stream, self.group)
+        pending = {_text(c["name"]): int(c["pending"]) for c in summary.get("consumers") or []}
+        alive = {c for c in pending if self.redis.exists(health.consumer_key(self.stream, c))}
+        taken: list[Delivery] = []
+        for consumer in orphaned_consumers(pending, alive, self.consumer):
+            stale = self.redis.xpending_range(self.stream, self.group, min="-", max="+", count=1000,
+                                              consumername=consumer, idle=self.reclaim_idle_ms)
+            if not stale:
+                continue
+            counts = {_text(p["message_id"]): int(p["times_delivered"]) for p in stale}
+            # min_idle_time again: if two workers race, the second finds the entries freshly claimed.
+            claimed = self.redis.xclaim(self.stream, self.group, self.consumer, min_idle_time=self.reclaim_idle_ms,
+                                        message_ids=[p["message_id"] for p in stale])
+            if claimed:
+                log.warning("taking over %d requests of %s on %s, which stopped", len(claimed), consumer, self.stream)
+                taken += self._accept(claimed, counts)
+        return taken
+
+    def _delivery_counts(self) -> dict[str, int]:
+        pending = self.redis.xpending_range(self.stream, self.group, min="-", max="+", count=10_000,
+                                            consumername=self.consumer)
+        return {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
+
+    def _accept(self, entries: list, counts: dict[str, int]) -> list[Delivery]:
+        out = []
+        for stream_id, fields in entries:
+            sid = _text(stream_id)
+            if not fields:  # deleted while pending
+                self.ack(sid)
+                continue
+            try:
+                item = WorkItem.from_fields(fields)
+            except MalformedWork as exc:
+                self._drop_malformed(sid, fields, exc)
+                continue
+            delivery = Delivery(sid, item)
+            if over_delivered(counts, sid, self.max_deliveries):
+                self.finish(delivery, queue.failure(item.request_id, ServerError(
+                    f"request {item.request_id} was being {self.what} each of the last {self.max_deliveries} times "
+                    "its worker died; it is failed so the others can go on")))
+                continue
+            out.append(delivery)
+        return out
+
+    def _drop_malformed(self, stream_id: str, fields: dict, exc: Exception) -> None:
+        log.error("dropping unreadable entry %s on %s: %s", stream_id, self.stream, exc)
+        try:
+            raw = json.loads(fields.get(WorkItem.FIELD.encode()) or fields.get(WorkItem.FIELD))
+            request_id = str(raw["request_id"])
+        except (TypeError, ValueError, KeyError):
+            self.ack(stream_id)
+            return
+        outcome = queue.failure(request_id, ServerError(f"malformed request: {exc}"))
+        queue.publish(self.redis, outcome, self.result_ttl_s)
+        self.ack(stream_id)
+
+    # ------------------------------------------------------------------ results
+
+    def finish(self, delivery: Delivery, outcome: queue.Outcome, usage: Any = None) -> None:
+        queue.publish(self.redis, outcome, self.result_ttl_s)
+        self.settle(delivery.item, outcome, usage)
+        self.ack(delivery.stream_id)
+
+    def ack(self, stream_id: str) -> None:
+        pipe = self.redis.pipeline()
+        pipe.xack(self.stream, self.group, stream_id)
+        pipe.xdel(self.stream, stream_id)
+        pipe.execute()
+
+    def heartbeat(self) -> None:
+        self.redis.set(health.consumer_key(self.stream, self.consumer), b"1", ex=self.liveness_ttl_s)
+
+
+class AsyncStreamConsumer:
+    """The same consumer for an asyncio worker: each call runs on a worker thread."""
+
+    def __init__(self, sync: StreamConsumer):
+        self.sync = sync
+        self._reads = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-read")
+        self._writes = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-write")
+
+    async def _on(self, pool, fn, *args, **kw):
+        return await asyncio.get_running_loop().run_in_executor(pool, lambda: fn(*args, **kw))
+
+    async def ensure_group(self) -> None:
+        await self._on(self._writes, self.sync.ensure_group)
+
+    async def read(self, *, block_ms: int | None = None, own_pending: bool = False) -> list[Delivery]:
+        return await self._on(self._reads, self.sync.read, block_ms=block_ms, own_pending=own_pending)
+
+    async def reclaim(self) -> list[Delivery]:
+        return await self._on(self._writes, self.sync.reclaim)
+
+    async def finish(self, delivery: Delivery, outcome: queue.Outcome, usage: Any = None) -> None:
+        await self._on(self._writes, self.sync.finish, delivery, outcome, usage)
+
+    async def heartbeat(self) -> None:
+        await self._on(self._writes, self.sync.heartbeat)
+
+    def shutdown(self) -> None:
+        self._reads.shutdown(wait=False, cancel_futures=True)
+        self._writes.shutdown(wait=False, cancel_futures=True)

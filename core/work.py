@@ -1,0 +1,339 @@
+"""The work contract: every item that crosses Redis from the API to a worker, one frozen type each.
+
+    WorkItem(request_id, tenant_id, model_id, seq_id, kind, n_tokens, body)
+
+    kind                        body            goes to
+    create_model                CreateModel     trainer (seq_id 0; may load a checkpoint too)
+    forward, forward_backward   PassWork        trainer, fused with other models' passes
+    optim_step                  OptimStep       trainer, a barrier for its own model
+    save_weights                SaveWeights     trainer (adapter + optimizer state)
+    save_weights_for_sampler    SaveWeights     trainer (adapter only, tagged with its policy version)
+    load_weights                LoadWeights     trainer
+    rejected                    Rejected        trainer: a refused call passing in its seq_id's place
+    sample                      SampleWork      generation pool (one GRPO group)
+
+The API builds bodies only from validated input; workers trust them. Every type converts to and
+from plain JSON explicitly (`to_json` / `from_json`), so what a worker reads is exactly what the
+API wrote, and a malformed entry fails loudly in `WorkItem.from_fields` instead of deep in a worker.
+Torch-free and I/O-free: the API, both workers, the simulator and the tests import it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any, ClassVar, Mapping
+
+from core.loss_spec import LossConfig
+
+SEED_MAX = 2**63 - 1
+
+
+class WorkKind(StrEnum):
+    CREATE_MODEL = "create_model"
+    FORWARD = "forward"
+    FORWARD_BACKWARD = "forward_backward"
+    OPTIM_STEP = "optim_step"
+    SAVE_WEIGHTS = "save_weights"
+    SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
+    LOAD_WEIGHTS = "load_weights"
+    REJECTED = "rejected"
+    SAMPLE = "sample"
+
+    @property
+    def is_pass(self) -> bool:
+        """Runs in the fused forward/backward pass (everything else of a model is a barrier)."""
+        return self in (WorkKind.FORWARD, WorkKind.FORWARD_BACKWARD)
+
+
+# ----------------------------------------------------------------------------------- training
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """A training model's LoRA: its rank, which module groups carry it, and the init seed."""
+
+    rank: int
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> LoraShape:
+        return cls(rank=int(obj["rank"]), seed=obj.get("seed"), train_attn=bool(obj.get("train_attn", True)),
+                   train_mlp=bool(obj.get("train_mlp", True)), train_unembed=bool(obj.get("train_unembed", True)))
+
+
+@dataclass(frozen=True)
+class LoadWeights:
+    """Load a training checkpoint: its files, whether the optimizer state comes along, and the
+    tinker path the client named (echoed in the result)."""
+
+    storage_path: str
+    optimizer: bool
+    path: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> LoadWeights:
+        return cls(str(obj["storage_path"]), bool(obj["optimizer"]), str(obj["path"]))
+
+
+@dataclass(frozen=True)
+class CreateModel:
+    lora: LoraShape
+    load: LoadWeights | None = None  # create-from-checkpoint: the first request also loads its state
+
+    def to_json(self) -> dict[str, Any]:
+        return {"lora": self.lora.to_json(), "load": self.load.to_json() if self.load else None}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> CreateModel:
+        load = obj.get("load")
+        return cls(LoraShape.from_json(obj["lora"]), LoadWeights.from_json(load) if load else None)
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One validated training example: model-input tokens and per-token loss inputs
+    (`target_tokens` as ints, every other key as floats), all of the tokens' length."""
+
+    tokens: tuple[int, ...]
+    inputs: Mapping[str, tuple[float, ...] | tuple[int, ...]]
+    policy_version: int | None = None  # the sampler's policy version, for staleness accounting
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"tokens": list(self.tokens), "inputs": {k: list(v) for k, v in self.inputs.items()}}
+        if self.policy_version is not None:
+            out["policy_version"] = self.policy_version
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Datum:
+        return cls(tuple(obj["tokens"]), {k: tuple(v) for k, v in obj["inputs"].items()}, obj.get("policy_version"))
+
+
+@dataclass(frozen=True)
+class PassWork:
+    """A forward or forward_backward: which loss, its parsed config, and the data. Whether
+    gradients are kept is the item's kind, never a field here."""
+
+    loss_fn: str
+    loss_config: LossConfig
+    data: tuple[Datum, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"loss_fn": self.loss_fn, "loss_config": self.loss_config.to_json(),
+                "data": [d.to_json() for d in self.data]}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> PassWork:
+        return cls(obj["loss_fn"], LossConfig.from_json(obj["loss_config"]),
+                   tuple(Datum.from_json(d) for d in obj["data"]))
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0: no clipping
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> AdamParams:
+        return cls(**{k: float(v) for k, v in obj.items()})
+
+
+@dataclass(frozen=True)
+class OptimStep:
+    adam: AdamParams
+
+    def to_json(self) -> dict[str, Any]:
+        return {"adam": self.adam.to_json()}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> OptimStep:
+        return cls(AdamParams.from_json(obj["adam"]))
+
+
+@dataclass(frozen=True)
+class SaveWeights:
+    """A save (training checkpoint) or a publication for sampling (sampler weights): the
+    checkpoint's name, the fresh version directory the API chose, and how long it lives."""
+
+    name: str
+    storage_path: str
+    overwrite: bool
+    ttl_s: int | None = None
+    sliding: bool = False  # every use restarts the clock (anonymous sampler snapshots)
+    sampling_session_id: str | None = None  # the anonymous form's sampler, echoed in the result
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> SaveWeights:
+        return cls(str(obj["name"]), str(obj["storage_path"]), bool(obj["overwrite"]), obj.get("ttl_s"),
+                   bool(obj.get("sliding", False)), obj.get("sampling_session_id"))
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A call the API refused for good, failing in its seq_id's place (api.seq_gaps)."""
+
+    error: str
+    field: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Rejected:
+        return cls(str(obj["error"]), obj.get("field"))
+
+
+# ----------------------------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling parameters in their one normalised form (gen_pool.params validates them)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = -1  # -1 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    eos_stops: bool = True  # False when `stop` was given (including [])
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["stop_strings"], out["stop_token_ids"] = list(self.stop_strings), list(self.stop_token_ids)
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> SamplingSpec:
+        return cls(**{**obj, "stop_strings": tuple(obj.get("stop_strings", ())),
+                      "stop_token_ids": tuple(obj.get("stop_token_ids", ()))})
+
+    def sample_seed(self, index: int) -> int | None:
+        """The seed of the `index`-th sequence of a group: distinct per sequence, reproducible."""
+        if self.seed is None:
+            return None
+        return (self.seed + 1_000_003 * index) % SEED_MAX
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """One published adapter version: what a sample request names."""
+
+    key: str  # identity of the version (its immutable storage path)
+    path: str
+    model_id: str  # the training model it came from (tags every sequence)
+    name: str = ""  # checkpoint name, for messages
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any] | None) -> AdapterRef | None:
+        return cls(**obj) if obj else None
+
+
+@dataclass(frozen=True)
+class SampleWork:
+    """One `sample(n)` request: a GRPO group of n sequences from one prompt."""
+
+    prompt: tuple[int, ...]
+    n: int
+    spec: SamplingSpec
+    adapter: AdapterRef | None  # None: the base model
+    submitted_at: float
+    deadline_at: float
+    prompt_logprobs: bool = False
+    prompt_logprobs_last_n: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt": list(self.prompt), "n": self.n, "spec": self.spec.to_json(),
+                "adapter": self.adapter.to_json() if self.adapter else None, "submitted_at": self.submitted_at,
+                "deadline_at": self.deadline_at, "prompt_logprobs": self.prompt_logprobs,
+                "prompt_logprobs_last_n": self.prompt_logprobs_last_n}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> SampleWork:
+        return cls(tuple(obj["prompt"]), int(obj["n"]), SamplingSpec.from_json(obj["spec"]),
+                   AdapterRef.from_json(obj.get("adapter")), float(obj["submitted_at"]), float(obj["deadline_at"]),
+                   bool(obj.get("prompt_logprobs")), obj.get("prompt_logprobs_last_n"))
+
+
+# ----------------------------------------------------------------------------------- the item
+
+Body = CreateModel | PassWork | OptimStep | SaveWeights | LoadWeights | Rejected | SampleWork
+
+BODY_TYPES: Mapping[WorkKind, type] = {
+    WorkKind.CREATE_MODEL: CreateModel,
+    WorkKind.FORWARD: PassWork,
+    WorkKind.FORWARD_BACKWARD: PassWork,
+    WorkKind.OPTIM_STEP: OptimStep,
+    WorkKind.SAVE_WEIGHTS: SaveWeights,
+    WorkKind.SAVE_WEIGHTS_FOR_SAMPLER: SaveWeights,
+    WorkKind.LOAD_WEIGHTS: LoadWeights,
+    WorkKind.REJECTED: Rejected,
+    WorkKind.SAMPLE: SampleWork,
+}
+
+
+class MalformedWork(ValueError):
+    """A stream entry that is not a work item this code can read."""
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One request for a worker: who, which model and position, what kind, and its typed body.
+    For sampling, `model_id` is the sampler (or "") and `seq_id` the SDK's sequence (or 0)."""
+
+    request_id: str
+    tenant_id: str
+    model_id: str
+    seq_id: int
+    kind: WorkKind
+    n_tokens: int
+    body: Body = field(repr=False)
+
+    FIELD: ClassVar[str] = "item"
+
+    def __post_init__(self) -> None:
+        expected = BODY_TYPES[WorkKind(self.kind)]
+        if not isinstance(self.body, expected):
+            raise TypeError(f"a {self.kind} item carries a {expected.__name__}, not {type(self.body).__name__}")
+
+    def to_fields(self) -> dict[str, str]:
+        return {self.FIELD: json.dumps({"request_id": self.request_id, "tenant_id": self.tenant_id,
+                                        "model_id": self.model_id, "seq_id": self.seq_id, "kind": str(self.kind),
+                                        "n_tokens": self.n_tokens, "body": self.body.to_json()},
+                                       separators=(",", ":"))}
+
+    @classmethod
+    def from_fields(cls, fields: Mapping) -> WorkItem:
+        raw = fields.get(cls.FIELD.encode()) or fields.get(cls.FIELD)
+        try:
+            obj = json.loads(raw)
+            kind = WorkKind(obj["kind"])
+            return cls(str(obj["request_id"]), str(obj["tenant_id"]), str(obj["model_id"]), int(obj["seq_id"]),
+                       kind, int(obj["n_tokens"]), BODY_TYPES[kind].from_json(obj["body"]))
+        except (TypeError, ValueError, KeyError) as exc:
+            raise MalformedWork(f"unreadable work item: {type(exc).__name__}: {exc}") from None

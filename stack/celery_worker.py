@@ -1,0 +1,25 @@
+"""The Celery worker and beat: `celery -A stack.celery_worker worker -B`.
+
+The entry point names the task modules (importing them registers their tasks on `core.celery_app`)
+and the beat schedule.
+"""
+
+from __future__ import annotations
+
+from celery.schedules import crontab
+
+import billing.tasks  # noqa: F401  (registers quilt.billing.*)
+import core.upkeep  # noqa: F401  (registers quilt.upkeep.*)
+from core.celery_app import app
+
+app.conf.beat_schedule = {
+    "heartbeat": {"task": "quilt.upkeep.heartbeat", "schedule": 10.0},
+    "expire-sessions": {"task": "quilt.upkeep.expire_sessions", "schedule": 60.0},
+    "sweep-checkpoints": {"task": "quilt.upkeep.sweep_checkpoints", "schedule": 60.0},
+    "sweep-orphan-checkpoints": {"task": "quilt.upkeep.sweep_orphan_checkpoints", "schedule": crontab(minute="35")},
+    # Hourly, after the previous hour's window has settled (QUILT_BILLING_SETTLE_S, 5 min).
+    "billing-stripe-sync": {"task": "quilt.billing.sync_stripe", "schedule": crontab(minute="10")},
+    "billing-stripe-customers": {"task": "quilt.billing.ensure_customers", "schedule": 900.0},
+}
+
+__all__ = ["app"]
