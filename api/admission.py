@@ -69,6 +69,12 @@ class Ticket:
     check_quota: bool = True  # placeholders for refused calls hold no new work: no quota, no budget
     new_model: records.NewModel | None = None
 
+    @property
+    def billable(self) -> bool:
+        """Whether the budget is checked: calls that meter tokens, and new models (a tenant over
+        budget may still step and save the work it paid for, but starts nothing new)."""
+        return self.item.n_tokens > 0 or self.new_model is not None
+
 
 async def usable_model(conn: AsyncConnection, who: Principal, model_id: str, *, seq_id: int | None = None) -> dict:
     """The caller's model, if requests may still be queued on it (else 404 / 400); with `seq_id`,
@@ -105,7 +111,7 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
                 return existing.decode()
     try:
         if ticket.check_quota:
-            await _quota_and_budget(conn, who, billable=item.n_tokens > 0)
+            await _quota_and_budget(conn, who, billable=ticket.billable)
         if ticket.new_model is not None:
             await records.insert_training_model(conn, who, item.model_id, ticket.new_model)
         inserted = await records.insert_request(
@@ -134,8 +140,7 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
 
 
 async def _quota_and_budget(conn: AsyncConnection, who: Principal, *, billable: bool) -> None:
-    """Quota, then budget. Calls that meter no tokens (optim_step, save, load) skip the budget, so a
-    tenant over budget can still step and save the work it paid for."""
+    """Quota, then (for billable tickets) budget."""
     inflight = await scoped.count_inflight(conn, who)
     if inflight >= who.max_inflight_requests:
         raise QuotaExceeded(

@@ -303,10 +303,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = get_trainer_settings()
     db_url = db.resolve_url()
-    with db.connect(db_url) as conn:
-        base = catalog.get_model_sync(conn, settings.base_model)
-    if base is None:
-        raise SystemExit(f"base model {settings.base_model!r} is not in the catalogue; run `quilt models create-tiny`")
+    base = catalog.worker_base(db_url, settings.base_model)
     worker = TrainerWorker(
         base_model=base.name, backend=LoraBackend(base.path, device=settings.device, max_tokens_per_pass=settings.token_budget,
                                                     offload_device=settings.offload_device),

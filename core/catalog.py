@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import psycopg
+from psycopg.rows import dict_row
 
 
 @dataclass(frozen=True)
@@ -56,3 +57,13 @@ async def get_model(conn, name: str) -> BaseModel | None:
 def get_model_sync(conn: psycopg.Connection, name: str) -> BaseModel | None:
     row = conn.execute(f"SELECT {_COLUMNS} FROM base_models WHERE name = %s", (name,)).fetchone()
     return BaseModel(**row) if row else None
+
+
+def worker_base(db_url: str, name: str) -> BaseModel:
+    """The base model a worker serves, read at its start; exits naming the fix when it is not in
+    the catalogue."""
+    with psycopg.connect(db_url, row_factory=dict_row) as conn:
+        base = get_model_sync(conn, name)
+    if base is None:
+        raise SystemExit(f"base model {name!r} is not in the catalogue; run `quilt models create-tiny`")
+    return base

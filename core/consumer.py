@@ -35,7 +35,7 @@ from typing import Any
 
 from core import health, queue
 from core.errors import ServerError
-from core.work import MalformedWork, WorkItem
+from core.work import MalformedWork, Rejected, WorkItem, WorkKind
 
 log = logging.getLogger("quilt.consumer")
 
@@ -150,16 +150,17 @@ class StreamConsumer:
         return out
 
     def _drop_malformed(self, stream_id: str, fields: dict, exc: Exception) -> None:
+        """Acknowledge an unreadable entry; first fail its request when the entry still names it
+        (so its row stops counting as in flight)."""
         log.error("dropping unreadable entry %s on %s: %s", stream_id, self.stream, exc)
         try:
             raw = json.loads(fields.get(WorkItem.FIELD.encode()) or fields.get(WorkItem.FIELD))
-            request_id = str(raw["request_id"])
+            item = WorkItem(str(raw["request_id"]), str(raw["tenant_id"]), str(raw.get("model_id") or ""),
+                            int(raw.get("seq_id") or 0), WorkKind.REJECTED, 0, Rejected("malformed request"))
         except (TypeError, ValueError, KeyError):
             self.ack(stream_id)
             return
-        outcome = queue.failure(request_id, ServerError(f"malformed request: {exc}"))
-        queue.publish(self.redis, outcome, self.result_ttl_s)
-        self.ack(stream_id)
+        self.finish(Delivery(stream_id, item), queue.failure(item.request_id, ServerError(f"malformed request: {exc}")))
 
     # ------------------------------------------------------------------ results
 

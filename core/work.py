@@ -317,7 +317,8 @@ class WorkItem:
     FIELD: ClassVar[str] = "item"
 
     def __post_init__(self) -> None:
-        expected = BODY_TYPES[WorkKind(self.kind)]
+        object.__setattr__(self, "kind", WorkKind(self.kind))  # a plain string is accepted, never kept
+        expected = BODY_TYPES[self.kind]
         if not isinstance(self.body, expected):
             raise TypeError(f"a {self.kind} item carries a {expected.__name__}, not {type(self.body).__name__}")
 

@@ -188,10 +188,7 @@ class GenWorker:
 async def _main_async() -> None:
     settings = get_gen_pool_settings()
     db_url = db.resolve_url()
-    with db.connect(db_url) as conn:
-        base = catalog.get_model_sync(conn, settings.base_model)
-    if base is None:
-        raise SystemExit(f"base model {settings.base_model!r} is not in the catalogue; run `quilt models create-tiny`")
+    base = catalog.worker_base(db_url, settings.base_model)
     workdir = Path(get_core_settings().data_dir) / "gen"
     workdir.mkdir(parents=True, exist_ok=True)
     # Signals are handled from the start: dying by SIGTERM while the engine starts would orphan

@@ -174,6 +174,10 @@ def test_over_budget_is_402_naming_the_budget_the_spend_and_the_fix(stack):
     assert f"tenant {tenant.name!r}" in body["detail"] and "spent" in body["detail"]
     assert f"quilt budgets set {tenant.name} --usd" in body["detail"]
     assert float(r.headers[SPEND]) > 0
+    session = client.post("/create_session", json={}).json()["session_id"]  # nothing new starts either
+    create = client.post("/create_model", json={"session_id": session, "model_seq_id": 0, "base_model": TINY,
+                                                "lora_config": {"rank": 4}})
+    assert create.status_code == 402 and create.json()["field"] == "budget.tenant", create.text
     # Free requests still pass, so work can be stepped and saved. The refusal used up seq_id 2
     # (api.seq_gaps): the next call is 3, and it does not wait for 2.
     opt = client.post("/optim_step", json={"model_id": model, "seq_id": 3, "adam_params": ADAM})

@@ -92,12 +92,13 @@ def test_unreadable_entries_are_dropped_and_failed_when_they_name_a_request(r, s
     ledger = Ledger()
     c = _consumer(r, stream, "c1", ledger)
     r.xadd(stream, {"item": b"\xff not json"})
-    r.xadd(stream, {"item": '{"request_id": "req-broken", "kind": "no-such-kind"}'})
+    r.xadd(stream, {"item": '{"request_id": "req-broken", "tenant_id": "t", "kind": "no-such-kind"}'})
     good = _item()
     r.xadd(stream, good.to_fields())
     assert [d.item for d in c.read()] == [good]
     broken = _future(r, "req-broken")
     assert broken is not None and "malformed request" in broken.error["error"]
+    assert ledger.rows == [("req-broken", False, None)]  # its row is finished (failed), so not in flight
     assert r.xpending(stream, GROUP)["pending"] == 1  # only the good one waits for its finish
 
 
