@@ -17,7 +17,7 @@ class _Body(BaseModel):
 
 
 def _check_name(value: str | None) -> str | None:
-    if value is not None and not CHECKPOINT_NAME_RE.match(value):
+    if value is not None and not CHECKPOINT_NAME_RE.fullmatch(value):
         raise ValueError("checkpoint name must be 1-128 characters of letters, digits, '.', '_' or '-'")
     return value
 

@@ -6,7 +6,7 @@ import re
 import secrets
 import uuid
 
-CHECKPOINT_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+CHECKPOINT_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")  # use fullmatch: `$` would let a trailing newline in
 
 
 def new_tenant_id() -> str:

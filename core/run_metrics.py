@@ -29,7 +29,7 @@ CLIENT = "client"
 MAX_NAMES = 64  # metric names in one client post
 MAX_NAME_CHARS = 64
 MAX_STEP = 2**31 - 1  # the column is an integer
-_NAME = re.compile(r"^[\w.:/-]+$")  # what the cookbook's names use ('env/all/reward_mean'); no markup
+_NAME = re.compile(r"[\w.:/-]+")  # what the cookbook's names use ('env/all/reward_mean'); no markup
 
 # The trainer's loss per weighted token (Σ loss / Σ weights), the number people plot. `loss:sum`
 # depends on the batch size, so curves of runs with different batches would not compare.
@@ -79,7 +79,7 @@ def check_client_metrics(metrics: Any) -> dict[str, float]:
         raise InvalidInput(f"metrics has {len(metrics)} names; at most {MAX_NAMES} per post", field="metrics")
     out: dict[str, float] = {}
     for name, value in metrics.items():
-        if len(name) > MAX_NAME_CHARS or not _NAME.match(name):
+        if len(name) > MAX_NAME_CHARS or not _NAME.fullmatch(name):
             raise InvalidInput(f"metric name {name[:80]!r} must be 1 to {MAX_NAME_CHARS} letters, digits or "
                                "'_.:/-'", field="metrics")
         field = f"metrics.{name}"

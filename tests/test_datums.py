@@ -102,3 +102,4 @@ def test_a_bad_loss_config_is_a_400_naming_the_key(config, field):
     with pytest.raises(InvalidInput) as info:
         pass_work("ppo", config, [_rl([3, 4])], LIMITS)
     assert info.value.field == field and info.value.status_code == 400
+

@@ -43,6 +43,7 @@ def test_client_metrics_accept_numbers():
     ({"r": True}, "metrics.r", "number"),
     ({"x" * 65: 1.0}, "metrics", "64"),
     ({"<b>": 1.0}, "metrics", "letters"),
+    ({"reward\n": 1.0}, "metrics", "letters"),  # a trailing newline: the name must match whole
     ({}, "metrics", "non-empty"),
     ([1.0], "metrics", "object"),
 ])
