@@ -33,7 +33,8 @@ def check_prompt(tokens: list, limits: Limits, *, field: str = "prompt") -> list
         raise InvalidInput(f"{field} has no tokens; send at least one", field=field)
     out = []
     for i, t in enumerate(tokens):
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or int(t) != t:
+        # is_integer() first: int() of NaN or Infinity raises instead of answering.
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or (isinstance(t, float) and not t.is_integer()):
             raise InvalidInput(f"{field} token {i} is {t!r}, not an integer token id", field=field)
         t = int(t)
         if not 0 <= t < limits.vocab_size:

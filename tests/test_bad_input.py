@@ -115,3 +115,12 @@ def test_a_bad_loss_config_is_refused_at_the_edge_and_others_continue(stack, cli
     other_model = new_model(other)
     r = other.post("/forward_backward", json=fb_body(other_model, 1, [datum([4, 5, 6])])).json()
     assert "loss:sum" in wait_future(other, r["request_id"])["metrics"]
+
+
+@pytest.mark.parametrize("token", ["NaN", "Infinity", "-Infinity"])
+def test_a_non_finite_prompt_token_is_a_400_not_a_500(client, token):
+    body = ('{"base_model": "quilt/tiny-qwen3", "num_samples": 1, "sampling_params": {"max_tokens": 2}, '
+            '"prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, %s]}]}}' % token)
+    r = client.post("/asample", content=body, headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500, r.text
+    assert r.status_code == 400 and r.json()["field"] == "prompt", r.text
