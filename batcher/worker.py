@@ -174,10 +174,7 @@ class TrainerWorker:
         try:
             return self._barriers[item.kind](item)
         except Exception as exc:
-            if not isinstance(exc, QuiltError):
-                log.exception("%s failed for %s", item.kind, item.model_id)
-                exc = ServerError(f"{item.kind} failed: {type(exc).__name__}: {exc}")
-            return exc
+            return _as_error(item, exc)
 
     # ------------------------------------------------------------------ barriers
 
@@ -189,10 +186,10 @@ class TrainerWorker:
                 self.backend.load(item.model_id, work.load.storage_path, optimizer=work.load.optimizer)
             records.set_model_status(self._db(), item.model_id, "ready")
         except Exception as exc:
+            err = _as_error(item, exc)
             self.backend.delete(item.model_id)
-            message = exc.message if isinstance(exc, QuiltError) else f"{type(exc).__name__}: {exc}"
-            records.set_model_status(self._db(), item.model_id, "failed", message)
-            raise
+            records.set_model_status(self._db(), item.model_id, "failed", err.message)
+            raise err from exc
         if work.load:
             return {"type": "load_weights", "model_id": item.model_id, "path": work.load.path}
         return {"type": "create_model", "model_id": item.model_id}
@@ -293,6 +290,14 @@ class TrainerWorker:
                       **self.backend.residency(),
                       **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items() if k != "started_at"})
         self.consumer.heartbeat()
+
+
+def _as_error(item: WorkItem, exc: Exception) -> QuiltError:
+    """A barrier's failure as the request's typed error (unexpected ones are logged, and are ours)."""
+    if isinstance(exc, QuiltError):
+        return exc
+    log.exception("%s failed for %s", item.kind, item.model_id)
+    return ServerError(f"{item.kind} failed: {type(exc).__name__}: {exc}")
 
 
 def _pass_request(item: WorkItem) -> PassRequest:

@@ -1,9 +1,10 @@
 """The queue and futures protocol between the API and the workers (Redis).
 
 Work: one stream per base model and worker kind (`quilt:train:{base}`, `quilt:sample:{base}`), read
-by a consumer group (`core.consumer`); each entry is a `core.work.WorkItem`. Results: one tiny stream per future (`quilt:future:{request_id}`) holding a single entry,
-so a long-poll is `XREAD BLOCK` from the start: it returns at once if the result is there, otherwise
-when it arrives, and any number of pollers (and re-polls) see the same result until the TTL ends.
+by a consumer group (`core.consumer`); each entry is a `core.work.WorkItem`. Results: one tiny
+stream per future (`quilt:future:{request_id}`) holding a single entry, so a long-poll is
+`XREAD BLOCK` from the start: it returns at once if the result is there, otherwise when it
+arrives, and any number of pollers (and re-polls) see the same result until the TTL ends.
 """
 
 from __future__ import annotations
