@@ -9,7 +9,17 @@ from fastapi import FastAPI
 
 from api import dashboard, errors
 from api.body_limit import BodyLimitMiddleware
-from api.routes import billing, futures, metrics, run_metrics, runs, sampling, service, sessions, training
+from api.routes import (
+    billing,
+    futures,
+    metrics,
+    run_metrics,
+    runs,
+    sampling,
+    service,
+    sessions,
+    training,
+)
 from api.spend_header import SpendHeaderMiddleware
 from core import db, redis_client
 from core.settings import get_api_settings, get_core_settings
@@ -28,6 +38,19 @@ async def _lifespan(app: FastAPI):
         await app.state.pool.close()
 
 
+def _add_schema_components(app: FastAPI, components: dict) -> None:
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schemas = build().setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in components.items():
+                schemas.setdefault(name, schema)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def create_app() -> FastAPI:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = get_api_settings()
@@ -37,6 +60,7 @@ def create_app() -> FastAPI:
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(metrics.router)
     dashboard.install(app)
+    _add_schema_components(app, training.SCHEMA_COMPONENTS)
     app.add_middleware(SpendHeaderMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     return app

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from core import numbers
 from core.errors import InvalidInput
 from core.loss_spec import INT_INPUTS, parse_loss_config, spec_of
 from core.work import Datum, PassWork
@@ -75,16 +76,26 @@ def _flat_values(field: str, tensor: RawTensor, n_tokens: int) -> list:
 
 
 def _check_floats(field: str, key: str, values: list) -> tuple[float, ...]:
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise InvalidInput(f"{field}: values must be finite numbers, found {v!r}", field=field)
+    # The trainer computes in float32: 1e300 is a float here but infinite there.
+    floats = []
+    for pos, v in enumerate(values):
+        as_float = numbers.real(v, numbers.FLOAT32_MAX)
+        if as_float is None:
+            raise InvalidInput(f"{field}: values must be numbers {numbers.describe(numbers.FLOAT32_MAX)} (float32); "
+                               f"position {pos} is {_short(v)}", field=field)
+        floats.append(as_float)
     if key in _THRESHOLD_RANGES:
         low, high = _THRESHOLD_RANGES[key]
-        for pos, v in enumerate(values):
+        for pos, v in enumerate(floats):
             if not low <= v <= high:
                 bound = f"in [{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
                 raise InvalidInput(f"{field}: must be {bound}; position {pos} is {v:.6g}", field=field)
-    return tuple(float(v) for v in values)
+    return tuple(floats)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def pass_work(loss_fn: str, loss_fn_config: dict[str, Any] | None, data: list[RawDatum],

@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from api.datums import RawDatum, RawTensor
 from core import retention
 from core.ids import CHECKPOINT_NAME_RE
+from core.numbers import INT32_MAX
+from core.work import SEED_MAX
 
 
 class _Body(BaseModel):
@@ -39,7 +41,7 @@ class FinishSessionRequest(_Body):
 
 class LoraConfig(_Body):
     rank: int = Field(ge=1, le=512)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=SEED_MAX, description="adapter initialisation seed")
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
@@ -224,27 +226,27 @@ class CreateSamplingSessionRequest(_Body):
 
 
 class SamplingParamsIn(_Body):
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, le=INT32_MAX)
     seed: int | None = None
     stop: str | list[int] | list[str] | None = None
     temperature: float = Field(1.0, allow_inf_nan=False)
-    top_k: int = -1
+    top_k: int = Field(-1, le=INT32_MAX)
     top_p: float = Field(1.0, allow_inf_nan=False)
 
 
 class SampleRequest(_Body):
     sampling_session_id: str | None = Field(None, max_length=256)
-    seq_id: int | None = None
+    seq_id: int | None = None  # only part of a Redis key: the SDK's sampling ids exceed int32
     base_model: str | None = Field(None, max_length=256)
     model_path: str | None = Field(None, max_length=1024)
-    num_samples: int = Field(1, ge=1)
+    num_samples: int = Field(1, ge=1, le=INT32_MAX)
     prompt: ModelInputIn
     sampling_params: SamplingParamsIn = Field(default_factory=SamplingParamsIn)
     prompt_logprobs: bool = False
-    prompt_logprobs_last_n: int | None = Field(None, ge=0)
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
-    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = Field(None, ge=0, le=INT32_MAX)
+    topk_prompt_logprobs: int = Field(0, le=INT32_MAX)
+    topk_sample_logprobs: int = Field(0, le=INT32_MAX)
+    prompt_alt_tokens_k: int = Field(0, le=INT32_MAX)
     deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False,
                                      description="Quilt: abort and fail the request if unfinished after this")
 

@@ -1,7 +1,7 @@
 """The protobuf encoding the official tinker SDK uses, translated to and from the same plain data
 the JSON routes use, so both encodings run one implementation.
 
-Requests: `ForwardBackwardRequest` (optionally zstd-compressed) -> fields + `RawDatum`s for
+Requests: `ForwardBackwardRequest` (decompressed by `api.body_limit`) -> fields + `RawDatum`s for
 `api.datums.normalise`. Results: the JSON results the workers store -> `ForwardBackwardOutput` and
 `SampleResponse` bytes. Message classes come from the tinker SDK's own generated module, so the
 wire format is exactly what that SDK version reads and writes.
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from api.datums import RawDatum, RawTensor
+from api.input_guard import check_text
 from core.errors import InvalidInput
 
 PROTOBUF = "application/x-protobuf"
@@ -56,21 +57,19 @@ def _tensor(pb, t, field: str) -> RawTensor:
     return RawTensor(values.tolist(), name, list(t.shape) or None)
 
 
-def decode_forward_backward(body: bytes, content_encoding: str | None) -> ForwardBackwardProto:
+def decode_forward_backward(body: bytes) -> ForwardBackwardProto:
+    """A ForwardBackwardRequest (already decompressed, within the body limit: api.body_limit)."""
     pb = _pb()
-    if content_encoding and "zstd" in content_encoding:
-        import zstandard
-
-        try:
-            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 30)
-        except zstandard.ZstdError as exc:
-            raise InvalidInput(f"body: not valid zstd ({exc})", field="body") from None
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except Exception as exc:  # DecodeError and friends: the body is not this message
         raise InvalidInput(f"body: not a ForwardBackwardRequest protobuf ({exc})", field="body") from None
+    check_text(msg.model_id, "model_id")
+    check_text(msg.loss_fn, "loss_fn")
     config: dict[str, float] = {k: v for k, v in msg.loss_fn_config.items()}
+    for key in (*msg.loss_fn_config, *msg.loss_fn_config_v2):
+        check_text(key, "loss_fn_config")
     for key, value in msg.loss_fn_config_v2.items():  # v2 carries every value; it wins
         if value.WhichOneof("value") == "text":
             raise InvalidInput(f"loss_fn_config.{key}: text values are not supported", field=f"loss_fn_config.{key}")
@@ -83,7 +82,14 @@ def decode_forward_backward(body: bytes, content_encoding: str | None) -> Forwar
             if kind != "encoded_text":
                 raise InvalidInput(f"data[{i}].model_input: {kind} chunks are not supported; send encoded text",
                                    field=f"data[{i}].model_input")
-            tokens += np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist()
+            raw = chunk.encoded_text.tokens
+            if len(raw) % 4:
+                field = f"data[{i}].model_input"
+                raise InvalidInput(f"{field}: {len(raw)} bytes of tokens is not a whole number of int32 ids",
+                                   field=field)
+            tokens += np.frombuffer(raw, dtype="<i4").tolist()
+        for k in d.loss_fn_inputs:
+            check_text(k, f"data[{i}].loss_fn_inputs")
         inputs = {k: _tensor(pb, t, f"data[{i}].loss_fn_inputs.{k}") for k, t in d.loss_fn_inputs.items()}
         data.append(RawDatum(tokens, inputs))
     return ForwardBackwardProto(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only, data)

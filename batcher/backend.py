@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from batcher import losses
 from batcher.multilora import MultiLoraModel
 from core.checkpoint_files import ADAPTER_WEIGHTS, OPTIMIZER_FILE, TrainerMeta
-from core.errors import Conflict, InvalidInput, QuiltError, ServerError
+from core.errors import Conflict, InvalidInput, QuiltError, ServerError, UserError
 from core.loss_spec import LossConfig
 from core.work import AdamParams, LoraShape, PassWork
 
@@ -208,9 +208,11 @@ class LoraBackend:
 
         # Rows run sorted by length; results are keyed by datum so each request gets them in its own order.
         per_datum: dict[int, dict[int, losses.DatumLoss]] = {i: {} for i in configs}
+        not_finite: dict[int, list[int]] = {}  # request -> datums whose loss overflowed (no gradient)
+        backpropagated: set[int] = set()  # requests with gradients already accumulated
         try:
             for chunk in chunks:
-                self._run_chunk(chunk, requests, configs, per_datum)
+                self._run_chunk(chunk, requests, configs, per_datum, not_finite, backpropagated)
         except Exception as exc:
             log.exception("fused pass failed")
             for i in configs:
@@ -218,7 +220,10 @@ class LoraBackend:
             return outcomes
 
         for i in configs:
-            outcomes[i] = _forward_backward_output([per_datum[i][j] for j in sorted(per_datum[i])])
+            if i in not_finite:
+                outcomes[i] = self._not_finite(requests[i], sorted(not_finite[i]), i in backpropagated)
+            else:
+                outcomes[i] = _forward_backward_output([per_datum[i][j] for j in sorted(per_datum[i])])
         self.last_pass = PassStats(
             models=len({requests[i].model_id for i in configs}), rows=len(rows),
             tokens=sum(len(r.tokens) for r in rows),
@@ -244,7 +249,23 @@ class LoraBackend:
             chunks.append(current)
         return chunks
 
-    def _run_chunk(self, chunk: list[_Row], requests, configs, per_datum) -> None:
+    def _not_finite(self, req: PassRequest, datums: list[int], backpropagated: bool) -> UserError:
+        """A request whose loss overflowed: it fails, and none of its gradient is kept."""
+        where = ", ".join(f"data[{j}]" for j in datums[:8]) + (" ..." if len(datums) > 8 else "")
+        msg = (f"the loss of {where} is not finite (it overflowed float32): make the weights or advantages "
+               "smaller")
+        if backpropagated:
+            # Its other datums ran in an earlier micro-batch: that partial gradient cannot be told
+            # apart from the model's earlier ones, so all accumulated gradients go.
+            for p in self.adapters[req.model_id].params:
+                p.grad = None
+            msg += "; the model's gradients accumulated since its last optim_step were discarded, send those " \
+                   "forward_backward calls again"
+        elif not req.forward_only:
+            msg += "; no gradient of this request was accumulated"
+        return UserError(msg, field="forward_backward_input.data")
+
+    def _run_chunk(self, chunk: list[_Row], requests, configs, per_datum, not_finite, backpropagated) -> None:
         needs_grad = any(not requests[r.request_index].forward_only for r in chunk)
         chunk = sorted(chunk, key=lambda r: r.adapter)  # each adapter's rows contiguous: one slice each
         segments: list[tuple[str, int, int]] = []
@@ -270,7 +291,7 @@ class LoraBackend:
             logprobs_B_T = -F.cross_entropy(
                 logits_B_T_V.flatten(0, 1), targets_B_T.flatten(), reduction="none"
             ).view(len(chunk), T)
-            total = None
+            chunk_losses = []
             for b, row in enumerate(chunk):
                 req = requests[row.request_index]
                 n = len(row.tokens)
@@ -281,10 +302,18 @@ class LoraBackend:
                 datum = losses.compute_loss(req.work.loss_fn, logprobs_B_T[b, :n], inputs, config,
                                             policy_version=sampled_at)
                 per_datum[row.request_index][row.datum_index] = datum
-                if not req.forward_only:
-                    total = datum.loss if total is None else total + datum.loss
-            if needs_grad and total is not None:
-                total.backward()
+                chunk_losses.append(datum.loss)
+            # One host sync per micro-batch: a datum whose loss overflowed adds no gradient.
+            finite = torch.isfinite(torch.stack([loss.detach() for loss in chunk_losses])).tolist()
+            for row, ok in zip(chunk, finite):
+                if not ok:
+                    not_finite.setdefault(row.request_index, []).append(row.datum_index)
+            # A request with any overflowed datum keeps none of its gradient from here on.
+            kept = [(row, loss) for row, loss in zip(chunk, chunk_losses)
+                    if row.request_index not in not_finite and not requests[row.request_index].forward_only]
+            if needs_grad and kept:
+                sum(loss for _, loss in kept).backward()
+                backpropagated.update(row.request_index for row, _ in kept)
 
     # ------------------------------------------------------------------ barriers
 
@@ -299,6 +328,12 @@ class LoraBackend:
                          weight_decay=adam.weight_decay)
         clip = adam.grad_clip_norm
         norm = torch.nn.utils.clip_grad_norm_(adapter.params, max_norm=clip if clip > 0 else math.inf)
+        if not math.isfinite(float(norm)):
+            # Finite losses can still give gradients past float32; a step would make the weights NaN.
+            adapter.optimizer.zero_grad(set_to_none=True)
+            raise UserError("the accumulated gradients are not finite (they overflowed float32): make the "
+                            "weights or advantages smaller; the gradients were discarded and the weights are "
+                            "unchanged", field="adam_params")
         adapter.optimizer.step()
         adapter.optimizer.zero_grad(set_to_none=True)
         adapter.steps += 1

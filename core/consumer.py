@@ -165,8 +165,8 @@ class StreamConsumer:
     # ------------------------------------------------------------------ results
 
     def finish(self, delivery: Delivery, outcome: queue.Outcome, usage: Any = None) -> None:
-        queue.publish(self.redis, outcome, self.result_ttl_s)
-        self.settle(delivery.item, outcome, usage)
+        stored = queue.publish(self.redis, outcome, self.result_ttl_s)
+        self.settle(delivery.item, stored, usage if stored.ok else None)
         self.ack(delivery.stream_id)
 
     def ack(self, stream_id: str) -> None:

@@ -4,12 +4,12 @@ HTTP 400 naming it, never a failed future); `batcher.losses` implements the math
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 from typing import Any
 
+from core import numbers
 from core.errors import InvalidInput
 
 # Input keys whose wire dtype is integer (Tinker's table); every other known key is float32.
@@ -65,8 +65,8 @@ def _config_error(key: str, message: str) -> InvalidInput:
 def _check_number(name: str, value: object, *, low: float, high: float | None = None, low_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _config_error(name, f"must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise _config_error(name, f"must be finite, got {value!r}")
+    if numbers.real(value) is None:
+        raise _config_error(name, f"must be {numbers.describe(numbers.FLOAT64_MAX)}, got {str(value)[:40]}")
     too_low = value <= low if low_open else value < low
     if too_low or (high is not None and value > high):
         bound = f"> {low}" if low_open else f">= {low}"

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from core.errors import QuiltError
+from core.errors import QuiltError, UserError
 from core.work import WorkItem, WorkKind
 
 TRAIN_GROUP = "trainers"
@@ -60,7 +60,8 @@ class Outcome:
     def encode(self) -> dict[str, str]:
         if self.error is not None:
             return {"status": "failed", "body": json.dumps(self.error)}
-        return {"status": "done", "body": json.dumps(self.result, separators=(",", ":"))}
+        # allow_nan=False: a NaN would be stored, then refused by every JSON encoder that reads it.
+        return {"status": "done", "body": json.dumps(self.result, separators=(",", ":"), allow_nan=False)}
 
     @classmethod
     def decode(cls, request_id: str, fields: dict) -> "Outcome":
@@ -76,13 +77,24 @@ def failure(request_id: str, err: QuiltError) -> Outcome:
     return Outcome(request_id, error=err.to_json())
 
 
-def publish(redis, outcome: Outcome, ttl_s: int) -> None:
-    """Store a finished future (workers; the synchronous client)."""
+NOT_ENCODABLE = ("the result holds a number JSON cannot carry (NaN or Infinity): a loss or logprob overflowed; "
+                 "make the request's weights or advantages smaller")
+
+
+def publish(redis, outcome: Outcome, ttl_s: int) -> Outcome:
+    """Store a finished future (workers; the synchronous client). Returns what was stored: a result
+    that cannot be encoded is stored as a failure of category `user` naming the cause."""
+    try:
+        fields = outcome.encode()
+    except ValueError:
+        outcome = failure(outcome.request_id, UserError(NOT_ENCODABLE, field="result"))
+        fields = outcome.encode()
     key = future_key(outcome.request_id)
     pipe = redis.pipeline()
-    pipe.xadd(key, outcome.encode())
+    pipe.xadd(key, fields)
     pipe.expire(key, ttl_s)
     pipe.execute()
+    return outcome
 
 
 async def wait(redis, request_id: str, timeout_s: float) -> Outcome | None:

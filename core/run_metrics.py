@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
+from core import numbers
 from core.errors import InvalidInput
 from core.work import Datum
 
@@ -85,9 +86,11 @@ def check_client_metrics(metrics: Any) -> dict[str, float]:
         field = f"metrics.{name}"
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidInput(f"{field} must be a number, got {type(value).__name__}", field=field)
-        if not math.isfinite(value):
-            raise InvalidInput(f"{field} must be finite, got {value!r}", field=field)
-        out[name] = float(value)
+        as_float = numbers.real(value)
+        if as_float is None:
+            raise InvalidInput(f"{field} must be {numbers.describe(numbers.FLOAT64_MAX)}, got {str(value)[:40]}",
+                               field=field)
+        out[name] = as_float
     return out
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from batcher.backend import LoraBackend, PassRequest
+from core.errors import UserError
 from core.loss_spec import LossConfig
 from core.work import AdamParams, Datum, LoraShape, PassWork
 from stack.tiny_model import build_tiny_model
@@ -147,3 +148,47 @@ def test_staleness_is_reported_and_stale_datums_are_dropped(base_path):
     out = be.run_pass([_req("r", "m", [fresh, stale], config=LossConfig(max_staleness=1))])[0]
     assert out["metrics"]["staleness:max"] == 3.0
     assert out["metrics"]["dropped_stale:sum"] == 1.0
+
+
+def _overflowing(start: int) -> Datum:
+    # Within float32, but weight * logprob is not: the datum's loss is infinite.
+    d = _datum(start, n=4)
+    return Datum(d.tokens, {**d.inputs, "weights": (3e38,) * 4})
+
+
+def test_a_request_whose_loss_overflows_fails_alone_and_keeps_no_gradient(base_path):
+    be = LoraBackend(base_path)
+    for m in ("bad", "good"):
+        be.create(m, LoraShape(rank=4, seed=0))
+    bad, good = be.run_pass([_req("r1", "bad", [_datum(5), _overflowing(9)]), _req("r2", "good", [_datum(5)])])
+    assert isinstance(bad, UserError) and "data[1]" in bad.message and "no gradient" in bad.message
+    assert all(p.grad is None or not p.grad.any() for p in be.adapters["bad"].params)
+    assert "loss:sum" in good["metrics"]
+    # The bystander's gradient is what it would be alone.
+    alone = LoraBackend(base_path)
+    alone.create("good", LoraShape(rank=4, seed=0))
+    alone.run_pass([_req("r", "good", [_datum(5)])])
+    for p, q in zip(be.adapters["good"].params, alone.adapters["good"].params):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_an_overflow_in_a_later_micro_batch_discards_the_partial_gradient(base_path):
+    be = LoraBackend(base_path, max_tokens_per_pass=4)  # one datum per micro-batch, the shorter first
+    be.create("m", LoraShape(rank=4, seed=0))
+    [out] = be.run_pass([_req("r", "m", [_datum(5, n=3), _overflowing(9)])])
+    assert isinstance(out, UserError) and "discarded" in out.message
+    assert all(p.grad is None for p in be.adapters["m"].params)
+
+
+def test_an_optim_step_on_gradients_that_overflowed_is_refused_and_changes_nothing(base_path):
+    be = LoraBackend(base_path)
+    be.create("m", LoraShape(rank=4, seed=0))
+    be.run_pass([_req("r", "m", [_datum(5)])])
+    before = {k: v.clone() for k, v in be.adapter_state("m").items()}
+    next(p for p in be.adapters["m"].params if p.grad is not None).grad.fill_(float("inf"))
+    with pytest.raises(UserError, match="not finite"):
+        be.optim_step("m", AdamParams(**ADAM))
+    assert all(p.grad is None for p in be.adapters["m"].params)
+    for k, v in be.adapter_state("m").items():
+        torch.testing.assert_close(v, before[k])
+    assert be.policy_version("m") == 0

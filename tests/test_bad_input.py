@@ -123,4 +123,4 @@ def test_a_non_finite_prompt_token_is_a_400_not_a_500(client, token):
             '"prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, %s]}]}}' % token)
     r = client.post("/asample", content=body, headers={"content-type": "application/json"})
     assert 400 <= r.status_code < 500, r.text
-    assert r.status_code == 400 and r.json()["field"] == "prompt", r.text
+    assert r.status_code == 400 and r.json()["field"].startswith("prompt"), r.text

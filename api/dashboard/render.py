@@ -11,11 +11,11 @@ from urllib.parse import quote, urlencode
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, RedirectResponse
-from fastapi.routing import APIRoute
 from fastapi.templating import Jinja2Templates
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.errors import request_id_of
+from api.input_guard import GuardedRoute
 from core.errors import InvalidInput, QuiltError, ServerError, Unauthenticated
 
 log = logging.getLogger("quilt.dashboard")
@@ -71,7 +71,7 @@ def _error_page(request: Request, exc: QuiltError) -> HTMLResponse:
                 status_code=exc.status_code)
 
 
-class PageRoute(APIRoute):
+class PageRoute(GuardedRoute):
     """Routes that answer HTML: a missing session sends a GET to the login page; any other error
     becomes an error page with the same status code (another tenant's run is a 404 page)."""
 
@@ -100,7 +100,7 @@ class PageRoute(APIRoute):
         return handle
 
 
-class DataRoute(APIRoute):
+class DataRoute(GuardedRoute):
     """JSON routes the dashboard's scripts poll: errors stay JSON (the app's handlers); answers are
     never cached."""
 

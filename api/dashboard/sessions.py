@@ -75,7 +75,10 @@ async def end(redis: Redis, token: str | None) -> None:
 
 def tokens_match(expected: str | None, given: str | None) -> bool:
     """Constant-time comparison; a missing token never matches."""
-    return bool(expected) and bool(given) and hmac.compare_digest(str(expected), str(given))
+    if not expected or not given:
+        return False
+    # Bytes: compare_digest refuses str with non-ASCII characters (a TypeError, not a mismatch).
+    return hmac.compare_digest(str(expected).encode("utf-8", "surrogatepass"), str(given).encode("utf-8", "surrogatepass"))
 
 
 def new_csrf_token() -> str:

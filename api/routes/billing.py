@@ -12,12 +12,13 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import Pool, Who
+from api.input_guard import GuardedRoute
 from billing import budgets, price_book, usage
 from billing.budgets import BudgetState
 from billing.pricing import UNITS, Price, Units, estimate, usd
 from core.errors import InvalidInput, NotFound
 
-router = APIRouter(prefix="/quilt", tags=["billing"])
+router = APIRouter(route_class=GuardedRoute, prefix="/quilt", tags=["billing"])
 
 MAX_REPORT_DAYS = 366
 ROUNDING = ("per request and per unit: round_half_up(tokens x rate / 1e6) micro-USD; "

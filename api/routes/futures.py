@@ -7,12 +7,13 @@ from fastapi.responses import JSONResponse
 
 from api import tinker_proto
 from api.deps import Pool, RedisDep, Settings, Who
+from api.input_guard import GuardedRoute
 from api.schemas import RetrieveFutureRequest
 from core import queue
 from core.errors import UserError
 from tenancy import scoped
 
-router = APIRouter(tags=["futures"])
+router = APIRouter(route_class=GuardedRoute, tags=["futures"])
 
 # Result kinds the tinker SDK reads only as protobuf, and their encoders.
 _PROTO_RESULTS = {

@@ -13,9 +13,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from api.deps import Pool, RedisDep
+from api.input_guard import GuardedRoute
 from core import catalog, health
 
-router = APIRouter(tags=["service"])
+router = APIRouter(route_class=GuardedRoute, tags=["service"])
 
 # beacon field -> (metric name, help, kind)
 _TRAINER_FIELDS = {

@@ -12,10 +12,11 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import Pool, Who
+from api.input_guard import GuardedRoute
 from core import run_metrics
 from tenancy import scoped
 
-router = APIRouter(prefix="/quilt", tags=["runs"])
+router = APIRouter(route_class=GuardedRoute, prefix="/quilt", tags=["runs"])
 
 MAX_ROWS = 100_000
 

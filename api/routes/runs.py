@@ -9,14 +9,16 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Response
 
 from api.deps import Pool, Who
+from api.input_guard import GuardedRoute
 from api.schemas import CheckpointTtlRequest, WeightsInfoRequest
 from core import ids, retention
 from core.errors import InvalidInput, NotFound
+from core.numbers import INT32_MAX
 from core.settings import get_core_settings
 from tenancy import scoped
 from tenancy.auth import Principal
 
-router = APIRouter(tags=["runs"])
+router = APIRouter(route_class=GuardedRoute, tags=["runs"])
 
 _CHECKPOINT_TYPE = {"weights": "training", "sampler_weights": "sampler"}
 
@@ -59,7 +61,7 @@ def _cursor(offset: int, limit: int, total: int) -> dict:
 
 @router.get("/training_runs")
 async def list_training_runs(who: Who, pool: Pool, limit: int = Query(20, ge=1, le=1000),
-                             offset: int = Query(0, ge=0), access_scope: str = "owned") -> dict:
+                             offset: int = Query(0, ge=0, le=INT32_MAX), access_scope: str = "owned") -> dict:
     """Your training runs, newest first (`access_scope` other than `owned` sees the same: runs are private)."""
     async with pool.connection() as conn:
         models, total = await scoped.list_models(conn, who, limit=limit, offset=offset)
@@ -90,7 +92,7 @@ async def list_run_checkpoints(run_id: str, who: Who, pool: Pool) -> dict:
 
 @router.get("/checkpoints")
 async def list_user_checkpoints(who: Who, pool: Pool, limit: int = Query(100, ge=1, le=1000),
-                                offset: int = Query(0, ge=0)) -> dict:
+                                offset: int = Query(0, ge=0, le=INT32_MAX)) -> dict:
     """All your checkpoints across runs, newest first."""
     async with pool.connection() as conn:
         ckpts, total = await scoped.list_checkpoints(conn, who, limit=limit, offset=offset)

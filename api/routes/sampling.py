@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 
 from api import admission, records, seq_gaps
 from api.deps import Pool, RedisDep, Settings, Who
+from api.input_guard import GuardedRoute
 from api.schemas import (
     CancelFutureRequest,
     CreateSamplingSessionRequest,
@@ -39,7 +40,7 @@ from gen_pool.settings import get_gen_pool_settings
 from tenancy import scoped
 
 log = logging.getLogger("quilt.api.sampling")
-router = APIRouter(tags=["sampling"])
+router = APIRouter(route_class=GuardedRoute, tags=["sampling"])
 
 # --------------------------------------------------------------------------- helpers
 

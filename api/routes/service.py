@@ -7,9 +7,10 @@ import json
 from fastapi import APIRouter, Response
 
 from api.deps import Pool, RedisDep, Who
+from api.input_guard import GuardedRoute
 from core import catalog, health
 
-router = APIRouter(tags=["service"])
+router = APIRouter(route_class=GuardedRoute, tags=["service"])
 
 
 def _aggregates(raw: str | bytes | None) -> dict:

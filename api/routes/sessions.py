@@ -6,6 +6,7 @@ from fastapi import APIRouter
 
 from api import records
 from api.deps import Pool, Who
+from api.input_guard import GuardedRoute
 from api.schemas import (
     CreateSessionRequest,
     FinishSessionRequest,
@@ -15,7 +16,7 @@ from core import ids
 from core.errors import UserError
 from tenancy import scoped
 
-router = APIRouter(tags=["sessions"])
+router = APIRouter(route_class=GuardedRoute, tags=["sessions"])
 
 
 class SessionFinished(UserError):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -11,6 +10,7 @@ from pydantic import ValidationError
 
 from api import admission, datums, records, seq_gaps, tinker_proto
 from api.deps import Pool, RedisDep, Settings, Who
+from api.input_guard import GuardedRoute
 from api.schemas import (
     CreateModelRequest,
     ForwardBackwardRequest,
@@ -23,6 +23,7 @@ from core import catalog, ids
 from core.checkpoint_files import TRAINING_KIND, new_version_dir
 from core.errors import Forbidden, InvalidInput, NotFound
 from core.loss_spec import spec_of
+from core.numbers import INT32_MAX
 from core.settings import get_core_settings, get_trainer_settings
 from core.work import (
     AdamParams,
@@ -36,7 +37,7 @@ from core.work import (
 )
 from tenancy import scoped
 
-router = APIRouter(tags=["training"])
+router = APIRouter(route_class=GuardedRoute, tags=["training"])
 
 
 async def _new_model(pool, redis, who, *, session_id: str, model_seq_id: int, base_model: str, lora: LoraShape,
@@ -112,18 +113,14 @@ async def get_info(body: ModelRef, who: Who, pool: Pool) -> dict:
 
 async def _parse_forward(request: Request, *, forward_only: bool) -> tinker_proto.ForwardBackwardProto:
     """The same request from either encoding: JSON (Quilt SDK) or protobuf (tinker SDK)."""
-    raw = await request.body()
     if tinker_proto.PROTOBUF in request.headers.get("content-type", ""):
-        parsed = tinker_proto.decode_forward_backward(raw, request.headers.get("content-encoding"))
+        parsed = tinker_proto.decode_forward_backward(await request.body())
         return dataclasses.replace(parsed, forward_only=parsed.forward_only or forward_only)
+    raw = await request.json()  # parsed and checked by the route's guard (api.input_guard)
     try:
-        body = ForwardBackwardRequest.model_validate_json(raw)
+        body = ForwardBackwardRequest.model_validate(raw)
     except ValidationError as exc:
-        try:
-            parsed = json.loads(raw)
-        except ValueError:
-            parsed = None
-        raise RequestValidationError(exc.errors(), body=parsed) from None
+        raise RequestValidationError(exc.errors(), body=raw) from None
     fb = body.forward_backward_input
     return tinker_proto.ForwardBackwardProto(body.model_id, body.seq_id, fb.loss_fn, fb.loss_fn_config or {},
                                              forward_only, [d.raw() for d in fb.data])
@@ -132,8 +129,8 @@ async def _parse_forward(request: Request, *, forward_only: bool) -> tinker_prot
 async def _forward(request: Request, who, pool, redis, settings, *, forward_only: bool) -> dict:
     req = await _parse_forward(request, forward_only=forward_only)
     seq_gaps.claim(request, req.model_id, req.seq_id)
-    if req.seq_id < 1:
-        raise InvalidInput(f"seq_id must be at least 1, got {req.seq_id}", field="seq_id")
+    if not 1 <= req.seq_id <= INT32_MAX:
+        raise InvalidInput(f"seq_id must be in [1, {INT32_MAX}], got {req.seq_id}", field="seq_id")
     spec_of(req.loss_fn)
     async with pool.connection() as conn:
         model = await admission.usable_model(conn, who, req.model_id, seq_id=req.seq_id)
@@ -144,8 +141,12 @@ async def _forward(request: Request, who, pool, redis, settings, *, forward_only
         return await _model_call(conn, redis, who, model, seq_id=req.seq_id, kind=kind, body=work, n_tokens=n_tokens)
 
 
+# The forward routes read their body themselves (JSON or protobuf), so FastAPI does not know its
+# models: the JSON schema's definitions are added to the document's components (api.app).
+_FORWARD_SCHEMA = ForwardBackwardRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+SCHEMA_COMPONENTS = _FORWARD_SCHEMA.pop("$defs")
 _FORWARD_BODY = {"requestBody": {"content": {
-    "application/json": {"schema": ForwardBackwardRequest.model_json_schema(ref_template="#/components/schemas/{model}")},
+    "application/json": {"schema": _FORWARD_SCHEMA},
     tinker_proto.PROTOBUF: {"schema": {"type": "string", "format": "binary",
                                        "description": "tinker_public.ForwardBackwardRequest"}},
 }}}
