@@ -7,9 +7,10 @@
 
 `admit` runs, in order: the idempotency rule (a retried call gets the existing future), the
 tenant's in-flight quota (429), its monthly budgets (402, billing.budgets; skipped for calls that
-meter no tokens), the request row (and a new model's row), a commit, then the stream entry. The
-row is committed before the entry exists, so a worker never sees work the database does not know;
-if Redis refuses the entry, the row is marked failed rather than left queued.
+meter no tokens), its tokens per minute (429 with Retry-After, tenancy.rate_limit), the request row
+(and a new model's row), a commit, then the stream entry. The row is committed before the entry
+exists, so a worker never sees work the database does not know; if Redis refuses the entry, the
+row is marked failed rather than left queued.
 
 The idempotency rule is a parameter: `SeqSlot` for training calls (unique `(model_id, seq_id)` in
 Postgres; the slot's current holder comes with the model read), `RedisSlot` for sampling (the SDK's
@@ -29,7 +30,7 @@ from billing import budgets
 from core import queue
 from core.errors import InvalidInput, QuotaExceeded
 from core.work import WorkItem
-from tenancy import scoped
+from tenancy import rate_limit, scoped
 from tenancy.auth import Principal
 
 log = logging.getLogger("quilt.api.admission")
@@ -68,6 +69,7 @@ class Ticket:
     row_kind: str | None = None  # the request row's kind, when it differs from the item's (a placeholder)
     check_quota: bool = True  # placeholders for refused calls hold no new work: no quota, no budget
     new_model: records.NewModel | None = None
+    rate_tokens: int | None = None  # tokens taken from the tokens_per_minute bucket; default item.n_tokens
 
     @property
     def billable(self) -> bool:
@@ -112,6 +114,7 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
     try:
         if ticket.check_quota:
             await _quota_and_budget(conn, who, billable=ticket.billable)
+            await _rate(redis, who, item.n_tokens if ticket.rate_tokens is None else ticket.rate_tokens)
         if ticket.new_model is not None:
             await records.insert_training_model(conn, who, item.model_id, ticket.new_model)
         inserted = await records.insert_request(
@@ -150,6 +153,21 @@ async def _quota_and_budget(conn: AsyncConnection, who: Principal, *, billable: 
         )
     if billable:
         await budgets.check(conn, tenant_id=who.tenant_id, tenant_name=who.tenant_name, key_id=who.key_id)
+
+
+async def _rate(redis: Redis, who: Principal, tokens: int) -> None:
+    """The tenant's tokens-per-minute bucket (tenancy.rate_limit): 429 with the wait, or take them."""
+    if tokens <= 0:
+        return
+    limit = who.tokens_per_minute
+    if tokens > limit:  # can never fit the bucket: a 400, not a 429 a client would retry in vain
+        raise InvalidInput(f"this call needs {tokens} tokens, more than your tokens_per_minute limit of {limit} "
+                           "allows at once; split it into smaller calls", field="tokens_per_minute")
+    decision = await rate_limit.take(redis, who.tenant_id, per_minute=limit, cost=tokens)
+    if not decision.admitted:
+        raise QuotaExceeded(f"this call's {tokens} tokens exceed what is left of your tokens_per_minute limit "
+                            f"of {limit}; retry in {decision.retry_after_s:.1f} s", field="tokens_per_minute",
+                            retry_after_s=decision.retry_after_s)
 
 
 def future_response(request_id: str, model_id: str | None) -> dict:

@@ -1,11 +1,16 @@
 """In-memory view of queued work, per training model, in `seq_id` order.
 
 Requests can arrive out of order (the SDK sends the first chunk of a forward_backward last); they
-wait here until every earlier `seq_id` of their model has run.
+wait here until every earlier `seq_id` of their model has run. A `seq_id` that never comes (a
+client that died between two calls) would hold the requests behind it, and the tenant's in-flight
+quota, forever: after a deadline they are given up (`give_up_stalled`), and the missing id, should
+it come after all, is refused as late.
 """
 
 from __future__ import annotations
 
+import enum
+import time
 from dataclasses import dataclass, field
 
 from batcher.policy import ModelQueue, Pending
@@ -13,24 +18,63 @@ from core.consumer import Delivery
 from core.work import WorkKind
 
 
+class Added(enum.Enum):
+    QUEUED = "queued"
+    DUPLICATE = "duplicate"  # a redelivery of work already queued or run
+    LATE = "late"  # a seq_id given up by give_up_stalled
+
+
+@dataclass(frozen=True)
+class Stalled:
+    """A model whose queued requests waited too long for `missing` (the seq_id before them)."""
+
+    model_id: str
+    missing: int
+    given_up: list[Delivery]
+
+
 @dataclass
 class ModelQueues:
     next_seq: dict[str, int] = field(default_factory=dict)
     pending: dict[str, dict[int, Delivery]] = field(default_factory=dict)
+    arrived: dict[str, float] = field(default_factory=dict)  # request id -> when it was queued (monotonic)
+    given_up: dict[str, set[int]] = field(default_factory=dict)  # model -> seq_ids that never came
 
-    def add(self, delivery: Delivery) -> bool:
-        """Queue a delivered item; False if it duplicates one already queued or already run."""
+    def add(self, delivery: Delivery, *, now: float | None = None) -> Added:
+        """Queue a delivered item."""
         item = delivery.item
         if item.kind is WorkKind.CREATE_MODEL:
             self.next_seq[item.model_id] = 0
         expected = self.next_seq.get(item.model_id)
         if expected is not None and item.seq_id < expected:
-            return False
+            return Added.LATE if item.seq_id in self.given_up.get(item.model_id, ()) else Added.DUPLICATE
         slot = self.pending.setdefault(item.model_id, {})
         if item.seq_id in slot:
-            return False
+            return Added.DUPLICATE
         slot[item.seq_id] = delivery
-        return True
+        self.arrived[item.request_id] = time.monotonic() if now is None else now
+        return Added.QUEUED
+
+    def give_up_stalled(self, deadline_s: float, *, now: float | None = None) -> list[Stalled]:
+        """Take out the requests of every model whose next seq_id is missing while a later one has
+        waited `deadline_s`; the model's sequence moves past them, so its next calls run."""
+        now = time.monotonic() if now is None else now
+        out = []
+        for model_id, slot in self.pending.items():
+            expected = self.next_seq.get(model_id)
+            if not slot or expected is None or expected in slot:
+                continue
+            if now - min(self.arrived[d.item.request_id] for d in slot.values()) < deadline_s:
+                continue
+            last = max(slot)
+            self.given_up.setdefault(model_id, set()).update(s for s in range(expected, last + 1) if s not in slot)
+            waiting = [slot[s] for s in sorted(slot)]
+            for d in waiting:
+                self.arrived.pop(d.item.request_id, None)
+            slot.clear()
+            self.next_seq[model_id] = last + 1
+            out.append(Stalled(model_id, expected, waiting))
+        return out
 
     def knows(self, model_id: str) -> bool:
         return model_id in self.next_seq
@@ -51,11 +95,16 @@ class ModelQueues:
         """Remove a planned request and advance its model's sequence."""
         entry = self.pending[p.model_id].pop(p.seq_id)
         self.next_seq[p.model_id] = p.seq_id + 1
+        self.arrived.pop(p.request_id, None)
         return entry
 
     def drop_model(self, model_id: str) -> list[Delivery]:
         self.next_seq.pop(model_id, None)
-        return list(self.pending.pop(model_id, {}).values())
+        self.given_up.pop(model_id, None)
+        dropped = list(self.pending.pop(model_id, {}).values())
+        for d in dropped:
+            self.arrived.pop(d.item.request_id, None)
+        return dropped
 
     def depth(self) -> int:
         return sum(len(s) for s in self.pending.values())

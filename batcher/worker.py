@@ -20,7 +20,7 @@ import psycopg
 
 from batcher.backend import LoraBackend, PassRequest
 from batcher.policy import FairShare, RoundPlan, plan_round
-from batcher.queues import ModelQueues
+from batcher.queues import Added, ModelQueues
 from billing.ledger import settle
 from billing.pricing import training_units
 from core import catalog, db, health, ids, queue, records, redis_client, run_metrics
@@ -52,7 +52,7 @@ RECLAIM_EVERY_S = 5.0
 class TrainerWorker:
     def __init__(self, *, base_model: str, backend: LoraBackend, redis, db_url: str, consumer: str,
                  block_ms: int, result_ttl_s: int, token_budget: int | None = None, offload_idle_s: float = 300.0,
-                 stats_history: int = 1000):
+                 stats_history: int = 1000, seq_gap_deadline_s: float = 300.0):
         self.base_model = base_model
         self.backend = backend
         self.redis = redis
@@ -61,6 +61,7 @@ class TrainerWorker:
         self.token_budget = token_budget
         self.offload_idle_s = offload_idle_s
         self.stats_history = stats_history
+        self.seq_gap_deadline_s = seq_gap_deadline_s
         self.consumer = StreamConsumer(redis, stream=queue.train_stream(base_model), group=queue.TRAIN_GROUP,
                                        consumer=consumer, settle=self._settle, result_ttl_s=result_ttl_s,
                                        liveness_ttl_s=LIVENESS_TTL_S, reclaim_idle_ms=RECLAIM_IDLE_MS,
@@ -121,6 +122,7 @@ class TrainerWorker:
         if time.monotonic() - self._reclaimed_at >= RECLAIM_EVERY_S:
             self._reclaimed_at = time.monotonic()
             self._ingest(self.consumer.reclaim())
+            self._give_up_stalled()
         plan = self._plan()
         started = time.monotonic()
         self.stats["wait_s"] += started - waited
@@ -154,8 +156,25 @@ class TrainerWorker:
                     f"model {item.model_id!r} was lost when its trainer restarted; load your last checkpoint "
                     "into a new model"))
                 continue
-            if not self.queues.add(d):
-                self.consumer.ack(d.stream_id)  # a duplicate delivery of work already queued or done
+            added = self.queues.add(d)
+            if added is Added.DUPLICATE:
+                self.consumer.ack(d.stream_id)  # a redelivery of work already queued or done
+            elif added is Added.LATE:
+                self._finish(d, UserError(
+                    f"seq_id {item.seq_id} of model {item.model_id!r} arrived after the requests behind it were "
+                    f"given up waiting for it ({self.seq_gap_deadline_s:g} s); send it again with a new seq_id",
+                    field="seq_id"))
+
+    def _give_up_stalled(self) -> None:
+        for stalled in self.queues.give_up_stalled(self.seq_gap_deadline_s):
+            seqs = [d.item.seq_id for d in stalled.given_up]
+            log.warning("model %s: seq_id %d never arrived; giving up seq_ids %s", stalled.model_id,
+                        stalled.missing, seqs)
+            for d in stalled.given_up:
+                self._finish(d, UserError(
+                    f"seq_id {stalled.missing} of model {stalled.model_id!r} never arrived within "
+                    f"{self.seq_gap_deadline_s:g} s, so this request (seq_id {d.item.seq_id}), which must run after "
+                    "it, was not run; later calls of the model run normally", field="seq_id"))
 
     def _execute(self, plan: RoundPlan) -> None:
         taken = {p.request_id: self.queues.take(p) for p in (*plan.fused, *plan.barriers)}
@@ -315,6 +334,7 @@ def main() -> None:
         redis=redis_client.sync_client(), db_url=db_url, consumer=settings.consumer_name,
         block_ms=settings.read_block_ms, result_ttl_s=get_api_settings().future_ttl_seconds,
         token_budget=settings.token_budget, offload_idle_s=settings.offload_idle_s, stats_history=settings.stats_history,
+        seq_gap_deadline_s=settings.seq_gap_deadline_s,
     )
 
     def _stop(signum, frame):

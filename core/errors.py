@@ -89,6 +89,11 @@ class Conflict(UserError):
 class QuotaExceeded(UserError):
     status_code = 429
 
+    def __init__(self, message: str, *, field: str | None = None, request_id: str | None = None,
+                 retry_after_s: float = 1.0):
+        super().__init__(message, field=field, request_id=request_id)
+        self.retry_after_s = retry_after_s  # the HTTP answer's Retry-After (not carried through Celery)
+
 
 class ServerError(QuiltError):
     category: Category = "server"

@@ -81,6 +81,18 @@ def cmd_tenants_list(args) -> int:
     return 0
 
 
+def cmd_tenants_set_quota(args) -> int:
+    from core import db
+    from tenancy.tenants import set_quota
+
+    with db.connect(_prepared(args)) as conn:
+        t = set_quota(conn, args.name, tokens_per_minute=args.tokens_per_minute,
+                      max_inflight_requests=args.max_inflight, max_models=args.max_models)
+    print(f"{t.name}: tokens_per_minute={t.tokens_per_minute} max_inflight_requests={t.max_inflight_requests} "
+          f"max_models={t.max_models}")
+    return 0
+
+
 def cmd_keys_create(args) -> int:
     from core import db
     from tenancy.keys import create_key
@@ -147,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = tenants.add_parser("list", help="list tenants")
     _data_dir_option(p)
     p.set_defaults(func=cmd_tenants_list)
+    p = tenants.add_parser("set-quota", help="change a tenant's quotas (applies from its next call)")
+    _data_dir_option(p)
+    p.add_argument("name")
+    p.add_argument("--tokens-per-minute", type=int, help="training and sampling tokens per minute")
+    p.add_argument("--max-inflight", type=int, help="unfinished requests at once")
+    p.add_argument("--max-models", type=int, help="live training models")
+    p.set_defaults(func=cmd_tenants_set_quota)
 
     keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="action", required=True)
     p = keys.add_parser("create", help="create another key for a tenant (printed once)")

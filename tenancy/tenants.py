@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import psycopg
 
 from core import ids
-from core.errors import Conflict, NotFound
+from core.errors import Conflict, InvalidInput, NotFound
+from core.numbers import INT32_MAX
 from core.settings import get_tenancy_settings
 
 ROLES = ("tenant", "operator")
@@ -51,3 +52,22 @@ def get_tenant_by_name(conn: psycopg.Connection, name: str) -> Tenant:
 
 def list_tenants(conn: psycopg.Connection) -> list[Tenant]:
     return [Tenant(**r) for r in conn.execute(f"SELECT {_COLUMNS} FROM tenants ORDER BY created_at")]
+
+
+def set_quota(conn: psycopg.Connection, name: str, *, tokens_per_minute: int | None = None,
+              max_inflight_requests: int | None = None, max_models: int | None = None) -> Tenant:
+    """Change a tenant's quotas (the ones given); they apply from the tenant's next call."""
+    changes = {"tokens_per_minute": tokens_per_minute, "max_inflight_requests": max_inflight_requests,
+               "max_models": max_models}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    for key, value in changes.items():
+        if not 1 <= value <= INT32_MAX:
+            raise InvalidInput(f"{key} must be in [1, {INT32_MAX}], got {value}", field=key)
+    if not changes:
+        return get_tenant_by_name(conn, name)
+    assignments = ", ".join(f"{k} = %s" for k in changes)  # keys from the fixed dict above
+    row = conn.execute(f"UPDATE tenants SET {assignments} WHERE name = %s RETURNING {_COLUMNS}",
+                       (*changes.values(), name)).fetchone()
+    if row is None:
+        raise NotFound(f"no tenant named {name!r}", field="name")
+    return Tenant(**row)

@@ -92,7 +92,9 @@ def stack():
     # Short path: Postgres' Unix socket lives in the data directory and must stay under ~107 bytes.
     data_dir = Path(tempfile.mkdtemp(prefix="qt-", dir="/tmp"))
     out_path = data_dir / "up.out"
-    env = {**os.environ, "QUILT_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1"}
+    # Requests behind a missing seq_id give up after 20 s here (default minutes), so a test can see it.
+    env = {"QUILT_TRAINER_SEQ_GAP_DEADLINE_S": "20", **os.environ, "QUILT_DATA_DIR": str(data_dir),
+           "HF_HUB_OFFLINE": "1"}
     env.pop("QUILT_DATABASE_URL", None)
     env.pop("QUILT_REDIS_URL", None)
     with open(out_path, "wb") as out:

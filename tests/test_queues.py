@@ -1,9 +1,10 @@
-"""ModelQueues buffers out-of-order arrivals and drops duplicate deliveries."""
+"""ModelQueues buffers out-of-order arrivals, drops duplicate deliveries and gives up requests
+waiting for a seq_id that never comes."""
 
 from __future__ import annotations
 
 from batcher.policy import plan_round
-from batcher.queues import ModelQueues
+from batcher.queues import Added, ModelQueues
 from core.consumer import Delivery
 from core.loss_spec import LossConfig
 from core.work import (
@@ -43,9 +44,40 @@ def test_out_of_order_items_run_in_seq_order():
 
 def test_duplicates_and_already_run_items_are_refused():
     q = ModelQueues()
-    assert q.add(Delivery("0-1", item(0, "create_model")))
-    assert not q.add(Delivery("0-2", item(0, "create_model"))) or True  # a re-create resets the model
+    assert q.add(Delivery("0-1", item(0, "create_model"))) is Added.QUEUED
+    assert q.add(Delivery("0-2", item(0, "create_model"))) is Added.DUPLICATE
     q.take(plan_round(q.snapshot()).barriers[0])
-    assert not q.add(Delivery("0-3", item(0, "forward")))
-    assert q.add(Delivery("0-4", item(1)))
-    assert not q.add(Delivery("0-5", item(1)))
+    assert q.add(Delivery("0-3", item(0, "forward"))) is Added.DUPLICATE
+    assert q.add(Delivery("0-4", item(1))) is Added.QUEUED
+    assert q.add(Delivery("0-5", item(1))) is Added.DUPLICATE
+
+
+def _started(q: ModelQueues) -> None:
+    q.add(Delivery("0-1", item(0, "create_model")), now=0.0)
+    q.take(plan_round(q.snapshot()).barriers[0])
+
+
+def test_requests_behind_a_missing_seq_id_are_given_up_after_the_deadline():
+    q = ModelQueues()
+    _started(q)
+    q.add(Delivery("0-3", item(2)), now=10.0)  # seq_id 1 never comes
+    q.add(Delivery("0-4", item(3)), now=20.0)
+    assert q.give_up_stalled(60.0, now=69.0) == []  # not yet: the oldest has waited 59 s
+    [stalled] = q.give_up_stalled(60.0, now=70.0)
+    assert (stalled.model_id, stalled.missing) == ("m", 1)
+    assert [d.item.seq_id for d in stalled.given_up] == [2, 3]
+    assert q.depth() == 0 and q.arrived == {}
+    # The model goes on after them; the missing id, if it comes now, is late (not a silent duplicate).
+    assert q.add(Delivery("0-5", item(4)), now=71.0) is Added.QUEUED
+    assert [p.seq_id for p in plan_round(q.snapshot()).fused] == [4]
+    assert q.add(Delivery("0-6", item(1)), now=72.0) is Added.LATE
+    assert q.add(Delivery("0-7", item(2)), now=72.0) is Added.DUPLICATE  # it was queued, then given up
+
+
+def test_a_model_without_a_gap_is_never_given_up():
+    q = ModelQueues()
+    _started(q)
+    q.add(Delivery("0-2", item(1)), now=0.0)
+    q.add(Delivery("0-3", item(2)), now=0.0)
+    assert q.give_up_stalled(1.0, now=1e6) == []
+    assert q.depth() == 2

@@ -219,7 +219,10 @@ async def asample(body: SampleRequest, who: Who, pool: Pool, redis: RedisDep, se
             # The SDK resubmits after timeouts and 5xx; the same (sampler, seq_id) is the same request.
             slot = admission.RedisSlot(f"quilt:sample-seq:{body.sampling_session_id}:{body.seq_id}",
                                        settings.future_ttl_seconds)
-        request_id = await admission.admit(conn, redis, who, admission.Ticket(item, base.name, slot))
+        # Rate-limited on what it may consume: its prompts and every sample's max_tokens.
+        rate_tokens = body.num_samples * (len(prompt) + spec.max_tokens)
+        request_id = await admission.admit(conn, redis, who, admission.Ticket(item, base.name, slot,
+                                                                              rate_tokens=rate_tokens))
     return _future(request_id, body.num_samples)
 
 

@@ -1,0 +1,92 @@
+"""Quotas against the real stack: tokens per minute (a Redis token bucket shared by API
+replicas, changed with `quilt tenants set-quota`) and the deadline for requests that wait on a
+seq_id that never comes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from stackutil import TINY, datum, fb_body, new_model, wait_future
+
+from core import db
+
+pytestmark = pytest.mark.stack
+
+LIMIT = 1000
+
+
+def _set_quota(stack, name: str, *args: str) -> str:
+    env = {**os.environ, "QUILT_DATABASE_URL": stack.database_url, "QUILT_REDIS_URL": stack.redis_url,
+           "QUILT_DATA_DIR": str(stack.data_dir)}
+    out = subprocess.run([sys.executable, "-m", "stack.cli", "tenants", "set-quota", name, *args], env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _fb(client, model_id: str, seq_id: int, n_datums: int = 3):
+    # Each datum: 100 model-input tokens.
+    return client.post("/forward_backward", json=fb_body(model_id, seq_id, [datum(list(range(1, 102)))] * n_datums))
+
+
+def test_a_flooding_tenant_gets_429_on_tokens_per_minute_and_another_tenant_is_not_affected(stack):
+    flood, calm = stack.create_tenant("flood"), stack.create_tenant("calm")
+    assert f"tokens_per_minute={LIMIT}" in _set_quota(stack, flood.name, "--tokens-per-minute", str(LIMIT),
+                                                      "--max-inflight", "64")
+    f, c = stack.http(flood.key), stack.http(calm.key)
+    f_model, c_model = new_model(f), new_model(c)
+
+    accepted = [_fb(f, f_model, seq) for seq in (1, 2, 3)]  # 900 of the 1,000 tokens
+    assert all(r.status_code == 200 for r in accepted), [r.text for r in accepted]
+    refused = _fb(f, f_model, 4)
+    assert refused.status_code == 429, refused.text
+    body = refused.json()
+    assert body["field"] == "tokens_per_minute" and str(LIMIT) in body["error"] and body["category"] == "user"
+    wait = int(refused.headers["Retry-After"])
+    assert 1 <= wait <= 60
+    # Sampling counts too (prompt + max_tokens per sample), and one call bigger than a minute's worth
+    # can never pass: it is told to split (and uses up its seq_id, as any refusal for good does).
+    s = f.post("/asample", json={"base_model": TINY, "num_samples": 4, "prompt": {"chunks": [
+        {"type": "encoded_text", "tokens": [1, 2, 3]}]}, "sampling_params": {"max_tokens": 40}})
+    assert s.status_code == 429 and s.json()["field"] == "tokens_per_minute", s.text
+    big = _fb(f, f_model, 5, n_datums=11)
+    assert big.status_code == 400 and "split" in big.json()["error"], big.text  # retrying cannot help
+
+
+    # The other tenant's calls pass while the flood is refused.
+    for seq in (1, 2, 3, 4, 5):
+        r = _fb(c, c_model, seq)
+        assert r.status_code == 200, r.text
+    assert "loss:sum" in wait_future(c, r.json()["request_id"])["metrics"]
+
+    # A refusal leaves the seq_id free: the same call passes once the bucket has refilled.
+    time.sleep(wait)
+    again = _fb(f, f_model, 4)
+    assert again.status_code == 200, again.text
+    assert "loss:sum" in wait_future(f, again.json()["request_id"])["metrics"]
+
+
+def test_requests_behind_a_seq_id_that_never_comes_fail_after_the_deadline_and_free_the_quota(stack, tenant):
+    deadline_s = float(os.environ.get("QUILT_TRAINER_SEQ_GAP_DEADLINE_S", "20"))
+    client = stack.http(tenant.key)
+    model_id = new_model(client)
+    waiting = [client.post("/forward_backward", json=fb_body(model_id, seq, [datum([1, 2, 3])])) for seq in (2, 3)]
+    started = time.monotonic()
+    for r in waiting:
+        failed = wait_future(client, r.json()["request_id"], timeout_s=deadline_s + 120)
+        assert failed["category"] == "user" and "seq_id 1 " in failed["error"] and "never arrived" in failed["error"]
+    assert time.monotonic() - started >= deadline_s - 5
+    with db.connect(stack.database_url) as conn:
+        open_rows = conn.execute("SELECT count(*) AS n FROM requests WHERE model_id = %s AND status NOT IN "
+                                 "('done', 'failed')", (model_id,)).fetchone()["n"]
+    assert open_rows == 0  # no longer in flight
+    # The model goes on after them; the missing seq_id, sent now, is refused as late.
+    r = client.post("/forward_backward", json=fb_body(model_id, 4, [datum([1, 2, 3])]))
+    assert "loss:sum" in wait_future(client, r.json()["request_id"])["metrics"]
+    late = client.post("/forward_backward", json=fb_body(model_id, 1, [datum([1, 2, 3])]))
+    failed = wait_future(client, late.json()["request_id"])
+    assert failed["category"] == "user" and "arrived after" in failed["error"], failed
