@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -67,6 +66,7 @@ class TrainerWorker:
                                        liveness_ttl_s=LIVENESS_TTL_S, reclaim_idle_ms=RECLAIM_IDLE_MS,
                                        what="trained")
         self.queues = ModelQueues()
+        self.heartbeat = health.Heartbeat(redis, health.trainer_key(base_model))
         self.deficits: dict[str, float] = {}  # fair-share state carried between rounds
         self._weights: dict[str, float] = {}
         self._weights_at = 0.0
@@ -103,9 +103,13 @@ class TrainerWorker:
 
     def run_forever(self) -> None:
         self.prepare()
+        self.heartbeat.start()
         log.info("trainer for %s ready", self.base_model)
-        while not self.stopping:
-            self.step()
+        try:
+            while not self.stopping:
+                self.step()
+        finally:
+            self.heartbeat.stop()
 
     def _plan(self) -> RoundPlan:
         return plan_round(self.queues.snapshot(), FairShare(self.token_budget, self._tenant_weights(), self.deficits))
@@ -304,10 +308,10 @@ class TrainerWorker:
             return
         self._last_beacon = now
         s = self.stats
-        health.beacon(self.redis, health.trainer_key(self.base_model), health.TRAINER_TTL_S,
-                      pid=os.getpid(), models=len(self.backend.adapters), queued=self.queues.depth(),
-                      **self.backend.residency(),
-                      **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items() if k != "started_at"})
+        self.heartbeat.update(models=len(self.backend.adapters), queued=self.queues.depth(),
+                              **self.backend.residency(),
+                              **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()
+                                 if k != "started_at"})
         self.consumer.heartbeat()
 
 

@@ -1,11 +1,23 @@
-"""Liveness beacons: each worker refreshes a Redis key with a TTL; healthz reads them."""
+"""Liveness beacons: each worker refreshes a Redis key with a TTL; healthz reads them.
+
+A trainer's or generation worker's key is written by a `Heartbeat` thread of its own every
+second with a 3 s TTL, so healthz shows a dead worker within 3 s however long its current round
+runs; the worker's loop only hands the thread its latest figures. (A live but stuck loop keeps
+beating: the figures' `at` stops moving, which the dashboard shows.)
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import threading
 import time
 
-TRAINER_TTL_S = 15
+log = logging.getLogger(__name__)
+
+HEALTH_TTL_S = 3
+HEARTBEAT_EVERY_S = 1.0
 CELERY_TTL_S = 45
 
 
@@ -22,6 +34,8 @@ def gen_key(base_model: str) -> str:
     return f"quilt:health:gen:{base_model}"
 
 
+# How long a stream consumer's liveness key lasts (core.consumer): its pending entries are taken
+# over once it is gone, so this is the generation pool's take-over delay.
 GEN_TTL_S = 15
 
 
@@ -36,5 +50,37 @@ def beacon(redis, key: str, ttl_s: int, **info) -> None:
     redis.set(key, json.dumps({"at": time.time(), **info}), ex=ttl_s)
 
 
-async def beacon_async(redis, key: str, ttl_s: int, **info) -> None:
-    await redis.set(key, json.dumps({"at": time.time(), **info}), ex=ttl_s)
+class Heartbeat:
+    """Writes `key` every HEARTBEAT_EVERY_S from a daemon thread, with the figures last given to
+    `update` (the figures' own time is `at`; the key's freshness is the process's)."""
+
+    def __init__(self, redis, key: str):
+        self.redis = redis  # a synchronous client; redis-py's pool is safe across threads
+        self.key = key
+        self._info: dict = {"at": time.time(), "pid": os.getpid()}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat {key}", daemon=True)
+
+    def update(self, **info) -> None:
+        self._info = {"at": time.time(), "pid": os.getpid(), **info}
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """On a clean exit: the key goes at once, so health does not wait for the TTL."""
+        self._stopped.set()
+        self._thread.join(timeout=2 * HEARTBEAT_EVERY_S)
+        try:
+            self.redis.delete(self.key)
+        except Exception:  # stopping must not fail on a Redis that is already gone
+            log.warning("could not remove %s", self.key)
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                self.redis.set(self.key, json.dumps(self._info), ex=HEALTH_TTL_S)
+            except Exception as exc:  # Redis down: health is down too; keep trying
+                log.warning("heartbeat %s: %s", self.key, exc)
+            self._stopped.wait(HEARTBEAT_EVERY_S)

@@ -63,6 +63,7 @@ class GenWorker:
                                    share_after_s=settings.share_after_s, on_finish=self._on_finish)
         self.stopping = False
         self._conn: psycopg.Connection | None = None
+        self.heartbeat = health.Heartbeat(sync_redis, health.gen_key(base_model))
 
     # ------------------------------------------------------------------ loop
 
@@ -75,6 +76,7 @@ class GenWorker:
         tasks = [asyncio.create_task(self._reader(), name="reader"),
                  asyncio.create_task(self._cancellations(), name="cancels"),
                  asyncio.create_task(self._reclaimer(), name="reclaim")]
+        self.heartbeat.start()
         log.info("generation worker for %s ready", self.base_model)
         try:
             while not self.stopping:
@@ -82,8 +84,9 @@ class GenWorker:
                 await self._beacon()
                 if self.engine.dead:
                     raise ServerError("the engine died; exiting so the launcher restarts the worker")
-                await self.scheduler.wait(2.0)  # at least every 2 s, to refresh the health beacon
+                await self.scheduler.wait(2.0)  # at least every 2 s, to refresh the health figures
         finally:
+            self.heartbeat.stop()
             for t in tasks:
                 t.cancel()
             self.scheduler.shutdown()
@@ -180,8 +183,7 @@ class GenWorker:
             return
         self._last_beacon = now
         s = self.scheduler
-        await health.beacon_async(self.redis, health.gen_key(self.base_model), health.GEN_TTL_S,
-                                  running=s.running(), waiting=s.waiting(), target=s.target, **s.report())
+        self.heartbeat.update(running=s.running(), waiting=s.waiting(), target=s.target, **s.report())
         await self.consumer.heartbeat()
 
 
