@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +85,16 @@ def celery_url(redis_url_: str) -> str:
     return redis_url_
 
 
+def server_pids() -> list[tuple[str, int, int]]:
+    """(name, pid, the signal that stops it cleanly) of the servers this process started or attached."""
+    out = []
+    if _handles.redis is not None and _handles.redis.pid:
+        out.append(("redis", int(_handles.redis.pid), signal.SIGTERM))
+    if _handles.pg is not None and _handles.pg.get_pid():
+        out.append(("postgres", int(_handles.pg.get_pid()), signal.SIGINT))  # SIGINT: fast shutdown
+    return out
+
+
 def shutdown() -> None:
     """Stop what this process started (the launcher calls it after its children exit)."""
     if _handles.redis is not None:
@@ -95,5 +106,26 @@ def shutdown() -> None:
         _handles.redis._cleanup()
         _handles.redis = None
     if _handles.pg is not None:
+        postmaster = _handles.pg.get_pid()
         _handles.pg.cleanup()
         _handles.pg = None
+        # pgserver stops the server only when no other process it counted is left, and it never
+        # forgets a process that was killed: after a hard-killed launcher it would leave the server
+        # running. The launcher owns the server, so it stops what is still there.
+        _stop_process(postmaster, signal.SIGINT)  # SIGINT: fast shutdown
+
+
+def _stop_process(pid: int | None, sig: int, grace_s: float = 10.0) -> None:
+    import psutil
+
+    try:
+        proc = psutil.Process(pid) if pid else None
+        if proc is None or not proc.is_running():
+            return
+        proc.send_signal(sig)
+        proc.wait(timeout=grace_s)
+    except psutil.TimeoutExpired:
+        log.warning("pid %s did not stop in %.0f s; killing it", pid, grace_s)
+        proc.kill()
+    except psutil.Error:
+        pass

@@ -3,7 +3,8 @@
 Starts (or attaches to) Postgres and Redis under the data directory, applies migrations, makes sure
 a base model exists, then runs the API, one trainer per trainable base model, one generation worker
 per sampleable base model and a Celery worker with beat. A child that dies is restarted (with a
-pause); Ctrl-C or SIGTERM stops them all, then the embedded servers.
+pause); Ctrl-C or SIGTERM stops them all, then the embedded servers. If the launcher itself dies
+hard, its reaper stops them (`stack.leftovers`); two launchers never share a data directory.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import migrations
 from core import catalog, db, embedded
 from core.settings import clear_settings_cache, get_core_settings
+from stack import leftovers
 
 log = logging.getLogger("quilt.launcher")
 
@@ -52,12 +54,17 @@ class Child:
         log.info("started %s (pid %d), log: %s", self.name, self.proc.pid, self.log_path)
 
 
-def prepare(data_dir: Path | None = None) -> tuple[str, str]:
-    """Point settings at the data directory, start/attach the embedded servers, migrate, ensure a
-    base model. Returns (database_url, redis_url)."""
+def _use_data_dir(data_dir: Path | None) -> Path:
     if data_dir is not None:
         os.environ["QUILT_DATA_DIR"] = str(data_dir.resolve())
         clear_settings_cache()
+    return get_core_settings().data_dir
+
+
+def prepare(data_dir: Path | None = None) -> tuple[str, str]:
+    """Point settings at the data directory, start/attach the embedded servers, migrate, ensure a
+    base model. Returns (database_url, redis_url)."""
+    _use_data_dir(data_dir)
     settings = get_core_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     db_url = embedded.database_url(settings)
@@ -137,11 +144,20 @@ def up(*, data_dir: Path | None, host: str, port: int) -> int:
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
+    directory = _use_data_dir(data_dir)
+    leftovers.lock(directory)  # held until this process ends, however it ends
+    stale = leftovers.stop_recorded(directory)  # a launcher (and its reaper) killed hard before us
+    if stale:
+        log.warning("stopped what a previous quilt up left running: %s", ", ".join(stale))
+    reaper = subprocess.Popen([sys.executable, "-m", "stack.reaper", str(os.getpid()), str(directory)],
+                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     db_url, redis_url = prepare(data_dir)
     children = _children(db_url, redis_url, host, port)
+    _record(directory, [])
     for child in children:
         child.start()
-    state_file = get_core_settings().data_dir / STATE_FILE
+    _record(directory, children)
+    state_file = directory / STATE_FILE
     state_file.write_text(json.dumps({"pid": os.getpid(), "base_url": f"http://{host}:{port}",
                                       "database_url": db_url, "redis_url": redis_url}))
     print(f"Quilt is starting at http://{host}:{port} (data: {get_core_settings().data_dir}); Ctrl-C stops it",
@@ -159,10 +175,23 @@ def up(*, data_dir: Path | None, host: str, port: int) -> int:
                 time.sleep(RESTART_PAUSE_S)
                 child.restarts += 1
                 child.start()
+                _record(directory, children)
     finally:
         log.info("stopping")
+        stopping_since = time.monotonic()
         _stop(children)
         state_file.unlink(missing_ok=True)
         embedded.shutdown()
+        leftovers.clear(directory)  # a clean stop: the reaper has nothing to do
+        reaper.terminate()
+        log.info("stopped in %.1f s", time.monotonic() - stopping_since)
     print("Quilt stopped", flush=True)
     return 0
+
+
+def _record(directory: Path, children: list[Child]) -> None:
+    """What the reaper stops if this process dies without stopping them (stack.leftovers)."""
+    entries = [leftovers.record_of(c.name, c.proc.pid, group=True) for c in children if c.proc]
+    for name, pid, stop_signal in embedded.server_pids():
+        entries.append(leftovers.record_of(name, pid, group=False, stop_signal=stop_signal))
+    leftovers.write(directory, entries)

@@ -1,0 +1,121 @@
+"""What a `quilt up` leaves running if it dies hard, and how it is found and stopped.
+
+The launcher records every process it is responsible for (its children's process groups, the
+embedded Redis and Postgres servers) in `<data-dir>/stack.pids`, and holds `<data-dir>/quilt.lock`
+for as long as it lives, so two launchers never share a data directory. A reaper (`stack.reaper`,
+in a session of its own) waits for the launcher: if it dies without removing the record (SIGKILL,
+the OOM killer), the reaper stops what the record names. A launcher that finds a record on start
+(its reaper died too) stops those processes first.
+
+A process is only signalled if it is still the one recorded (same pid and start time), so a pid
+the system has reused is never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from core.errors import Conflict
+
+PIDS_FILE = "stack.pids"
+LOCK_FILE = "quilt.lock"
+STOP_GRACE_S = 10.0
+
+
+class DataDirInUse(Conflict):
+    pass
+
+
+@dataclass(frozen=True)
+class Recorded:
+    name: str
+    pid: int
+    started: float  # psutil create_time: tells a reused pid apart
+    group: bool  # signal the whole process group (children started in sessions of their own)
+    stop_signal: int = signal.SIGTERM
+
+
+def record_of(name: str, pid: int, *, group: bool, stop_signal: int = signal.SIGTERM) -> Recorded:
+    return Recorded(name, pid, psutil.Process(pid).create_time(), group, int(stop_signal))
+
+
+def write(data_dir: Path, entries: list[Recorded]) -> None:
+    path = data_dir / PIDS_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([asdict(e) for e in entries]))
+    os.replace(tmp, path)
+
+
+def read(data_dir: Path) -> list[Recorded]:
+    try:
+        return [Recorded(**e) for e in json.loads((data_dir / PIDS_FILE).read_text())]
+    except FileNotFoundError:
+        return []
+
+
+def clear(data_dir: Path) -> None:
+    (data_dir / PIDS_FILE).unlink(missing_ok=True)
+
+
+def _alive(entry: Recorded) -> psutil.Process | None:
+    try:
+        proc = psutil.Process(entry.pid)
+        if abs(proc.create_time() - entry.started) > 0.01 or proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc
+    except psutil.Error:
+        return None
+
+
+def _signal(entry: Recorded, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if entry.group:
+            os.killpg(entry.pid, sig)
+        else:
+            os.kill(entry.pid, sig)
+
+
+def stop_recorded(data_dir: Path, *, grace_s: float = STOP_GRACE_S) -> list[str]:
+    """Stop every recorded process still running (its stop signal, then SIGKILL after `grace_s`),
+    remove the record; returns the names of those that were running."""
+    entries = [(e, p) for e in read(data_dir) if (p := _alive(e)) is not None]
+    for entry, _ in entries:
+        _signal(entry, entry.stop_signal)
+    deadline = time.monotonic() + grace_s
+    for entry, proc in entries:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except psutil.TimeoutExpired:
+            _signal(entry, signal.SIGKILL)
+        except psutil.Error:
+            pass  # already gone
+    for entry, _ in entries:
+        if entry.group:  # anything its processes left in their group
+            _signal(entry, signal.SIGKILL)
+    clear(data_dir)
+    return [e.name for e, _ in entries]
+
+
+def lock(data_dir: Path) -> int:
+    """Take the data directory for this process's lifetime (the lock goes with the process)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise DataDirInUse(f"another `quilt up` (pid {holder}) is running on {data_dir}; stop it first, or use "
+                           "another --data-dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
