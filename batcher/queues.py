@@ -38,7 +38,9 @@ class ModelQueues:
     next_seq: dict[str, int] = field(default_factory=dict)
     pending: dict[str, dict[int, Delivery]] = field(default_factory=dict)
     arrived: dict[str, float] = field(default_factory=dict)  # request id -> when it was queued (monotonic)
-    given_up: dict[str, set[int]] = field(default_factory=dict)  # model -> seq_ids that never came
+    # model -> (first, last, seq_ids queued among them): the ranges given up by give_up_stalled.
+    # Ranges, not sets: a client may skip from seq_id 2 to 2**31 - 1.
+    given_up: dict[str, list[tuple[int, int, frozenset[int]]]] = field(default_factory=dict)
 
     def add(self, delivery: Delivery, *, now: float | None = None) -> Added:
         """Queue a delivered item."""
@@ -47,7 +49,9 @@ class ModelQueues:
             self.next_seq[item.model_id] = 0
         expected = self.next_seq.get(item.model_id)
         if expected is not None and item.seq_id < expected:
-            return Added.LATE if item.seq_id in self.given_up.get(item.model_id, ()) else Added.DUPLICATE
+            late = any(first <= item.seq_id <= last and item.seq_id not in queued
+                       for first, last, queued in self.given_up.get(item.model_id, ()))
+            return Added.LATE if late else Added.DUPLICATE
         slot = self.pending.setdefault(item.model_id, {})
         if item.seq_id in slot:
             return Added.DUPLICATE
@@ -67,7 +71,7 @@ class ModelQueues:
             if now - min(self.arrived[d.item.request_id] for d in slot.values()) < deadline_s:
                 continue
             last = max(slot)
-            self.given_up.setdefault(model_id, set()).update(s for s in range(expected, last + 1) if s not in slot)
+            self.given_up.setdefault(model_id, []).append((expected, last, frozenset(slot)))
             waiting = [slot[s] for s in sorted(slot)]
             for d in waiting:
                 self.arrived.pop(d.item.request_id, None)

@@ -81,3 +81,13 @@ def test_a_model_without_a_gap_is_never_given_up():
     q.add(Delivery("0-3", item(2)), now=0.0)
     assert q.give_up_stalled(1.0, now=1e6) == []
     assert q.depth() == 2
+
+
+def test_giving_up_a_huge_gap_costs_nothing():
+    q = ModelQueues()
+    _started(q)
+    q.add(Delivery("0-2", item(2**31 - 1)), now=0.0)  # a client that skipped two billion ids
+    [stalled] = q.give_up_stalled(1.0, now=2.0)
+    assert stalled.missing == 1 and sum(len(queued) for _, _, queued in q.given_up["m"]) == 1
+    assert q.add(Delivery("0-3", item(12345)), now=3.0) is Added.LATE
+    assert q.add(Delivery("0-4", item(2**31 - 1)), now=3.0) is Added.DUPLICATE
