@@ -80,6 +80,10 @@ class ModelQueues:
             out.append(Stalled(model_id, expected, waiting))
         return out
 
+    def resume(self, model_id: str, *, next_seq: int) -> None:
+        """A model restored from a snapshot: its sequence goes on from `next_seq`."""
+        self.next_seq[model_id] = next_seq
+
     def knows(self, model_id: str) -> bool:
         return model_id in self.next_seq
 

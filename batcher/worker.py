@@ -14,12 +14,14 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import psycopg
 
 from batcher.backend import LoraBackend, PassRequest
 from batcher.policy import FairShare, RoundPlan, plan_round
 from batcher.queues import Added, ModelQueues
+from batcher.snapshots import SnapshotStore
 from billing.ledger import settle
 from billing.pricing import training_units
 from core import catalog, db, health, ids, queue, records, redis_client, run_metrics
@@ -51,7 +53,8 @@ RECLAIM_EVERY_S = 5.0
 class TrainerWorker:
     def __init__(self, *, base_model: str, backend: LoraBackend, redis, db_url: str, consumer: str,
                  block_ms: int, result_ttl_s: int, token_budget: int | None = None, offload_idle_s: float = 300.0,
-                 stats_history: int = 1000, seq_gap_deadline_s: float = 300.0):
+                 stats_history: int = 1000, seq_gap_deadline_s: float = 300.0,
+                 snapshots: SnapshotStore | None = None, snapshot_every_steps: int = 1):
         self.base_model = base_model
         self.backend = backend
         self.redis = redis
@@ -61,10 +64,17 @@ class TrainerWorker:
         self.offload_idle_s = offload_idle_s
         self.stats_history = stats_history
         self.seq_gap_deadline_s = seq_gap_deadline_s
+        # Durable state (batcher.snapshots): a model's stream entries are kept, unacknowledged, until
+        # a snapshot covers them. Without a store, models live in memory only (lost on restart).
+        self.snapshots = snapshots
+        self.snapshot_every_steps = snapshot_every_steps
+        self.held: dict[str, list[str]] = {}  # model -> stream ids since its last snapshot
+        self._steps_since_snapshot: dict[str, int] = {}
+        self._failed_before: set[str] = set()  # replayed requests that had failed
         self.consumer = StreamConsumer(redis, stream=queue.train_stream(base_model), group=queue.TRAIN_GROUP,
                                        consumer=consumer, settle=self._settle, result_ttl_s=result_ttl_s,
                                        liveness_ttl_s=LIVENESS_TTL_S, reclaim_idle_ms=RECLAIM_IDLE_MS,
-                                       what="trained")
+                                       what="trained", finished=self._finished_ids)
         self.queues = ModelQueues()
         self.heartbeat = health.Heartbeat(redis, health.trainer_key(base_model))
         self.deficits: dict[str, float] = {}  # fair-share state carried between rounds
@@ -93,11 +103,40 @@ class TrainerWorker:
     def prepare(self) -> None:
         self.consumer.ensure_group()
         self.consumer.heartbeat()
-        lost = records.mark_models_lost(self._db(), self.base_model)
+        restored = self._restore()
+        lost = records.mark_models_lost(self._db(), self.base_model, keep=restored)
+        if restored:
+            log.info("%d models restored from their snapshots", len(restored))
         if lost:
-            log.warning("%d models of a previous trainer process are lost (adapters live in memory)", lost)
-        # Our own unacknowledged entries from before a crash come back first.
+            log.warning("%d models of a previous trainer process are lost (no snapshot)", lost)
+        # Our own unacknowledged entries from before a crash come back first: queued work, and the
+        # replay log of every restored model since its snapshot.
         self._ingest(self.consumer.read(own_pending=True))
+
+    def _restore(self) -> list[str]:
+        if self.snapshots is None:
+            return []
+        rows = self._db().execute("SELECT id FROM training_models WHERE base_model = %s AND status = 'ready'",
+                                  (self.base_model,)).fetchall()
+        restored = []
+        for row in rows:
+            try:
+                seq_id = self.snapshots.restore(self.backend, row["id"])
+            except Exception:
+                log.exception("snapshot of %s could not be loaded", row["id"])
+                self.backend.delete(row["id"])
+                continue
+            if seq_id is not None:
+                self.queues.resume(row["id"], next_seq=seq_id + 1)
+                restored.append(row["id"])
+        return restored
+
+    def _finished_ids(self, request_ids: list[str]) -> set[str]:
+        rows = self._db().execute("SELECT id, status FROM requests WHERE id = ANY(%s) AND status IN ('done', 'failed')",
+                                  (request_ids,)).fetchall()
+        # A request that failed left no gradient or step to replay (given up, refused, overflowed).
+        self._failed_before.update(r["id"] for r in rows if r["status"] == "failed")
+        return {r["id"] for r in rows}
 
     # ------------------------------------------------------------------ loop
 
@@ -183,15 +222,51 @@ class TrainerWorker:
     def _execute(self, plan: RoundPlan) -> None:
         taken = {p.request_id: self.queues.take(p) for p in (*plan.fused, *plan.barriers)}
         records.mark_running(self._db(), list(taken))
-        if plan.fused:
-            reqs = [_pass_request(taken[p.request_id].item) for p in plan.fused]
-            for p, outcome in zip(plan.fused, self.backend.run_pass(reqs)):
+        # A replayed request that changes no state (a forward, a save) was answered already: skip it.
+        fused = [p for p in plan.fused if not self._answered_without_effect(taken[p.request_id])]
+        for p in plan.fused:
+            if p not in fused:
+                self._finish(taken[p.request_id], {})
+        if fused:
+            reqs = [_pass_request(taken[p.request_id].item) for p in fused]
+            for p, outcome in zip(fused, self.backend.run_pass(reqs)):
                 d = taken[p.request_id]
                 self._finish(d, outcome, metrics=self._step_metrics(d.item, outcome))
         for p in plan.barriers:
             d = taken[p.request_id]
-            self._finish(d, self._barrier(d.item))
+            outcome = {} if self._answered_without_effect(d) else self._barrier(d.item)
+            self._finish(d, outcome)
+            if not isinstance(outcome, QuiltError):
+                self._after_barrier(d.item)
         self.stats["requests"] += len(taken)
+
+    def _answered_without_effect(self, d: Delivery) -> bool:
+        """A replayed request whose answer stands and whose effect is not part of the model's state."""
+        return d.finished and (d.item.request_id in self._failed_before or d.item.kind in (
+            WorkKind.FORWARD, WorkKind.SAVE_WEIGHTS, WorkKind.SAVE_WEIGHTS_FOR_SAMPLER, WorkKind.REJECTED))
+
+    def _after_barrier(self, item: WorkItem) -> None:
+        """Snapshot a model whose state a barrier replaced (create, load, every N-th step), then let
+        its stream entries go: the snapshot covers them."""
+        if self.snapshots is None or not self.backend.has(item.model_id):
+            return
+        if item.kind is WorkKind.OPTIM_STEP:
+            n = self._steps_since_snapshot.get(item.model_id, 0) + 1
+            self._steps_since_snapshot[item.model_id] = n
+            if n < self.snapshot_every_steps:
+                return
+        elif item.kind not in (WorkKind.CREATE_MODEL, WorkKind.LOAD_WEIGHTS):
+            return
+        started = time.perf_counter()
+        self.snapshots.write(self.backend, item.model_id, item.seq_id)
+        self.stats["snapshot_s"] = self.stats.get("snapshot_s", 0.0) + time.perf_counter() - started
+        self.stats["snapshots"] = self.stats.get("snapshots", 0) + 1
+        self._steps_since_snapshot[item.model_id] = 0
+        self._release(item.model_id)
+
+    def _release(self, model_id: str) -> None:
+        for stream_id in self.held.pop(model_id, []):
+            self.consumer.ack(stream_id)
 
     def _barrier(self, item: WorkItem) -> dict | QuiltError:
         try:
@@ -211,6 +286,8 @@ class TrainerWorker:
         except Exception as exc:
             err = _as_error(item, exc)
             self.backend.delete(item.model_id)
+            if self.snapshots is not None:
+                self.snapshots.drop(item.model_id)
             records.set_model_status(self._db(), item.model_id, "failed", err.message)
             raise err from exc
         if work.load:
@@ -271,7 +348,16 @@ class TrainerWorker:
             log.info("request %s (%s %s) failed: %s", item.request_id, item.kind, item.model_id, outcome.message)
         else:
             result = queue.Outcome(item.request_id, result=outcome)
-        self.consumer.finish(d, result, metrics)
+        # Kept as the replay log while the model's state is not yet in a snapshot.
+        hold = self.snapshots is not None and (self.backend.has(item.model_id) or item.model_id in self.held)
+        if not d.finished:
+            self.consumer.finish(d, result, metrics, ack=not hold)
+        elif not hold:
+            self.consumer.ack(d.stream_id)
+        if hold:
+            self.held.setdefault(item.model_id, []).append(d.stream_id)
+        if self.snapshots is not None and not self.backend.has(item.model_id):
+            self._release(item.model_id)  # a create that failed: nothing left to replay
 
     def _settle(self, item: WorkItem, outcome: queue.Outcome, metrics: run_metrics.StepMetrics | None) -> None:
         settle(self._db(), request_id=item.request_id, tenant_id=item.tenant_id, model_id=item.model_id,
@@ -339,6 +425,9 @@ def main() -> None:
         block_ms=settings.read_block_ms, result_ttl_s=get_api_settings().future_ttl_seconds,
         token_budget=settings.token_budget, offload_idle_s=settings.offload_idle_s, stats_history=settings.stats_history,
         seq_gap_deadline_s=settings.seq_gap_deadline_s,
+        snapshots=SnapshotStore(settings.snapshot_dir or Path(get_core_settings().data_dir) / "snapshots")
+        if settings.snapshots else None,
+        snapshot_every_steps=settings.snapshot_every_steps,
     )
 
     def _stop(signum, frame):

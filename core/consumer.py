@@ -40,6 +40,7 @@ from core.work import MalformedWork, Rejected, WorkItem, WorkKind
 log = logging.getLogger("quilt.consumer")
 
 MAX_DELIVERIES = 3
+REPLAY_DELIVERIES_FACTOR = 3
 
 
 def _text(value) -> str:
@@ -48,14 +49,18 @@ def _text(value) -> str:
 
 @dataclass(frozen=True)
 class Delivery:
-    """One work item as this consumer received it."""
+    """One work item as this consumer received it. `finished`: a redelivery of a request that
+    already has its outcome (a worker that keeps entries as a replay log reads them back)."""
 
     stream_id: str
     item: WorkItem
+    finished: bool = False
 
 
 # Writes a finished request's durable record: (item, outcome, the worker's usage details).
 Settle = Callable[[WorkItem, queue.Outcome, Any], None]
+# Which of these request ids already have their outcome (read back from the database).
+Finished = Callable[[list[str]], set[str]]
 
 
 def orphaned_consumers(pending: dict[str, int], alive: set[str], me: str) -> list[str]:
@@ -72,7 +77,7 @@ def over_delivered(counts: dict[str, int], stream_id: str, max_deliveries: int) 
 class StreamConsumer:
     def __init__(self, redis, *, stream: str, group: str, consumer: str, settle: Settle, result_ttl_s: int,
                  liveness_ttl_s: int, what: str, max_deliveries: int = MAX_DELIVERIES, batch: int = 512,
-                 reclaim_idle_ms: int | None = None):
+                 reclaim_idle_ms: int | None = None, finished: Finished | None = None):
         self.redis = redis
         self.stream = stream
         self.group = group
@@ -84,6 +89,7 @@ class StreamConsumer:
         self.max_deliveries = max_deliveries
         self.batch = batch
         self.reclaim_idle_ms = reclaim_idle_ms if reclaim_idle_ms is not None else liveness_ttl_s * 1000
+        self.finished = finished
 
     # ------------------------------------------------------------------ intake
 
@@ -97,10 +103,20 @@ class StreamConsumer:
     def read(self, *, block_ms: int | None = None, own_pending: bool = False) -> list[Delivery]:
         """New entries, waiting up to `block_ms` for the first (None: don't wait); or, with
         `own_pending`, this consumer's unacknowledged entries from before a restart."""
-        counts = self._delivery_counts() if own_pending else {}
-        reply = self.redis.xreadgroup(self.group, self.consumer, {self.stream: "0" if own_pending else ">"},
-                                      count=self.batch, block=None if own_pending else block_ms)
-        return self._accept(reply[0][1] if reply else [], counts)
+        if not own_pending:
+            reply = self.redis.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=self.batch,
+                                          block=block_ms)
+            return self._accept(reply[0][1] if reply else [], {})
+        counts = self._delivery_counts()
+        out: list[Delivery] = []
+        after = "0"
+        while True:  # every pending entry, page by page: a replay log can be longer than a batch
+            reply = self.redis.xreadgroup(self.group, self.consumer, {self.stream: after}, count=self.batch)
+            entries = reply[0][1] if reply else []
+            if not entries:
+                return out
+            out += self._accept(entries, counts)
+            after = _text(entries[-1][0])
 
     def reclaim(self) -> list[Delivery]:
         """Take over the pending entries of consumers that died and did not come back (another
@@ -129,19 +145,30 @@ class StreamConsumer:
         return {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
 
     def _accept(self, entries: list, counts: dict[str, int]) -> list[Delivery]:
-        out = []
+        items: list[tuple[str, WorkItem]] = []
         for stream_id, fields in entries:
             sid = _text(stream_id)
             if not fields:  # deleted while pending
                 self.ack(sid)
                 continue
             try:
-                item = WorkItem.from_fields(fields)
+                items.append((sid, WorkItem.from_fields(fields)))
             except MalformedWork as exc:
                 self._drop_malformed(sid, fields, exc)
-                continue
-            delivery = Delivery(sid, item)
-            if over_delivered(counts, sid, self.max_deliveries):
+        done = self.finished([i.request_id for _, i in items]) if counts and self.finished and items else set()
+        out = []
+        for sid, item in items:
+            delivery = Delivery(sid, item, finished=item.request_id in done)
+            if delivery.finished:
+                # Kept as a replay log, its answer given: re-run for its effect, with a looser cap; past
+                # it the entry is dropped from the log (its answer stands) rather than crash forever.
+                if over_delivered(counts, sid, REPLAY_DELIVERIES_FACTOR * self.max_deliveries):
+                    log.error("dropping %s (request %s) from the replay log of %s: its worker died each of the "
+                              "last %d times it was replayed", sid, item.request_id, self.stream,
+                              REPLAY_DELIVERIES_FACTOR * self.max_deliveries)
+                    self.ack(sid)
+                    continue
+            elif over_delivered(counts, sid, self.max_deliveries):
                 self.finish(delivery, queue.failure(item.request_id, ServerError(
                     f"request {item.request_id} was being {self.what} each of the last {self.max_deliveries} times "
                     "its worker died; it is failed so the others can go on")))
@@ -164,10 +191,12 @@ class StreamConsumer:
 
     # ------------------------------------------------------------------ results
 
-    def finish(self, delivery: Delivery, outcome: queue.Outcome, usage: Any = None) -> None:
+    def finish(self, delivery: Delivery, outcome: queue.Outcome, usage: Any = None, *, ack: bool = True) -> None:
+        """Publish the outcome, settle it, acknowledge the entry (unless the worker keeps it)."""
         stored = queue.publish(self.redis, outcome, self.result_ttl_s)
         self.settle(delivery.item, stored, usage if stored.ok else None)
-        self.ack(delivery.stream_id)
+        if ack:
+            self.ack(delivery.stream_id)
 
     def ack(self, stream_id: str) -> None:
         pipe = self.redis.pipeline()

@@ -36,12 +36,13 @@ def set_model_status(conn: psycopg.Connection, model_id: str, status: str, detai
     conn.execute("UPDATE training_models SET status = %s, status_detail = %s WHERE id = %s", (status, detail, model_id))
 
 
-def mark_models_lost(conn: psycopg.Connection, base_model: str) -> int:
-    """At trainer start: adapters live in trainer memory, so ready models of a previous process are gone."""
+def mark_models_lost(conn: psycopg.Connection, base_model: str, *, keep: list[str] = ()) -> int:
+    """At trainer start: ready models of a previous process that it could not restore (no
+    snapshot: batcher.snapshots) are gone."""
     cur = conn.execute(
         "UPDATE training_models SET status = 'lost', status_detail = 'trainer restarted' "
-        "WHERE base_model = %s AND status = 'ready'",
-        (base_model,),
+        "WHERE base_model = %s AND status = 'ready' AND NOT (id = ANY(%s))",
+        (base_model, list(keep)),
     )
     return cur.rowcount
 

@@ -73,6 +73,11 @@ class TrainerSettings(BaseSettings):
     offload_idle_s: float = Field(300.0, ge=0, description="seconds unused before an adapter is parked")
     token_budget: int = Field(16384, ge=64, description="model-input tokens per fused pass (fair-shared)")
     stats_history: int = Field(1000, ge=10, le=100_000, description="round records kept in Redis")
+    snapshots: bool = Field(True, description="keep models' state durable (batcher.snapshots); off: lost on restart")
+    snapshot_dir: Path | None = Field(None, description="where snapshots live; default <data dir>/snapshots")
+    snapshot_every_steps: int = Field(1, ge=1, le=10_000,
+                                      description="optimizer steps between a model's snapshots (the replay log "
+                                                  "in Redis holds the requests between them)")
     seq_gap_deadline_s: float = Field(300.0, gt=0, le=86_400,
                                       description="how long requests wait for a missing earlier seq_id of their "
                                                   "model before they fail (and stop counting as in flight)")

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,15 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from stackutil import ROOT, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

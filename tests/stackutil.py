@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import socket
 import time
+from pathlib import Path
 
 import httpx
 
 TINY = "quilt/tiny-qwen3"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_future(client: httpx.Client, request_id: str, timeout_s: float = 300) -> dict:

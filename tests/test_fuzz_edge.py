@@ -18,11 +18,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from stackutil import ADAM, datum, fb_body, new_model, wait_future
+from stackutil import ADAM, ROOT, datum, fb_body, new_model, wait_future
 
 pytestmark = pytest.mark.stack
 
-ROOT = Path(__file__).resolve().parents[1]
 SEED = 20261201
 EXAMPLES_PER_OPERATION = int(os.environ.get("QUILT_FUZZ_EXAMPLES", "40"))
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
-from conftest import ROOT, free_port
+from stackutil import ROOT, free_port
 
 from core import health
 from stack import leftovers

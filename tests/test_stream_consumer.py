@@ -137,3 +137,25 @@ def test_the_async_face_runs_the_same_consumer(r, stream):
     finally:
         c.shutdown()
     assert not _future(r, item.request_id).ok and ledger.rows == [(item.request_id, False, None)]
+
+
+def test_a_kept_replay_log_comes_back_whole_and_finished_entries_are_never_failed(r, stream):
+    ledger = Ledger()
+    items = [_item(n) for n in range(5)]
+    done = {items[0].request_id, items[1].request_id}
+    c = _consumer(r, stream, "c1", ledger, max_deliveries=1, batch=2, finished=lambda ids: done & set(ids))
+    for item in items:
+        r.xadd(stream, item.to_fields())
+    first = []
+    while batch := c.read():
+        first += batch
+    for d in first[:2]:  # answered, but kept unacknowledged as the replay log
+        c.finish(d, queue.Outcome(d.item.request_id, result={"ok": 1}), ack=False)
+    assert r.xpending(stream, GROUP)["pending"] == 5
+    c.read(own_pending=True)  # a restart: every entry delivered twice now
+    again = c.read(own_pending=True)  # and again: over max_deliveries, except the answered ones
+    assert [d.item.request_id for d in again] == [items[0].request_id, items[1].request_id]
+    assert all(d.finished for d in again)
+    # The three unanswered ones were failed (their worker kept dying); the answered ones stand.
+    assert sorted(rid for rid, ok, _ in ledger.rows if not ok) == sorted(i.request_id for i in items[2:])
+    assert _future(r, items[0].request_id).result == {"ok": 1}

@@ -1,0 +1,61 @@
+"""Durable training state: one snapshot per training model, plus the stream as the replay log.
+
+A model's state is its adapter weights, its AdamW state and its step count at some `seq_id`,
+plus the gradients of the requests after it. The trainer writes a snapshot after a model's
+create, load and every `QUILT_TRAINER_SNAPSHOT_EVERY_STEPS`-th optimizer step, and keeps every
+stream entry of the model unacknowledged until a snapshot covers it: a restarted trainer loads
+each model's newest snapshot and re-runs the entries after it in seq_id order (those already
+answered are re-run for their effect only: no second result, no second charge, see
+`core.consumer.Delivery.finished`). So no step a client could have seen is lost. The entries live
+in Redis with append-only persistence (`core.embedded`).
+
+On disk: `<root>/<model_id>/<seq_id, 10 digits>/`, a training checkpoint directory
+(`core.checkpoint_files`); each is written beside the others and renamed into place, then older
+ones are removed, so a crash at any point leaves at least one whole snapshot.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from batcher.backend import LoraBackend
+from core.checkpoint_files import TrainerMeta
+from core.work import LoraShape
+
+
+class SnapshotStore:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def _dir(self, model_id: str) -> Path:
+        return self.root / model_id.replace("/", "_")
+
+    def write(self, backend: LoraBackend, model_id: str, seq_id: int) -> int:
+        """Snapshot the model's state as of `seq_id` (no gradients pending); returns bytes written."""
+        directory = self._dir(model_id)
+        size = backend.save(model_id, str(directory / f"{seq_id:010d}"), overwrite=True, with_optimizer=True)
+        for old in directory.iterdir():
+            if old.name.isdigit() and int(old.name) < seq_id:
+                shutil.rmtree(old, ignore_errors=True)
+        return size
+
+    def latest(self, model_id: str) -> tuple[int, Path] | None:
+        directory = self._dir(model_id)
+        if not directory.is_dir():
+            return None
+        done = sorted((int(p.name), p) for p in directory.iterdir() if p.name.isdigit())
+        return done[-1] if done else None
+
+    def restore(self, backend: LoraBackend, model_id: str) -> int | None:
+        """Load the model's newest snapshot into the backend; returns its seq_id (None: no snapshot)."""
+        found = self.latest(model_id)
+        if found is None:
+            return None
+        seq_id, path = found
+        backend.create(model_id, LoraShape.from_json(TrainerMeta.read(path).lora_config))
+        backend.load(model_id, str(path), optimizer=True)
+        return seq_id
+
+    def drop(self, model_id: str) -> None:
+        shutil.rmtree(self._dir(model_id), ignore_errors=True)
