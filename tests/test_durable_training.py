@@ -24,10 +24,12 @@ from stack import leftovers
 pytestmark = pytest.mark.stack
 
 SEQS = ([5, 6, 7, 8, 9, 10], [11, 12, 13, 14], [20, 30, 40, 50, 60])
-# A LoRA learning rate: each step moves the weights by about 1e-4 relative to their init per
-# element, so a lost step shows at 1e-3 while float32 rounding of differently fused passes
-# (amplified by Adam's normalisation, which at lr 1e-2 reached 2e-6) stays far below 1e-6.
-ADAM = {**ADAM, "learning_rate": 1e-4}
+ADAM = {**ADAM, "learning_rate": 1e-4}  # a LoRA learning rate
+# How close "equal" is. The replayed passes fuse with whatever else the restarted trainer replays,
+# and float32 sums over a different batch round differently: alone the run matches the reference to
+# 1e-6, inside the full suite the zero-initialised lora_B tensors (nothing but Adam updates) differed
+# by up to 2.3e-6. A lost or doubled step differs by more than 0.3.
+RELATIVE = 1e-5
 
 
 def _datum(tokens: list[int]) -> Datum:
@@ -86,17 +88,16 @@ def test_a_killed_trainer_resumes_every_model_at_its_last_step(stack, tenant):
     assert statuses == {model_id: "ready", bystander: "ready"}
     assert [(b["seq_id"], b["n"]) for b in billed] == [(1, 1), (3, 1), (5, 1)]  # each once, replay or not
 
-    # Equal to the uninterrupted run to 1e-6 relative (per tensor): the replayed passes fuse with
-    # whatever else is queued, so their float32 sums round differently in the last bits.
+    # Equal to the uninterrupted run, per tensor, to RELATIVE.
     weights, optimizer = _reference(base_path)
     saved = load_file(str(Path(storage) / ADAPTER_WEIGHTS))
     assert set(saved) == set(weights)
     for key, expected in weights.items():
-        assert _relative(saved[key], expected.detach().cpu()) <= 1e-6, key
+        assert _relative(saved[key], expected.detach().cpu()) <= RELATIVE, key
     saved_opt = torch.load(Path(storage) / OPTIMIZER_FILE, weights_only=True)
     for i, state in optimizer["state"].items():
         for name in ("exp_avg", "exp_avg_sq"):
-            assert _relative(saved_opt["state"][i][name], state[name]) <= 1e-6, (i, name)
+            assert _relative(saved_opt["state"][i][name], state[name]) <= RELATIVE, (i, name)
         assert float(saved_opt["state"][i]["step"]) == float(state["step"]) == 3
 
 
