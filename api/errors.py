@@ -7,13 +7,15 @@ import math
 import uuid
 
 import psycopg
+import psycopg_pool
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import seq_gaps
-from core.errors import InvalidInput, QuiltError, ServerError, UserError
+from core.errors import InvalidInput, QuiltError, ServerError, Unavailable, UserError
 
 log = logging.getLogger("quilt.api")
 
@@ -31,7 +33,7 @@ def request_id_of(request: Request) -> str:
 def _respond(request: Request, err: QuiltError) -> JSONResponse:
     err.request_id = err.request_id or request_id_of(request)
     headers = {REQUEST_ID_HEADER: err.request_id}
-    if err.status_code == 429:
+    if err.status_code in (429, 503):
         headers["Retry-After"] = str(max(1, math.ceil(getattr(err, "retry_after_s", 1.0))))
     level = logging.WARNING if isinstance(err, UserError) else logging.ERROR
     log.log(level, "%s %s -> %d %s", request.method, request.url.path, err.status_code, err.message,
@@ -85,6 +87,15 @@ def install(app: FastAPI) -> None:
         primary = exc.diag.message_primary or type(exc).__name__
         return _respond(request, InvalidInput(f"body: a value does not fit what it is stored in ({primary})",
                                               field="body"))
+
+    async def _store_down(request: Request, exc: Exception):
+        # Never a 500 while a store restarts: 503 with Retry-After, which both SDKs retry.
+        log.warning("store unavailable on %s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+        return _respond(request, Unavailable(f"a store is unavailable ({type(exc).__name__}); retry in a moment"))
+
+    for store_error in (psycopg.OperationalError, psycopg_pool.PoolTimeout, redis.exceptions.ConnectionError,
+                        redis.exceptions.TimeoutError):
+        app.add_exception_handler(store_error, _store_down)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

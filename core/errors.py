@@ -11,6 +11,7 @@
     │   ├── Conflict              a name is already taken (reported in the future)        409
     │   └── QuotaExceeded         quota or rate limit                                     429
     └── ServerError               our fault: 500, or a failed future of category "server"
+        └── Unavailable           Postgres or Redis cannot be reached; retry               503
 
 They are plain picklable exceptions (Celery pickles them): every constructor argument is stored in
 `self.args`.
@@ -98,6 +99,12 @@ class QuotaExceeded(UserError):
 class ServerError(QuiltError):
     category: Category = "server"
     status_code = 500
+
+
+class Unavailable(ServerError):
+    """A store (Postgres, Redis) cannot be reached: retry after a moment."""
+
+    status_code = 503
 
 
 def failure_from_json(body: dict) -> QuiltError:
