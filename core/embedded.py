@@ -106,26 +106,5 @@ def shutdown() -> None:
         _handles.redis._cleanup()
         _handles.redis = None
     if _handles.pg is not None:
-        postmaster = _handles.pg.get_pid()
         _handles.pg.cleanup()
         _handles.pg = None
-        # pgserver stops the server only when no other process it counted is left, and it never
-        # forgets a process that was killed: after a hard-killed launcher it would leave the server
-        # running. The launcher owns the server, so it stops what is still there.
-        _stop_process(postmaster, signal.SIGINT)  # SIGINT: fast shutdown
-
-
-def _stop_process(pid: int | None, sig: int, grace_s: float = 10.0) -> None:
-    import psutil
-
-    try:
-        proc = psutil.Process(pid) if pid else None
-        if proc is None or not proc.is_running():
-            return
-        proc.send_signal(sig)
-        proc.wait(timeout=grace_s)
-    except psutil.TimeoutExpired:
-        log.warning("pid %s did not stop in %.0f s; killing it", pid, grace_s)
-        proc.kill()
-    except psutil.Error:
-        pass

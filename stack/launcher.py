@@ -182,7 +182,10 @@ def up(*, data_dir: Path | None, host: str, port: int) -> int:
         _stop(children)
         state_file.unlink(missing_ok=True)
         embedded.shutdown()
-        leftovers.clear(directory)  # a clean stop: the reaper has nothing to do
+        # What is still running from the record goes too, and the record with it (the reaper then
+        # has nothing to do): pgserver stops Postgres only when no process it counted is left, and
+        # it never forgets one that was killed, so after a hard-killed launcher it would stay up.
+        leftovers.stop_recorded(directory)
         reaper.terminate()
         log.info("stopped in %.1f s", time.monotonic() - stopping_since)
     print("Quilt stopped", flush=True)
