@@ -349,15 +349,15 @@ class TrainerWorker:
         else:
             result = queue.Outcome(item.request_id, result=outcome)
         # Kept as the replay log while the model's state is not yet in a snapshot.
-        hold = self.snapshots is not None and (self.backend.has(item.model_id) or item.model_id in self.held)
+        hold = self.snapshots is not None and self.backend.has(item.model_id)
         if not d.finished:
             self.consumer.finish(d, result, metrics, ack=not hold)
         elif not hold:
             self.consumer.ack(d.stream_id)
         if hold:
             self.held.setdefault(item.model_id, []).append(d.stream_id)
-        if self.snapshots is not None and not self.backend.has(item.model_id):
-            self._release(item.model_id)  # a create that failed: nothing left to replay
+        else:
+            self._release(item.model_id)  # a create that failed: nothing of the model is left to replay
 
     def _settle(self, item: WorkItem, outcome: queue.Outcome, metrics: run_metrics.StepMetrics | None) -> None:
         settle(self._db(), request_id=item.request_id, tenant_id=item.tenant_id, model_id=item.model_id,

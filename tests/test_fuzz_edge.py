@@ -58,13 +58,10 @@ def _real_ids(stack, tenant) -> dict[str, str]:
 def _figures(har_path: Path) -> dict:
     entries = json.loads(har_path.read_text())["log"]["entries"]
     by_class: collections.Counter = collections.Counter()
-    operations = set()
     server_errors = []
     for e in entries:
         status = e.get("response", {}).get("status", 0)
         by_class[f"{status // 100}xx" if status else "no response"] += 1
-        url = e["request"]["url"]
-        operations.add((e["request"]["method"], url.split("?")[0]))
         if status >= 500 and len(server_errors) < 20:
             server_errors.append({"request": e["request"], "status": status,
                                   "body": e["response"].get("content", {}).get("text", "")[:300]})
