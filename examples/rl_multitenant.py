@@ -36,11 +36,21 @@ TRAINER_FIELDS = ("rounds", "fused_rounds", "tenants_fused", "models_fused", "to
 GEN_FIELDS = ("slot_s", "capacity_s", "active_s", "mixed_s", "tokens", "groups")
 
 
-def server_counters(base_url: str) -> dict[str, dict[str, float]]:
-    """The trainer's and the generation pool's cumulative counters for the base model."""
-    health = httpx.get(f"{base_url}/api/v1/healthz", timeout=30).json()["components"]
-    trainer = health.get(f"trainer:{BASE_MODEL}", {})
-    gen = health.get(f"gen:{BASE_MODEL}", {})
+def server_counters(base_url: str, wait_s: float = 15.0) -> dict[str, dict[str, float]]:
+    """The trainer's and the generation pool's cumulative counters for the base model, as of now.
+
+    Workers publish their figures every couple of seconds (each carries its own `at`), so this
+    waits for figures stamped after the call: a short run read from older ones would miss its
+    own last rounds."""
+    asked = time.time()
+    deadline = time.monotonic() + wait_s
+    while True:
+        health = httpx.get(f"{base_url}/api/v1/healthz", timeout=30).json()["components"]
+        trainer = health.get(f"trainer:{BASE_MODEL}", {})
+        gen = health.get(f"gen:{BASE_MODEL}", {})
+        if min(float(trainer.get("at") or 0), float(gen.get("at") or 0)) >= asked or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
     return {"trainer": {k: float(trainer.get(k) or 0) for k in TRAINER_FIELDS},
             "gen": {k: float(gen.get(k) or 0) for k in GEN_FIELDS}}
 
