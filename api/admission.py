@@ -5,7 +5,8 @@
         ... validate the body against the model's base ...
         request_id = await admit(conn, redis, who, Ticket(item, base_model, SeqSlot.of(model, seq_id)))
 
-`admit` runs, in order: the idempotency rule (a retried call gets the existing future), the
+`admit` runs, in order: the idempotency rule (a retried call gets the existing future, whose
+entry is appended now if it never was: the API may have died between its commit and the append), the
 tenant's in-flight quota (429), its monthly budgets (402, billing.budgets; skipped for calls that
 meter no tokens), its tokens per minute (429 with Retry-After, tenancy.rate_limit), the request row
 (and a new model's row), a commit, then the stream entry. The row is committed before the entry
@@ -20,15 +21,16 @@ sampling sequence ids exceed int32, so a Redis key held for the future's lifetim
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from psycopg import AsyncConnection
 from redis.asyncio import Redis
 
 from api import records
 from billing import budgets
-from core import queue
+from core import faults, queue
 from core.errors import InvalidInput, QuotaExceeded
+from core.settings import get_api_settings
 from core.work import WorkItem
 from tenancy import rate_limit, scoped
 from tenancy.auth import Principal
@@ -46,11 +48,13 @@ class SeqSlot:
     seq_id: int
     holder_id: str | None = None
     holder_kind: str | None = None
+    holder_status: str | None = None
 
     @classmethod
     def of(cls, model: dict, seq_id: int) -> SeqSlot:
         """From a row of `usable_model(..., seq_id=seq_id)`."""
-        return cls(model["id"], seq_id, model.get("seq_holder_id"), model.get("seq_holder_kind"))
+        return cls(model["id"], seq_id, model.get("seq_holder_id"), model.get("seq_holder_kind"),
+                   model.get("seq_holder_status"))
 
 
 @dataclass(frozen=True)
@@ -105,12 +109,18 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
     if isinstance(slot, SeqSlot):
         existing = _holder(slot, row_kind, slot.holder_id, slot.holder_kind)
         if existing:
-            return existing
+            return await _resume(redis, ticket, existing, slot.holder_status)
     elif isinstance(slot, RedisSlot):
         if not await redis.set(slot.key, item.request_id, nx=True, ex=slot.ttl_s):
             existing = await redis.get(slot.key)
             if existing:
-                return existing.decode()
+                status = await records.request_status(conn, existing.decode())
+                if status is not None:
+                    return await _resume(redis, ticket, existing.decode(), status)
+                # The call that took the slot has not recorded its request: it died before its commit,
+                # or is still on its way. Admit this one under that id; the row and the entry are each
+                # written once whichever of the two gets there first.
+                item = replace(item, request_id=existing.decode())
     try:
         if ticket.check_quota:
             await _quota_and_budget(conn, who, billable=ticket.billable)
@@ -123,15 +133,18 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
             touch_model=isinstance(slot, SeqSlot) and ticket.new_model is None)
         if not inserted:  # a concurrent duplicate won the insert
             await conn.rollback()
-            holder = await records.seq_holder(conn, slot.model_id, slot.seq_id)
-            return _holder(slot, row_kind, *holder) or item.request_id
+            if isinstance(slot, SeqSlot):
+                holder = await records.seq_holder(conn, slot.model_id, slot.seq_id)
+                return _holder(slot, row_kind, *holder) or item.request_id
+            return await _resume(redis, replace(ticket, item=item), item.request_id, "queued")
         await conn.commit()
+        faults.crash_point("api.after_commit")
     except BaseException:
         if isinstance(slot, RedisSlot):
             await redis.delete(slot.key)
         raise
     try:
-        await queue.enqueue(redis, ticket.base_model, item)
+        await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds)
     except Exception:
         log.exception("could not enqueue %s", item.request_id)
         await records.mark_failed(conn, item.request_id)
@@ -140,6 +153,15 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
             await redis.delete(slot.key)
         raise
     return item.request_id
+
+
+async def _resume(redis: Redis, ticket: Ticket, request_id: str, status: str | None) -> str:
+    """A retried call: its request `request_id` exists. While that is still queued its entry is
+    appended, unless it already was (`queue.enqueue` appends once per request id)."""
+    if status == "queued":
+        await queue.enqueue(redis, ticket.base_model, replace(ticket.item, request_id=request_id),
+                            get_api_settings().future_ttl_seconds)
+    return request_id
 
 
 async def _quota_and_budget(conn: AsyncConnection, who: Principal, *, billable: bool) -> None:

@@ -7,8 +7,6 @@ import math
 import uuid
 
 import psycopg
-import psycopg_pool
-import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -16,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import seq_gaps
 from core.errors import InvalidInput, QuiltError, ServerError, Unavailable, UserError
+from core.stores import STORE_ERRORS
 
 log = logging.getLogger("quilt.api")
 
@@ -93,8 +92,7 @@ def install(app: FastAPI) -> None:
         log.warning("store unavailable on %s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
         return _respond(request, Unavailable(f"a store is unavailable ({type(exc).__name__}); retry in a moment"))
 
-    for store_error in (psycopg.OperationalError, psycopg_pool.PoolTimeout, redis.exceptions.ConnectionError,
-                        redis.exceptions.TimeoutError):
+    for store_error in STORE_ERRORS:
         app.add_exception_handler(store_error, _store_down)
 
     @app.exception_handler(Exception)

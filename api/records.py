@@ -55,10 +55,10 @@ async def insert_training_model(conn: AsyncConnection, who: Principal, model_id:
 async def insert_request(conn: AsyncConnection, who: Principal, request_id: str, *, model_id: str | None,
                          seq_id: int | None, kind: str, n_tokens: int, touch_model: bool) -> bool:
     """Insert a request's row (and, with `touch_model`, note the model's last request) in one
-    statement; False if `(model_id, seq_id)` is taken already."""
+    statement; False if `(model_id, seq_id)` or the id is taken already."""
     cur = await conn.execute(
         "WITH r AS (INSERT INTO requests (id, tenant_id, api_key_id, model_id, seq_id, kind, n_tokens) "
-        "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (model_id, seq_id) DO NOTHING RETURNING id), "
+        "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING id), "
         "touched AS (UPDATE training_models SET last_request_at = now() "
         "WHERE %s AND id = %s AND EXISTS (SELECT 1 FROM r)) "
         "SELECT id FROM r",
@@ -72,6 +72,13 @@ async def seq_holder(conn: AsyncConnection, model_id: str, seq_id: int) -> tuple
     cur = await conn.execute("SELECT id, kind FROM requests WHERE model_id = %s AND seq_id = %s", (model_id, seq_id))
     row = await cur.fetchone()
     return (row["id"], row["kind"]) if row else (None, None)
+
+
+async def request_status(conn: AsyncConnection, request_id: str) -> str | None:
+    """The status of request `request_id`, or None if it was never recorded."""
+    cur = await conn.execute("SELECT status FROM requests WHERE id = %s", (request_id,))
+    row = await cur.fetchone()
+    return row["status"] if row else None
 
 
 async def mark_failed(conn: AsyncConnection, request_id: str) -> None:

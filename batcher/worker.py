@@ -9,6 +9,7 @@ Run: `python -m batcher.worker` (the embedded launcher does this).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -24,7 +25,17 @@ from batcher.queues import Added, ModelQueues
 from batcher.snapshots import SnapshotStore
 from billing.ledger import settle
 from billing.pricing import training_units
-from core import catalog, db, health, ids, queue, records, redis_client, run_metrics
+from core import (
+    catalog,
+    db,
+    health,
+    ids,
+    queue,
+    records,
+    redis_client,
+    run_metrics,
+    stores,
+)
 from core.checkpoint_files import SAMPLER_KIND, TRAINING_KIND
 from core.consumer import Delivery, StreamConsumer
 from core.errors import Conflict, QuiltError, ServerError, UserError
@@ -158,14 +169,8 @@ class TrainerWorker:
         waited = time.monotonic()
         # Block on the stream only when nothing is runnable; otherwise just drain what has arrived.
         runnable = not self._plan().empty
-        arrived = self.consumer.read(block_ms=None if runnable else self.block_ms)
-        while arrived:  # a blocking read returns on the first entry: drain what came with it
-            self._ingest(arrived)
-            arrived = self.consumer.read()
-        if time.monotonic() - self._reclaimed_at >= RECLAIM_EVERY_S:
-            self._reclaimed_at = time.monotonic()
-            self._ingest(self.consumer.reclaim())
-            self._give_up_stalled()
+        # Redis or Postgres down: wait here with nothing taken (finishing waits too, core.consumer).
+        stores.until_reachable(lambda: self._gather(block=not runnable), "reading the train stream")
         plan = self._plan()
         started = time.monotonic()
         self.stats["wait_s"] += started - waited
@@ -182,10 +187,26 @@ class TrainerWorker:
         self._beacon()
         return True
 
+    def _gather(self, *, block: bool) -> None:
+        """Take in what has arrived (blocking only when `block`), and every RECLAIM_EVERY_S what dead
+        trainers held; safe to repeat."""
+        arrived = self.consumer.read(block_ms=self.block_ms if block else None)
+        while arrived:  # a blocking read returns on the first entry: drain what came with it
+            self._ingest(arrived)
+            arrived = self.consumer.read()
+        if time.monotonic() - self._reclaimed_at >= RECLAIM_EVERY_S:
+            self._ingest(self.consumer.reclaim())
+            self._reclaimed_at = time.monotonic()
+            self._give_up_stalled()
+
     def _tenant_weights(self) -> dict[str, float]:
-        """Plan weights for fair sharing, re-read every 30 s (plans change rarely)."""
+        """Plan weights for fair sharing, re-read every 30 s (plans change rarely; while Postgres is
+        down the last ones stand)."""
         if time.monotonic() - self._weights_at > 30:
-            rows = self._db().execute("SELECT id, plan_weight FROM tenants").fetchall()
+            try:
+                rows = self._db().execute("SELECT id, plan_weight FROM tenants").fetchall()
+            except stores.STORE_ERRORS:
+                return self._weights
             self._weights = {r["id"]: float(r["plan_weight"]) for r in rows}
             self._weights_at = time.monotonic()
         return self._weights
@@ -386,7 +407,8 @@ class TrainerWorker:
         pipe = self.redis.pipeline()
         pipe.lpush(key, json.dumps(record))
         pipe.ltrim(key, 0, self.stats_history - 1)
-        pipe.execute()
+        with contextlib.suppress(*stores.STORE_ERRORS):  # a dashboard record is not worth waiting for
+            pipe.execute()
 
     def _beacon(self) -> None:
         now = time.time()
@@ -398,7 +420,8 @@ class TrainerWorker:
                               **self.backend.residency(),
                               **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()
                                  if k != "started_at"})
-        self.consumer.heartbeat()
+        with contextlib.suppress(*stores.STORE_ERRORS):  # the next beacon refreshes it
+            self.consumer.heartbeat()
 
 
 def _as_error(item: WorkItem, exc: Exception) -> QuiltError:

@@ -14,7 +14,8 @@ Delivery rules, the same for the trainer and the generation pool:
   * a live consumer's entries are never taken, however long they run; a dead one's are taken once
     they have been idle `reclaim_idle_ms`.
 Finishing order: Redis first so the waiting client is answered, then the durable record (request
-row and ledger, through the `settle` callable the worker passes, once per request), then the ack.
+row and ledger, through the `settle` callable the worker passes, once per request), then the ack;
+while a store is down, each waits for it (core.stores).
 A crash between any two leaves the entry pending, so it is delivered again, and `settle` ignores
 the second attempt.
 
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from core import health, queue
+from core import health, queue, stores
 from core.errors import ServerError
 from core.work import MalformedWork, Rejected, WorkItem, WorkKind
 
@@ -192,17 +193,22 @@ class StreamConsumer:
     # ------------------------------------------------------------------ results
 
     def finish(self, delivery: Delivery, outcome: queue.Outcome, usage: Any = None, *, ack: bool = True) -> None:
-        """Publish the outcome, settle it, acknowledge the entry (unless the worker keeps it)."""
-        stored = queue.publish(self.redis, outcome, self.result_ttl_s)
-        self.settle(delivery.item, stored, usage if stored.ok else None)
+        """Publish the outcome, settle it, acknowledge the entry (unless the worker keeps it). While
+        Redis or Postgres is down this waits for it (core.stores): each step is safe to repeat."""
+        what = f"finishing {delivery.item.request_id}"
+        stored = stores.until_reachable(lambda: queue.publish(self.redis, outcome, self.result_ttl_s), what)
+        stores.until_reachable(lambda: self.settle(delivery.item, stored, usage if stored.ok else None), what)
         if ack:
             self.ack(delivery.stream_id)
 
     def ack(self, stream_id: str) -> None:
-        pipe = self.redis.pipeline()
-        pipe.xack(self.stream, self.group, stream_id)
-        pipe.xdel(self.stream, stream_id)
-        pipe.execute()
+        def once() -> None:
+            pipe = self.redis.pipeline()
+            pipe.xack(self.stream, self.group, stream_id)
+            pipe.xdel(self.stream, stream_id)
+            pipe.execute()
+
+        stores.until_reachable(once, f"acknowledging {stream_id}")
 
     def heartbeat(self) -> None:
         self.redis.set(health.consumer_key(self.stream, self.consumer), b"1", ex=self.liveness_ttl_s)

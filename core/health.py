@@ -34,11 +34,6 @@ def gen_key(base_model: str) -> str:
     return f"quilt:health:gen:{base_model}"
 
 
-# How long a stream consumer's liveness key lasts (core.consumer): its pending entries are taken
-# over once it is gone, so this is the generation pool's take-over delay.
-GEN_TTL_S = 15
-
-
 def consumer_key(stream: str, consumer: str) -> str:
     """Set (with a TTL) while the stream consumer `consumer` is alive: its pending entries are its own."""
     return f"quilt:health:consumer:{stream}:{consumer}"

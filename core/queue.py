@@ -107,5 +107,23 @@ async def wait(redis, request_id: str, timeout_s: float) -> Outcome | None:
     return Outcome.decode(request_id, fields)
 
 
-async def enqueue(redis, base_model: str, item: WorkItem) -> None:
-    await redis.xadd(stream_for(item, base_model), item.to_fields())
+def enqueued_key(request_id: str) -> str:
+    return f"quilt:enqueued:{request_id}"
+
+
+# The marker and the entry in one step: a request's entry is appended at most once, however many
+# times admission runs for it (a client's retry after the API died between commit and append).
+_ENQUEUE_ONCE = """
+if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
+  return redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+end
+return false
+"""
+
+
+async def enqueue(redis, base_model: str, item: WorkItem, ttl_s: int) -> bool:
+    """Append `item` to its worker's stream unless an entry for its request id was already
+    appended in the last `ttl_s` seconds (the future's lifetime); True if this call appended it."""
+    args = [str(ttl_s)] + [part for pair in item.to_fields().items() for part in pair]
+    appended = await redis.eval(_ENQUEUE_ONCE, 2, enqueued_key(item.request_id), stream_for(item, base_model), *args)
+    return appended is not None

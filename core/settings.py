@@ -35,6 +35,7 @@ class CoreSettings(BaseSettings):
     superseded_version_grace_s: int = Field(
         3600, ge=0, description="a replaced version of named sampler weights is deleted this long after "
                                 "(requests queued before the replacement may still name it)")
+    crash_at: str = Field("", description="fault injection: crash points to die at (core.faults); empty in service")
 
     @property
     def checkpoint_dir(self) -> Path:

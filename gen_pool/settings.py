@@ -26,6 +26,9 @@ class GenPoolSettings(BaseSettings):
     base_model: str = Field("quilt/tiny-qwen3", description="catalogue name of the base this worker serves")
     consumer_name: str = Field("gen-0", description="Redis consumer name, unique per worker")
     read_block_ms: int = Field(1000, ge=1, le=60_000, description="XREADGROUP block time")
+    takeover_s: int = Field(15, ge=5, le=3600,
+                            description="a worker silent this long is dead: another live worker takes over its "
+                                        "in-flight groups (one that restarts under its name re-runs them at once)")
 
     # --- the engine (vLLM AsyncLLM with enable_lora)
     concurrency_target: int = Field(64, ge=1, le=4096,

@@ -13,6 +13,7 @@ Run: `python -m gen_pool.worker` (the embedded launcher does this, one per sampl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -22,7 +23,7 @@ import psycopg
 
 from billing.ledger import settle
 from billing.pricing import Units
-from core import catalog, db, health, queue, redis_client
+from core import catalog, db, health, queue, redis_client, stores
 from core.consumer import AsyncStreamConsumer, Delivery, StreamConsumer
 from core.errors import QuiltError, ServerError
 from core.settings import get_api_settings, get_core_settings
@@ -34,8 +35,8 @@ from gen_pool.settings import GenPoolSettings, get_gen_pool_settings
 
 log = logging.getLogger("quilt.gen")
 
-# A worker whose liveness key is gone (no beacon for GEN_TTL_S) is dead: its pending entries are
-# taken over once they have been idle that long too, checked this often.
+# A worker whose liveness key is gone (no beacon for QUILT_GEN_TAKEOVER_S) is dead: its pending
+# entries are taken over once they have been idle that long too, checked this often.
 RECLAIM_EVERY_S = 5.0
 
 
@@ -58,7 +59,7 @@ class GenWorker:
         self.consumer = AsyncStreamConsumer(StreamConsumer(
             sync_redis, stream=queue.sample_stream(base_model), group=queue.SAMPLE_GROUP,
             consumer=settings.consumer_name, settle=self._settle, result_ttl_s=result_ttl_s,
-            liveness_ttl_s=health.GEN_TTL_S, what="sampled", batch=256))
+            liveness_ttl_s=settings.takeover_s, what="sampled", batch=256))
         self.scheduler = Scheduler(engine, target=settings.concurrency_target, default_cap=settings.tenant_cap,
                                    share_after_s=settings.share_after_s, on_finish=self._on_finish)
         self.stopping = False
@@ -115,8 +116,10 @@ class GenWorker:
     async def _ingest(self, deliveries: list[Delivery]) -> None:
         for d in deliveries:
             g = group_from_delivery(d, self.base_model)
-            if await self.redis.exists(queue.cancel_key(g.request_id)):
-                g.cancelled = True
+            try:
+                g.cancelled = bool(await self.redis.exists(queue.cancel_key(g.request_id)))
+            except stores.STORE_ERRORS:
+                pass  # Redis went down after the read: the group runs; a cancellation still arrives by pub/sub
             self.scheduler.add(g)
 
     async def _reclaimer(self) -> None:
@@ -139,15 +142,19 @@ class GenWorker:
         return len(taken)
 
     async def _cancellations(self) -> None:
-        pubsub = self.redis.pubsub()
-        await pubsub.subscribe(queue.CANCEL_CHANNEL)
-        try:
-            async for message in pubsub.listen():
-                if message.get("type") == "message":
-                    data = message["data"]
-                    self.scheduler.cancel(data.decode() if isinstance(data, bytes) else data)
-        finally:
-            await pubsub.aclose()
+        while not self.stopping:
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(queue.CANCEL_CHANNEL)
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        data = message["data"]
+                        self.scheduler.cancel(data.decode() if isinstance(data, bytes) else data)
+            except stores.STORE_ERRORS as exc:  # Redis restarting: subscribe again once it is back
+                log.warning("cancellation channel lost (%s); resubscribing", exc)
+                await asyncio.sleep(1.0)
+            finally:
+                await pubsub.aclose()
 
     # ------------------------------------------------------------------ results
 
@@ -184,7 +191,8 @@ class GenWorker:
         self._last_beacon = now
         s = self.scheduler
         self.heartbeat.update(running=s.running(), waiting=s.waiting(), target=s.target, **s.report())
-        await self.consumer.heartbeat()
+        with contextlib.suppress(*stores.STORE_ERRORS):  # Redis restarting: the next beacon refreshes it
+            await self.consumer.heartbeat()
 
 
 async def _main_async() -> None:

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 import migrations
 from core import catalog, db, embedded
 from core.settings import clear_settings_cache, get_core_settings
@@ -162,9 +164,13 @@ def up(*, data_dir: Path | None, host: str, port: int) -> int:
                                       "database_url": db_url, "redis_url": redis_url}))
     print(f"Quilt is starting at http://{host}:{port} (data: {get_core_settings().data_dir}); Ctrl-C stops it",
           flush=True)
+    servers = embedded.server_pids()
     try:
         while not stop_requested:
             time.sleep(0.2)
+            if embedded.server_pids() != servers:  # Redis or Postgres restarted under us: record the new pids
+                servers = embedded.server_pids()
+                _record(directory, children)
             for child in children:
                 code = child.proc.poll()
                 if code is None or stop_requested:
@@ -196,5 +202,7 @@ def _record(directory: Path, children: list[Child]) -> None:
     """What the reaper stops if this process dies without stopping them (stack.leftovers)."""
     entries = [leftovers.record_of(c.name, c.proc.pid, group=True) for c in children if c.proc]
     for name, pid, stop_signal in embedded.server_pids():
-        entries.append(leftovers.record_of(name, pid, group=False, stop_signal=stop_signal))
+        # A pid file can outlive its server by a moment (it is restarting): the next change records it.
+        with contextlib.suppress(psutil.NoSuchProcess):
+            entries.append(leftovers.record_of(name, pid, group=False, stop_signal=stop_signal))
     leftovers.write(directory, entries)

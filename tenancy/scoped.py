@@ -30,11 +30,12 @@ async def get_session(conn: AsyncConnection, who: Principal, session_id: str) ->
 
 async def get_model(conn: AsyncConnection, who: Principal, model_id: str, *, seq_id: int | None = None) -> dict:
     """A training model of yours, with its base's limits (`vocab_size`, `max_context_length`) and,
-    given `seq_id`, the request already holding it (`seq_holder_id`, `seq_holder_kind`, else None):
-    everything a call on the model needs, in one read."""
+    given `seq_id`, the request already holding it (`seq_holder_id`, `seq_holder_kind` and
+    `seq_holder_status`, else None): everything a call on the model needs, in one read."""
     return await _one(
         conn,
-        "SELECT m.*, b.vocab_size, b.max_context_length, r.id AS seq_holder_id, r.kind AS seq_holder_kind "
+        "SELECT m.*, b.vocab_size, b.max_context_length, r.id AS seq_holder_id, r.kind AS seq_holder_kind, "
+        "r.status AS seq_holder_status "
         "FROM training_models m JOIN base_models b ON b.name = m.base_model "
         "LEFT JOIN requests r ON r.model_id = m.id AND r.seq_id = %s "
         "WHERE m.id = %s AND m.tenant_id = %s AND m.status <> 'deleted'",

@@ -29,12 +29,16 @@ class RetryPolicy:
         backoff_max_s: ceiling of the exponential delay, in seconds.
         retry_after_max_s: a server ``Retry-After`` up to this many seconds is obeyed as is;
             longer values fall back to the exponential delay so a client never sleeps for hours.
+        unavailable_max_s: a server that answers 503 (a store restarting, a deploy) or cannot be
+            reached is retried for this many seconds in all, however many attempts that takes;
+            other errors stop after ``max_retries``.
     """
 
     max_retries: int = 4
     backoff_base_s: float = 0.5
     backoff_max_s: float = 8.0
     retry_after_max_s: float = 60.0
+    unavailable_max_s: float = 120.0
 
     def delay_s(self, attempt: int, retry_after_s: float | None = None) -> float:
         """Seconds to wait before retry number ``attempt + 1`` (``attempt`` counts from 0)."""

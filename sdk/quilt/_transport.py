@@ -106,23 +106,32 @@ class HTTPTransport:
         APIConnectionError / APITimeoutError, or APIResponseError for an unreadable body.
         """
         attempt = 0
+        started = time.monotonic()
+
+        def may_retry(delay: float, unavailable: bool) -> bool:
+            if not retry:
+                return False
+            if unavailable and time.monotonic() - started + delay <= self.retry.unavailable_max_s:
+                return True
+            return attempt < self.retry.max_retries
+
         while True:
             try:
                 response = await self._send(method, name, body, timeout_s)
             except APIConnectionError as exc:
-                if not retry or attempt >= self.retry.max_retries:
-                    raise
                 delay = self.retry.delay_s(attempt)
+                if not may_retry(delay, unavailable=True):
+                    raise
                 log.info("Retrying %s in %.2fs after: %s", name, delay, exc.message)
             else:
                 if response.is_success:
                     return _decode(response)
                 error = self._error(response)
-                if not (retry and _is_retryable(response.status_code)) or (
-                    attempt >= self.retry.max_retries
+                delay = self.retry.delay_s(attempt, _retry_after_s(response.headers))
+                if not _is_retryable(response.status_code) or not may_retry(
+                    delay, unavailable=response.status_code == 503
                 ):
                     raise error
-                delay = self.retry.delay_s(attempt, _retry_after_s(response.headers))
                 log.info("Retrying %s in %.2fs after HTTP %d", name, delay, response.status_code)
             attempt += 1
             await asyncio.sleep(delay)

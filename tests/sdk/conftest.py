@@ -123,7 +123,7 @@ def make_client(server: FakeServer) -> Iterator[Callable[..., quilt.Client]]:
         kwargs.setdefault("api_key", KEY)
         kwargs.setdefault("base_url", BASE_URL)
         client = quilt.Client(transport=httpx.MockTransport(server), **kwargs)
-        client._http.retry = RetryPolicy(max_retries=2, backoff_base_s=0.0)
+        client._http.retry = RetryPolicy(max_retries=2, backoff_base_s=0.0, unavailable_max_s=0.0)
         made.append(client)
         return client
 

@@ -1,11 +1,12 @@
 """HTTP errors become typed exceptions; transient ones are retried."""
 
 import pickle
+import time
 
 import httpx
 import pytest
-
 import quilt
+from quilt._config import RetryPolicy
 
 STATUS_CLASSES = [
     (400, quilt.BadRequestError),
@@ -73,6 +74,23 @@ def test_retries_are_bounded(server, client):
     with pytest.raises(quilt.RateLimitError):
         client.healthz()
     assert server.routes_seen().count("healthz") == 3  # 1 + max_retries (2 in tests)
+
+
+def test_503_is_retried_for_a_time_not_a_count(server, client):
+    """A store restarting answers 503 for seconds: retried past max_retries, within unavailable_max_s."""
+    client._http.retry = RetryPolicy(max_retries=2, backoff_base_s=0.0, unavailable_max_s=0.5)
+    unavailable_until = time.monotonic() + 0.2
+    server.routes["healthz"] = lambda body: (
+        httpx.Response(503, json={"detail": "restarting"}, headers={"Retry-After": "0"})
+        if time.monotonic() < unavailable_until else {"status": "ok"})
+    assert client.healthz() == {"status": "ok"}
+    assert server.routes_seen().count("healthz") > 3  # more than 1 + max_retries
+
+    server.routes["healthz"] = lambda body: httpx.Response(503, json={"detail": "down"}, headers={"Retry-After": "0"})
+    started = time.monotonic()
+    with pytest.raises(quilt.InternalServerError):
+        client.healthz()
+    assert time.monotonic() - started < 5  # gives up once unavailable_max_s is spent
 
 
 def test_connection_error_is_retried_then_typed(server, client):

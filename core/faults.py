@@ -1,0 +1,49 @@
+"""Named crash points, for fault injection (tests and `bench/faults.py`).
+
+`crash_point("api.after_commit")` ends the process at once, as SIGKILL would (no clean-up, no
+flush), when QUILT_CRASH_AT names that point. QUILT_CRASH_AT is a comma-separated list of
+`name` (crash the first time the point is reached) or `name:N` (the Nth time, counted per
+process). Unset, a crash point costs one set lookup.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from collections import Counter
+
+from core.settings import get_core_settings
+
+log = logging.getLogger("quilt.faults")
+
+CRASH_EXIT_CODE = 137  # what a shell reports for SIGKILL, so supervisors treat both alike
+
+
+def _armed(spec: str) -> dict[str, int]:
+    points: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, nth = part.partition(":")
+        points[name] = int(nth) if nth.isdigit() and int(nth) > 0 else 1
+    return points
+
+
+@functools.cache
+def armed() -> dict[str, int]:
+    return _armed(get_core_settings().crash_at)
+
+
+_reached: Counter[str] = Counter()
+
+
+def crash_point(name: str) -> None:
+    """End the process here if QUILT_CRASH_AT names `name` (see the module docstring)."""
+    points = armed()
+    if name not in points:
+        return
+    _reached[name] += 1
+    if _reached[name] == points[name]:
+        log.warning("crash point %s reached (pass %d): exiting as if killed", name, _reached[name])
+        sys.stderr.flush()
+        os._exit(CRASH_EXIT_CODE)
