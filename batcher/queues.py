@@ -84,6 +84,12 @@ class ModelQueues:
         """A model restored from a snapshot: its sequence goes on from `next_seq`."""
         self.next_seq[model_id] = next_seq
 
+    def last_seq(self, model_id: str, *, finished: bool) -> int | None:
+        """The highest seq_id queued for `model_id` among deliveries whose `finished` flag is as
+        given (finished ones are a restored model's replay log), or None."""
+        seqs = [seq for seq, d in self.pending.get(model_id, {}).items() if d.finished == finished]
+        return max(seqs) if seqs else None
+
     def knows(self, model_id: str) -> bool:
         return model_id in self.next_seq
 

@@ -80,6 +80,7 @@ class TrainerWorker:
         self.snapshots = snapshots
         self.snapshot_every_steps = snapshot_every_steps
         self.held: dict[str, list[str]] = {}  # model -> stream ids since its last snapshot
+        self.recovering: dict[str, int | None] = {}  # restored model -> last seq_id of its replay log
         self._steps_since_snapshot: dict[str, int] = {}
         self._failed_before: set[str] = set()  # replayed requests that had failed
         self.consumer = StreamConsumer(redis, stream=queue.train_stream(base_model), group=queue.TRAIN_GROUP,
@@ -123,24 +124,33 @@ class TrainerWorker:
         # Our own unacknowledged entries from before a crash come back first: queued work, and the
         # replay log of every restored model since its snapshot.
         self._ingest(self.consumer.read(own_pending=True))
+        self.recovering = {model_id: self.queues.last_seq(model_id, finished=True) for model_id in restored}
+        self._mark_recovered()
 
     def _restore(self) -> list[str]:
         if self.snapshots is None:
             return []
-        rows = self._db().execute("SELECT id FROM training_models WHERE base_model = %s AND status = 'ready'",
-                                  (self.base_model,)).fetchall()
         restored = []
-        for row in rows:
+        for model_id in records.mark_models_recovering(self._db(), self.base_model):
             try:
-                seq_id = self.snapshots.restore(self.backend, row["id"])
+                seq_id = self.snapshots.restore(self.backend, model_id)
             except Exception:
-                log.exception("snapshot of %s could not be loaded", row["id"])
-                self.backend.delete(row["id"])
+                log.exception("snapshot of %s could not be loaded", model_id)
+                self.backend.delete(model_id)
                 continue
             if seq_id is not None:
-                self.queues.resume(row["id"], next_seq=seq_id + 1)
-                restored.append(row["id"])
+                self.queues.resume(model_id, next_seq=seq_id + 1)
+                restored.append(model_id)
         return restored
+
+    def _mark_recovered(self) -> None:
+        """Restored models whose replay log has run are 'ready' again."""
+        for model_id, last_replayed in list(self.recovering.items()):
+            if not self.queues.knows(model_id):  # deleted meanwhile
+                del self.recovering[model_id]
+            elif last_replayed is None or self.queues.next_seq[model_id] > last_replayed:
+                records.set_model_status(self._db(), model_id, "ready")
+                del self.recovering[model_id]
 
     def _finished_ids(self, request_ids: list[str]) -> set[str]:
         rows = self._db().execute("SELECT id, status FROM requests WHERE id = ANY(%s) AND status IN ('done', 'failed')",
@@ -175,6 +185,8 @@ class TrainerWorker:
         started = time.monotonic()
         self.stats["wait_s"] += started - waited
         if plan.empty:
+            if self.recovering:  # a replay that cannot run (given up, dropped) must not hold the state
+                self._mark_recovered()
             self.backend.offload_idle(self.offload_idle_s)
             self._beacon()
             return False
@@ -184,6 +196,8 @@ class TrainerWorker:
         self.stats["busy_s"] += compute_s
         self.stats["rounds"] += 1
         self._record_round(plan, compute_s, started - waited)
+        if self.recovering:
+            self._mark_recovered()
         self._beacon()
         return True
 

@@ -36,12 +36,23 @@ def set_model_status(conn: psycopg.Connection, model_id: str, status: str, detai
     conn.execute("UPDATE training_models SET status = %s, status_detail = %s WHERE id = %s", (status, detail, model_id))
 
 
+def mark_models_recovering(conn: psycopg.Connection, base_model: str) -> list[str]:
+    """At trainer start: every live model of the base is 'recovering' (its snapshot loads, the
+    requests since are replayed) until the trainer says 'ready' again. Returns their ids."""
+    rows = conn.execute(
+        "UPDATE training_models SET status = 'recovering', status_detail = 'trainer restarted' "
+        "WHERE base_model = %s AND status IN ('ready', 'recovering') RETURNING id",
+        (base_model,),
+    ).fetchall()
+    return [r["id"] for r in rows]
+
+
 def mark_models_lost(conn: psycopg.Connection, base_model: str, *, keep: list[str] = ()) -> int:
-    """At trainer start: ready models of a previous process that it could not restore (no
-    snapshot: batcher.snapshots) are gone."""
+    """At trainer start: models of a previous process that it could not restore (no snapshot:
+    batcher.snapshots) are gone."""
     cur = conn.execute(
         "UPDATE training_models SET status = 'lost', status_detail = 'trainer restarted' "
-        "WHERE base_model = %s AND status = 'ready' AND NOT (id = ANY(%s))",
+        "WHERE base_model = %s AND status IN ('ready', 'recovering') AND NOT (id = ANY(%s))",
         (base_model, list(keep)),
     )
     return cur.rowcount

@@ -78,7 +78,7 @@ async def get_sampling_session(conn: AsyncConnection, who: Principal, sampling_s
 
 async def count_live_models(conn: AsyncConnection, who: Principal) -> int:
     cur = await conn.execute(
-        "SELECT count(*) AS n FROM training_models WHERE tenant_id = %s AND status IN ('creating', 'ready')",
+        "SELECT count(*) AS n FROM training_models WHERE tenant_id = %s AND status IN ('creating', 'ready', 'recovering')",
         (who.tenant_id,),
     )
     return (await cur.fetchone())["n"]

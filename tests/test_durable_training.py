@@ -4,6 +4,7 @@ weights and AdamW state equal an uninterrupted run. Nothing is billed twice."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import time
@@ -55,6 +56,21 @@ def _kill_trainer(stack) -> int:
     return trainer.pid
 
 
+def _statuses_until_ready(stack, key: str, model_id: str, timeout_s: float = 300) -> list[str]:
+    """get_info's status of `model_id`, each change, until it reads ready after something else."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    with stack.http(key) as client:
+        while time.monotonic() < deadline:
+            status = client.post("/get_info", json={"model_id": model_id}).json()["status"]
+            if not seen or seen[-1] != status:
+                seen.append(status)
+            if status == "ready" and len(seen) > 1:
+                return seen
+            time.sleep(0.05)
+    raise TimeoutError(f"{model_id} never ready again: {seen}")
+
+
 def test_a_killed_trainer_resumes_every_model_at_its_last_step(stack, tenant):
     client = stack.http(tenant.key)
     model_id = new_model(client, rank=8, seed=0)
@@ -67,12 +83,17 @@ def test_a_killed_trainer_resumes_every_model_at_its_last_step(stack, tenant):
         steps.append(wait_future(client, r.json()["request_id"]))
     # seq 3's gradients exist only in the trainer's memory now, and its answer has been given.
     _kill_trainer(stack)
+    watcher = concurrent.futures.ThreadPoolExecutor(1).submit(_statuses_until_ready, stack, tenant.key, model_id)
     submitted = [client.post("/optim_step", json={"model_id": model_id, "seq_id": 4, "adam_params": ADAM}),
                  client.post("/forward_backward", json=fb_body(model_id, 5, [datum(SEQS[2])])),
                  client.post("/optim_step", json={"model_id": model_id, "seq_id": 6, "adam_params": ADAM}),
                  client.post("/save_weights", json={"model_id": model_id, "seq_id": 7, "path": "after-crash"})]
     results = [wait_future(client, r.json()["request_id"], timeout_s=300) for r in submitted]
     assert all("error" not in r for r in results), results
+    # As get_info tells it: recovering from the trainer's death (its heartbeat gone) until the
+    # restarted trainer has replayed the model's log, then ready.
+    seen = watcher.result(timeout=300)
+    assert seen[-2:] == ["recovering", "ready"], seen
     r = client.post("/forward_backward", json=fb_body(bystander, 1, [datum(SEQS[0])]))
     assert "loss:sum" in wait_future(client, r.json()["request_id"])["metrics"]
 

@@ -19,7 +19,7 @@ from api.schemas import (
     OptimStepRequest,
     SaveWeightsRequest,
 )
-from core import catalog, ids
+from core import catalog, health, ids
 from core.checkpoint_files import TRAINING_KIND, new_version_dir
 from core.errors import Forbidden, InvalidInput, NotFound
 from core.loss_spec import spec_of
@@ -95,11 +95,16 @@ async def create_model(body: CreateModelRequest, who: Who, pool: Pool, redis: Re
 
 
 @router.post("/get_info")
-async def get_info(body: ModelRef, who: Who, pool: Pool) -> dict:
-    """Describe a training model (not a future). `tokenizer_id` is a local path the client can load."""
+async def get_info(body: ModelRef, who: Who, pool: Pool, redis: RedisDep) -> dict:
+    """Describe a training model (not a future). `tokenizer_id` is a local path the client can load.
+    `status` is `recovering` from the moment its trainer is gone (no heartbeat) until the restarted
+    trainer has restored it and replayed its requests since the last snapshot; then `ready`."""
     async with pool.connection() as conn:
         model = await scoped.get_model(conn, who, body.model_id)
         base = await catalog.get_model(conn, model["base_model"])
+    status = model["status"]
+    if status == "ready" and not await redis.exists(health.trainer_key(base.name)):
+        status = "recovering"
     return {
         "type": "get_info",
         "model_id": model["id"],
@@ -107,7 +112,7 @@ async def get_info(body: ModelRef, who: Who, pool: Pool) -> dict:
         "model_name": base.name,
         "is_lora": True,
         "lora_rank": model["lora_config"]["rank"],
-        "status": model["status"],
+        "status": status,
     }
 
 
