@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
@@ -28,8 +29,9 @@ Settings = Annotated[ApiSettings, Depends(get_api_settings)]
 async def _principal(request: Request, pool: Pool, x_api_key: Annotated[str | None, Header()] = None) -> Principal:
     # A short-lived connection: routes that long-poll must not hold one while they wait.
     async with pool.connection() as conn:
-        who = await authenticate(conn, x_api_key)
+        who, spent = await authenticate(conn, x_api_key)
     request.state.tenant_id = who.tenant_id
+    request.state.spend = (spent, time.monotonic())  # api.spend_header: reused if the answer comes soon
     request.state.who = who  # error handlers need the caller too (api.seq_gaps)
     return who
 

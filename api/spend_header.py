@@ -9,6 +9,7 @@ USD with six places ("0.001234"); it counts completed requests only, not work st
 from __future__ import annotations
 
 import logging
+import time
 
 from billing.budgets import month_to_date
 from billing.pricing import usd
@@ -28,15 +29,23 @@ class SpendHeaderMiddleware:
 
         async def send_with_spend(message):
             if message["type"] == "http.response.start":
-                tenant_id = (scope.get("state") or {}).get("tenant_id")
+                state = scope.get("state") or {}
+                tenant_id = state.get("tenant_id")
                 if tenant_id:
-                    spend = await _spend(scope, tenant_id)
+                    read, at = state.get("spend") or (None, 0.0)
+                    fresh = read is not None and time.monotonic() - at < FRESH_S
+                    spend = read if fresh else await _spend(scope, tenant_id)
                     if spend is not None:
                         message = {**message, "headers": [*message.get("headers", []),
                                                           (SPEND_HEADER, usd(spend).encode())]}
             await send(message)
 
         await self.app(scope, receive, send_with_spend)
+
+
+# The key lookup reads the spend too (tenancy.auth); an answer that starts within this long of it
+# uses that figure, a later one (a long poll) reads it again.
+FRESH_S = 1.0
 
 
 async def _spend(scope, tenant_id: str) -> int | None:

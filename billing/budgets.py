@@ -20,6 +20,10 @@ from billing.pricing import Price, inflight_cost, usd
 from core.errors import BudgetExceeded
 
 _MONTH_START = "(date_trunc('month', now() AT TIME ZONE 'UTC'))::date"
+# The spend this UTC month of the tenant `t` of an enclosing query (the key lookup reads it in the
+# same statement, for the spend header).
+MONTH_TO_DATE_OF_T = ("(SELECT COALESCE(sum(d.cost_micro_usd), 0)::bigint FROM usage_daily d "
+                      f"WHERE d.tenant_id = t.id AND d.day >= {_MONTH_START})")
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ async def login(request: Request, pool: Pool, redis: RedisDep,
         raise Forbidden("missing or wrong CSRF token: reload the login page and try again", field="csrf_token")
     async with pool.connection() as conn:
         try:
-            who = await authenticate(conn, api_key.strip())
+            who, _spent = await authenticate(conn, api_key.strip())
         except Unauthenticated as exc:
             return _login_page(request, _safe_next(next), error=exc.message, status_code=401)
     token, _ = await sessions.create(redis, who.key_id)

@@ -1,0 +1,90 @@
+"""Benchmarks that need a whole running stack start one here: `quilt up` in a temporary data
+directory, as a newcomer would, stopped (and its directory removed) when the block ends."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "quilt/tiny-qwen3"
+
+
+@dataclass(frozen=True)
+class RunningStack:
+    base_url: str
+    database_url: str
+    redis_url: str
+    data_dir: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(base_url: str) -> bool:
+    try:
+        return httpx.get(base_url + "/api/v1/healthz", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def embedded_stack(env: dict[str, str] | None = None, startup_s: float = 600) -> Iterator[RunningStack]:
+    data_dir = Path(tempfile.mkdtemp(prefix="qb-", dir="/tmp"))  # short: Postgres' socket lives here
+    full_env = {**os.environ, **(env or {}), "QUILT_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1"}
+    full_env.pop("QUILT_DATABASE_URL", None)
+    full_env.pop("QUILT_REDIS_URL", None)
+    with open(data_dir / "up.out", "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "stack.cli", "up", "--port", str(_free_port())], cwd=ROOT,
+                                env=full_env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"quilt up exited:\n{(data_dir / 'up.out').read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise SystemExit("the stack did not become healthy")
+            state_file = data_dir / "stack.json"
+            if state_file.exists():
+                state = json.loads(state_file.read_text())
+                if healthy(state["base_url"]):
+                    break
+            time.sleep(0.5)
+        yield RunningStack(state["base_url"], state["database_url"], state["redis_url"], data_dir)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def new_tenant(stack: RunningStack, name: str, **quota) -> tuple[str, str]:
+    """(tenant id, API key) of a new tenant, with the quotas given."""
+    from core import db
+    from tenancy.keys import create_key
+    from tenancy.tenants import create_tenant, set_quota
+
+    with db.connect(stack.database_url) as conn:
+        tenant = create_tenant(conn, f"{name}-{int(time.time() * 1000) % 10**8}")
+        key, _ = create_key(conn, tenant.id)
+        if quota:
+            set_quota(conn, tenant.name, **quota)
+    return tenant.id, key
