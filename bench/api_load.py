@@ -121,9 +121,10 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, default=8)
     parser.add_argument("--procs", type=int, default=4, help="load-generator processes")
     parser.add_argument("--submit-every", type=int, default=20, help="every Nth call submits a forward_backward")
+    parser.add_argument("--api-workers", type=int, default=1, help="API processes (QUILT_API_WORKERS)")
     args = parser.parse_args()
 
-    with embedded_stack() as stack:
+    with embedded_stack({"QUILT_API_WORKERS": str(args.api_workers)}) as stack:
         tenants = prepare_tenants(stack, args.tenants)
         # Client k of a tenant submits seq_ids start, start + stride, ...: the tenant's clients never collide.
         per_tenant = max(1, args.clients // args.tenants)
@@ -139,7 +140,8 @@ def main() -> None:
     for part in parts:
         for name, values in part.items():
             merged.setdefault(name, []).extend(values)
-    print(f"{args.clients} clients, {args.tenants} tenants, {args.seconds:.0f} s, {args.procs} generator processes")
+    print(f"{args.clients} clients, {args.tenants} tenants, {args.seconds:.0f} s, {args.procs} generator processes, "
+          f"{args.api_workers} API process(es)")
     print(f"{'call':<18}{'count':>8}{'429':>7}{'errors':>8}{'p50 ms':>9}{'p99 ms':>9}")
     total = errors = 0
     summary = {}
@@ -156,7 +158,8 @@ def main() -> None:
     rps = total / wall
     print(f"\n{rps:.0f} requests/s in all; cheap calls p50 {_pct(cheap, 0.5) * 1000:.2f} ms, "
           f"p99 {_pct(cheap, 0.99) * 1000:.2f} ms; {errors} errors other than 429")
-    print(json.dumps({"clients": args.clients, "seconds": args.seconds, "requests_per_s": round(rps, 1),
+    print(json.dumps({"clients": args.clients, "seconds": args.seconds, "api_workers": args.api_workers,
+                      "requests_per_s": round(rps, 1),
                       "cheap_p50_ms": round(_pct(cheap, 0.5) * 1000, 2),
                       "cheap_p99_ms": round(_pct(cheap, 0.99) * 1000, 2), "errors": errors, "calls": summary}))
 

@@ -9,8 +9,9 @@ optim_step -> sample from the base model, counting the optimizer steps they were
 Meanwhile faults are injected, in an order and at moments drawn from `--seed`: SIGKILL of the
 trainer, the generation worker, Celery and the API (the launcher restarts each), and Redis
 (SHUTDOWN, then started again from its configuration) and Postgres (pg_ctl fast stop, then start)
-stopped for a few seconds. After each fault the harness waits until healthz is 200 again: that
-wait is the recovery time. At the end every tenant saves its state, and the checkpoint's AdamW
+stopped for a few seconds. After each fault the harness waits until healthz is 200 again and a
+killed process runs again under a new pid (its own beacon, for the trainer and the generation
+worker): that wait is the recovery time. At the end every tenant saves its state, and the checkpoint's AdamW
 step count is compared with the steps it was acknowledged (a lost step, or one applied twice,
 shows); every finished request must have exactly one ledger row and every failed one none.
 
@@ -31,10 +32,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import httpx
 import psutil
 import redis
 import torch
-from embedded_stack import TINY, RunningStack, embedded_stack, healthy, new_tenant
+from embedded_stack import TINY, RunningStack, embedded_stack, new_tenant
 
 FULL = {"trainer": 20, "gen": 10, "celery": 5, "redis": 3, "postgres": 3, "api": 5}
 QUICK = {"trainer": 2, "gen": 1, "celery": 1, "redis": 1, "postgres": 1, "api": 1}
@@ -74,13 +76,41 @@ def _restart_postgres(stack: RunningStack) -> None:
     pg_ctl(["-w", "-o", '-h ""', "-o", f"-k {pg_dir}", "-l", str(pg_dir / "log"), "start"], pgdata=pg_dir, user=user)
 
 
-def inject(stack: RunningStack, fault: str) -> None:
+PROCESS = {"trainer": f"trainer:{TINY}", "gen": f"gen:{TINY}", "celery": "celery", "api": "api"}
+BEACON = {"trainer": f"trainer:{TINY}", "gen": f"gen:{TINY}"}  # healthz components that carry their pid
+
+
+def inject(stack: RunningStack, fault: str) -> int | None:
+    """Inject `fault`; returns the pid killed (None for a store restart)."""
     if fault == "redis":
         _restart_redis(stack)
-    elif fault == "postgres":
+        return None
+    if fault == "postgres":
         _restart_postgres(stack)
-    else:
-        _kill(stack, {"trainer": f"trainer:{TINY}", "gen": f"gen:{TINY}", "celery": "celery", "api": "api"}[fault])
+        return None
+    pid = _pid_of(stack, PROCESS[fault])
+    _kill(stack, PROCESS[fault])
+    return pid
+
+
+def recovered(stack: RunningStack, fault: str, killed: int | None) -> bool:
+    """healthz is 200 and, after a kill, the launcher has restarted the process and (for the
+    workers) the new one beats: a stale beacon of the dead one does not count."""
+    try:
+        r = httpx.get(stack.base_url + "/api/v1/healthz", timeout=5)
+    except httpx.HTTPError:
+        return False
+    if r.status_code != 200:
+        return False
+    if killed is None:
+        return True
+    try:
+        now = _pid_of(stack, PROCESS[fault])
+    except StopIteration:
+        return False
+    if now == killed:
+        return False
+    return fault not in BEACON or r.json()["components"][BEACON[fault]].get("pid") == now
 
 
 # ----------------------------------------------------------------------------------- tenants
@@ -219,8 +249,8 @@ def main() -> None:
         for n, fault in enumerate(plan, 1):
             time.sleep(rng.uniform(*args.gap_s))
             at = time.monotonic()
-            inject(stack, fault)
-            while not healthy(stack.base_url):
+            killed = inject(stack, fault)
+            while not recovered(stack, fault, killed):
                 time.sleep(0.2)
             back = time.monotonic()
             injected[fault] += 1

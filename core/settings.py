@@ -53,6 +53,8 @@ class ApiSettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    workers: int = Field(1, ge=1, le=256, description="API processes behind the one port (uvicorn --workers); "
+                                                   "the API keeps no state of its own, so they scale out")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest accepted request body")
     max_datums_per_request: int = Field(1024, ge=1, description="datums in one forward_backward")
     max_tokens_per_request: int = Field(262_144, ge=1, description="model-input tokens in one request")

@@ -24,7 +24,7 @@ import psutil
 
 import migrations
 from core import catalog, db, embedded
-from core.settings import clear_settings_cache, get_core_settings
+from core.settings import clear_settings_cache, get_api_settings, get_core_settings
 from stack import leftovers
 
 log = logging.getLogger("quilt.launcher")
@@ -97,7 +97,8 @@ def _children(db_url: str, redis_url: str, host: str, port: int) -> list[Child]:
     py = sys.executable
     children = [
         Child("api", [py, "-m", "uvicorn", "--factory", "api.app:create_app", "--host", host, "--port", str(port),
-                      "--timeout-graceful-shutdown", "5"], env, logs / "api.log"),
+                      "--timeout-graceful-shutdown", "5", "--workers", str(get_api_settings().workers)],
+              env, logs / "api.log"),
         Child("celery", [py, "-m", "celery", "-A", "stack.celery_worker", "worker", "-B", "--concurrency", "1",
                          "--loglevel", "INFO", "-s", str(settings.data_dir / "celerybeat-schedule")],
               env, logs / "celery.log"),
