@@ -41,6 +41,7 @@ from embedded_stack import TINY, RunningStack, embedded_stack, new_tenant
 FULL = {"trainer": 20, "gen": 10, "celery": 5, "redis": 3, "postgres": 3, "api": 5}
 QUICK = {"trainer": 2, "gen": 1, "celery": 1, "redis": 1, "postgres": 1, "api": 1}
 OUTAGE_S = 3.0
+RECOVERY_LIMIT_S = 600.0  # a stack that is not back by then has failed the run
 
 
 # ----------------------------------------------------------------------------------- faults
@@ -251,6 +252,10 @@ def main() -> None:
             at = time.monotonic()
             killed = inject(stack, fault)
             while not recovered(stack, fault, killed):
+                if time.monotonic() - at > RECOVERY_LIMIT_S:
+                    stop.set()
+                    raise SystemExit(f"{fault}: no recovery in {RECOVERY_LIMIT_S:.0f} s\n"
+                                     f"{(stack.data_dir / 'up.out').read_text()[-3000:]}")
                 time.sleep(0.2)
             back = time.monotonic()
             injected[fault] += 1

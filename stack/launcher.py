@@ -171,7 +171,11 @@ def up(*, data_dir: Path | None, host: str, port: int) -> int:
             time.sleep(0.2)
             if embedded.server_pids() != servers:  # Redis or Postgres restarted under us: record the new pids
                 servers = embedded.server_pids()
-                _record(directory, children)
+                try:
+                    _record(directory, children)
+                except Exception:  # bookkeeping must never take the stack down; the next change retries
+                    log.exception("could not record the servers' new pids")
+                    servers = []
             for child in children:
                 code = child.proc.poll()
                 if code is None or stop_requested:
