@@ -17,6 +17,7 @@ import time
 import httpx
 import psycopg
 import pytest
+from billing_workload import wait_recorded
 from stackutil import (
     ADAM,
     ROOT,
@@ -99,6 +100,7 @@ def test_a_retry_after_the_api_died_gets_the_same_future_and_the_work_runs_once(
         result = wait_future(c, srow["id"], timeout_s=300)
         assert "error" not in result and len(result["sequences"]) == 2, result
 
+    wait_recorded(stack.database_url, [tenant.tenant_id])  # answered a moment before the rows commit
     rows = _rows(stack, tenant.tenant_id, "forward_backward") + _rows(stack, tenant.tenant_id, "sample")
     assert [r["status"] for r in rows] == ["done", "done"]
     with psycopg.connect(stack.database_url) as conn:

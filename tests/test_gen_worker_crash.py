@@ -14,6 +14,7 @@ import httpx
 import psutil
 import pytest
 import quilt
+from billing_workload import wait_recorded
 from stackutil import TINY
 
 from core import db, queue, redis_client
@@ -70,6 +71,7 @@ def test_a_killed_generation_worker_answers_its_groups_after_restart(stack, monk
           f"{answered_s:.1f} s after the kill (engine restart included)")
     assert seen_down_s <= 3.5
 
+    wait_recorded(stack.database_url, [a.tenant_id, b.tenant_id])  # answered a moment before the rows commit
     with db.connect(stack.database_url) as conn:
         rows = conn.execute(
             "SELECT r.status, (SELECT count(*) FROM usage_ledger u WHERE u.request_id = r.id) AS billed "

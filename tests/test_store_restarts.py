@@ -18,6 +18,7 @@ import httpx
 import pytest
 import quilt
 import redis
+from billing_workload import wait_recorded
 from stackutil import TINY
 
 from core import db
@@ -116,6 +117,7 @@ def test_redis_and_postgres_restarts_lose_nothing(stack, tenant):
     assert set(prober.statuses) <= {200, 503}, prober.statuses
     assert prober.statuses.get(503, 0) > 0  # the outages were seen, and answered as 503
     assert prober.without_retry_after == 0
+    wait_recorded(stack.database_url, [tenant.tenant_id])  # answered a moment before the rows commit
     with db.connect(stack.database_url) as conn:
         rows = conn.execute(
             "SELECT r.kind, r.status, (SELECT count(*) FROM usage_ledger u WHERE u.request_id = r.id) AS billed "
