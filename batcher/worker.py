@@ -28,6 +28,7 @@ from billing.pricing import training_units
 from core import (
     catalog,
     db,
+    faults,
     health,
     ids,
     queue,
@@ -206,6 +207,7 @@ class TrainerWorker:
         trainers held; safe to repeat."""
         arrived = self.consumer.read(block_ms=self.block_ms if block else None)
         while arrived:  # a blocking read returns on the first entry: drain what came with it
+            faults.crash_point("trainer.after_read")
             self._ingest(arrived)
             arrived = self.consumer.read()
         if time.monotonic() - self._reclaimed_at >= RECLAIM_EVERY_S:
@@ -264,12 +266,16 @@ class TrainerWorker:
                 self._finish(taken[p.request_id], {})
         if fused:
             reqs = [_pass_request(taken[p.request_id].item) for p in fused]
-            for p, outcome in zip(fused, self.backend.run_pass(reqs)):
+            outcomes = self.backend.run_pass(reqs)
+            faults.crash_point("trainer.after_pass")
+            for p, outcome in zip(fused, outcomes):
                 d = taken[p.request_id]
                 self._finish(d, outcome, metrics=self._step_metrics(d.item, outcome))
         for p in plan.barriers:
             d = taken[p.request_id]
             outcome = {} if self._answered_without_effect(d) else self._barrier(d.item)
+            if d.item.kind is WorkKind.OPTIM_STEP:
+                faults.crash_point("trainer.after_optim")
             self._finish(d, outcome)
             if not isinstance(outcome, QuiltError):
                 self._after_barrier(d.item)
@@ -294,6 +300,7 @@ class TrainerWorker:
             return
         started = time.perf_counter()
         self.snapshots.write(self.backend, item.model_id, item.seq_id)
+        faults.crash_point("trainer.after_snapshot")
         self.stats["snapshot_s"] = self.stats.get("snapshot_s", 0.0) + time.perf_counter() - started
         self.stats["snapshots"] = self.stats.get("snapshots", 0) + 1
         self._steps_since_snapshot[item.model_id] = 0

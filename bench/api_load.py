@@ -26,7 +26,8 @@ import statistics
 import time
 
 import httpx
-from embedded_stack import TINY, RunningStack, embedded_stack, new_tenant
+
+from stack.ephemeral import TINY, RunningStack, ephemeral_stack, new_tenant
 
 
 def _wait(c: httpx.Client, request_id: str) -> dict:
@@ -124,7 +125,7 @@ def main() -> None:
     parser.add_argument("--api-workers", type=int, default=1, help="API processes (QUILT_API_WORKERS)")
     args = parser.parse_args()
 
-    with embedded_stack({"QUILT_API_WORKERS": str(args.api_workers)}) as stack:
+    with ephemeral_stack({"QUILT_API_WORKERS": str(args.api_workers)}) as stack:
         tenants = prepare_tenants(stack, args.tenants)
         # Client k of a tenant submits seq_ids start, start + stride, ...: the tenant's clients never collide.
         per_tenant = max(1, args.clients // args.tenants)

@@ -34,9 +34,9 @@ from pathlib import Path
 import httpx
 import psutil
 import torch
-from embedded_stack import TINY, RunningStack, embedded_stack, new_tenant
 
 from core import embedded
+from stack.ephemeral import TINY, RunningStack, ephemeral_stack, new_tenant
 
 FULL = {"trainer": 20, "gen": 10, "celery": 5, "redis": 3, "postgres": 3, "api": 5}
 QUICK = {"trainer": 2, "gen": 1, "celery": 1, "redis": 1, "postgres": 1, "api": 1}
@@ -230,7 +230,7 @@ def main() -> None:
     injected: Counter[str] = Counter()
     recovery: dict[str, float] = {}
     windows: list[tuple[str, float, float]] = []  # fault, injected at, recovered at
-    with embedded_stack() as stack:
+    with ephemeral_stack() as stack:
         tenants = [Tenant(stack, i, stop) for i in range(4)]
         for t in tenants:
             t.start()

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from core import health, queue, stores
+from core import faults, health, queue, stores
 from core.errors import ServerError
 from core.work import MalformedWork, Rejected, WorkItem, WorkKind
 
@@ -197,7 +197,9 @@ class StreamConsumer:
         Redis or Postgres is down this waits for it (core.stores): each step is safe to repeat."""
         what = f"finishing {delivery.item.request_id}"
         stored = stores.until_reachable(lambda: queue.publish(self.redis, outcome, self.result_ttl_s), what)
+        faults.crash_point(f"{self.group}.after_publish")
         stores.until_reachable(lambda: self.settle(delivery.item, stored, usage if stored.ok else None), what)
+        faults.crash_point(f"{self.group}.after_settle")
         if ack:
             self.ack(delivery.stream_id)
 

@@ -3,7 +3,16 @@
 `crash_point("api.after_commit")` ends the process at once, as SIGKILL would (no clean-up, no
 flush), when QUILT_CRASH_AT names that point. QUILT_CRASH_AT is a comma-separated list of
 `name` (crash the first time the point is reached) or `name:N` (the Nth time, counted per
-process). Unset, a crash point costs one set lookup.
+process). Each point fires once per data directory (a marker under `<data dir>/crash-points`),
+so the process the launcher restarts with the same environment goes on past it. Unset, a crash
+point costs one dict lookup.
+
+Points: `api.after_commit` (request row committed, stream entry not appended); in the trainer
+`trainer.after_read` (entries read, not queued), `trainer.after_pass` (a fused pass computed,
+nothing answered), `trainer.after_optim` (an optimizer step applied, not answered),
+`trainer.after_snapshot` (a snapshot written, its entries not acknowledged); in either worker's
+finishing `<group>.after_publish` (answered, not settled) and `<group>.after_settle` (settled,
+not acknowledged), group `trainers` or `samplers`.
 """
 
 from __future__ import annotations
@@ -43,7 +52,13 @@ def crash_point(name: str) -> None:
     if name not in points:
         return
     _reached[name] += 1
-    if _reached[name] == points[name]:
-        log.warning("crash point %s reached (pass %d): exiting as if killed", name, _reached[name])
-        sys.stderr.flush()
-        os._exit(CRASH_EXIT_CODE)
+    if _reached[name] != points[name]:
+        return
+    marker = get_core_settings().data_dir / "crash-points" / name
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(str(os.getpid()))
+    log.warning("crash point %s reached (pass %d): exiting as if killed", name, _reached[name])
+    sys.stderr.flush()
+    os._exit(CRASH_EXIT_CODE)

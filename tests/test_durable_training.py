@@ -8,46 +8,16 @@ import concurrent.futures
 import os
 import signal
 import time
-from pathlib import Path
 
 import psutil
 import pytest
-import torch
-from safetensors.torch import load_file
-from stackutil import ADAM, TINY, datum, fb_body, new_model, wait_future
+from durable_reference import ADAM, SEQS, assert_equals_reference
+from stackutil import TINY, datum, fb_body, new_model, wait_future
 
-from batcher.backend import LoraBackend
 from core import catalog, db
-from core.checkpoint_files import ADAPTER_WEIGHTS, OPTIMIZER_FILE
-from core.work import AdamParams, Datum, LoraShape, PassWork
 from stack import leftovers
 
 pytestmark = pytest.mark.stack
-
-SEQS = ([5, 6, 7, 8, 9, 10], [11, 12, 13, 14], [20, 30, 40, 50, 60])
-ADAM = {**ADAM, "learning_rate": 1e-4, "eps": 1e-8}  # a LoRA learning rate, AdamW's default eps
-# How close "equal" is. Alone, the replayed run matches the reference to 1e-6. When other tests'
-# models are replayed too, the replayed passes fuse with theirs, float32 sums over a different
-# batch round differently, and Adam carries that into the zero-initialised lora_B tensors (nothing
-# but updates): up to 1.5e-5 relative was measured. A lost or doubled step differs by 0.3 or more.
-RELATIVE = 1e-4
-
-
-def _datum(tokens: list[int]) -> Datum:
-    return Datum(tuple(tokens[:-1]), {"target_tokens": tuple(tokens[1:]), "weights": (1.0,) * (len(tokens) - 1)})
-
-
-def _reference(base_path: str) -> tuple[dict, dict]:
-    from batcher.backend import PassRequest
-    from core.loss_spec import LossConfig
-
-    be = LoraBackend(base_path)
-    be.create("ref", LoraShape(rank=8, seed=0))
-    for tokens in SEQS:
-        be.run_pass([PassRequest("r", "ref", PassWork("cross_entropy", LossConfig(), (_datum(tokens),)), False)])
-        be.optim_step("ref", AdamParams(**ADAM))
-    return be.adapter_state("ref"), be.adapters["ref"].optimizer.state_dict()
-
 
 def _kill_trainer(stack) -> int:
     [trainer] = [e for e in leftovers.read(stack.data_dir) if e.name == f"trainer:{TINY}"]
@@ -109,21 +79,7 @@ def test_a_killed_trainer_resumes_every_model_at_its_last_step(stack, tenant):
     assert statuses == {model_id: "ready", bystander: "ready"}
     assert [(b["seq_id"], b["n"]) for b in billed] == [(1, 1), (3, 1), (5, 1)]  # each once, replay or not
 
-    # Equal to the uninterrupted run, per tensor, to RELATIVE.
-    weights, optimizer = _reference(base_path)
-    saved = load_file(str(Path(storage) / ADAPTER_WEIGHTS))
-    assert set(saved) == set(weights)
-    for key, expected in weights.items():
-        assert _relative(saved[key], expected.detach().cpu()) <= RELATIVE, key
-    saved_opt = torch.load(Path(storage) / OPTIMIZER_FILE, weights_only=True)
-    for i, state in optimizer["state"].items():
-        for name in ("exp_avg", "exp_avg_sq"):
-            assert _relative(saved_opt["state"][i][name], state[name]) <= RELATIVE, (i, name)
-        assert float(saved_opt["state"][i]["step"]) == float(state["step"]) == 3
-
-
-def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((got.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30))
+    assert_equals_reference(storage, base_path)  # per tensor, to RELATIVE
 
 
 def test_requests_queued_while_the_trainer_is_down_wait_and_run(stack, tenant):

@@ -1,5 +1,7 @@
-"""Benchmarks that need a whole running stack start one here: `quilt up` in a temporary data
-directory, as a newcomer would, stopped (and its directory removed) when the block ends."""
+"""A throwaway embedded stack: `quilt up` in a temporary data directory, as a newcomer would run
+it, healthy when the block starts, stopped (SIGTERM) and its directory removed when it ends. The
+test session's stack, the fault-injection tests and the benchmarks that need a whole stack use it.
+"""
 
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ class RunningStack:
     redis_url: str
     data_dir: Path
 
+    @property
+    def log_dir(self) -> Path:
+        return self.data_dir / "logs"
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -45,8 +51,11 @@ def healthy(base_url: str) -> bool:
 
 
 @contextlib.contextmanager
-def embedded_stack(env: dict[str, str] | None = None, startup_s: float = 600) -> Iterator[RunningStack]:
-    data_dir = Path(tempfile.mkdtemp(prefix="qb-", dir="/tmp"))  # short: Postgres' socket lives here
+def ephemeral_stack(env: dict[str, str] | None = None, startup_s: float = 600, *,
+                    keep_logs: Path | None = None) -> Iterator[RunningStack]:
+    """`env` is added to this process's environment for the stack; `keep_logs` receives a copy of
+    the stack's logs when it stops (for a post-mortem)."""
+    data_dir = Path(tempfile.mkdtemp(prefix="qt-", dir="/tmp"))  # short: Postgres' socket lives here
     full_env = {**os.environ, **(env or {}), "QUILT_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1"}
     full_env.pop("QUILT_DATABASE_URL", None)
     full_env.pop("QUILT_REDIS_URL", None)
@@ -57,9 +66,9 @@ def embedded_stack(env: dict[str, str] | None = None, startup_s: float = 600) ->
         deadline = time.monotonic() + startup_s
         while True:
             if proc.poll() is not None:
-                raise SystemExit(f"quilt up exited:\n{(data_dir / 'up.out').read_text()[-3000:]}")
+                raise RuntimeError(f"quilt up exited:\n{(data_dir / 'up.out').read_text()[-3000:]}")
             if time.monotonic() > deadline:
-                raise SystemExit("the stack did not become healthy")
+                raise RuntimeError(f"the stack in {data_dir} did not become healthy in {startup_s:.0f} s")
             state_file = data_dir / "stack.json"
             if state_file.exists():
                 state = json.loads(state_file.read_text())
@@ -73,6 +82,8 @@ def embedded_stack(env: dict[str, str] | None = None, startup_s: float = 600) ->
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             proc.kill()
+        if keep_logs is not None and (data_dir / "logs").exists():
+            shutil.copytree(data_dir / "logs", keep_logs, dirs_exist_ok=True)
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
