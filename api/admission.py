@@ -110,8 +110,10 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
         existing = _holder(slot, row_kind, slot.holder_id, slot.holder_kind)
         if existing:
             return await _resume(redis, ticket, existing, slot.holder_status)
-    elif isinstance(slot, RedisSlot):
-        if not await redis.set(slot.key, item.request_id, nx=True, ex=slot.ttl_s):
+    took_slot = False  # only a slot this call took is given back when it fails
+    if isinstance(slot, RedisSlot):
+        took_slot = bool(await redis.set(slot.key, item.request_id, nx=True, ex=slot.ttl_s))
+        if not took_slot:
             existing = await redis.get(slot.key)
             if existing:
                 status = await records.request_status(conn, existing.decode())
@@ -140,7 +142,7 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
         await conn.commit()
         faults.crash_point("api.after_commit")
     except BaseException:
-        if isinstance(slot, RedisSlot):
+        if took_slot:
             await redis.delete(slot.key)
         raise
     try:
@@ -149,7 +151,7 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
         log.exception("could not enqueue %s", item.request_id)
         await records.mark_failed(conn, item.request_id)
         await conn.commit()
-        if isinstance(slot, RedisSlot):
+        if took_slot:
             await redis.delete(slot.key)
         raise
     return item.request_id

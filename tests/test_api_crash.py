@@ -35,6 +35,8 @@ pytestmark = pytest.mark.stack
 
 
 def _doomed_api(stack, tmp_path) -> tuple[subprocess.Popen, str]:
+    # A crash point fires once per data directory: the previous doomed API's marker goes first.
+    (stack.data_dir / "crash-points" / "api.after_commit").unlink(missing_ok=True)
     port = free_port()
     env = {**os.environ, "QUILT_DATABASE_URL": stack.database_url, "QUILT_REDIS_URL": stack.redis_url,
            "QUILT_DATA_DIR": str(stack.data_dir), "HF_HUB_OFFLINE": "1", "QUILT_CRASH_AT": "api.after_commit"}
