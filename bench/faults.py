@@ -23,19 +23,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
-import psutil
 import torch
 
 from core import embedded
+from stack import leftovers
 from stack.ephemeral import TINY, RunningStack, ephemeral_stack, new_tenant
 
 FULL = {"trainer": 20, "gen": 10, "celery": 5, "redis": 3, "postgres": 3, "api": 5}
@@ -47,15 +45,7 @@ RECOVERY_LIMIT_S = 600.0  # a stack that is not back by then has failed the run
 # ----------------------------------------------------------------------------------- faults
 
 def _pid_of(stack: RunningStack, name: str) -> int:
-    from stack import leftovers
-
     return next(e.pid for e in leftovers.read(stack.data_dir) if e.name == name)
-
-
-def _kill(stack: RunningStack, name: str) -> None:
-    pid = _pid_of(stack, name)
-    os.kill(pid, signal.SIGKILL)
-    psutil.Process(pid).wait(timeout=30)
 
 
 PROCESS = {"trainer": f"trainer:{TINY}", "gen": f"gen:{TINY}", "celery": "celery", "api": "api"}
@@ -70,9 +60,7 @@ def inject(stack: RunningStack, fault: str) -> int | None:
     if fault == "postgres":
         embedded.restart_postgres(stack.data_dir, OUTAGE_S)
         return None
-    pid = _pid_of(stack, PROCESS[fault])
-    _kill(stack, PROCESS[fault])
-    return pid
+    return leftovers.kill_hard(stack.data_dir, PROCESS[fault])
 
 
 def recovered(stack: RunningStack, fault: str, killed: int | None) -> bool:

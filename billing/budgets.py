@@ -20,10 +20,17 @@ from billing.pricing import Price, inflight_cost, usd
 from core.errors import BudgetExceeded
 
 _MONTH_START = "(date_trunc('month', now() AT TIME ZONE 'UTC'))::date"
-# The spend this UTC month of the tenant `t` of an enclosing query (the key lookup reads it in the
-# same statement, for the spend header).
-MONTH_TO_DATE_OF_T = ("(SELECT COALESCE(sum(d.cost_micro_usd), 0)::bigint FROM usage_daily d "
-                      f"WHERE d.tenant_id = t.id AND d.day >= {_MONTH_START})")
+
+
+def _month_to_date_sql(tenant: str) -> str:
+    """A scalar subquery: the spend this UTC month of the tenant `tenant` names (SQL)."""
+    return ("(SELECT COALESCE(sum(d.cost_micro_usd), 0)::bigint FROM usage_daily d "
+            f"WHERE d.tenant_id = {tenant} AND d.day >= {_MONTH_START})")
+
+
+# The spend of the tenant `t` of an enclosing query (the key lookup reads it in the same
+# statement, for the spend header).
+MONTH_TO_DATE_OF_T = _month_to_date_sql("t.id")
 
 
 @dataclass(frozen=True)
@@ -151,11 +158,7 @@ async def check(conn, *, tenant_id: str, tenant_name: str, key_id: str | None) -
 
 async def month_to_date(conn, tenant_id: str) -> int:
     """The tenant's spend this UTC month, in micro-USD (ledger only, not in flight)."""
-    cur = await conn.execute(
-        f"SELECT COALESCE(sum(cost_micro_usd), 0)::bigint AS spent FROM usage_daily "
-        f"WHERE tenant_id = %s AND day >= {_MONTH_START}",
-        (tenant_id,),
-    )
+    cur = await conn.execute(f"SELECT {_month_to_date_sql('%s')} AS spent", (tenant_id,))
     return int((await cur.fetchone())["spent"])
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -213,7 +214,10 @@ class StreamConsumer:
         stores.until_reachable(once, f"acknowledging {stream_id}")
 
     def heartbeat(self) -> None:
-        self.redis.set(health.consumer_key(self.stream, self.consumer), b"1", ex=self.liveness_ttl_s)
+        """Refresh this consumer's liveness key. Best effort: while Redis is down there is nothing to
+        refresh, and the next call after it is back does it."""
+        with contextlib.suppress(*stores.STORE_ERRORS):
+            self.redis.set(health.consumer_key(self.stream, self.consumer), b"1", ex=self.liveness_ttl_s)
 
 
 class AsyncStreamConsumer:

@@ -13,7 +13,6 @@ Run: `python -m gen_pool.worker` (the embedded launcher does this, one per sampl
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import time
@@ -191,8 +190,7 @@ class GenWorker:
         self._last_beacon = now
         s = self.scheduler
         self.heartbeat.update(running=s.running(), waiting=s.waiting(), target=s.target, **s.report())
-        with contextlib.suppress(*stores.STORE_ERRORS):  # Redis restarting: the next beacon refreshes it
-            await self.consumer.heartbeat()
+        await self.consumer.heartbeat()
 
 
 async def _main_async() -> None:

@@ -169,8 +169,9 @@ def up(*, data_dir: Path | None, host: str, port: int) -> int:
     try:
         while not stop_requested:
             time.sleep(0.2)
-            if embedded.server_pids() != servers:  # Redis or Postgres restarted under us: record the new pids
-                servers = embedded.server_pids()
+            now = embedded.server_pids()
+            if now != servers:  # Redis or Postgres restarted under us: record the new pids
+                servers = now
                 try:
                     _record(directory, children)
                 except Exception:  # bookkeeping must never take the stack down; the next change retries

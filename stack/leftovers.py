@@ -62,6 +62,15 @@ def read(data_dir: Path) -> list[Recorded]:
         return []
 
 
+def kill_hard(data_dir: Path, name: str, *, wait_s: float = 30) -> int:
+    """SIGKILL the recorded process `name` (a fault, as the OOM killer would) and wait until it is
+    gone; returns its pid. The launcher restarts it."""
+    pid = next(e.pid for e in read(data_dir) if e.name == name)
+    os.kill(pid, signal.SIGKILL)
+    psutil.Process(pid).wait(timeout=wait_s)
+    return pid
+
+
 def clear(data_dir: Path) -> None:
     (data_dir / PIDS_FILE).unlink(missing_ok=True)
 

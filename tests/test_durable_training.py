@@ -5,11 +5,8 @@ weights and AdamW state equal an uninterrupted run. Nothing is billed twice."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import signal
 import time
 
-import psutil
 import pytest
 from durable_reference import ADAM, SEQS, assert_equals_reference
 from stackutil import TINY, datum, fb_body, new_model, wait_future
@@ -20,10 +17,7 @@ from stack import leftovers
 pytestmark = pytest.mark.stack
 
 def _kill_trainer(stack) -> int:
-    [trainer] = [e for e in leftovers.read(stack.data_dir) if e.name == f"trainer:{TINY}"]
-    os.kill(trainer.pid, signal.SIGKILL)
-    psutil.Process(trainer.pid).wait(timeout=30)
-    return trainer.pid
+    return leftovers.kill_hard(stack.data_dir, f"trainer:{TINY}")
 
 
 def _statuses_until_ready(stack, key: str, model_id: str, timeout_s: float = 300) -> list[str]:

@@ -6,12 +6,9 @@ both SDKs get their samples (latency, not an error). Each group is billed once.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import httpx
-import psutil
 import pytest
 import quilt
 from billing_workload import wait_recorded
@@ -56,10 +53,8 @@ def test_a_killed_generation_worker_answers_its_groups_after_restart(stack, monk
         while _gen_pending(r) < 2:
             assert time.monotonic() < deadline, "the generation worker never took both groups"
             time.sleep(0.01)
-        [gen] = [e for e in leftovers.read(stack.data_dir) if e.name == f"gen:{TINY}"]
-        os.kill(gen.pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        psutil.Process(gen.pid).wait(timeout=30)
+        leftovers.kill_hard(stack.data_dir, f"gen:{TINY}")
         seen_down_s = _gen_down_after(stack.base_url, killed_at)
 
         out_official = f_official.result(timeout=600)
