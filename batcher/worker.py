@@ -16,6 +16,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import psycopg
 
@@ -52,6 +53,8 @@ from core.work import (
 )
 
 log = logging.getLogger("quilt.trainer")
+
+T = TypeVar("T")
 
 
 # A trainer's round can take seconds, and its liveness key is refreshed between rounds only: it is
@@ -113,6 +116,12 @@ class TrainerWorker:
         self._conn = db.live_connection(getattr(self, "_conn", None), self.db_url)
         return self._conn
 
+    def _db_call(self, record: Callable[..., T], *args, **kwargs) -> T:
+        """`record(connection, *args, **kwargs)` (an idempotent read or write of core.records) on this
+        worker's connection, waiting out a Postgres restart (core.stores) instead of failing the
+        round it is part of."""
+        return stores.until_reachable(lambda: record(self._db(), *args, **kwargs), record.__name__)
+
     def prepare(self) -> None:
         self.consumer.ensure_group()
         self.consumer.heartbeat()
@@ -150,7 +159,7 @@ class TrainerWorker:
             if not self.queues.knows(model_id):  # deleted meanwhile
                 del self.recovering[model_id]
             elif last_replayed is None or self.queues.next_seq[model_id] > last_replayed:
-                records.set_model_status(self._db(), model_id, "ready")
+                self._db_call(records.set_model_status, model_id, "ready")
                 del self.recovering[model_id]
 
     def _finished_ids(self, request_ids: list[str]) -> set[str]:
@@ -258,7 +267,7 @@ class TrainerWorker:
 
     def _execute(self, plan: RoundPlan) -> None:
         taken = {p.request_id: self.queues.take(p) for p in (*plan.fused, *plan.barriers)}
-        records.mark_running(self._db(), list(taken))
+        self._db_call(records.mark_running, list(taken))
         # A replayed request that changes no state (a forward, a save) was answered already: skip it.
         fused = [p for p in plan.fused if not self._answered_without_effect(taken[p.request_id])]
         for p in plan.fused:
@@ -324,13 +333,13 @@ class TrainerWorker:
             self.backend.create(item.model_id, work.lora)
             if work.load:  # create-from-checkpoint: the model's first request also loads its state
                 self.backend.load(item.model_id, work.load.storage_path, optimizer=work.load.optimizer)
-            records.set_model_status(self._db(), item.model_id, "ready")
+            self._db_call(records.set_model_status, item.model_id, "ready")
         except Exception as exc:
             err = _as_error(item, exc)
             self.backend.delete(item.model_id)
             if self.snapshots is not None:
                 self.snapshots.drop(item.model_id)
-            records.set_model_status(self._db(), item.model_id, "failed", err.message)
+            self._db_call(records.set_model_status, item.model_id, "failed", err.message)
             raise err from exc
         if work.load:
             return {"type": "load_weights", "model_id": item.model_id, "path": work.load.path}
@@ -357,13 +366,13 @@ class TrainerWorker:
         for_sampler = item.kind is WorkKind.SAVE_WEIGHTS_FOR_SAMPLER
         kind = SAMPLER_KIND if for_sampler else TRAINING_KIND
         # Every save gets a new directory (core.checkpoint_files), so "exists" is a question for the records.
-        if not work.overwrite and records.checkpoint_exists(self._db(), item.model_id, kind, work.name):
+        if not work.overwrite and self._db_call(records.checkpoint_exists, item.model_id, kind, work.name):
             raise Conflict(f"checkpoint {work.name!r} already exists; pass overwrite=True to replace it", field="path")
         size = self.backend.save(item.model_id, work.storage_path, overwrite=work.overwrite,
                                  with_optimizer=not for_sampler)
-        records.upsert_checkpoint(self._db(), tenant_id=item.tenant_id, model_id=item.model_id, kind=kind,
-                                  name=work.name, storage_path=work.storage_path, size_bytes=size, ttl_s=work.ttl_s,
-                                  sliding=work.sliding, grace_s=get_core_settings().superseded_version_grace_s)
+        self._db_call(records.upsert_checkpoint, tenant_id=item.tenant_id, model_id=item.model_id, kind=kind,
+                      name=work.name, storage_path=work.storage_path, size_bytes=size, ttl_s=work.ttl_s,
+                      sliding=work.sliding, grace_s=get_core_settings().superseded_version_grace_s)
         result = {"type": str(item.kind), "path": ids.tinker_path(item.model_id, kind, work.name)}
         if for_sampler:
             result["policy_version"] = self.backend.policy_version(item.model_id)
@@ -441,8 +450,7 @@ class TrainerWorker:
                               **self.backend.residency(),
                               **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()
                                  if k != "started_at"})
-        with contextlib.suppress(*stores.STORE_ERRORS):  # the next beacon refreshes it
-            self.consumer.heartbeat()
+        self.consumer.heartbeat()
 
 
 def _as_error(item: WorkItem, exc: Exception) -> QuiltError:
