@@ -13,6 +13,7 @@ measures both side by side. Checkpoints are PEFT-format adapter directories.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from batcher import losses
 from batcher.multilora import MultiLoraModel
+from core import architectures
 from core.checkpoint_files import ADAPTER_WEIGHTS, OPTIMIZER_FILE, TrainerMeta
 from core.errors import Conflict, InvalidInput, QuiltError, ServerError, UserError
 from core.loss_spec import LossConfig
@@ -36,20 +38,6 @@ from core.work import AdamParams, LoraShape, PassWork
 log = logging.getLogger("quilt.trainer.backend")
 
 LORA_ALPHA = 32  # Tinker sends no alpha; a fixed alpha keeps the effective step size comparable across ranks
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-UNEMBED_MODULES = ("lm_head",)
-
-
-def target_modules(lora_config: dict) -> list[str]:
-    mods: list[str] = []
-    if lora_config.get("train_attn", True):
-        mods += ATTN_MODULES
-    if lora_config.get("train_mlp", True):
-        mods += MLP_MODULES
-    if lora_config.get("train_unembed", True):
-        mods += UNEMBED_MODULES
-    return mods
 
 
 @dataclass
@@ -112,11 +100,18 @@ class LoraBackend:
         self.offload_device = torch.device(offload_device)
         self.max_tokens_per_pass = max_tokens_per_pass
         self.last_pass: PassStats | None = None
-        base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=dtype)
+        # Which modules can carry LoRA is the architecture's (core.architectures); a model's own
+        # lora_config picks among them. Adapters and their AdamW state are float32 on any base dtype.
+        self.config = json.loads((Path(base_path) / "config.json").read_text())
+        kw = {}
+        if architectures.of_config(self.config).moe and dtype == torch.float64:
+            kw["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel (float64 is for tests)
+        base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=dtype, **kw)
         base.requires_grad_(False)
         self.base_path = str(base_path)
         self.base = base.to(self.device).eval()
-        self.lora = MultiLoraModel(self.base, ATTN_MODULES + MLP_MODULES + UNEMBED_MODULES)
+        self.lora = MultiLoraModel(self.base, architectures.of_config(self.config).targets(
+            tied=architectures.is_tied(self.config)))
         self.adapters: dict[str, Adapter] = {}
         self._next_slot = 0
 
@@ -132,7 +127,7 @@ class LoraBackend:
         self._next_slot += 1
         lora_config = lora.to_json()
         params = self.lora.add_adapter(
-            name, rank=lora.rank, alpha=LORA_ALPHA, targets=target_modules(lora_config),
+            name, rank=lora.rank, alpha=LORA_ALPHA, targets=architectures.lora_targets(self.config, lora_config),
             seed=lora.seed if lora.seed is not None else int.from_bytes(os.urandom(4), "little"),
         )
         self.adapters[model_id] = Adapter(model_id, name, lora_config, params, torch.optim.AdamW(params))
@@ -404,7 +399,7 @@ class LoraBackend:
         from peft import LoraConfig
 
         return LoraConfig(r=int(adapter.lora_config["rank"]), lora_alpha=LORA_ALPHA, lora_dropout=0.0,
-                          target_modules=target_modules(adapter.lora_config), bias="none", task_type="CAUSAL_LM",
+                          target_modules=architectures.lora_targets(self.config, adapter.lora_config), bias="none", task_type="CAUSAL_LM",
                           base_model_name_or_path=self.base_path)
 
 

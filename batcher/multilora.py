@@ -45,12 +45,15 @@ class MultiLoraLinear(nn.Module):
 
     def add(self, name: str, rank: int, alpha: float, generator: torch.Generator) -> list[nn.Parameter]:
         w = self.base.weight
-        A = torch.empty(rank, self.base.in_features, dtype=w.dtype)
+        # Adapters are at least float32 whatever the base's dtype (bf16 on GPU): their updates are
+        # small against their values, and AdamW's moments follow the parameters' dtype.
+        dtype = torch.promote_types(w.dtype, torch.float32)
+        A = torch.empty(rank, self.base.in_features, dtype=dtype)
         # PEFT's default initialisation: Kaiming-uniform A, zero B, so a new adapter changes nothing.
         bound = math.sqrt(6.0 / ((1 + 5) * self.base.in_features))
         A.uniform_(-bound, bound, generator=generator)
         weights = LoraWeights(nn.Parameter(A.to(w.device)),
-                              nn.Parameter(torch.zeros(self.base.out_features, rank, dtype=w.dtype, device=w.device)),
+                              nn.Parameter(torch.zeros(self.base.out_features, rank, dtype=dtype, device=w.device)),
                               alpha / rank)
         self.adapters[name] = weights
         return [weights.A_r_in, weights.B_out_r]
@@ -68,8 +71,8 @@ class MultiLoraLinear(nn.Module):
             w = self.adapters.get(name)
             if w is None:
                 pieces.append(y.new_zeros((x.shape[0], *y.shape[1:])))
-            else:  # the scale goes on the small B, not on the output
-                pieces.append((x @ w.A_r_in.T) @ (w.B_out_r.T * w.scale))
+            else:  # the scale goes on the small B, not on the output; computed in the adapter's dtype
+                pieces.append(((x.to(w.A_r_in.dtype) @ w.A_r_in.T) @ (w.B_out_r.T * w.scale)).to(y.dtype))
         return y + torch.cat(pieces, dim=0)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import psycopg
+import torch
 
 from batcher.backend import LoraBackend, PassRequest
 from batcher.policy import FairShare, RoundPlan, plan_round
@@ -32,6 +33,7 @@ from core import (
     faults,
     health,
     ids,
+    memory_plan,
     queue,
     records,
     redis_client,
@@ -465,17 +467,37 @@ def _pass_request(item: WorkItem) -> PassRequest:
     return PassRequest(item.request_id, item.model_id, item.body, forward_only=item.kind is WorkKind.FORWARD)
 
 
+def _memory_plan(base: catalog.BaseModel, settings) -> memory_plan.MemoryPlan:
+    """Check, before loading anything, that the base fits this trainer's device; exits naming the
+    setting to change when it does not (core.memory_plan)."""
+    from gen_pool.settings import get_gen_pool_settings
+
+    gen = get_gen_pool_settings()
+    plan = memory_plan.for_worker(base.config, device=settings.device, dtype=settings.dtype,
+                                  configured_memory=settings.gpu_memory, token_budget=settings.token_budget,
+                                  max_lora_rank=settings.max_rank, max_loras=gen.max_loras,
+                                  gen_memory_share=gen.gpu_memory_share, max_context=base.max_context_length)
+    trainer_problems = [p for p in plan.problems if not p.startswith("gen_memory_share")]
+    if trainer_problems:
+        raise SystemExit(f"base {base.name!r} does not fit this trainer: " + "; ".join(trainer_problems))
+    log.info("memory plan for %s: %s", base.name, ", ".join(f"{k.strip()}={v}" for k, v in plan.rows()[:8]))
+    return plan
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = get_trainer_settings()
     db_url = db.resolve_url()
     base = catalog.worker_base(db_url, settings.base_model)
+    plan = _memory_plan(base, settings)
+    token_budget = settings.token_budget or plan.token_budget
+    dtype = getattr(torch, memory_plan.resolve_dtype(settings.dtype, settings.device))
     worker = TrainerWorker(
-        base_model=base.name, backend=LoraBackend(base.path, device=settings.device, max_tokens_per_pass=settings.token_budget,
-                                                    offload_device=settings.offload_device),
+        base_model=base.name, backend=LoraBackend(base.path, device=settings.device, max_tokens_per_pass=token_budget,
+                                                    offload_device=settings.offload_device, dtype=dtype),
         redis=redis_client.sync_client(), db_url=db_url, consumer=settings.consumer_name,
         block_ms=settings.read_block_ms, result_ttl_s=get_api_settings().future_ttl_seconds,
-        token_budget=settings.token_budget, offload_idle_s=settings.offload_idle_s, stats_history=settings.stats_history,
+        token_budget=token_budget, offload_idle_s=settings.offload_idle_s, stats_history=settings.stats_history,
         seq_gap_deadline_s=settings.seq_gap_deadline_s,
         snapshots=SnapshotStore(settings.snapshot_dir or Path(get_core_settings().data_dir) / "snapshots")
         if settings.snapshots else None,

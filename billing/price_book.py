@@ -11,7 +11,7 @@ from datetime import datetime
 import psycopg
 from psycopg.rows import dict_row
 
-from billing.pricing import Price
+from billing.pricing import Price, size_rates
 
 _COLUMNS = ("id, base_model, effective_from, prefill_micro_usd_per_mtok, sample_micro_usd_per_mtok, "
             "train_micro_usd_per_mtok, note")
@@ -70,3 +70,21 @@ async def current_prices(conn) -> dict[str, Price]:
     """The entry in force now for every priced base model."""
     cur = await conn.execute(_CURRENT_ALL)
     return {r["base_model"]: _price(r) for r in await cur.fetchall()}
+
+
+def ensure_size_price(conn: psycopg.Connection, base) -> Price:
+    """The price in force for a catalogue base (core.catalog.BaseModel); one from its size
+    (billing.pricing.size_rates) is added, effective now, when it has none."""
+    price = current_price_sync(conn, base.name)
+    if price is not None:
+        return price
+    rates = size_rates(base.num_parameters, base.active_parameters or base.num_parameters)
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(
+            f"INSERT INTO price_book (base_model, effective_from, prefill_micro_usd_per_mtok, "
+            f"sample_micro_usd_per_mtok, train_micro_usd_per_mtok, note) VALUES (%s, now(), %s, %s, %s, %s) "
+            f"ON CONFLICT (base_model, effective_from) DO NOTHING RETURNING {_COLUMNS}",
+            (base.name, rates["prefill"], rates["sample"], rates["train"],
+             f"from size: {base.num_parameters:,} parameters, {base.active_parameters:,} active"),
+        ).fetchone()
+    return _price(row) if row else current_price_sync(conn, base.name)

@@ -188,3 +188,21 @@ def parse_usd(text: str | float | Decimal) -> int:
     if not amount.is_finite() or amount < 0:
         raise ValueError(f"an amount of USD must be finite and >= 0, got {text!r}")
     return int((amount * MICRO_PER_USD).quantize(Decimal(1), ROUND_HALF_UP))
+
+
+# Rates for a base with no price-book entry yet, from its size: the public Qwen3-8B anchor rates
+# (8.19 B parameters, all active) scaled by a weighted size. Compute per token follows the active
+# parameters; the memory a base holds while it is served follows all of them, so MoE bases with
+# few active parameters cost less than dense ones of the same total, but not in proportion.
+ANCHOR_PARAMETERS = 8_190_735_360
+ANCHOR_RATES = {"prefill": 195_000, "sample": 600_000, "train": 440_000}
+ACTIVE_WEIGHT = 0.85  # the rest weighs total parameters
+MIN_RATE = 1_000  # micro-USD per million tokens: every base's usage shows on the bill
+
+
+def size_rates(total_parameters: int, active_parameters: int) -> dict[str, int]:
+    """{'prefill': ..., 'sample': ..., 'train': ...} in micro-USD per million tokens."""
+    if total_parameters < 1 or not 0 < active_parameters <= total_parameters:
+        raise ValueError("need 0 < active_parameters <= total_parameters")
+    scale = (ACTIVE_WEIGHT * active_parameters + (1 - ACTIVE_WEIGHT) * total_parameters) / ANCHOR_PARAMETERS
+    return {unit: max(MIN_RATE, round(rate * scale)) for unit, rate in ANCHOR_RATES.items()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -72,9 +73,15 @@ class TrainerSettings(BaseSettings):
     read_block_ms: int = Field(1000, ge=1, le=60_000, description="XREADGROUP block time")
     max_rank: int = Field(64, ge=1, le=512, description="largest LoRA rank accepted")
     device: str = Field("cpu", description="torch device of the base model")
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="base weights' dtype; auto = bfloat16 on GPU, float32 on CPU. Adapters and AdamW "
+                            "state are float32 whatever this is")
+    gpu_memory: str = Field("", description="device memory to plan with (e.g. 80GiB); empty = what the device "
+                                            "reports (core.memory_plan)")
     offload_device: str = Field("cpu", description="where idle adapters and their optimizer state are parked")
     offload_idle_s: float = Field(300.0, ge=0, description="seconds unused before an adapter is parked")
-    token_budget: int = Field(16384, ge=64, description="model-input tokens per fused pass (fair-shared)")
+    token_budget: int = Field(16384, ge=0, description="model-input tokens per fused pass (fair-shared); "
+                                                     "0 = derived from the memory plan (core.memory_plan)")
     stats_history: int = Field(1000, ge=10, le=100_000, description="round records kept in Redis")
     snapshots: bool = Field(True, description="keep models' state durable (batcher.snapshots); off: lost on restart")
     snapshot_dir: Path | None = Field(None, description="where snapshots live; default <data dir>/snapshots")
@@ -102,7 +109,7 @@ class SecuritySettings(BaseSettings):
     secret_key: str = Field("embedded-insecure-secret", description="signs dashboard cookies")
 
     @model_validator(mode="after")
-    def _refuse_default_secret_in_production(self) -> "SecuritySettings":
+    def _refuse_default_secret_in_production(self) -> SecuritySettings:
         env = CoreSettings().environment
         if env == "production" and self.secret_key == "embedded-insecure-secret":
             raise ValueError("QUILT_SECRET_KEY must be set to a random value in production")

@@ -28,6 +28,7 @@ abort and streaming to us; the async engine gives those for the price of a few s
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import os
@@ -37,7 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from core import architectures
 from core.errors import ServerError
+from core.memory_plan import resolve_dtype
 from core.work import AdapterRef, SamplingSpec
 from gen_pool.adapters import (
     IDENTITY_ID,
@@ -146,11 +149,16 @@ class GenEngine:
 
         started = time.monotonic()
         identity = identity_adapter(model_path, Path(workdir) / f"identity-{Path(model_path).name}")
+        config = json.loads((Path(model_path) / "config.json").read_text())
         kw = {}
         if not current_platform.is_cpu():
-            kw["kv_cache_memory_bytes"] = settings.kv_cache_gib * 2**30
+            kw["gpu_memory_utilization"] = settings.gpu_memory_share
         args = AsyncEngineArgs(
-            model=str(model_path), tokenizer=str(model_path), dtype=settings.dtype, seed=settings.seed,
+            model=str(model_path), tokenizer=str(model_path), seed=settings.seed,
+            dtype=resolve_dtype(settings.dtype, "cpu" if current_platform.is_cpu() else "cuda"),
+            # The modules the trainer puts LoRA on, and no others: MoE experts stay plain
+            # (gen_pool.vllm_plugin), and an adapter naming anything else is refused by vLLM.
+            lora_target_modules=list(architectures.of_config(config).targets(tied=architectures.is_tied(config))),
             max_model_len=settings.max_model_len, max_num_seqs=settings.concurrency_target,
             enable_lora=True, max_loras=settings.max_loras, max_cpu_loras=settings.max_cpu_loras,
             max_lora_rank=settings.max_lora_rank, disable_log_stats=True, enable_log_requests=False, **kw,

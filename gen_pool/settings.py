@@ -40,7 +40,11 @@ class GenPoolSettings(BaseSettings):
     kv_cache_gib: int = Field(1, ge=1, le=4096, description="KV cache size in GiB (CPU: VLLM_CPU_KVCACHE_SPACE)")
     max_model_len: int | None = Field(None, ge=16, description="longest prompt+completion; None = the model's")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "float32", description="engine dtype; float32 matches the fp32 trainer's logprobs to ~1e-5")
+        "auto", description="engine dtype; auto = float32 on CPU (matches the fp32 trainer's logprobs to ~1e-5), "
+                            "bfloat16 on GPU (the base's catalogue dtype, set by quilt up, wins)")
+    gpu_memory_share: float = Field(0.5, gt=0, lt=1,
+                                    description="GPU only: fraction of the device vLLM takes (gpu_memory_utilization); "
+                                                "the trainer plans with the rest when they share one")
     device_threads_reserved: int = Field(0, ge=0, le=64,
                                          description="CPU only: cores kept from the engine (VLLM_CPU_NUM_OF_RESERVED_CPU)")
     seed: int = Field(0, description="engine seed (requests without a seed are still random)")

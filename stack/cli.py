@@ -40,18 +40,106 @@ def cmd_models_create_tiny(args) -> int:
     from stack.launcher import ensure_tiny_model
 
     with db.connect(_prepared(args)) as conn:
-        model = ensure_tiny_model(conn)
-    print(f"{model.name} at {model.path} (vocab {model.vocab_size}, context {model.max_context_length})")
+        model = ensure_tiny_model(conn, architecture=args.architecture)
+    print(f"{model.name} at {model.path} ({model.architecture}, vocab {model.vocab_size}, "
+          f"context {model.max_context_length})")
     return 0
+
+
+def _serving(args) -> dict:
+    """Per-base worker settings given on the command line (stack.launcher.serving_env reads them)."""
+    keys = ("device", "gen_device", "gen_memory_share", "max_lora_rank", "max_loras")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+
+
+def cmd_models_add(args) -> int:
+    from billing.price_book import ensure_size_price
+    from core import catalog, db, model_sources
+
+    local, source = model_sources.locate(path=args.path, hub=args.hub, revision=args.revision)
+    base = model_sources.describe(args.name, local, source, dtype=args.dtype, max_context=args.max_context,
+                                  trainable=args.train, sampleable=args.sample, renderer=args.renderer,
+                                  serving=_serving(args))
+    with db.connect(_prepared(args)) as conn:
+        catalog.register(conn, base)
+        price = ensure_size_price(conn, base)
+    print(f"added {base.name}: {base.architecture}, {_params(base.num_parameters)} parameters "
+          f"({_params(base.active_parameters)} active), dtype {base.dtype}, context {base.max_context_length}, "
+          f"tokenizer {base.tokenizer_id}")
+    print(f"price per million tokens: prefill ${price.prefill_micro_usd_per_mtok / 1e6:.4f}, sample "
+          f"${price.sample_micro_usd_per_mtok / 1e6:.4f}, train ${price.train_micro_usd_per_mtok / 1e6:.4f} "
+          f"({price.note})")
+    print("restart `quilt up` to start its workers")
+    return 0
+
+
+def cmd_models_remove(args) -> int:
+    from core import catalog, db
+
+    with db.connect(_prepared(args)) as conn:
+        catalog.remove(conn, args.name)
+    print(f"removed {args.name}; restart `quilt up` to stop its workers")
+    return 0
+
+
+def _params(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
 
 
 def cmd_models_list(args) -> int:
     from core import catalog, db
 
     with db.connect(_prepared(args)) as conn:
-        for m in catalog.list_models_sync(conn):
-            print(f"{m.name}\t{m.path}\tvocab={m.vocab_size}\tcontext={m.max_context_length}")
+        models = catalog.list_models_sync(conn)
+    rows = [("NAME", "ARCHITECTURE", "PARAMS", "ACTIVE", "DTYPE", "CONTEXT", "TRAIN", "SAMPLE", "SOURCE")]
+    for m in models:
+        rows.append((m.name, m.architecture, _params(m.num_parameters), _params(m.active_parameters), m.dtype,
+                     str(m.max_context_length), "yes" if m.trainable else "no", "yes" if m.sampleable else "no",
+                     m.hub_id + (f"@{m.revision}" if m.revision else "") if m.source == "hub" else m.path))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     return 0
+
+
+def cmd_models_plan(args) -> int:
+    import json
+
+    from core import catalog, db
+    from core.errors import NotFound
+    from core.memory_plan import PlanInputs, parse_bytes, plan_memory, resolve_dtype
+    from core.settings import get_trainer_settings
+    from gen_pool.settings import get_gen_pool_settings
+
+    with db.connect(_prepared(args)) as conn:
+        base = catalog.get_model_sync(conn, args.name)
+    if base is None:
+        raise NotFound(f"base model {args.name!r} is not in the catalogue", field="name")
+    gen = get_gen_pool_settings()
+    serving = base.serving
+    inputs = PlanInputs(
+        device_bytes=parse_bytes(args.gpu_memory), dtype=resolve_dtype(base.dtype, "cuda"),
+        shared_device=not args.separate_devices,
+        gen_memory_share=serving.get("gen_memory_share", gen.gpu_memory_share),
+        token_budget=args.token_budget, resident_adapters=args.resident_adapters,
+        max_lora_rank=serving.get("max_lora_rank", get_trainer_settings().max_rank),
+        max_loras=serving.get("max_loras", gen.max_loras),
+        max_context=min(args.max_context or base.max_context_length, base.max_context_length))
+    plan = plan_memory(base.config, inputs)
+    print(f"{base.name} ({base.architecture}, {_params(base.num_parameters)} parameters) on {args.gpu_memory}, "
+          f"{inputs.dtype}, {'one device shared' if inputs.shared_device else 'one device each'}")
+    width = max(len(k) for k, _ in plan.rows())
+    for k, v in plan.rows():
+        print(f"  {k.ljust(width)}  {v}")
+    for p in plan.problems:
+        print(f"does not fit: {p}")
+    print(json.dumps({"model": base.name, "fits": not plan.problems, "token_budget": plan.token_budget,
+                      "resident_adapters": plan.resident_adapters, "kv_tokens": plan.kv_tokens,
+                      "max_sequences": plan.max_sequences}))
+    return 0 if not plan.problems else 2
 
 
 def cmd_tenants_create(args) -> int:
@@ -143,12 +231,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_migrate)
 
     models = sub.add_parser("models", help="base models").add_subparsers(dest="action", required=True)
-    p = models.add_parser("create-tiny", help="build the tiny local Qwen3 base and add it to the catalogue")
+    p = models.add_parser("create-tiny", help="build a tiny local random-weight base and add it to the catalogue")
     _data_dir_option(p)
+    from core.architectures import SUPPORTED
+
+    p.add_argument("--architecture", default="qwen3", choices=sorted(SUPPORTED))
     p.set_defaults(func=cmd_models_create_tiny)
+    p = models.add_parser("add", help="validate a Hugging Face causal LM and add it to the catalogue")
+    _data_dir_option(p)
+    p.add_argument("name", help="the name clients use (base_model)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--path", help="a local model directory")
+    where.add_argument("--hub", help="a hub model id (huggingface_hub's cache; honours HF_HUB_OFFLINE)")
+    p.add_argument("--revision", help="hub revision (branch, tag or commit)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="base weights' dtype: auto = bfloat16 on GPU, float32 on CPU (adapters are always fp32)")
+    p.add_argument("--max-context", type=int, help="longest sequence served (default: the model's)")
+    p.add_argument("--train", action=argparse.BooleanOptionalAction, default=True, help="serve training")
+    p.add_argument("--sample", action=argparse.BooleanOptionalAction, default=True, help="serve sampling")
+    p.add_argument("--renderer", help="chat renderer when the tokenizer has no chat template "
+                                      "(chatml, llama3, gemma, none)")
+    p.add_argument("--device", help="this base's trainer device (e.g. cuda:0; default QUILT_TRAINER_DEVICE)")
+    p.add_argument("--gen-device", help="this base's generation worker device (CUDA_VISIBLE_DEVICES index)")
+    p.add_argument("--gen-memory-share", type=float, help="fraction of the GPU vLLM takes")
+    p.add_argument("--max-lora-rank", type=int, help="largest LoRA rank trained and served")
+    p.add_argument("--max-loras", type=int, help="adapters in one sampling batch")
+    p.set_defaults(func=cmd_models_add)
+    p = models.add_parser("remove", help="stop serving a base (refused while models of it are live)")
+    _data_dir_option(p)
+    p.add_argument("name")
+    p.set_defaults(func=cmd_models_remove)
     p = models.add_parser("list", help="list served base models")
     _data_dir_option(p)
     p.set_defaults(func=cmd_models_list)
+    p = models.add_parser("plan", help="print what fits on a GPU for a base: weights, activations, adapters, KV")
+    _data_dir_option(p)
+    p.add_argument("name")
+    p.add_argument("--gpu-memory", default="80GiB", help="device memory, e.g. 80GiB")
+    p.add_argument("--separate-devices", action="store_true", help="trainer and sampler on one device each")
+    p.add_argument("--token-budget", type=int, help="trainer tokens per pass (default: derived)")
+    p.add_argument("--resident-adapters", type=int, help="adapters kept on the device (default: derived)")
+    p.add_argument("--max-context", type=int, help="sampler sequence length to plan for (default: the model's)")
+    p.set_defaults(func=cmd_models_plan)
 
     tenants = sub.add_parser("tenants", help="tenants").add_subparsers(dest="action", required=True)
     p = tenants.add_parser("create", help="create a tenant; prints its first API key on the last line")

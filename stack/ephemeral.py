@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,13 +52,20 @@ def healthy(base_url: str) -> bool:
 
 @contextlib.contextmanager
 def ephemeral_stack(env: dict[str, str] | None = None, startup_s: float = 600, *,
-                    keep_logs: Path | None = None) -> Iterator[RunningStack]:
+                    keep_logs: Path | None = None, setup: Sequence[Sequence[str]] = ()) -> Iterator[RunningStack]:
     """`env` is added to this process's environment for the stack; `keep_logs` receives a copy of
-    the stack's logs when it stops (for a post-mortem)."""
+    the stack's logs when it stops (for a post-mortem); `setup` are `quilt` commands (argument
+    lists) run in the data directory before `quilt up`, e.g. to add or remove base models."""
     data_dir = Path(tempfile.mkdtemp(prefix="qt-", dir="/tmp"))  # short: Postgres' socket lives here
     full_env = {**os.environ, **(env or {}), "QUILT_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1"}
     full_env.pop("QUILT_DATABASE_URL", None)
     full_env.pop("QUILT_REDIS_URL", None)
+    for command in setup:
+        done = subprocess.run([sys.executable, "-m", "stack.cli", *command], cwd=ROOT, env=full_env,
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            shutil.rmtree(data_dir, ignore_errors=True)
+            raise RuntimeError(f"quilt {' '.join(command)} failed:\n{done.stdout}{done.stderr}")
     with open(data_dir / "up.out", "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "stack.cli", "up", "--port", str(_free_port())], cwd=ROOT,
                                 env=full_env, stdout=out, stderr=subprocess.STDOUT)

@@ -73,20 +73,49 @@ def prepare(data_dir: Path | None = None) -> tuple[str, str]:
     migrations.apply_all(db_url)
     redis_url = embedded.redis_url(settings)
     with db.connect(db_url) as conn:
-        if not catalog.list_models_sync(conn):
+        models = catalog.list_models_sync(conn)
+        if not models:
             ensure_tiny_model(conn)
+        for base in models:
+            if not base.config:  # written before the catalogue knew architectures (migration 0008)
+                from core import model_sources
+
+                catalog.register(conn, model_sources.refreshed(base))
     return db_url, redis_url
 
 
-def ensure_tiny_model(conn) -> catalog.BaseModel:
-    """Build the tiny local base model (idempotent) and add it to the catalogue."""
-    from stack.tiny_model import TINY_MODEL_NAME, build_tiny_model
+def ensure_tiny_model(conn, *, architecture: str = "qwen3") -> catalog.BaseModel:
+    """Build a tiny local random-weight base (idempotent) and add it to the catalogue: the Qwen3 one
+    is the embedded default, the others exist for the architecture tests."""
+    from billing.price_book import ensure_size_price
+    from core import model_sources
+    from stack.tiny_model import TinyModelSpec, build_tiny_model, tiny_model_name
 
-    info = build_tiny_model(get_core_settings().models_dir / "tiny-qwen3")
-    model = catalog.BaseModel(name=TINY_MODEL_NAME, path=info.path, vocab_size=info.vocab_size,
-                              max_context_length=info.max_context_length)
+    name = tiny_model_name(architecture)
+    info = build_tiny_model(get_core_settings().models_dir / name.split("/")[-1],
+                            spec=TinyModelSpec(architecture=architecture))
+    model = model_sources.describe(name, info.path, {"source": "path", "hub_id": None, "revision": None,
+                                                     "tokenizer_id": info.path}, renderer="chatml")
     catalog.register(conn, model)
+    ensure_size_price(conn, model)
     return model
+
+
+# Per-base settings in the catalogue (`quilt models add --device ...`) -> the workers' own settings.
+_TRAINER_SERVING = {"device": "QUILT_TRAINER_DEVICE", "max_lora_rank": "QUILT_TRAINER_MAX_RANK"}
+_GEN_SERVING = {"gen_memory_share": "QUILT_GEN_GPU_MEMORY_SHARE", "max_lora_rank": "QUILT_GEN_MAX_LORA_RANK",
+                "max_loras": "QUILT_GEN_MAX_LORAS"}
+
+
+def serving_env(base: catalog.BaseModel, env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The environments of a base's trainer and generation worker: the launcher's, with the base's
+    own settings (which win). Each worker resolves dtype 'auto' for its own device."""
+    trainer = {**env, **{var: str(base.serving[k]) for k, var in _TRAINER_SERVING.items() if k in base.serving}}
+    gen = {**env, **{var: str(base.serving[k]) for k, var in _GEN_SERVING.items() if k in base.serving}}
+    if "gen_device" in base.serving:
+        gen["CUDA_VISIBLE_DEVICES"] = str(base.serving["gen_device"])
+    trainer["QUILT_TRAINER_DTYPE"] = gen["QUILT_GEN_DTYPE"] = base.dtype
+    return trainer, gen
 
 
 def _children(db_url: str, redis_url: str, host: str, port: int) -> list[Child]:
@@ -105,16 +134,16 @@ def _children(db_url: str, redis_url: str, host: str, port: int) -> list[Child]:
     ]
     with db.connect(db_url) as conn:
         models = catalog.list_models_sync(conn)
-    bases = [m for m in models if m.trainable]
-    for i, base in enumerate(bases):
-        children.append(Child(f"trainer:{base.name}", [py, "-m", "batcher.worker"],
-                              {**env, "QUILT_TRAINER_BASE_MODEL": base.name, "QUILT_TRAINER_CONSUMER_NAME": f"trainer-{i}"},
-                              logs / f"trainer-{i}.log"))
-    # One generation worker (vLLM engine) per sampleable base model.
-    for i, base in enumerate(m for m in models if m.sampleable):
-        children.append(Child(f"gen:{base.name}", [py, "-m", "gen_pool.worker"],
-                              {**env, "QUILT_GEN_BASE_MODEL": base.name, "QUILT_GEN_CONSUMER_NAME": f"gen-{i}"},
-                              logs / f"gen-{i}.log"))
+    for i, base in enumerate(models):
+        trainer_env, gen_env = serving_env(base, env)
+        if base.trainable:
+            children.append(Child(f"trainer:{base.name}", [py, "-m", "batcher.worker"],
+                                  {**trainer_env, "QUILT_TRAINER_BASE_MODEL": base.name,
+                                   "QUILT_TRAINER_CONSUMER_NAME": f"trainer-{i}"}, logs / f"trainer-{i}.log"))
+        if base.sampleable:  # one generation worker (vLLM engine) per sampleable base
+            children.append(Child(f"gen:{base.name}", [py, "-m", "gen_pool.worker"],
+                                  {**gen_env, "QUILT_GEN_BASE_MODEL": base.name, "QUILT_GEN_CONSUMER_NAME": f"gen-{i}"},
+                                  logs / f"gen-{i}.log"))
     return children
 
 

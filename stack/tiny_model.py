@@ -1,4 +1,5 @@
-"""A tiny random-weight Qwen3 model with its own byte-level BPE tokenizer, built locally.
+"""A tiny random-weight model (Qwen3 by default; any architecture of core.architectures) with its
+own byte-level BPE tokenizer, built locally.
 
 Why this exists: Quilt runs where no model hub can be reached, yet its tests and its embedded mode
 need a base model with a real architecture: one that transformers and PEFT load through the Auto
@@ -33,6 +34,11 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 TINY_MODEL_NAME = "quilt/tiny-qwen3"
+
+
+def tiny_model_name(architecture: str = "qwen3") -> str:
+    """The catalogue name of the tiny model of an architecture ("quilt/tiny-llama", ...)."""
+    return f"quilt/tiny-{architecture.replace('_', '-')}"
 
 # Head sizes vLLM's CPU attention backend has kernels for; any other size fails at engine start,
 # long after the model was built, so we refuse it up front.
@@ -89,8 +95,17 @@ class TinyModelSpec:
     # distributions are far from uniform (about 5.8 nats of entropy against 6.9) and logprob
     # comparisons mean something.
     initializer_range: float = 0.1
-    # False keeps lm_head a separate Linear, so LoRA can target it.
+    # False keeps lm_head a separate Linear, so LoRA can target it (architectures that always tie,
+    # like Gemma, tie regardless).
     tie_word_embeddings: bool = False
+    # transformers model_type, one of core.architectures.SUPPORTED. Every architecture shares the
+    # one tokenizer, so token ids mean the same across them.
+    architecture: str = "qwen3"
+    # Mixture-of-experts shape (used only by MoE architectures): experts per layer, experts each
+    # token is routed to, and the width of one expert's MLP.
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 192
 
     def validate(self) -> None:
         """Raise ValueError when the spec would build a model transformers or vLLM cannot use."""
@@ -120,6 +135,12 @@ class TinyModelSpec:
             )
         if not self.initializer_range > 0:
             raise ValueError(f"initializer_range={self.initializer_range} must be > 0")
+        from core.architectures import SUPPORTED
+
+        if self.architecture not in SUPPORTED:
+            raise ValueError(f"architecture={self.architecture!r} must be one of {sorted(SUPPORTED)}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts]")
 
 
 @dataclass(frozen=True)
@@ -205,10 +226,9 @@ def _build_into(dest: Path, *, seed: int, spec: TinyModelSpec) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import (
+        AutoModelForCausalLM,
         GenerationConfig,
         PreTrainedTokenizerFast,
-        Qwen3Config,
-        Qwen3ForCausalLM,
     )
 
     backend = _train_tokenizer(spec.vocab_size)
@@ -225,26 +245,11 @@ def _build_into(dest: Path, *, seed: int, spec: TinyModelSpec) -> None:
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     vocab_size = len(tokenizer)
 
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.initializer_range,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-        bos_token_id=eos_id,
-        dtype="float32",
-    )
+    config = _config(spec, vocab_size=vocab_size, eos_id=eos_id)
     # fork_rng: seeding must not disturb the caller's global RNG stream (e.g. a test's).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config).to(torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id
     )
@@ -257,6 +262,38 @@ def _build_into(dest: Path, *, seed: int, spec: TinyModelSpec) -> None:
     if missing:
         # A transformers upgrade could rename or shard files; better to fail here than at serving.
         raise RuntimeError(f"tiny model build did not produce {missing}")
+
+
+def _config(spec: TinyModelSpec, *, vocab_size: int, eos_id: int):
+    """The transformers config of `spec.architecture`; the shape fields mean the same for all."""
+    from transformers import AutoConfig
+
+    from core.architectures import SUPPORTED
+
+    arch = SUPPORTED[spec.architecture]
+    extra = {}
+    if arch.moe:
+        extra = {"num_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok,
+                 "moe_intermediate_size": spec.moe_intermediate_size, "decoder_sparse_step": 1,
+                 "mlp_only_layers": [], "norm_topk_prob": True}
+    return AutoConfig.for_model(
+        spec.architecture,
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        tie_word_embeddings=spec.tie_word_embeddings or arch.ties_embeddings,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        bos_token_id=eos_id,
+        dtype="float32",
+        **extra,
+    )
 
 
 def _train_tokenizer(vocab_size: int):
@@ -278,28 +315,9 @@ def _train_tokenizer(vocab_size: int):
     return tok
 
 
-_WORDS = """
-the a an and or but not of to in on at by for with from into over under after before
-is are was were be been has have had do does did can will would should could may might must
-i you he she it we they me him her us them my your his its our their this that these those
-cat dog bird fish horse cow sheep mouse fox bear wolf lion tiger rabbit duck frog snake owl
-tree flower grass river lake sea mountain hill forest field road house door window garden
-city town village school market bridge tower castle island valley desert cloud rain snow
-sun moon star sky wind fire water stone sand wood iron gold silver paper glass bread milk
-apple banana orange grape lemon cherry carrot potato tomato onion rice cheese egg honey tea
-red blue green yellow black white brown purple pink grey small big little large old new
-young fast slow hot cold warm cool bright dark happy sad quiet loud soft hard long short
-run walk jump swim fly eat drink sleep read write sing dance play work open close build
-see look watch hear listen speak say tell ask answer think know learn teach give take
-make find keep hold carry bring send buy sell pay count add subtract multiply divide
-one two three four five six seven eight nine ten hundred thousand first second last next
-morning evening night day week month year today tomorrow yesterday always never often
-here there where when why how what who which because while until again also very too
-model token train sample loss adapter weight layer batch step learning rate gradient
-data text number sum result value list table line word letter question story example
-""".split()
+_WORDS = ["the", "a", "an", "and", "or", "but", "not", "of", "to", "in", "on", "at", "by", "for", "with", "from", "into", "over", "under", "after", "before", "is", "are", "was", "were", "be", "been", "has", "have", "had", "do", "does", "did", "can", "will", "would", "should", "could", "may", "might", "must", "i", "you", "he", "she", "it", "we", "they", "me", "him", "her", "us", "them", "my", "your", "his", "its", "our", "their", "this", "that", "these", "those", "cat", "dog", "bird", "fish", "horse", "cow", "sheep", "mouse", "fox", "bear", "wolf", "lion", "tiger", "rabbit", "duck", "frog", "snake", "owl", "tree", "flower", "grass", "river", "lake", "sea", "mountain", "hill", "forest", "field", "road", "house", "door", "window", "garden", "city", "town", "village", "school", "market", "bridge", "tower", "castle", "island", "valley", "desert", "cloud", "rain", "snow", "sun", "moon", "star", "sky", "wind", "fire", "water", "stone", "sand", "wood", "iron", "gold", "silver", "paper", "glass", "bread", "milk", "apple", "banana", "orange", "grape", "lemon", "cherry", "carrot", "potato", "tomato", "onion", "rice", "cheese", "egg", "honey", "tea", "red", "blue", "green", "yellow", "black", "white", "brown", "purple", "pink", "grey", "small", "big", "little", "large", "old", "new", "young", "fast", "slow", "hot", "cold", "warm", "cool", "bright", "dark", "happy", "sad", "quiet", "loud", "soft", "hard", "long", "short", "run", "walk", "jump", "swim", "fly", "eat", "drink", "sleep", "read", "write", "sing", "dance", "play", "work", "open", "close", "build", "see", "look", "watch", "hear", "listen", "speak", "say", "tell", "ask", "answer", "think", "know", "learn", "teach", "give", "take", "make", "find", "keep", "hold", "carry", "bring", "send", "buy", "sell", "pay", "count", "add", "subtract", "multiply", "divide", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "hundred", "thousand", "first", "second", "last", "next", "morning", "evening", "night", "day", "week", "month", "year", "today", "tomorrow", "yesterday", "always", "never", "often", "here", "there", "where", "when", "why", "how", "what", "who", "which", "because", "while", "until", "again", "also", "very", "too", "model", "token", "train", "sample", "loss", "adapter", "weight", "layer", "batch", "step", "learning", "rate", "gradient", "data", "text", "number", "sum", "result", "value", "list", "table", "line", "word", "letter", "question", "story", "example"]
 
-_NAMES = "alice bob carol dave erin frank grace heidi ivan judy mallory nina oscar peggy".split()
+_NAMES = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy", "mallory", "nina", "oscar", "peggy"]
 
 
 def _synthetic_corpus():
@@ -355,6 +373,8 @@ def _check_provenance(path: Path, seed: int, spec: TinyModelSpec) -> None:
         # A model built by something else (e.g. copied in by an operator): trust it.
         return
     built = json.loads(record.read_text())
+    # Fields added to the spec later take their defaults in a record written before them.
+    built["spec"] = {**dataclasses.asdict(TinyModelSpec()), **built.get("spec", {})}
     wanted = {"seed": seed, "spec": dataclasses.asdict(spec)}
     if built != wanted:
         raise ValueError(

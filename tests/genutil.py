@@ -3,7 +3,9 @@ recomputation of logprobs that vLLM's answers are checked against."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -62,3 +64,19 @@ class Reference:
 
     def continuation_logprobs(self, adapter_path: str | None, prompt: list[int], completion: list[int]) -> list[float]:
         return self.token_logprobs(adapter_path, list(prompt) + list(completion))[len(prompt) - 1:]
+
+
+class Loop:
+    """An asyncio loop on a thread, so sync tests can drive the async engine."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout=300):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)

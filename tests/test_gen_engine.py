@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import shutil
-import threading
 import time
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from genutil import Reference, make_adapter
+from genutil import Loop, Reference, make_adapter
 
 from core.work import AdapterRef, SamplingSpec
 from gen_pool.adapters import AdapterError
@@ -28,22 +27,6 @@ from gen_pool.settings import GenPoolSettings
 LOGPROB_TOL = 1e-3
 PROMPT = (5, 6, 7, 8, 9, 10)
 _ids = itertools.count()
-
-
-class Loop:
-    """An asyncio loop on a thread, so sync tests can drive the async engine."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout=300):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from api.schemas import (
     OptimStepRequest,
     SaveWeightsRequest,
 )
-from core import catalog, health, ids
+from core import architectures, catalog, health, ids
 from core.checkpoint_files import TRAINING_KIND, new_version_dir
 from core.errors import Forbidden, InvalidInput, NotFound
 from core.loss_spec import spec_of
@@ -53,6 +53,8 @@ async def _new_model(pool, redis, who, *, session_id: str, model_seq_id: int, ba
         if base is None or not base.trainable:
             names = [m.name for m in await catalog.list_models(conn) if m.trainable]
             raise NotFound(f"base_model {base_model!r} is not served here; choose one of {names}", field="base_model")
+        if base.config:  # a LoRA this base cannot carry: 400 now, not a failed future later
+            architectures.lora_targets(base.config, lora.to_json())
         slot = admission.SeqSlot(model_id, 0, *await records.seq_holder(conn, model_id, 0))
         if slot.holder_id is None:
             live = await scoped.count_live_models(conn, who)
@@ -96,7 +98,8 @@ async def create_model(body: CreateModelRequest, who: Who, pool: Pool, redis: Re
 
 @router.post("/get_info")
 async def get_info(body: ModelRef, who: Who, pool: Pool, redis: RedisDep) -> dict:
-    """Describe a training model (not a future). `tokenizer_id` is a local path the client can load.
+    """Describe a training model (not a future). `tokenizer_id` is the hub id of a hub base (so the
+    tinker SDK and cookbook load the real tokenizer) and the local path of a local one.
     `status` is `recovering` from the moment its trainer is gone (no heartbeat) until the restarted
     trainer has restored it and replayed its requests since the last snapshot; then `ready`."""
     async with pool.connection() as conn:
@@ -108,7 +111,7 @@ async def get_info(body: ModelRef, who: Who, pool: Pool, redis: RedisDep) -> dic
     return {
         "type": "get_info",
         "model_id": model["id"],
-        "model_data": {"arch": "qwen3", "model_name": base.name, "tokenizer_id": base.path},
+        "model_data": {"arch": base.architecture, "model_name": base.name, "tokenizer_id": base.client_tokenizer},
         "model_name": base.name,
         "is_lora": True,
         "lora_rank": model["lora_config"]["rank"],

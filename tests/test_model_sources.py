@@ -1,0 +1,174 @@
+"""`quilt models add` validation (core.model_sources), the memory plan (core.memory_plan) and
+size-based prices, without services: every refusal names its field and the fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from billing.pricing import size_rates
+from core import architectures, memory_plan, model_sources
+from core.errors import InvalidInput
+from stack.tiny_model import TinyModelSpec, build_tiny_model
+
+# Qwen3-8B's published config (the shape, not the weights).
+QWEN3_8B = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "max_position_embeddings": 40960, "tie_word_embeddings": False}
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "max_position_embeddings": 40960, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sources")
+    return {a: build_tiny_model(root / a, spec=TinyModelSpec(architecture=a)).path for a in ("qwen3", "llama")}
+
+
+def _copy(src: str, dest) -> str:
+    shutil.copytree(src, dest)
+    return str(dest)
+
+
+def _describe(path: str, **kw):
+    local, source = model_sources.locate(path=path)
+    return model_sources.describe("m", local, source, **kw)
+
+
+def test_a_valid_directory_is_described_from_its_files(built):
+    base = _describe(built["llama"], renderer="chatml", dtype="bfloat16", max_context=1024)
+    assert (base.architecture, base.dtype, base.max_context_length, base.source) == ("llama", "bfloat16", 1024, "path")
+    assert base.tokenizer_id == base.path == built["llama"]
+    assert base.num_parameters == base.active_parameters == architectures.parameter_counts(base.config)[0]
+
+
+@pytest.mark.parametrize("mutate, field, words", [
+    (lambda d: (d / "config.json").unlink(), "config", "no config.json"),
+    (lambda d: (d / "config.json").write_text("{not json"), "config", "not valid JSON"),
+    (lambda d: (d / "config.json").write_text("[1, 2]"), "config", "not a JSON object"),
+    (lambda d: _edit(d, model_type="gpt2"), "config.model_type", "'gpt2' is not supported"),
+    (lambda d: _edit(d, model_type="qwen3\x00"), "config.model_type", "not supported"),
+    (lambda d: _edit(d, hidden_size=-4), "config.hidden_size", "positive integer"),
+    (lambda d: _edit(d, num_hidden_layers=2**80), "config.num_hidden_layers", "positive integer up to"),
+    (lambda d: _edit(d, vocab_size=True), "config.vocab_size", "positive integer"),
+    (lambda d: _edit(d, num_hidden_layers=3), "config", "transformers cannot load"),  # 4 layer_types
+    (lambda d: (d / "model.safetensors").unlink(), "weights", "no .safetensors"),
+    (lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 16), "weights", "not a readable safetensors"),
+    (lambda d: (d / "tokenizer.json").write_text("{}"), "tokenizer", "cannot be loaded"),
+    (lambda d: _edit(d, vocab_size=300), "tokenizer", "vocab_size is 300"),
+])
+def test_bad_directories_are_refused_naming_the_problem(built, tmp_path, mutate, field, words):
+    d = tmp_path / "m"
+    _copy(built["qwen3"], d)
+    mutate(d)
+    with pytest.raises(InvalidInput) as exc:
+        _describe(str(d), renderer="chatml")
+    assert exc.value.field == field and words in str(exc.value), exc.value
+
+
+def _edit(d, **changes):
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def test_arguments_are_checked(built):
+    with pytest.raises(InvalidInput, match="chat template") as exc:
+        _describe(built["qwen3"])  # the tiny tokenizer has no chat template
+    assert exc.value.field == "renderer"
+    for kw, field in (({"renderer": "jinja2"}, "renderer"), ({"renderer": "chatml", "dtype": "float8"}, "dtype"),
+                      ({"renderer": "chatml", "max_context": 10**9}, "max_context"),
+                      ({"renderer": "chatml", "max_context": 0}, "max_context")):
+        with pytest.raises(InvalidInput) as exc:
+            _describe(built["qwen3"], **kw)
+        assert exc.value.field == field, (kw, exc.value)
+    local, source = model_sources.locate(path=built["qwen3"])
+    for name in ("", "a b", "x" * 129, "nul\x00", "\ud800"):
+        with pytest.raises(InvalidInput) as exc:
+            model_sources.describe(name, local, source, renderer="chatml")
+        assert exc.value.field == "name"
+    with pytest.raises(InvalidInput, match="exactly one"):
+        model_sources.locate(path=built["qwen3"], hub="Qwen/Qwen3-8B")
+    with pytest.raises(InvalidInput) as exc:
+        model_sources.locate(path="/nonexistent/model")
+    assert exc.value.field == "path"
+
+
+def test_hub_models_come_from_the_hub_cache_offline(built, tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(InvalidInput, match="HF_HUB_OFFLINE") as exc:
+        model_sources.locate(hub="quilt-test/tiny-llama")
+    assert exc.value.field == "hub"
+    # The cache's own layout: refs/<branch> names a snapshot directory of that commit.
+    commit = "0" * 40
+    repo = cache / "models--quilt-test--tiny-llama"
+    _copy(built["llama"], repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    local, source = model_sources.locate(hub="quilt-test/tiny-llama")
+    assert local == str(repo / "snapshots" / commit)
+    base = model_sources.describe("tiny-llama", local, source, renderer="chatml")
+    assert (base.source, base.hub_id, base.tokenizer_id, base.architecture) == \
+        ("hub", "quilt-test/tiny-llama", "quilt-test/tiny-llama", "llama")
+    with pytest.raises(InvalidInput, match="not in the hub cache"):
+        model_sources.locate(hub="quilt-test/tiny-llama", revision="v2")
+    with pytest.raises(InvalidInput) as exc:
+        model_sources.locate(hub="not a/valid//id")
+    assert exc.value.field == "hub"
+
+
+def test_parameter_counts_match_published_sizes():
+    total, active = architectures.parameter_counts(QWEN3_8B)
+    assert abs(total - 8_190_735_360) / 8_190_735_360 < 1e-3 and active == total
+    total, active = architectures.parameter_counts(QWEN3_30B_A3B)
+    assert abs(total - 30_532_122_624) / 30_532_122_624 < 1e-3  # Qwen3-30B-A3B: 30.5 B total
+    assert 3.0e9 < active < 3.5e9  # 3.3 B active
+
+
+def test_memory_plan_fits_an_8b_on_80_gib_and_refuses_it_on_16():
+    plan = memory_plan.plan_memory(QWEN3_8B, memory_plan.PlanInputs(device_bytes=80 * memory_plan.GiB))
+    assert not plan.problems, plan.problems
+    assert plan.base_bytes == architectures.parameter_counts(QWEN3_8B)[0] * 2
+    # No activation checkpointing: about 6.5 MiB per token, so the derived budget is modest.
+    assert plan.resident_adapters >= 4 and plan.token_budget >= 1024 and plan.max_sequences >= 4, plan.rows()
+    small = memory_plan.plan_memory(QWEN3_8B, memory_plan.PlanInputs(device_bytes=16 * memory_plan.GiB))
+    assert small.problems and "base weights" in small.problems[0]
+    with pytest.raises(InvalidInput) as exc:
+        small.check()
+    assert exc.value.field == "device"
+    # A token budget past what is left names the setting to lower.
+    big = memory_plan.plan_memory(QWEN3_8B, memory_plan.PlanInputs(device_bytes=80 * memory_plan.GiB,
+                                                                   token_budget=2_000_000))
+    assert big.problems and big.problems[0].startswith("token_budget") and "QUILT_TRAINER_TOKEN_BUDGET" in big.problems[0]
+    # Too small a sampler share leaves no KV cache.
+    starved = memory_plan.plan_memory(QWEN3_8B, memory_plan.PlanInputs(device_bytes=80 * memory_plan.GiB,
+                                                                       gen_memory_share=0.2))
+    assert any(p.startswith("gen_memory_share") for p in starved.problems), starved.problems
+
+
+def test_sizes_parse_and_nonsense_is_refused():
+    assert memory_plan.parse_bytes("80GiB") == 80 * 2**30
+    assert memory_plan.parse_bytes("24 GB") == 24 * 10**9
+    assert memory_plan.parse_bytes("512MiB") == 512 * 2**20
+    for bad in ("", "GiB", "-1GiB", "nanGiB", "1e400", "80 parsecs"):
+        with pytest.raises(InvalidInput):
+            memory_plan.parse_bytes(bad)
+
+
+def test_prices_follow_size():
+    assert size_rates(8_190_735_360, 8_190_735_360) == {"prefill": 195_000, "sample": 600_000, "train": 440_000}
+    moe = size_rates(30_532_122_624, 3_300_000_000)
+    dense_30b = size_rates(30_532_122_624, 30_532_122_624)
+    assert moe["sample"] < dense_30b["sample"] / 3
+    assert size_rates(3_000_000, 3_000_000) == {"prefill": 1000, "sample": 1000, "train": 1000}
+    with pytest.raises(ValueError):
+        size_rates(10, 20)

@@ -1,0 +1,100 @@
+"""A stack serving bases other than the default, added by `quilt models` commands before `quilt up`:
+a Llama (trained and sampled through the official tinker SDK, unchanged) and a Qwen3-MoE (trained
+only; its experts cannot carry LoRA, which the API says before anything is queued)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from tinker import types
+
+from stack.ephemeral import ROOT, ephemeral_stack, new_tenant
+from stack.tiny_model import TinyModelSpec, build_tiny_model
+
+LLAMA = "quilt/tiny-llama"
+MOE = "acme/moe-mini"
+
+
+@pytest.fixture(scope="module")
+def bases_stack(tmp_path_factory):
+    moe = build_tiny_model(tmp_path_factory.mktemp("moe") / "m", spec=TinyModelSpec(architecture="qwen3_moe")).path
+    setup = [["models", "create-tiny", "--architecture", "llama"],
+             ["models", "remove", "quilt/tiny-qwen3"],
+             ["models", "add", MOE, "--path", moe, "--renderer", "chatml", "--no-sample"]]
+    with ephemeral_stack({"QUILT_TRAINER_SEQ_GAP_DEADLINE_S": "20"}, setup=setup) as s:
+        yield s
+
+
+@pytest.fixture(autouse=True)
+def _offline_sdk(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _sft(start: int) -> types.Datum:
+    toks = list(range(start, start + 17))
+    return types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
+                       loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 16})
+
+
+def test_a_llama_trains_and_samples_through_the_official_sdk(bases_stack):
+    _, key = new_tenant(bases_stack, "llama")
+    with tinker.ServiceClient(base_url=bases_stack.base_url, api_key=key) as service:
+        served = {m.model_name for m in service.get_server_capabilities().supported_models}
+        assert served == {LLAMA, MOE}, served
+        tc = service.create_lora_training_client(base_model=LLAMA, rank=8).result()
+        info = tc.get_info()
+        assert (info.model_data.model_name, info.model_data.arch) == (LLAMA, "llama")
+        tokenizer = tc.get_tokenizer()  # the local path the server names, loaded offline
+        assert tokenizer.decode(tokenizer.encode("bob has 7 cats")).strip() == "bob has 7 cats"
+        data = [_sft(s) for s in (40, 80, 120)]
+        losses = []
+        for _ in range(4):
+            fb = tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            losses.append(fb.result().metrics["loss:sum"])
+        assert losses[-1] < 0.8 * losses[0], losses
+
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        prompt = [40, 41, 42, 43]
+        out = sampler.sample(types.ModelInput.from_ints(prompt), 2,
+                             types.SamplingParams(max_tokens=8, temperature=1.0, seed=5, stop=[])).result()
+        rl = []
+        for seq in out.sequences:
+            assert len(seq.tokens) == 8 and len(seq.logprobs) == 8
+            tokens = prompt + list(seq.tokens)
+            rl.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+                "target_tokens": tokens[1:], "logprobs": [0.0] * 3 + list(seq.logprobs),
+                "advantages": [0.0] * 3 + [1.0] * 8}))
+        # The trainer scores the sampler's tokens as the sampler did (both float32 on this machine).
+        metrics = tc.forward(rl, "importance_sampling").result().metrics
+        assert metrics["mismatch_kl:mean"] < 1e-4 and metrics["logprob_diff_abs:mean"] < 1e-3, metrics
+
+        # A base with live models cannot be removed.
+        refused = subprocess.run([sys.executable, "-m", "stack.cli", "models", "remove", LLAMA], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=120,
+                                 env={"QUILT_DATA_DIR": str(bases_stack.data_dir), "HF_HUB_OFFLINE": "1",
+                                      "PATH": "/usr/bin:/bin"})
+        assert refused.returncode == 2 and "are live" in refused.stderr, refused.stderr[-2000:]
+
+
+def test_a_moe_base_refuses_expert_lora_and_trains_attention(bases_stack):
+    _, key = new_tenant(bases_stack, "moe")
+    with tinker.ServiceClient(base_url=bases_stack.base_url, api_key=key) as service:
+        with pytest.raises(tinker.BadRequestError, match="train_mlp"):
+            service.create_lora_training_client(base_model=MOE, rank=4).result()
+        tc = service.create_lora_training_client(base_model=MOE, rank=4, train_mlp=False).result()
+        assert tc.get_info().model_data.arch == "qwen3_moe"
+        data = [_sft(s) for s in (40, 80)]
+        first = tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        for _ in range(2):
+            tc.forward_backward(data, "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] < first
+        with pytest.raises(tinker.NotFoundError, match="not served here"):
+            service.create_sampling_client(base_model=MOE).sample(
+                types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
