@@ -92,13 +92,14 @@ class _Row:
 
 class LoraBackend:
     def __init__(self, base_path: str | Path, *, device: str = "cpu", max_tokens_per_pass: int = 16384,
-                 offload_device: str = "cpu", dtype: torch.dtype = torch.float32):
+                 offload_device: str = "cpu", dtype: torch.dtype = torch.float32, max_resident: int = 0):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
         self.offload_device = torch.device(offload_device)
         self.max_tokens_per_pass = max_tokens_per_pass
+        self.max_resident = max_resident  # adapters on the compute device at once; 0 = no limit
         self.last_pass: PassStats | None = None
         # Which modules can carry LoRA is the architecture's (core.architectures); a model's own
         # lora_config picks among them. Adapters and their AdamW state are float32 on any base dtype.
@@ -151,9 +152,20 @@ class LoraBackend:
                     state[key] = value.to(device)
 
     def ensure_resident(self, model_ids) -> None:
-        for model_id in model_ids:
+        """Bring these models' adapters to the compute device; when that makes more resident than
+        `max_resident` (from the memory plan), park the least recently used others first."""
+        wanted = set(model_ids)
+        now = time.monotonic()
+        for model_id in wanted:
+            self.adapters[model_id].last_used = now
+        if self.max_resident:
+            others = sorted((a for a in self.adapters.values() if a.resident and a.model_id not in wanted),
+                            key=lambda a: a.last_used)
+            for adapter in others[:max(0, len(others) + len(wanted) - self.max_resident)]:
+                self._move(adapter, self.offload_device)
+                adapter.resident = False
+        for model_id in wanted:
             adapter = self.adapters[model_id]
-            adapter.last_used = time.monotonic()
             if not adapter.resident:
                 self._move(adapter, self.device)
                 adapter.resident = True

@@ -493,8 +493,9 @@ def main() -> None:
     token_budget = settings.token_budget or plan.token_budget
     dtype = getattr(torch, memory_plan.resolve_dtype(settings.dtype, settings.device))
     worker = TrainerWorker(
-        base_model=base.name, backend=LoraBackend(base.path, device=settings.device, max_tokens_per_pass=token_budget,
-                                                    offload_device=settings.offload_device, dtype=dtype),
+        base_model=base.name, backend=LoraBackend(
+            base.path, device=settings.device, max_tokens_per_pass=token_budget, offload_device=settings.offload_device,
+            dtype=dtype, max_resident=settings.max_resident_adapters or plan.resident_adapters),
         redis=redis_client.sync_client(), db_url=db_url, consumer=settings.consumer_name,
         block_ms=settings.read_block_ms, result_ttl_s=get_api_settings().future_ttl_seconds,
         token_budget=token_budget, offload_idle_s=settings.offload_idle_s, stats_history=settings.stats_history,

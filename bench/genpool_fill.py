@@ -66,25 +66,15 @@ MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # --------------------------------------------------------------------------- setup
 
 
-def build(root: Path, tenants: int) -> tuple[str, list[str]]:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
+def build(root: Path, tenants: int, spec: dict | None = None) -> tuple[str, list[str]]:
+    """The base (BENCH_SPEC unless `spec` says otherwise) and tenants + 1 random rank-8 adapters
+    (one spare: the "new version" of part 3), written from the base's shapes alone."""
+    from gen_pool.adapters import header_adapter
     from stack.tiny_model import TinyModelSpec, build_tiny_model
 
-    base = build_tiny_model(root / "base", spec=TinyModelSpec(**BENCH_SPEC)).path
-    paths = []
-    for i in range(tenants + 1):  # one spare: the "new version" of part 3
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                               LoraConfig(r=8, lora_alpha=16, target_modules=MODULES, task_type="CAUSAL_LM"))
-        gen = torch.Generator().manual_seed(i)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-        model.save_pretrained(str(root / f"adapter-{i}"))
-        paths.append(str(root / f"adapter-{i}"))
+    base = build_tiny_model(root / "base", spec=TinyModelSpec(**(spec or BENCH_SPEC))).path
+    paths = [header_adapter(base, root / f"adapter-{i}", rank=8, modules=tuple(MODULES), seed=i)
+             for i in range(tenants + 1)]
     return base, paths
 
 

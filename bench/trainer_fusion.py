@@ -19,7 +19,10 @@ measured in the same run. Which regime favours fusion: small per-tenant batches 
 which does not: per-tenant batches that already saturate the machine (512+ tokens here), where
 fusion only adds routing overhead.
 
-    python bench/trainer_fusion.py [--quick]
+    python bench/trainer_fusion.py [--quick] [--device cuda --dtype bfloat16 --hidden 4096 --layers 8]
+
+On a GPU (bench/gpu_suite.sh) the same columns are measured on the device; the matmul peak is then
+the device's in the base's dtype, and every timing synchronises the device first.
 
 Ends with one JSON line of headline figures.
 """
@@ -59,15 +62,26 @@ def build_base(directory: Path, *, hidden: int, layers: int, vocab: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+DEVICE = torch.device("cpu")
+DTYPE = torch.float32
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def matmul_peak(seconds: float = 2.0) -> float:
-    """Float32 FLOP/s of a large square matmul on this machine, now."""
-    n = 1536
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    """FLOP/s of a large square matmul on the bench's device and dtype, now."""
+    n = 1536 if DEVICE.type == "cpu" else 8192
+    a, b = torch.randn(n, n, device=DEVICE, dtype=DTYPE), torch.randn(n, n, device=DEVICE, dtype=DTYPE)
     torch.mm(a, b)
+    _sync()
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         torch.mm(a, b)
         count += 1
+        _sync()
     return 2 * n**3 * count / (time.perf_counter() - start)
 
 
@@ -78,8 +92,10 @@ def datum(seed: int, n: int = ROW) -> Datum:
 
 
 def timed(fn) -> float:
+    _sync()
     start = time.perf_counter()
     fn()
+    _sync()
     return time.perf_counter() - start
 
 
@@ -101,7 +117,7 @@ class PeftMixed:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).requires_grad_(False)
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=DTYPE).requires_grad_(False).to(DEVICE)
         config = LoraConfig(r=rank, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                             "down_proj", "lm_head"])
@@ -120,8 +136,8 @@ class PeftMixed:
         for b, (_, d) in enumerate(rows):
             ids[b, : len(d.tokens)] = torch.tensor(d.tokens)
             tgt[b, : len(d.tokens)] = torch.tensor(d.inputs["target_tokens"])
-        logits = self.model(input_ids=ids, adapter_names=[m for m, _ in rows]).logits
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="sum").backward()
+        logits = self.model(input_ids=ids.to(DEVICE), adapter_names=[m for m, _ in rows]).logits.float()
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.to(DEVICE).flatten(), reduction="sum").backward()
         self.model.zero_grad(set_to_none=True)
 
 
@@ -151,19 +167,26 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller model and fewer repetitions (smoke run)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--device", default="cpu", help="torch device of the base (cuda on a GPU)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="base weights' dtype")
+    parser.add_argument("--hidden", type=int, help="base width (default 512; --quick 256)")
+    parser.add_argument("--layers", type=int, help="base depth (default 8; --quick 4)")
     args = parser.parse_args()
+    global DEVICE, DTYPE
+    DEVICE, DTYPE = torch.device(args.device), getattr(torch, args.dtype)
     hidden, layers, vocab = (256, 4, 4096) if args.quick else (512, 8, 8192)
+    hidden, layers = args.hidden or hidden, args.layers or layers
     reps = 2 if args.quick else args.reps
 
     with tempfile.TemporaryDirectory() as tmp:
         params = build_base(Path(tmp), hidden=hidden, layers=layers, vocab=vocab)
-        be = LoraBackend(tmp, max_tokens_per_pass=1 << 20)
+        be = LoraBackend(tmp, max_tokens_per_pass=1 << 20, device=args.device, dtype=DTYPE)
         for i in range(max(TENANTS)):
             be.create(f"t{i}", LoraShape(rank=args.rank, seed=i))
         peak = matmul_peak()
         print(f"base: random Qwen3, {params / 1e6:.1f}M parameters, {torch.get_num_threads()} threads; "
               f"LoRA rank {args.rank} on attention, MLP and lm_head")
-        print(f"float32 matmul peak measured now: {peak / 1e9:.1f} GFLOP/s\n")
+        print(f"{args.dtype} matmul peak on {args.device} measured now: {peak / 1e9:.1f} GFLOP/s\n")
 
         def mfu(tokens: int, seconds: float) -> float:
             return 4 * params * tokens / seconds / peak
@@ -210,6 +233,7 @@ def main() -> None:
             print(f"{rows * ROW:>14} {g[0]:>10.2f} {g[1]:>11.2f} {g[2]:>10.1%}")
 
     print(json.dumps({
+        "device": args.device, "dtype": args.dtype, "parameters": params,
         "fused_over_sequential_8": round(headline[8][0], 3),
         "fused_over_ceiling_8": round(headline[8][1], 3),
         "mfu_fused_8": round(headline[8][2], 4),

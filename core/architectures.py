@@ -3,8 +3,8 @@
 Pure data and pure checks over a model's `config.json` (a plain dict), so the CLI, the API and the
 workers agree without importing torch. One row per transformers `model_type`. What each row says
 was measured on tiny random-weight instances (tests/test_architectures.py): the trainer's grouped
-multi-LoRA wraps the Linear layers named in `attn`, `mlp` and `unembed`, and vLLM serves a PEFT
-adapter on the same modules.
+multi-LoRA wraps the Linear layers `Architecture.targets` names, and vLLM (given the same list as
+its `lora_target_modules`) serves a PEFT adapter on exactly those.
 
 Two limits come from the layers themselves, not from a choice here:
 * Mixture-of-experts blocks in transformers 5 keep all experts in two fused 3-D parameters
@@ -13,8 +13,9 @@ Two limits come from the layers themselves, not from a choice here:
   `train_mlp` is refused with a clear error instead of silently training less than it asked for.
 * vLLM serves an `lm_head` LoRA only on some architectures (Qwen3, Llama, Qwen3-MoE here; not Qwen2
   or Mistral, whose vLLM models list no lm_head among their LoRA modules), and never on a base whose
-  `lm_head` is tied to the input embeddings (Gemma). A LoRA the sampler cannot apply would make
-  trainer and sampler disagree, so `train_unembed` is refused on those.
+  `lm_head` is tied to the input embeddings (Gemma; also small Qwen3 checkpoints, whose configs say
+  `tie_word_embeddings: true`). A LoRA the sampler cannot apply would make trainer and sampler
+  disagree, so `train_unembed` is refused on those.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 
 from core.errors import InvalidInput
 
+# vLLM accepts only these values for max_lora_rank (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
@@ -38,7 +41,6 @@ class Architecture:
     unembed_lora: bool = True  # vLLM applies an lm_head LoRA on this architecture (when untied)
     qk_norm: bool = False  # RMSNorm on each head's queries and keys (parameter counts)
     norms_per_layer: int = 2
-    renderer: str = "chatml"  # the chat renderer used when the tokenizer has no chat template
 
     @property
     def mlp_lora(self) -> bool:
@@ -56,7 +58,7 @@ SUPPORTED: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("llama", "Llama 3"),
     Architecture("mistral", "Mistral", unembed_lora=False),
     Architecture("gemma3_text", "Gemma 3", ties_embeddings=True, unembed_lora=False, qk_norm=True,
-                 norms_per_layer=4, renderer="gemma"),
+                 norms_per_layer=4),
     Architecture("qwen3_moe", "Qwen3-MoE", moe=True, qk_norm=True),
 )}
 
@@ -74,6 +76,12 @@ def of_config(config: Mapping) -> Architecture:
 def is_tied(config: Mapping) -> bool:
     arch = of_config(config)
     return bool(config.get("tie_word_embeddings", arch.ties_embeddings)) or arch.ties_embeddings
+
+
+def supported_switches(config: Mapping) -> dict[str, bool]:
+    """The lora_config switches this base can honour: {'train_attn', 'train_mlp', 'train_unembed'}."""
+    arch = of_config(config)
+    return {"train_attn": True, "train_mlp": arch.mlp_lora, "train_unembed": arch.unembed_lora and not is_tied(config)}
 
 
 def lora_targets(config: Mapping, lora_config: Mapping) -> list[str]:
@@ -104,54 +112,77 @@ def lora_targets(config: Mapping, lora_config: Mapping) -> list[str]:
     return mods
 
 
+@dataclass(frozen=True)
+class Shape:
+    """The sizes of a decoder-only transformer, read from its config.json (or its text_config)."""
+
+    arch: Architecture
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    intermediate: int  # dense MLP width (MoE: one expert's, moe_intermediate_size)
+    experts: int = 0
+    experts_per_token: int = 0
+    tied: bool = False
+    qkv_bias: bool = False
+
+    @classmethod
+    def of(cls, config: Mapping) -> Shape:
+        text = config.get("text_config") or config
+        arch = of_config(text)
+        h, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+        moe = {}
+        if arch.moe:
+            moe = {"experts": int(text.get("num_experts") or text.get("num_local_experts")),
+                   "experts_per_token": int(text["num_experts_per_tok"])}
+        inter = int(text.get("moe_intermediate_size") or text["intermediate_size"]) if arch.moe \
+            else int(text["intermediate_size"])
+        return cls(arch, h, int(text["num_hidden_layers"]), heads, int(text.get("num_key_value_heads") or heads),
+                   int(text.get("head_dim") or h // heads), int(text["vocab_size"]), inter, tied=is_tied(text),
+                   # Qwen2 has q/k/v biases without saying so
+                   qkv_bias=bool(text.get("attention_bias")) or text.get("model_type") == "qwen2", **moe)
+
+    @property
+    def active_mlp_width(self) -> int:
+        """MLP width a token passes through (MoE: its routed experts together)."""
+        return self.experts_per_token * self.intermediate if self.arch.moe else self.intermediate
+
+    @property
+    def kv_width(self) -> int:
+        """Key plus value elements of one token in one layer."""
+        return 2 * self.kv_heads * self.head_dim
+
+
 def parameter_counts(config: Mapping) -> tuple[int, int]:
     """(total, active per token) parameters from the config alone (no weights read).
 
     Counts embeddings, attention, MLP or experts, norms and lm_head as transformers builds them for
-    these architectures. Used for pricing and memory plans, where a few per mille do not matter.
+    these architectures (tests/test_model_sources.py checks published sizes; the catalogue takes the
+    exact total from the weights).
     """
-    text = config.get("text_config") or config
-    arch = of_config(text)
-    h = int(text["hidden_size"])
-    layers = int(text["num_hidden_layers"])
-    heads = int(text["num_attention_heads"])
-    kv = int(text.get("num_key_value_heads") or heads)
-    head_dim = int(text.get("head_dim") or h // heads)
-    vocab = int(text["vocab_size"])
-    attn = h * head_dim * (heads + 2 * kv) + heads * head_dim * h
-    if text.get("attention_bias"):
-        attn += head_dim * (heads + 2 * kv)
-    if text.get("model_type") == "qwen2":  # Qwen2 has q/k/v biases without saying so
-        attn += head_dim * (heads + 2 * kv)
-    if arch.moe:
-        experts = int(text.get("num_experts") or text.get("num_local_experts"))
-        per_tok = int(text["num_experts_per_tok"])
-        inter = int(text.get("moe_intermediate_size") or text["intermediate_size"])
-        expert = 3 * h * inter
-        mlp_total, mlp_active = experts * expert + h * experts, per_tok * expert + h * experts
+    s = Shape.of(config)
+    q = s.heads * s.head_dim
+    attn = s.hidden * (q + s.kv_width) + q * s.hidden + (q + s.kv_width if s.qkv_bias else 0)
+    expert = 3 * s.hidden * s.intermediate
+    if s.arch.moe:
+        router = s.hidden * s.experts
+        mlp_total, mlp_active = s.experts * expert + router, s.experts_per_token * expert + router
     else:
-        mlp_total = mlp_active = 3 * h * int(text["intermediate_size"])
-    norms = layers * (arch.norms_per_layer * h + (2 * head_dim if arch.qk_norm else 0)) + h
-    embed = vocab * h
-    unembed = 0 if is_tied(text) else vocab * h
-    total = embed + unembed + norms + layers * (attn + mlp_total)
-    active = embed + unembed + norms + layers * (attn + mlp_active)
-    return total, active
+        mlp_total = mlp_active = expert
+    norms = s.layers * (s.arch.norms_per_layer * s.hidden + (2 * s.head_dim if s.arch.qk_norm else 0)) + s.hidden
+    fixed = s.vocab * s.hidden * (1 if s.tied else 2) + norms
+    return fixed + s.layers * (attn + mlp_total), fixed + s.layers * (attn + mlp_active)
 
 
 def lora_parameters(config: Mapping, rank: int, targets: list[str]) -> int:
     """Trainable parameters of one adapter of `rank` on `targets` (A: r x in, B: out x r)."""
-    text = config.get("text_config") or config
-    h = int(text["hidden_size"])
-    heads = int(text["num_attention_heads"])
-    kv = int(text.get("num_key_value_heads") or heads)
-    head_dim = int(text.get("head_dim") or h // heads)
-    inter = int(text.get("intermediate_size") or 0)
-    shapes = {"q_proj": (h, heads * head_dim), "k_proj": (h, kv * head_dim), "v_proj": (h, kv * head_dim),
-              "o_proj": (heads * head_dim, h), "gate_proj": (h, inter), "up_proj": (h, inter),
-              "down_proj": (inter, h)}
+    s = Shape.of(config)
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    shapes = {"q_proj": (s.hidden, q), "k_proj": (s.hidden, kv), "v_proj": (s.hidden, kv), "o_proj": (q, s.hidden),
+              "gate_proj": (s.hidden, s.intermediate), "up_proj": (s.hidden, s.intermediate),
+              "down_proj": (s.intermediate, s.hidden)}
     per_layer = sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets)
-    total = int(text["num_hidden_layers"]) * per_layer
-    if "lm_head" in targets:
-        total += rank * (h + int(text["vocab_size"]))
-    return total
+    return s.layers * per_layer + (rank * (s.hidden + s.vocab) if "lm_head" in targets else 0)

@@ -116,20 +116,11 @@ class MemoryPlan:
 
 
 def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
-    text = config.get("text_config") or config
-    arch = architectures.of_config(text)
+    shape = architectures.Shape.of(config)
+    arch, h, layers, vocab = shape.arch, shape.hidden, shape.layers, shape.vocab
     width = DTYPE_BYTES[inputs.dtype]
-    total, _active = architectures.parameter_counts(text)
-    h = int(text["hidden_size"])
-    layers = int(text["num_hidden_layers"])
-    heads = int(text["num_attention_heads"])
-    kv_heads = int(text.get("num_key_value_heads") or heads)
-    head_dim = int(text.get("head_dim") or h // heads)
-    vocab = int(text["vocab_size"])
-    if arch.moe:
-        inter = int(text["num_experts_per_tok"]) * int(text.get("moe_intermediate_size") or text["intermediate_size"])
-    else:
-        inter = int(text["intermediate_size"])
+    total, _active = architectures.parameter_counts(config)
+    inter = shape.active_mlp_width
 
     problems: list[str] = []
     if inputs.shared_device and not 0 < inputs.gen_memory_share < 1:
@@ -142,8 +133,8 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     # A frozen-base LoRA backward keeps, per token and layer, the inputs of every wrapped Linear and
     # of the norms and attention (about 8 hidden-wide and 3 MLP-wide vectors in the base dtype);
     # the logits and their log-softmax are float32.
-    activation = layers * (8 * h + 2 * heads * head_dim + 3 * inter) * width + 2 * vocab * 4
-    adapter = architectures.lora_parameters(text, inputs.adapter_rank, list(arch.targets(tied=False))) \
+    activation = layers * (8 * h + 2 * shape.heads * shape.head_dim + 3 * inter) * width + 2 * vocab * 4
+    adapter = architectures.lora_parameters(config, inputs.adapter_rank, list(arch.targets(tied=False))) \
         * 4 * ADAPTER_STATE_COPIES
     left = trainer_bytes - base_bytes
     if left <= 0:
@@ -165,9 +156,9 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     elif left > 0 and resident < 1:
         problems.append("token_budget: no adapter fits beside the activations; lower QUILT_TRAINER_TOKEN_BUDGET")
 
-    kv_per_token = layers * 2 * kv_heads * head_dim * width
+    kv_per_token = layers * shape.kv_width * width
     lora_slots = inputs.max_loras * architectures.lora_parameters(
-        text, inputs.max_lora_rank, list(arch.targets(tied=False))) * width
+        config, inputs.max_lora_rank, list(arch.targets(tied=False))) * width
     # vLLM's own activation peak at its batch: about one max_context prefill's worth
     gen_activation = inputs.max_context * (4 * h + 2 * inter) * width + inputs.max_context * vocab * 4 // 16
     kv_cache = gen_bytes - base_bytes - lora_slots - gen_activation
@@ -208,3 +199,23 @@ def for_worker(config: Mapping, *, device: str, dtype: str, configured_memory: s
         shared_device=accelerator, gen_memory_share=gen_memory_share if accelerator else 0.0,
         token_budget=token_budget or None, max_lora_rank=max_lora_rank, max_loras=max_loras,
         max_context=max_context))
+
+
+def sampler_problems(config: Mapping, *, accelerator: bool, dtype: str, gen_memory_share: float,
+                     kv_cache_bytes: int, max_loras: int, max_lora_rank: int, max_context: int,
+                     device_memory: int = 0) -> list[str]:
+    """What stops the generation worker's engine from fitting, checked before vLLM loads anything.
+    On a GPU it takes gen_memory_share of the device; on the CPU its KV cache is kv_cache_bytes."""
+    resolved = resolve_dtype(dtype, "cuda" if accelerator else "cpu")
+    if accelerator:
+        plan = plan_memory(config, PlanInputs(device_bytes=device_memory, dtype=resolved,
+                                              gen_memory_share=gen_memory_share, max_lora_rank=max_lora_rank,
+                                              max_loras=max_loras, max_context=max_context))
+        return [p for p in plan.problems if p.startswith("gen_memory_share")]
+    shape = architectures.Shape.of(config)
+    per_token = shape.layers * shape.kv_width * DTYPE_BYTES[resolved]
+    if per_token * max_context > kv_cache_bytes:
+        return [f"kv_cache_gib: one sequence of {max_context:,} tokens needs "
+                f"{per_token * max_context / GiB:.2f} GiB of KV cache, more than the {kv_cache_bytes / GiB:.0f} GiB set; "
+                "raise QUILT_GEN_KV_CACHE_GIB or lower QUILT_GEN_MAX_MODEL_LEN"]
+    return []

@@ -14,6 +14,7 @@ transformers is imported inside the functions: the CLI's other commands stay qui
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import replace
@@ -70,10 +71,11 @@ def describe(name: str, local_dir: str, source: dict, *, dtype: str = "auto", ma
         raise InvalidInput(f"dtype must be one of {DTYPES}, got {dtype!r}", field="dtype")
     if renderer is not None and renderer not in RENDERERS:
         raise InvalidInput(f"renderer must be one of {RENDERERS}, got {renderer!r}", field="renderer")
+    _check_serving(serving or {})
     directory = Path(local_dir)
     config = _config(directory)
     arch = architectures.of_config(config)
-    total_header = _weights_parameters(directory)
+    total_header = weights_parameters(directory)
     total, active = architectures.parameter_counts(config)
     # The header's count is exact; the config's tells how much of it a token does not use (experts).
     active = total_header - (total - active)
@@ -98,11 +100,28 @@ def describe(name: str, local_dir: str, source: dict, *, dtype: str = "auto", ma
     )
 
 
+def _check_serving(serving: dict) -> None:
+    """Per-base worker settings, checked as the workers' own settings would check them."""
+    share = serving.get("gen_memory_share")
+    if share is not None and not 0 < share < 1:
+        raise InvalidInput(f"--gen-memory-share must be between 0 and 1, got {share}", field="gen_memory_share")
+    rank = serving.get("max_lora_rank")
+    if rank is not None and rank not in architectures.VLLM_LORA_RANKS:
+        raise InvalidInput(f"--max-lora-rank must be one of {architectures.VLLM_LORA_RANKS}, got {rank}", field="max_lora_rank")
+    loras = serving.get("max_loras")
+    if loras is not None and not 2 <= loras <= 256:
+        raise InvalidInput(f"--max-loras must be in [2, 256], got {loras}", field="max_loras")
+    for key in ("device", "gen_device"):
+        value = serving.get(key)
+        if value is not None and (not value or len(value) > 32 or not value.replace(":", "").replace(",", "").isalnum()):
+            raise InvalidInput(f"--{key.replace('_', '-')} {value!r} is not a device like cuda:0 (or 0,1)", field=key)
+
+
 def refreshed(base: BaseModel) -> BaseModel:
     """An entry written before the catalogue knew architectures, filled in from its directory."""
     config = _config(Path(base.path))
     total, active = architectures.parameter_counts(config)
-    header = _weights_parameters(Path(base.path))
+    header = weights_parameters(Path(base.path))
     return replace(base, architecture=architectures.of_config(config).model_type, config=config,
                    tokenizer_id=base.tokenizer_id or base.path, num_parameters=header,
                    active_parameters=header - (total - active))
@@ -134,7 +153,23 @@ def _config(directory: Path) -> dict:
     return config
 
 
-def _weights_parameters(directory: Path) -> int:
+def safetensors_header(path: str | Path) -> dict:
+    """A .safetensors file's header (8-byte little-endian length, then JSON naming every tensor's
+    dtype and shape): shapes without torch and without reading the weights. Raises OSError,
+    ValueError or struct.error for a file that is not one."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        if size > 100_000_000:
+            raise ValueError("header larger than 100 MB")
+        header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return header
+
+
+def weights_parameters(directory: str | Path) -> int:
+    """Parameters in a model directory's safetensors weights (sharded or not), from their headers."""
+    directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -145,19 +180,12 @@ def _weights_parameters(directory: Path) -> int:
     total = 0
     for shard in shards:
         try:
-            with open(directory / shard, "rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                if size > 100_000_000:
-                    raise ValueError("header larger than 100 MB")
-                header = json.loads(f.read(size))
+            header = safetensors_header(directory / shard)
         except (OSError, ValueError, struct.error) as exc:
             raise InvalidInput(f"{shard} is not a readable safetensors file: {exc}", field="weights") from None
         for key, meta in header.items():
             if key != "__metadata__":
-                count = 1
-                for dim in meta["shape"]:
-                    count *= dim
-                total += count
+                total += math.prod(meta["shape"])
     return total
 
 

@@ -80,6 +80,9 @@ class TrainerSettings(BaseSettings):
                                             "reports (core.memory_plan)")
     offload_device: str = Field("cpu", description="where idle adapters and their optimizer state are parked")
     offload_idle_s: float = Field(300.0, ge=0, description="seconds unused before an adapter is parked")
+    max_resident_adapters: int = Field(0, ge=0, le=100_000,
+                                       description="adapters on the compute device at once (least recently used "
+                                                   "are parked first); 0 = from the memory plan")
     token_budget: int = Field(16384, ge=0, description="model-input tokens per fused pass (fair-shared); "
                                                      "0 = derived from the memory plan (core.memory_plan)")
     stats_history: int = Field(1000, ge=10, le=100_000, description="round records kept in Redis")

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from core.checkpoint_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from core.errors import UserError
+from core.model_sources import safetensors_header
 
 IDENTITY_NAME = "quilt-base-identity"
 IDENTITY_ID = 1
@@ -52,19 +53,11 @@ def check_adapter(path: str | Path, *, max_rank: int) -> int:
     if not 1 <= rank <= max_rank:
         raise AdapterError(f"adapter rank {rank} exceeds this pool's max_lora_rank of {max_rank}", field="model_path")
     try:
-        _safetensors_header(weights)
+        safetensors_header(weights)
     except (OSError, ValueError, struct.error) as exc:
         raise AdapterError(f"adapter weights are unreadable ({exc}); publish the weights again",
                            field="model_path") from None
     return rank
-
-
-def _safetensors_header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        if size > 100_000_000:
-            raise ValueError("header too large")
-        return json.loads(f.read(size))
 
 
 def identity_adapter(base_path: str | Path, out_dir: str | Path) -> str:
@@ -73,6 +66,14 @@ def identity_adapter(base_path: str | Path, out_dir: str | Path) -> str:
     Shapes come from the base's safetensors header, so no weights are loaded. Zero A and B make the
     adapter's contribution exactly 0: a request carrying it gets the base model's outputs.
     """
+    return header_adapter(base_path, out_dir, rank=1, modules=("q_proj",), first_only=True)
+
+
+def header_adapter(base_path: str | Path, out_dir: str | Path, *, rank: int, modules: tuple[str, ...],
+                   seed: int | None = None, scale: float = 0.05, first_only: bool = False) -> str:
+    """Write (once) a PEFT LoRA on `modules` of the base from its safetensors headers alone (no
+    weights loaded, so it is quick on an 8B base too): all zero, or random with `seed`. Returns its
+    directory. `first_only`: only the first matching module (the identity adapter's one q_proj)."""
     import torch
     from safetensors.torch import save_file
 
@@ -80,27 +81,31 @@ def identity_adapter(base_path: str | Path, out_dir: str | Path) -> str:
     if (out / ADAPTER_CONFIG).is_file() and (out / ADAPTER_WEIGHTS).is_file():
         return str(out)
     base = Path(base_path)
-    target = None
+    targets = []
     for shard in sorted(base.glob("*.safetensors")):
-        for key, meta in _safetensors_header(shard).items():
-            if key.endswith(".q_proj.weight"):
-                target = (key.removesuffix(".weight"), meta["shape"])
-                break
-        if target:
-            break
-    if target is None:
-        raise RuntimeError(f"no q_proj weight in {base}; cannot build the identity adapter")
-    module, (out_features, in_features) = target
-    prefix = f"base_model.model.{module}"
-    tensors = {f"{prefix}.lora_A.weight": torch.zeros(1, in_features),
-               f"{prefix}.lora_B.weight": torch.zeros(out_features, 1)}
+        for key, meta in safetensors_header(shard).items():
+            if key.endswith(".weight") and key.removesuffix(".weight").rsplit(".", 1)[-1] in modules:
+                targets.append((key.removesuffix(".weight"), meta["shape"]))
+    if first_only:
+        targets = targets[:1]
+    if not targets:
+        raise RuntimeError(f"no {'/'.join(modules)} weight in {base}; cannot build the adapter")
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    tensors = {}
+    for module, (out_features, in_features) in targets:
+        prefix = f"base_model.model.{module}"
+        a, b = torch.zeros(rank, in_features), torch.zeros(out_features, rank)
+        if gen is not None:
+            a, b = torch.randn(a.shape, generator=gen) * scale, torch.randn(b.shape, generator=gen) * scale
+        tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(tmp / ADAPTER_WEIGHTS))
     (tmp / ADAPTER_CONFIG).write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 1, "lora_alpha": 1, "lora_dropout": 0.0,
-        "bias": "none", "target_modules": ["q_proj"], "base_model_name_or_path": str(base),
-        "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False, "use_dora": False,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
+        "bias": "none", "target_modules": sorted({m.rsplit(".", 1)[-1] for m, _ in targets}),
+        "base_model_name_or_path": str(base), "fan_in_fan_out": False, "modules_to_save": None,
+        "use_rslora": False, "use_dora": False,
     }))
     tmp.rename(out)
     return str(out)

@@ -12,10 +12,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from core.architectures import VLLM_LORA_RANKS
 from gen_pool.admission import PoolView
-
-# vLLM accepts only these values for max_lora_rank (vllm.config.lora.MaxLoRARanks).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class GenPoolSettings(BaseSettings):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -193,6 +194,27 @@ class GenWorker:
         await self.consumer.heartbeat()
 
 
+def _check_memory(base: catalog.BaseModel, settings) -> None:
+    """Refuse, before vLLM loads anything, an engine that cannot fit (core.memory_plan), naming the
+    setting to change."""
+    from core import memory_plan
+
+    accelerator = os.environ.get("CUDA_VISIBLE_DEVICES", "") != "-1" and _has_cuda()
+    problems = memory_plan.sampler_problems(
+        base.config, accelerator=accelerator, dtype=settings.dtype, gen_memory_share=settings.gpu_memory_share,
+        kv_cache_bytes=settings.kv_cache_gib * memory_plan.GiB, max_loras=settings.max_loras,
+        max_lora_rank=settings.max_lora_rank, max_context=settings.max_model_len or base.max_context_length,
+        device_memory=memory_plan.device_bytes("cuda") if accelerator else 0)
+    if problems:
+        raise SystemExit(f"base {base.name!r} does not fit this generation worker: " + "; ".join(problems))
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 async def _main_async() -> None:
     settings = get_gen_pool_settings()
     db_url = db.resolve_url()
@@ -205,6 +227,7 @@ async def _main_async() -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
+    _check_memory(base, settings)
     engine = await GenEngine.start(base.path, settings, workdir)
     redis = redis_client.async_client(redis_client.resolve_url())
     worker = GenWorker(base_model=base.name, engine=engine, redis=redis, sync_redis=redis_client.sync_client(),

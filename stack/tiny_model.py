@@ -25,7 +25,6 @@ import logging
 import os
 import random
 import shutil
-import struct
 import tempfile
 import time
 from dataclasses import dataclass
@@ -106,6 +105,11 @@ class TinyModelSpec:
     num_experts: int = 4
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 192
+    # The model's vocabulary is padded to this many rows (0: the tokenizer's size), as real models
+    # pad theirs; a real-size shape for benchmarks (e.g. 151,936 for Qwen3) without a real tokenizer.
+    pad_vocab_to: int = 0
+    # Dtype the weights are created and saved in ("float32" or "bfloat16"; big benchmark shapes).
+    dtype: str = "float32"
 
     def validate(self) -> None:
         """Raise ValueError when the spec would build a model transformers or vLLM cannot use."""
@@ -141,6 +145,8 @@ class TinyModelSpec:
             raise ValueError(f"architecture={self.architecture!r} must be one of {sorted(SUPPORTED)}")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts]")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r} must be float32 or bfloat16")
 
 
 @dataclass(frozen=True)
@@ -148,7 +154,7 @@ class TinyModelInfo:
     """What callers need to know about a built model without loading it."""
 
     path: str  # the model directory, loadable with from_pretrained / vLLM
-    vocab_size: int  # model vocab size == len(tokenizer)
+    vocab_size: int  # model vocab size: len(tokenizer), or more when padded (pad_vocab_to)
     max_context_length: int  # tokens, from max_position_embeddings
     num_parameters: int  # total parameter count, from the safetensors header
     eos_token_id: int
@@ -202,6 +208,8 @@ def build_tiny_model(
 
 def read_model_info(path: Path | str, *, name: str = TINY_MODEL_NAME) -> TinyModelInfo:
     """Read a model directory's info from config.json and the safetensors header (no torch)."""
+    from core.model_sources import weights_parameters
+
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     eos = config.get("eos_token_id")
@@ -213,7 +221,7 @@ def read_model_info(path: Path | str, *, name: str = TINY_MODEL_NAME) -> TinyMod
         path=str(path),
         vocab_size=int(config["vocab_size"]),
         max_context_length=int(config["max_position_embeddings"]),
-        num_parameters=_count_parameters(path),
+        num_parameters=weights_parameters(path),
         eos_token_id=int(eos),
         name=name,
     )
@@ -243,13 +251,13 @@ def _build_into(dest: Path, *, seed: int, spec: TinyModelSpec) -> None:
         model_max_length=spec.max_position_embeddings,
     )
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    vocab_size = len(tokenizer)
+    vocab_size = max(len(tokenizer), spec.pad_vocab_to)
 
     config = _config(spec, vocab_size=vocab_size, eos_id=eos_id)
     # fork_rng: seeding must not disturb the caller's global RNG stream (e.g. a test's).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
     model.generation_config = GenerationConfig(
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id
     )
@@ -291,7 +299,7 @@ def _config(spec: TinyModelSpec, *, vocab_size: int, eos_id: int):
         eos_token_id=eos_id,
         pad_token_id=eos_id,
         bos_token_id=eos_id,
-        dtype="float32",
+        dtype=spec.dtype,
         **extra,
     )
 
@@ -381,29 +389,6 @@ def _check_provenance(path: Path, seed: int, spec: TinyModelSpec) -> None:
             f"{path} holds a tiny model built with {built}, not the requested {wanted}; "
             "use another directory or remove this one"
         )
-
-
-def _count_parameters(path: Path) -> int:
-    # The safetensors header (8-byte little-endian length, then JSON) lists every tensor's shape,
-    # so counting needs neither torch nor reading the weights.
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        shards = ["model.safetensors"]
-    total = 0
-    for shard in shards:
-        with open(path / shard, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        for key, meta in header.items():
-            if key == "__metadata__":
-                continue
-            count = 1
-            for dim in meta["shape"]:
-                count *= dim
-            total += count
-    return total
 
 
 def _fsync_tree(root: Path) -> None:

@@ -192,3 +192,36 @@ def test_an_optim_step_on_gradients_that_overflowed_is_refused_and_changes_nothi
     for k, v in be.adapter_state("m").items():
         torch.testing.assert_close(v, before[k])
     assert be.policy_version("m") == 0
+
+
+def test_a_bfloat16_base_trains_float32_adapters_and_optimizer_state(base_path):
+    be = LoraBackend(base_path, dtype=torch.bfloat16)
+    be.create("m", LoraShape(rank=8, seed=0))
+    out = _step(be, "m", [_datum(5), _datum(40)])
+    assert next(be.base.parameters()).dtype == torch.bfloat16
+    assert {p.dtype for p in be.adapters["m"].params} == {torch.float32}
+    moments = [v for s in be.adapters["m"].optimizer.state.values() for k, v in s.items() if k != "step"]
+    assert moments and {m.dtype for m in moments} == {torch.float32}
+    assert out["loss_fn_outputs"][0]["logprobs"]["dtype"] == "float32"
+    # Untrained, the bfloat16 base's logprobs are the float32 base's to within bfloat16 rounding.
+    ref = LoraBackend(base_path)
+    for b in (be, ref):
+        b.create("fresh", LoraShape(rank=8, seed=0))
+    lp16, lp32 = (b.run_pass([_req("r", "fresh", [_datum(5)], forward_only=True)])[0]["loss_fn_outputs"][0]
+                  ["logprobs"]["data"] for b in (be, ref))
+    assert lp32 != lp16 and max(abs(a - b) for a, b in zip(lp32, lp16)) < 0.5
+
+
+def test_at_most_max_resident_adapters_stay_on_the_device_least_recently_used_parked_first(base_path):
+    be = LoraBackend(base_path, max_resident=3)
+    for i in range(5):
+        be.create(f"m{i}", LoraShape(rank=4, seed=i))
+        be.run_pass([_req(f"r{i}", f"m{i}", [_datum(i, 6)])])  # m0 is the least recently used
+    assert be.residency() == {"resident": 3, "offloaded": 2}
+    assert not be.adapters["m0"].resident and not be.adapters["m1"].resident
+    # A pass that needs more than the limit gets all it needs; everything else is parked.
+    outs = be.run_pass([_req(f"s{i}", f"m{i}", [_datum(i, 6)]) for i in range(4)])
+    assert all(isinstance(o, dict) for o in outs)
+    assert [be.adapters[f"m{i}"].resident for i in range(5)] == [True, True, True, True, False]
+    be.run_pass([_req("t", "m4", [_datum(9, 6)])])
+    assert be.residency() == {"resident": 3, "offloaded": 2} and be.adapters["m4"].resident

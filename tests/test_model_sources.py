@@ -90,6 +90,12 @@ def test_arguments_are_checked(built):
         with pytest.raises(InvalidInput) as exc:
             model_sources.describe(name, local, source, renderer="chatml")
         assert exc.value.field == "name"
+    for serving, field in (({"gen_memory_share": 1.5}, "gen_memory_share"), ({"max_lora_rank": 7}, "max_lora_rank"),
+                           ({"max_loras": 1}, "max_loras"), ({"device": "cuda:0; rm -rf /"}, "device"),
+                           ({"gen_device": ""}, "gen_device")):
+        with pytest.raises(InvalidInput) as exc:
+            _describe(built["qwen3"], renderer="chatml", serving=serving)
+        assert exc.value.field == field, (serving, exc.value)
     with pytest.raises(InvalidInput, match="exactly one"):
         model_sources.locate(path=built["qwen3"], hub="Qwen/Qwen3-8B")
     with pytest.raises(InvalidInput) as exc:
@@ -172,3 +178,30 @@ def test_prices_follow_size():
     assert size_rates(3_000_000, 3_000_000) == {"prefill": 1000, "sample": 1000, "train": 1000}
     with pytest.raises(ValueError):
         size_rates(10, 20)
+
+
+def test_the_sampler_refuses_a_kv_cache_too_small_for_one_sequence():
+    kw = {"accelerator": False, "dtype": "auto", "gen_memory_share": 0.5, "max_loras": 8, "max_lora_rank": 64}
+    # Qwen3-8B in float32 on CPU: 288 KiB of KV per token.
+    assert not memory_plan.sampler_problems(QWEN3_8B, kv_cache_bytes=4 * memory_plan.GiB, max_context=8192, **kw)
+    (problem,) = memory_plan.sampler_problems(QWEN3_8B, kv_cache_bytes=memory_plan.GiB, max_context=40960, **kw)
+    assert problem.startswith("kv_cache_gib") and "QUILT_GEN_KV_CACHE_GIB" in problem
+    on_gpu = {**kw, "accelerator": True, "gen_memory_share": 0.2}
+    (problem,) = memory_plan.sampler_problems(QWEN3_8B, kv_cache_bytes=0, max_context=8192,
+                                              device_memory=80 * memory_plan.GiB, **on_gpu)
+    assert problem.startswith("gen_memory_share")
+
+
+def test_per_base_settings_reach_that_bases_workers():
+    from core.catalog import BaseModel
+    from stack.launcher import serving_env
+
+    base = BaseModel("b", "/m", 10, 10, dtype="bfloat16",
+                     serving={"device": "cuda:1", "gen_device": "2", "gen_memory_share": 0.4, "max_lora_rank": 32,
+                              "max_loras": 4})
+    trainer, gen = serving_env(base, {"QUILT_TRAINER_DEVICE": "cpu", "KEEP": "1"})
+    assert trainer["QUILT_TRAINER_DEVICE"] == "cuda:1" and trainer["QUILT_TRAINER_MAX_RANK"] == "32"
+    assert trainer["QUILT_TRAINER_DTYPE"] == gen["QUILT_GEN_DTYPE"] == "bfloat16"
+    assert (gen["CUDA_VISIBLE_DEVICES"], gen["QUILT_GEN_GPU_MEMORY_SHARE"], gen["QUILT_GEN_MAX_LORAS"],
+            gen["QUILT_GEN_MAX_LORA_RANK"]) == ("2", "0.4", "4", "32")
+    assert trainer["KEEP"] == gen["KEEP"] == "1" and "QUILT_GEN_MAX_LORAS" not in trainer

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU measurements, in one command, under 8 minutes on one GPU: the fusion benchmark on a
+# 1.7 B-parameter Qwen3 shape in bfloat16, the fill benchmark, and publish-to-first-token on a
+# random-weight Qwen3-8B shape. Prints each benchmark's table and JSON line, then one JSON line of
+# all three. On a machine without a CUDA GPU it says so and exits 0 (nothing to measure).
+#
+#   bash bench/gpu_suite.sh            (after QUILT_ENGINE=gpu bash scripts/install.sh)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+export PYTHONPATH=. HF_HUB_OFFLINE=1
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "gpu_suite: no CUDA GPU here (torch.cuda.is_available() is false); nothing measured"
+  echo '{"gpu": false}'
+  exit 0
+fi
+"$PY" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"gpu_suite: {p.name}, {p.total_memory / 2**30:.0f} GiB")'
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+
+run() {  # name, seconds, command...: the command's output, and its last JSON line kept as $WORK/name.json
+  local name=$1 limit=$2; shift 2
+  echo; echo "=== $name"
+  timeout "$limit" "$@" | tee "$WORK/$name.out"
+  local rc=${PIPESTATUS[0]}
+  grep '^{' "$WORK/$name.out" | tail -1 > "$WORK/$name.json" || true
+  [ -s "$WORK/$name.json" ] || echo "{\"failed\": $rc}" > "$WORK/$name.json"
+}
+
+run fusion 150 "$PY" bench/trainer_fusion.py --quick --device cuda --dtype bfloat16 --hidden 4096 --layers 8
+run fill 150 "$PY" bench/genpool_fill.py --quick
+run first_token 170 "$PY" bench/first_token.py --preset qwen3-8b --trials 5 --workdir "$WORK"
+
+echo
+"$PY" - "$WORK" <<'PY'
+import json, sys
+from pathlib import Path
+work = Path(sys.argv[1])
+print(json.dumps({"gpu": True, **{n: json.loads((work / f"{n}.json").read_text()) for n in ("fusion", "fill", "first_token")}}))
+PY
