@@ -476,7 +476,8 @@ def _memory_plan(base: catalog.BaseModel, settings) -> memory_plan.MemoryPlan:
     plan = memory_plan.for_worker(base.config, device=settings.device, dtype=settings.dtype,
                                   configured_memory=settings.gpu_memory, token_budget=settings.token_budget,
                                   max_lora_rank=settings.max_rank, max_loras=gen.max_loras,
-                                  gen_memory_share=gen.gpu_memory_share, max_context=base.max_context_length)
+                                  gen_memory_share=gen.gpu_memory_share, max_context=base.max_context_length,
+                                  shares_device=settings.shares_device)
     trainer_problems = [p for p in plan.problems if not p.startswith("gen_memory_share")]
     if trainer_problems:
         raise SystemExit(f"base {base.name!r} does not fit this trainer: " + "; ".join(trainer_problems))

@@ -190,13 +190,14 @@ def device_bytes(device: str, configured: str = "") -> int:
 
 def for_worker(config: Mapping, *, device: str, dtype: str, configured_memory: str = "", token_budget: int = 0,
                max_lora_rank: int = 64, max_loras: int = 8, gen_memory_share: float = 0.5,
-               max_context: int = 8192) -> MemoryPlan:
-    """The plan a worker checks at start. On a GPU the trainer and vLLM share the device; on the CPU
-    vLLM's KV cache is its own setting, so the trainer plans with the host's available memory."""
-    accelerator = not device.startswith("cpu")
+               max_context: int = 8192, shares_device: bool = True) -> MemoryPlan:
+    """The plan a trainer checks at start. On a GPU it shares the device with vLLM unless told
+    otherwise; on the CPU vLLM's KV cache is its own setting, so the trainer plans with the host's
+    available memory."""
+    shared = shares_device and not device.startswith("cpu")
     return plan_memory(config, PlanInputs(
         device_bytes=device_bytes(device, configured_memory), dtype=resolve_dtype(dtype, device),
-        shared_device=accelerator, gen_memory_share=gen_memory_share if accelerator else 0.0,
+        shared_device=shared, gen_memory_share=gen_memory_share if shared else 0.0,
         token_budget=token_budget or None, max_lora_rank=max_lora_rank, max_loras=max_loras,
         max_context=max_context))
 

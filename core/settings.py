@@ -78,6 +78,8 @@ class TrainerSettings(BaseSettings):
                             "state are float32 whatever this is")
     gpu_memory: str = Field("", description="device memory to plan with (e.g. 80GiB); empty = what the device "
                                             "reports (core.memory_plan)")
+    shares_device: bool = Field(True, description="GPU only: the generation worker uses this trainer's GPU too "
+                                                  "(its QUILT_GEN_GPU_MEMORY_SHARE is then not the trainer's)")
     offload_device: str = Field("cpu", description="where idle adapters and their optimizer state are parked")
     offload_idle_s: float = Field(300.0, ge=0, description="seconds unused before an adapter is parked")
     max_resident_adapters: int = Field(0, ge=0, le=100_000,

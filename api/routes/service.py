@@ -20,6 +20,35 @@ def _aggregates(raw: str | bytes | None) -> dict:
     return {k: v for k, v in beacon.items() if not isinstance(v, (dict, list))}
 
 
+@router.get("/livez")
+async def livez() -> dict:
+    """This API process answers (a container's liveness probe): nothing else is checked, so a store
+    outage never gets healthy API processes restarted."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(pool: Pool, redis: RedisDep, response: Response) -> dict:
+    """This API process can serve requests: Postgres and Redis answer (a container's readiness
+    probe). Workers are not checked: requests for a base whose trainer is down still queue."""
+    checks: dict[str, dict] = {}
+    try:
+        async with pool.connection() as conn:
+            await conn.execute("SELECT 1")
+        checks["postgres"] = {"ok": True}
+    except Exception as exc:  # readiness must report, not raise
+        checks["postgres"] = {"ok": False, "error": str(exc)}
+    try:
+        await redis.ping()
+        checks["redis"] = {"ok": True}
+    except Exception as exc:
+        checks["redis"] = {"ok": False, "error": str(exc)}
+    ready = all(c["ok"] for c in checks.values())
+    if not ready:
+        response.status_code = 503
+    return {"status": "ready" if ready else "unavailable", "checks": checks}
+
+
 @router.get("/healthz")
 async def healthz(pool: Pool, redis: RedisDep, response: Response) -> dict:
     """Report each component: postgres, redis, one trainer and one generation pool per base model, celery."""
