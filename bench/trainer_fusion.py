@@ -1,7 +1,7 @@
 """Does fusing many tenants' small steps into one pass pay? Measured side by side, in one run.
 
 1. Saturation curve: trained tokens/s of one adapter against tokens per pass (64-token rows).
-2. N tenants (1, 2, 4, 8, 16), each submitting one small batch (the under-used regime of an RL step
+2. N tenants (1, 2, 4, 8, 16, 32, 64), each submitting one small batch (the under-used regime of an RL step
    on a large accelerator), interleaved repetitions of:
    (a) fused:      one forward/backward over the base for all N adapters (Quilt's trainer),
    (b) sequential: the same work one adapter at a time (what a single-tenant PEFT loop does),
@@ -45,7 +45,7 @@ from batcher.backend import LoraBackend, PassRequest  # noqa: E402
 from core.loss_spec import LossConfig  # noqa: E402
 from core.work import Datum, LoraShape, PassWork  # noqa: E402
 
-TENANTS = (1, 2, 4, 8, 16)
+TENANTS = (1, 2, 4, 8, 16, 32, 64)
 ROW = 64  # tokens per sequence
 
 
@@ -236,6 +236,9 @@ def main() -> None:
         "device": args.device, "dtype": args.dtype, "parameters": params,
         "fused_over_sequential_8": round(headline[8][0], 3),
         "fused_over_ceiling_8": round(headline[8][1], 3),
+        "fused_over_sequential_16": round(headline[16][0], 3),
+        "fused_over_ceiling_16": round(headline[16][1], 3),
+        "fused_over_ceiling_64": round(headline[64][1], 3),
         "mfu_fused_8": round(headline[8][2], 4),
         "fused_over_peft_mixed_8": round(headline[8][3], 3),
         "tenant_tokens": ROW,
