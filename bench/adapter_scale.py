@@ -39,6 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from batcher.backend import LoraBackend, PassRequest  # noqa: E402
+from bench.table import print_rows  # noqa: E402
 from bench.trainer_fusion import build_base, datum, run_pass  # noqa: E402
 from core.loss_spec import LossConfig  # noqa: E402
 from core.work import AdamParams, AdapterRef, LoraShape, PassWork, SamplingSpec  # noqa: E402
@@ -169,18 +170,14 @@ def main() -> None:
             (f"{many['in_pass']}-model pass, adapters resident", f"{1000 * many['pass_resident_s']:.0f} ms"),
             ("bring one parked adapter back (this host)", f"{1e6 * many['bring_back_s']:.0f} us"),
             ("... on a GPU: host-to-device bytes at 25 GB/s", f"{many['bytes_parked'] / 25e9 * 1e3:.2f} ms")]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"  {k.ljust(width)}  {v}")
+    print_rows(rows, indent="  ")
     print(f"\n2. publication: 4 tenants x {pub['steps']} steps, each forward_backward + optim_step + "
           "save_weights_for_sampler (rank 32)")
     rows = [("export share of trainer busy time", f"{pub['export_share_of_busy']:.1%}"),
             ("export per publish", f"{pub['export_ms_per_publish']:.1f} ms"),
             ("publish-to-first-token p50", f"{pub['publish_to_first_token_ms_p50']:.0f} ms"),
             ("publish-to-first-token p95", f"{pub['publish_to_first_token_ms_p95']:.0f} ms")]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"  {k.ljust(width)}  {v}")
+    print_rows(rows, indent="  ")
     print(json.dumps({"models": many["models"], "in_pass": many["in_pass"], "bytes_per_adapter": many["bytes_resident"],
                       "pass_parked_over_resident": round(many["pass_parked_s"] / many["pass_resident_s"], 3),
                       "bring_back_us": round(1e6 * many["bring_back_s"], 1),

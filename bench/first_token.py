@@ -38,6 +38,7 @@ from bench.genpool_fill import (  # noqa: E402
     run_pool,
     submit,
 )
+from bench.table import print_rows  # noqa: E402
 from core.work import AdapterRef, SamplingSpec  # noqa: E402
 from gen_pool.adapters import header_adapter  # noqa: E402
 from gen_pool.engine import GenEngine  # noqa: E402
@@ -97,9 +98,7 @@ async def main_async(args) -> dict:
             (f"publish-to-first-token while busy, p50 of {len(lat)}", f"{1000 * p50:.0f} ms"),
             ("publish-to-first-token while busy, max", f"{1000 * max(lat):.0f} ms"),
             ("restart / publish", f"{start_s / p50:.0f}x")]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k.ljust(width)}  {v}")
+    print_rows(rows)
     return {"preset": args.preset, "parameters": info.num_parameters, "engine_start_s": round(start_s, 1),
             "publish_to_first_token_ms_p50": round(1000 * p50, 1), "publish_to_first_token_ms_max":
             round(1000 * max(lat), 1), "restart_over_publish": round(start_s / p50, 1)}

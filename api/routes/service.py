@@ -31,49 +31,49 @@ async def livez() -> dict:
 async def readyz(pool: Pool, redis: RedisDep, response: Response) -> dict:
     """This API process can serve requests: Postgres and Redis answer (a container's readiness
     probe). Workers are not checked: requests for a base whose trainer is down still queue."""
-    checks: dict[str, dict] = {}
-    try:
-        async with pool.connection() as conn:
-            await conn.execute("SELECT 1")
-        checks["postgres"] = {"ok": True}
-    except Exception as exc:  # readiness must report, not raise
-        checks["postgres"] = {"ok": False, "error": str(exc)}
-    try:
-        await redis.ping()
-        checks["redis"] = {"ok": True}
-    except Exception as exc:
-        checks["redis"] = {"ok": False, "error": str(exc)}
+    checks = {"postgres": (await _postgres(pool))[0], "redis": await _redis(redis)}
     ready = all(c["ok"] for c in checks.values())
     if not ready:
         response.status_code = 503
     return {"status": "ready" if ready else "unavailable", "checks": checks}
 
 
+async def _postgres(pool) -> tuple[dict, list[catalog.BaseModel]]:
+    """Postgres's health, and the served bases read on the way (health must report, not raise)."""
+    try:
+        async with pool.connection() as conn:
+            await conn.execute("SELECT 1")
+            return {"ok": True}, await catalog.list_models(conn)
+    except Exception as exc:
+        return {"ok": False, "error": str(exc)}, []
+
+
+async def _redis(redis) -> dict:
+    try:
+        await redis.ping()
+        return {"ok": True}
+    except Exception as exc:
+        return {"ok": False, "error": str(exc)}
+
+
 @router.get("/healthz")
 async def healthz(pool: Pool, redis: RedisDep, response: Response) -> dict:
     """Report each component: postgres, redis, one trainer and one generation pool per base model, celery."""
     components: dict[str, dict] = {}
-    bases: list[catalog.BaseModel] = []
-    try:
-        async with pool.connection() as conn:
-            await conn.execute("SELECT 1")
-            bases = await catalog.list_models(conn)
-        components["postgres"] = {"ok": True}
-    except Exception as exc:  # health must report, not raise
-        components["postgres"] = {"ok": False, "error": str(exc)}
-    try:
-        await redis.ping()
-        components["redis"] = {"ok": True}
-        for base in bases:
-            raw = await redis.get(health.trainer_key(base.name))
-            components[f"trainer:{base.name}"] = {"ok": raw is not None, **_aggregates(raw)}
-            if base.sampleable:
-                raw = await redis.get(health.gen_key(base.name))
-                components[f"gen:{base.name}"] = {"ok": raw is not None, **_aggregates(raw)}
-        raw = await redis.get(health.CELERY_KEY)
-        components["celery"] = {"ok": raw is not None, **(json.loads(raw) if raw else {})}
-    except Exception as exc:
-        components["redis"] = {"ok": False, "error": str(exc)}
+    components["postgres"], bases = await _postgres(pool)
+    components["redis"] = await _redis(redis)
+    if components["redis"]["ok"]:
+        try:
+            for base in bases:
+                raw = await redis.get(health.trainer_key(base.name))
+                components[f"trainer:{base.name}"] = {"ok": raw is not None, **_aggregates(raw)}
+                if base.sampleable:
+                    raw = await redis.get(health.gen_key(base.name))
+                    components[f"gen:{base.name}"] = {"ok": raw is not None, **_aggregates(raw)}
+            raw = await redis.get(health.CELERY_KEY)
+            components["celery"] = {"ok": raw is not None, **(json.loads(raw) if raw else {})}
+        except Exception as exc:  # health must report, not raise
+            components["redis"] = {"ok": False, "error": str(exc)}
     ok = all(c["ok"] for c in components.values())
     if not ok:
         response.status_code = 503
