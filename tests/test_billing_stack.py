@@ -15,6 +15,7 @@ from billing_workload import (
     recomputed_cost,
     run_workload,
     sampling_available,
+    wait_recorded,
 )
 from psycopg.rows import dict_row
 from stackutil import ADAM, TINY, datum, fb_body, new_model, wait_future
@@ -165,6 +166,7 @@ def test_over_budget_is_402_naming_the_budget_the_spend_and_the_fix(stack):
     client = stack.http(tenant.key)
     model = new_model(client, rank=4)
     wait_future(client, _fb(client, model, 1).json()["request_id"])
+    wait_recorded(stack.database_url, [tenant.tenant_id])  # billed a moment after it was answered
     with db.connect(stack.database_url) as conn:
         budgets.set_budget(conn, tenant.tenant_id, 1)  # 1 micro-USD: already spent
     r = _fb(client, model, 2)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import shutil
-import time
 
 import pytest
 
@@ -147,14 +146,14 @@ def test_new_version_served_without_restart(pool):
     async def publish_then_sample():
         # A long request on the old version keeps running while the new one is loaded and used.
         long = asyncio.ensure_future(engine.generate(req(old, max_tokens=64)))
-        t0 = time.monotonic()
         await engine.load(v2)
         out = await engine.generate(req(v2, max_tokens=1))
-        return await long, out, time.monotonic() - t0
+        return await long, out
 
-    long_out, _first, publish_to_first_token_s = loop.run(publish_then_sample())
-    assert len(long_out.tokens) == 64
-    assert publish_to_first_token_s < 5.0
+    # No timing assertion: how long publication takes is measured by bench/first_token.py and
+    # bench/genpool_fill.py; here it only has to happen while the old version keeps running.
+    long_out, first = loop.run(publish_then_sample())
+    assert len(long_out.tokens) == 64 and len(first.tokens) == 1
     new, previous = run_all(pool, [req(v2), req(old)])
     assert new.tokens != previous.tokens
     expected = pool["ref"].continuation_logprobs(v2_path, list(PROMPT), list(new.tokens))
