@@ -104,15 +104,15 @@ class LoraBackend:
         # Which modules can carry LoRA is the architecture's (core.architectures); a model's own
         # lora_config picks among them. Adapters and their AdamW state are float32 on any base dtype.
         self.config = json.loads((Path(base_path) / "config.json").read_text())
+        arch = architectures.of_config(self.config)
         kw = {}
-        if architectures.of_config(self.config).moe and dtype == torch.float64:
+        if arch.moe and dtype == torch.float64:
             kw["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel (float64 is for tests)
         base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=dtype, **kw)
         base.requires_grad_(False)
         self.base_path = str(base_path)
         self.base = base.to(self.device).eval()
-        self.lora = MultiLoraModel(self.base, architectures.of_config(self.config).targets(
-            tied=architectures.is_tied(self.config)))
+        self.lora = MultiLoraModel(self.base, arch.targets(tied=architectures.is_tied(self.config)))
         self.adapters: dict[str, Adapter] = {}
         self._next_slot = 0
 

@@ -478,9 +478,8 @@ def _memory_plan(base: catalog.BaseModel, settings) -> memory_plan.MemoryPlan:
                                   max_lora_rank=settings.max_rank, max_loras=gen.max_loras,
                                   gen_memory_share=gen.gpu_memory_share, max_context=base.max_context_length,
                                   shares_device=settings.shares_device)
-    trainer_problems = [p for p in plan.problems if not p.startswith("gen_memory_share")]
-    if trainer_problems:
-        raise SystemExit(f"base {base.name!r} does not fit this trainer: " + "; ".join(trainer_problems))
+    if plan.trainer_problems:
+        raise SystemExit(f"base {base.name!r} does not fit this trainer: " + "; ".join(plan.trainer_problems))
     log.info("memory plan for %s: %s", base.name, ", ".join(f"{k.strip()}={v}" for k, v in plan.rows()[:8]))
     return plan
 

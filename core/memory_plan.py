@@ -15,7 +15,7 @@ layer, plus float32 logits), with a fixed reserve for the framework. Where a set
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from core import architectures
 from core.errors import InvalidInput
@@ -81,7 +81,14 @@ class MemoryPlan:
     kv_cache_bytes: int
     kv_tokens: int
     max_sequences: int  # at max_context each
-    problems: tuple[str, ...]
+    # What does not fit, each "setting: why": the trainer's side and the sampler's side apart, since
+    # each worker refuses only for its own.
+    trainer_problems: tuple[str, ...]
+    sampler_problems: tuple[str, ...]
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        return self.trainer_problems + self.sampler_problems
 
     def check(self) -> None:
         if self.problems:
@@ -108,13 +115,6 @@ class MemoryPlan:
             (f"  sequences of {self.inputs.max_context:,} tokens", f"{self.max_sequences:,}"),
         ]
 
-    def to_json(self) -> dict:
-        out = asdict(self)
-        out["inputs"] = asdict(self.inputs)
-        out["problems"] = list(self.problems)
-        return out
-
-
 def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     shape = architectures.Shape.of(config)
     arch, h, layers, vocab = shape.arch, shape.hidden, shape.layers, shape.vocab
@@ -122,9 +122,10 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     total, _active = architectures.parameter_counts(config)
     inter = shape.active_mlp_width
 
-    problems: list[str] = []
+    problems: list[str] = []  # the trainer's
+    sampler: list[str] = []
     if inputs.shared_device and not 0 < inputs.gen_memory_share < 1:
-        problems.append(f"gen_memory_share: {inputs.gen_memory_share} must be between 0 and 1 on a shared device")
+        sampler.append(f"gen_memory_share: {inputs.gen_memory_share} must be between 0 and 1 on a shared device")
     usable = int(inputs.device_bytes * (1 - RESERVE_FRACTION))
     gen_bytes = int(usable * inputs.gen_memory_share) if inputs.shared_device else usable
     trainer_bytes = usable - gen_bytes if inputs.shared_device else usable
@@ -164,13 +165,13 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     kv_cache = gen_bytes - base_bytes - lora_slots - gen_activation
     kv_tokens = max(0, kv_cache // kv_per_token)
     sequences = kv_tokens // max(1, inputs.max_context)
-    if sequences < 1 and (gen_bytes > 0 or not inputs.shared_device) and inputs.gen_memory_share > 0:
-        problems.append(f"gen_memory_share: the sampler's {gen_bytes / GiB:.1f} GiB leaves "
+    if sequences < 1:
+        sampler.append(f"gen_memory_share: the sampler's {gen_bytes / GiB:.1f} GiB leaves "
                         f"{max(kv_cache, 0) / GiB:.2f} GiB of KV cache after the weights and LoRA slots, less than "
                         f"one sequence of {inputs.max_context:,} tokens; raise gen_memory_share, lower max_loras or "
                         "max_context, or use a larger device")
     return MemoryPlan(inputs, trainer_bytes, base_bytes, activation, adapter, budget, resident, free, gen_bytes,
-                      lora_slots, kv_per_token, max(kv_cache, 0), kv_tokens, sequences, tuple(problems))
+                      lora_slots, kv_per_token, max(kv_cache, 0), kv_tokens, sequences, tuple(problems), tuple(sampler))
 
 
 def device_bytes(device: str, configured: str = "") -> int:
@@ -197,7 +198,7 @@ def for_worker(config: Mapping, *, device: str, dtype: str, configured_memory: s
     shared = shares_device and not device.startswith("cpu")
     return plan_memory(config, PlanInputs(
         device_bytes=device_bytes(device, configured_memory), dtype=resolve_dtype(dtype, device),
-        shared_device=shared, gen_memory_share=gen_memory_share if shared else 0.0,
+        shared_device=shared, gen_memory_share=gen_memory_share,
         token_budget=token_budget or None, max_lora_rank=max_lora_rank, max_loras=max_loras,
         max_context=max_context))
 
@@ -212,7 +213,7 @@ def sampler_problems(config: Mapping, *, accelerator: bool, dtype: str, gen_memo
         plan = plan_memory(config, PlanInputs(device_bytes=device_memory, dtype=resolved,
                                               gen_memory_share=gen_memory_share, max_lora_rank=max_lora_rank,
                                               max_loras=max_loras, max_context=max_context))
-        return [p for p in plan.problems if p.startswith("gen_memory_share")]
+        return list(plan.sampler_problems)
     shape = architectures.Shape.of(config)
     per_token = shape.layers * shape.kv_width * DTYPE_BYTES[resolved]
     if per_token * max_context > kv_cache_bytes:

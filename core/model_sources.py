@@ -75,10 +75,7 @@ def describe(name: str, local_dir: str, source: dict, *, dtype: str = "auto", ma
     directory = Path(local_dir)
     config = _config(directory)
     arch = architectures.of_config(config)
-    total_header = weights_parameters(directory)
-    total, active = architectures.parameter_counts(config)
-    # The header's count is exact; the config's tells how much of it a token does not use (experts).
-    active = total_header - (total - active)
+    total, active = _parameters(directory, config)
     context = int(config.get("max_position_embeddings") or 0)
     if context < 1:
         raise InvalidInput("config.json has no max_position_embeddings", field="config.max_position_embeddings")
@@ -95,7 +92,7 @@ def describe(name: str, local_dir: str, source: dict, *, dtype: str = "auto", ma
         name=name, path=str(directory), vocab_size=int(config["vocab_size"]), max_context_length=context,
         trainable=trainable, sampleable=sampleable, architecture=arch.model_type, config=config,
         source=source["source"], hub_id=source["hub_id"], revision=source["revision"], dtype=dtype,
-        tokenizer_id=source["tokenizer_id"], renderer=renderer or "", num_parameters=total_header,
+        tokenizer_id=source["tokenizer_id"], renderer=renderer or "", num_parameters=total,
         active_parameters=active, serving=dict(serving or {}),
     )
 
@@ -120,11 +117,17 @@ def _check_serving(serving: dict) -> None:
 def refreshed(base: BaseModel) -> BaseModel:
     """An entry written before the catalogue knew architectures, filled in from its directory."""
     config = _config(Path(base.path))
-    total, active = architectures.parameter_counts(config)
-    header = weights_parameters(Path(base.path))
+    total, active = _parameters(Path(base.path), config)
     return replace(base, architecture=architectures.of_config(config).model_type, config=config,
-                   tokenizer_id=base.tokenizer_id or base.path, num_parameters=header,
-                   active_parameters=header - (total - active))
+                   tokenizer_id=base.tokenizer_id or base.path, num_parameters=total, active_parameters=active)
+
+
+def _parameters(directory: Path, config: dict) -> tuple[int, int]:
+    """(total, active per token): the total exact from the weights' headers, less what the config
+    says a token does not use (experts not routed to)."""
+    total = weights_parameters(directory)
+    config_total, config_active = architectures.parameter_counts(config)
+    return total, total - (config_total - config_active)
 
 
 def _config(directory: Path) -> dict:

@@ -42,4 +42,4 @@ def _experts_targeted() -> bool:
     targets = lora.target_modules if lora is not None else None
     if targets is None:  # every supported module, experts included
         return True
-    return any(t in EXPERT_TARGETS or t.endswith(EXPERT_TARGETS) for t in targets)
+    return any(t.endswith(EXPERT_TARGETS) for t in targets)

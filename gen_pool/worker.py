@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import time
 from pathlib import Path
@@ -197,9 +196,11 @@ class GenWorker:
 def _check_memory(base: catalog.BaseModel, settings) -> None:
     """Refuse, before vLLM loads anything, an engine that cannot fit (core.memory_plan), naming the
     setting to change."""
+    import torch
+
     from core import memory_plan
 
-    accelerator = os.environ.get("CUDA_VISIBLE_DEVICES", "") != "-1" and _has_cuda()
+    accelerator = torch.cuda.is_available()  # False where CUDA_VISIBLE_DEVICES hides every GPU
     problems = memory_plan.sampler_problems(
         base.config, accelerator=accelerator, dtype=settings.dtype, gen_memory_share=settings.gpu_memory_share,
         kv_cache_bytes=settings.kv_cache_gib * memory_plan.GiB, max_loras=settings.max_loras,
@@ -207,12 +208,6 @@ def _check_memory(base: catalog.BaseModel, settings) -> None:
         device_memory=memory_plan.device_bytes("cuda") if accelerator else 0)
     if problems:
         raise SystemExit(f"base {base.name!r} does not fit this generation worker: " + "; ".join(problems))
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 async def _main_async() -> None:

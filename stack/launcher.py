@@ -94,8 +94,7 @@ def ensure_tiny_model(conn, *, architecture: str = "qwen3") -> catalog.BaseModel
     name = tiny_model_name(architecture)
     info = build_tiny_model(get_core_settings().models_dir / name.split("/")[-1],
                             spec=TinyModelSpec(architecture=architecture))
-    model = model_sources.describe(name, info.path, {"source": "path", "hub_id": None, "revision": None,
-                                                     "tokenizer_id": info.path}, renderer="chatml")
+    model = model_sources.describe(name, *model_sources.locate(path=info.path), renderer="chatml")
     catalog.register(conn, model)
     ensure_size_price(conn, model)
     return model
