@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 
 from fastapi import FastAPI
 
-from api import dashboard, errors
+from api import caller_cache, dashboard, errors
 from api.body_limit import BodyLimitMiddleware
+from api.caller_cache import CallerCache
 from api.routes import (
     billing,
     futures,
@@ -31,9 +33,14 @@ async def _lifespan(app: FastAPI):
     app.state.pool = db.async_pool(db.resolve_url(core))
     await app.state.pool.open(wait=True, timeout=30)
     app.state.redis = redis_client.async_client(redis_client.resolve_url(core))
+    app.state.callers = CallerCache(get_api_settings().caller_cache_seconds)
+    listening = asyncio.create_task(caller_cache.listen(app.state.callers, db.resolve_url(core)))
     try:
         yield
     finally:
+        listening.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await listening
         await app.state.redis.aclose()
         await app.state.pool.close()
 

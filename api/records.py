@@ -54,13 +54,14 @@ async def insert_training_model(conn: AsyncConnection, who: Principal, model_id:
 
 async def insert_request(conn: AsyncConnection, who: Principal, request_id: str, *, model_id: str | None,
                          seq_id: int | None, kind: str, n_tokens: int, touch_model: bool) -> bool:
-    """Insert a request's row (and, with `touch_model`, note the model's last request) in one
-    statement; False if `(model_id, seq_id)` or the id is taken already."""
+    """Insert a request's row (and, with `touch_model`, note the model's last request, to the
+    second: a model's concurrent calls would otherwise queue on its row's lock until each commit)
+    in one statement; False if `(model_id, seq_id)` or the id is taken already."""
     cur = await conn.execute(
         "WITH r AS (INSERT INTO requests (id, tenant_id, api_key_id, model_id, seq_id, kind, n_tokens) "
         "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING id), "
         "touched AS (UPDATE training_models SET last_request_at = now() "
-        "WHERE %s AND id = %s AND EXISTS (SELECT 1 FROM r)) "
+        "WHERE %s AND id = %s AND last_request_at < now() - interval '1 second' AND EXISTS (SELECT 1 FROM r)) "
         "SELECT id FROM r",
         (request_id, who.tenant_id, who.key_id, model_id, seq_id, kind, n_tokens, touch_model, model_id),
     )

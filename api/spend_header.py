@@ -13,6 +13,7 @@ import time
 
 from billing.budgets import month_to_date
 from billing.pricing import usd
+from core import db
 
 log = logging.getLogger("quilt.api")
 
@@ -43,15 +44,22 @@ class SpendHeaderMiddleware:
         await self.app(scope, receive, send_with_spend)
 
 
-# The key lookup reads the spend too (tenancy.auth); an answer that starts within this long of it
-# uses that figure, a later one (a long poll) reads it again.
+# The key lookup reads the spend too (api.deps); an answer that starts within this long of it uses
+# that figure, a later one (a long poll) asks again (api.caller_cache, else Postgres).
 FRESH_S = 1.0
 
 
 async def _spend(scope, tenant_id: str) -> int | None:
+    state = scope["app"].state
+    spent = state.callers.get("spend", tenant_id)
+    if spent is not None:
+        return spent
+    generation = state.callers.generation
     try:
-        async with scope["app"].state.pool.connection() as conn:
-            return await month_to_date(conn, tenant_id)
+        async with db.autocommit(state.pool) as conn:
+            spent = await month_to_date(conn, tenant_id)
     except Exception:  # the header is informative; never fail a response for it
         log.warning("could not read the spend of %s for the spend header", tenant_id, exc_info=True)
         return None
+    state.callers.put(generation, "spend", tenant_id, spent)
+    return spent

@@ -1,19 +1,28 @@
 """Load on one API process: 64 clients across 8 tenants making cheap calls in bounded loops.
 
-    PYTHONPATH=. .venv/bin/python bench/api_load.py [--seconds 300] [--clients 64] [--tenants 8]
+    PYTHONPATH=. .venv/bin/python bench/api_load.py [--seconds 150] [--clients 64] [--tenants 8]
 
 Starts its own embedded stack (`quilt up` in a temporary data directory), gives each tenant a
-model with one finished forward_backward, then runs the clients for `--seconds`, spread over
-`--procs` load-generator processes (asyncio, one connection per client, loopback only). Each
-client cycles through the calls the issue names as cheap: `get_info`, `create_session` and
-`retrieve_future` of a finished future (the API's result-ready-to-response path), plus a
-`forward_backward` submission every `--submit-every` calls (the submit-to-enqueue path; the
-trainer runs them). It prints, per call: count, errors other than intended 429s, p50/p99 latency
-as the client sees it; and in all: requests per second. Ends with one JSON line.
+model with one finished forward_backward, then runs two phases of `--seconds` each, 64 clients
+(one connection each, loopback only) cycling through the calls the issue names as cheap:
+`get_info`, `create_session` and `retrieve_future` of a finished future (the API's
+result-ready-to-response path), plus a `forward_backward` submission every `--submit-every` calls
+(the submit-to-enqueue path; the trainer runs them).
 
-Client-side latency on one machine: the load generators share the 2 cores with the API process
-(and an idle trainer and generation worker), so requests per second here is a floor of what one
-API process does on a machine of its own; per-call latency at low load is its own overhead.
+1. **Capacity**: every client sends its next call as soon as the last one answers. Requests per
+   second here is what one API process does; since the clients, Postgres, Redis and the workers
+   share this 2-core machine, it also prints requests per second of the API process's own CPU
+   time (read from /proc), the capacity of one API process on a core of its own.
+2. **Paced**: the same clients send at `--paced-share` of the measured capacity in all (Poisson
+   arrivals), the regime a service runs in. Per call it prints the client's latency and the API's
+   own time (`Server-Timing: app;dur`, from the request reaching the app to its answer starting):
+   the overhead per future the issue bounds (p99 at most 10 ms).
+
+With `--pin` (the default where there are at least 2 CPUs) the API process runs on CPU 0 and
+everything else (clients, Postgres, Redis, workers) on the others, so clients do not steal the
+API's core. The clients use aiohttp: an httpx client in this loop spent more CPU per call than the
+API did (about 1,100 calls/s from a whole core against a trivial FastAPI app, aiohttp 6,000).
+Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -22,10 +31,14 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
+import random
 import statistics
 import time
 
+import aiohttp
 import httpx
+import psutil
 
 from stack.ephemeral import TINY, RunningStack, ephemeral_stack, new_tenant
 
@@ -58,50 +71,60 @@ def prepare_tenants(stack: RunningStack, n: int) -> list[dict]:
                 "data": [_datum([1, 2, 3, 4])], "loss_fn": "cross_entropy"}})
             finished = r.json()["request_id"]
             _wait(c, finished)
-        out.append({"key": key, "model_id": model_id, "finished": finished, "next_seq": 2})
+        out.append({"key": key, "model_id": model_id, "finished": finished})
     return out
 
 
 CALLS = ("get_info", "create_session", "retrieve_future")
 
 
-async def _client(base_url: str, tenant: dict, seq_start: int, seq_stride: int, stop_at: float,
-                  submit_every: int) -> dict[str, list]:
-    """One client's bounded loop; returns {call: [latency_s or -status]}."""
+async def _client(session: aiohttp.ClientSession, base_url: str, tenant: dict, seq: list[int], stride: int,
+                  stop_at: float, submit_every: int, rate: float, rng: random.Random) -> dict[str, list]:
+    """One client's bounded loop; returns {call: [(latency_s, app_s) or (-status, 0)]}. With a
+    rate, calls start at Poisson arrival times (a late call does not push the next one back)."""
     seen: dict[str, list] = {name: [] for name in (*CALLS, "forward_backward")}
     bodies = {"get_info": {"model_id": tenant["model_id"]}, "create_session": {},
               "retrieve_future": {"request_id": tenant["finished"]}}
-    seq = seq_start
-    async with httpx.AsyncClient(base_url=base_url + "/api/v1", headers={"X-API-Key": tenant["key"]},
-                                 timeout=60, limits=httpx.Limits(max_connections=1)) as c:
-        i = 0
-        while time.monotonic() < stop_at:
-            if submit_every and i % submit_every == submit_every - 1:
-                name, body = "forward_backward", {"model_id": tenant["model_id"], "seq_id": seq,
-                                                  "forward_backward_input": {"data": [_datum([5, 6, 7, 8])],
-                                                                             "loss_fn": "cross_entropy"}}
-                seq += seq_stride
-            else:
-                name = CALLS[i % len(CALLS)]
-                body = bodies[name]
-            i += 1
-            started = time.perf_counter()
-            try:
-                r = await c.post(f"/{name}", json=body)
-                status = r.status_code
-            except httpx.HTTPError:
-                status = 0
-            elapsed = time.perf_counter() - started
-            seen[name].append(elapsed if status == 200 else -status)
-    return seen
+    headers = {"X-API-Key": tenant["key"]}
+    i = rng.randrange(len(CALLS))
+    due = time.monotonic()
+    while True:
+        if rate:
+            due += rng.expovariate(rate)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+        if time.monotonic() >= stop_at:
+            return seen
+        if submit_every and i % submit_every == submit_every - 1:
+            name, body = "forward_backward", {"model_id": tenant["model_id"], "seq_id": seq[0],
+                                              "forward_backward_input": {"data": [_datum([5, 6, 7, 8])],
+                                                                         "loss_fn": "cross_entropy"}}
+            seq[0] += stride
+        else:
+            name, body = CALLS[i % len(CALLS)], bodies[CALLS[i % len(CALLS)]]
+        i += 1
+        started = time.perf_counter()
+        try:
+            async with session.post(f"{base_url}/api/v1/{name}", json=body, headers=headers) as r:
+                await r.read()
+                status, timing = r.status, r.headers.get("server-timing", "")
+        except aiohttp.ClientError:
+            status, timing = 0, ""
+        elapsed = time.perf_counter() - started
+        app_s = float(timing.partition("dur=")[2] or 0) / 1000
+        seen[name].append((elapsed, app_s) if status == 200 else (-status, 0.0))
 
 
 def _generator(args: tuple) -> dict[str, list]:
-    base_url, clients, stop_at, submit_every = args
+    base_url, clients, stop_at, submit_every, rate, cpus, seed = args
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
     async def run() -> list:
-        return await asyncio.gather(*(_client(base_url, t, s, stride, stop_at, submit_every)
-                                      for t, s, stride in clients))
+        rng = random.Random(seed)
+        connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+            return await asyncio.gather(*(_client(session, base_url, t, seq, stride, stop_at, submit_every, rate,
+                                                  random.Random(rng.random())) for t, seq, stride in clients))
 
     merged: dict[str, list] = {}
     for seen in asyncio.run(run()):
@@ -111,58 +134,127 @@ def _generator(args: tuple) -> dict[str, list]:
 
 
 def _pct(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=1000, method="inclusive")[int(q * 1000) - 1] if len(values) > 1 else (
-        values[0] if values else float("nan"))
+    if len(values) < 2:
+        return values[0] if values else float("nan")
+    return statistics.quantiles(values, n=1000, method="inclusive")[int(q * 1000) - 1]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--clients", type=int, default=64)
-    parser.add_argument("--tenants", type=int, default=8)
-    parser.add_argument("--procs", type=int, default=4, help="load-generator processes")
-    parser.add_argument("--submit-every", type=int, default=20, help="every Nth call submits a forward_backward")
-    parser.add_argument("--api-workers", type=int, default=1, help="API processes (QUILT_API_WORKERS)")
-    args = parser.parse_args()
+def _api_processes(base_url: str) -> list[psutil.Process]:
+    """The uvicorn process serving `base_url`'s port, and its workers."""
+    port = base_url.rsplit(":", 1)[1]
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "uvicorn" in " ".join(cmd) and port in cmd:
+            return [p, *p.children(recursive=True)]
+    raise RuntimeError(f"no uvicorn process on port {port}")
 
-    with ephemeral_stack({"QUILT_API_WORKERS": str(args.api_workers)}) as stack:
-        tenants = prepare_tenants(stack, args.tenants)
-        # Client k of a tenant submits seq_ids start, start + stride, ...: the tenant's clients never collide.
-        per_tenant = max(1, args.clients // args.tenants)
-        clients = [(tenants[c % args.tenants], 2 + c // args.tenants, per_tenant) for c in range(args.clients)]
-        stop_at = time.monotonic() + args.seconds
-        shares = [(stack.base_url, clients[p::args.procs], stop_at, args.submit_every) for p in range(args.procs)]
-        started = time.monotonic()
-        with multiprocessing.get_context("spawn").Pool(args.procs) as pool:
-            parts = pool.map(_generator, shares)
-        wall = time.monotonic() - started
 
+def _pin(api: list[psutil.Process], api_cpus: set[int], other_cpus: set[int]) -> None:
+    """The API's threads on `api_cpus`; this process and the stack's others (the launcher and all
+    it started: Postgres and its future backends, Redis, workers) on `other_cpus`."""
+    api_pids = {p.pid for p in api}
+    os.sched_setaffinity(0, other_cpus)
+    for p in psutil.Process().children(recursive=True):
+        cpus = api_cpus if p.pid in api_pids else other_cpus
+        for thread in p.threads():
+            try:
+                os.sched_setaffinity(thread.id, cpus)
+            except (ProcessLookupError, PermissionError, OSError):
+                pass
+
+
+def _cpu_s(api: list[psutil.Process]) -> float:
+    return sum(sum(p.cpu_times()[:2]) for p in api)
+
+
+def _phase(stack: RunningStack, clients: list, args, rate: float, other_cpus: set[int] | None,
+           api: list[psutil.Process]) -> tuple[dict[str, list], float, float]:
+    """Run the clients for `args.seconds`; returns (per-call samples, wall s, API CPU s)."""
+    stop_at = time.monotonic() + args.seconds
+    shares = [(stack.base_url, clients[p::args.procs], stop_at, args.submit_every, rate, other_cpus, 1000 + p)
+              for p in range(args.procs)]
+    started, cpu0 = time.monotonic(), _cpu_s(api)
+    with multiprocessing.get_context("spawn").Pool(args.procs) as pool:
+        parts = pool.map(_generator, shares)
+    wall, cpu = time.monotonic() - started, _cpu_s(api) - cpu0
     merged: dict[str, list] = {}
     for part in parts:
         for name, values in part.items():
             merged.setdefault(name, []).extend(values)
-    print(f"{args.clients} clients, {args.tenants} tenants, {args.seconds:.0f} s, {args.procs} generator processes, "
-          f"{args.api_workers} API process(es)")
-    print(f"{'call':<18}{'count':>8}{'429':>7}{'errors':>8}{'p50 ms':>9}{'p99 ms':>9}")
-    total = errors = 0
-    summary = {}
+    return merged, wall, cpu
+
+
+def _table(title: str, merged: dict[str, list]) -> tuple[dict, int, list, list]:
+    print(f"\n{title}")
+    print(f"{'call':<18}{'count':>8}{'429':>6}{'errors':>8}{'p50 ms':>9}{'p99 ms':>9}{'app p50':>9}{'app p99':>9}")
+    summary, errors, cheap, cheap_app = {}, 0, [], []
     for name, values in merged.items():
-        ok = [v for v in values if v >= 0]
-        limited = sum(1 for v in values if v == -429)
+        ok = [v for v in values if v[0] >= 0]
+        limited = sum(1 for v in values if v[0] == -429)
         bad = len(values) - len(ok) - limited
-        total += len(values)
         errors += bad
-        p50, p99 = _pct(ok, 0.5) * 1000, _pct(ok, 0.99) * 1000
-        summary[name] = {"count": len(values), "p50_ms": round(p50, 2), "p99_ms": round(p99, 2)}
-        print(f"{name:<18}{len(values):>8}{limited:>7}{bad:>8}{p50:>9.2f}{p99:>9.2f}")
-    cheap = [v for name in CALLS for v in merged[name] if v >= 0]
-    rps = total / wall
-    print(f"\n{rps:.0f} requests/s in all; cheap calls p50 {_pct(cheap, 0.5) * 1000:.2f} ms, "
-          f"p99 {_pct(cheap, 0.99) * 1000:.2f} ms; {errors} errors other than 429")
-    print(json.dumps({"clients": args.clients, "seconds": args.seconds, "api_workers": args.api_workers,
-                      "requests_per_s": round(rps, 1),
-                      "cheap_p50_ms": round(_pct(cheap, 0.5) * 1000, 2),
-                      "cheap_p99_ms": round(_pct(cheap, 0.99) * 1000, 2), "errors": errors, "calls": summary}))
+        lat, app = [v[0] * 1000 for v in ok], [v[1] * 1000 for v in ok]
+        if name in CALLS:
+            cheap += lat
+            cheap_app += app
+        summary[name] = {"count": len(values), "p50_ms": round(_pct(lat, 0.5), 2), "p99_ms": round(_pct(lat, 0.99), 2),
+                         "app_p50_ms": round(_pct(app, 0.5), 3), "app_p99_ms": round(_pct(app, 0.99), 3)}
+        print(f"{name:<18}{len(values):>8}{limited:>6}{bad:>8}{_pct(lat, 0.5):>9.2f}{_pct(lat, 0.99):>9.2f}"
+              f"{_pct(app, 0.5):>9.3f}{_pct(app, 0.99):>9.3f}")
+    return summary, errors, cheap, cheap_app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=150.0, help="length of each of the two phases")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--tenants", type=int, default=8)
+    parser.add_argument("--procs", type=int, default=1, help="load-generator processes")
+    parser.add_argument("--submit-every", type=int, default=20, help="every Nth call submits a forward_backward")
+    parser.add_argument("--paced-share", type=float, default=0.5, help="phase 2's rate, a share of phase 1's")
+    parser.add_argument("--api-workers", type=int, default=1, help="API processes (QUILT_API_WORKERS)")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2)
+    args = parser.parse_args()
+
+    with ephemeral_stack({"QUILT_API_WORKERS": str(args.api_workers)}) as stack:
+        tenants = prepare_tenants(stack, args.tenants)
+        api = _api_processes(stack.base_url)
+        cpus = sorted(os.sched_getaffinity(0))
+        other = None
+        if args.pin:
+            other = set(cpus[1:])
+            _pin(api, {cpus[0]}, other)
+        # Client k of a tenant submits seq_ids start, start + stride, ...: the tenant's clients never
+        # collide, and phase 2 goes on from where phase 1 stopped.
+        per_tenant = max(1, args.clients // args.tenants)
+        clients = [(tenants[c % args.tenants], [2 + c // args.tenants], per_tenant) for c in range(args.clients)]
+        full, wall1, cpu1 = _phase(stack, clients, args, 0.0, other, api)
+        capacity = sum(len(v) for v in full.values()) / wall1
+        rate = args.paced_share * capacity / args.clients
+        # Phase 1's workers returned their seq counters in copies; phase 2 starts past anything used.
+        for _tenant, seq, _stride in clients:
+            seq[0] += 1_000_000
+        paced, wall2, cpu2 = _phase(stack, clients, args, rate, other, api)
+
+    n1, n2 = sum(len(v) for v in full.values()), sum(len(v) for v in paced.values())
+    print(f"{args.clients} clients, {args.tenants} tenants, {args.seconds:.0f} s per phase, {args.procs} generator "
+          f"process(es), {args.api_workers} API process(es), pinned: {bool(args.pin)}")
+    s1, e1, cheap1, _ = _table(f"1. capacity: {n1 / wall1:.0f} requests/s, {n1 / max(cpu1, 1e-9):.0f} per API "
+                               f"CPU-second (API used {cpu1 / wall1:.2f} of a core)", full)
+    s2, e2, cheap2, app2 = _table(f"2. paced at {args.paced_share:.0%} of that: {n2 / wall2:.0f} requests/s, "
+                                  f"{n2 / max(cpu2, 1e-9):.0f} per API CPU-second", paced)
+    print(f"\nAPI's own time per cheap call at the paced load: p50 {_pct(app2, 0.5):.2f} ms, "
+          f"p99 {_pct(app2, 0.99):.2f} ms (client-side p99 {_pct(cheap2, 0.99):.2f} ms); "
+          f"{e1 + e2} errors other than 429")
+    print(json.dumps({
+        "clients": args.clients, "seconds_per_phase": args.seconds, "api_workers": args.api_workers,
+        "pinned": bool(args.pin), "requests_per_s": round(n1 / wall1, 1),
+        "requests_per_api_cpu_s": round(n1 / max(cpu1, 1e-9), 1),
+        "capacity_cheap_p99_ms": round(_pct(cheap1, 0.99), 2),
+        "paced_requests_per_s": round(n2 / wall2, 1),
+        "paced_cheap_p50_ms": round(_pct(cheap2, 0.5), 2), "paced_cheap_p99_ms": round(_pct(cheap2, 0.99), 2),
+        "paced_app_p50_ms": round(_pct(app2, 0.5), 3), "paced_app_p99_ms": round(_pct(app2, 0.99), 3),
+        "errors": e1 + e2, "capacity": s1, "paced": s2}))
 
 
 if __name__ == "__main__":

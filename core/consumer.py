@@ -197,7 +197,7 @@ class StreamConsumer:
         """Publish the outcome, settle it, acknowledge the entry (unless the worker keeps it). While
         Redis or Postgres is down this waits for it (core.stores): each step is safe to repeat."""
         what = f"finishing {delivery.item.request_id}"
-        stored = stores.until_reachable(lambda: queue.publish(self.redis, outcome, self.result_ttl_s), what)
+        stored = stores.until_reachable(lambda: queue.publish(self.redis, outcome, self.result_ttl_s, delivery.item), what)
         faults.crash_point(f"{self.group}.after_publish")
         stores.until_reachable(lambda: self.settle(delivery.item, stored, usage if stored.ok else None), what)
         faults.crash_point(f"{self.group}.after_settle")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import psycopg
 from psycopg.rows import dict_row
@@ -29,6 +29,19 @@ def live_connection(conn: psycopg.Connection | None, url: str) -> psycopg.Connec
     if conn is None or conn.closed or conn.broken:
         conn = psycopg.connect(url, autocommit=True, row_factory=dict_row)
     return conn
+
+
+@contextlib.asynccontextmanager
+async def autocommit(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncConnection]:
+    """A pooled connection for one statement: no transaction, so no COMMIT round trip after it.
+    Blocks that need several statements to be atomic use `pool.connection()` (one transaction)."""
+    async with pool.connection() as conn:
+        await conn.set_autocommit(True)
+        try:
+            yield conn
+        finally:
+            if not (conn.closed or conn.broken):
+                await conn.set_autocommit(False)
 
 
 def async_pool(url: str, *, max_size: int = 16) -> AsyncConnectionPool:

@@ -47,11 +47,15 @@ def future_key(request_id: str) -> str:
 
 @dataclass(frozen=True)
 class Outcome:
-    """A finished future: either `result` or `error` (the typed error's JSON)."""
+    """A finished future: either `result` or `error` (the typed error's JSON). Once stored it also
+    names its tenant and kind (`publish`), so the API can answer a finished future from Redis
+    alone (api.routes.futures); None for one stored before they were."""
 
     request_id: str
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
+    tenant_id: str | None = None
+    kind: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -65,11 +69,15 @@ class Outcome:
 
     @classmethod
     def decode(cls, request_id: str, fields: dict) -> "Outcome":
-        status = (fields.get(b"status") or fields.get("status"))
-        body = json.loads(fields.get(b"body") or fields.get("body"))
-        if status in (b"failed", "failed"):
-            return cls(request_id, error=body)
-        return cls(request_id, result=body)
+        def text(name: str) -> str | None:
+            value = fields.get(name.encode(), fields.get(name))
+            return value.decode() if isinstance(value, bytes) else value
+
+        body = json.loads(text("body"))
+        owner = {"tenant_id": text("tenant"), "kind": text("kind")}
+        if text("status") == "failed":
+            return cls(request_id, error=body, **owner)
+        return cls(request_id, result=body, **owner)
 
 
 def failure(request_id: str, err: QuiltError) -> Outcome:
@@ -81,9 +89,10 @@ NOT_ENCODABLE = ("the result holds a number JSON cannot carry (NaN or Infinity):
                  "make the request's weights or advantages smaller")
 
 
-def publish(redis, outcome: Outcome, ttl_s: int) -> Outcome:
-    """Store a finished future (workers; the synchronous client). Returns what was stored: a result
-    that cannot be encoded is stored as a failure of category `user` naming the cause."""
+def publish(redis, outcome: Outcome, ttl_s: int, item: WorkItem) -> Outcome:
+    """Store the finished future of `item` (workers; the synchronous client). Returns what was
+    stored: a result that cannot be encoded is stored as a failure of category `user` naming the
+    cause."""
     try:
         fields = outcome.encode()
     except ValueError:
@@ -91,10 +100,16 @@ def publish(redis, outcome: Outcome, ttl_s: int) -> Outcome:
         fields = outcome.encode()
     key = future_key(outcome.request_id)
     pipe = redis.pipeline()
-    pipe.xadd(key, fields)
+    pipe.xadd(key, {**fields, "tenant": item.tenant_id, "kind": str(item.kind)})
     pipe.expire(key, ttl_s)
     pipe.execute()
     return outcome
+
+
+async def ready(redis, request_id: str) -> Outcome | None:
+    """The future's outcome if it is stored already; never waits."""
+    entries = await redis.xrange(future_key(request_id), count=1)
+    return Outcome.decode(request_id, entries[0][1]) if entries else None
 
 
 async def wait(redis, request_id: str, timeout_s: float) -> Outcome | None:

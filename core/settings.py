@@ -61,6 +61,9 @@ class ApiSettings(BaseSettings):
     max_tokens_per_request: int = Field(262_144, ge=1, description="model-input tokens in one request")
     long_poll_seconds: float = Field(30.0, gt=0, le=40, description="retrieve_future hold; SDK times out at 45")
     future_ttl_seconds: int = Field(24 * 3600, ge=60, description="how long results stay retrievable")
+    caller_cache_seconds: float = Field(
+        60.0, ge=0, le=3600, description="longest an API process keeps a key's principal, a tenant's spend or a "
+                                         "base in memory; changes drop them at once (api.caller_cache); 0 = off")
 
 
 class TrainerSettings(BaseSettings):

@@ -15,7 +15,7 @@ from fastapi.responses import RedirectResponse, StreamingResponse
 from api.dashboard import adapter_archive, sessions
 from api.dashboard.deps import Changing, LoggedIn, OperatorOnly, Viewer
 from api.dashboard.render import PageRoute, page
-from api.deps import Pool, RedisDep
+from api.deps import Callers, Pool, RedisDep
 from api.routes.billing import get_usage
 from core import catalog
 from core.errors import Forbidden, NotFound, Unauthenticated
@@ -187,10 +187,12 @@ async def create_key(request: Request, viewer: Changing, pool: Pool,
 
 
 @router.post("/keys/revoke")
-async def revoke_key(viewer: Changing, pool: Pool, prefix: Annotated[str, Form(max_length=40)] = ""):
+async def revoke_key(viewer: Changing, pool: Pool, callers: Callers, prefix: Annotated[str, Form(max_length=40)] = ""):
     """Revoke one of your keys by prefix. Revoking the key this session logged in with ends it."""
     async with pool.connection() as conn:
         await keys.revoke_key_async(conn, prefix, viewer.who.tenant_id)
+    # This process need not wait for the notification (api.caller_cache); the others get it.
+    callers.invalidate(f"tenant:{viewer.who.tenant_id}")
     return RedirectResponse("/dashboard/keys?" + urlencode({"revoked": prefix}), status_code=303)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -9,7 +11,7 @@ from api import tinker_proto
 from api.deps import Pool, RedisDep, Settings, Who
 from api.input_guard import GuardedRoute
 from api.schemas import RetrieveFutureRequest
-from core import queue
+from core import db, queue
 from core.errors import UserError
 from tenancy import scoped
 
@@ -34,17 +36,21 @@ async def retrieve_future(body: RetrieveFutureRequest, request: Request, who: Wh
     (`{"error", "category": "user"|"server", "request_id"}`), or `{"type": "try_again", ...}`.
     Forward/backward and sampling results come as protobuf when the client accepts
     `application/x-protobuf` (the tinker SDK does), as JSON otherwise."""
-    async with pool.connection() as conn:
-        row = await scoped.get_request(conn, who, body.request_id)
-    outcome = await queue.wait(redis, body.request_id, settings.long_poll_seconds)
-    if outcome is None:
-        if row["status"] in ("done", "failed"):
-            raise FutureExpired(f"the result of {body.request_id!r} has expired", field="request_id")
-        return {"type": "try_again", "request_id": body.request_id, "queue_state": "active",
-                "queue_state_reason": f"request is {row['status']}"}
+    # A finished future names its tenant (core.queue.publish): yours is answered from Redis alone.
+    outcome = await queue.ready(redis, body.request_id)
+    if outcome is None or outcome.tenant_id != who.tenant_id:
+        async with db.autocommit(pool) as conn:
+            row = await scoped.get_request(conn, who, body.request_id)  # 404 unless it is yours
+        outcome = outcome or await queue.wait(redis, body.request_id, settings.long_poll_seconds)
+        if outcome is None:
+            if row["status"] in ("done", "failed"):
+                raise FutureExpired(f"the result of {body.request_id!r} has expired", field="request_id")
+            return {"type": "try_again", "request_id": body.request_id, "queue_state": "active",
+                    "queue_state_reason": f"request is {row['status']}"}
+        outcome = dataclasses.replace(outcome, kind=row["kind"])
     if not outcome.ok:
         return JSONResponse(outcome.error)
-    encode = _PROTO_RESULTS.get(row["kind"])
+    encode = _PROTO_RESULTS.get(outcome.kind)
     if encode is not None and tinker_proto.wants_protobuf(request.headers.get("accept")):
         return Response(encode(outcome.result), media_type=tinker_proto.PROTOBUF)
     return outcome.result

@@ -12,7 +12,7 @@ from api.schemas import (
     FinishSessionRequest,
     SessionHeartbeatRequest,
 )
-from core import ids
+from core import db, ids
 from core.errors import UserError
 from tenancy import scoped
 
@@ -27,7 +27,7 @@ class SessionFinished(UserError):
 async def create_session(body: CreateSessionRequest, who: Who, pool: Pool) -> dict:
     """Open a session; models and samplers are created inside one."""
     session_id = ids.new_session_id()
-    async with pool.connection() as conn:
+    async with db.autocommit(pool) as conn:
         await records.insert_session(conn, who, session_id, tags=body.tags, user_metadata=body.user_metadata,
                                      sdk_version=body.sdk_version)
     return {"session_id": session_id, "type": "create_session"}

@@ -8,8 +8,8 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from api import admission, datums, records, seq_gaps, tinker_proto
-from api.deps import Pool, RedisDep, Settings, Who
+from api import admission, caller_cache, datums, records, seq_gaps, tinker_proto
+from api.deps import Callers, Pool, RedisDep, Settings, Who
 from api.input_guard import GuardedRoute
 from api.schemas import (
     CreateModelRequest,
@@ -19,7 +19,7 @@ from api.schemas import (
     OptimStepRequest,
     SaveWeightsRequest,
 )
-from core import architectures, catalog, health, ids
+from core import architectures, catalog, db, health, ids
 from core.checkpoint_files import TRAINING_KIND, new_version_dir
 from core.errors import Forbidden, InvalidInput, NotFound
 from core.loss_spec import spec_of
@@ -97,14 +97,19 @@ async def create_model(body: CreateModelRequest, who: Who, pool: Pool, redis: Re
 
 
 @router.post("/get_info")
-async def get_info(body: ModelRef, who: Who, pool: Pool, redis: RedisDep) -> dict:
+async def get_info(body: ModelRef, who: Who, pool: Pool, redis: RedisDep, callers: Callers) -> dict:
     """Describe a training model (not a future). `tokenizer_id` is the hub id of a hub base (so the
     tinker SDK and cookbook load the real tokenizer) and the local path of a local one.
     `status` is `recovering` from the moment its trainer is gone (no heartbeat) until the restarted
     trainer has restored it and replayed its requests since the last snapshot; then `ready`."""
-    async with pool.connection() as conn:
-        model = await scoped.get_model(conn, who, body.model_id)
-        base = await catalog.get_model(conn, model["base_model"])
+    model = callers.get("model", body.model_id)
+    base = callers.get("base", model["base_model"]) if model and model["tenant_id"] == who.tenant_id else None
+    if base is None:
+        generation = callers.generation
+        async with db.autocommit(pool) as conn:
+            model = await scoped.get_model(conn, who, body.model_id)
+            base = await caller_cache.base_model(callers, conn, model["base_model"])
+        callers.put(generation, "model", body.model_id, model)
     status = model["status"]
     if status == "ready" and not await redis.exists(health.trainer_key(base.name)):
         status = "recovering"
