@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -354,6 +354,13 @@ class LoraBackend:
     def save(self, model_id: str, directory: str, *, overwrite: bool, with_optimizer: bool = True) -> int:
         """Write the adapter in PEFT format (what vLLM loads), plus optimizer state for training
         checkpoints; returns bytes written. Atomic: written beside the target, then renamed."""
+        return self.export(model_id, directory, overwrite=overwrite, with_optimizer=with_optimizer)()
+
+    def export(self, model_id: str, directory: str, *, overwrite: bool, with_optimizer: bool = True) -> Callable[[], int]:
+        """`save`, in two halves: this call takes what will be written (references, no copy) and
+        checks the target; the function it returns writes it, from any thread. Until that has
+        returned, nothing may change the adapter's weights or optimizer state in place: no
+        optim_step and no load of this model (batcher.exports keeps to that)."""
         from safetensors.torch import save_file
 
         self.ensure_resident([model_id])
@@ -361,22 +368,30 @@ class LoraBackend:
         dest = Path(directory)
         if dest.exists() and not overwrite:
             raise Conflict(f"checkpoint {dest.name!r} already exists; pass overwrite=True to replace it", field="path")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
-        try:
-            state = {k: v.detach().contiguous().cpu() for k, v in self.adapter_state(model_id).items()}
-            save_file(state, str(tmp / ADAPTER_WEIGHTS))
-            self._peft_config(adapter).save_pretrained(str(tmp))
-            if with_optimizer:
-                torch.save(adapter.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-            TrainerMeta(adapter.lora_config, adapter.steps).write(tmp)
-            if dest.exists():
-                shutil.rmtree(dest)
-            tmp.rename(dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return sum(f.stat().st_size for f in dest.iterdir())
+        # detach(): tensors of their own over today's storage, whatever later rebinds the parameters (parking).
+        state = {k: v.detach() for k, v in self.adapter_state(model_id).items()}
+        config = self._peft_config(adapter)
+        optimizer = adapter.optimizer.state_dict() if with_optimizer else None
+        meta = TrainerMeta(dict(adapter.lora_config), adapter.steps)
+
+        def write() -> int:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
+            try:
+                save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp / ADAPTER_WEIGHTS))
+                config.save_pretrained(str(tmp))
+                if optimizer is not None:
+                    torch.save(optimizer, tmp / OPTIMIZER_FILE)
+                meta.write(tmp)
+                if dest.exists():
+                    shutil.rmtree(dest)
+                tmp.rename(dest)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            return sum(f.stat().st_size for f in dest.iterdir())
+
+        return write
 
     def load(self, model_id: str, directory: str, *, optimizer: bool) -> None:
         """Load a checkpoint into an existing model with the same LoRA shape; clears gradients.

@@ -22,6 +22,7 @@ import psycopg
 import torch
 
 from batcher.backend import LoraBackend, PassRequest
+from batcher.exports import Exports
 from batcher.policy import FairShare, RoundPlan, plan_round
 from batcher.queues import Added, ModelQueues
 from batcher.snapshots import SnapshotStore
@@ -65,6 +66,7 @@ T = TypeVar("T")
 LIVENESS_TTL_S = 60
 RECLAIM_IDLE_MS = 15_000
 RECLAIM_EVERY_S = 5.0
+EXPORT_POLL_MS = 5
 
 
 class TrainerWorker:
@@ -94,6 +96,7 @@ class TrainerWorker:
                                        liveness_ttl_s=LIVENESS_TTL_S, reclaim_idle_ms=RECLAIM_IDLE_MS,
                                        what="trained", finished=self._finished_ids)
         self.queues = ModelQueues()
+        self.exports = Exports()  # sampler weights being written off the loop (batcher.exports)
         self.heartbeat = health.Heartbeat(redis, health.trainer_key(base_model))
         self.deficits: dict[str, float] = {}  # fair-share state carried between rounds
         self._weights: dict[str, float] = {}
@@ -106,8 +109,7 @@ class TrainerWorker:
         self._barriers: dict[WorkKind, Callable[[WorkItem], dict]] = {
             WorkKind.CREATE_MODEL: self._create,
             WorkKind.OPTIM_STEP: self._optim_step,
-            WorkKind.SAVE_WEIGHTS: self._save,
-            WorkKind.SAVE_WEIGHTS_FOR_SAMPLER: self._save,
+            WorkKind.SAVE_WEIGHTS: self._save,  # SAVE_WEIGHTS_FOR_SAMPLER: _start_export, off the loop
             WorkKind.LOAD_WEIGHTS: self._load,
             WorkKind.REJECTED: self._rejected,
         }
@@ -180,7 +182,10 @@ class TrainerWorker:
         try:
             while not self.stopping:
                 self.step()
+            self.exports.wait_for()
+            self._finish_exports()
         finally:
+            self.exports.close()
             self.heartbeat.stop()
 
     def _plan(self) -> RoundPlan:
@@ -196,6 +201,7 @@ class TrainerWorker:
         plan = self._plan()
         started = time.monotonic()
         self.stats["wait_s"] += started - waited
+        self._finish_exports()
         if plan.empty:
             if self.recovering:  # a replay that cannot run (given up, dropped) must not hold the state
                 self._mark_recovered()
@@ -204,6 +210,7 @@ class TrainerWorker:
             return False
         self.deficits = dict(plan.deficits)
         self._execute(plan)
+        self._finish_exports()
         compute_s = time.monotonic() - started
         self.stats["busy_s"] += compute_s
         self.stats["rounds"] += 1
@@ -216,7 +223,9 @@ class TrainerWorker:
     def _gather(self, *, block: bool) -> None:
         """Take in what has arrived (blocking only when `block`), and every RECLAIM_EVERY_S what dead
         trainers held; safe to repeat."""
-        arrived = self.consumer.read(block_ms=self.block_ms if block else None)
+        # While files are being written, look back soon: their saves are answered from this loop.
+        block_ms = min(self.block_ms, EXPORT_POLL_MS) if self.exports else self.block_ms
+        arrived = self.consumer.read(block_ms=block_ms if block else None)
         while arrived:  # a blocking read returns on the first entry: drain what came with it
             faults.crash_point("trainer.after_read")
             self._ingest(arrived)
@@ -284,7 +293,17 @@ class TrainerWorker:
                 self._finish(d, outcome, metrics=self._step_metrics(d.item, outcome))
         for p in plan.barriers:
             d = taken[p.request_id]
-            outcome = {} if self._answered_without_effect(d) else self._barrier(d.item)
+            if d.item.kind in (WorkKind.OPTIM_STEP, WorkKind.LOAD_WEIGHTS):  # they change weights in place
+                self.exports.wait_for(d.item.model_id)
+                self._finish_exports()
+            if self._answered_without_effect(d):
+                outcome = {}
+            elif d.item.kind is WorkKind.SAVE_WEIGHTS_FOR_SAMPLER:
+                outcome = self._start_export(d)
+                if outcome is None:
+                    continue  # answered once written (_finish_exports)
+            else:
+                outcome = self._barrier(d.item)
             if d.item.kind is WorkKind.OPTIM_STEP:
                 faults.crash_point("trainer.after_optim")
             self._finish(d, outcome)
@@ -362,24 +381,58 @@ class TrainerWorker:
         raise UserError(work.error, field=work.field)
 
     def _save(self, item: WorkItem) -> dict:
-        """Training checkpoints carry optimizer state; sampler weights are the adapter alone,
-        tagged with the policy version they were taken at."""
+        """A training checkpoint (weights and optimizer state), written here, in the loop."""
+        write, result = self._save_job(item)
+        return self._saved(item, write(), result)
+
+    def _start_export(self, d: Delivery) -> QuiltError | None:
+        """Sampler weights (the adapter alone, tagged with the policy version they were taken at):
+        checked and taken here, written by the export thread, answered by `_finish_exports`."""
+        try:
+            write, result = self._save_job(d.item)
+        except Exception as exc:
+            return _as_error(d.item, exc)
+
+        def written() -> int:
+            faults.crash_point("trainer.during_export")
+            return write()
+
+        self.exports.start(d.item.model_id, written, (d, result))
+        return None
+
+    def _finish_exports(self) -> None:
+        for export in self.exports.finished():
+            d, result = export.context
+            try:
+                outcome = self._saved(d.item, export.future.result(), result)
+            except Exception as exc:
+                outcome = _as_error(d.item, exc)
+            self._finish(d, outcome)
+
+    def _save_job(self, item: WorkItem) -> tuple[Callable[[], int], dict]:
+        """What a save writes (LoraBackend.export) and the answer it will give."""
         work: SaveWeights = item.body
         for_sampler = item.kind is WorkKind.SAVE_WEIGHTS_FOR_SAMPLER
         kind = SAMPLER_KIND if for_sampler else TRAINING_KIND
         # Every save gets a new directory (core.checkpoint_files), so "exists" is a question for the records.
         if not work.overwrite and self._db_call(records.checkpoint_exists, item.model_id, kind, work.name):
             raise Conflict(f"checkpoint {work.name!r} already exists; pass overwrite=True to replace it", field="path")
-        size = self.backend.save(item.model_id, work.storage_path, overwrite=work.overwrite,
-                                 with_optimizer=not for_sampler)
-        self._db_call(records.upsert_checkpoint, tenant_id=item.tenant_id, model_id=item.model_id, kind=kind,
-                      name=work.name, storage_path=work.storage_path, size_bytes=size, ttl_s=work.ttl_s,
-                      sliding=work.sliding, grace_s=get_core_settings().superseded_version_grace_s)
+        write = self.backend.export(item.model_id, work.storage_path, overwrite=work.overwrite,
+                                    with_optimizer=not for_sampler)
         result = {"type": str(item.kind), "path": ids.tinker_path(item.model_id, kind, work.name)}
         if for_sampler:
             result["policy_version"] = self.backend.policy_version(item.model_id)
             if work.sampling_session_id:
                 result["sampling_session_id"] = work.sampling_session_id
+        return write, result
+
+    def _saved(self, item: WorkItem, size: int, result: dict) -> dict:
+        """Record a written checkpoint; returns the save's answer."""
+        work: SaveWeights = item.body
+        kind = SAMPLER_KIND if item.kind is WorkKind.SAVE_WEIGHTS_FOR_SAMPLER else TRAINING_KIND
+        self._db_call(records.upsert_checkpoint, tenant_id=item.tenant_id, model_id=item.model_id, kind=kind,
+                      name=work.name, storage_path=work.storage_path, size_bytes=size, ttl_s=work.ttl_s,
+                      sliding=work.sliding, grace_s=get_core_settings().superseded_version_grace_s)
         return result
 
     # ------------------------------------------------------------------ results

@@ -7,10 +7,16 @@
    its adapters parked before it against the same pass with them resident, and the time to bring
    one parked adapter back.
 2. Publication: 4 tenants, each step = one fused forward_backward + an optim_step and a
-   save_weights_for_sampler per tenant (rank 32), as quilt.rl and the cookbook do. Printed: the
-   share of the trainer's busy time spent exporting, and publish-to-first-token p50/p95: from the
-   start of the export to the first token sampled with the new version by the real engine
-   (gen_pool.engine) while it is busy with the other tenants' rollouts.
+   save_weights_for_sampler per tenant (rank 32), as quilt.rl and the cookbook do, the trainer at
+   most two steps ahead of the sampler (async RL). Side by side: the files written in the
+   trainer's loop (as before batcher.exports) and off it (as batcher.worker does now). Printed:
+   the share of the trainer's busy time spent exporting (in the loop: the writes; off it: taking
+   the tensors, and any wait of an optim_step for its model's write), the trainer's step time, and
+   publish-to-first-token p50/p95: from the start of the export to the first token sampled with
+   the new version by the real engine (gen_pool.engine) while it is busy with four long rollouts.
+   Which regime favours writing off the loop: many tenants per pass (each pass no longer waits for
+   every tenant's files); which does not: one tenant that samples right after each save, which
+   waits for its files either way.
 
 On a CPU-only machine the offload device is the host too, so parking moves nothing (only the
 bookkeeping); the bytes a GPU would copy are printed instead. Which regime favours this design:
@@ -26,11 +32,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import itertools
 import json
 import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +48,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from batcher.backend import LoraBackend, PassRequest  # noqa: E402
+from batcher.exports import Exports  # noqa: E402
 from bench.table import print_rows  # noqa: E402
 from bench.trainer_fusion import build_base, datum, run_pass  # noqa: E402
 from core.loss_spec import LossConfig  # noqa: E402
@@ -97,8 +107,91 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-async def publication(tmp: str, root: Path, steps: int) -> dict:
-    from gen_pool.engine import GenEngine, SeqRequest
+def _trainer(be: LoraBackend, tenants: list[str], steps: int, root: Path, tag: str, background: bool,
+             publish, gate: threading.Semaphore) -> dict:
+    """The trainer's side of the RL loop (a thread): per step one fused forward_backward, an
+    optim_step and a save_weights_for_sampler per tenant, as batcher.worker runs them: inline, or
+    with the files written by batcher.exports while the loop goes on (an optim_step waits for its
+    model's export). `gate` keeps it at most two steps ahead of the sampler (async RL)."""
+    exports = Exports() if background else None
+    busy_s = export_s = 0.0
+    for step in range(steps):
+        gate.acquire()
+        t0 = time.perf_counter()
+        outs = be.run_pass([PassRequest(f"r{m}", m, PassWork("cross_entropy", LossConfig(), (datum(100 * step + i),)),
+                                        False) for i, m in enumerate(tenants)])
+        assert all(isinstance(o, dict) for o in outs), outs
+        for m in tenants:
+            if exports is not None:
+                w0 = time.perf_counter()
+                exports.wait_for(m)
+                export_s += time.perf_counter() - w0
+            be.optim_step(m, ADAM)
+        if exports is not None:
+            exports.finished()  # the worker answers these saves here; the sampler side waits on their futures
+        for m in tenants:
+            e0 = time.perf_counter()
+            path = root / f"{tag}-{m}-v{step}"
+            if exports is not None:
+                written = exports.start(m, be.export(m, str(path), overwrite=False, with_optimizer=False), None).future
+            else:
+                be.save(m, str(path), overwrite=False, with_optimizer=False)
+                written = concurrent.futures.Future()
+                written.set_result(0)
+            export_s += time.perf_counter() - e0
+            publish((m, path, e0, written))
+        busy_s += time.perf_counter() - t0
+    if exports is not None:
+        exports.close()
+    return {"busy_s": busy_s, "export_s": export_s}
+
+
+async def publication(be: LoraBackend, engine, tenants: list[str], root: Path, steps: int, *, background: bool) -> dict:
+    """Run the trainer thread against the real engine, which is kept busy with four long rollouts;
+    each published version is loaded once written and timed from the export's start to its first
+    sampled token."""
+    from gen_pool.engine import SeqRequest
+
+    loop = asyncio.get_running_loop()
+    arrived: asyncio.Queue = asyncio.Queue()
+    gate = threading.Semaphore(2)
+    tag = "bg" if background else "inline"
+    trainer = loop.run_in_executor(None, _trainer, be, tenants, steps, root, tag, background,
+                                   lambda item: loop.call_soon_threadsafe(arrived.put_nowait, item), gate)
+    busy_spec = SamplingSpec(max_tokens=400, eos_stops=False)
+
+    async def keep_busy(k: int) -> None:
+        for n in itertools.count():
+            await engine.generate(SeqRequest(f"bg-{tag}-{k}-{n}", (5, 6, 7), busy_spec, k))
+
+    background_work = [asyncio.create_task(keep_busy(k)) for k in range(4)]
+    first_token: list[float] = []
+    try:
+        for n in range(steps * len(tenants)):
+            m, path, e0, written = await arrived.get()
+            await asyncio.wrap_future(written)
+            ref = AdapterRef(key=str(path), path=str(path), model_id=m, name=m)
+            await engine.load(ref)
+            await engine.generate(SeqRequest(f"p-{tag}-{n}", (5, 6, 7), SamplingSpec(max_tokens=1), None, ref))
+            first_token.append(time.perf_counter() - e0)
+            if n % len(tenants) == len(tenants) - 1:
+                gate.release()
+        times = await trainer
+    finally:
+        for task in background_work:
+            task.cancel()
+        await asyncio.gather(*background_work, return_exceptions=True)
+    first_token.sort()
+    return {"steps": steps, "export_share_of_busy": times["export_s"] / times["busy_s"],
+            "export_ms_per_publish": 1000 * times["export_s"] / (steps * len(tenants)),
+            "step_ms": 1000 * times["busy_s"] / steps,
+            "publish_to_first_token_ms_p50": 1000 * statistics.median(first_token),
+            "publish_to_first_token_ms_p95": 1000 * first_token[max(0, int(0.95 * len(first_token)) - 1)]}
+
+
+async def publications(tmp: str, root: Path, steps: int) -> dict[str, dict]:
+    """Both ways, side by side on one engine: the files written in the loop, and off it."""
+    from gen_pool.engine import GenEngine
     from gen_pool.settings import GenPoolSettings
 
     be = LoraBackend(tmp, max_tokens_per_pass=1 << 20)
@@ -107,40 +200,12 @@ async def publication(tmp: str, root: Path, steps: int) -> dict:
         be.create(t, LoraShape(rank=32, seed=i))
     engine = await GenEngine.start(tmp, GenPoolSettings(max_loras=6, max_cpu_loras=64, max_lora_rank=32,
                                                         concurrency_target=16, max_model_len=512), root / "work")
-    busy_spec = SamplingSpec(max_tokens=400, eos_stops=False)
-    busy_s = export_s = 0.0
-    first_token: list[float] = []
     try:
-        for step in range(steps):
-            t0 = time.perf_counter()
-            train_once(be, tenants, 100 * step)
-            compute = time.perf_counter() - t0
-            exports = []
-            for t in tenants:
-                e0 = time.perf_counter()
-                path = root / f"{t}-v{step}"
-                be.save(t, str(path), overwrite=False, with_optimizer=False)
-                exports.append((t, path, e0, time.perf_counter() - e0))
-            step_export = sum(x[3] for x in exports)
-            busy_s += compute + step_export
-            export_s += step_export
-            # The sampler is busy with long rollouts of the previous versions while the new ones arrive.
-            background = [asyncio.create_task(engine.generate(SeqRequest(f"bg-{step}-{k}", (5, 6, 7), busy_spec, k)))
-                          for k in range(4)]
-            for t, path, e0, _ in exports:
-                ref = AdapterRef(key=str(path), path=str(path), model_id=t, name=t)
-                await engine.load(ref)
-                await engine.generate(SeqRequest(f"p-{step}-{t}", (5, 6, 7), SamplingSpec(max_tokens=1), None, ref))
-                first_token.append(time.perf_counter() - e0)
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+        await publication(be, engine, tenants, root, 2, background=True)  # warm-up: first loads, first passes
+        return {"inline": await publication(be, engine, tenants, root, steps, background=False),
+                "background": await publication(be, engine, tenants, root, steps, background=True)}
     finally:
         engine.shutdown()
-    first_token.sort()
-    return {"steps": steps, "export_share_of_busy": export_s / busy_s, "export_ms_per_publish":
-            1000 * export_s / (steps * len(tenants)), "publish_to_first_token_ms_p50": 1000 * statistics.median(first_token),
-            "publish_to_first_token_ms_p95": 1000 * first_token[max(0, int(0.95 * len(first_token)) - 1)]}
 
 
 def main() -> None:
@@ -154,7 +219,7 @@ def main() -> None:
         base = str(root / "base")
         _with_tokenizer(base)
         many = many_models(base, n_models, 64)
-        pub = asyncio.run(publication(base, root, steps))
+        pubs = asyncio.run(publications(base, root, steps))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     mib = 2**20
@@ -171,18 +236,24 @@ def main() -> None:
             ("bring one parked adapter back (this host)", f"{1e6 * many['bring_back_s']:.0f} us"),
             ("... on a GPU: host-to-device bytes at 25 GB/s", f"{many['bytes_parked'] / 25e9 * 1e3:.2f} ms")]
     print_rows(rows, indent="  ")
+    pub = pubs["background"]
     print(f"\n2. publication: 4 tenants x {pub['steps']} steps, each forward_backward + optim_step + "
-          "save_weights_for_sampler (rank 32)")
-    rows = [("export share of trainer busy time", f"{pub['export_share_of_busy']:.1%}"),
-            ("export per publish", f"{pub['export_ms_per_publish']:.1f} ms"),
-            ("publish-to-first-token p50", f"{pub['publish_to_first_token_ms_p50']:.0f} ms"),
-            ("publish-to-first-token p95", f"{pub['publish_to_first_token_ms_p95']:.0f} ms")]
-    print_rows(rows, indent="  ")
+          "save_weights_for_sampler (rank 32); files written in the trainer's loop / off it (batcher.exports)")
+    print(f"  {'':<42}{'in the loop':>14}{'off the loop':>14}")
+    for label, key, fmt in (("export share of trainer busy time", "export_share_of_busy", "{:.1%}"),
+                            ("trainer time exporting, per publish (ms)", "export_ms_per_publish", "{:.1f}"),
+                            ("trainer step, 4 tenants (ms)", "step_ms", "{:.0f}"),
+                            ("publish-to-first-token p50 (ms)", "publish_to_first_token_ms_p50", "{:.0f}"),
+                            ("publish-to-first-token p95 (ms)", "publish_to_first_token_ms_p95", "{:.0f}")):
+        print(f"  {label:<42}{fmt.format(pubs['inline'][key]):>14}{fmt.format(pub[key]):>14}")
     print(json.dumps({"models": many["models"], "in_pass": many["in_pass"], "bytes_per_adapter": many["bytes_resident"],
                       "pass_parked_over_resident": round(many["pass_parked_s"] / many["pass_resident_s"], 3),
                       "bring_back_us": round(1e6 * many["bring_back_s"], 1),
                       "export_share_of_busy": round(pub["export_share_of_busy"], 4),
-                      "publish_to_first_token_ms_p95": round(pub["publish_to_first_token_ms_p95"], 1)}))
+                      "export_share_of_busy_inline": round(pubs["inline"]["export_share_of_busy"], 4),
+                      "step_ms_over_inline": round(pub["step_ms"] / pubs["inline"]["step_ms"], 3),
+                      "publish_to_first_token_ms_p95": round(pub["publish_to_first_token_ms_p95"], 1),
+                      "publish_to_first_token_ms_p95_inline": round(pubs["inline"]["publish_to_first_token_ms_p95"], 1)}))
 
 
 def _with_tokenizer(base: str) -> None:

@@ -2,11 +2,14 @@
 
 A stack of its own runs with every trainer crash point armed: after entries are read, after a
 fused pass is computed, after an optimizer step is applied, after a snapshot is written, after a
-result is published and after it is settled. Each fires once (the launcher restarts the trainer,
+result is published, after it is settled, and while sampler weights are being written off the
+loop (batcher.exports). Each fires once (the launcher restarts the trainer,
 which goes on past it), while one model takes three steps. The saved state equals the
 uninterrupted run, every request is answered once in the client's eyes, and billed once."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from billing_workload import wait_recorded
@@ -19,7 +22,7 @@ from stack.ephemeral import ephemeral_stack, new_tenant
 pytestmark = pytest.mark.stack
 
 POINTS = ("trainer.after_read", "trainer.after_pass", "trainer.after_optim", "trainer.after_snapshot",
-          "trainers.after_publish", "trainers.after_settle")
+          "trainers.after_publish", "trainers.after_settle", "trainer.during_export")
 
 
 @pytest.mark.timeout(1200)
@@ -41,6 +44,12 @@ def test_a_trainer_killed_at_every_crash_point_loses_nothing():
                     result = wait_future(c, r.json()["request_id"], timeout_s=300)
                     assert "error" not in result, (route, result)
                 seq += 2
+            # Killed while the export thread writes the sampler weights: the save is answered after the
+            # restart (replayed), with the version it was taken at, and its files are whole.
+            r = c.post("/save_weights_for_sampler", json={"model_id": model_id, "seq_id": seq, "path": "policy"})
+            published = wait_future(c, r.json()["request_id"], timeout_s=300)
+            assert published.get("policy_version") == len(SEQS), published
+            seq += 1
             r = c.post("/save_weights", json={"model_id": model_id, "seq_id": seq, "path": "crash-points"})
             assert "error" not in wait_future(c, r.json()["request_id"], timeout_s=300)
 
@@ -49,6 +58,8 @@ def test_a_trainer_killed_at_every_crash_point_loses_nothing():
         wait_recorded(stack.database_url, [tenant_id])
         with db.connect(stack.database_url) as conn:
             base_path = catalog.get_model_sync(conn, TINY).path
+            sampler = conn.execute("SELECT storage_path FROM checkpoints WHERE model_id = %s AND name = 'policy'",
+                                   (model_id,)).fetchone()["storage_path"]
             storage = conn.execute("SELECT storage_path FROM checkpoints WHERE model_id = %s AND name = 'crash-points'",
                                    (model_id,)).fetchone()["storage_path"]
             billed = conn.execute(
@@ -57,5 +68,6 @@ def test_a_trainer_killed_at_every_crash_point_loses_nothing():
         assert fired == sorted(POINTS)  # every window was hit
         assert restarts == len(POINTS)
         assert {(b["status"], b["n"]) for b in billed} == {("done", 1)}, billed
-        assert len(billed) == 1 + 2 * len(SEQS) + 1  # create, three passes and steps, the save
+        assert len(billed) == 1 + 2 * len(SEQS) + 2  # create, three passes and steps, the two saves
         assert_equals_reference(storage, base_path)
+        assert {p.name for p in Path(sampler).iterdir()} >= {"adapter_model.safetensors", "adapter_config.json"}
