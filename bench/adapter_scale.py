@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import concurrent.futures
 import itertools
 import json
@@ -146,7 +147,8 @@ def _trainer(be: LoraBackend, tenants: list[str], steps: int, root: Path, tag: s
     return {"busy_s": busy_s, "export_s": export_s}
 
 
-async def publication(be: LoraBackend, engine, tenants: list[str], root: Path, steps: int, *, background: bool) -> dict:
+async def publication(be: LoraBackend, engine, tenants: list[str], root: Path, steps: int, *, background: bool,
+                      tag: str) -> dict:
     """Run the trainer thread against the real engine, which is kept busy with four long rollouts;
     each published version is loaded once written and timed from the export's start to its first
     sampled token."""
@@ -155,7 +157,6 @@ async def publication(be: LoraBackend, engine, tenants: list[str], root: Path, s
     loop = asyncio.get_running_loop()
     arrived: asyncio.Queue = asyncio.Queue()
     gate = threading.Semaphore(2)
-    tag = "bg" if background else "inline"
     trainer = loop.run_in_executor(None, _trainer, be, tenants, steps, root, tag, background,
                                    lambda item: loop.call_soon_threadsafe(arrived.put_nowait, item), gate)
     busy_spec = SamplingSpec(max_tokens=400, eos_stops=False)
@@ -166,17 +167,32 @@ async def publication(be: LoraBackend, engine, tenants: list[str], root: Path, s
 
     background_work = [asyncio.create_task(keep_busy(k)) for k in range(4)]
     first_token: list[float] = []
+    answered = collections.Counter()
+
+    async def first_token_of(n: int, m: str, path: Path, e0: float, written, step: int) -> None:
+        # Each tenant samples on its own: the versions of one step are loaded side by side.
+        await asyncio.wrap_future(written)
+        ref = AdapterRef(key=str(path), path=str(path), model_id=m, name=m)
+        await engine.load(ref)
+        await engine.generate(SeqRequest(f"p-{tag}-{n}", (5, 6, 7), SamplingSpec(max_tokens=1), None, ref))
+        first_token.append(time.perf_counter() - e0)
+        answered[step] += 1
+        if answered[step] == len(tenants):
+            gate.release()
+
+    measuring = []
     try:
         for n in range(steps * len(tenants)):
-            m, path, e0, written = await arrived.get()
-            await asyncio.wrap_future(written)
-            ref = AdapterRef(key=str(path), path=str(path), model_id=m, name=m)
-            await engine.load(ref)
-            await engine.generate(SeqRequest(f"p-{tag}-{n}", (5, 6, 7), SamplingSpec(max_tokens=1), None, ref))
-            first_token.append(time.perf_counter() - e0)
-            if n % len(tenants) == len(tenants) - 1:
-                gate.release()
+            got = asyncio.ensure_future(arrived.get())
+            await asyncio.wait([got, trainer], return_when=asyncio.FIRST_COMPLETED)
+            if not got.done():  # the trainer stopped early: say why
+                got.cancel()
+                await trainer
+                raise RuntimeError("the trainer thread ended before publishing every version")
+            m, path, e0, written = got.result()
+            measuring.append(asyncio.create_task(first_token_of(n, m, path, e0, written, n // len(tenants))))
         times = await trainer
+        await asyncio.gather(*measuring)
     finally:
         for task in background_work:
             task.cancel()
@@ -201,9 +217,9 @@ async def publications(tmp: str, root: Path, steps: int) -> dict[str, dict]:
     engine = await GenEngine.start(tmp, GenPoolSettings(max_loras=6, max_cpu_loras=64, max_lora_rank=32,
                                                         concurrency_target=16, max_model_len=512), root / "work")
     try:
-        await publication(be, engine, tenants, root, 2, background=True)  # warm-up: first loads, first passes
-        return {"inline": await publication(be, engine, tenants, root, steps, background=False),
-                "background": await publication(be, engine, tenants, root, steps, background=True)}
+        await publication(be, engine, tenants, root, 2, background=True, tag="warm")  # first loads, first passes
+        return {"inline": await publication(be, engine, tenants, root, steps, background=False, tag="inline"),
+                "background": await publication(be, engine, tenants, root, steps, background=True, tag="bg")}
     finally:
         engine.shutdown()
 

@@ -189,6 +189,8 @@ def _table(title: str, merged: dict[str, list]) -> tuple[dict, int, list, list]:
     print(f"{'call':<18}{'count':>8}{'429':>6}{'errors':>8}{'p50 ms':>9}{'p99 ms':>9}{'app p50':>9}{'app p99':>9}")
     summary, errors, cheap, cheap_app = {}, 0, [], []
     for name, values in merged.items():
+        if not values:
+            continue
         ok = [v for v in values if v[0] >= 0]
         limited = sum(1 for v in values if v[0] == -429)
         bad = len(values) - len(ok) - limited
@@ -212,11 +214,11 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=1, help="load-generator processes")
     parser.add_argument("--submit-every", type=int, default=20, help="every Nth call submits a forward_backward")
     parser.add_argument("--paced-share", type=float, default=0.5, help="phase 2's rate, a share of phase 1's")
-    parser.add_argument("--api-workers", type=int, default=1, help="API processes (QUILT_API_WORKERS)")
+    parser.add_argument("--api-workers", type=int, default=1, help="API processes (QUILT_WORKERS)")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2)
     args = parser.parse_args()
 
-    with ephemeral_stack({"QUILT_API_WORKERS": str(args.api_workers)}) as stack:
+    with ephemeral_stack({"QUILT_WORKERS": str(args.api_workers)}) as stack:
         tenants = prepare_tenants(stack, args.tenants)
         api = _api_processes(stack.base_url)
         cpus = sorted(os.sched_getaffinity(0))

@@ -180,3 +180,34 @@ def test_bad_adapter_fails_only_its_request(stack, tenant):
             sampler.sample(PROMPT, 1, quilt.SamplingParams(max_tokens=3)).result()
         good = tc.save_weights_and_get_sampling_client()
         assert len(good.sample(PROMPT, 2, quilt.SamplingParams(max_tokens=3)).result().sequences) == 2
+
+
+def test_published_weights_are_those_of_their_place_in_order_whatever_follows(stack, tenant):
+    """Sampler weights are written off the trainer's loop (batcher.exports): an optim_step sent
+    right behind the save, without waiting, must not reach into the files being written."""
+    from safetensors.torch import load_file
+    from stackutil import ADAM, datum, fb_body, new_model
+
+    from core import db
+
+    client = stack.http(tenant.key)
+    model_id = new_model(client, rank=8, seed=2)
+    steps = [("/forward_backward", fb_body(model_id, 1, [datum([5, 6, 7, 8, 9, 10])])),
+             ("/optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": ADAM}),
+             ("/forward_backward", fb_body(model_id, 3, [datum([9, 8, 7, 6, 5, 4])])),
+             ("/save_weights_for_sampler", {"model_id": model_id, "seq_id": 4, "path": "in-order"}),
+             ("/save_weights", {"model_id": model_id, "seq_id": 5, "path": "in-order-ref"}),
+             ("/optim_step", {"model_id": model_id, "seq_id": 6, "adam_params": ADAM}),
+             ("/save_weights", {"model_id": model_id, "seq_id": 7, "path": "after"})]
+    futures = [client.post(route, json=body).json()["request_id"] for route, body in steps]  # all at once
+    results = [wait_future(client, f) for f in futures]
+    assert all("error" not in r for r in results), results
+    assert results[3]["policy_version"] == 1
+    with db.connect(stack.database_url) as conn:
+        paths = {r["name"]: r["storage_path"] for r in conn.execute(
+            "SELECT name, storage_path FROM checkpoints WHERE model_id = %s", (model_id,)).fetchall()}
+    published, ref, after = (load_file(str(Path(paths[n]) / "adapter_model.safetensors"))
+                             for n in ("in-order", "in-order-ref", "after"))
+    assert published.keys() == ref.keys()
+    assert all((published[k] == ref[k]).all() for k in ref)  # the weights at seq_id 4, bit for bit
+    assert any((published[k] != after[k]).any() for k in ref)  # and the step after it changed them
