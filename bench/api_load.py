@@ -20,7 +20,9 @@ result-ready-to-response path), plus a `forward_backward` submission every `--su
 
 With `--pin` (the default where there are at least 2 CPUs) the API process runs on CPU 0 and
 everything else (clients, Postgres, Redis, workers) on the others, so clients do not steal the
-API's core. The clients use aiohttp: an httpx client in this loop spent more CPU per call than the
+API's core, and the workers run at the lowest priority there (in a deployment they have machines
+of their own; here the trainer running the submitted passes would otherwise take the core that
+Postgres and Redis answer the API from). The clients use aiohttp: an httpx client in this loop spent more CPU per call than the
 API did (about 1,100 calls/s from a whole core against a trivial FastAPI app, aiohttp 6,000).
 Ends with one JSON line.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -80,8 +83,9 @@ CALLS = ("get_info", "create_session", "retrieve_future")
 
 async def _client(session: aiohttp.ClientSession, base_url: str, tenant: dict, seq: list[int], stride: int,
                   stop_at: float, submit_every: int, rate: float, rng: random.Random) -> dict[str, list]:
-    """One client's bounded loop; returns {call: [(latency_s, app_s) or (-status, 0)]}. With a
-    rate, calls start at Poisson arrival times (a late call does not push the next one back)."""
+    """One client's bounded loop; returns {call: [(latency_s, app_s) or (-status, 0)]} and leaves
+    its next seq_id in `seq`. With a rate, calls start at Poisson arrival times (a late call does
+    not push the next one back)."""
     seen: dict[str, list] = {name: [] for name in (*CALLS, "forward_backward")}
     bodies = {"get_info": {"model_id": tenant["model_id"]}, "create_session": {},
               "retrieve_future": {"request_id": tenant["finished"]}}
@@ -114,7 +118,7 @@ async def _client(session: aiohttp.ClientSession, base_url: str, tenant: dict, s
         seen[name].append((elapsed, app_s) if status == 200 else (-status, 0.0))
 
 
-def _generator(args: tuple) -> dict[str, list]:
+def _generator(args: tuple) -> tuple[dict[str, list], list[int]]:
     base_url, clients, stop_at, submit_every, rate, cpus, seed = args
     if cpus:
         os.sched_setaffinity(0, cpus)
@@ -130,7 +134,7 @@ def _generator(args: tuple) -> dict[str, list]:
     for seen in asyncio.run(run()):
         for name, values in seen.items():
             merged.setdefault(name, []).extend(values)
-    return merged
+    return merged, [seq[0] for _t, seq, _stride in clients]
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -149,13 +153,22 @@ def _api_processes(base_url: str) -> list[psutil.Process]:
     raise RuntimeError(f"no uvicorn process on port {port}")
 
 
+WORKERS = ("batcher.worker", "gen_pool.worker", "VLLM", "celery")
+
+
 def _pin(api: list[psutil.Process], api_cpus: set[int], other_cpus: set[int]) -> None:
     """The API's threads on `api_cpus`; this process and the stack's others (the launcher and all
-    it started: Postgres and its future backends, Redis, workers) on `other_cpus`."""
+    it started: Postgres and its future backends, Redis, workers) on `other_cpus`. The workers
+    (the trainer running the submitted passes, the engine, Celery) get the lowest priority there:
+    in a deployment they have machines of their own, and what they compute is not the API's time;
+    on this box they would otherwise take the core Postgres and Redis answer the API from."""
     api_pids = {p.pid for p in api}
     os.sched_setaffinity(0, other_cpus)
     for p in psutil.Process().children(recursive=True):
         cpus = api_cpus if p.pid in api_pids else other_cpus
+        with contextlib.suppress(psutil.Error):
+            if any(w in " ".join(p.cmdline()) or w in p.name() for w in WORKERS):
+                p.nice(19)
         for thread in p.threads():
             try:
                 os.sched_setaffinity(thread.id, cpus)
@@ -178,9 +191,11 @@ def _phase(stack: RunningStack, clients: list, args, rate: float, other_cpus: se
         parts = pool.map(_generator, shares)
     wall, cpu = time.monotonic() - started, _cpu_s(api) - cpu0
     merged: dict[str, list] = {}
-    for part in parts:
+    for p, (part, next_seqs) in enumerate(parts):
         for name, values in part.items():
             merged.setdefault(name, []).extend(values)
+        for (_tenant, seq, _stride), next_seq in zip(clients[p::args.procs], next_seqs):
+            seq[0] = next_seq  # the next phase goes on where this one stopped: no gap to wait behind
     return merged, wall, cpu
 
 
@@ -227,15 +242,12 @@ def main() -> None:
             other = set(cpus[1:])
             _pin(api, {cpus[0]}, other)
         # Client k of a tenant submits seq_ids start, start + stride, ...: the tenant's clients never
-        # collide, and phase 2 goes on from where phase 1 stopped.
+        # collide, and phase 2 goes on from where phase 1 stopped (_phase).
         per_tenant = max(1, args.clients // args.tenants)
         clients = [(tenants[c % args.tenants], [2 + c // args.tenants], per_tenant) for c in range(args.clients)]
         full, wall1, cpu1 = _phase(stack, clients, args, 0.0, other, api)
         capacity = sum(len(v) for v in full.values()) / wall1
         rate = args.paced_share * capacity / args.clients
-        # Phase 1's workers returned their seq counters in copies; phase 2 starts past anything used.
-        for _tenant, seq, _stride in clients:
-            seq[0] += 1_000_000
         paced, wall2, cpu2 = _phase(stack, clients, args, rate, other, api)
 
     n1, n2 = sum(len(v) for v in full.values()), sum(len(v) for v in paced.values())
