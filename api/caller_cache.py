@@ -1,17 +1,16 @@
 """Each API process's cache of who is calling: the principal behind a key, a tenant's spend this
-month, a base model by name.
+month, a base by name, and the training model rows `get_info` shows.
 
 Without it every call read the key, its tenant and the month-to-date spend from Postgres (and
-`get_info` its model and base too): the largest share of a cheap call's time. Entries are dropped as soon as
-Postgres says they changed: triggers (migration 0009) NOTIFY `quilt_caller_cache` at the commit of
-every change to tenants, api_keys, usage_daily, base_models and a training model's status or
-shape, whoever makes it (the CLI, the
-dashboard, a worker settling a ledger row, SQL by hand), and each API process LISTENs on one
-connection of its own (`listen`). While that connection is down the cache is off and every call
-reads Postgres as before; it comes back empty, since notifications sent meanwhile are lost. So a
-revoked key is refused from the first request after the revocation commits (give or take the
-notification's trip over loopback), and `max_age_s` only bounds what a lost notification could
-cost.
+`get_info` its model and base too): the largest share of a cheap call's time. Entries are dropped
+as soon as Postgres says they changed: triggers (migration 0009) NOTIFY `quilt_caller_cache` at
+the commit of every change to tenants, api_keys, usage_daily, base_models and a training model's
+status or shape, whoever makes it (the CLI, the dashboard, a worker settling a ledger row, SQL by
+hand), and each API process LISTENs on one connection of its own (`listen`). While that
+connection is down the cache is off and every call reads Postgres as before; it comes back
+empty, since notifications sent meanwhile are lost. So a revoked key is refused from the first
+request after the revocation commits (give or take the notification's trip over loopback), and
+`max_age_s` only bounds what a lost notification could cost.
 
 A read that raced an invalidation is not remembered: `generation` counts invalidations, and an
 entry fetched under an older generation is dropped instead of stored.
