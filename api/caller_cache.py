@@ -24,7 +24,8 @@ import time
 
 import psycopg
 
-from core import catalog
+from billing.budgets import month_to_date
+from core import catalog, db
 from core.catalog import BaseModel
 
 log = logging.getLogger("quilt.api.caller_cache")
@@ -82,6 +83,18 @@ class CallerCache:
         self.live = live
         for entries in self._entries.values():
             entries.clear()
+
+
+async def spend(callers: CallerCache, pool, tenant_id: str) -> int:
+    """The tenant's month-to-date spend (`billing.budgets.month_to_date`), from the cache when it
+    holds it."""
+    spent = callers.get("spend", tenant_id)
+    if spent is None:
+        generation = callers.generation
+        async with db.autocommit(pool) as conn:
+            spent = await month_to_date(conn, tenant_id)
+        callers.put(generation, "spend", tenant_id, spent)
+    return spent
 
 
 async def base_model(callers: CallerCache, conn: psycopg.AsyncConnection, name: str) -> BaseModel | None:

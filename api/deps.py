@@ -13,8 +13,8 @@ from fastapi import Depends, Header, Request
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
+from api import caller_cache
 from api.caller_cache import CallerCache
-from billing.budgets import month_to_date
 from core import db
 from core.settings import ApiSettings, get_api_settings
 from tenancy.auth import Principal, authenticate
@@ -47,17 +47,16 @@ async def _principal(request: Request, pool: Pool, callers: Callers,
                      x_api_key: Annotated[str | None, Header()] = None) -> Principal:
     key_hash = hash_key(x_api_key).hex() if x_api_key else ""
     who = callers.get("key", key_hash) if key_hash else None
-    spent = callers.get("spend", who.tenant_id) if who else None
-    if who is None or spent is None:
+    if who is None:
         generation = callers.generation
-        # A short-lived connection: routes that long-poll must not hold one while they wait.
+        # A short-lived connection: routes that long-poll must not hold one while they wait. The key
+        # and the spend in one statement: one round trip.
         async with db.autocommit(pool) as conn:
-            if who is None:
-                who, spent = await authenticate(conn, x_api_key)
-            else:
-                spent = await month_to_date(conn, who.tenant_id)
+            who, spent = await authenticate(conn, x_api_key)
         callers.put(generation, "key", key_hash, who)
         callers.put(generation, "spend", who.tenant_id, spent)
+    else:
+        spent = await caller_cache.spend(callers, pool, who.tenant_id)
     request.state.tenant_id = who.tenant_id
     request.state.spend = (spent, time.monotonic())  # api.spend_header: reused if the answer comes soon
     request.state.who = who  # error handlers need the caller too (api.seq_gaps)

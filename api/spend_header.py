@@ -11,9 +11,8 @@ from __future__ import annotations
 import logging
 import time
 
-from billing.budgets import month_to_date
+from api import caller_cache
 from billing.pricing import usd
-from core import db
 
 log = logging.getLogger("quilt.api")
 
@@ -51,15 +50,8 @@ FRESH_S = 1.0
 
 async def _spend(scope, tenant_id: str) -> int | None:
     state = scope["app"].state
-    spent = state.callers.get("spend", tenant_id)
-    if spent is not None:
-        return spent
-    generation = state.callers.generation
     try:
-        async with db.autocommit(state.pool) as conn:
-            spent = await month_to_date(conn, tenant_id)
+        return await caller_cache.spend(state.callers, state.pool, tenant_id)
     except Exception:  # the header is informative; never fail a response for it
         log.warning("could not read the spend of %s for the spend header", tenant_id, exc_info=True)
         return None
-    state.callers.put(generation, "spend", tenant_id, spent)
-    return spent

@@ -413,7 +413,7 @@ class TrainerWorker:
         """What a save writes (LoraBackend.export) and the answer it will give."""
         work: SaveWeights = item.body
         for_sampler = item.kind is WorkKind.SAVE_WEIGHTS_FOR_SAMPLER
-        kind = SAMPLER_KIND if for_sampler else TRAINING_KIND
+        kind = _checkpoint_kind(item)
         # Every save gets a new directory (core.checkpoint_files), so "exists" is a question for the records.
         if not work.overwrite and self._db_call(records.checkpoint_exists, item.model_id, kind, work.name):
             raise Conflict(f"checkpoint {work.name!r} already exists; pass overwrite=True to replace it", field="path")
@@ -429,8 +429,8 @@ class TrainerWorker:
     def _saved(self, item: WorkItem, size: int, result: dict) -> dict:
         """Record a written checkpoint; returns the save's answer."""
         work: SaveWeights = item.body
-        kind = SAMPLER_KIND if item.kind is WorkKind.SAVE_WEIGHTS_FOR_SAMPLER else TRAINING_KIND
-        self._db_call(records.upsert_checkpoint, tenant_id=item.tenant_id, model_id=item.model_id, kind=kind,
+        self._db_call(records.upsert_checkpoint, tenant_id=item.tenant_id, model_id=item.model_id,
+                      kind=_checkpoint_kind(item),
                       name=work.name, storage_path=work.storage_path, size_bytes=size, ttl_s=work.ttl_s,
                       sliding=work.sliding, grace_s=get_core_settings().superseded_version_grace_s)
         return result
@@ -514,6 +514,10 @@ def _as_error(item: WorkItem, exc: Exception) -> QuiltError:
         return exc
     log.exception("%s failed for %s", item.kind, item.model_id)
     return ServerError(f"{item.kind} failed: {type(exc).__name__}: {exc}")
+
+
+def _checkpoint_kind(item: WorkItem) -> str:
+    return SAMPLER_KIND if item.kind is WorkKind.SAVE_WEIGHTS_FOR_SAMPLER else TRAINING_KIND
 
 
 def _pass_request(item: WorkItem) -> PassRequest:

@@ -67,12 +67,15 @@ def adapter_bytes(be: LoraBackend, model_id: str) -> dict[str, int]:
     return {"weights": weights, "grads": grads, "adam": moments}
 
 
-def train_once(be: LoraBackend, model_ids: list[str], seed: int) -> None:
-    """One fused forward_backward over these models, then an optim_step each (AdamW state exists)."""
+def train_once(be: LoraBackend, model_ids: list[str], seed: int, before_step=None) -> None:
+    """One fused forward_backward over these models, then an optim_step each (AdamW state exists),
+    each step after `before_step(model_id)` when given."""
     outs = be.run_pass([PassRequest(f"r{m}", m, PassWork("cross_entropy", LossConfig(), (datum(seed + i),)), False)
                         for i, m in enumerate(model_ids)])
     assert all(isinstance(o, dict) for o in outs), outs
     for m in model_ids:
+        if before_step is not None:
+            before_step(m)
         be.optim_step(m, ADAM)
 
 
@@ -116,18 +119,17 @@ def _trainer(be: LoraBackend, tenants: list[str], steps: int, root: Path, tag: s
     model's export). `gate` keeps it at most two steps ahead of the sampler (async RL)."""
     exports = Exports() if background else None
     busy_s = export_s = 0.0
+
+    def wait_for_export(model_id: str) -> None:
+        nonlocal export_s
+        w0 = time.perf_counter()
+        exports.wait_for(model_id)
+        export_s += time.perf_counter() - w0
+
     for step in range(steps):
         gate.acquire()
         t0 = time.perf_counter()
-        outs = be.run_pass([PassRequest(f"r{m}", m, PassWork("cross_entropy", LossConfig(), (datum(100 * step + i),)),
-                                        False) for i, m in enumerate(tenants)])
-        assert all(isinstance(o, dict) for o in outs), outs
-        for m in tenants:
-            if exports is not None:
-                w0 = time.perf_counter()
-                exports.wait_for(m)
-                export_s += time.perf_counter() - w0
-            be.optim_step(m, ADAM)
+        train_once(be, tenants, 100 * step, wait_for_export if exports is not None else None)
         if exports is not None:
             exports.finished()  # the worker answers these saves here; the sampler side waits on their futures
         for m in tenants:

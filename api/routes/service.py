@@ -31,19 +31,20 @@ async def livez() -> dict:
 async def readyz(pool: Pool, redis: RedisDep, response: Response) -> dict:
     """This API process can serve requests: Postgres and Redis answer (a container's readiness
     probe). Workers are not checked: requests for a base whose trainer is down still queue."""
-    checks = {"postgres": (await _postgres(pool))[0], "redis": await _redis(redis)}
+    checks = {"postgres": (await _postgres(pool, with_bases=False))[0], "redis": await _redis(redis)}
     ready = all(c["ok"] for c in checks.values())
     if not ready:
         response.status_code = 503
     return {"status": "ready" if ready else "unavailable", "checks": checks}
 
 
-async def _postgres(pool) -> tuple[dict, list[catalog.BaseModel]]:
-    """Postgres's health, and the served bases read on the way (health must report, not raise)."""
+async def _postgres(pool, *, with_bases: bool = True) -> tuple[dict, list[catalog.BaseModel]]:
+    """Postgres's health, and (`with_bases`) the served bases read on the way (health must report,
+    not raise)."""
     try:
         async with pool.connection() as conn:
             await conn.execute("SELECT 1")
-            return {"ok": True}, await catalog.list_models(conn)
+            return {"ok": True}, await catalog.list_models(conn) if with_bases else []
     except Exception as exc:
         return {"ok": False, "error": str(exc)}, []
 
