@@ -14,6 +14,7 @@ from api.body_limit import BodyLimitMiddleware
 from api.caller_cache import CallerCache
 from api.routes import (
     billing,
+    downloads,
     futures,
     metrics,
     run_metrics,
@@ -67,7 +68,7 @@ def create_app() -> FastAPI:
     settings = get_api_settings()
     app = FastAPI(title="Quilt", version="0.1.0", lifespan=_lifespan)
     errors.install(app)
-    for module in (service, sessions, training, sampling, futures, billing, runs, run_metrics):
+    for module in (service, sessions, training, sampling, futures, billing, runs, downloads, run_metrics):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(metrics.router)
     dashboard.install(app)

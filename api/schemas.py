@@ -151,6 +151,20 @@ class SaveWeightsRequest(_Body):
         return _check_name(value)
 
 
+class SaveWeightsExternalRequest(_Body):
+    model_id: str = Field(max_length=256)
+    seq_id: int = Field(ge=1, le=2**31 - 1)
+    path: str = Field(description="checkpoint name, not a URI")
+    ttl_seconds: int | None = Field(None, ge=retention.MIN_TTL_S, le=retention.MAX_TTL_S,
+                                    description="delete the export this long after the save; none: keep")
+    age_encryption_recipients: list[str] | None = Field(None, max_length=10)
+
+    @field_validator("path")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return _check_name(value)
+
+
 class CheckpointTtlRequest(_Body):
     ttl_seconds: int | None = Field(..., ge=retention.MIN_TTL_S, le=retention.MAX_TTL_S,
                                     description="seconds from now until the checkpoint is deleted; null: never")

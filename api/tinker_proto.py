@@ -125,7 +125,26 @@ def encode_sample_response(result: dict) -> bytes:
     prompt = result.get("prompt_logprobs")
     if prompt is not None:
         out.prompt_logprobs = np.asarray([math.nan if v is None else v for v in prompt], dtype="<f4").tobytes()
+    topk = result.get("topk_prompt_logprobs")
+    if topk is not None:
+        _fill_topk(out.topk_prompt_logprobs, topk)
     return out.SerializeToString()
+
+
+# What the SDK reads as "nothing here" in a TopkLogprobs matrix (tinker.types.topk_logprobs).
+_TOPK_EMPTY_TOKEN, _TOPK_EMPTY_LOGPROB = 0, -99999.0
+
+
+def _fill_topk(msg, rows: list) -> None:
+    """Rows of [[token, logprob], ...] (or null) as two dense (length, k) matrices, short rows
+    padded with the SDK's sentinel."""
+    k = max((len(r) for r in rows if r), default=0)
+    tokens = np.full((len(rows), k), _TOPK_EMPTY_TOKEN, dtype="<i4")
+    logprobs = np.full((len(rows), k), _TOPK_EMPTY_LOGPROB, dtype="<f4")
+    for i, row in enumerate(rows):
+        for j, (token, lp) in enumerate(row or ()):
+            tokens[i, j], logprobs[i, j] = token, math.nan if lp is None else lp
+    msg.token_ids, msg.logprobs, msg.k, msg.length = tokens.tobytes(), logprobs.tobytes(), k, len(rows)
 
 
 def wants_protobuf(accept: str | None) -> bool:

@@ -41,7 +41,7 @@ from core import (
     run_metrics,
     stores,
 )
-from core.checkpoint_files import SAMPLER_KIND, TRAINING_KIND
+from core.checkpoint_files import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
 from core.consumer import Delivery, StreamConsumer
 from core.errors import Conflict, QuiltError, ServerError, UserError
 from core.settings import get_api_settings, get_core_settings, get_trainer_settings
@@ -110,6 +110,7 @@ class TrainerWorker:
             WorkKind.CREATE_MODEL: self._create,
             WorkKind.OPTIM_STEP: self._optim_step,
             WorkKind.SAVE_WEIGHTS: self._save,  # SAVE_WEIGHTS_FOR_SAMPLER: _start_export, off the loop
+            WorkKind.SAVE_WEIGHTS_EXTERNAL: self._save,
             WorkKind.LOAD_WEIGHTS: self._load,
             WorkKind.REJECTED: self._rejected,
         }
@@ -314,7 +315,8 @@ class TrainerWorker:
     def _answered_without_effect(self, d: Delivery) -> bool:
         """A replayed request whose answer stands and whose effect is not part of the model's state."""
         return d.finished and (d.item.request_id in self._failed_before or d.item.kind in (
-            WorkKind.FORWARD, WorkKind.SAVE_WEIGHTS, WorkKind.SAVE_WEIGHTS_FOR_SAMPLER, WorkKind.REJECTED))
+            WorkKind.FORWARD, WorkKind.SAVE_WEIGHTS, WorkKind.SAVE_WEIGHTS_FOR_SAMPLER, WorkKind.SAVE_WEIGHTS_EXTERNAL,
+            WorkKind.REJECTED))
 
     def _after_barrier(self, item: WorkItem) -> None:
         """Snapshot a model whose state a barrier replaced (create, load, every N-th step), then let
@@ -381,7 +383,8 @@ class TrainerWorker:
         raise UserError(work.error, field=work.field)
 
     def _save(self, item: WorkItem) -> dict:
-        """A training checkpoint (weights and optimizer state), written here, in the loop."""
+        """A training checkpoint (weights and optimizer state) or an export for download (the
+        adapter alone), written here, in the loop."""
         write, result = self._save_job(item)
         return self._saved(item, write(), result)
 
@@ -418,7 +421,7 @@ class TrainerWorker:
         if not work.overwrite and self._db_call(records.checkpoint_exists, item.model_id, kind, work.name):
             raise Conflict(f"checkpoint {work.name!r} already exists; pass overwrite=True to replace it", field="path")
         write = self.backend.export(item.model_id, work.storage_path, overwrite=work.overwrite,
-                                    with_optimizer=not for_sampler)
+                                    with_optimizer=item.kind is WorkKind.SAVE_WEIGHTS)
         result = {"type": str(item.kind), "path": ids.tinker_path(item.model_id, kind, work.name)}
         if for_sampler:
             result["policy_version"] = self.backend.policy_version(item.model_id)
@@ -516,8 +519,12 @@ def _as_error(item: WorkItem, exc: Exception) -> QuiltError:
     return ServerError(f"{item.kind} failed: {type(exc).__name__}: {exc}")
 
 
+_CHECKPOINT_KINDS = {WorkKind.SAVE_WEIGHTS: TRAINING_KIND, WorkKind.SAVE_WEIGHTS_FOR_SAMPLER: SAMPLER_KIND,
+                     WorkKind.SAVE_WEIGHTS_EXTERNAL: EXTERNAL_KIND}
+
+
 def _checkpoint_kind(item: WorkItem) -> str:
-    return SAMPLER_KIND if item.kind is WorkKind.SAVE_WEIGHTS_FOR_SAMPLER else TRAINING_KIND
+    return _CHECKPOINT_KINDS[item.kind]
 
 
 def _pass_request(item: WorkItem) -> PassRequest:

@@ -6,7 +6,8 @@
         quilt_state.json             {"lora_config": ..., "steps": optimizer steps} (the policy version)
         optimizer.pt                 AdamW state; training checkpoints (`weights`) only
 
-`kind` is `weights` (training checkpoints) or `sampler_weights` (publications for sampling).
+`kind` is `weights` (training checkpoints), `sampler_weights` (publications for sampling) or
+`external_weights` (the adapter alone, exported for download).
 Every save gets a fresh `<version>` directory and a directory is never rewritten, so a reader of
 one version (the generation pool, a download) is never disturbed by a later save; core.retention
 deletes versions nobody names any more.
@@ -31,6 +32,7 @@ META_FILE = "quilt_state.json"
 
 TRAINING_KIND = "weights"
 SAMPLER_KIND = "sampler_weights"
+EXTERNAL_KIND = "external_weights"  # the adapter alone, exported for download (save_weights_external)
 
 
 def new_version_dir(checkpoint_dir: Path, tenant_id: str, model_id: str, kind: str, name: str) -> str:

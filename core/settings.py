@@ -11,7 +11,7 @@ import functools
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _PREFIX = "QUILT_"
@@ -64,6 +64,12 @@ class ApiSettings(BaseSettings):
     caller_cache_seconds: float = Field(
         60.0, ge=0, le=3600, description="longest an API process keeps a key's principal, a tenant's spend or a "
                                          "base in memory; changes drop them at once (api.caller_cache); 0 = off")
+    download_url_ttl_s: int = Field(900, ge=60, le=7 * 24 * 3600,
+                                    description="signed checkpoint download URLs (archive, external weights) expire "
+                                                "this long after they are made")
+    download_signing_key: SecretStr | None = Field(
+        None, description="HMAC key of signed download URLs, shared by every API process; unset = one made once "
+                          "and kept in Postgres (server_secrets)")
 
 
 class TrainerSettings(BaseSettings):

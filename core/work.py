@@ -37,6 +37,7 @@ class WorkKind(StrEnum):
     OPTIM_STEP = "optim_step"
     SAVE_WEIGHTS = "save_weights"
     SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
+    SAVE_WEIGHTS_EXTERNAL = "save_weights_external"  # the adapter alone, for download
     LOAD_WEIGHTS = "load_weights"
     REJECTED = "rejected"
     SAMPLE = "sample"
@@ -266,18 +267,19 @@ class SampleWork:
     deadline_at: float
     prompt_logprobs: bool = False
     prompt_logprobs_last_n: int | None = None
+    prompt_topk: int = 0  # the k most likely tokens at every prompt position (0: none)
 
     def to_json(self) -> dict[str, Any]:
         return {"prompt": list(self.prompt), "n": self.n, "spec": self.spec.to_json(),
                 "adapter": self.adapter.to_json() if self.adapter else None, "submitted_at": self.submitted_at,
                 "deadline_at": self.deadline_at, "prompt_logprobs": self.prompt_logprobs,
-                "prompt_logprobs_last_n": self.prompt_logprobs_last_n}
+                "prompt_logprobs_last_n": self.prompt_logprobs_last_n, "prompt_topk": self.prompt_topk}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> SampleWork:
         return cls(tuple(obj["prompt"]), int(obj["n"]), SamplingSpec.from_json(obj["spec"]),
                    AdapterRef.from_json(obj.get("adapter")), float(obj["submitted_at"]), float(obj["deadline_at"]),
-                   bool(obj.get("prompt_logprobs")), obj.get("prompt_logprobs_last_n"))
+                   bool(obj.get("prompt_logprobs")), obj.get("prompt_logprobs_last_n"), int(obj.get("prompt_topk", 0)))
 
 
 # ----------------------------------------------------------------------------------- the item
@@ -291,6 +293,7 @@ BODY_TYPES: Mapping[WorkKind, type] = {
     WorkKind.OPTIM_STEP: OptimStep,
     WorkKind.SAVE_WEIGHTS: SaveWeights,
     WorkKind.SAVE_WEIGHTS_FOR_SAMPLER: SaveWeights,
+    WorkKind.SAVE_WEIGHTS_EXTERNAL: SaveWeights,
     WorkKind.LOAD_WEIGHTS: LoadWeights,
     WorkKind.REJECTED: Rejected,
     WorkKind.SAMPLE: SampleWork,

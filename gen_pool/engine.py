@@ -77,7 +77,11 @@ class SeqRequest:
     spec: SamplingSpec
     seed: int | None = None
     adapter: AdapterRef | None = None  # None = the base model
-    prompt_logprobs: bool = False
+    prompt_logprobs: bool = False  # score the prompt (this sequence carries the group's prefill)
+    prompt_topk: int = 0  # with prompt_logprobs: also the k most likely tokens at each position
+
+
+TopK = tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class SeqResult:
     stop_reason: StopReason
     prompt_logprobs: tuple[float | None, ...] | None = None  # None at position 0
     first_token_s: float | None = None  # seconds from submission to the first output (the end, unless streamed)
+    prompt_topk: tuple[TopK | None, ...] | None = None  # None at position 0; (token, logprob) by rank
 
 
 class ExclusiveGate:
@@ -161,7 +166,8 @@ class GenEngine:
             lora_target_modules=list(architectures.of_config(config).targets(tied=architectures.is_tied(config))),
             max_model_len=settings.max_model_len, max_num_seqs=settings.concurrency_target,
             enable_lora=True, max_loras=settings.max_loras, max_cpu_loras=settings.max_cpu_loras,
-            max_lora_rank=settings.max_lora_rank, disable_log_stats=True, enable_log_requests=False, **kw,
+            max_lora_rank=settings.max_lora_rank, max_logprobs=settings.max_topk_logprobs,
+            disable_log_stats=True, enable_log_requests=False, **kw,
         )
         llm = AsyncLLM.from_engine_args(args)
         engine = cls(llm, settings, identity)
@@ -223,7 +229,9 @@ class GenEngine:
             n=1, max_tokens=spec.max_tokens, temperature=spec.temperature,
             top_k=0 if spec.top_k < 1 else spec.top_k, top_p=spec.top_p, seed=req.seed,
             stop=list(spec.stop_strings) or None, stop_token_ids=list(spec.stop_token_ids) or None,
-            ignore_eos=not spec.eos_stops, logprobs=0, prompt_logprobs=0 if req.prompt_logprobs else None,
+            ignore_eos=not spec.eos_stops, logprobs=0,
+            # k asks vLLM for the k most likely tokens at each position besides the prompt's own.
+            prompt_logprobs=req.prompt_topk if req.prompt_logprobs else None,
             detokenize=bool(spec.stop_strings), skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
@@ -241,7 +249,7 @@ class GenEngine:
         first_token_s = None
         tokens: list[int] = []
         logprobs: list[float] = []
-        prompt_lps = None
+        prompt_lps = prompt_topk = None
         reason = "abort"
         try:
             stream = self.llm.generate(TokensPrompt(prompt_token_ids=list(req.prompt)), params, req.engine_id,
@@ -249,6 +257,8 @@ class GenEngine:
             async for out in stream:
                 if out.prompt_logprobs is not None and prompt_lps is None:
                     prompt_lps = _prompt_logprobs(req.prompt, out.prompt_logprobs)
+                    if req.prompt_topk:
+                        prompt_topk = _prompt_topk(out.prompt_logprobs, len(req.prompt), req.prompt_topk)
                 for c in out.outputs[:1]:
                     for i, tok in enumerate(c.token_ids):
                         tokens.append(tok)
@@ -269,7 +279,7 @@ class GenEngine:
         finally:
             await asyncio.shield(self.gate.leave(holding_exclusive))
         stop_reason: StopReason = reason if reason in ("stop", "length") else "abort"
-        return SeqResult(tuple(tokens), tuple(logprobs), stop_reason, prompt_lps, first_token_s)
+        return SeqResult(tuple(tokens), tuple(logprobs), stop_reason, prompt_lps, first_token_s, prompt_topk)
 
     async def abort(self, engine_ids: Iterable[str]) -> None:
         ids = list(engine_ids)
@@ -305,4 +315,18 @@ def _prompt_logprobs(prompt: tuple[int, ...], raw) -> tuple[float | None, ...]:
         d = raw[i] if i < len(raw) else None
         entry = d.get(prompt[i]) if d else None
         out.append(float(entry.logprob) if entry is not None else None)
+    return tuple(out)
+
+
+def _prompt_topk(raw, length: int, k: int) -> tuple[TopK | None, ...]:
+    """Per prompt position, vLLM's ranked entries 1..k (it adds the prompt's own token, ranked
+    wherever it falls, which is left out unless it is among the k)."""
+    out: list[TopK | None] = [None]
+    for i in range(1, length):
+        d = raw[i] if i < len(raw) else None
+        if not d:
+            out.append(None)
+            continue
+        ranked = sorted((lp.rank, tok, float(lp.logprob)) for tok, lp in d.items() if lp.rank is not None and lp.rank <= k)
+        out.append(tuple((tok, lp) for _, tok, lp in ranked))
     return tuple(out)

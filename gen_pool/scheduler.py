@@ -54,6 +54,7 @@ class Group:
     model_id: str = ""  # tags the sequences (the base model's name for a base)
     prompt_logprobs: bool = False
     prompt_logprobs_last_n: int | None = None
+    prompt_topk: int = 0
     arrival: float = field(default_factory=time.time)
     deadline: float | None = None
     lengths: tuple[int, ...] | None = None  # per-sequence max_tokens (benchmarks); None = spec's
@@ -240,7 +241,8 @@ class Scheduler:
         spec = g.spec if g.lengths is None else dataclasses.replace(g.spec, max_tokens=g.lengths[index])
         req = SeqRequest(engine_id=f"{g.request_id}:{index}", prompt=g.prompt, spec=spec,
                          seed=g.spec.sample_seed(index), adapter=g.adapter,
-                         prompt_logprobs=g.prompt_logprobs and index == 0)
+                         prompt_logprobs=(g.prompt_logprobs or g.prompt_topk > 0) and index == 0,
+                         prompt_topk=g.prompt_topk)
         try:
             result = await self.engine.generate(req)
         except asyncio.CancelledError:
@@ -274,13 +276,15 @@ class Scheduler:
         self.group_latencies.append(self.clock() - g.arrival)
         seqs = tuple(wire.SampledSequence(r.tokens, r.logprobs, r.stop_reason, g.model_id, g.version)
                      for r in g.results)
-        prompt_lps = None
-        if g.prompt_logprobs:
-            prompt_lps = g.results[0].prompt_logprobs or tuple([None] * len(g.prompt))
-            if g.prompt_logprobs_last_n is not None:
-                keep_from = max(len(prompt_lps) - g.prompt_logprobs_last_n, 0)
-                prompt_lps = tuple(None if i < keep_from else x for i, x in enumerate(prompt_lps))
-        self.on_finish(g, wire.SampleOutcome(seqs, prompt_lps))
+        keep_from = 0 if g.prompt_logprobs_last_n is None else max(len(g.prompt) - g.prompt_logprobs_last_n, 0)
+
+        def last_n(values):
+            values = values or tuple([None] * len(g.prompt))
+            return tuple(None if i < keep_from else x for i, x in enumerate(values))
+
+        prompt_lps = last_n(g.results[0].prompt_logprobs) if g.prompt_logprobs else None
+        topk = last_n(g.results[0].prompt_topk) if g.prompt_topk else None
+        self.on_finish(g, wire.SampleOutcome(seqs, prompt_lps, topk))
 
     def _fail(self, g: Group, err: QuiltError) -> None:
         if g.done:

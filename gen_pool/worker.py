@@ -44,6 +44,7 @@ def group_from_delivery(d: Delivery, base_model: str) -> Group:
     return Group(request_id=d.item.request_id, tenant_id=d.item.tenant_id, prompt=work.prompt, spec=work.spec,
                  n=work.n, adapter=work.adapter, model_id=work.adapter.model_id if work.adapter else base_model,
                  prompt_logprobs=work.prompt_logprobs, prompt_logprobs_last_n=work.prompt_logprobs_last_n,
+                 prompt_topk=work.prompt_topk,
                  arrival=work.submitted_at, deadline=work.deadline_at, context=d)
 
 

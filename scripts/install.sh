@@ -30,6 +30,13 @@ else
   done
 fi
 
+# An older tinker SDK beside the current one, for the suite's pinned-SDK run (tests/test_tinker_sdk_pinned.py).
+PIN=$(grep -E '^tinker==' requirements/tinker-pinned.txt)
+PIN_DIR=.venv/sdk-pins/${PIN/==/-}
+if [ ! -d "$PIN_DIR/tinker" ]; then
+  "${PIP[@]}" install --quiet --no-deps --target "$PIN_DIR" "$PIN"
+fi
+
 # System packages, only when missing: Node's npm (the dashboard's plotting library) and Debian's
 # Chromium (the dashboard's browser tests, driven by Playwright; `playwright install` is never run).
 apt_install() {

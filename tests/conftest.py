@@ -3,6 +3,7 @@ trainer, Celery) once per test session on a free port, in a short temporary data
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from dataclasses import dataclass
@@ -56,8 +57,17 @@ class Stack:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.log_dir.glob("*.log")))
 
 
+# A run inside another test's run (tests/test_tinker_sdk_pinned.py) uses that run's stack.
+SHARED_STACK_ENV = "QUILT_TEST_SHARED_STACK"
+
+
 @pytest.fixture(scope="session")
 def stack():
+    shared = os.environ.get(SHARED_STACK_ENV)
+    if shared:
+        fields = json.loads(shared)
+        yield Stack(**{k: Path(v) if k in ("data_dir", "log_dir") else v for k, v in fields.items()})
+        return
     # Requests behind a missing seq_id give up after 20 s here (default minutes), so a test can see it.
     env = {"QUILT_TRAINER_SEQ_GAP_DEADLINE_S": os.environ.get("QUILT_TRAINER_SEQ_GAP_DEADLINE_S", "20")}
     # The processes' logs are kept for a post-mortem (CI keeps artifacts/).

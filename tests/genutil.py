@@ -62,6 +62,13 @@ class Reference:
         lp = torch.log_softmax(logits, dim=-1)
         return [lp[i - 1, tokens[i]].item() for i in range(1, len(tokens))]
 
+    @torch.no_grad()
+    def prompt_topk(self, adapter_path: str | None, tokens: list[int], k: int) -> list[list[tuple[int, float]]]:
+        """At each position i >= 1: the k most likely tokens given tokens[:i], most likely first."""
+        logits = self.model(adapter_path)(input_ids=torch.tensor([tokens])).logits[0].float()
+        values, indices = torch.log_softmax(logits, dim=-1)[:-1].topk(k, dim=-1)
+        return [list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(indices, values, strict=True)]
+
     def continuation_logprobs(self, adapter_path: str | None, prompt: list[int], completion: list[int]) -> list[float]:
         return self.token_logprobs(adapter_path, list(prompt) + list(completion))[len(prompt) - 1:]
 

@@ -35,6 +35,14 @@ def _set_cookie_headers(response: httpx.Response, name: str) -> list[str]:
     return [h for h in response.headers.get_list("set-cookie") if h.startswith(name + "=")]
 
 
+def test_the_servers_address_opens_the_dashboard(stack):
+    client = httpx.Client(base_url=stack.base_url)
+    r = client.get("/")
+    assert r.status_code == 307 and r.headers["location"] == "/dashboard/runs"
+    # Not logged in: the runs page sends the browser on to the login form.
+    assert client.get("/", follow_redirects=True).url.path == "/dashboard/login"
+
+
 def test_login_sets_an_httponly_samesite_cookie_scoped_to_the_dashboard(stack, tenant):
     client = httpx.Client(base_url=stack.base_url)
     form = client.get("/dashboard/login")

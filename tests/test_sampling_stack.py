@@ -156,7 +156,9 @@ def test_other_tenants_samplers_are_404(stack):
     ({"tokens": []}, "prompt"),
     ({"n": 0}, "num_samples"),
     ({"n": 100_000}, "num_samples"),
-    ({"topk_prompt_logprobs": 5}, "topk_prompt_logprobs"),
+    ({"topk_prompt_logprobs": 10**6}, "topk_prompt_logprobs"),
+    ({"topk_prompt_logprobs": -1}, "topk_prompt_logprobs"),
+    ({"topk_sample_logprobs": 2}, "topk_sample_logprobs"),
     ({"deadline_s": -1}, "deadline_s"),
 ])
 def test_bad_sampling_requests_are_4xx(stack, tenant, change, field):
@@ -211,3 +213,69 @@ def test_published_weights_are_those_of_their_place_in_order_whatever_follows(st
     assert published.keys() == ref.keys()
     assert all((published[k] == ref[k]).all() for k in ref)  # the weights at seq_id 4, bit for bit
     assert any((published[k] != after[k]).any() for k in ref)  # and the step after it changed them
+
+
+def _storage(stack, model_id: str, name: str) -> str:
+    from core import db
+
+    with db.connect(stack.database_url) as conn:
+        return conn.execute("SELECT storage_path FROM checkpoints WHERE model_id = %s AND name = %s",
+                            (model_id, name)).fetchone()["storage_path"]
+
+
+def test_topk_prompt_logprobs_match_a_torch_recomputation(stack, tenant):
+    from genutil import Reference
+
+    from core import catalog, db
+
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    with stack.sdk(tenant.key) as client:
+        tc = client.create_training_client(TINY, rank=8, seed=4)
+        _train(tc, 2)
+        path = tc.save_weights_for_sampler("topk").result()
+        sampler = client.create_sampling_client(model_path=path)
+        out = sampler.sample(prompt, 2, quilt.SamplingParams(max_tokens=2, seed=1), include_prompt_logprobs=True,
+                             topk_prompt_logprobs=5).result()
+    with db.connect(stack.database_url) as conn:
+        base_path = catalog.get_model_sync(conn, TINY).path
+    expected = Reference(base_path).prompt_topk(_storage(stack, tc.model_id, "topk"), prompt, 5)
+    assert out.topk_prompt_logprobs[0] is None and len(out.topk_prompt_logprobs) == len(prompt)
+    for got, want in zip(out.topk_prompt_logprobs[1:], expected, strict=True):
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < LOGPROB_TOL
+    # The prompt's own logprob is the same number as its entry among the top k, where it is one.
+    for i, row in enumerate(out.topk_prompt_logprobs[1:], start=1):
+        mine = dict(row).get(prompt[i])
+        if mine is not None:
+            assert abs(mine - out.prompt_logprobs[i]) < 1e-6
+
+
+def test_topk_alone_and_last_n_through_http(stack, tenant):
+    http = stack.http(tenant.key)
+    sampler = _base_sampler(http)
+    r = _asample(http, sampler, topk_prompt_logprobs=2, prompt_logprobs_last_n=2)
+    result = wait_future(http, r.json()["request_id"])
+    assert "prompt_logprobs" not in result  # not asked for
+    rows = result["topk_prompt_logprobs"]
+    assert len(rows) == len(PROMPT) and rows[:-2] == [None] * (len(PROMPT) - 2)
+    assert all(len(row) == 2 and row[0][1] >= row[1][1] for row in rows[-2:])
+
+
+def test_a_seed_reproduces_a_sample(stack, tenant):
+    """Same seed, same server, same weights: the same group, also when other requests share the
+    engine's batches (each sequence has its own generator, seeded from the request's seed)."""
+    with stack.sdk(tenant.key) as client:
+        sampler = client.create_sampling_client(base_model=TINY)
+        params = quilt.SamplingParams(max_tokens=12, temperature=1.0, seed=1234, stop=[])
+        first = sampler.sample(PROMPT, 4, params)
+        noise = [sampler.sample(PROMPT, 3, quilt.SamplingParams(max_tokens=20, stop=[])) for _ in range(3)]
+        second = sampler.sample(PROMPT, 4, params)
+        a, b = first.result().sequences, second.result().sequences
+        [n.result() for n in noise]
+        assert [s.tokens for s in a] == [s.tokens for s in b]
+        assert len({tuple(s.tokens) for s in a}) > 1  # the group's sequences still differ from each other
+        other = sampler.sample(PROMPT, 4, quilt.SamplingParams(max_tokens=12, seed=99, stop=[])).result()
+        assert [s.tokens for s in other.sequences] != [s.tokens for s in a]
+        unseeded = [sampler.sample(PROMPT, 1, quilt.SamplingParams(max_tokens=12, stop=[])).result()
+                    .sequences[0].tokens for _ in range(2)]
+        assert unseeded[0] != unseeded[1]

@@ -1,13 +1,25 @@
-"""The official tinker SDK (0.38.0), unchanged, trains against a running embedded Quilt."""
+"""The official tinker SDK, unchanged, trains against a running embedded Quilt: the current
+release (0.38.0) here, and the older one users pin in tests/test_tinker_sdk_pinned.py."""
 
 from __future__ import annotations
+
+import io
+import os
+import tarfile
+import urllib.request
 
 import pytest
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
+from tinkerutil import RestClient, ready, rest_client  # noqa: E402
 
 TINY = "quilt/tiny-qwen3"
+
+
+def test_the_expected_sdk_release_is_the_one_imported():
+    expected = os.environ.get("QUILT_EXPECT_TINKER")
+    assert tinker.__version__ == (expected or "0.38.0"), tinker.__file__
 
 
 @pytest.fixture(autouse=True)
@@ -39,7 +51,7 @@ def test_training_flow_through_the_official_sdk(stack, tenant):
         caps = service.get_server_capabilities()
         assert TINY in [m.model_name for m in caps.supported_models]
 
-        tc = service.create_lora_training_client(base_model=TINY, rank=8).result()
+        tc = ready(service.create_lora_training_client(base_model=TINY, rank=8))
         assert tc.get_info().model_data.model_name == TINY
         tokenizer = tc.get_tokenizer()  # loaded offline from the path the server names
         assert tokenizer.decode(tokenizer.encode("alice has 3 apples")).strip() == "alice has 3 apples"
@@ -65,11 +77,11 @@ def test_training_flow_through_the_official_sdk(stack, tenant):
         assert saved.path == f"tinker://{tc.model_id}/weights/ckpt-1"
         at_save = tc.forward(_sft_data(), "cross_entropy").result().metrics["loss:sum"]
 
-        restored = service.create_training_client_from_state_with_optimizer(saved.path).result()
+        restored = ready(service.create_training_client_from_state_with_optimizer(saved.path))
         assert restored.model_id != tc.model_id
         assert restored.forward(_sft_data(), "cross_entropy").result().metrics["loss:sum"] == pytest.approx(at_save, rel=1e-6)
 
-        rest = tinker.RestClient(base_url=stack.base_url, api_key=tenant.key)
+        rest = rest_client(stack, tenant.key)
         ckpts = rest.list_checkpoints(tc.model_id).result().checkpoints
         assert [c.tinker_path for c in ckpts] == [saved.path]
         runs = rest.list_training_runs().result().training_runs
@@ -82,9 +94,9 @@ def test_training_flow_through_the_official_sdk(stack, tenant):
 
 def test_checkpoint_ttls_through_the_official_sdk(stack, tenant):
     with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
-        tc = service.create_lora_training_client(base_model=TINY, rank=4).result()
+        tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))
         saved = tc.save_state("short-lived", ttl_seconds=3600).result()
-        rest = tinker.RestClient(base_url=stack.base_url, api_key=tenant.key)
+        rest = rest_client(stack, tenant.key)
         (ckpt,) = rest.list_checkpoints(tc.model_id).result().checkpoints
         assert ckpt.expires_at is not None
         rest.set_checkpoint_ttl_from_tinker_path(saved.path, None).result()
@@ -98,7 +110,7 @@ def test_checkpoint_ttls_through_the_official_sdk(stack, tenant):
 def test_a_refused_call_does_not_stall_the_official_sdk(stack, tenant):
     # The tinker SDK never reuses a seq_id: the server must not wait for the refused one.
     with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
-        tc = service.create_lora_training_client(base_model=TINY, rank=4).result()
+        tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))
         with pytest.raises(tinker.NotFoundError):
             tc.load_state(f"tinker://{tc.model_id}/weights/never-saved").result()
         with pytest.raises(tinker.BadRequestError):
@@ -109,7 +121,7 @@ def test_a_refused_call_does_not_stall_the_official_sdk(stack, tenant):
 
 def test_custom_loss_runs_through_forward_and_cross_entropy(stack, tenant):
     with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
-        tc = service.create_lora_training_client(base_model=TINY, rank=4).result()
+        tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))
 
         def loss_fn(data, logprobs_list):
             total = sum(-lp.sum() for lp in logprobs_list)
@@ -125,22 +137,22 @@ def test_tenant_sees_only_its_own_runs(stack):
         tc = service_a.create_lora_training_client(base_model=TINY, rank=4)
         path = tc.save_state("mine").result().path
     with tinker.ServiceClient(base_url=stack.base_url, api_key=b.key) as service_b:
-        rest = tinker.RestClient(base_url=stack.base_url, api_key=b.key)
+        rest = rest_client(stack, b.key)
         assert tc.model_id not in {r.training_run_id for r in rest.list_training_runs().result().training_runs}
         with pytest.raises(tinker.NotFoundError):
             rest.list_checkpoints(tc.model_id).result()
         with pytest.raises(tinker.NotFoundError):
             rest.get_weights_info_by_tinker_path(path).result()
         with pytest.raises(tinker.NotFoundError):
-            service_b.create_training_client_from_state(path).result()
+            ready(service_b.create_training_client_from_state(path))
 
 
 def test_sampling_through_the_official_sdk(stack, tenant):
     with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
-        tc = service.create_lora_training_client(base_model=TINY, rank=4).result()
+        tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))
         tc.forward_backward(_sft_data(), "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        sampler = tc.save_weights_and_get_sampling_client().result()
+        sampler = ready(tc.save_weights_and_get_sampling_client())
         prompt = types.ModelInput.from_ints([40, 41, 42, 43])
         params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3, stop=[])
         out = sampler.sample(prompt, 3, params).result()
@@ -151,9 +163,38 @@ def test_sampling_through_the_official_sdk(stack, tenant):
         logprobs = sampler.compute_logprobs(prompt).result()
         assert logprobs[0] is None and len(logprobs) == 4 and all(lp <= 0 for lp in logprobs[1:])
 
+        # Top-k prompt logprobs come back through the SDK's protobuf decoding.
+        scored = sampler.sample(prompt, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
+        topk = scored.topk_prompt_logprobs
+        assert topk[0] is None and len(topk) == 4 and all(len(row) == 3 for row in topk[1:])
+        assert all(row[0][1] >= row[1][1] >= row[2][1] for row in topk[1:])
+
         named = tc.save_weights_for_sampler("s1").result().path
         assert named == f"tinker://{tc.model_id}/sampler_weights/s1"
-        from_path = service.create_sampling_client(model_path=named).result()
+        from_path = ready(service.create_sampling_client(model_path=named))
         assert len(from_path.sample(prompt, 1, params).result().sequences) == 1
-        base = service.create_sampling_client(base_model=TINY).result()
+        base = ready(service.create_sampling_client(base_model=TINY))
         assert len(base.sample(prompt, 2, params).result().sequences) == 2
+
+
+@pytest.mark.skipif(not hasattr(RestClient, "get_checkpoint_archive_url"),
+                    reason="get_checkpoint_archive_url was removed in tinker 0.35 (save_weights_external replaces it)")
+def test_checkpoint_archive_through_the_official_sdk(stack, tenant, tmp_path):
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
+        tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))
+        tc.forward_backward(_sft_data(), "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        path = tc.save_state("to-download").result().path
+    rest = rest_client(stack, tenant.key)
+    archive = rest.get_checkpoint_archive_url_from_tinker_path(path).result()
+    assert tenant.key not in archive.url
+    with urllib.request.urlopen(archive.url, timeout=60) as response:
+        data = response.read()
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        names = {m.name.split("/")[-1] for m in tar.getmembers()}
+        tar.extractall(tmp_path, filter="data")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= names and "optimizer.pt" not in names
+    from peft import PeftConfig
+
+    (top,) = tmp_path.iterdir()
+    assert PeftConfig.from_pretrained(str(top)).r == 4

@@ -21,6 +21,7 @@ import logging
 from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
 from api.dashboard import data, pages
@@ -31,9 +32,15 @@ HERE = Path(__file__).parent
 UPLOT_DIST = HERE / "node_modules" / "uplot" / "dist"
 
 
+async def _to_dashboard() -> RedirectResponse:
+    return RedirectResponse(pages.HOME, status_code=307)
+
+
 def install(app: FastAPI) -> None:
     """Add the dashboard's routes and static files to the API app."""
     app.include_router(pages.router)
+    # A person opening the server's address wants the dashboard; SDKs never ask for `/`.
+    app.add_api_route("/", _to_dashboard, methods=["GET", "HEAD"], include_in_schema=False)
     app.include_router(data.router)
     app.mount("/dashboard/static", StaticFiles(directory=HERE / "static"), name="dashboard-static")
     if not UPLOT_DIST.is_dir():

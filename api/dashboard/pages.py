@@ -18,6 +18,7 @@ from api.dashboard.render import PageRoute, page
 from api.deps import Callers, Pool, RedisDep
 from api.routes.billing import get_usage
 from core import catalog
+from core.checkpoint_files import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
 from core.errors import Forbidden, NotFound, Unauthenticated
 from tenancy import keys, scoped
 from tenancy.auth import authenticate
@@ -25,7 +26,7 @@ from tenancy.auth import authenticate
 router = APIRouter(prefix="/dashboard", route_class=PageRoute, include_in_schema=False)
 
 PAGE_SIZE = 50
-CHECKPOINT_KINDS = ("weights", "sampler_weights")
+CHECKPOINT_KINDS = (TRAINING_KIND, SAMPLER_KIND, EXTERNAL_KIND)
 HOME = "/dashboard/runs"
 
 

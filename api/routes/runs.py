@@ -12,6 +12,7 @@ from api.deps import Pool, Who
 from api.input_guard import GuardedRoute
 from api.schemas import CheckpointTtlRequest, WeightsInfoRequest
 from core import ids, retention
+from core.checkpoint_files import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
 from core.errors import InvalidInput, NotFound
 from core.numbers import INT32_MAX
 from core.settings import get_core_settings
@@ -20,7 +21,7 @@ from tenancy.auth import Principal
 
 router = APIRouter(route_class=GuardedRoute, tags=["runs"])
 
-_CHECKPOINT_TYPE = {"weights": "training", "sampler_weights": "sampler"}
+_CHECKPOINT_TYPE = {TRAINING_KIND: "training", SAMPLER_KIND: "sampler", EXTERNAL_KIND: "external"}
 
 
 def checkpoint_json(row: dict) -> dict:
@@ -36,7 +37,7 @@ def checkpoint_json(row: dict) -> dict:
 
 
 def _run_json(model: dict, who: Principal, checkpoints: list[dict]) -> dict:
-    last = {kind: next((c for c in checkpoints if c["kind"] == kind), None) for kind in _CHECKPOINT_TYPE}
+    last = {kind: next((c for c in checkpoints if c["kind"] == kind), None) for kind in (TRAINING_KIND, SAMPLER_KIND)}
     out = {
         "training_run_id": model["id"],
         "base_model": model["base_model"],
@@ -99,10 +100,11 @@ async def list_user_checkpoints(who: Who, pool: Pool, limit: int = Query(100, ge
     return {"checkpoints": [checkpoint_json(c) for c in ckpts], "cursor": _cursor(offset, limit, total)}
 
 
-def _split_checkpoint_id(checkpoint_id: str) -> tuple[str, str]:
+def split_checkpoint_id(checkpoint_id: str) -> tuple[str, str]:
     kind, _, name = checkpoint_id.partition("/")
     if kind not in _CHECKPOINT_TYPE or not name:
-        raise InvalidInput(f"checkpoint_id must look like weights/<name> or sampler_weights/<name>, got {checkpoint_id!r}",
+        raise InvalidInput(f"checkpoint_id must look like <kind>/<name> with kind one of {list(_CHECKPOINT_TYPE)}, "
+                           f"got {checkpoint_id!r}",
                            field="checkpoint_id")
     return kind, name
 
@@ -110,7 +112,7 @@ def _split_checkpoint_id(checkpoint_id: str) -> tuple[str, str]:
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", status_code=204)
 async def delete_checkpoint(run_id: str, checkpoint_id: str, who: Who, pool: Pool) -> Response:
     """Delete one of your checkpoints and its files."""
-    kind, name = _split_checkpoint_id(checkpoint_id)
+    kind, name = split_checkpoint_id(checkpoint_id)
     async with pool.connection() as conn:
         ckpt = await scoped.get_checkpoint(conn, who, run_id, kind, name)
         await conn.execute("DELETE FROM checkpoints WHERE id = %s", (ckpt["id"],))
@@ -124,7 +126,7 @@ async def set_checkpoint_ttl(run_id: str, checkpoint_id: str, body: CheckpointTt
                              pool: Pool) -> Response:
     """Expire one of your checkpoints `ttl_seconds` from now, or never (`null`). Replaces any
     earlier expiry, including the default one of anonymous sampler snapshots."""
-    kind, name = _split_checkpoint_id(checkpoint_id)
+    kind, name = split_checkpoint_id(checkpoint_id)
     async with pool.connection() as conn:
         ckpt = await scoped.get_checkpoint(conn, who, run_id, kind, name)
         await conn.execute(

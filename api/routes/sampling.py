@@ -182,7 +182,7 @@ async def _resolve(conn, who, body: SampleRequest) -> tuple[catalog.BaseModel, A
 
 
 def _unsupported(body: SampleRequest) -> None:
-    for field in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+    for field in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
         if getattr(body, field):
             raise InvalidInput(f"{field} is not supported by this server yet; send 0", field=field)
 
@@ -192,10 +192,15 @@ async def asample(body: SampleRequest, who: Who, pool: Pool, redis: RedisDep, se
     """Sample `num_samples` sequences (one group) from a sampler; a future with `sample_sequence_ids`.
 
     The result: `{"sequences": [{"tokens", "logprobs", "stop_reason", "model_id", "policy_version"}],
-    "prompt_logprobs"?: [null, ...]}`.
+    "prompt_logprobs"?: [null, ...], "topk_prompt_logprobs"?: [null, [[token, logprob], ...], ...]}`;
+    `topk_prompt_logprobs=k` gives the k most likely tokens at every prompt position (at most
+    QUILT_GEN_MAX_TOPK_LOGPROBS), `prompt_logprobs_last_n` limits both to the prompt's last n.
     """
     gen = get_gen_pool_settings()
     _unsupported(body)
+    if not 0 <= body.topk_prompt_logprobs <= gen.max_topk_logprobs:
+        raise InvalidInput(f"topk_prompt_logprobs must be in [0, {gen.max_topk_logprobs}], got "
+                           f"{body.topk_prompt_logprobs}", field="topk_prompt_logprobs")
     if body.num_samples > gen.max_samples:
         raise InvalidInput(f"num_samples {body.num_samples} exceeds the limit of {gen.max_samples}",
                            field="num_samples")
@@ -211,7 +216,8 @@ async def asample(body: SampleRequest, who: Who, pool: Pool, redis: RedisDep, se
         now = time.time()
         work = SampleWork(prompt=tuple(prompt), n=body.num_samples, spec=spec, adapter=adapter, submitted_at=now,
                           deadline_at=now + deadline_s, prompt_logprobs=body.prompt_logprobs,
-                          prompt_logprobs_last_n=body.prompt_logprobs_last_n)
+                          prompt_logprobs_last_n=body.prompt_logprobs_last_n,
+                          prompt_topk=body.topk_prompt_logprobs)
         item = WorkItem(ids.new_request_id(), who.tenant_id, body.sampling_session_id or "", body.seq_id or 0,
                         WorkKind.SAMPLE, len(prompt) * body.num_samples, work)
         slot = None

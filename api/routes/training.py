@@ -17,10 +17,11 @@ from api.schemas import (
     LoadWeightsRequest,
     ModelRef,
     OptimStepRequest,
+    SaveWeightsExternalRequest,
     SaveWeightsRequest,
 )
 from core import architectures, catalog, db, health, ids
-from core.checkpoint_files import TRAINING_KIND, new_version_dir
+from core.checkpoint_files import EXTERNAL_KIND, TRAINING_KIND, new_version_dir
 from core.errors import Forbidden, InvalidInput, NotFound
 from core.loss_spec import spec_of
 from core.numbers import INT32_MAX
@@ -196,6 +197,25 @@ async def save_weights(body: SaveWeightsRequest, request: Request, who: Who, poo
                                                     TRAINING_KIND, body.path))
     return await _queue_on_model(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id,
                              kind=WorkKind.SAVE_WEIGHTS, body=work)
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(body: SaveWeightsExternalRequest, request: Request, who: Who, pool: Pool,
+                                redis: RedisDep) -> dict:
+    """Export the adapter alone (a PEFT directory: adapter_config.json, adapter_model.safetensors)
+    as `tinker://{model_id}/external_weights/{name}` (a future); fetch its files with
+    `GET training_runs/{run}/checkpoints/external_weights/{name}/external_weights_urls`. Saving a
+    name again replaces it."""
+    seq_gaps.claim(request, body.model_id, body.seq_id)
+    if body.age_encryption_recipients:
+        raise InvalidInput("age_encryption_recipients: encrypted exports are not supported by this server; leave it "
+                           "out (downloads are served over this API's own connection)",
+                           field="age_encryption_recipients")
+    work = SaveWeights(name=body.path, overwrite=True, ttl_s=body.ttl_seconds,
+                       storage_path=new_version_dir(get_core_settings().checkpoint_dir, who.tenant_id, body.model_id,
+                                                    EXTERNAL_KIND, body.path))
+    return await _queue_on_model(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id,
+                                 kind=WorkKind.SAVE_WEIGHTS_EXTERNAL, body=work)
 
 
 @router.post("/load_weights")

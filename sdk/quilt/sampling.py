@@ -97,6 +97,9 @@ class SampleResponse:
 
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
+    #: with ``topk_prompt_logprobs=k``: per prompt position, the k most likely
+    #: ``(token, logprob)``, most likely first (``None`` at position 0)
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any], sequence_ids: Sequence[str] = ()) -> SampleResponse:
@@ -110,7 +113,11 @@ class SampleResponse:
                 sequence_id=sequence_ids[i] if i < len(sequence_ids) else None,
             ))
         plp = obj.get("prompt_logprobs")
-        return cls(sequences=seqs, prompt_logprobs=list(plp) if plp is not None else None)
+        topk = obj.get("topk_prompt_logprobs")
+        if topk is not None:
+            topk = [None if row is None else [(int(t), lp) for t, lp in row] for row in topk]
+        return cls(sequences=seqs, prompt_logprobs=list(plp) if plp is not None else None,
+                   topk_prompt_logprobs=topk)
 
 
 def _prompt_json(prompt: ModelInput | Sequence[int] | Any) -> dict[str, Any]:
@@ -153,16 +160,18 @@ class SamplingClient:
         return f"<SamplingClient {self.sampling_session_id!r} on {target!r}>"
 
     def _body(self, prompt: Any, num_samples: int, params: SamplingParams | None, prompt_logprobs: bool,
-              deadline_s: float | None) -> dict[str, Any]:
+              deadline_s: float | None, topk_prompt_logprobs: int = 0) -> dict[str, Any]:
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+        if not isinstance(topk_prompt_logprobs, int) or topk_prompt_logprobs < 0:
+            raise ValueError(f"topk_prompt_logprobs must be a non-negative int, got {topk_prompt_logprobs!r}")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a quilt.SamplingParams, got {type(params).__name__}")
         body: dict[str, Any] = {
             "sampling_session_id": self.sampling_session_id, "seq_id": next(self._seq_ids),
             "num_samples": num_samples, "prompt": _prompt_json(prompt), "sampling_params": params.to_json(),
-            "prompt_logprobs": bool(prompt_logprobs), "topk_prompt_logprobs": 0, "topk_sample_logprobs": 0,
+            "prompt_logprobs": bool(prompt_logprobs), "topk_prompt_logprobs": topk_prompt_logprobs, "topk_sample_logprobs": 0,
             "type": "sample",
         }
         if deadline_s is not None:
@@ -178,7 +187,7 @@ class SamplingClient:
 
     def sample(self, prompt: ModelInput | Sequence[int], num_samples: int = 1,
                sampling_params: SamplingParams | None = None, *, include_prompt_logprobs: bool = False,
-               deadline_s: float | None = None) -> APIFuture[SampleResponse]:
+               topk_prompt_logprobs: int = 0, deadline_s: float | None = None) -> APIFuture[SampleResponse]:
         """Sample ``num_samples`` continuations of ``prompt`` (one group).
 
         Args:
@@ -186,18 +195,22 @@ class SamplingClient:
             num_samples: sequences in the group; the future resolves when all have finished.
             sampling_params: a :class:`quilt.SamplingParams` (defaults: temperature 1, EOS stops).
             include_prompt_logprobs: also return the logprob of every prompt token.
+            topk_prompt_logprobs: also return the ``k`` most likely tokens and their logprobs at
+                every prompt position (``SampleResponse.topk_prompt_logprobs``).
             deadline_s: fail the request (aborting its sequences) if it is not done this many
                 seconds after submission.
         """
-        body = self._body(prompt, num_samples, sampling_params, include_prompt_logprobs, deadline_s)
+        body = self._body(prompt, num_samples, sampling_params, include_prompt_logprobs, deadline_s,
+                          topk_prompt_logprobs)
         return self._runner.run(self._submit(body))
 
     async def sample_async(self, prompt: ModelInput | Sequence[int], num_samples: int = 1,
                            sampling_params: SamplingParams | None = None, *,
-                           include_prompt_logprobs: bool = False,
+                           include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
                            deadline_s: float | None = None) -> APIFuture[SampleResponse]:
         """Async form of :meth:`sample` (returns the future once submitted)."""
-        body = self._body(prompt, num_samples, sampling_params, include_prompt_logprobs, deadline_s)
+        body = self._body(prompt, num_samples, sampling_params, include_prompt_logprobs, deadline_s,
+                          topk_prompt_logprobs)
         return await self._runner.run_async(self._submit(body))
 
     async def _logprobs(self, prompt: Any) -> APIFuture[list[float | None]]:

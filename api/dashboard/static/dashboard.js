@@ -29,6 +29,11 @@
     });
   }
 
+  function shortLabel(label) {
+    const s = String(label);
+    return s.length > 14 ? s.slice(0, 13) + "\u2026" : s;
+  }
+
   function countPoints(values) {
     return values.filter((v) => v !== null && v !== undefined && !Number.isNaN(v)).length;
   }
@@ -58,7 +63,14 @@
       const labels = spec.xLabels;
       scales.x.range = () => [-0.5, labels.length - 0.5];
       axes[0].splits = () => labels.map((_, i) => i);
-      axes[0].values = (u, splits) => splits.map((v) => labels[v] ?? "");
+      // Tenant names are long and many: slanted and cut to a fixed width they never overlap; the
+      // legend (series[0].value) still shows the whole name of the bar under the cursor.
+      const slant = labels.some((l) => String(l).length > 6);
+      axes[0].values = (u, splits) => splits.map((v) => shortLabel(labels[v] ?? ""));
+      if (slant) {
+        axes[0].rotate = -35;
+        axes[0].size = 70;
+      }
       axes[0].label = spec.xLabel || "";
       series[0].label = spec.xLabel || "";
       series[0].value = (u, v) => (v === null || v === undefined ? "" : labels[Math.round(v)] ?? "");

@@ -1,0 +1,111 @@
+"""Checkpoint downloads by signed URL (api.signed_urls): what the tinker SDK's
+`get_checkpoint_archive_url` (0.34 and earlier) and `get_external_weights_urls` (with
+`save_weights_external`, 0.35 and later) hand their callers, and what `tinker checkpoint download`
+fetches.
+
+    GET training_runs/{run}/checkpoints/{kind}/{name}/archive               302 to the adapter as a .tar.gz
+    GET training_runs/{run}/checkpoints/{kind}/{name}/external_weights_urls  {"urls": {file: url}, "expires"}
+    GET downloads/{token}/{file name}                                         the bytes; no API key
+
+Every kind of checkpoint can be fetched; what is sent is the PEFT adapter directory
+(adapter_config.json, adapter_model.safetensors) and Quilt's metadata, never optimizer state.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
+
+from api import signed_urls
+from api.dashboard import adapter_archive
+from api.deps import Pool, Settings, Who
+from api.input_guard import GuardedRoute
+from api.routes.runs import split_checkpoint_id
+from core import db, retention
+from core.checkpoint_files import adapter_files
+from core.errors import NotFound
+from tenancy import scoped
+
+router = APIRouter(route_class=GuardedRoute, tags=["downloads"])
+
+
+async def _key(request: Request, pool, settings) -> bytes:
+    key = getattr(request.app.state, "download_signing_key", None)
+    if key is None:
+        configured = settings.download_signing_key.get_secret_value() if settings.download_signing_key else None
+        async with db.autocommit(pool) as conn:
+            key = await signed_urls.signing_key(conn, configured)
+        request.app.state.download_signing_key = key
+    return key
+
+
+def _directory(ckpt: dict) -> Path:
+    directory = Path(ckpt["storage_path"])
+    if not directory.is_dir():
+        raise NotFound(f"the files of checkpoint {ckpt['kind']}/{ckpt['name']} are gone from the checkpoint store",
+                       field="checkpoint_id")
+    return directory
+
+
+async def _checkpoint(pool, who, run_id: str, checkpoint_id: str) -> dict:
+    kind, name = split_checkpoint_id(checkpoint_id)
+    async with pool.connection() as conn:
+        return await scoped.get_checkpoint(conn, who, run_id, kind, name)
+
+
+def _url(request: Request, key: bytes, grant: signed_urls.Grant, filename: str) -> str:
+    return f"{str(request.base_url).rstrip('/')}/api/v1/downloads/{signed_urls.sign(key, grant)}/{filename}"
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/archive")
+async def checkpoint_archive(run_id: str, checkpoint_id: str, request: Request, who: Who, pool: Pool,
+                             settings: Settings) -> RedirectResponse:
+    """302 to a signed URL of the checkpoint's adapter as a .tar.gz; `Expires` says until when it works."""
+    ckpt = await _checkpoint(pool, who, run_id, checkpoint_id)
+    _directory(ckpt)
+    expires = int(time.time()) + settings.download_url_ttl_s
+    grant = signed_urls.Grant(who.tenant_id, ckpt["id"], signed_urls.ARCHIVE, expires)
+    url = _url(request, await _key(request, pool, settings), grant, adapter_archive.archive_name(run_id, ckpt["name"]))
+    return RedirectResponse(url, status_code=302, headers={"Expires": email.utils.formatdate(expires, usegmt=True),
+                                                           "Cache-Control": "no-store"})
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+async def external_weights_urls(run_id: str, checkpoint_id: str, request: Request, who: Who, pool: Pool,
+                                settings: Settings) -> dict:
+    """One signed URL per file of the checkpoint's adapter, keyed by file name, and when they expire."""
+    ckpt = await _checkpoint(pool, who, run_id, checkpoint_id)
+    files = adapter_files(_directory(ckpt))
+    expires = int(time.time()) + settings.download_url_ttl_s
+    key = await _key(request, pool, settings)
+    urls = {p.name: _url(request, key, signed_urls.Grant(who.tenant_id, ckpt["id"], p.name, expires), p.name)
+            for p in files}
+    return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
+
+
+@router.get("/downloads/{token}/{filename}", include_in_schema=False)
+async def download(token: str, filename: str, request: Request, pool: Pool, settings: Settings):
+    """The file (or archive) a signed URL names, while it is unexpired and its checkpoint lives."""
+    grant = signed_urls.verify(await _key(request, pool, settings), token)
+    async with db.autocommit(pool) as conn:
+        cur = await conn.execute(f"SELECT * FROM checkpoints WHERE id = %s AND tenant_id = %s AND {retention.LIVE}",
+                                 (grant.checkpoint_id, grant.tenant_id))
+        ckpt = await cur.fetchone()
+    if ckpt is None:
+        raise NotFound("the checkpoint of this download link was deleted or has expired", field="token")
+    directory = _directory(ckpt)
+    headers = {"Cache-Control": "no-store"}
+    if grant.file == signed_urls.ARCHIVE:
+        name = adapter_archive.archive_name(ckpt["model_id"], ckpt["name"])
+        return StreamingResponse(adapter_archive.stream_tar_gz(directory, top=name.removesuffix(".tar.gz")),
+                                 media_type="application/gzip",
+                                 headers={**headers, "Content-Disposition": f'attachment; filename="{name}"'})
+    path = next((p for p in adapter_files(directory) if p.name == grant.file), None)
+    if path is None:
+        raise NotFound(f"file {grant.file!r} is not part of this checkpoint", field="token")
+    return FileResponse(path, filename=path.name, headers=headers)

@@ -1,0 +1,159 @@
+"""Getting weights out: `save_weights_external` + `get_external_weights_urls` (tinker 0.35 and
+later, and `tinker checkpoint download`) and the archive URL of earlier SDKs, through the official
+tinker SDK and plain HTTP. URLs are signed (no API key in them), bound to the tenant and to one
+checkpoint, and expire; what they send is a PEFT adapter directory that HF PEFT loads and that
+scores tokens exactly as the trainer does."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+import pytest
+from genutil import Reference
+from stackutil import TINY
+
+from api import signed_urls
+from core import catalog, db
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+from tinkerutil import ready, rest_client  # noqa: E402
+
+TOKENS = list(range(40, 57))
+
+
+def _train(tc, steps: int = 2) -> None:
+    datum = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+                        loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * 16})
+    for _ in range(steps):
+        tc.forward_backward([datum], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+
+def _trainer_logprobs(tc) -> list[float]:
+    datum = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+                        loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * 16})
+    return tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+
+
+def _base_path(stack) -> str:
+    with db.connect(stack.database_url) as conn:
+        return catalog.get_model_sync(conn, TINY).path
+
+
+def _fetch(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=60) as response:  # no API key: the URL is the permission
+        return response.read()
+
+
+def _assert_peft_matches_trainer(stack, adapter_dir: Path, expected: list[float]) -> None:
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA"
+    got = Reference(_base_path(stack)).token_logprobs(str(adapter_dir), TOKENS)
+    assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def exported(stack):
+    """A tenant's trained model exported with save_weights_external, its URLs and the trainer's logprobs."""
+    owner = stack.create_tenant("dl")
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=owner.key) as service:
+        tc = ready(service.create_lora_training_client(base_model=TINY, rank=8))
+        _train(tc)
+        path = tc.save_weights_external("export").result().path
+        tc.save_state("ck").result()
+        expected = _trainer_logprobs(tc)
+    rest = rest_client(stack, owner.key)
+    return owner, tc.model_id, path, rest.get_external_weights_urls(path).result(), expected
+
+
+def test_external_weights_download_loads_in_peft(stack, exported, tmp_path):
+    owner, model_id, path, urls, expected = exported
+    assert path == f"tinker://{model_id}/external_weights/export"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(urls.urls)
+    assert "optimizer.pt" not in urls.urls
+    assert all(owner.key not in u for u in urls.urls.values())
+    assert urls.expires.timestamp() > time.time() + 60
+    for name, url in urls.urls.items():
+        (tmp_path / name).write_bytes(_fetch(url))
+    _assert_peft_matches_trainer(stack, tmp_path, expected)
+    # Listed like any checkpoint, of type "external".
+    rest = rest_client(stack, owner.key)
+    (ckpt,) = [c for c in rest.list_checkpoints(model_id).result().checkpoints if c.tinker_path == path]
+    assert ckpt.checkpoint_type == "external"
+
+
+def test_archive_url_is_a_redirect_to_a_peft_tar_gz(stack, exported, tmp_path):
+    """The shape tinker 0.34 reads (its own run: tests/test_tinker_sdk_pinned.py): 302 to a signed
+    URL, with Expires. A training checkpoint's archive leaves its optimizer state out."""
+    owner, model_id, _, _, expected = exported
+    http = httpx.Client(base_url=stack.base_url, headers={"X-API-Key": owner.key}, timeout=60)
+    for checkpoint_id in ("external_weights/export", "weights/ck"):
+        r = http.get(f"/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id}/archive")
+        assert r.status_code == 302, r.text
+        assert owner.key not in r.headers["location"] and r.headers["expires"]
+        with tarfile.open(fileobj=io.BytesIO(_fetch(r.headers["location"])), mode="r:gz") as tar:
+            tar.extractall(tmp_path / checkpoint_id, filter="data")
+        (top,) = (tmp_path / checkpoint_id).iterdir()
+        assert "optimizer.pt" not in {p.name for p in top.iterdir()}
+        _assert_peft_matches_trainer(stack, top, expected)
+
+
+def test_download_links_are_bound_to_tenant_checkpoint_and_time(stack, exported):
+    owner, model_id, path, urls, _ = exported
+    other = stack.create_tenant("dl-other")
+    rest_b = rest_client(stack, other.key)
+    with pytest.raises(tinker.NotFoundError):
+        rest_b.get_external_weights_urls(path).result()
+    http_b = httpx.Client(base_url=stack.base_url, headers={"X-API-Key": other.key}, timeout=60)
+    assert http_b.get(f"/api/v1/training_runs/{model_id}/checkpoints/external_weights/export/archive").status_code == 404
+
+    url = urls.urls["adapter_config.json"]
+    token = url.split("/downloads/")[1].split("/")[0]
+    payload, sig = token.split(".")
+    anyone = httpx.Client(timeout=60)
+    assert anyone.get(url).status_code == 200
+    # Altered: another file, another checkpoint, another tenant in the payload; a forged signature.
+    with db.connect(stack.database_url) as conn:
+        key = bytes(conn.execute("SELECT value FROM server_secrets").fetchone()["value"])
+        ckpt_id = conn.execute("SELECT id FROM checkpoints WHERE model_id = %s AND kind = 'external_weights'",
+                               (model_id,)).fetchone()["id"]
+    grant = signed_urls.verify(key, token)
+    assert (grant.tenant_id, grant.checkpoint_id) == (owner.tenant_id, ckpt_id)
+    base = url.split("/downloads/")[0] + "/downloads/"
+    forged = signed_urls.sign(b"not the key", grant)
+    for bad in (f"{payload}.{sig[:-2]}AA", forged, "garbage", f"{payload}.", "a.b.c", "\u00e9.x"):
+        r = anyone.get(base + bad + "/adapter_config.json")
+        assert r.status_code == 404 and r.json()["field"] == "token", (bad, r.text)
+    other_file = signed_urls.Grant(grant.tenant_id, grant.checkpoint_id, "optimizer.pt", grant.expires)
+    assert anyone.get(base + signed_urls.sign(key, other_file) + "/x").status_code == 404
+    wrong_tenant = signed_urls.Grant(other.tenant_id, grant.checkpoint_id, grant.file, grant.expires)
+    assert anyone.get(base + signed_urls.sign(key, wrong_tenant) + "/x").status_code == 404
+    expired = signed_urls.Grant(grant.tenant_id, grant.checkpoint_id, grant.file, int(time.time()) - 1)
+    r = anyone.get(base + signed_urls.sign(key, expired) + "/x")
+    assert r.status_code == 404 and "expired" in r.json()["error"]
+
+
+def test_a_deleted_checkpoint_stops_its_links(stack, tenant):
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
+        tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))
+        path = tc.save_weights_external("gone").result().path
+    rest = rest_client(stack, tenant.key)
+    url = rest.get_external_weights_urls(path).result().urls["adapter_model.safetensors"]
+    assert httpx.get(url, timeout=60).status_code == 200
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    r = httpx.get(url, timeout=60)
+    assert r.status_code == 404 and "deleted" in r.json()["error"]
+
+
+def test_encrypted_exports_are_refused_by_name(stack, tenant):
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
+        tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))
+        with pytest.raises(tinker.BadRequestError, match="age_encryption_recipients"):
+            tc.save_weights_external("enc", age_encryption_recipients=["age1xyz"]).result()
