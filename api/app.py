@@ -17,6 +17,7 @@ from api.routes import (
     downloads,
     futures,
     metrics,
+    openai_compat,
     run_metrics,
     runs,
     sampling,
@@ -71,6 +72,7 @@ def create_app() -> FastAPI:
     for module in (service, sessions, training, sampling, futures, billing, runs, downloads, run_metrics):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(metrics.router)
+    app.include_router(openai_compat.router)  # /v1/completions, /v1/chat/completions
     dashboard.install(app)
     _add_schema_components(app, training.SCHEMA_COMPONENTS)
     app.add_middleware(SpendHeaderMiddleware)

@@ -44,7 +44,10 @@ Settings = Annotated[ApiSettings, Depends(_settings)]
 
 
 async def _principal(request: Request, pool: Pool, callers: Callers,
-                     x_api_key: Annotated[str | None, Header()] = None) -> Principal:
+                     x_api_key: Annotated[str | None, Header()] = None,
+                     authorization: Annotated[str | None, Header()] = None) -> Principal:
+    if x_api_key is None and authorization and authorization[:7].lower() == "bearer ":
+        x_api_key = authorization[7:].strip()  # OpenAI clients (api.routes.openai_compat)
     key_hash = hash_key(x_api_key).hex() if x_api_key else ""
     who = callers.get("key", key_hash) if key_hash else None
     if who is None:

@@ -4,7 +4,8 @@ checkpoint row, and expiring.
     <base>/api/v1/downloads/<token>/<file name>
 
 The token is `payload.signature`, both base64url: the payload names the tenant, the checkpoint's
-row id, what to send (one file of the adapter, or the whole adapter as a .tar.gz) and the expiry
+row id, what to send (one file of the adapter, the whole adapter as a .tar.gz, or the adapter
+merged into its base as a .tar) and the expiry
 (unix seconds); the signature is HMAC-SHA256 over the payload. The file name at the end is only for
 whoever saves the download; the token alone decides what is sent. A deleted or expired checkpoint
 (its row gone or no longer live) answers 404 even while its URLs are unexpired.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from core.errors import NotFound
 
 ARCHIVE = ""  # `file` of a token for the whole adapter as a .tar.gz
+MERGED = "*merged"  # `file` of a token for the adapter merged into its base, as a .tar
 _SECRET_NAME = "download_signing_key"
 
 

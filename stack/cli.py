@@ -1,4 +1,5 @@
-"""The `quilt` command: run the embedded stack and administer tenants, keys and base models."""
+"""The `quilt` command: run the embedded stack, administer tenants, keys and base models, and export
+checkpoints (`quilt export`, a client of the API like the SDK)."""
 
 from __future__ import annotations
 
@@ -309,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     from billing.cli import add_commands as add_billing_commands
 
     add_billing_commands(sub, _data_dir_option, _prepared)  # usage, budgets, prices, billing
+    from stack.export import add_command as add_export_command
+
+    add_export_command(sub)
     return parser
 
 

@@ -17,6 +17,7 @@ from api.dashboard.deps import Changing, LoggedIn, OperatorOnly, Viewer
 from api.dashboard.render import PageRoute, page
 from api.deps import Callers, Pool, RedisDep
 from api.routes.billing import get_usage
+from api.routes.downloads import merge_members
 from core import catalog
 from core.checkpoint_files import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
 from core.errors import Forbidden, NotFound, Unauthenticated
@@ -144,6 +145,21 @@ async def download_adapter(model_id: str, kind: str, name: str, viewer: LoggedIn
     filename = adapter_archive.archive_name(model_id, name)
     return StreamingResponse(adapter_archive.stream_tar_gz(directory, top=filename.removesuffix(".tar.gz")),
                              media_type="application/gzip",
+                             headers={"Content-Disposition": f'attachment; filename="{filename}"',
+                                      "Cache-Control": "no-store"})
+
+
+@router.get("/runs/{model_id}/checkpoints/{kind}/{name}/merged.tar")
+async def download_merged(model_id: str, kind: str, name: str, viewer: LoggedIn, pool: Pool) -> StreamingResponse:
+    """The checkpoint's adapter merged into its base: a Hugging Face model directory, as a .tar."""
+    if kind not in CHECKPOINT_KINDS:
+        raise NotFound(f"no checkpoint kind {kind!r}; kinds are {list(CHECKPOINT_KINDS)}", field="kind")
+    async with pool.connection() as conn:
+        ckpt = await scoped.get_checkpoint(conn, viewer.who, model_id, kind, name)
+    members = await merge_members(pool, ckpt)
+    filename = adapter_archive.archive_name(model_id, name, "-merged.tar")
+    return StreamingResponse(adapter_archive.stream_tar(members, top=filename.removesuffix(".tar"), gzip=False),
+                             media_type="application/x-tar",
                              headers={"Content-Disposition": f'attachment; filename="{filename}"',
                                       "Cache-Control": "no-store"})
 

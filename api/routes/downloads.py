@@ -5,10 +5,14 @@ fetches.
 
     GET training_runs/{run}/checkpoints/{kind}/{name}/archive               302 to the adapter as a .tar.gz
     GET training_runs/{run}/checkpoints/{kind}/{name}/external_weights_urls  {"urls": {file: url}, "expires"}
+    GET training_runs/{run}/checkpoints/{kind}/{name}/merged                302 to the adapter merged into its
+                                                                             base, a Hugging Face model (.tar)
     GET downloads/{token}/{file name}                                         the bytes; no API key
 
 Every kind of checkpoint can be fetched; what is sent is the PEFT adapter directory
-(adapter_config.json, adapter_model.safetensors) and Quilt's metadata, never optimizer state.
+(adapter_config.json, adapter_model.safetensors) and Quilt's metadata, never optimizer state, or
+for `merged` the base's files with the adapter merged into its weights (core.adapter_merge), which
+needs the base's files on this API's machine.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
 
 from api import signed_urls
@@ -26,9 +31,9 @@ from api.dashboard import adapter_archive
 from api.deps import Pool, Settings, Who
 from api.input_guard import GuardedRoute
 from api.routes.runs import split_checkpoint_id
-from core import db, retention
+from core import adapter_merge, catalog, db, retention
 from core.checkpoint_files import adapter_files
-from core.errors import NotFound
+from core.errors import InvalidInput, NotFound
 from tenancy import scoped
 
 router = APIRouter(route_class=GuardedRoute, tags=["downloads"])
@@ -75,6 +80,36 @@ async def checkpoint_archive(run_id: str, checkpoint_id: str, request: Request, 
                                                            "Cache-Control": "no-store"})
 
 
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/merged")
+async def merged_model(run_id: str, checkpoint_id: str, request: Request, who: Who, pool: Pool,
+                       settings: Settings) -> RedirectResponse:
+    """302 to a signed URL of a Hugging Face model directory (a .tar): the checkpoint's adapter
+    merged into its base's weights, with the base's config and tokenizer. transformers and vLLM
+    load it as they load the base."""
+    ckpt = await _checkpoint(pool, who, run_id, checkpoint_id)
+    await merge_members(pool, ckpt)  # refuse now, not halfway through the download
+    expires = int(time.time()) + settings.download_url_ttl_s
+    grant = signed_urls.Grant(who.tenant_id, ckpt["id"], signed_urls.MERGED, expires)
+    url = _url(request, await _key(request, pool, settings), grant,
+               adapter_archive.archive_name(run_id, ckpt["name"], "-merged.tar"))
+    return RedirectResponse(url, status_code=302, headers={"Expires": email.utils.formatdate(expires, usegmt=True),
+                                                           "Cache-Control": "no-store"})
+
+
+async def merge_members(pool, ckpt: dict) -> list[adapter_merge.Member]:
+    """The merged model's files for a checkpoint of yours (4xx when it cannot be merged)."""
+    async with db.autocommit(pool) as conn:
+        cur = await conn.execute("SELECT base_model FROM training_models WHERE id = %s", (ckpt["model_id"],))
+        base = await catalog.get_model(conn, (await cur.fetchone())["base_model"])
+    if base is None or not Path(base.path).is_dir():
+        raise NotFound("this checkpoint's base model is not served here any more; it cannot be merged",
+                       field="checkpoint_id")
+    try:
+        return await run_in_threadpool(adapter_merge.merged_members, Path(base.path), _directory(ckpt))
+    except ValueError as exc:
+        raise InvalidInput(f"this checkpoint cannot be merged into its base: {exc}", field="checkpoint_id") from None
+
+
 @router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
 async def external_weights_urls(run_id: str, checkpoint_id: str, request: Request, who: Who, pool: Pool,
                                 settings: Settings) -> dict:
@@ -100,6 +135,12 @@ async def download(token: str, filename: str, request: Request, pool: Pool, sett
         raise NotFound("the checkpoint of this download link was deleted or has expired", field="token")
     directory = _directory(ckpt)
     headers = {"Cache-Control": "no-store"}
+    if grant.file == signed_urls.MERGED:
+        name = adapter_archive.archive_name(ckpt["model_id"], ckpt["name"], "-merged.tar")
+        return StreamingResponse(adapter_archive.stream_tar(await merge_members(pool, ckpt),
+                                                            top=name.removesuffix(".tar"), gzip=False),
+                                 media_type="application/x-tar",
+                                 headers={**headers, "Content-Disposition": f'attachment; filename="{name}"'})
     if grant.file == signed_urls.ARCHIVE:
         name = adapter_archive.archive_name(ckpt["model_id"], ckpt["name"])
         return StreamingResponse(adapter_archive.stream_tar_gz(directory, top=name.removesuffix(".tar.gz")),

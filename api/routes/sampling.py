@@ -154,15 +154,17 @@ async def get_sampler(sampling_session_id: str, who: Who, pool: Pool) -> dict:
         return _sampler_json(await scoped.get_sampling_session(conn, who, sampling_session_id))
 
 
-async def _resolve(conn, who, body: SampleRequest) -> tuple[catalog.BaseModel, AdapterRef | None]:
-    path = body.model_path
-    if body.sampling_session_id is not None:
-        row = await scoped.get_sampling_session(conn, who, body.sampling_session_id)
+async def resolve(conn, who, *, sampling_session_id: str | None = None, model_path: str | None = None,
+                  base_model: str | None = None) -> tuple[catalog.BaseModel, AdapterRef | None]:
+    """What a sample request samples: the base, and the published adapter version (None: the base)."""
+    path = model_path
+    if sampling_session_id is not None:
+        row = await scoped.get_sampling_session(conn, who, sampling_session_id)
         path, base_name = row["model_path"], row["base_model"]
     elif path is None:
-        if body.base_model is None:
+        if base_model is None:
             raise InvalidInput("give sampling_session_id, model_path or base_model", field="sampling_session_id")
-        base_name = body.base_model
+        base_name = base_model
     if path is None:
         return await _sampleable(conn, base_name), None
     run, name = _sampler_path(path)
@@ -208,7 +210,8 @@ async def asample(body: SampleRequest, who: Who, pool: Pool, redis: RedisDep, se
     if deadline_s > gen.max_deadline_s:
         raise InvalidInput(f"deadline_s {deadline_s} exceeds the limit of {gen.max_deadline_s}", field="deadline_s")
     async with pool.connection() as conn:
-        base, adapter = await _resolve(conn, who, body)
+        base, adapter = await resolve(conn, who, sampling_session_id=body.sampling_session_id,
+                                      model_path=body.model_path, base_model=body.base_model)
         limits = params.Limits(base.vocab_size, base.max_context_length, gen.max_samples, gen.max_new_tokens,
                                gen.default_max_tokens, gen.max_stop_entries, gen.max_stop_chars)
         prompt = params.check_prompt([t for c in body.prompt.chunks for t in c.tokens], limits)

@@ -1,0 +1,215 @@
+"""OpenAI-compatible inference: `POST /v1/completions` and `POST /v1/chat/completions`, so
+evaluation tools that speak the OpenAI API score a trained policy on the engine and precision it
+was sampled with.
+
+`model` names sampler weights of yours (`tinker://<run>/sampler_weights/<name>`) or a base model;
+the API key comes as `Authorization: Bearer` (or `X-API-Key`). A request is one sample group
+(`n` choices) through the same admission as `asample`: quotas, rate limits, budgets, metering and
+isolation are the same, and another tenant's weights are a 404. Text goes through the base's own
+tokenizer here; chat messages through its chat template (or the catalogue's renderer,
+api.chat_render).
+
+`stream: true` answers Server-Sent Events in OpenAI's chunk format. The generation pool answers a
+group whole (gen_pool.scheduler), so a stream carries each choice's text in one chunk when the
+group is done, then the finish reasons and `[DONE]`: clients that stream work unchanged, without
+token-by-token latency.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from api import admission, chat_render
+from api.deps import Pool, RedisDep, Settings, Who
+from api.input_guard import GuardedRoute
+from api.routes.sampling import resolve
+from core import catalog, ids, queue
+from core.errors import InvalidInput, NotFound, QuiltError, ServerError
+from core.numbers import INT32_MAX
+from core.work import SampleWork, WorkItem, WorkKind
+from gen_pool import params
+from gen_pool.settings import get_gen_pool_settings
+
+router = APIRouter(prefix="/v1", route_class=GuardedRoute, tags=["openai"])
+
+Text = Annotated[str, Field(max_length=1_000_000)]
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields a sampler has no use for
+
+    model: str = Field(max_length=1024)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    temperature: float = Field(1.0, ge=0, le=1e6, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    n: int = Field(1, ge=1, le=INT32_MAX)
+    stop: Text | list[Text] | None = Field(None)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stream: bool = False
+    logprobs: Any = None
+
+
+class CompletionRequest(_Common):
+    prompt: Text | list[int] = Field(description="text, or token ids")
+    echo: bool = False
+
+
+class ChatPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: Text | list[ChatPart]
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _refuse_unsupported(body: _Common) -> None:
+    if body.logprobs not in (None, False, 0):
+        raise InvalidInput("logprobs is not supported on this endpoint; sample through /api/v1/asample for "
+                           "logprobs", field="logprobs")
+    if isinstance(body, CompletionRequest) and body.echo:
+        raise InvalidInput("echo is not supported; send echo=false", field="echo")
+
+
+async def _target(conn, who, model: str):
+    try:
+        if model.startswith("tinker://"):
+            return await resolve(conn, who, model_path=model)
+        return await resolve(conn, who, base_model=model)
+    except QuiltError as exc:
+        raise type(exc)(exc.message, field="model") from None
+
+
+async def _sample(who, pool, redis, settings, body: _Common, prompt_of) -> tuple[catalog.BaseModel, list[int], dict]:
+    """Admit one group for `body` and wait for it; (base, prompt ids, the pool's result)."""
+    _refuse_unsupported(body)
+    gen = get_gen_pool_settings()
+    if body.n > gen.max_samples:
+        raise InvalidInput(f"n {body.n} exceeds the limit of {gen.max_samples}", field="n")
+    async with pool.connection() as conn:
+        base, adapter = await _target(conn, who, body.model)
+        tokenizer = await run_in_threadpool(_tokenizer, base.path)
+        limits = params.Limits(base.vocab_size, base.max_context_length, gen.max_samples, gen.max_new_tokens,
+                               gen.default_max_tokens, gen.max_stop_entries, gen.max_stop_chars)
+        prompt = params.check_prompt(await run_in_threadpool(prompt_of, tokenizer, base), limits)
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or 16  # OpenAI's default
+        spec = params.normalise({"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+                                 "seed": body.seed, "stop": stop}, len(prompt), limits)
+        now = time.time()
+        work = SampleWork(prompt=tuple(prompt), n=body.n, spec=spec, adapter=adapter, submitted_at=now,
+                          deadline_at=now + gen.default_deadline_s)
+        item = WorkItem(ids.new_request_id(), who.tenant_id, "", 0, WorkKind.SAMPLE, len(prompt) * body.n, work)
+        request_id = await admission.admit(conn, redis, who, admission.Ticket(
+            item, base.name, None, rate_tokens=body.n * (len(prompt) + spec.max_tokens)))
+    outcome = None
+    while outcome is None:
+        outcome = await queue.wait(redis, request_id, settings.long_poll_seconds)
+    if not outcome.ok:
+        err = outcome.error
+        cls = InvalidInput if err.get("category") == "user" else ServerError
+        raise cls(err.get("error", "sampling failed"), request_id=request_id)
+    return base, prompt, {**outcome.result, "id": request_id}
+
+
+def _usage(prompt: list[int], result: dict) -> dict:
+    done = sum(len(s["tokens"]) for s in result["sequences"])
+    return {"prompt_tokens": len(prompt), "completion_tokens": done, "total_tokens": len(prompt) + done}
+
+
+def _texts(base: catalog.BaseModel, result: dict) -> list[tuple[str, str]]:
+    tokenizer = _tokenizer(base.path)
+    return [(tokenizer.decode(s["tokens"], skip_special_tokens=True), s["stop_reason"]) for s in result["sequences"]]
+
+
+def _events(chunks: list[dict]) -> StreamingResponse:
+    async def body():
+        for chunk in chunks:
+            yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, who: Who, pool: Pool, redis: RedisDep, settings: Settings):
+    """OpenAI text completion: `n` continuations of `prompt` (text or token ids)."""
+    def prompt_of(tokenizer, _base):
+        return body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt)
+
+    base, prompt, result = await _sample(who, pool, redis, settings, body, prompt_of)
+    texts = await run_in_threadpool(_texts, base, result)
+    head = {"id": f"cmpl-{result['id']}", "created": int(time.time()), "model": body.model}
+    if body.stream:
+        chunks = [{**head, "object": "text_completion", "choices": [
+            {"index": i, "text": text, "finish_reason": None, "logprobs": None}]} for i, (text, _) in enumerate(texts)]
+        chunks += [{**head, "object": "text_completion", "choices": [
+            {"index": i, "text": "", "finish_reason": reason, "logprobs": None}]} for i, (_, reason) in enumerate(texts)]
+        return _events(chunks)
+    return JSONResponse({**head, "object": "text_completion", "usage": _usage(prompt, result), "choices": [
+        {"index": i, "text": text, "finish_reason": reason, "logprobs": None} for i, (text, reason) in enumerate(texts)]})
+
+
+def _message_text(message: ChatMessage) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    return "".join(part.text for part in message.content)
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatRequest, who: Who, pool: Pool, redis: RedisDep, settings: Settings):
+    """OpenAI chat completion: `n` assistant replies to `messages`, in the base's chat format."""
+    messages = [("system" if m.role == "developer" else m.role, _message_text(m)) for m in body.messages]
+
+    def prompt_of(tokenizer, base):
+        if tokenizer.chat_template:
+            return tokenizer.apply_chat_template([{"role": r, "content": t} for r, t in messages],
+                                                 add_generation_prompt=True, tokenize=True, return_dict=False)
+        return tokenizer.encode(chat_render.render(messages, base.renderer), add_special_tokens=False)
+
+    base, prompt, result = await _sample(who, pool, redis, settings, body, prompt_of)
+    texts = await run_in_threadpool(_texts, base, result)
+    head = {"id": f"chatcmpl-{result['id']}", "created": int(time.time()), "model": body.model}
+    if body.stream:
+        chunks = [{**head, "object": "chat.completion.chunk", "choices": [
+            {"index": i, "delta": {"role": "assistant", "content": text}, "finish_reason": None}]}
+            for i, (text, _) in enumerate(texts)]
+        chunks += [{**head, "object": "chat.completion.chunk", "choices": [
+            {"index": i, "delta": {}, "finish_reason": reason}]} for i, (_, reason) in enumerate(texts)]
+        return _events(chunks)
+    return JSONResponse({**head, "object": "chat.completion", "usage": _usage(prompt, result), "choices": [
+        {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+        for i, (text, reason) in enumerate(texts)]})
+
+
+@router.get("/models")
+async def models(who: Who, pool: Pool) -> dict:
+    """The base models served for sampling (your sampler weights are addressed by tinker:// path)."""
+    async with pool.connection() as conn:
+        served = [m for m in await catalog.list_models(conn) if m.sampleable]
+    if not served:
+        raise NotFound("no base model is served for sampling here", field="model")
+    return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "quilt"}
+                                       for m in served]}

@@ -1,0 +1,163 @@
+"""A LoRA adapter merged into its base, as a Hugging Face model directory, streamed file by file.
+
+W' = W + scaling * (B @ A) for every weight the adapter wraps (scaling = lora_alpha / r, or
+lora_alpha / sqrt(r) with rsLoRA, per module where PEFT's rank/alpha patterns say so), computed in
+float32 and stored in the base's dtype. Everything else of the base (config, tokenizer, generation
+config, the safetensors index) is sent as it is.
+
+Why not PEFT's `merge_and_unload`: it needs the whole base in memory, and then a second copy to
+save it. A merged weight has the shape and dtype of the base's, so every merged .safetensors file
+has the same header and the same size as the base's: it is written tensor by tensor in one pass,
+one tensor in memory at a time, and its size is known before the first byte (a tar member, or a
+Content-Length). The API streams it as a download (api.routes.downloads); `quilt export --merge`
+unpacks that download into a directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from core.checkpoint_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+CHUNK = 1 << 20
+_PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class Member:
+    """One file of the merged directory: its name, exact size, and a reader of its bytes."""
+
+    name: str
+    size: int
+    chunks: Callable[[], Iterator[bytes]]
+
+
+def _scaling(config: dict, module: str) -> float:
+    def pattern(key: str, default):
+        # PEFT matches pattern keys against the module's name or its tail.
+        for k, v in (config.get(key) or {}).items():
+            if module == k or module.endswith("." + k):
+                return v
+        return default
+
+    r = pattern("rank_pattern", config["r"])
+    alpha = pattern("alpha_pattern", config.get("lora_alpha", r))
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+def lora_deltas(adapter_dir: Path) -> dict[str, object]:
+    """Base weight name -> the float32 delta scaling * B @ A that the adapter adds to it."""
+    import torch
+    from safetensors.torch import load_file
+
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{adapter_dir} holds a {config.get('peft_type')} adapter; only LoRA can be merged")
+    tensors = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
+    deltas: dict[str, object] = {}
+    for key, a in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            if not key.endswith(".lora_B.weight"):
+                raise ValueError(f"adapter tensor {key!r} is not a LoRA A/B matrix; it cannot be merged")
+            continue
+        module = key.removesuffix(".lora_A.weight").removeprefix(_PEFT_PREFIX)
+        b = tensors[key.replace(".lora_A.", ".lora_B.")]
+        deltas[module + ".weight"] = (b.to(torch.float32) @ a.to(torch.float32)) * _scaling(config, module)
+    return deltas
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, json.loads(f.read(n))
+
+
+def _merged_shard(path: Path, deltas: dict, data_start: int, header: dict) -> Iterator[bytes]:
+    """The base shard's bytes with each wrapped weight replaced by its merged value, same layout."""
+    import torch
+    from safetensors import safe_open
+
+    order = sorted(((v["data_offsets"][0], v["data_offsets"][1], k) for k, v in header.items()
+                    if k != "__metadata__"))
+    with path.open("rb") as raw, safe_open(str(path), framework="pt") as st:
+        yield raw.read(data_start)
+        at = 0
+        for start, end, name in order:
+            if start != at:
+                raise ValueError(f"{path.name}: tensor data is not contiguous at {name!r}; cannot stream a merge")
+            if name in deltas:
+                weight = st.get_tensor(name)
+                merged = (weight.to(torch.float32) + deltas[name]).to(weight.dtype).contiguous()
+                data = merged.view(torch.uint8).numpy().tobytes() if merged.numel() else b""
+                if len(data) != end - start:
+                    raise ValueError(f"{path.name}: merged {name!r} has {len(data)} bytes, expected {end - start}")
+                raw.seek(data_start + end)
+                yield data
+            else:
+                raw.seek(data_start + start)
+                remaining = end - start
+                while remaining:
+                    chunk = raw.read(min(CHUNK, remaining))
+                    if not chunk:
+                        raise OSError(f"{path} ended inside tensor {name!r}")
+                    remaining -= len(chunk)
+                    yield chunk
+            at = end
+
+
+def _file_chunks(path: Path) -> Callable[[], Iterator[bytes]]:
+    def read() -> Iterator[bytes]:
+        with path.open("rb") as f:
+            while chunk := f.read(CHUNK):
+                yield chunk
+    return read
+
+
+def merged_members(base_dir: Path, adapter_dir: Path) -> list[Member]:
+    """The merged model's files. Checked before anything is sent: every wrapped weight exists in
+    the base with the delta's shape, so a download never stops halfway over a mismatch."""
+    deltas = lora_deltas(adapter_dir)
+    files = sorted(p for p in base_dir.iterdir() if p.is_file() and not p.name.startswith("."))
+    shards = [p for p in files if p.suffix == ".safetensors"]
+    if not shards:
+        raise ValueError(f"base model {base_dir} has no .safetensors weights; only those can be merged")
+    members, found = [], set()
+    for p in files:
+        if p.suffix in (".bin", ".pt", ".pth") or p.name.endswith(".bin.index.json"):
+            continue  # pickled copies of the weights: the merged safetensors replace them
+        if p.suffix != ".safetensors":
+            members.append(Member(p.name, os.stat(p).st_size, _file_chunks(p)))
+            continue
+        data_start, header = _header(p)
+        mine = {k: deltas[k] for k in header if k in deltas}
+        for k, d in mine.items():
+            if tuple(header[k]["shape"]) != tuple(d.shape):
+                raise ValueError(f"adapter delta for {k!r} has shape {tuple(d.shape)}, the base's weight "
+                                 f"{tuple(header[k]['shape'])}")
+        found |= mine.keys()
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        members.append(Member(p.name, data_start + end,
+                              lambda p=p, mine=mine, s=data_start, h=header: _merged_shard(p, mine, s, h)))
+    missing = sorted(deltas.keys() - found)
+    if missing:
+        raise ValueError(f"the adapter wraps weights the base does not have: {missing[:5]}")
+    return members
+
+
+def write_merged(base_dir: Path, adapter_dir: Path, out_dir: Path) -> list[str]:
+    """Write the merged model into `out_dir` (created); returns the file names written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = []
+    for m in merged_members(base_dir, adapter_dir):
+        with (out_dir / m.name).open("wb") as f:
+            for chunk in m.chunks():
+                f.write(chunk)
+        names.append(m.name)
+    return names

@@ -1,0 +1,143 @@
+"""Merged exports: the adapter merged into its base (core.adapter_merge) is a Hugging Face model
+that transformers loads and the vLLM engine serves, scoring tokens as base + adapter does; `quilt
+export` writes it (--merge) or the adapter alone (--peft) from a running stack, for its owner only;
+the dashboard offers the same download."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import quilt
+import torch
+from dashutil import login, run_url
+from genutil import Loop, Reference, make_adapter
+from stackutil import ROOT, TINY
+
+from core import adapter_merge, catalog, db
+
+TOKENS = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+TOL = 1e-4  # float32 on both sides
+
+
+def _logprobs(model_dir: Path, tokens: list[int]) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0].float(), dim=-1)
+    return [lp[i - 1, tokens[i]].item() for i in range(1, len(tokens))]
+
+
+def _close(a: list[float], b: list[float], tol: float = TOL) -> bool:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True)) < tol
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from stack.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("merge") / "tiny").path
+
+
+def test_merged_weights_score_as_base_plus_adapter(tiny, tmp_path):
+    adapter = make_adapter(tiny, tmp_path / "adapter", rank=8, seed=3, scale=0.2)
+    names = adapter_merge.write_merged(Path(tiny), Path(adapter), tmp_path / "merged")
+    assert "config.json" in names and any(n.endswith(".safetensors") for n in names)
+    assert {p.name: p.stat().st_size for p in (tmp_path / "merged").glob("*.safetensors")} == \
+        {p.name: p.stat().st_size for p in Path(tiny).glob("*.safetensors")}
+    with_adapter = Reference(tiny).token_logprobs(adapter, TOKENS)
+    merged = _logprobs(tmp_path / "merged", TOKENS)
+    assert _close(merged, with_adapter)
+    assert not _close(merged, Reference(tiny).token_logprobs(None, TOKENS), 0.1)  # the adapter matters
+
+
+def test_an_adapter_for_another_base_is_refused(tiny, tmp_path):
+    adapter = Path(make_adapter(tiny, tmp_path / "adapter", rank=4, seed=1))
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    a_key = next(k for k in tensors if k.endswith("q_proj.lora_A.weight"))
+    tensors[a_key.replace("layers.0.", "layers.99.")] = tensors[a_key].clone()
+    tensors[a_key.replace("layers.0.", "layers.99.").replace("lora_A", "lora_B")] = \
+        tensors[a_key.replace("lora_A", "lora_B")].clone()
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="layers.99"):
+        adapter_merge.merged_members(Path(tiny), adapter)
+
+
+def _quilt(*args: str, key: str, stack) -> subprocess.CompletedProcess:
+    env = {**os.environ, "QUILT_API_KEY": key, "QUILT_BASE_URL": stack.base_url}
+    return subprocess.run([sys.executable, "-m", "stack.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def trained(stack):
+    owner = stack.create_tenant("mx")
+    with stack.sdk(owner.key) as client:
+        tc = client.create_training_client(TINY, rank=8, seed=5)
+        datum = quilt.datum_for_next_token(TOKENS)
+        for _ in range(3):
+            tc.train_step([datum], adam=quilt.AdamParams(learning_rate=2e-2))
+        path = tc.save_weights_for_sampler("to-merge").result()
+        expected = tc.forward([datum]).result().loss_fn_outputs[0]["logprobs"].data
+    with db.connect(stack.database_url) as conn:
+        base = catalog.get_model_sync(conn, TINY).path
+    return owner, tc.model_id, path, list(expected), base
+
+
+def test_quilt_export_merge_and_peft(stack, trained, tmp_path):
+    owner, model_id, path, expected, base = trained
+    done = _quilt("export", path, "--merge", "--out", str(tmp_path / "merged"), key=owner.key, stack=stack)
+    assert done.returncode == 0, done.stderr
+    assert _close(_logprobs(tmp_path / "merged", TOKENS), expected)
+    assert json.loads((tmp_path / "merged" / "config.json").read_text()) == \
+        json.loads((Path(base) / "config.json").read_text())
+    done = _quilt("export", path, "--peft", "--out", str(tmp_path / "peft"), key=owner.key, stack=stack)
+    assert done.returncode == 0, done.stderr
+    assert {p.name for p in (tmp_path / "peft").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    assert _close(Reference(base).token_logprobs(str(tmp_path / "peft"), TOKENS), expected)
+    # Not overwritten unless asked; another tenant's checkpoint is a 404 like a missing one.
+    again = _quilt("export", path, "--peft", "--out", str(tmp_path / "peft"), key=owner.key, stack=stack)
+    assert again.returncode == 2 and "--force" in again.stderr
+    other = stack.create_tenant("mx-other")
+    theirs = _quilt("export", path, "--merge", "--out", str(tmp_path / "x"), key=other.key, stack=stack)
+    assert theirs.returncode != 0 and "404" in theirs.stderr and not (tmp_path / "x").exists()
+
+
+def test_the_merged_model_is_served_by_the_vllm_engine(stack, trained, tmp_path):
+    from core.work import SamplingSpec
+    from gen_pool.engine import GenEngine, SeqRequest
+    from gen_pool.settings import GenPoolSettings
+
+    owner, _, path, expected, _ = trained
+    assert _quilt("export", path, "--merge", "--out", str(tmp_path / "m"), key=owner.key, stack=stack).returncode == 0
+    loop = Loop()
+    engine = loop.run(GenEngine.start(str(tmp_path / "m"), GenPoolSettings(concurrency_target=4, kv_cache_gib=1),
+                                      tmp_path / "work"))
+    try:
+        out = loop.run(engine.generate(SeqRequest("merged-0", tuple(TOKENS), SamplingSpec(max_tokens=1),
+                                                  prompt_logprobs=True)))
+    finally:
+        engine.shutdown()
+        loop.stop()
+    assert _close(list(out.prompt_logprobs[1:]), expected, 1e-3)  # vLLM vs torch, fp32 (test_gen_engine)
+
+
+def test_the_dashboard_offers_the_merged_model(stack, trained):
+    owner, model_id, _, expected, _ = trained
+    client = login(stack, owner.key)
+    page = client.get(f"{run_url(model_id)}")
+    assert "merged.tar" in page.text
+    r = client.get(f"{run_url(model_id)}/checkpoints/sampler_weights/to-merge/merged.tar")
+    assert r.status_code == 200 and r.headers["content-type"] == "application/x-tar"
+    with tarfile.open(fileobj=io.BytesIO(r.content), mode="r:") as tar:
+        names = {m.name.split("/")[-1] for m in tar.getmembers()}
+    assert {"config.json", "model.safetensors"} <= names

@@ -1,0 +1,119 @@
+"""OpenAI-compatible inference, driven by the `openai` package: completions and chat, streaming and
+not, on a base and on a tenant's published weights, through the same admission as `asample`
+(bad key 401, another tenant's weights 404, a spent budget 402, metering) and the same engine
+(the answer's tokens are the ones the pool samples with the same seed)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import quilt
+from billing_workload import ledger_rows, wait_recorded
+from stackutil import TINY
+
+from billing import budgets
+from core import db
+
+
+def _client(stack, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def published(stack):
+    owner = stack.create_tenant("oa")
+    with stack.sdk(owner.key) as client:
+        tc = client.create_training_client(TINY, rank=8, seed=7)
+        datum = quilt.datum_for_next_token(list(range(30, 46)))
+        for _ in range(2):
+            tc.train_step([datum], adam=quilt.AdamParams(learning_rate=2e-2))
+        path = tc.save_weights_for_sampler("eval").result()
+    return owner, path
+
+
+def test_completions_on_a_base_and_on_published_weights(stack, published):
+    owner, path = published
+    client = _client(stack, owner.key)
+    for model in (TINY, path):
+        out = client.completions.create(model=model, prompt="alice has 3 apples", max_tokens=8, n=2, seed=5,
+                                        temperature=1.0)
+        assert out.object == "text_completion" and len(out.choices) == 2
+        assert all(c.finish_reason in ("stop", "length") for c in out.choices)
+        assert out.usage.prompt_tokens > 0 and 0 < out.usage.completion_tokens <= 16
+        again = client.completions.create(model=model, prompt="alice has 3 apples", max_tokens=8, n=2, seed=5)
+        assert [c.text for c in again.choices] == [c.text for c in out.choices]  # the seed holds here too
+
+
+def test_the_answer_is_what_the_pool_samples(stack, published):
+    """Token ids in, the same tokens out as `asample` gives for the same prompt, seed and weights."""
+    owner, path = published
+    prompt = [5, 6, 7, 8, 9]
+    with stack.sdk(owner.key) as sdk:
+        seq = sdk.create_sampling_client(model_path=path).sample(
+            prompt, 1, quilt.SamplingParams(max_tokens=6, seed=11, temperature=1.0, stop=[])).result().sequences[0]
+    out = _client(stack, owner.key).completions.create(model=path, prompt=prompt, max_tokens=6, seed=11)
+    from transformers import AutoTokenizer
+
+    from core import catalog
+
+    with db.connect(stack.database_url) as conn:
+        tok = AutoTokenizer.from_pretrained(catalog.get_model_sync(conn, TINY).path)
+    assert out.choices[0].text == tok.decode(seq.tokens, skip_special_tokens=True)
+
+
+def test_chat_uses_the_bases_chat_format_and_streams(stack, published):
+    owner, path = published
+    client = _client(stack, owner.key)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "how many apples?"}]
+    out = client.chat.completions.create(model=path, messages=messages, max_tokens=6, seed=3)
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+    # ChatML (the tiny base's renderer): system + user turns and the assistant's opening.
+    assert out.usage.prompt_tokens > 10
+    stream = client.chat.completions.create(model=path, messages=messages, max_tokens=6, seed=3, stream=True)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == out.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == out.choices[0].finish_reason
+    streamed = list(client.completions.create(model=TINY, prompt="bob", max_tokens=4, seed=1, stream=True))
+    plain = client.completions.create(model=TINY, prompt="bob", max_tokens=4, seed=1)
+    assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
+
+
+def test_errors_are_the_ones_openai_clients_expect(stack, published):
+    owner, path = published
+    with pytest.raises(openai.AuthenticationError):
+        _client(stack, "tml-not-a-key").completions.create(model=TINY, prompt="x", max_tokens=2)
+    other = stack.create_tenant("oa-other")
+    with pytest.raises(openai.NotFoundError):
+        _client(stack, other.key).completions.create(model=path, prompt="x", max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        _client(stack, owner.key).completions.create(model="no/such-model", prompt="x", max_tokens=2)
+    client = _client(stack, owner.key)
+    for bad in ({"max_tokens": 10**8}, {"temperature": -1}, {"n": 10**6}, {"logprobs": 3}, {"prompt": [10**9]}):
+        kw = {"model": TINY, "prompt": "x", "max_tokens": 2, **bad}
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(**kw)
+    # What the openai package cannot send: a lone surrogate, NUL, deep nesting, escaped in raw JSON.
+    import httpx
+
+    raw = httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {owner.key}",
+                                                          "Content-Type": "application/json"}, timeout=60)
+    for body in ('{"model": "%s", "prompt": "\\ud800 x"}' % TINY, '{"model": "%s", "prompt": "a\\u0000b"}' % TINY,
+                 '{"model": "%s", "messages": %s}' % (TINY, "[" * 5000 + "]" * 5000)):
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            r = raw.post(route, content=body)
+            assert 400 <= r.status_code < 500, (route, body[:60], r.status_code, r.text[:200])
+
+
+def test_a_spent_budget_is_402_and_usage_is_metered(stack):
+    tenant = stack.create_tenant("oa-budget")
+    client = _client(stack, tenant.key)
+    client.completions.create(model=TINY, prompt="alice has 3 apples", max_tokens=8)
+    wait_recorded(stack.database_url, [tenant.tenant_id])
+    (row,) = ledger_rows(stack.database_url, [tenant.tenant_id])
+    assert row["prefill_tokens"] > 0 and 0 < row["sample_tokens"] <= 8 and row["base_model"] == TINY
+    with db.connect(stack.database_url) as conn:
+        budgets.set_budget(conn, tenant.tenant_id, 0)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert refused.value.status_code == 402
