@@ -1,5 +1,5 @@
-"""Getting weights out: `save_weights_external` + `get_external_weights_urls` (tinker 0.35 and
-later, and `tinker checkpoint download`) and the archive URL of earlier SDKs, through the official
+"""Getting weights out: `save_weights_external` + `get_external_weights_urls` (tinker 0.34 and
+0.38, and `tinker checkpoint download`) and the archive URL of 0.34, through the official
 tinker SDK and plain HTTP. URLs are signed (no API key in them), bound to the tenant and to one
 checkpoint, and expire; what they send is a PEFT adapter directory that HF PEFT loads and that
 scores tokens exactly as the trainer does."""

@@ -178,7 +178,7 @@ def test_sampling_through_the_official_sdk(stack, tenant):
 
 
 @pytest.mark.skipif(not hasattr(RestClient, "get_checkpoint_archive_url"),
-                    reason="get_checkpoint_archive_url was removed in tinker 0.35 (save_weights_external replaces it)")
+                    reason="tinker 0.38 has no get_checkpoint_archive_url (save_weights_external replaces it)")
 def test_checkpoint_archive_through_the_official_sdk(stack, tenant, tmp_path):
     with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
         tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))

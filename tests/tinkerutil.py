@@ -7,7 +7,7 @@ from tinker.lib.public_interfaces.rest_client import RestClient
 
 
 def rest_client(stack, key: str) -> RestClient:
-    """`tinker.RestClient` (0.35 and later), or a ServiceClient's, the only way in 0.34."""
+    """`tinker.RestClient` (0.38), or a ServiceClient's, the only way in 0.34."""
     if hasattr(tinker, "RestClient"):
         return tinker.RestClient(base_url=stack.base_url, api_key=key)
     return tinker.ServiceClient(base_url=stack.base_url, api_key=key).create_rest_client()

@@ -16,6 +16,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from fastapi.responses import StreamingResponse
+
 from core.adapter_merge import Member
 from core.checkpoint_files import adapter_files
 
@@ -27,6 +29,25 @@ _RECORD = tarfile.RECORDSIZE
 def archive_name(model_id: str, name: str, suffix: str = ".tar.gz") -> str:
     """A download file name without characters that need quoting (`:` in model ids, spaces)."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{model_id}-{name}") + suffix
+
+
+def adapter_response(model_id: str, name: str, directory: Path) -> StreamingResponse:
+    """A download of the checkpoint's adapter as `<model>-<name>.tar.gz`."""
+    filename = archive_name(model_id, name)
+    return _download(stream_tar_gz(directory, top=filename.removesuffix(".tar.gz")), filename, "application/gzip")
+
+
+def merged_response(model_id: str, name: str, members: list[Member]) -> StreamingResponse:
+    """A download of the merged model (core.adapter_merge) as `<model>-<name>-merged.tar`."""
+    filename = archive_name(model_id, name, "-merged.tar")
+    return _download(stream_tar(members, top=filename.removesuffix(".tar"), gzip=False), filename,
+                     "application/x-tar")
+
+
+def _download(chunks: Iterator[bytes], filename: str, media_type: str) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type=media_type,
+                             headers={"Content-Disposition": f'attachment; filename="{filename}"',
+                                      "Cache-Control": "no-store"})
 
 
 def stream_tar_gz(directory: Path, top: str) -> Iterator[bytes]:

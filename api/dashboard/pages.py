@@ -5,7 +5,6 @@ tenant's run or checkpoint is a 404 page, exactly as in the API."""
 from __future__ import annotations
 
 from datetime import date
-from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlencode
 
@@ -17,7 +16,7 @@ from api.dashboard.deps import Changing, LoggedIn, OperatorOnly, Viewer
 from api.dashboard.render import PageRoute, page
 from api.deps import Callers, Pool, RedisDep
 from api.routes.billing import get_usage
-from api.routes.downloads import merge_members
+from api.routes.downloads import checkpoint_directory, merge_members
 from core import catalog
 from core.checkpoint_files import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
 from core.errors import Forbidden, NotFound, Unauthenticated
@@ -132,36 +131,25 @@ async def checkpoints(request: Request, viewer: LoggedIn, pool: Pool, offset: in
                                                   offset=offset, page_size=PAGE_SIZE))
 
 
-@router.get("/runs/{model_id}/checkpoints/{kind}/{name}/adapter.tar.gz")
-async def download_adapter(model_id: str, kind: str, name: str, viewer: LoggedIn, pool: Pool) -> StreamingResponse:
-    """The checkpoint's PEFT adapter (adapter_config.json, adapter_model.safetensors) as a .tar.gz."""
+async def _own_checkpoint(viewer: Viewer, pool, model_id: str, kind: str, name: str) -> dict:
     if kind not in CHECKPOINT_KINDS:
         raise NotFound(f"no checkpoint kind {kind!r}; kinds are {list(CHECKPOINT_KINDS)}", field="kind")
     async with pool.connection() as conn:
-        ckpt = await scoped.get_checkpoint(conn, viewer.who, model_id, kind, name)
-    directory = Path(ckpt["storage_path"])
-    if not directory.is_dir():
-        raise NotFound(f"the files of checkpoint {kind}/{name} are gone from the checkpoint store", field="path")
-    filename = adapter_archive.archive_name(model_id, name)
-    return StreamingResponse(adapter_archive.stream_tar_gz(directory, top=filename.removesuffix(".tar.gz")),
-                             media_type="application/gzip",
-                             headers={"Content-Disposition": f'attachment; filename="{filename}"',
-                                      "Cache-Control": "no-store"})
+        return await scoped.get_checkpoint(conn, viewer.who, model_id, kind, name)
+
+
+@router.get("/runs/{model_id}/checkpoints/{kind}/{name}/adapter.tar.gz")
+async def download_adapter(model_id: str, kind: str, name: str, viewer: LoggedIn, pool: Pool) -> StreamingResponse:
+    """The checkpoint's PEFT adapter (adapter_config.json, adapter_model.safetensors) as a .tar.gz."""
+    ckpt = await _own_checkpoint(viewer, pool, model_id, kind, name)
+    return adapter_archive.adapter_response(model_id, name, checkpoint_directory(ckpt))
 
 
 @router.get("/runs/{model_id}/checkpoints/{kind}/{name}/merged.tar")
 async def download_merged(model_id: str, kind: str, name: str, viewer: LoggedIn, pool: Pool) -> StreamingResponse:
     """The checkpoint's adapter merged into its base: a Hugging Face model directory, as a .tar."""
-    if kind not in CHECKPOINT_KINDS:
-        raise NotFound(f"no checkpoint kind {kind!r}; kinds are {list(CHECKPOINT_KINDS)}", field="kind")
-    async with pool.connection() as conn:
-        ckpt = await scoped.get_checkpoint(conn, viewer.who, model_id, kind, name)
-    members = await merge_members(pool, ckpt)
-    filename = adapter_archive.archive_name(model_id, name, "-merged.tar")
-    return StreamingResponse(adapter_archive.stream_tar(members, top=filename.removesuffix(".tar"), gzip=False),
-                             media_type="application/x-tar",
-                             headers={"Content-Disposition": f'attachment; filename="{filename}"',
-                                      "Cache-Control": "no-store"})
+    ckpt = await _own_checkpoint(viewer, pool, model_id, kind, name)
+    return adapter_archive.merged_response(model_id, name, await merge_members(pool, ckpt))
 
 
 @router.get("/samplers")

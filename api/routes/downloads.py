@@ -1,6 +1,6 @@
 """Checkpoint downloads by signed URL (api.signed_urls): what the tinker SDK's
-`get_checkpoint_archive_url` (0.34 and earlier) and `get_external_weights_urls` (with
-`save_weights_external`, 0.35 and later) hand their callers, and what `tinker checkpoint download`
+`get_checkpoint_archive_url` (0.34; gone from 0.38) and `get_external_weights_urls` (with
+`save_weights_external`, 0.34 and 0.38) hand their callers, and what `tinker checkpoint download`
 fetches.
 
     GET training_runs/{run}/checkpoints/{kind}/{name}/archive               302 to the adapter as a .tar.gz
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
+from fastapi.responses import FileResponse, RedirectResponse
 
 from api import signed_urls
 from api.dashboard import adapter_archive
@@ -49,7 +49,8 @@ async def _key(request: Request, pool, settings) -> bytes:
     return key
 
 
-def _directory(ckpt: dict) -> Path:
+def checkpoint_directory(ckpt: dict) -> Path:
+    """A checkpoint's files, or a 404 saying they are gone from the store."""
     directory = Path(ckpt["storage_path"])
     if not directory.is_dir():
         raise NotFound(f"the files of checkpoint {ckpt['kind']}/{ckpt['name']} are gone from the checkpoint store",
@@ -72,7 +73,7 @@ async def checkpoint_archive(run_id: str, checkpoint_id: str, request: Request, 
                              settings: Settings) -> RedirectResponse:
     """302 to a signed URL of the checkpoint's adapter as a .tar.gz; `Expires` says until when it works."""
     ckpt = await _checkpoint(pool, who, run_id, checkpoint_id)
-    _directory(ckpt)
+    checkpoint_directory(ckpt)
     expires = int(time.time()) + settings.download_url_ttl_s
     grant = signed_urls.Grant(who.tenant_id, ckpt["id"], signed_urls.ARCHIVE, expires)
     url = _url(request, await _key(request, pool, settings), grant, adapter_archive.archive_name(run_id, ckpt["name"]))
@@ -105,7 +106,7 @@ async def merge_members(pool, ckpt: dict) -> list[adapter_merge.Member]:
         raise NotFound("this checkpoint's base model is not served here any more; it cannot be merged",
                        field="checkpoint_id")
     try:
-        return await run_in_threadpool(adapter_merge.merged_members, Path(base.path), _directory(ckpt))
+        return await run_in_threadpool(adapter_merge.merged_members, Path(base.path), checkpoint_directory(ckpt))
     except ValueError as exc:
         raise InvalidInput(f"this checkpoint cannot be merged into its base: {exc}", field="checkpoint_id") from None
 
@@ -115,7 +116,7 @@ async def external_weights_urls(run_id: str, checkpoint_id: str, request: Reques
                                 settings: Settings) -> dict:
     """One signed URL per file of the checkpoint's adapter, keyed by file name, and when they expire."""
     ckpt = await _checkpoint(pool, who, run_id, checkpoint_id)
-    files = adapter_files(_directory(ckpt))
+    files = adapter_files(checkpoint_directory(ckpt))
     expires = int(time.time()) + settings.download_url_ttl_s
     key = await _key(request, pool, settings)
     urls = {p.name: _url(request, key, signed_urls.Grant(who.tenant_id, ckpt["id"], p.name, expires), p.name)
@@ -133,20 +134,12 @@ async def download(token: str, filename: str, request: Request, pool: Pool, sett
         ckpt = await cur.fetchone()
     if ckpt is None:
         raise NotFound("the checkpoint of this download link was deleted or has expired", field="token")
-    directory = _directory(ckpt)
-    headers = {"Cache-Control": "no-store"}
+    directory = checkpoint_directory(ckpt)
     if grant.file == signed_urls.MERGED:
-        name = adapter_archive.archive_name(ckpt["model_id"], ckpt["name"], "-merged.tar")
-        return StreamingResponse(adapter_archive.stream_tar(await merge_members(pool, ckpt),
-                                                            top=name.removesuffix(".tar"), gzip=False),
-                                 media_type="application/x-tar",
-                                 headers={**headers, "Content-Disposition": f'attachment; filename="{name}"'})
+        return adapter_archive.merged_response(ckpt["model_id"], ckpt["name"], await merge_members(pool, ckpt))
     if grant.file == signed_urls.ARCHIVE:
-        name = adapter_archive.archive_name(ckpt["model_id"], ckpt["name"])
-        return StreamingResponse(adapter_archive.stream_tar_gz(directory, top=name.removesuffix(".tar.gz")),
-                                 media_type="application/gzip",
-                                 headers={**headers, "Content-Disposition": f'attachment; filename="{name}"'})
+        return adapter_archive.adapter_response(ckpt["model_id"], ckpt["name"], directory)
     path = next((p for p in adapter_files(directory) if p.name == grant.file), None)
     if path is None:
         raise NotFound(f"file {grant.file!r} is not part of this checkpoint", field="token")
-    return FileResponse(path, filename=path.name, headers=headers)
+    return FileResponse(path, filename=path.name, headers={"Cache-Control": "no-store"})
