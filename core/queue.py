@@ -41,6 +41,12 @@ def cancel_key(request_id: str) -> str:
     return f"quilt:cancel:{request_id}"
 
 
+def delta_key(request_id: str) -> str:
+    """A streamed sampling request's tokens as they are sampled: entries {"i": sequence index,
+    "t": JSON token ids}, in order; the future (future_key) still holds the whole result."""
+    return f"quilt:deltas:{request_id}"
+
+
 def future_key(request_id: str) -> str:
     return f"quilt:future:{request_id}"
 

@@ -33,7 +33,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -79,6 +79,7 @@ class SeqRequest:
     adapter: AdapterRef | None = None  # None = the base model
     prompt_logprobs: bool = False  # score the prompt (this sequence carries the group's prefill)
     prompt_topk: int = 0  # with prompt_logprobs: also the k most likely tokens at each position
+    on_tokens: Callable[[tuple[int, ...]], None] | None = None  # streamed: called with each step's new tokens
 
 
 TopK = tuple[tuple[int, float], ...]
@@ -224,7 +225,7 @@ class GenEngine:
         # Only a prompt-logprob sequence needs to hear about its first step (it then lets others
         # back in, see ExclusiveGate); every other sequence gets one output when it finishes, so
         # the pool's event loop is not woken once per token per running sequence.
-        stream = req.prompt_logprobs and self.settings.serialise_prompt_logprobs
+        stream = (req.prompt_logprobs and self.settings.serialise_prompt_logprobs) or req.on_tokens is not None
         return SamplingParams(
             n=1, max_tokens=spec.max_tokens, temperature=spec.temperature,
             top_k=0 if spec.top_k < 1 else spec.top_k, top_p=spec.top_p, seed=req.seed,
@@ -263,6 +264,8 @@ class GenEngine:
                     for i, tok in enumerate(c.token_ids):
                         tokens.append(tok)
                         logprobs.append(_logprob_of(c.logprobs, i, tok))
+                    if req.on_tokens is not None and c.token_ids:
+                        req.on_tokens(tuple(c.token_ids))
                     if c.finish_reason is not None:
                         reason = c.finish_reason
                 if tokens and first_token_s is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import statistics
 import time
@@ -55,6 +56,7 @@ class Group:
     prompt_logprobs: bool = False
     prompt_logprobs_last_n: int | None = None
     prompt_topk: int = 0
+    on_tokens: Any = None  # streamed: (sequence index, new tokens) -> None, as they are sampled
     arrival: float = field(default_factory=time.time)
     deadline: float | None = None
     lengths: tuple[int, ...] | None = None  # per-sequence max_tokens (benchmarks); None = spec's
@@ -242,7 +244,8 @@ class Scheduler:
         req = SeqRequest(engine_id=f"{g.request_id}:{index}", prompt=g.prompt, spec=spec,
                          seed=g.spec.sample_seed(index), adapter=g.adapter,
                          prompt_logprobs=(g.prompt_logprobs or g.prompt_topk > 0) and index == 0,
-                         prompt_topk=g.prompt_topk)
+                         prompt_topk=g.prompt_topk,
+                         on_tokens=None if g.on_tokens is None else functools.partial(g.on_tokens, index))
         try:
             result = await self.engine.generate(req)
         except asyncio.CancelledError:

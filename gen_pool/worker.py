@@ -13,6 +13,8 @@ Run: `python -m gen_pool.worker` (the embedded launcher does this, one per sampl
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
 import signal
 import time
@@ -37,6 +39,8 @@ log = logging.getLogger("quilt.gen")
 # A worker whose liveness key is gone (no beacon for QUILT_GEN_TAKEOVER_S) is dead: its pending
 # entries are taken over once they have been idle that long too, checked this often.
 RECLAIM_EVERY_S = 5.0
+# A streamed request's tokens (core.queue.delta_key) outlive their reader by this much at most.
+DELTA_TTL_S = 3600
 
 
 def group_from_delivery(d: Delivery, base_model: str) -> Group:
@@ -63,6 +67,7 @@ class GenWorker:
         self.scheduler = Scheduler(engine, target=settings.concurrency_target, default_cap=settings.tenant_cap,
                                    share_after_s=settings.share_after_s, on_finish=self._on_finish)
         self.stopping = False
+        self._deltas: asyncio.Queue = asyncio.Queue()
         self._conn: psycopg.Connection | None = None
         self.heartbeat = health.Heartbeat(sync_redis, health.gen_key(base_model))
 
@@ -76,7 +81,8 @@ class GenWorker:
         await self._ingest(await self.consumer.read(own_pending=True))
         tasks = [asyncio.create_task(self._reader(), name="reader"),
                  asyncio.create_task(self._cancellations(), name="cancels"),
-                 asyncio.create_task(self._reclaimer(), name="reclaim")]
+                 asyncio.create_task(self._reclaimer(), name="reclaim"),
+                 asyncio.create_task(self._delta_writer(), name="deltas")]
         self.heartbeat.start()
         log.info("generation worker for %s ready", self.base_model)
         try:
@@ -120,7 +126,25 @@ class GenWorker:
                 g.cancelled = bool(await self.redis.exists(queue.cancel_key(g.request_id)))
             except stores.STORE_ERRORS:
                 pass  # Redis went down after the read: the group runs; a cancellation still arrives by pub/sub
+            if d.item.body.stream:
+                g.on_tokens = functools.partial(self._stream_tokens, g.request_id)
             self.scheduler.add(g)
+
+    def _stream_tokens(self, request_id: str, index: int, tokens: tuple[int, ...]) -> None:
+        # One writer task, first in first out: a stream's entries keep the order they were sampled in.
+        self._deltas.put_nowait((request_id, index, tokens))
+
+    async def _delta_writer(self) -> None:
+        while True:
+            request_id, index, tokens = await self._deltas.get()
+            key = queue.delta_key(request_id)
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.xadd(key, {"i": str(index), "t": json.dumps(tokens)})
+                    pipe.expire(key, DELTA_TTL_S)
+                    await pipe.execute()
+            except stores.STORE_ERRORS as exc:  # the whole result still reaches the future
+                log.warning("could not stream tokens of %s: %s", request_id, exc)
 
     async def _reclaimer(self) -> None:
         while not self.stopping:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from stackutil import ROOT
+from stackutil import ROOT, SHARED_STACK_ENV
 
 from stack.ephemeral import ephemeral_stack
 
@@ -55,10 +55,6 @@ class Stack:
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.log_dir.glob("*.log")))
-
-
-# A run inside another test's run (tests/test_tinker_sdk_pinned.py) uses that run's stack.
-SHARED_STACK_ENV = "QUILT_TEST_SHARED_STACK"
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,8 @@ from pathlib import Path
 import httpx
 
 TINY = "quilt/tiny-qwen3"
+# A run inside another test's run (tests/test_tinker_sdk_pinned.py) uses that run's stack (conftest).
+SHARED_STACK_ENV = "QUILT_TEST_SHARED_STACK"
 ROOT = Path(__file__).resolve().parents[1]
 
 

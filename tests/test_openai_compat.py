@@ -5,6 +5,8 @@ not, on a base and on a tenant's published weights, through the same admission a
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 import quilt
@@ -74,9 +76,22 @@ def test_chat_uses_the_bases_chat_format_and_streams(stack, published):
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text == out.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == out.choices[0].finish_reason
-    streamed = list(client.completions.create(model=TINY, prompt="bob", max_tokens=4, seed=1, stream=True))
-    plain = client.completions.create(model=TINY, prompt="bob", max_tokens=4, seed=1)
-    assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
+    # Text arrives as it is sampled: several chunks, together the unstreamed answer (same seed).
+    plain = client.completions.create(model=TINY, prompt="bob has", max_tokens=24, seed=1)
+    streamed = list(client.completions.create(model=TINY, prompt="bob has", max_tokens=24, seed=1, stream=True))
+    pieces = [c.choices[0].text for c in streamed if c.choices[0].text]
+    assert "".join(pieces) == plain.choices[0].text
+    if plain.usage.completion_tokens >= 4 and len(plain.choices[0].text) >= 4:
+        assert len(pieces) >= 2, pieces
+    assert streamed[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    # The worker published the tokens step by step (core.queue.delta_key), all of them.
+    from core import queue, redis_client
+
+    entries = redis_client.sync_client(stack.redis_url).xrange(queue.delta_key(streamed[0].id.removeprefix("cmpl-")))
+    assert sum(len(json.loads(fields[b"t"])) for _, fields in entries) == plain.usage.completion_tokens
+    assert len(entries) > 1 or plain.usage.completion_tokens == 1
+    two = list(client.completions.create(model=TINY, prompt="bob has", max_tokens=8, seed=2, n=2, stream=True))
+    assert {c.choices[0].index for c in two} == {0, 1}
 
 
 def test_errors_are_the_ones_openai_clients_expect(stack, published):

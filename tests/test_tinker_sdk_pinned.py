@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SHARED_STACK_ENV
+from stackutil import SHARED_STACK_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 PIN = next(line for line in (ROOT / "requirements" / "tinker-pinned.txt").read_text().splitlines()

@@ -9,10 +9,10 @@ isolation are the same, and another tenant's weights are a 404. Text goes throug
 tokenizer here; chat messages through its chat template (or the catalogue's renderer,
 api.chat_render).
 
-`stream: true` answers Server-Sent Events in OpenAI's chunk format. The generation pool answers a
-group whole (gen_pool.scheduler), so a stream carries each choice's text in one chunk when the
-group is done, then the finish reasons and `[DONE]`: clients that stream work unchanged, without
-token-by-token latency.
+`stream: true` answers Server-Sent Events in OpenAI's chunk format as tokens are sampled: the
+generation worker publishes each engine step's new tokens (core.queue.delta_key) and this route
+decodes them into text chunks (holding back a partial UTF-8 character), then the finish reasons
+and `[DONE]`. The text of a stream equals the text of the same request unstreamed.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter
@@ -103,8 +104,16 @@ async def _target(conn, who, model: str):
         raise type(exc)(exc.message, field="model") from None
 
 
-async def _sample(who, pool, redis, settings, body: _Common, prompt_of) -> tuple[catalog.BaseModel, list[int], dict]:
-    """Admit one group for `body` and wait for it; (base, prompt ids, the pool's result)."""
+@dataclass
+class _Admitted:
+    base: catalog.BaseModel
+    prompt: list[int]
+    request_id: str
+    n: int
+
+
+async def _admit(who, pool, redis, body: _Common, prompt_of) -> _Admitted:
+    """Admit one group for `body` (asample's admission)."""
     _refuse_unsupported(body)
     gen = get_gen_pool_settings()
     if body.n > gen.max_samples:
@@ -121,18 +130,87 @@ async def _sample(who, pool, redis, settings, body: _Common, prompt_of) -> tuple
                                  "seed": body.seed, "stop": stop}, len(prompt), limits)
         now = time.time()
         work = SampleWork(prompt=tuple(prompt), n=body.n, spec=spec, adapter=adapter, submitted_at=now,
-                          deadline_at=now + gen.default_deadline_s)
+                          deadline_at=now + gen.default_deadline_s, stream=body.stream)
         item = WorkItem(ids.new_request_id(), who.tenant_id, "", 0, WorkKind.SAMPLE, len(prompt) * body.n, work)
         request_id = await admission.admit(conn, redis, who, admission.Ticket(
             item, base.name, None, rate_tokens=body.n * (len(prompt) + spec.max_tokens)))
+    return _Admitted(base, prompt, request_id, body.n)
+
+
+def _failure(outcome: queue.Outcome) -> QuiltError:
+    err = outcome.error
+    cls = InvalidInput if err.get("category") == "user" else ServerError
+    return cls(err.get("error", "sampling failed"), request_id=outcome.request_id)
+
+
+async def _result(redis, settings, admitted: _Admitted) -> dict:
     outcome = None
     while outcome is None:
-        outcome = await queue.wait(redis, request_id, settings.long_poll_seconds)
+        outcome = await queue.wait(redis, admitted.request_id, settings.long_poll_seconds)
     if not outcome.ok:
-        err = outcome.error
-        cls = InvalidInput if err.get("category") == "user" else ServerError
-        raise cls(err.get("error", "sampling failed"), request_id=request_id)
-    return base, prompt, {**outcome.result, "id": request_id}
+        raise _failure(outcome)
+    return outcome.result
+
+
+class _Decoder:
+    """Token ids -> the text they add, one sequence at a time; a partial UTF-8 character at the
+    end waits for the token that completes it."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.tokens, self.sent = tokenizer, [], ""
+
+    def add(self, tokens) -> str:
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd") or not text.startswith(self.sent):
+            return ""
+        new, self.sent = text[len(self.sent):], text
+        return new
+
+    def finish(self, tokens) -> str:
+        """What the final tokens add to what was sent (the final result is authoritative)."""
+        text = self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+        new = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent = text
+        return new
+
+
+async def _stream(redis, settings, admitted: _Admitted, chunk_of) -> StreamingResponse:
+    """SSE of `chunk_of(index, text, finish_reason)` as the pool samples, then `[DONE]`."""
+    tokenizer = await run_in_threadpool(_tokenizer, admitted.base.path)
+    key = queue.delta_key(admitted.request_id)
+
+    def event(obj) -> str:
+        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+    async def events():
+        decoders = [_Decoder(tokenizer) for _ in range(admitted.n)]
+        last, outcome = "0-0", None
+        while True:
+            reply = await redis.xread({key: last}, count=256, block=200)
+            for _stream_key, entries in reply or ():
+                for entry_id, fields in entries:
+                    last = entry_id
+                    i = int(fields[b"i"])
+                    text = await run_in_threadpool(decoders[i].add, json.loads(fields[b"t"]))
+                    if text:
+                        yield event(chunk_of(i, text, None))
+            if outcome is not None:
+                break
+            outcome = await queue.ready(redis, admitted.request_id)  # once done, read what is left, then end
+        if not outcome.ok:
+            err = _failure(outcome)
+            yield event({"error": {"message": err.message, "type": err.category, "request_id": err.request_id}})
+        else:
+            for i, seq in enumerate(outcome.result["sequences"]):
+                rest = await run_in_threadpool(decoders[i].finish, seq["tokens"])
+                if rest:
+                    yield event(chunk_of(i, rest, None))
+            for i, seq in enumerate(outcome.result["sequences"]):
+                yield event(chunk_of(i, "", seq["stop_reason"]))
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
 
 
 def _usage(prompt: list[int], result: dict) -> dict:
@@ -145,30 +223,21 @@ def _texts(base: catalog.BaseModel, result: dict) -> list[tuple[str, str]]:
     return [(tokenizer.decode(s["tokens"], skip_special_tokens=True), s["stop_reason"]) for s in result["sequences"]]
 
 
-def _events(chunks: list[dict]) -> StreamingResponse:
-    async def body():
-        for chunk in chunks:
-            yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
-        yield "data: [DONE]\n\n"
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
-
-
 @router.post("/completions")
 async def completions(body: CompletionRequest, who: Who, pool: Pool, redis: RedisDep, settings: Settings):
     """OpenAI text completion: `n` continuations of `prompt` (text or token ids)."""
     def prompt_of(tokenizer, _base):
         return body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt)
 
-    base, prompt, result = await _sample(who, pool, redis, settings, body, prompt_of)
-    texts = await run_in_threadpool(_texts, base, result)
-    head = {"id": f"cmpl-{result['id']}", "created": int(time.time()), "model": body.model}
+    admitted = await _admit(who, pool, redis, body, prompt_of)
+    head = {"id": f"cmpl-{admitted.request_id}", "created": int(time.time()), "model": body.model,
+            "object": "text_completion"}
     if body.stream:
-        chunks = [{**head, "object": "text_completion", "choices": [
-            {"index": i, "text": text, "finish_reason": None, "logprobs": None}]} for i, (text, _) in enumerate(texts)]
-        chunks += [{**head, "object": "text_completion", "choices": [
-            {"index": i, "text": "", "finish_reason": reason, "logprobs": None}]} for i, (_, reason) in enumerate(texts)]
-        return _events(chunks)
-    return JSONResponse({**head, "object": "text_completion", "usage": _usage(prompt, result), "choices": [
+        return await _stream(redis, settings, admitted, lambda i, text, reason: {**head, "choices": [
+            {"index": i, "text": text, "finish_reason": reason, "logprobs": None}]})
+    result = await _result(redis, settings, admitted)
+    texts = await run_in_threadpool(_texts, admitted.base, result)
+    return JSONResponse({**head, "usage": _usage(admitted.prompt, result), "choices": [
         {"index": i, "text": text, "finish_reason": reason, "logprobs": None} for i, (text, reason) in enumerate(texts)]})
 
 
@@ -189,17 +258,16 @@ async def chat_completions(body: ChatRequest, who: Who, pool: Pool, redis: Redis
                                                  add_generation_prompt=True, tokenize=True, return_dict=False)
         return tokenizer.encode(chat_render.render(messages, base.renderer), add_special_tokens=False)
 
-    base, prompt, result = await _sample(who, pool, redis, settings, body, prompt_of)
-    texts = await run_in_threadpool(_texts, base, result)
-    head = {"id": f"chatcmpl-{result['id']}", "created": int(time.time()), "model": body.model}
+    admitted = await _admit(who, pool, redis, body, prompt_of)
+    head = {"id": f"chatcmpl-{admitted.request_id}", "created": int(time.time()), "model": body.model}
     if body.stream:
-        chunks = [{**head, "object": "chat.completion.chunk", "choices": [
-            {"index": i, "delta": {"role": "assistant", "content": text}, "finish_reason": None}]}
-            for i, (text, _) in enumerate(texts)]
-        chunks += [{**head, "object": "chat.completion.chunk", "choices": [
-            {"index": i, "delta": {}, "finish_reason": reason}]} for i, (_, reason) in enumerate(texts)]
-        return _events(chunks)
-    return JSONResponse({**head, "object": "chat.completion", "usage": _usage(prompt, result), "choices": [
+        return await _stream(redis, settings, admitted, lambda i, text, reason: {
+            **head, "object": "chat.completion.chunk", "choices": [
+                {"index": i, "delta": {"role": "assistant", "content": text} if text else {},
+                 "finish_reason": reason}]})
+    result = await _result(redis, settings, admitted)
+    texts = await run_in_threadpool(_texts, admitted.base, result)
+    return JSONResponse({**head, "object": "chat.completion", "usage": _usage(admitted.prompt, result), "choices": [
         {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
         for i, (text, reason) in enumerate(texts)]})
 
