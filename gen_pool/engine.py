@@ -223,8 +223,9 @@ class GenEngine:
 
         spec = req.spec
         # Only a prompt-logprob sequence needs to hear about its first step (it then lets others
-        # back in, see ExclusiveGate); every other sequence gets one output when it finishes, so
-        # the pool's event loop is not woken once per token per running sequence.
+        # back in, see ExclusiveGate), and a streamed one about every step; every other sequence
+        # gets one output when it finishes, so the pool's event loop is not woken once per token
+        # per running sequence.
         stream = (req.prompt_logprobs and self.settings.serialise_prompt_logprobs) or req.on_tokens is not None
         return SamplingParams(
             n=1, max_tokens=spec.max_tokens, temperature=spec.temperature,

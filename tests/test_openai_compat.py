@@ -94,6 +94,36 @@ def test_chat_uses_the_bases_chat_format_and_streams(stack, published):
     assert {c.choices[0].index for c in two} == {0, 1}
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_evaluators_ask(stack, published):
+    """The request loglikelihood evaluators send (lm-eval's completions backend): token ids,
+    echo, logprobs=1, max_tokens=0. The prompt's logprobs are the engine's, checked against torch
+    + PEFT on the same weights; the top-1 alternative says whether each token was the greedy one."""
+    from genutil import Reference
+
+    from core import catalog
+
+    owner, path = published
+    tokens = [5, 6, 7, 8, 9, 10, 11, 12]
+    out = _client(stack, owner.key).completions.create(model=path, prompt=tokens, echo=True, logprobs=1,
+                                                       max_tokens=0)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(tokens) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    run, _, name = path.removeprefix("tinker://").split("/")
+    with db.connect(stack.database_url) as conn:
+        base_path = catalog.get_model_sync(conn, TINY).path
+        adapter = conn.execute("SELECT storage_path FROM checkpoints WHERE model_id = %s AND name = %s",
+                               (run, name)).fetchone()["storage_path"]
+    expected = Reference(base_path).token_logprobs(adapter, tokens)
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], expected, strict=True)) < 1e-3
+    for got, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert len(top) == 1 and max(top.values()) >= got - 1e-6
+    assert lp.text_offset == sorted(lp.text_offset)
+    # Text prompt, echo, one sampled token: the text is the prompt's text plus the sample.
+    more = _client(stack, owner.key).completions.create(model=TINY, prompt="alice has", echo=True, logprobs=0,
+                                                        max_tokens=1, seed=0)
+    assert more.choices[0].text.startswith("alice has") and more.choices[0].logprobs.top_logprobs[1] is None
+
+
 def test_errors_are_the_ones_openai_clients_expect(stack, published):
     owner, path = published
     with pytest.raises(openai.AuthenticationError):
@@ -104,7 +134,8 @@ def test_errors_are_the_ones_openai_clients_expect(stack, published):
     with pytest.raises(openai.NotFoundError):
         _client(stack, owner.key).completions.create(model="no/such-model", prompt="x", max_tokens=2)
     client = _client(stack, owner.key)
-    for bad in ({"max_tokens": 10**8}, {"temperature": -1}, {"n": 10**6}, {"logprobs": 3}, {"prompt": [10**9]}):
+    for bad in ({"max_tokens": 10**8}, {"temperature": -1}, {"n": 10**6}, {"logprobs": 3}, {"prompt": [10**9]},
+                {"max_tokens": 0}, {"echo": True, "logprobs": 10**6}, {"echo": True, "stream": True}):
         kw = {"model": TINY, "prompt": "x", "max_tokens": 2, **bad}
         with pytest.raises(openai.BadRequestError):
             client.completions.create(**kw)

@@ -48,7 +48,7 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields a sampler has no use for
 
     model: str = Field(max_length=1024)
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     temperature: float = Field(1.0, ge=0, le=1e6, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     n: int = Field(1, ge=1, le=INT32_MAX)
@@ -61,6 +61,7 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: Text | list[int] = Field(description="text, or token ids")
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
 
 
 class ChatPart(BaseModel):
@@ -88,11 +89,18 @@ def _tokenizer(path: str):
 
 
 def _refuse_unsupported(body: _Common) -> None:
-    if body.logprobs not in (None, False, 0):
-        raise InvalidInput("logprobs is not supported on this endpoint; sample through /api/v1/asample for "
-                           "logprobs", field="logprobs")
-    if isinstance(body, CompletionRequest) and body.echo:
-        raise InvalidInput("echo is not supported; send echo=false", field="echo")
+    if isinstance(body, CompletionRequest):
+        if body.logprobs and not body.echo:
+            raise InvalidInput("logprobs > 0 needs echo=true: top alternatives are given for prompt tokens, not "
+                               "for sampled ones (logprobs=0 gives the sampled tokens' logprobs)", field="logprobs")
+        if body.max_tokens == 0 and not body.echo:
+            raise InvalidInput("max_tokens must be >= 1 (0 only with echo=true, to score the prompt)",
+                               field="max_tokens")
+        if body.stream and (body.echo or body.logprobs is not None):
+            raise InvalidInput("echo and logprobs are not streamed; send stream=false", field="stream")
+    elif body.logprobs not in (None, False):
+        raise InvalidInput("logprobs is not supported on chat completions; use /v1/completions with echo=true "
+                           "or /api/v1/asample", field="logprobs")
 
 
 async def _target(conn, who, model: str):
@@ -125,12 +133,16 @@ async def _admit(who, pool, redis, body: _Common, prompt_of) -> _Admitted:
                                gen.default_max_tokens, gen.max_stop_entries, gen.max_stop_chars)
         prompt = params.check_prompt(await run_in_threadpool(prompt_of, tokenizer, base), limits)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or 16  # OpenAI's default
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        # OpenAI's default is 16; 0 (with echo) scores the prompt: one token is sampled and dropped.
+        max_tokens = 16 if max_tokens is None else max(max_tokens, 1)
+        scored = isinstance(body, CompletionRequest) and body.echo
         spec = params.normalise({"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
                                  "seed": body.seed, "stop": stop}, len(prompt), limits)
         now = time.time()
         work = SampleWork(prompt=tuple(prompt), n=body.n, spec=spec, adapter=adapter, submitted_at=now,
-                          deadline_at=now + gen.default_deadline_s, stream=body.stream)
+                          deadline_at=now + gen.default_deadline_s, stream=body.stream,
+                          prompt_logprobs=scored, prompt_topk=(body.logprobs or 0) if scored else 0)
         item = WorkItem(ids.new_request_id(), who.tenant_id, "", 0, WorkKind.SAMPLE, len(prompt) * body.n, work)
         request_id = await admission.admit(conn, redis, who, admission.Ticket(
             item, base.name, None, rate_tokens=body.n * (len(prompt) + spec.max_tokens)))
@@ -229,6 +241,8 @@ async def completions(body: CompletionRequest, who: Who, pool: Pool, redis: Redi
     def prompt_of(tokenizer, _base):
         return body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt)
 
+    if body.echo and body.logprobs is not None and body.logprobs > get_gen_pool_settings().max_topk_logprobs:
+        raise InvalidInput(f"logprobs must be at most {get_gen_pool_settings().max_topk_logprobs}", field="logprobs")
     admitted = await _admit(who, pool, redis, body, prompt_of)
     head = {"id": f"cmpl-{admitted.request_id}", "created": int(time.time()), "model": body.model,
             "object": "text_completion"}
@@ -236,9 +250,42 @@ async def completions(body: CompletionRequest, who: Who, pool: Pool, redis: Redi
         return await _stream(redis, settings, admitted, lambda i, text, reason: {**head, "choices": [
             {"index": i, "text": text, "finish_reason": reason, "logprobs": None}]})
     result = await _result(redis, settings, admitted)
-    texts = await run_in_threadpool(_texts, admitted.base, result)
-    return JSONResponse({**head, "usage": _usage(admitted.prompt, result), "choices": [
-        {"index": i, "text": text, "finish_reason": reason, "logprobs": None} for i, (text, reason) in enumerate(texts)]})
+    if body.echo or body.logprobs is not None:
+        choices = await run_in_threadpool(_scored_choices, admitted, result, body)
+    else:
+        choices = [{"index": i, "text": text, "finish_reason": reason, "logprobs": None}
+                   for i, (text, reason) in enumerate(_texts(admitted.base, result))]
+    return JSONResponse({**head, "usage": _usage(admitted.prompt, result), "choices": choices})
+
+
+def _scored_choices(admitted: _Admitted, result: dict, body: CompletionRequest) -> list[dict]:
+    """Choices with OpenAI's completion `logprobs` (tokens, token_logprobs, top_logprobs,
+    text_offset): over the prompt and the sample with `echo` (the prompt's first token has none,
+    and with max_tokens=0 the sample is left out), over the sample alone otherwise. Top
+    alternatives are the prompt's (topk_prompt_logprobs); a sampled token's entry is null."""
+    tokenizer = _tokenizer(admitted.base.path)
+    prompt = admitted.prompt
+    piece = functools.lru_cache(maxsize=4096)(lambda t: tokenizer.decode([t]))
+    out = []
+    for i, seq in enumerate(result["sequences"]):
+        sampled = [] if body.max_tokens == 0 else list(seq["tokens"])
+        tokens, lps, tops = list(sampled), list(seq["logprobs"][:len(sampled)]), [None] * len(sampled)
+        if body.echo:
+            topk = result.get("topk_prompt_logprobs") or [None] * len(prompt)
+            tokens = prompt + tokens
+            lps = list(result.get("prompt_logprobs") or [None] * len(prompt)) + lps
+            tops = [None if row is None or not body.logprobs else {piece(t): lp for t, lp in row} for row in topk] + tops
+        strings = [piece(t) for t in tokens]
+        offsets, at = [], 0
+        for s in strings:
+            offsets.append(at)
+            at += len(s)
+        text = tokenizer.decode(tokens, skip_special_tokens=True) if body.echo else \
+            tokenizer.decode(sampled, skip_special_tokens=True)
+        out.append({"index": i, "text": text, "finish_reason": seq["stop_reason"],
+                    "logprobs": {"tokens": strings, "token_logprobs": lps, "top_logprobs": tops,
+                                 "text_offset": offsets}})
+    return out
 
 
 def _message_text(message: ChatMessage) -> str:
