@@ -139,6 +139,9 @@ def test_errors_are_the_ones_openai_clients_expect(stack, published):
         kw = {"model": TINY, "prompt": "x", "max_tokens": 2, **bad}
         with pytest.raises(openai.BadRequestError):
             client.completions.create(**kw)
+    for bad in ({"max_tokens": 0}, {"max_completion_tokens": 0}, {"logprobs": True}, {"n": 10**6}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "x"}], **bad)
     # What the openai package cannot send: a lone surrogate, NUL, deep nesting, escaped in raw JSON.
     import httpx
 

@@ -78,7 +78,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
 
 
 @functools.lru_cache(maxsize=8)
@@ -98,9 +98,13 @@ def _refuse_unsupported(body: _Common) -> None:
                                field="max_tokens")
         if body.stream and (body.echo or body.logprobs is not None):
             raise InvalidInput("echo and logprobs are not streamed; send stream=false", field="stream")
-    elif body.logprobs not in (None, False):
-        raise InvalidInput("logprobs is not supported on chat completions; use /v1/completions with echo=true "
-                           "or /api/v1/asample", field="logprobs")
+    else:
+        if body.logprobs not in (None, False):
+            raise InvalidInput("logprobs is not supported on chat completions; use /v1/completions with echo=true "
+                               "or /api/v1/asample", field="logprobs")
+        if 0 in (body.max_tokens, body.max_completion_tokens):
+            field = "max_tokens" if body.max_tokens == 0 else "max_completion_tokens"
+            raise InvalidInput(f"{field} must be >= 1", field=field)
 
 
 async def _target(conn, who, model: str):
