@@ -20,11 +20,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
 from api.dashboard import data, pages
+from api.input_guard import GuardedRoute
 
 log = logging.getLogger("quilt.dashboard")
 
@@ -40,7 +41,9 @@ def install(app: FastAPI) -> None:
     """Add the dashboard's routes and static files to the API app."""
     app.include_router(pages.router)
     # A person opening the server's address wants the dashboard; SDKs never ask for `/`.
-    app.add_api_route("/", _to_dashboard, methods=["GET", "HEAD"], include_in_schema=False)
+    front = APIRouter(route_class=GuardedRoute, include_in_schema=False)
+    front.add_api_route("/", _to_dashboard, methods=["GET", "HEAD"])
+    app.include_router(front)
     app.include_router(data.router)
     app.mount("/dashboard/static", StaticFiles(directory=HERE / "static"), name="dashboard-static")
     if not UPLOT_DIST.is_dir():
