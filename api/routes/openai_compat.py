@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api import admission, chat_render
 from api.deps import Pool, RedisDep, Settings, Who
 from api.input_guard import GuardedRoute
-from api.routes.sampling import resolve
+from api.routes.sampling import check_group, group_limits, resolve
 from core import catalog, ids, queue
 from core.errors import InvalidInput, NotFound, QuiltError, ServerError
 from core.numbers import INT32_MAX
@@ -127,26 +127,25 @@ class _Admitted:
 async def _admit(who, pool, redis, body: _Common, prompt_of) -> _Admitted:
     """Admit one group for `body` (asample's admission)."""
     _refuse_unsupported(body)
+    scored = isinstance(body, CompletionRequest) and body.echo
+    topk = (body.logprobs or 0) if scored else 0
+    check_group(n=body.n, n_field="n", topk=topk, topk_field="logprobs")
     gen = get_gen_pool_settings()
-    if body.n > gen.max_samples:
-        raise InvalidInput(f"n {body.n} exceeds the limit of {gen.max_samples}", field="n")
     async with pool.connection() as conn:
         base, adapter = await _target(conn, who, body.model)
         tokenizer = await run_in_threadpool(_tokenizer, base.path)
-        limits = params.Limits(base.vocab_size, base.max_context_length, gen.max_samples, gen.max_new_tokens,
-                               gen.default_max_tokens, gen.max_stop_entries, gen.max_stop_chars)
+        limits = group_limits(base)
         prompt = params.check_prompt(await run_in_threadpool(prompt_of, tokenizer, base), limits)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         # OpenAI's default is 16; 0 (with echo) scores the prompt: one token is sampled and dropped.
         max_tokens = 16 if max_tokens is None else max(max_tokens, 1)
-        scored = isinstance(body, CompletionRequest) and body.echo
         spec = params.normalise({"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
                                  "seed": body.seed, "stop": stop}, len(prompt), limits)
         now = time.time()
         work = SampleWork(prompt=tuple(prompt), n=body.n, spec=spec, adapter=adapter, submitted_at=now,
                           deadline_at=now + gen.default_deadline_s, stream=body.stream,
-                          prompt_logprobs=scored, prompt_topk=(body.logprobs or 0) if scored else 0)
+                          prompt_logprobs=scored, prompt_topk=topk)
         item = WorkItem(ids.new_request_id(), who.tenant_id, "", 0, WorkKind.SAMPLE, len(prompt) * body.n, work)
         request_id = await admission.admit(conn, redis, who, admission.Ticket(
             item, base.name, None, rate_tokens=body.n * (len(prompt) + spec.max_tokens)))
@@ -245,8 +244,6 @@ async def completions(body: CompletionRequest, who: Who, pool: Pool, redis: Redi
     def prompt_of(tokenizer, _base):
         return body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt)
 
-    if body.echo and body.logprobs is not None and body.logprobs > get_gen_pool_settings().max_topk_logprobs:
-        raise InvalidInput(f"logprobs must be at most {get_gen_pool_settings().max_topk_logprobs}", field="logprobs")
     admitted = await _admit(who, pool, redis, body, prompt_of)
     head = {"id": f"cmpl-{admitted.request_id}", "created": int(time.time()), "model": body.model,
             "object": "text_completion"}

@@ -183,6 +183,23 @@ async def resolve(conn, who, *, sampling_session_id: str | None = None, model_pa
     return base, AdapterRef(key=ckpt["storage_path"], path=ckpt["storage_path"], model_id=run, name=name)
 
 
+def check_group(*, n: int, n_field: str, topk: int, topk_field: str) -> None:
+    """Refuse a sample group larger than the pool takes, or a top-k past the engine's (asample and
+    the OpenAI routes, before anything is looked up)."""
+    gen = get_gen_pool_settings()
+    if not 0 <= topk <= gen.max_topk_logprobs:
+        raise InvalidInput(f"{topk_field} must be in [0, {gen.max_topk_logprobs}], got {topk}", field=topk_field)
+    if n > gen.max_samples:
+        raise InvalidInput(f"{n_field} {n} exceeds the limit of {gen.max_samples}", field=n_field)
+
+
+def group_limits(base: catalog.BaseModel) -> params.Limits:
+    """What a group's prompt and sampling params are checked against on `base`."""
+    gen = get_gen_pool_settings()
+    return params.Limits(base.vocab_size, base.max_context_length, gen.max_samples, gen.max_new_tokens,
+                         gen.default_max_tokens, gen.max_stop_entries, gen.max_stop_chars)
+
+
 def _unsupported(body: SampleRequest) -> None:
     for field in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
         if getattr(body, field):
@@ -200,20 +217,15 @@ async def asample(body: SampleRequest, who: Who, pool: Pool, redis: RedisDep, se
     """
     gen = get_gen_pool_settings()
     _unsupported(body)
-    if not 0 <= body.topk_prompt_logprobs <= gen.max_topk_logprobs:
-        raise InvalidInput(f"topk_prompt_logprobs must be in [0, {gen.max_topk_logprobs}], got "
-                           f"{body.topk_prompt_logprobs}", field="topk_prompt_logprobs")
-    if body.num_samples > gen.max_samples:
-        raise InvalidInput(f"num_samples {body.num_samples} exceeds the limit of {gen.max_samples}",
-                           field="num_samples")
+    check_group(n=body.num_samples, n_field="num_samples", topk=body.topk_prompt_logprobs,
+                topk_field="topk_prompt_logprobs")
     deadline_s = body.deadline_s or gen.default_deadline_s
     if deadline_s > gen.max_deadline_s:
         raise InvalidInput(f"deadline_s {deadline_s} exceeds the limit of {gen.max_deadline_s}", field="deadline_s")
     async with pool.connection() as conn:
         base, adapter = await resolve(conn, who, sampling_session_id=body.sampling_session_id,
                                       model_path=body.model_path, base_model=body.base_model)
-        limits = params.Limits(base.vocab_size, base.max_context_length, gen.max_samples, gen.max_new_tokens,
-                               gen.default_max_tokens, gen.max_stop_entries, gen.max_stop_chars)
+        limits = group_limits(base)
         prompt = params.check_prompt([t for c in body.prompt.chunks for t in c.tokens], limits)
         spec = params.normalise(body.sampling_params.model_dump(), len(prompt), limits)
         now = time.time()
