@@ -67,6 +67,8 @@ def _add_schema_components(app: FastAPI, components: dict) -> None:
 def create_app() -> FastAPI:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = get_api_settings()
+    # However uvicorn was started (quilt up, a container's command line): QUILT_ACCESS_LOG decides.
+    logging.getLogger("uvicorn.access").disabled = not settings.access_log
     app = FastAPI(title="Quilt", version="0.1.0", lifespan=_lifespan)
     errors.install(app)
     for module in (service, sessions, training, sampling, futures, billing, runs, downloads, run_metrics):

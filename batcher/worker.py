@@ -30,6 +30,7 @@ from billing.ledger import settle
 from billing.pricing import training_units
 from core import (
     catalog,
+    checkpoint_store,
     db,
     faults,
     health,
@@ -97,6 +98,7 @@ class TrainerWorker:
                                        what="trained", finished=self._finished_ids)
         self.queues = ModelQueues()
         self.exports = Exports()  # sampler weights being written off the loop (batcher.exports)
+        self.store = checkpoint_store.get_store()  # where checkpoints are written and read from
         self.heartbeat = health.Heartbeat(redis, health.trainer_key(base_model))
         self.deficits: dict[str, float] = {}  # fair-share state carried between rounds
         self._weights: dict[str, float] = {}
@@ -355,7 +357,8 @@ class TrainerWorker:
         try:
             self.backend.create(item.model_id, work.lora)
             if work.load:  # create-from-checkpoint: the model's first request also loads its state
-                self.backend.load(item.model_id, work.load.storage_path, optimizer=work.load.optimizer)
+                self.backend.load(item.model_id, str(self.store.fetch(work.load.storage_path)),
+                                  optimizer=work.load.optimizer)
             self._db_call(records.set_model_status, item.model_id, "ready")
         except Exception as exc:
             err = _as_error(item, exc)
@@ -374,7 +377,7 @@ class TrainerWorker:
 
     def _load(self, item: WorkItem) -> dict:
         work: LoadWeights = item.body
-        self.backend.load(item.model_id, work.storage_path, optimizer=work.optimizer)
+        self.backend.load(item.model_id, str(self.store.fetch(work.storage_path)), optimizer=work.optimizer)
         return {"type": "load_weights", "path": work.path, "model_id": item.model_id}
 
     @staticmethod
@@ -420,8 +423,14 @@ class TrainerWorker:
         # Every save gets a new directory (core.checkpoint_files), so "exists" is a question for the records.
         if not work.overwrite and self._db_call(records.checkpoint_exists, item.model_id, kind, work.name):
             raise Conflict(f"checkpoint {work.name!r} already exists; pass overwrite=True to replace it", field="path")
-        write = self.backend.export(item.model_id, work.storage_path, overwrite=work.overwrite,
-                                    with_optimizer=item.kind is WorkKind.SAVE_WEIGHTS)
+        write_files = self.backend.export(item.model_id, str(self.store.local_dir(work.storage_path)),
+                                          overwrite=work.overwrite, with_optimizer=item.kind is WorkKind.SAVE_WEIGHTS)
+
+        def write() -> int:  # a save is answered only once it is in the store
+            size = write_files()
+            self.store.publish(work.storage_path)
+            return size
+
         result = {"type": str(item.kind), "path": ids.tinker_path(item.model_id, kind, work.name)}
         if for_sampler:
             result["policy_version"] = self.backend.policy_version(item.model_id)

@@ -37,7 +37,9 @@ import multiprocessing
 import os
 import random
 import statistics
+import threading
 import time
+from pathlib import Path
 
 import aiohttp
 import httpx
@@ -176,18 +178,54 @@ def _pin(api: list[psutil.Process], api_cpus: set[int], other_cpus: set[int]) ->
                 pass
 
 
+class FsyncProbe:
+    """Writes 8 KiB and fdatasyncs it every 20 ms in the stack's data directory while a phase runs:
+    the latency Postgres's commits and Redis's AOF meet on that filesystem, measured beside the
+    calls (on a shared VM's disk its tail, not the API, is what a write call's p99 waits for)."""
+
+    def __init__(self, directory: Path):
+        self.path, self.samples = directory / "fsync-probe", []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            while not self._stop.wait(0.02):
+                os.pwrite(fd, b"x" * 8192, 0)
+                started = time.perf_counter()
+                os.fdatasync(fd)
+                self.samples.append((time.perf_counter() - started) * 1000)
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> FsyncProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.path.unlink(missing_ok=True)
+
+    def summary(self) -> dict:
+        return {"count": len(self.samples), "p50_ms": round(_pct(self.samples, 0.5), 3),
+                "p99_ms": round(_pct(self.samples, 0.99), 3), "max_ms": round(max(self.samples, default=0.0), 3)}
+
+
 def _cpu_s(api: list[psutil.Process]) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in api)
 
 
 def _phase(stack: RunningStack, clients: list, args, rate: float, other_cpus: set[int] | None,
-           api: list[psutil.Process]) -> tuple[dict[str, list], float, float]:
-    """Run the clients for `args.seconds`; returns (per-call samples, wall s, API CPU s)."""
+           api: list[psutil.Process]) -> tuple[dict[str, list], float, float, dict]:
+    """Run the clients for `args.seconds`; returns (per-call samples, wall s, API CPU s, the data
+    directory's fsync latency meanwhile)."""
     stop_at = time.monotonic() + args.seconds
     shares = [(stack.base_url, clients[p::args.procs], stop_at, args.submit_every, rate, other_cpus, 1000 + p)
               for p in range(args.procs)]
     started, cpu0 = time.monotonic(), _cpu_s(api)
-    with multiprocessing.get_context("spawn").Pool(args.procs) as pool:
+    with FsyncProbe(stack.data_dir) as probe, multiprocessing.get_context("spawn").Pool(args.procs) as pool:
         parts = pool.map(_generator, shares)
     wall, cpu = time.monotonic() - started, _cpu_s(api) - cpu0
     merged: dict[str, list] = {}
@@ -196,7 +234,7 @@ def _phase(stack: RunningStack, clients: list, args, rate: float, other_cpus: se
             merged.setdefault(name, []).extend(values)
         for (_tenant, seq, _stride), next_seq in zip(clients[p::args.procs], next_seqs):
             seq[0] = next_seq  # the next phase goes on where this one stopped: no gap to wait behind
-    return merged, wall, cpu
+    return merged, wall, cpu, probe.summary()
 
 
 def _table(title: str, merged: dict[str, list]) -> tuple[dict, int, list, list]:
@@ -231,9 +269,12 @@ def main() -> None:
     parser.add_argument("--paced-share", type=float, default=0.5, help="phase 2's rate, a share of phase 1's")
     parser.add_argument("--api-workers", type=int, default=1, help="API processes (QUILT_WORKERS)")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2)
+    parser.add_argument("--data-parent", type=Path, default=Path("/tmp"),
+                        help="where the stack's data directory (Postgres, Redis AOF) is made; /dev/shm takes "
+                             "the disk's fsync out of the measurement")
     args = parser.parse_args()
 
-    with ephemeral_stack({"QUILT_WORKERS": str(args.api_workers)}) as stack:
+    with ephemeral_stack({"QUILT_WORKERS": str(args.api_workers)}, parent=args.data_parent) as stack:
         tenants = prepare_tenants(stack, args.tenants)
         api = _api_processes(stack.base_url)
         cpus = sorted(os.sched_getaffinity(0))
@@ -245,30 +286,34 @@ def main() -> None:
         # collide, and phase 2 goes on from where phase 1 stopped (_phase).
         per_tenant = max(1, args.clients // args.tenants)
         clients = [(tenants[c % args.tenants], [2 + c // args.tenants], per_tenant) for c in range(args.clients)]
-        full, wall1, cpu1 = _phase(stack, clients, args, 0.0, other, api)
+        full, wall1, cpu1, fsync1 = _phase(stack, clients, args, 0.0, other, api)
         capacity = sum(len(v) for v in full.values()) / wall1
         rate = args.paced_share * capacity / args.clients
-        paced, wall2, cpu2 = _phase(stack, clients, args, rate, other, api)
+        paced, wall2, cpu2, fsync2 = _phase(stack, clients, args, rate, other, api)
 
     n1, n2 = sum(len(v) for v in full.values()), sum(len(v) for v in paced.values())
     print(f"{args.clients} clients, {args.tenants} tenants, {args.seconds:.0f} s per phase, {args.procs} generator "
-          f"process(es), {args.api_workers} API process(es), pinned: {bool(args.pin)}")
+          f"process(es), {args.api_workers} API process(es), pinned: {bool(args.pin)}, data directory in "
+          f"{args.data_parent}")
     s1, e1, cheap1, _ = _table(f"1. capacity: {n1 / wall1:.0f} requests/s, {n1 / max(cpu1, 1e-9):.0f} per API "
                                f"CPU-second (API used {cpu1 / wall1:.2f} of a core)", full)
     s2, e2, cheap2, app2 = _table(f"2. paced at {args.paced_share:.0%} of that: {n2 / wall2:.0f} requests/s, "
                                   f"{n2 / max(cpu2, 1e-9):.0f} per API CPU-second", paced)
-    print(f"\nAPI's own time per cheap call at the paced load: p50 {_pct(app2, 0.5):.2f} ms, "
+    print(f"\nfdatasync of 8 KiB in the data directory, every 20 ms beside the calls: capacity phase p50 "
+          f"{fsync1['p50_ms']:.2f} ms, p99 {fsync1['p99_ms']:.2f} ms, max {fsync1['max_ms']:.1f} ms; paced phase p50 "
+          f"{fsync2['p50_ms']:.2f} ms, p99 {fsync2['p99_ms']:.2f} ms, max {fsync2['max_ms']:.1f} ms")
+    print(f"API's own time per cheap call at the paced load: p50 {_pct(app2, 0.5):.2f} ms, "
           f"p99 {_pct(app2, 0.99):.2f} ms (client-side p99 {_pct(cheap2, 0.99):.2f} ms); "
           f"{e1 + e2} errors other than 429")
     print(json.dumps({
         "clients": args.clients, "seconds_per_phase": args.seconds, "api_workers": args.api_workers,
-        "pinned": bool(args.pin), "requests_per_s": round(n1 / wall1, 1),
+        "pinned": bool(args.pin), "data_parent": str(args.data_parent), "requests_per_s": round(n1 / wall1, 1),
         "requests_per_api_cpu_s": round(n1 / max(cpu1, 1e-9), 1),
         "capacity_cheap_p99_ms": round(_pct(cheap1, 0.99), 2),
         "paced_requests_per_s": round(n2 / wall2, 1),
         "paced_cheap_p50_ms": round(_pct(cheap2, 0.5), 2), "paced_cheap_p99_ms": round(_pct(cheap2, 0.99), 2),
         "paced_app_p50_ms": round(_pct(app2, 0.5), 3), "paced_app_p99_ms": round(_pct(app2, 0.99), 3),
-        "errors": e1 + e2, "capacity": s1, "paced": s2}))
+        "errors": e1 + e2, "fsync_capacity": fsync1, "fsync_paced": fsync2, "capacity": s1, "paced": s2}))
 
 
 if __name__ == "__main__":

@@ -22,8 +22,12 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
+
+if TYPE_CHECKING:
+    from core.checkpoint_store import LocalStore
 
 log = logging.getLogger("quilt.retention")
 
@@ -96,13 +100,14 @@ def orphan_dirs(checkpoint_dir: Path, live: set[Path], queued: set[Path], *, old
     return sorted(out)
 
 
-def sweep_orphans(conn: psycopg.Connection, checkpoint_dir: Path, *, min_age_s: float = ORPHAN_MIN_AGE_S) -> int:
-    """Delete the orphaned directories `orphan_dirs` finds (hourly; walks the whole store)."""
-    live = {Path(r["storage_path"]).resolve() for r in conn.execute("SELECT storage_path FROM checkpoints")}
-    queued = {Path(r["path"]).resolve() for r in conn.execute("SELECT path FROM storage_garbage")}
-    orphans = orphan_dirs(checkpoint_dir, live, queued, older_than=time.time() - min_age_s)
+def sweep_orphans(conn: psycopg.Connection, store: LocalStore, *, min_age_s: float = ORPHAN_MIN_AGE_S) -> int:
+    """Delete the orphaned directories `orphan_dirs` finds under this machine's checkpoint
+    directory (hourly), from the store too."""
+    live = {store.local_dir(r["storage_path"]).resolve() for r in conn.execute("SELECT storage_path FROM checkpoints")}
+    queued = {store.local_dir(r["path"]).resolve() for r in conn.execute("SELECT path FROM storage_garbage")}
+    orphans = orphan_dirs(store.root, live, queued, older_than=time.time() - min_age_s)
     for path in orphans:
-        remove_dir(checkpoint_dir, str(path))
+        store.remove(str(path))
     if orphans:
         log.warning("removed %d checkpoint directories no checkpoint named (a save that crashed midway?)",
                     len(orphans))
@@ -115,7 +120,7 @@ class SweepResult:
     removed: int  # directories deleted
 
 
-def sweep(conn: psycopg.Connection, checkpoint_dir: Path, *, batch: int = 500) -> SweepResult:
+def sweep(conn: psycopg.Connection, store: LocalStore, *, batch: int = 500) -> SweepResult:
     """(`conn` with dict rows, as `core.db.connect` gives.) Expire checkpoints past `expires_at` (their directories become due at once), then delete up
     to `batch` due directories and forget them."""
     with conn.transaction():
@@ -129,7 +134,7 @@ def sweep(conn: psycopg.Connection, checkpoint_dir: Path, *, batch: int = 500) -
         "SELECT id, path FROM storage_garbage WHERE delete_after <= now() ORDER BY delete_after LIMIT %s", (batch,)
     ).fetchall()
     for row in due:
-        remove_dir(checkpoint_dir, row["path"])
+        store.remove(row["path"])
     if due:
         with conn.transaction():
             conn.execute("DELETE FROM storage_garbage WHERE id = ANY(%s)", ([r["id"] for r in due],))

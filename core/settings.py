@@ -37,6 +37,19 @@ class CoreSettings(BaseSettings):
         3600, ge=0, description="a replaced version of named sampler weights is deleted this long after "
                                 "(requests queued before the replacement may still name it)")
     crash_at: str = Field("", description="fault injection: crash points to die at (core.faults); empty in service")
+    checkpoint_store: Literal["local", "s3"] = Field(
+        "local", description="where checkpoint files live (core.checkpoint_store): <data dir>/checkpoints, or an "
+                             "S3-compatible bucket with <data dir>/checkpoints as this machine's cache")
+    s3_bucket: str = Field("", description="the bucket of the s3 checkpoint store")
+    s3_prefix: str = Field("quilt/checkpoints", description="key prefix of checkpoint objects in the bucket")
+    s3_endpoint_url: str = Field("", description="an S3-compatible server's URL (MinIO, Ceph, ...); empty = AWS")
+    s3_region: str = Field("", description="the bucket's region; empty = boto3's default chain")
+
+    @model_validator(mode="after")
+    def _s3_needs_a_bucket(self) -> CoreSettings:
+        if self.checkpoint_store == "s3" and not self.s3_bucket:
+            raise ValueError("QUILT_CHECKPOINT_STORE=s3 needs QUILT_S3_BUCKET")
+        return self
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -56,6 +69,8 @@ class ApiSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     workers: int = Field(1, ge=1, le=256, description="API processes behind the one port (uvicorn --workers); "
                                                    "the API keeps no state of its own, so they scale out")
+    access_log: bool = Field(False, description="uvicorn's line per request; off: errors are logged with their "
+                             "request id anyway (api.errors), and the lines cost a cheap call 6% of its CPU")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest accepted request body")
     max_datums_per_request: int = Field(1024, ge=1, description="datums in one forward_backward")
     max_tokens_per_request: int = Field(262_144, ge=1, description="model-input tokens in one request")

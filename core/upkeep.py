@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import socket
 
-from core import db, health, redis_client, retention
+from core import checkpoint_store, db, health, redis_client, retention
 from core.celery_app import app
-from core.settings import get_core_settings
 
 SESSION_IDLE_LIMIT = "10 minutes"  # SDKs heartbeat every 10 s; this is 60 missed beats
 
@@ -33,7 +32,7 @@ def expire_sessions() -> int:
 def sweep_checkpoints() -> dict:
     """Expire checkpoints past their TTL and delete checkpoint directories that are due."""
     with db.connect() as conn:
-        result = retention.sweep(conn, get_core_settings().checkpoint_dir)
+        result = retention.sweep(conn, checkpoint_store.get_store())
     return {"expired": result.expired, "removed": result.removed}
 
 
@@ -41,4 +40,4 @@ def sweep_checkpoints() -> dict:
 def sweep_orphan_checkpoints() -> int:
     """Delete checkpoint directories that no checkpoint names (left by a save that crashed)."""
     with db.connect() as conn:
-        return retention.sweep_orphans(conn, get_core_settings().checkpoint_dir)
+        return retention.sweep_orphans(conn, checkpoint_store.get_store())

@@ -28,6 +28,7 @@ abort and streaming to us; the async engine gives those for the price of a few s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -38,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from core import architectures
-from core.errors import ServerError
+from core import architectures, checkpoint_store
+from core.errors import NotFound, ServerError
 from core.memory_plan import resolve_dtype
 from core.work import AdapterRef, SamplingSpec
 from gen_pool.adapters import (
@@ -192,12 +193,16 @@ class GenEngine:
         Called before every group that uses it, so a version evicted from vLLM's host cache and
         since deleted from disk fails here, as a user error, instead of killing the engine.
         """
+        store = checkpoint_store.get_store()
+        path = store.local_dir(ref.path)
         if ref.key not in self._loaded:
-            check_adapter(ref.path, max_rank=self.settings.max_lora_rank)
+            with contextlib.suppress(NotFound):  # then check_adapter names what is missing
+                path = await asyncio.to_thread(store.fetch, ref.path)  # from S3 once per replica
+            check_adapter(path, max_rank=self.settings.max_lora_rank)
         from vllm.lora.request import LoRARequest
 
         lora_id = self.ids.get(ref.key)
-        request = self._loaded.get(ref.key) or LoRARequest(f"v{lora_id}", lora_id, ref.path)
+        request = self._loaded.get(ref.key) or LoRARequest(f"v{lora_id}", lora_id, str(path))
         try:
             await self.llm.add_lora(request)
         except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds; any of them means "not servable"

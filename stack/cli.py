@@ -27,7 +27,7 @@ def _prepared(args) -> str:
 def cmd_up(args) -> int:
     from stack.launcher import up
 
-    return up(data_dir=args.data_dir, host=args.host, port=args.port)
+    return up(data_dir=args.data_dir, host=args.host, port=args.port, api_replicas=args.api_replicas)
 
 
 def cmd_migrate(args) -> int:
@@ -217,6 +217,13 @@ def cmd_keys_revoke(args) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 64, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="quilt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -225,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     _data_dir_option(p)
     p.add_argument("--host", default=os.environ.get("QUILT_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(os.environ.get("QUILT_PORT", "8000")))
+    p.add_argument("--api-replicas", type=_positive, default=1, metavar="K",
+                   help="API processes sharing only Postgres and Redis, on ports PORT..PORT+K-1")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("migrate", help="apply schema migrations")

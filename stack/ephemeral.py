@@ -31,16 +31,26 @@ class RunningStack:
     database_url: str
     redis_url: str
     data_dir: Path
+    api_urls: tuple[str, ...] = ()  # every API replica's address, base_url first
 
     @property
     def log_dir(self) -> Path:
         return self.data_dir / "logs"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port(consecutive: int = 1) -> int:
+    """A loopback port with the `consecutive - 1` after it free too (API replicas take port + i)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            for i in range(1, consecutive):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + i))
+            return port
+        except OSError:
+            continue
 
 
 def healthy(base_url: str) -> bool:
@@ -52,11 +62,14 @@ def healthy(base_url: str) -> bool:
 
 @contextlib.contextmanager
 def ephemeral_stack(env: dict[str, str] | None = None, startup_s: float = 600, *,
-                    keep_logs: Path | None = None, setup: Sequence[Sequence[str]] = ()) -> Iterator[RunningStack]:
+                    keep_logs: Path | None = None, setup: Sequence[Sequence[str]] = (),
+                    parent: Path = Path("/tmp"), api_replicas: int = 1) -> Iterator[RunningStack]:
     """`env` is added to this process's environment for the stack; `keep_logs` receives a copy of
     the stack's logs when it stops (for a post-mortem); `setup` are `quilt` commands (argument
-    lists) run in the data directory before `quilt up`, e.g. to add or remove base models."""
-    data_dir = Path(tempfile.mkdtemp(prefix="qt-", dir="/tmp"))  # short: Postgres' socket lives here
+    lists) run in the data directory before `quilt up`, e.g. to add or remove base models;
+    `parent` is where the data directory is made (a short path: Postgres' socket lives in it);
+    `api_replicas` is `quilt up --api-replicas` (the block starts once all of them answer)."""
+    data_dir = Path(tempfile.mkdtemp(prefix="qt-", dir=parent))
     full_env = {**os.environ, **(env or {}), "QUILT_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1"}
     full_env.pop("QUILT_DATABASE_URL", None)
     full_env.pop("QUILT_REDIS_URL", None)
@@ -67,7 +80,8 @@ def ephemeral_stack(env: dict[str, str] | None = None, startup_s: float = 600, *
             shutil.rmtree(data_dir, ignore_errors=True)
             raise RuntimeError(f"quilt {' '.join(command)} failed:\n{done.stdout}{done.stderr}")
     with open(data_dir / "up.out", "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "stack.cli", "up", "--port", str(_free_port())], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "stack.cli", "up", "--port", str(_free_port(api_replicas)),
+                                 "--api-replicas", str(api_replicas)], cwd=ROOT,
                                 env=full_env, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + startup_s
@@ -79,10 +93,11 @@ def ephemeral_stack(env: dict[str, str] | None = None, startup_s: float = 600, *
             state_file = data_dir / "stack.json"
             if state_file.exists():
                 state = json.loads(state_file.read_text())
-                if healthy(state["base_url"]):
+                if all(healthy(url) for url in state["api_urls"]):
                     break
             time.sleep(0.5)
-        yield RunningStack(state["base_url"], state["database_url"], state["redis_url"], data_dir)
+        yield RunningStack(state["base_url"], state["database_url"], state["redis_url"], data_dir,
+                           tuple(state["api_urls"]))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -117,16 +117,20 @@ def serving_env(base: catalog.BaseModel, env: dict[str, str]) -> tuple[dict[str,
     return trainer, gen
 
 
-def _children(db_url: str, redis_url: str, host: str, port: int) -> list[Child]:
+def _children(db_url: str, redis_url: str, host: str, port: int, api_replicas: int = 1) -> list[Child]:
     settings = get_core_settings()
     logs = settings.data_dir / "logs"
     env = {**os.environ, "QUILT_DATABASE_URL": db_url, "QUILT_REDIS_URL": redis_url,
            "QUILT_DATA_DIR": str(settings.data_dir), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     py = sys.executable
+    # API replicas share nothing but Postgres and Redis; replica i answers on port + i.
     children = [
-        Child("api", [py, "-m", "uvicorn", "--factory", "api.app:create_app", "--host", host, "--port", str(port),
-                      "--timeout-graceful-shutdown", "5", "--workers", str(get_api_settings().workers)],
-              env, logs / "api.log"),
+        Child("api" if i == 0 else f"api-{i}",
+              [py, "-m", "uvicorn", "--factory", "api.app:create_app", "--host", host, "--port", str(port + i),
+               "--timeout-graceful-shutdown", "5", "--workers", str(get_api_settings().workers)],
+              env, logs / ("api.log" if i == 0 else f"api-{i}.log"))
+        for i in range(api_replicas)
+    ] + [
         Child("celery", [py, "-m", "celery", "-A", "stack.celery_worker", "worker", "-B", "--concurrency", "1",
                          "--loglevel", "INFO", "-s", str(settings.data_dir / "celerybeat-schedule")],
               env, logs / "celery.log"),
@@ -165,8 +169,9 @@ def _stop(children: list[Child]) -> None:
             os.killpg(child.proc.pid, signal.SIGKILL)
 
 
-def up(*, data_dir: Path | None, host: str, port: int) -> int:
-    """Run the embedded stack until interrupted; returns the exit code."""
+def up(*, data_dir: Path | None, host: str, port: int, api_replicas: int = 1) -> int:
+    """Run the embedded stack until interrupted; returns the exit code. `api_replicas` API
+    processes answer on `port`, `port + 1`, ..."""
     stop_requested = False
 
     def _on_signal(signum, frame):
@@ -183,13 +188,14 @@ def up(*, data_dir: Path | None, host: str, port: int) -> int:
     reaper = subprocess.Popen([sys.executable, "-m", "stack.reaper", str(os.getpid()), str(directory)],
                               start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     db_url, redis_url = prepare(data_dir)
-    children = _children(db_url, redis_url, host, port)
+    children = _children(db_url, redis_url, host, port, api_replicas)
     _record(directory, [])
     for child in children:
         child.start()
     _record(directory, children)
     state_file = directory / STATE_FILE
-    state_file.write_text(json.dumps({"pid": os.getpid(), "base_url": f"http://{host}:{port}",
+    api_urls = [f"http://{host}:{port + i}" for i in range(api_replicas)]
+    state_file.write_text(json.dumps({"pid": os.getpid(), "base_url": api_urls[0], "api_urls": api_urls,
                                       "database_url": db_url, "redis_url": redis_url}))
     print(f"Quilt is starting at http://{host}:{port} (data: {get_core_settings().data_dir}); Ctrl-C stops it",
           flush=True)

@@ -17,6 +17,7 @@ import quilt
 from stackutil import new_model, wait_future
 
 from core import checkpoint_files, db, retention
+from core.checkpoint_store import LocalStore
 
 TINY = "quilt/tiny-qwen3"
 PROMPT = [5, 6, 7, 8]
@@ -86,7 +87,7 @@ def test_orphan_dirs_are_unrecorded_old_versions(tmp_path):
 
 def _sweep(stack) -> retention.SweepResult:
     with db.connect(stack.database_url) as conn:
-        return retention.sweep(conn, stack.data_dir / "checkpoints")
+        return retention.sweep(conn, LocalStore(stack.data_dir / "checkpoints"))
 
 
 def _sql(stack, query: str, params: tuple = ()) -> list[dict]:
@@ -240,7 +241,7 @@ def test_the_hourly_sweep_removes_what_a_crashed_save_left(stack, tenant):
     orphan = _aged(name_dir / "0000000000000-deadbeef", 7200)
     crashed = _aged(name_dir / ".tmp-crashed", 7200)
     with db.connect(stack.database_url) as conn:
-        assert retention.sweep_orphans(conn, stack.data_dir / "checkpoints") >= 2
+        assert retention.sweep_orphans(conn, LocalStore(stack.data_dir / "checkpoints")) >= 2
     assert not orphan.exists() and not crashed.exists() and kept.exists()
     assert "path" in _load_weights(http, model_id, 2, "kept")
 

@@ -142,7 +142,7 @@ async def _own_checkpoint(viewer: Viewer, pool, model_id: str, kind: str, name: 
 async def download_adapter(model_id: str, kind: str, name: str, viewer: LoggedIn, pool: Pool) -> StreamingResponse:
     """The checkpoint's PEFT adapter (adapter_config.json, adapter_model.safetensors) as a .tar.gz."""
     ckpt = await _own_checkpoint(viewer, pool, model_id, kind, name)
-    return adapter_archive.adapter_response(model_id, name, checkpoint_directory(ckpt))
+    return adapter_archive.adapter_response(model_id, name, await checkpoint_directory(ckpt))
 
 
 @router.get("/runs/{model_id}/checkpoints/{kind}/{name}/merged.tar")

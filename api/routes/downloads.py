@@ -31,7 +31,7 @@ from api.dashboard import adapter_archive
 from api.deps import Pool, Settings, Who
 from api.input_guard import GuardedRoute
 from api.routes.runs import split_checkpoint_id
-from core import adapter_merge, catalog, db, retention
+from core import adapter_merge, catalog, checkpoint_store, db, retention
 from core.checkpoint_files import adapter_files
 from core.errors import InvalidInput, NotFound
 from tenancy import scoped
@@ -49,13 +49,14 @@ async def _key(request: Request, pool, settings) -> bytes:
     return key
 
 
-def checkpoint_directory(ckpt: dict) -> Path:
-    """A checkpoint's files, or a 404 saying they are gone from the store."""
-    directory = Path(ckpt["storage_path"])
-    if not directory.is_dir():
+async def checkpoint_directory(ckpt: dict) -> Path:
+    """A checkpoint's files on this machine (fetched from the checkpoint store when it is not a
+    local directory and this API replica has not got them yet), or a 404 saying they are gone."""
+    try:
+        return await run_in_threadpool(checkpoint_store.get_store().fetch, ckpt["storage_path"])
+    except NotFound:
         raise NotFound(f"the files of checkpoint {ckpt['kind']}/{ckpt['name']} are gone from the checkpoint store",
-                       field="checkpoint_id")
-    return directory
+                       field="checkpoint_id") from None
 
 
 async def _checkpoint(pool, who, run_id: str, checkpoint_id: str) -> dict:
@@ -73,7 +74,7 @@ async def checkpoint_archive(run_id: str, checkpoint_id: str, request: Request, 
                              settings: Settings) -> RedirectResponse:
     """302 to a signed URL of the checkpoint's adapter as a .tar.gz; `Expires` says until when it works."""
     ckpt = await _checkpoint(pool, who, run_id, checkpoint_id)
-    checkpoint_directory(ckpt)
+    await checkpoint_directory(ckpt)
     expires = int(time.time()) + settings.download_url_ttl_s
     grant = signed_urls.Grant(who.tenant_id, ckpt["id"], signed_urls.ARCHIVE, expires)
     url = _url(request, await _key(request, pool, settings), grant, adapter_archive.archive_name(run_id, ckpt["name"]))
@@ -106,7 +107,7 @@ async def merge_members(pool, ckpt: dict) -> list[adapter_merge.Member]:
         raise NotFound("this checkpoint's base model is not served here any more; it cannot be merged",
                        field="checkpoint_id")
     try:
-        return await run_in_threadpool(adapter_merge.merged_members, Path(base.path), checkpoint_directory(ckpt))
+        return await run_in_threadpool(adapter_merge.merged_members, Path(base.path), await checkpoint_directory(ckpt))
     except ValueError as exc:
         raise InvalidInput(f"this checkpoint cannot be merged into its base: {exc}", field="checkpoint_id") from None
 
@@ -116,7 +117,7 @@ async def external_weights_urls(run_id: str, checkpoint_id: str, request: Reques
                                 settings: Settings) -> dict:
     """One signed URL per file of the checkpoint's adapter, keyed by file name, and when they expire."""
     ckpt = await _checkpoint(pool, who, run_id, checkpoint_id)
-    files = adapter_files(checkpoint_directory(ckpt))
+    files = adapter_files(await checkpoint_directory(ckpt))
     expires = int(time.time()) + settings.download_url_ttl_s
     key = await _key(request, pool, settings)
     urls = {p.name: _url(request, key, signed_urls.Grant(who.tenant_id, ckpt["id"], p.name, expires), p.name)
@@ -134,7 +135,7 @@ async def download(token: str, filename: str, request: Request, pool: Pool, sett
         ckpt = await cur.fetchone()
     if ckpt is None:
         raise NotFound("the checkpoint of this download link was deleted or has expired", field="token")
-    directory = checkpoint_directory(ckpt)
+    directory = await checkpoint_directory(ckpt)
     if grant.file == signed_urls.MERGED:
         return adapter_archive.merged_response(ckpt["model_id"], ckpt["name"], await merge_members(pool, ckpt))
     if grant.file == signed_urls.ARCHIVE:

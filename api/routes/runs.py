@@ -7,15 +7,15 @@ also the first part of its checkpoints' `tinker://` paths.
 from __future__ import annotations
 
 from fastapi import APIRouter, Query, Response
+from starlette.concurrency import run_in_threadpool
 
 from api.deps import Pool, Who
 from api.input_guard import GuardedRoute
 from api.schemas import CheckpointTtlRequest, WeightsInfoRequest
-from core import ids, retention
+from core import checkpoint_store, ids
 from core.checkpoint_files import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
 from core.errors import InvalidInput, NotFound
 from core.numbers import INT32_MAX
-from core.settings import get_core_settings
 from tenancy import scoped
 from tenancy.auth import Principal
 
@@ -117,7 +117,7 @@ async def delete_checkpoint(run_id: str, checkpoint_id: str, who: Who, pool: Poo
         ckpt = await scoped.get_checkpoint(conn, who, run_id, kind, name)
         await conn.execute("DELETE FROM checkpoints WHERE id = %s", (ckpt["id"],))
     # Earlier versions of the name are already queued for deletion (core.retention).
-    retention.remove_dir(get_core_settings().checkpoint_dir, ckpt["storage_path"])
+    await run_in_threadpool(checkpoint_store.get_store().remove, ckpt["storage_path"])
     return Response(status_code=204)
 
 

@@ -1,0 +1,157 @@
+"""Where checkpoint files live: a local directory (the default) or an S3-compatible object store.
+
+A checkpoint version is named by its `storage_path` (core.checkpoint_files.new_version_dir), whose
+last five parts, `<tenant>/<model>/<kind>/<name>/<version>`, are its key in either store. Each
+process keeps its files in a local directory, `local_dir(storage_path)`:
+
+- writers (the trainer) write the version there, then `publish` it; only after that is the save
+  recorded and answered, so an acknowledged checkpoint is in the store;
+- readers (the trainer loading state, the generation pool, the API's downloads, `quilt export`)
+  call `fetch`, which returns that directory, downloading the version first when this machine
+  has not got it. A version is never rewritten, so a local copy is a cache that never goes
+  stale: each replica fetches a version once;
+- retention calls `remove`.
+
+With the local store the directory is the store, and `publish` and `fetch` only check it. With
+S3 the local directory is `<data dir>/checkpoints` as well (the writer's copy, or a cache on
+other machines); the objects are `s3://<bucket>/<prefix>/<key>/<file>`. A download lands in a
+temporary directory renamed into place, so a reader never sees half a version.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from core import retention
+from core.errors import NotFound
+from core.settings import CoreSettings, get_core_settings
+
+log = logging.getLogger("quilt.checkpoint_store")
+
+KEY_PARTS = 5  # <tenant>/<model>/<kind>/<name>/<version>
+
+
+def key_of(storage_path: str | Path) -> str:
+    """A version's key, the same on every machine whatever its checkpoint directory."""
+    parts = Path(storage_path).parts
+    if len(parts) < KEY_PARTS or any(p in ("", ".", "..") for p in parts[-KEY_PARTS:]):
+        raise ValueError(f"not a checkpoint version path: {storage_path!r}")
+    return "/".join(parts[-KEY_PARTS:])
+
+
+class LocalStore:
+    """The checkpoint directory on this machine's disk (or a volume every process mounts at the
+    same place): a version's files are where its storage_path says."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def local_dir(self, storage_path: str | Path) -> Path:
+        return Path(storage_path)
+
+    def publish(self, storage_path: str | Path) -> None:
+        if not self.local_dir(storage_path).is_dir():
+            raise FileNotFoundError(f"checkpoint {storage_path} was not written")
+
+    def fetch(self, storage_path: str | Path) -> Path:
+        directory = self.local_dir(storage_path)
+        if not directory.is_dir():
+            raise _gone(storage_path)
+        return directory
+
+    def remove(self, storage_path: str | Path) -> bool:
+        """Delete a version (retention); False for a path outside the store (a bad row never
+        deletes elsewhere)."""
+        return retention.remove_dir(self.root, str(self.local_dir(storage_path)))
+
+
+class S3Store(LocalStore):
+    """Versions as objects in a bucket; `root` holds this machine's copies, by key."""
+
+    def __init__(self, root: Path, *, bucket: str, prefix: str, endpoint_url: str | None, region: str | None):
+        super().__init__(root)
+        import boto3  # only deployments that use S3 pay its import
+
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.client = boto3.client("s3", endpoint_url=endpoint_url or None, region_name=region or None)
+
+    def local_dir(self, storage_path: str | Path) -> Path:
+        return self.root / key_of(storage_path)
+
+    def _object_prefix(self, storage_path: str | Path) -> str:
+        key = key_of(storage_path)
+        return f"{self.prefix}/{key}/" if self.prefix else f"{key}/"
+
+    def publish(self, storage_path: str | Path) -> None:
+        directory = self.local_dir(storage_path)
+        super().publish(storage_path)
+        prefix = self._object_prefix(storage_path)
+        for file in sorted(p for p in directory.iterdir() if p.is_file() and not p.is_symlink()):
+            self.client.upload_file(str(file), self.bucket, prefix + file.name)
+
+    def fetch(self, storage_path: str | Path) -> Path:
+        directory = self.local_dir(storage_path)
+        if directory.is_dir():
+            return directory
+        prefix = self._object_prefix(storage_path)
+        names = [obj["Key"][len(prefix):] for page in self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=prefix) for obj in page.get("Contents", [])]
+        names = [n for n in names if n and "/" not in n]
+        if not names:
+            raise _gone(storage_path)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".fetch-", dir=directory.parent))
+        try:
+            for name in names:
+                self.client.download_file(self.bucket, prefix + name, str(staging / name))
+            try:
+                os.rename(staging, directory)
+            except OSError:
+                if not directory.is_dir():  # not another fetch of the same version winning the race
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        log.info("fetched checkpoint %s (%d files) from s3://%s", key_of(storage_path), len(names), self.bucket)
+        return directory
+
+    def remove(self, storage_path: str | Path) -> bool:
+        try:
+            prefix = self._object_prefix(storage_path)
+        except ValueError:
+            log.error("refusing to delete %s: not a checkpoint version path", storage_path)
+            return False
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
+            if keys:
+                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
+        super().remove(storage_path)  # this machine's copy
+        return True
+
+
+def _gone(storage_path: str | Path) -> NotFound:
+    name = "/".join(Path(storage_path).parts[-KEY_PARTS + 2:])  # <kind>/<name>/<version>: nothing of the host
+    return NotFound(f"the files of checkpoint {name} are gone from the checkpoint store", field="checkpoint_id")
+
+
+def store_for(settings: CoreSettings) -> LocalStore:
+    if settings.checkpoint_store == "s3":
+        return S3Store(settings.checkpoint_dir, bucket=settings.s3_bucket, prefix=settings.s3_prefix,
+                       endpoint_url=settings.s3_endpoint_url, region=settings.s3_region)
+    return LocalStore(settings.checkpoint_dir)
+
+
+_current: tuple[CoreSettings, LocalStore] | None = None
+
+
+def get_store() -> LocalStore:
+    """This process's store, from its settings (QUILT_CHECKPOINT_STORE and the QUILT_S3_* ones);
+    a new one when the settings are read again (core.settings.clear_settings_cache)."""
+    global _current
+    settings = get_core_settings()
+    if _current is None or _current[0] is not settings:
+        _current = (settings, store_for(settings))
+    return _current[1]
