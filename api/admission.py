@@ -7,8 +7,8 @@
 
 `admit` runs, in order: the idempotency rule (a retried call gets the existing future, whose
 entry is appended now if it never was: the API may have died between its commit and the append), the
-tenant's in-flight quota (429), its monthly budgets (402, billing.budgets; skipped for calls that
-meter no tokens), its tokens per minute (429 with Retry-After, tenancy.rate_limit), the request row
+tenant's in-flight quota (429), its suspension (402 or 403, tenancy.accounts) and monthly budgets
+(402, billing.budgets; both skipped for calls that meter no tokens), its tokens per minute (429 with Retry-After, tenancy.rate_limit), the request row
 (and a new model's row), a commit, then the stream entry. The row is committed before the entry
 exists, so a worker never sees work the database does not know; if Redis refuses the entry, the
 row is marked failed rather than left queued.
@@ -32,7 +32,7 @@ from core import faults, queue
 from core.errors import InvalidInput, QuotaExceeded
 from core.settings import get_api_settings
 from core.work import WorkItem
-from tenancy import rate_limit, scoped
+from tenancy import accounts, rate_limit, scoped
 from tenancy.auth import Principal
 
 log = logging.getLogger("quilt.api.admission")
@@ -167,7 +167,9 @@ async def _resume(redis: Redis, ticket: Ticket, request_id: str, status: str | N
 
 
 async def _quota_and_budget(conn: AsyncConnection, who: Principal, *, billable: bool) -> None:
-    """Quota, then (for billable tickets) budget."""
+    """Suspension and budget (billable tickets only), and the in-flight quota."""
+    if billable and who.suspended_kind:
+        raise accounts.suspension_refusal(who.suspended_kind, who.suspended_reason or "", who.tenant_name)
     inflight = await scoped.count_inflight(conn, who)
     if inflight >= who.max_inflight_requests:
         raise QuotaExceeded(

@@ -13,6 +13,7 @@ from api import caller_cache, dashboard, errors
 from api.body_limit import BodyLimitMiddleware
 from api.caller_cache import CallerCache
 from api.routes import (
+    account,
     billing,
     downloads,
     futures,
@@ -71,7 +72,7 @@ def create_app() -> FastAPI:
     logging.getLogger("uvicorn.access").disabled = not settings.access_log
     app = FastAPI(title="Quilt", version="0.1.0", lifespan=_lifespan)
     errors.install(app)
-    for module in (service, sessions, training, sampling, futures, billing, runs, downloads, run_metrics):
+    for module in (service, sessions, training, sampling, futures, billing, account, runs, downloads, run_metrics):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(metrics.router)
     app.include_router(openai_compat.router)  # /v1/completions, /v1/chat/completions

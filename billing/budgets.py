@@ -165,22 +165,30 @@ async def month_to_date(conn, tenant_id: str) -> int:
 # ------------------------------------------------------------------------------- operator side (sync)
 
 
+_SET = ("INSERT INTO budgets (tenant_id, api_key_id, monthly_limit_micro_usd) VALUES (%s, %s, %s) "
+        "ON CONFLICT (tenant_id, api_key_id) DO UPDATE SET "
+        "monthly_limit_micro_usd = EXCLUDED.monthly_limit_micro_usd, updated_at = now()")
+_CLEAR = "DELETE FROM budgets WHERE tenant_id = %s AND api_key_id IS NOT DISTINCT FROM %s"
+
+
 def set_budget(conn: psycopg.Connection, tenant_id: str, limit_micro_usd: int, api_key_id: str | None = None) -> None:
     """Set (or replace) the monthly limit of a tenant, or of one of its keys."""
-    conn.execute(
-        "INSERT INTO budgets (tenant_id, api_key_id, monthly_limit_micro_usd) VALUES (%s, %s, %s) "
-        "ON CONFLICT (tenant_id, api_key_id) DO UPDATE SET "
-        "monthly_limit_micro_usd = EXCLUDED.monthly_limit_micro_usd, updated_at = now()",
-        (tenant_id, api_key_id, limit_micro_usd),
-    )
+    conn.execute(_SET, (tenant_id, api_key_id, limit_micro_usd))
 
 
 def clear_budget(conn: psycopg.Connection, tenant_id: str, api_key_id: str | None = None) -> bool:
     """Remove a limit; True if there was one."""
-    cur = conn.execute(
-        "DELETE FROM budgets WHERE tenant_id = %s AND api_key_id IS NOT DISTINCT FROM %s", (tenant_id, api_key_id)
-    )
-    return cur.rowcount > 0
+    return conn.execute(_CLEAR, (tenant_id, api_key_id)).rowcount > 0
+
+
+async def set_budget_async(conn, tenant_id: str, limit_micro_usd: int, api_key_id: str | None = None) -> None:
+    """Async form of `set_budget` (PUT /api/v1/quilt/budgets)."""
+    await conn.execute(_SET, (tenant_id, api_key_id, limit_micro_usd))
+
+
+async def clear_budget_async(conn, tenant_id: str, api_key_id: str | None = None) -> bool:
+    """Async form of `clear_budget`."""
+    return (await conn.execute(_CLEAR, (tenant_id, api_key_id))).rowcount > 0
 
 
 def list_budgets_sync(conn: psycopg.Connection, tenant_id: str) -> list[dict]:

@@ -92,6 +92,7 @@ def cmd_budgets_set(args, prepared: Callable) -> int:
     from billing import budgets
     from billing.pricing import parse_usd, usd_short
     from core import db
+    from tenancy import accounts
 
     try:
         limit = parse_usd(args.usd)
@@ -101,6 +102,8 @@ def cmd_budgets_set(args, prepared: Callable) -> int:
         tenant = _tenant(conn, args.tenant)
         key_id = _key_id(conn, tenant.id, args.key) if args.key else None
         budgets.set_budget(conn, tenant.id, limit, key_id)
+        accounts.record(conn, tenant.id, "cli", "budget.set", monthly_micro_usd=limit,
+                        **({"api_key_prefix": args.key} if args.key else {}))
     print(f"monthly budget of {tenant.name}{' key ' + args.key if args.key else ''}: {usd_short(limit)}")
     return 0
 
@@ -108,12 +111,36 @@ def cmd_budgets_set(args, prepared: Callable) -> int:
 def cmd_budgets_clear(args, prepared: Callable) -> int:
     from billing import budgets
     from core import db
+    from tenancy import accounts
 
     with db.connect(prepared(args)) as conn:
         tenant = _tenant(conn, args.tenant)
         key_id = _key_id(conn, tenant.id, args.key) if args.key else None
         removed = budgets.clear_budget(conn, tenant.id, key_id)
+        if removed:
+            accounts.record(conn, tenant.id, "cli", "budget.cleared", **({"api_key_prefix": args.key} if args.key else {}))
     print("budget removed" if removed else "there was no such budget")
+    return 0
+
+
+def cmd_credits_grant(args, prepared: Callable) -> int:
+    from billing import credits
+    from billing.pricing import parse_usd, usd_short
+    from core import db
+    from tenancy import accounts
+
+    try:
+        amount = parse_usd(args.usd)
+        category = "paid" if args.paid else "promotional"
+        credits.check_grant(amount, category, args.reason)
+    except ValueError as exc:
+        raise InvalidInput(str(exc), field="usd") from None
+    with db.connect(prepared(args)) as conn, conn.transaction():
+        tenant = _tenant(conn, args.tenant)
+        grant_id = credits.grant(conn, tenant.id, amount, category, args.reason, "cli")
+        accounts.record(conn, tenant.id, "cli", "credit.granted", grant_id=grant_id, amount_micro_usd=amount,
+                        category=category, reason=args.reason)
+    print(f"granted {usd_short(amount)} of {category} credit to {tenant.name} (grant {grant_id})")
     return 0
 
 
@@ -231,7 +258,7 @@ def _set_status(args, prepared: Callable, status: str, allowed: tuple[str, ...])
 
 
 def add_commands(sub, data_dir_option: Callable, prepared: Callable) -> None:
-    """Add `usage`, `budgets`, `prices` and `billing` to the `quilt` parser."""
+    """Add `usage`, `budgets`, `credits`, `prices` and `billing` to the `quilt` parser."""
 
     def command(parser, func):
         data_dir_option(parser)
@@ -257,6 +284,14 @@ def add_commands(sub, data_dir_option: Callable, prepared: Callable) -> None:
     p = budgets.add_parser("show", help="limits and this month's spend")
     p.add_argument("tenant")
     command(p, cmd_budgets_show)
+
+    credit = sub.add_parser("credits", help="credit grants").add_subparsers(dest="action", required=True)
+    p = credit.add_parser("grant", help="grant a tenant credit, used by its usage from today on")
+    p.add_argument("tenant")
+    p.add_argument("--usd", required=True, help="the amount, e.g. 100 or 25.50")
+    p.add_argument("--reason", required=True)
+    p.add_argument("--paid", action="store_true", help="prepaid credit (default: promotional)")
+    command(p, cmd_credits_grant)
 
     prices = sub.add_parser("prices", help="the price book").add_subparsers(dest="action", required=True)
     p = prices.add_parser("list", help="every price entry")

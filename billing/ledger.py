@@ -15,8 +15,8 @@ import psycopg
 from psycopg.rows import dict_row
 
 from billing.price_book import current_price_sync
-from core import records, run_metrics
 from billing.pricing import Cost, Units, cost_of
+from core import records, run_metrics
 
 log = logging.getLogger("quilt.billing")
 

@@ -187,7 +187,12 @@ def parse_usd(text: str | float | Decimal) -> int:
         raise ValueError(f"not an amount of USD: {text!r}") from None
     if not amount.is_finite() or amount < 0:
         raise ValueError(f"an amount of USD must be finite and >= 0, got {text!r}")
+    if amount > MAX_PARSED_USD:  # before quantize, which cannot hold 1e999 at six places
+        raise ValueError(f"an amount of USD must be at most {MAX_PARSED_USD:,}, got {text!r}")
     return int((amount * MICRO_PER_USD).quantize(Decimal(1), ROUND_HALF_UP))
+
+
+MAX_PARSED_USD = 10**12  # micro-USD of it still fit a Postgres bigint (9.2e18) with room to add
 
 
 # Rates for a base with no price-book entry yet, from its size: the public Qwen3-8B anchor rates

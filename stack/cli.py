@@ -184,12 +184,14 @@ def cmd_tenants_set_quota(args) -> int:
 
 def cmd_keys_create(args) -> int:
     from core import db
+    from tenancy import accounts
     from tenancy.keys import create_key
     from tenancy.tenants import get_tenant_by_name
 
     with db.connect(_prepared(args)) as conn:
         tenant = get_tenant_by_name(conn, args.tenant)
         secret, key = create_key(conn, tenant.id, name=args.name)
+        accounts.record(conn, tenant.id, "cli", "key.created", prefix=key.prefix, name=key.name)
     print(f"API key {key.prefix}... for {tenant.name}, shown once:")
     print(secret)
     return 0
@@ -209,11 +211,37 @@ def cmd_keys_list(args) -> int:
 
 def cmd_keys_revoke(args) -> int:
     from core import db
+    from tenancy import accounts
     from tenancy.keys import revoke_key
 
     with db.connect(_prepared(args)) as conn:
         key = revoke_key(conn, args.prefix.removesuffix("..."))
+        accounts.record(conn, key.tenant_id, "cli", "key.revoked", prefix=key.prefix)
     print(f"revoked {key.prefix}...")
+    return 0
+
+
+def cmd_tenants_suspend(args) -> int:
+    from core import db
+    from tenancy import accounts
+    from tenancy.tenants import get_tenant_by_name
+
+    with db.connect(_prepared(args)) as conn:
+        tenant = get_tenant_by_name(conn, args.name)
+        accounts.suspend(conn, tenant.id, "payment" if args.payment else "operator", args.reason, "cli")
+    print(f"{tenant.name} is suspended: new billable work is refused; running work finishes, nothing is deleted")
+    return 0
+
+
+def cmd_tenants_restore(args) -> int:
+    from core import db
+    from tenancy import accounts
+    from tenancy.tenants import get_tenant_by_name
+
+    with db.connect(_prepared(args)) as conn:
+        tenant = get_tenant_by_name(conn, args.name)
+        lifted = accounts.restore(conn, tenant.id, "cli")
+    print(f"{tenant.name}: " + ("suspension lifted" if lifted else "was not suspended"))
     return 0
 
 
@@ -300,6 +328,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight", type=int, help="unfinished requests at once")
     p.add_argument("--max-models", type=int, help="live training models")
     p.set_defaults(func=cmd_tenants_set_quota)
+    p = tenants.add_parser("suspend", help="refuse a tenant's new billable work (402/403 with the reason); "
+                                           "running work finishes, nothing is deleted")
+    _data_dir_option(p)
+    p.add_argument("name")
+    p.add_argument("--reason", required=True, help="shown to the tenant with every refusal")
+    p.add_argument("--payment", action="store_true", help="a payment suspension (402) rather than an operator's (403)")
+    p.set_defaults(func=cmd_tenants_suspend)
+    p = tenants.add_parser("restore", help="lift a suspension (applies from the tenant's next call)")
+    _data_dir_option(p)
+    p.add_argument("name")
+    p.set_defaults(func=cmd_tenants_restore)
 
     keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="action", required=True)
     p = keys.add_parser("create", help="create another key for a tenant (printed once)")

@@ -23,6 +23,8 @@ class Principal:
     max_models: int
     max_inflight_requests: int
     tokens_per_minute: int
+    suspended_kind: str | None = None  # "payment" or "operator" while suspended (tenancy.accounts)
+    suspended_reason: str | None = None
 
     @property
     def is_operator(self) -> bool:
@@ -30,7 +32,8 @@ class Principal:
 
 
 _COLUMNS = ("k.id AS key_id, k.revoked_at, t.id AS tenant_id, t.name AS tenant_name, t.role, "
-            "t.plan_weight, t.max_models, t.max_inflight_requests, t.tokens_per_minute")
+            "t.plan_weight, t.max_models, t.max_inflight_requests, t.tokens_per_minute, t.suspended_kind, "
+            "t.suspended_reason")
 _FROM = " FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE "
 _PRINCIPAL = f"SELECT {_COLUMNS}{_FROM}"
 _PRINCIPAL_AND_SPEND = f"SELECT {_COLUMNS}, {MONTH_TO_DATE_OF_T} AS spent{_FROM}"

@@ -20,7 +20,7 @@ from api.routes.downloads import checkpoint_directory, merge_members
 from core import catalog
 from core.checkpoint_files import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
 from core.errors import Forbidden, NotFound, Unauthenticated
-from tenancy import keys, scoped
+from tenancy import accounts, keys, scoped
 from tenancy.auth import authenticate
 
 router = APIRouter(prefix="/dashboard", route_class=PageRoute, include_in_schema=False)
@@ -188,6 +188,8 @@ async def create_key(request: Request, viewer: Changing, pool: Pool,
     """Create a key; its secret is in this response only (not in a redirect URL, not in the session)."""
     async with pool.connection() as conn:
         secret, info = await keys.create_key_async(conn, viewer.who.tenant_id, name.strip())
+        await accounts.record_async(conn, viewer.who.tenant_id, await accounts.actor_of(conn, viewer.who.key_id),
+                                    "key.created", prefix=info.prefix, name=info.name)
     return await _keys_page(request, viewer, pool, new_secret=secret, new_key=info)
 
 
@@ -195,7 +197,9 @@ async def create_key(request: Request, viewer: Changing, pool: Pool,
 async def revoke_key(viewer: Changing, pool: Pool, callers: Callers, prefix: Annotated[str, Form(max_length=40)] = ""):
     """Revoke one of your keys by prefix. Revoking the key this session logged in with ends it."""
     async with pool.connection() as conn:
-        await keys.revoke_key_async(conn, prefix, viewer.who.tenant_id)
+        revoked = await keys.revoke_key_async(conn, prefix, viewer.who.tenant_id)
+        await accounts.record_async(conn, viewer.who.tenant_id, await accounts.actor_of(conn, viewer.who.key_id),
+                                    "key.revoked", prefix=revoked.prefix)
     # This process need not wait for the notification (api.caller_cache); the others get it.
     callers.invalidate(f"tenant:{viewer.who.tenant_id}")
     return RedirectResponse("/dashboard/keys?" + urlencode({"revoked": prefix}), status_code=303)

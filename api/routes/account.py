@@ -1,0 +1,181 @@
+"""Account routes under /api/v1/quilt: budgets a tenant sets itself, its credit and audit trail,
+and the operator's suspension and credit grants.
+
+Amounts are given as exact decimal USD text (`"12.50"`) and echoed as micro-USD too. Every change
+writes an audit row in the same transaction (tenancy.accounts), naming the key that made it.
+Operator routes answer 403 to any other caller; a tenant a caller may not see is a 404.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.deps import Pool, Who
+from api.input_guard import GuardedRoute
+from api.routes.billing import budget_json
+from billing import budgets, credits
+from billing.pricing import parse_usd, usd
+from core.errors import Forbidden, InvalidInput, NotFound
+from tenancy import accounts
+from tenancy.auth import Principal
+
+router = APIRouter(route_class=GuardedRoute, prefix="/quilt", tags=["account"])
+
+MAX_BUDGET_USD = 10**9  # a billion a month: past any real budget, far inside the bigint column
+
+
+class BudgetRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    monthly_usd: str | None = Field(..., max_length=32,
+                                    description='the monthly limit in USD ("250", "12.50"); null removes it')
+    api_key_prefix: str | None = Field(None, max_length=64,
+                                       description="limit one of your keys (its prefix, as keys list shows it); "
+                                                   "absent: the whole tenant")
+
+
+class SuspendRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = Field(min_length=1, max_length=500, description="shown to the tenant with every refusal")
+    kind: Literal["operator", "payment"] = "operator"
+
+
+class CreditGrantRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    usd: str = Field(max_length=32, description='the amount in USD ("100", "25.50")')
+    category: Literal["paid", "promotional"] = "promotional"
+    reason: str = Field(min_length=1, max_length=500)
+
+
+def _micro_usd(text: str, field: str, *, most: int) -> int:
+    try:
+        amount = parse_usd(text)
+    except ValueError as exc:
+        raise InvalidInput(f"{field}: {exc}", field=field) from None
+    if amount > most * 10**6:
+        raise InvalidInput(f"{field}: at most {most:,} USD, got {text}", field=field)
+    return amount
+
+
+def _operator(who: Principal) -> None:
+    if not who.is_operator:
+        raise Forbidden("only an operator may do this", field="X-API-Key")
+
+
+async def _tenant_id(conn, name: str) -> str:
+    row = await (await conn.execute("SELECT id FROM tenants WHERE name = %s", (name,))).fetchone()
+    if row is None:
+        raise NotFound(f"no tenant named {name!r}", field="tenant")
+    return row["id"]
+
+
+async def _budgets(conn, who: Principal) -> dict:
+    states, month = await budgets.budget_states(conn, who.tenant_id, None, all_keys=True)
+    return {"month": month, "budgets": [budget_json(s) for s in states]}
+
+
+@router.get("/budgets")
+async def get_budgets(who: Who, pool: Pool) -> dict:
+    """Your tenant's monthly budgets (the tenant's and each key's) and where this month stands."""
+    async with pool.connection() as conn:
+        return await _budgets(conn, who)
+
+
+@router.put("/budgets")
+async def put_budget(body: BudgetRequest, who: Who, pool: Pool) -> dict:
+    """Set or remove a monthly budget of your tenant, or of one of its keys. Admission refuses new
+    billable work with 402 naming the budget once it is used up."""
+    limit = None if body.monthly_usd is None else _micro_usd(body.monthly_usd, "monthly_usd", most=MAX_BUDGET_USD)
+    async with pool.connection() as conn:
+        key_id = None
+        if body.api_key_prefix is not None:
+            row = await (await conn.execute(
+                "SELECT id FROM api_keys WHERE tenant_id = %s AND prefix = %s",
+                (who.tenant_id, body.api_key_prefix.removesuffix("...")))).fetchone()
+            if row is None:
+                raise NotFound(f"no API key of yours with prefix {body.api_key_prefix!r}", field="api_key_prefix")
+            key_id = row["id"]
+        actor = await accounts.actor_of(conn, who.key_id)
+        scope = {"api_key_prefix": body.api_key_prefix} if key_id else {}
+        if limit is None:
+            removed = await budgets.clear_budget_async(conn, who.tenant_id, key_id)
+            if removed:
+                await accounts.record_async(conn, who.tenant_id, actor, "budget.cleared", **scope)
+        else:
+            await budgets.set_budget_async(conn, who.tenant_id, limit, key_id)
+            await accounts.record_async(conn, who.tenant_id, actor, "budget.set", monthly_micro_usd=limit, **scope)
+        await conn.commit()
+        return await _budgets(conn, who)
+
+
+@router.get("/credits")
+async def get_credits(who: Who, pool: Pool) -> dict:
+    """Your credit grants, what they have paid for, and the balance left."""
+    async with pool.connection() as conn:
+        state, grants = await credits.credit_state(conn, who.tenant_id)
+    return {"granted_usd": usd(state.granted_micro_usd), "applied_usd": usd(state.applied_micro_usd),
+            "balance_usd": usd(state.balance_micro_usd), "charged_since_first_grant_usd": usd(state.charged_micro_usd),
+            "balance_micro_usd": state.balance_micro_usd,
+            "grants": [{"id": g["id"], "usd": usd(g["amount_micro_usd"]), "category": g["category"],
+                        "reason": g["reason"], "granted_by": g["granted_by"],
+                        "created_at": g["created_at"].isoformat()} for g in grants]}
+
+
+@router.get("/audit")
+async def get_audit(who: Who, pool: Pool, limit: int = Query(50, ge=1, le=500),
+                    before: int | None = Query(None, ge=1, le=2**63 - 1),
+                    tenant: str | None = Query(None, max_length=128)) -> dict:
+    """Who did what, newest first: your tenant's rows; an operator's, every tenant's (or `tenant`'s).
+    Page with `before` = the last row's id."""
+    async with pool.connection() as conn:
+        if who.is_operator:
+            scope = await _tenant_id(conn, tenant) if tenant else None
+        elif tenant is not None:
+            raise Forbidden("only an operator may read another tenant's audit log", field="tenant")
+        else:
+            scope = who.tenant_id
+        rows = await accounts.audit_rows(conn, scope, limit=limit, before=before)
+    return {"entries": [{"id": r["id"], "tenant": r["tenant_name"], "actor": r["actor"], "action": r["action"],
+                         "detail": r["detail"], "at": r["at"].isoformat()} for r in rows],
+            "next_before": rows[-1]["id"] if len(rows) == limit else None}
+
+
+@router.post("/tenants/{name}/suspend")
+async def suspend_tenant(name: str, body: SuspendRequest, who: Who, pool: Pool) -> dict:
+    """(Operators.) Refuse a tenant's new billable work with `reason` until restored; nothing is deleted."""
+    _operator(who)
+    async with pool.connection() as conn:
+        tenant_id = await _tenant_id(conn, name)
+        await accounts.suspend_async(conn, tenant_id, body.kind, body.reason, await accounts.actor_of(conn, who.key_id))
+    return {"tenant": name, "suspended": True, "kind": body.kind, "reason": body.reason}
+
+
+@router.post("/tenants/{name}/restore")
+async def restore_tenant(name: str, who: Who, pool: Pool) -> dict:
+    """(Operators.) Lift a suspension; service resumes from the tenant's next call."""
+    _operator(who)
+    async with pool.connection() as conn:
+        tenant_id = await _tenant_id(conn, name)
+        lifted = await accounts.restore_async(conn, tenant_id, await accounts.actor_of(conn, who.key_id))
+    return {"tenant": name, "suspended": False, "was_suspended": lifted}
+
+
+@router.post("/tenants/{name}/credits")
+async def grant_credit(name: str, body: CreditGrantRequest, who: Who, pool: Pool) -> dict:
+    """(Operators.) Grant a tenant prepaid or promotional credit, used by its usage from today on."""
+    _operator(who)
+    amount = _micro_usd(body.usd, "usd", most=credits.MAX_GRANT_MICRO_USD // 10**6)
+    if amount == 0:
+        raise InvalidInput("usd: a grant must be more than 0", field="usd")
+    async with pool.connection() as conn:
+        tenant_id = await _tenant_id(conn, name)
+        actor = await accounts.actor_of(conn, who.key_id)
+        grant_id = await credits.grant_async(conn, tenant_id, amount, body.category, body.reason, actor)
+        await accounts.record_async(conn, tenant_id, actor, "credit.granted", grant_id=grant_id,
+                                    amount_micro_usd=amount, category=body.category, reason=body.reason)
+    return {"tenant": name, "grant_id": grant_id, "usd": usd(amount)}

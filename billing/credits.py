@@ -1,0 +1,86 @@
+"""Credit grants (prepaid or promotional) and what is left of them.
+
+A grant is consumed by the tenant's usage from the day it is granted on (UTC days, the ledger's
+daily rollup), oldest grant first; usage beyond the balance is what gets charged. `apply` is the
+whole rule, a pure function over plain data; `credit_state` feeds it from Postgres. Grants are
+append-only rows (migration 0011), made by an operator (`quilt credits grant`, or the operator
+API), each with an audit row (tenancy.accounts) in the same transaction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import date
+
+import psycopg
+
+MAX_GRANT_MICRO_USD = 10**9 * 10**6  # a billion USD: past any real grant, far inside bigint
+
+
+@dataclass(frozen=True)
+class CreditState:
+    granted_micro_usd: int  # all grants
+    applied_micro_usd: int  # usage they paid for
+    charged_micro_usd: int  # usage since the first grant that they did not cover
+
+    @property
+    def balance_micro_usd(self) -> int:
+        return self.granted_micro_usd - self.applied_micro_usd
+
+
+def apply(grants: list[tuple[date, int]], usage: list[tuple[date, int]]) -> CreditState:
+    """Grants `(day, amount)` against daily usage `(day, cost)`: a day's grants are available to
+    that day's usage; usage before the first grant is outside this account (charged as usual)."""
+    events = sorted([(d, 0, amount) for d, amount in grants] + [(d, 1, cost) for d, cost in usage])
+    balance = granted = applied = charged = 0
+    for _day, is_usage, amount in events:
+        if not is_usage:
+            balance += amount
+            granted += amount
+        elif granted:
+            covered = min(balance, amount)
+            balance -= covered
+            applied += covered
+            charged += amount - covered
+    return CreditState(granted, applied, charged)
+
+
+_GRANTS = "SELECT (created_at AT TIME ZONE 'UTC')::date AS day, amount_micro_usd FROM credit_grants WHERE tenant_id = %s"
+_USAGE = ("SELECT day, sum(cost_micro_usd)::bigint AS cost FROM usage_daily WHERE tenant_id = %s AND day >= "
+          "(SELECT min((created_at AT TIME ZONE 'UTC')::date) FROM credit_grants WHERE tenant_id = %s) GROUP BY day")
+_LIST = ("SELECT id, amount_micro_usd, category, reason, granted_by, created_at FROM credit_grants "
+         "WHERE tenant_id = %s ORDER BY id DESC")
+_GRANT = ("INSERT INTO credit_grants (tenant_id, amount_micro_usd, category, reason, granted_by) "
+          "VALUES (%s, %s, %s, %s, %s) RETURNING id")
+
+
+async def credit_state(conn: psycopg.AsyncConnection, tenant_id: str) -> tuple[CreditState, list[dict]]:
+    """The tenant's credit state and its grants, newest first."""
+    grants = [(r["day"], r["amount_micro_usd"]) for r in await (await conn.execute(_GRANTS, (tenant_id,))).fetchall()]
+    usage = [(r["day"], r["cost"]) for r in await (await conn.execute(_USAGE, (tenant_id, tenant_id))).fetchall()]
+    listed = await (await conn.execute(_LIST, (tenant_id,))).fetchall()
+    return apply(grants, usage), listed
+
+
+def check_grant(amount_micro_usd: int, category: str, reason: str) -> None:
+    """Raise ValueError naming the field when a grant cannot be made."""
+    if not 0 < amount_micro_usd <= MAX_GRANT_MICRO_USD:
+        raise ValueError(f"usd: a grant must be more than 0 and at most 1,000,000,000 USD, got {amount_micro_usd / 1e6}")
+    if category not in ("paid", "promotional"):
+        raise ValueError(f"category: must be 'paid' or 'promotional', got {category!r}")
+    if not reason.strip() or len(reason) > 500:
+        raise ValueError("reason: say why the credit is granted (1 to 500 characters)")
+
+
+def grant(conn: psycopg.Connection, tenant_id: str, amount_micro_usd: int, category: str, reason: str,
+          actor: str) -> int:
+    """Grant credit (the CLI), in the caller's transaction (with its audit row); returns the grant's id."""
+    check_grant(amount_micro_usd, category, reason)
+    return conn.execute(_GRANT, (tenant_id, amount_micro_usd, category, reason, actor)).fetchone()["id"]
+
+
+async def grant_async(conn: psycopg.AsyncConnection, tenant_id: str, amount_micro_usd: int, category: str,
+                      reason: str, actor: str) -> int:
+    """Async form of `grant` (the operator API)."""
+    check_grant(amount_micro_usd, category, reason)
+    return (await (await conn.execute(_GRANT, (tenant_id, amount_micro_usd, category, reason, actor))).fetchone())["id"]
