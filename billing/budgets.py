@@ -78,7 +78,8 @@ def refusal(state: BudgetState, tenant_name: str, month: str) -> BudgetExceeded:
     return BudgetExceeded(
         f"{what} is used up for {month}: ${usd(state.spent_micro_usd)} spent plus "
         f"${usd(state.inflight_micro_usd)} in flight of ${usd(state.limit_micro_usd)}. "
-        f"An operator can raise it with `{how}`; it resets on the 1st of next month (UTC).",
+        f"Raise it on the dashboard's account page, with PUT /api/v1/quilt/budgets, or (an operator) with "
+        f"`{how}`; it resets on the 1st of next month (UTC).",
         field=field,
     )
 

@@ -71,3 +71,17 @@ def set_quota(conn: psycopg.Connection, name: str, *, tokens_per_minute: int | N
     if row is None:
         raise NotFound(f"no tenant named {name!r}", field="name")
     return Tenant(**row)
+
+
+PLAN_FIELDS = ("tokens_per_minute", "max_inflight_requests", "max_models", "plan_weight")
+
+
+async def set_plan_async(conn, tenant_id: str, changes: dict) -> dict:
+    """Change a tenant's quotas and fair-share weight (keys of PLAN_FIELDS, values checked by the
+    caller's schema); returns the row."""
+    changes = {k: v for k, v in changes.items() if k in PLAN_FIELDS}
+    if changes:
+        assignments = ", ".join(f"{k} = %s" for k in changes)  # names from PLAN_FIELDS only
+        await conn.execute(f"UPDATE tenants SET {assignments} WHERE id = %s", (*changes.values(), tenant_id))
+    return await (await conn.execute(f"SELECT {', '.join(PLAN_FIELDS)} FROM tenants WHERE id = %s",
+                                     (tenant_id,))).fetchone()

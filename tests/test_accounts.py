@@ -171,3 +171,23 @@ def test_the_cli_suspends_grants_and_records_it(stack):
         assert c.get("/quilt/credits").json()["balance_usd"] == "2.500000"
         assert [(e["action"], e["actor"]) for e in _audit(c)][:3] == [
             ("credit.granted", "cli"), ("tenant.restored", "cli"), ("tenant.suspended", "cli")]
+
+
+def test_an_operator_sets_a_tenants_plan_and_quotas(stack):
+    op, t = operator_key(stack), stack.create_tenant("plan")
+    with stack.http(op) as o, stack.http(t.key) as c:
+        assert c.put(f"/quilt/tenants/{t.name}/plan", json={"plan_weight": 5}).status_code == 403
+        for bad in ({"plan_weight": 0}, {"plan_weight": "NaN"}, {"plan_weight": 1e999}, {"max_models": 0},
+                    {"tokens_per_minute": 2**31}, {"max_models": 3, "colour": "red"}):
+            r = o.put(f"/quilt/tenants/{t.name}/plan", content=str(bad).replace("'", '"').replace("inf", "1e999"),
+                      headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, (bad, r.text)
+        r = o.put(f"/quilt/tenants/{t.name}/plan", json={"plan_weight": 2.5, "max_models": 3})
+        assert r.status_code == 200 and (r.json()["plan_weight"], r.json()["max_models"]) == (2.5, 3), r.text
+        for _ in range(3):
+            new_model(c, rank=4)
+        refused = c.post("/create_model", json={"session_id": c.post("/create_session", json={}).json()["session_id"],
+                                                "model_seq_id": 0, "base_model": "quilt/tiny-qwen3",
+                                                "lora_config": {"rank": 4}})
+        assert refused.status_code == 403 and refused.json()["field"] == "max_models", refused.text
+        assert _audit(c)[0]["action"] == "tenant.plan_set"

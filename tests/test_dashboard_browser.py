@@ -160,3 +160,80 @@ def test_operator_page_draws_its_health_plots(stack, page, sft_run):
     refreshed = page.evaluate("() => document.body.dataset.lastRefresh")
     page.wait_for_function("r => document.body.dataset.lastRefresh !== r", arg=refreshed)  # live polling
     _shot(page, "operator-health")
+
+
+def test_an_owner_edits_budgets_and_sees_who_did_it(stack, page, tenant):
+    _login(page, stack, tenant.key)
+    page.click("#nav-account")
+    assert page.is_visible("#no-budgets")
+    page.fill("#budget-usd", "25")
+    page.click("#budget-save")
+    page.wait_for_selector("#saved-notice")
+    assert page.text_content("#account-budgets tr[data-scope='tenant'] .budget-limit").strip() == "$25.000000"
+    page.select_option("#budget-scope", tenant.key[:12])
+    page.fill("#budget-usd", "0")
+    page.click("#budget-save")
+    page.wait_for_selector("#account-budgets tr[data-scope='key']")
+    model = stack.http(tenant.key).post("/create_model", json={
+        "session_id": stack.http(tenant.key).post("/create_session", json={}).json()["session_id"],
+        "model_seq_id": 0, "base_model": "quilt/tiny-qwen3", "lora_config": {"rank": 4}})
+    assert model.status_code == 402 and model.json()["field"] == "budget.api_key", model.text
+    actions = [a.strip() for a in page.locator("#audit-table .audit-action").all_text_contents()]
+    assert actions[:2] == ["budget.set", "budget.set"]
+    _shot(page, "account-budgets")
+    # A bad amount is an error page naming the field, and changes nothing.
+    page.fill("#budget-usd", "NaN")
+    page.click("#budget-save")
+    assert "monthly_usd" in page.content()
+    page.goto(stack.base_url + "/dashboard/account")
+    assert len(page.locator("#audit-table .audit-row").all()) == 2
+
+
+def test_an_operator_suspends_restores_and_grants_credit(stack, browser, page, tenant):
+    _login(page, stack, operator_key(stack))
+    page.click("#nav-tenants")
+    row = f"#tenants-table tr[data-tenant='{tenant.name}']"
+    page.fill(f"{row} .suspend-reason", "abuse report 1234")
+    page.click(f"{row} button.suspend")
+    page.wait_for_selector(f"{row} button.restore")
+    assert "abuse report 1234" in page.text_content(f"{row} .tenant-status")
+    refused = stack.http(tenant.key).post("/create_model", json={
+        "session_id": stack.http(tenant.key).post("/create_session", json={}).json()["session_id"],
+        "model_seq_id": 0, "base_model": "quilt/tiny-qwen3", "lora_config": {"rank": 4}})
+    assert refused.status_code == 403 and "abuse report 1234" in refused.json()["error"], refused.text
+
+    owner = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
+    _login(owner, stack, tenant.key)
+    owner.goto(stack.base_url + "/dashboard/account")
+    assert "abuse report 1234" in owner.text_content("#suspended-banner")
+    _shot(owner, "account-suspended")
+
+    page.fill(f"{row} .credit-usd", "12.5")
+    page.fill(f"{row} .credit-reason", "sorry for the trouble")
+    page.click(f"{row} button.grant")
+    page.wait_for_url(f"**/dashboard/tenants#tenant-{tenant.name}")
+    page.click(f"{row} button.restore")
+    page.wait_for_selector(f"{row} button.suspend")
+    _shot(page, "operator-tenants")
+    assert stack.http(tenant.key).post("/create_model", json={
+        "session_id": stack.http(tenant.key).post("/create_session", json={}).json()["session_id"],
+        "model_seq_id": 0, "base_model": "quilt/tiny-qwen3", "lora_config": {"rank": 4}}).status_code == 200
+    owner.goto(stack.base_url + "/dashboard/account")
+    assert owner.query_selector("#suspended-banner") is None
+    assert owner.text_content("#credit-balance").strip() == "$12.500000"
+    assert [a.strip() for a in owner.locator("#audit-table .audit-action").all_text_contents()][:3] == [
+        "tenant.restored", "credit.granted", "tenant.suspended"]
+    owner.context.close()
+
+
+def test_tenants_page_and_its_forms_are_for_operators_only(stack, page, tenant):
+    _login(page, stack, tenant.key)
+    assert page.query_selector("#nav-tenants") is None
+    response = page.goto(stack.base_url + "/dashboard/tenants")
+    assert response.status == 403
+    page.goto(stack.base_url + "/dashboard/account")
+    token = page.get_attribute("#budget-form input[name=csrf_token]", "value")
+    post = """([url, token]) => fetch(url, {method: 'POST', body: new URLSearchParams(
+        {reason: 'x', csrf_token: token})}).then(r => r.status)"""
+    assert page.evaluate(post, [f"/dashboard/tenants/{tenant.name}/suspend", token]) == 403  # not an operator
+    assert page.evaluate(post, ["/dashboard/account/budget", ""]) == 403  # no CSRF token

@@ -23,6 +23,11 @@ class Viewer:
     token: str
 
 
+def page_context(viewer: Viewer, nav: str, **extra) -> dict:
+    """What every logged-in page's template gets: the viewer, its CSRF token, the menu entry."""
+    return {"viewer": viewer, "who": viewer.who, "csrf_token": viewer.session.csrf_token, "nav": nav, **extra}
+
+
 async def _viewer(request: Request, pool: Pool, redis: RedisDep) -> Viewer:
     token = request.cookies.get(sessions.COOKIE)
     session = await sessions.load(redis, token)
@@ -55,6 +60,11 @@ async def _operator(viewer: Annotated[Viewer, Depends(_viewer)]) -> Viewer:
     return viewer
 
 
+async def _operator_changing(viewer: Annotated[Viewer, Depends(_csrf_checked)]) -> Viewer:
+    return await _operator(viewer)
+
+
 LoggedIn = Annotated[Viewer, Depends(_viewer)]
 Changing = Annotated[Viewer, Depends(_csrf_checked)]  # any state-changing request
 OperatorOnly = Annotated[Viewer, Depends(_operator)]
+OperatorChanging = Annotated[Viewer, Depends(_operator_changing)]  # an operator's state-changing request

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import RedirectResponse, StreamingResponse
 
 from api.dashboard import adapter_archive, sessions
-from api.dashboard.deps import Changing, LoggedIn, OperatorOnly, Viewer
+from api.dashboard.deps import Changing, LoggedIn, OperatorOnly, Viewer, page_context
 from api.dashboard.render import PageRoute, page
 from api.deps import Callers, Pool, RedisDep
 from api.routes.billing import get_usage
@@ -35,10 +35,6 @@ def _safe_next(target: str | None) -> str:
     if target and target.startswith("/dashboard/") and not target.startswith("//") and "\\" not in target:
         return target
     return HOME
-
-
-def _ctx(viewer: Viewer, nav: str, **extra) -> dict:
-    return {"viewer": viewer, "who": viewer.who, "csrf_token": viewer.session.csrf_token, "nav": nav, **extra}
 
 
 # ------------------------------------------------------------------------------ log in / out
@@ -108,7 +104,8 @@ async def runs(request: Request, viewer: LoggedIn, pool: Pool, offset: int = Que
         models, total = await scoped.list_models(conn, viewer.who, limit=PAGE_SIZE, offset=offset)
         progress = await scoped.run_progress(conn, viewer.who, [m["id"] for m in models])
     rows = [{"model": m, "progress": progress[m["id"]], "state": _run_state(m, progress[m["id"]])} for m in models]
-    return page(request, "runs.html", _ctx(viewer, "runs", rows=rows, total=total, offset=offset, page_size=PAGE_SIZE))
+    return page(request, "runs.html", page_context(viewer, "runs", rows=rows, total=total, offset=offset,
+                                                   page_size=PAGE_SIZE))
 
 
 @router.get("/runs/{model_id}")
@@ -118,7 +115,7 @@ async def run_detail(request: Request, model_id: str, viewer: LoggedIn, pool: Po
         model = await scoped.get_model(conn, viewer.who, model_id)
         progress = (await scoped.run_progress(conn, viewer.who, [model_id]))[model_id]
         ckpts, _ = await scoped.list_checkpoints(conn, viewer.who, model_id=model_id)
-    return page(request, "run.html", _ctx(viewer, "runs", model=model, progress=progress,
+    return page(request, "run.html", page_context(viewer, "runs", model=model, progress=progress,
                                           state=_run_state(model, progress), checkpoints=ckpts))
 
 
@@ -127,7 +124,7 @@ async def checkpoints(request: Request, viewer: LoggedIn, pool: Pool, offset: in
     """All your checkpoints, newest first, each with a download of its adapter."""
     async with pool.connection() as conn:
         ckpts, total = await scoped.list_checkpoints(conn, viewer.who, limit=PAGE_SIZE, offset=offset)
-    return page(request, "checkpoints.html", _ctx(viewer, "checkpoints", checkpoints=ckpts, total=total,
+    return page(request, "checkpoints.html", page_context(viewer, "checkpoints", checkpoints=ckpts, total=total,
                                                   offset=offset, page_size=PAGE_SIZE))
 
 
@@ -157,7 +154,7 @@ async def samplers(request: Request, viewer: LoggedIn, pool: Pool):
     """Your samplers (sampling sessions) and how many requests each has run."""
     async with pool.connection() as conn:
         rows = await scoped.list_sampling_sessions(conn, viewer.who)
-    return page(request, "samplers.html", _ctx(viewer, "samplers", samplers=rows))
+    return page(request, "samplers.html", page_context(viewer, "samplers", samplers=rows))
 
 
 # ------------------------------------------------------------------------------ spend and keys
@@ -167,13 +164,13 @@ async def spend(request: Request, viewer: LoggedIn, pool: Pool, since: date | No
     """Spend by day and by model (plots) and this month's budgets; the same numbers as
     `GET /api/v1/quilt/usage`, which this page calls in-process."""
     usage = await get_usage(viewer.who, pool, since, until)
-    return page(request, "spend.html", _ctx(viewer, "spend", usage=usage))
+    return page(request, "spend.html", page_context(viewer, "spend", usage=usage))
 
 
 async def _keys_page(request: Request, viewer: Viewer, pool, **extra):
     async with pool.connection() as conn:
         rows = await keys.list_keys_async(conn, viewer.who.tenant_id)
-    return page(request, "keys.html", _ctx(viewer, "keys", keys=rows, **extra))
+    return page(request, "keys.html", page_context(viewer, "keys", keys=rows, **extra))
 
 
 @router.get("/keys")
@@ -212,4 +209,4 @@ async def ops(request: Request, viewer: OperatorOnly, pool: Pool):
     """Queue and pool health, refreshed live from `/dashboard/data/ops` (operators only)."""
     async with pool.connection() as conn:
         bases = await catalog.list_models(conn)
-    return page(request, "ops.html", _ctx(viewer, "ops", bases=bases))
+    return page(request, "ops.html", page_context(viewer, "ops", bases=bases))

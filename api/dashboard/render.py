@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.errors import request_id_of
 from api.input_guard import GuardedRoute
+from billing.pricing import usd
 from core.errors import InvalidInput, QuiltError, ServerError, Unauthenticated
 
 log = logging.getLogger("quilt.dashboard")
@@ -37,7 +38,8 @@ def _filesize(n: int | None) -> str:
     return f"{size:.1f} GB"
 
 
-templates.env.filters.update(urlquote=lambda value: quote(str(value), safe=""), when=_when, filesize=_filesize)
+templates.env.filters.update(urlquote=lambda value: quote(str(value), safe=""), when=_when, filesize=_filesize,
+                             usd=usd)
 
 # Scripts, styles and images come only from this origin (nothing from a CDN, no inline script);
 # pages cannot be framed; nothing is cached, since pages show account data and a new key's secret.

@@ -19,7 +19,7 @@ from api.routes.billing import budget_json
 from billing import budgets, credits
 from billing.pricing import parse_usd, usd
 from core.errors import Forbidden, InvalidInput, NotFound
-from tenancy import accounts
+from tenancy import accounts, tenants
 from tenancy.auth import Principal
 
 router = APIRouter(route_class=GuardedRoute, prefix="/quilt", tags=["account"])
@@ -42,6 +42,16 @@ class SuspendRequest(BaseModel):
 
     reason: str = Field(min_length=1, max_length=500, description="shown to the tenant with every refusal")
     kind: Literal["operator", "payment"] = "operator"
+
+
+class PlanRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tokens_per_minute: int | None = Field(None, ge=1, le=2**31 - 1)
+    max_inflight_requests: int | None = Field(None, ge=1, le=2**31 - 1)
+    max_models: int | None = Field(None, ge=1, le=2**31 - 1)
+    plan_weight: float | None = Field(None, gt=0, le=1000, allow_inf_nan=False,
+                                      description="the tenant's fair-share weight in the trainer and the pool")
 
 
 class CreditGrantRequest(BaseModel):
@@ -90,34 +100,42 @@ async def get_budgets(who: Who, pool: Pool) -> dict:
 async def put_budget(body: BudgetRequest, who: Who, pool: Pool) -> dict:
     """Set or remove a monthly budget of your tenant, or of one of its keys. Admission refuses new
     billable work with 402 naming the budget once it is used up."""
-    limit = None if body.monthly_usd is None else _micro_usd(body.monthly_usd, "monthly_usd", most=MAX_BUDGET_USD)
     async with pool.connection() as conn:
-        key_id = None
-        if body.api_key_prefix is not None:
-            row = await (await conn.execute(
-                "SELECT id FROM api_keys WHERE tenant_id = %s AND prefix = %s",
-                (who.tenant_id, body.api_key_prefix.removesuffix("...")))).fetchone()
-            if row is None:
-                raise NotFound(f"no API key of yours with prefix {body.api_key_prefix!r}", field="api_key_prefix")
-            key_id = row["id"]
-        actor = await accounts.actor_of(conn, who.key_id)
-        scope = {"api_key_prefix": body.api_key_prefix} if key_id else {}
-        if limit is None:
-            removed = await budgets.clear_budget_async(conn, who.tenant_id, key_id)
-            if removed:
-                await accounts.record_async(conn, who.tenant_id, actor, "budget.cleared", **scope)
-        else:
-            await budgets.set_budget_async(conn, who.tenant_id, limit, key_id)
-            await accounts.record_async(conn, who.tenant_id, actor, "budget.set", monthly_micro_usd=limit, **scope)
+        await change_budget(conn, who, body.monthly_usd, body.api_key_prefix)
         await conn.commit()
         return await _budgets(conn, who)
+
+
+async def change_budget(conn, who: Principal, monthly_usd: str | None, api_key_prefix: str | None) -> None:
+    """Set (or with None, clear) one budget of the caller's tenant, and record it (the API and the
+    dashboard's account page)."""
+    limit = None if monthly_usd is None else _micro_usd(monthly_usd, "monthly_usd", most=MAX_BUDGET_USD)
+    key_id = None
+    if api_key_prefix is not None:
+        row = await (await conn.execute("SELECT id FROM api_keys WHERE tenant_id = %s AND prefix = %s",
+                                        (who.tenant_id, api_key_prefix.removesuffix("...")))).fetchone()
+        if row is None:
+            raise NotFound(f"no API key of yours with prefix {api_key_prefix!r}", field="api_key_prefix")
+        key_id = row["id"]
+    actor = await accounts.actor_of(conn, who.key_id)
+    scope = {"api_key_prefix": api_key_prefix} if key_id else {}
+    if limit is None:
+        if await budgets.clear_budget_async(conn, who.tenant_id, key_id):
+            await accounts.record_async(conn, who.tenant_id, actor, "budget.cleared", **scope)
+    else:
+        await budgets.set_budget_async(conn, who.tenant_id, limit, key_id)
+        await accounts.record_async(conn, who.tenant_id, actor, "budget.set", monthly_micro_usd=limit, **scope)
 
 
 @router.get("/credits")
 async def get_credits(who: Who, pool: Pool) -> dict:
     """Your credit grants, what they have paid for, and the balance left."""
     async with pool.connection() as conn:
-        state, grants = await credits.credit_state(conn, who.tenant_id)
+        return await credits_json(conn, who.tenant_id)
+
+
+async def credits_json(conn, tenant_id: str) -> dict:
+    state, grants = await credits.credit_state(conn, tenant_id)
     return {"granted_usd": usd(state.granted_micro_usd), "applied_usd": usd(state.applied_micro_usd),
             "balance_usd": usd(state.balance_micro_usd), "charged_since_first_grant_usd": usd(state.charged_micro_usd),
             "balance_micro_usd": state.balance_micro_usd,
@@ -133,13 +151,17 @@ async def get_audit(who: Who, pool: Pool, limit: int = Query(50, ge=1, le=500),
     """Who did what, newest first: your tenant's rows; an operator's, every tenant's (or `tenant`'s).
     Page with `before` = the last row's id."""
     async with pool.connection() as conn:
-        if who.is_operator:
-            scope = await _tenant_id(conn, tenant) if tenant else None
-        elif tenant is not None:
-            raise Forbidden("only an operator may read another tenant's audit log", field="tenant")
-        else:
-            scope = who.tenant_id
-        rows = await accounts.audit_rows(conn, scope, limit=limit, before=before)
+        return await audit_json(conn, who, tenant, limit=limit, before=before)
+
+
+async def audit_json(conn, who: Principal, tenant: str | None, *, limit: int, before: int | None = None) -> dict:
+    if who.is_operator:
+        scope = await _tenant_id(conn, tenant) if tenant else None
+    elif tenant is not None:
+        raise Forbidden("only an operator may read another tenant's audit log", field="tenant")
+    else:
+        scope = who.tenant_id
+    rows = await accounts.audit_rows(conn, scope, limit=limit, before=before)
     return {"entries": [{"id": r["id"], "tenant": r["tenant_name"], "actor": r["actor"], "action": r["action"],
                          "detail": r["detail"], "at": r["at"].isoformat()} for r in rows],
             "next_before": rows[-1]["id"] if len(rows) == limit else None}
@@ -148,34 +170,63 @@ async def get_audit(who: Who, pool: Pool, limit: int = Query(50, ge=1, le=500),
 @router.post("/tenants/{name}/suspend")
 async def suspend_tenant(name: str, body: SuspendRequest, who: Who, pool: Pool) -> dict:
     """(Operators.) Refuse a tenant's new billable work with `reason` until restored; nothing is deleted."""
-    _operator(who)
     async with pool.connection() as conn:
-        tenant_id = await _tenant_id(conn, name)
-        await accounts.suspend_async(conn, tenant_id, body.kind, body.reason, await accounts.actor_of(conn, who.key_id))
+        await suspend(conn, who, name, body.kind, body.reason)
     return {"tenant": name, "suspended": True, "kind": body.kind, "reason": body.reason}
+
+
+async def suspend(conn, who: Principal, name: str, kind: str, reason: str) -> None:
+    _operator(who)
+    await accounts.suspend_async(conn, await _tenant_id(conn, name), kind, reason,
+                                 await accounts.actor_of(conn, who.key_id))
 
 
 @router.post("/tenants/{name}/restore")
 async def restore_tenant(name: str, who: Who, pool: Pool) -> dict:
     """(Operators.) Lift a suspension; service resumes from the tenant's next call."""
-    _operator(who)
     async with pool.connection() as conn:
-        tenant_id = await _tenant_id(conn, name)
-        lifted = await accounts.restore_async(conn, tenant_id, await accounts.actor_of(conn, who.key_id))
+        lifted = await restore(conn, who, name)
     return {"tenant": name, "suspended": False, "was_suspended": lifted}
+
+
+async def restore(conn, who: Principal, name: str) -> bool:
+    _operator(who)
+    return await accounts.restore_async(conn, await _tenant_id(conn, name), await accounts.actor_of(conn, who.key_id))
 
 
 @router.post("/tenants/{name}/credits")
 async def grant_credit(name: str, body: CreditGrantRequest, who: Who, pool: Pool) -> dict:
     """(Operators.) Grant a tenant prepaid or promotional credit, used by its usage from today on."""
+    async with pool.connection() as conn:
+        grant_id, amount = await grant(conn, who, name, body.usd, body.category, body.reason)
+    return {"tenant": name, "grant_id": grant_id, "usd": usd(amount)}
+
+
+async def grant(conn, who: Principal, name: str, amount_usd: str, category: str, reason: str) -> tuple[int, int]:
+    """(grant id, micro-USD) of a new credit grant, recorded in the audit log."""
     _operator(who)
-    amount = _micro_usd(body.usd, "usd", most=credits.MAX_GRANT_MICRO_USD // 10**6)
+    amount = _micro_usd(amount_usd, "usd", most=credits.MAX_GRANT_MICRO_USD // 10**6)
     if amount == 0:
         raise InvalidInput("usd: a grant must be more than 0", field="usd")
+    tenant_id = await _tenant_id(conn, name)
+    actor = await accounts.actor_of(conn, who.key_id)
+    grant_id = await credits.grant_async(conn, tenant_id, amount, category, reason, actor)
+    await accounts.record_async(conn, tenant_id, actor, "credit.granted", grant_id=grant_id,
+                                amount_micro_usd=amount, category=category, reason=reason)
+    return grant_id, amount
+
+
+@router.put("/tenants/{name}/plan")
+async def put_plan(name: str, body: PlanRequest, who: Who, pool: Pool) -> dict:
+    """(Operators.) A tenant's quotas and fair-share weight (the fields given); they apply from its next call."""
     async with pool.connection() as conn:
-        tenant_id = await _tenant_id(conn, name)
-        actor = await accounts.actor_of(conn, who.key_id)
-        grant_id = await credits.grant_async(conn, tenant_id, amount, body.category, body.reason, actor)
-        await accounts.record_async(conn, tenant_id, actor, "credit.granted", grant_id=grant_id,
-                                    amount_micro_usd=amount, category=body.category, reason=body.reason)
-    return {"tenant": name, "grant_id": grant_id, "usd": usd(amount)}
+        return await set_plan(conn, who, name, body.model_dump(exclude_none=True))
+
+
+async def set_plan(conn, who: Principal, name: str, changes: dict) -> dict:
+    _operator(who)
+    tenant_id = await _tenant_id(conn, name)
+    row = await tenants.set_plan_async(conn, tenant_id, changes)
+    await accounts.record_async(conn, tenant_id, await accounts.actor_of(conn, who.key_id), "tenant.plan_set",
+                                **changes)
+    return {"tenant": name, **{k: row[k] for k in tenants.PLAN_FIELDS}}
