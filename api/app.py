@@ -24,6 +24,7 @@ from api.routes import (
     sampling,
     service,
     sessions,
+    stripe_webhook,
     training,
 )
 from api.spend_header import SpendHeaderMiddleware
@@ -72,7 +73,8 @@ def create_app() -> FastAPI:
     logging.getLogger("uvicorn.access").disabled = not settings.access_log
     app = FastAPI(title="Quilt", version="0.1.0", lifespan=_lifespan)
     errors.install(app)
-    for module in (service, sessions, training, sampling, futures, billing, account, runs, downloads, run_metrics):
+    for module in (service, sessions, training, sampling, futures, billing, account, runs, downloads, run_metrics,
+                   stripe_webhook):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(metrics.router)
     app.include_router(openai_compat.router)  # /v1/completions, /v1/chat/completions

@@ -13,7 +13,14 @@ in memory, and enforces what matters for billing correctness:
   days and at most 5 minutes ahead.
 
 Routes: POST/GET /v1/customers[/{id}], GET/POST /v1/billing/meters,
-GET /v1/billing/meters/{id}/event_summaries, POST /v1/billing/meter_events, and GET /_fake/state.
+GET /v1/billing/meters/{id}/event_summaries, POST /v1/billing/meter_events, POST /v1/checkout/sessions
+(setup mode), GET /v1/setup_intents/{id}, GET /v1/invoices, and GET /_fake/state.
+
+Card setup: a Checkout session's `url` is a page of this server (`/_fake/checkout/{id}`) with one
+button; pressing it saves a test card (visa 4242) on a SetupIntent, sends `checkout.session.completed`
+to `webhook_url` signed with `webhook_secret` as Stripe signs (`Stripe-Signature: t=..,v1=..`), and
+redirects to the session's success_url. `add_invoice` and `send_event` let tests create invoices
+and deliver any event the same way.
 
 Test hook: `hang_on_meter_event(n)` makes the n-th next meter event be *accepted* and then left
 unanswered until `release()` - the worst moment for a client to die.
@@ -24,6 +31,9 @@ Run alone: `python -m billing.fake_stripe [--port 12111]`.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
+import html
 import json
 import secrets
 import threading
@@ -32,6 +42,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qsl, urlsplit
+
+import httpx
 
 MAX_AGE_S = 35 * 24 * 3600
 MAX_FUTURE_S = 5 * 60
@@ -90,6 +102,12 @@ class FakeStripe:
         self._idempotency: dict[str, tuple[str, int, dict]] = {}
         self._hang: _Hang | None = None
         self.held_identifiers: list[str] = []  # meter events accepted, then held unanswered
+        self.checkout_sessions: dict[str, dict] = {}
+        self.setup_intents: dict[str, dict] = {}
+        self.invoices: dict[str, dict] = {}
+        self.webhook_url: str | None = None  # where events go (Quilt's /api/v1/stripe/webhook)
+        self.webhook_secret = "whsec_quilt_fake"
+        self.delivered: list[tuple[str, int]] = []  # (event type, HTTP status of Quilt's answer)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -211,6 +229,22 @@ class FakeStripe:
             if rest[1] not in self.customers:
                 raise StripeHTTPError(404, f"No such customer: '{rest[1]}'", code="resource_missing", param="id")
             return 200, self.customers[rest[1]]
+        if len(rest) == 2 and rest[0] == "customers" and method == "POST":
+            customer = self.customers.get(rest[1])
+            if customer is None:
+                raise StripeHTTPError(404, f"No such customer: '{rest[1]}'", code="resource_missing", param="id")
+            customer.setdefault("invoice_settings", {}).update(form.get("invoice_settings", {}))
+            return 200, customer
+        if rest == ["checkout", "sessions"] and method == "POST":
+            return 200, self._create_checkout(form)
+        if len(rest) == 2 and rest[0] == "setup_intents" and method == "GET":
+            if rest[1] not in self.setup_intents:
+                raise StripeHTTPError(404, f"No such setupintent: '{rest[1]}'", code="resource_missing", param="id")
+            return 200, self.setup_intents[rest[1]]
+        if rest == ["invoices"] and method == "GET":
+            found = sorted((i for i in self.invoices.values() if i["customer"] == query.get("customer")),
+                           key=lambda i: -i["created"])
+            return 200, {"object": "list", "url": "/v1/invoices", "has_more": False, "data": found}
         if rest == ["billing", "meters"] and method == "GET":
             return 200, self._list_meters(query)
         if rest == ["billing", "meters"] and method == "POST":
@@ -220,6 +254,70 @@ class FakeStripe:
         if len(rest) == 4 and rest[:2] == ["billing", "meters"] and rest[3] == "event_summaries" and method == "GET":
             return 200, self._summaries(rest[2], query)
         raise StripeHTTPError(404, f"Unrecognized request URL ({method}: {path})")
+
+    # ---------------------------------------------------------------------- cards, invoices, events
+
+    def add_invoice(self, customer: str, amount_due: int, status: str = "open") -> dict:
+        """An invoice of `customer` (amounts in cents), as Stripe's invoice object carries it."""
+        invoice_id = _new_id("in")
+        invoice = {"id": invoice_id, "object": "invoice", "customer": customer, "amount_due": amount_due,
+                   "amount_paid": amount_due if status == "paid" else 0, "currency": "usd", "status": status,
+                   "number": f"QUILT-{len(self.invoices) + 1:04d}", "created": int(time.time()),
+                   "hosted_invoice_url": f"{self.url}/_fake/invoices/{invoice_id}", "livemode": False}
+        with self._lock:
+            self.invoices[invoice_id] = invoice
+        return invoice
+
+    def sign(self, payload: bytes, timestamp: int | None = None, secret: str | None = None) -> str:
+        """A `Stripe-Signature` header for `payload`: HMAC-SHA256 of "<t>.<payload>" (Stripe's scheme)."""
+        t = int(time.time()) if timestamp is None else timestamp
+        mac = hmac.new((secret or self.webhook_secret).encode(), f"{t}.".encode() + payload, hashlib.sha256)
+        return f"t={t},v1={mac.hexdigest()}"
+
+    def event(self, type_: str, obj: dict, event_id: str | None = None) -> bytes:
+        return json.dumps({"id": event_id or _new_id("evt"), "object": "event", "type": type_,
+                           "created": int(time.time()), "livemode": False, "api_version": "2025-01-27.acacia",
+                           "data": {"object": obj}}).encode()
+
+    def send_event(self, type_: str, obj: dict, *, event_id: str | None = None,
+                   payload: bytes | None = None, signature: str | None = None) -> httpx.Response:
+        """Deliver an event to `webhook_url`, signed (unless `signature` says otherwise)."""
+        body = payload if payload is not None else self.event(type_, obj, event_id)
+        r = httpx.post(self.webhook_url, content=body, timeout=30, headers={
+            "Content-Type": "application/json", "Stripe-Signature": signature or self.sign(body)})
+        self.delivered.append((type_, r.status_code))
+        return r
+
+    def _create_checkout(self, form: dict) -> dict:
+        if form.get("mode") != "setup":
+            raise StripeHTTPError(400, "this fake only has setup mode", param="mode")
+        if form.get("customer") not in self.customers:
+            raise StripeHTTPError(400, f"No such customer: '{form.get('customer')}'", code="resource_missing",
+                                  param="customer")
+        for required in ("success_url", "cancel_url", "currency"):
+            if not form.get(required):
+                raise StripeHTTPError(400, f"Missing required param: {required}.", code="parameter_missing",
+                                      param=required)
+        session_id = _new_id("cs_test")
+        session = {"id": session_id, "object": "checkout.session", "mode": "setup", "status": "open",
+                   "customer": form["customer"], "success_url": form["success_url"], "cancel_url": form["cancel_url"],
+                   "setup_intent": None, "url": f"{self.url}/_fake/checkout/{session_id}", "livemode": False}
+        self.checkout_sessions[session_id] = session
+        return session
+
+    def complete_checkout(self, session_id: str) -> str:
+        """What pressing the checkout page's button does; returns where the browser goes next."""
+        with self._lock:
+            session = self.checkout_sessions[session_id]
+            pm = {"id": _new_id("pm"), "object": "payment_method", "type": "card",
+                  "card": {"brand": "visa", "last4": "4242", "exp_month": 12, "exp_year": 2030}}
+            intent = {"id": _new_id("seti"), "object": "setup_intent", "status": "succeeded",
+                      "customer": session["customer"], "payment_method": pm}
+            self.setup_intents[intent["id"]] = intent
+            session.update(status="complete", setup_intent=intent["id"])
+        if self.webhook_url:
+            self.send_event("checkout.session.completed", dict(session))
+        return session["success_url"]
 
     def _create_customer(self, form: dict) -> dict:
         customer = {"id": _new_id("cus"), "object": "customer", "created": int(time.time()), "livemode": False,
@@ -331,6 +429,8 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(length).decode() if length else ""
         if url.path == "/_fake/state":
             return self._answer(200, self.state.snapshot())
+        if url.path.startswith("/_fake/checkout/"):
+            return self._checkout_page(method, url.path.split("/")[3])
         query = dict(parse_qsl(url.query, keep_blank_values=True))
         try:
             status, body, hang = self.state.handle(method, url.path, query, parse_form(raw), self.headers)
@@ -343,6 +443,27 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(status, body)
         except OSError:  # the client died while we held the answer
             pass
+
+    def _checkout_page(self, method: str, session_id: str) -> None:
+        """The hosted page a customer sees: one button that saves the test card."""
+        session = self.state.checkout_sessions.get(session_id)
+        if session is None:
+            return self._answer(404, {"error": {"type": "invalid_request_error", "message": "no such session"}})
+        if method == "POST":
+            self.send_response(303)
+            self.send_header("Location", self.state.complete_checkout(session_id))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return None
+        page = (f"<!doctype html><title>Fake Stripe Checkout</title><h1>Save a card</h1>"
+                f"<p>Customer {html.escape(session['customer'])}</p><form method=post>"
+                f"<button id=fake-checkout-submit>Save card visa 4242</button></form>").encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        self.wfile.write(page)
+        return None
 
     def do_GET(self) -> None:
         self._serve("GET")

@@ -72,6 +72,33 @@ class StripeGateway:
         )
         return customer.id
 
+    # --------------------------------------------------------------------- cards and invoices
+
+    def setup_checkout(self, *, customer_id: str, success_url: str, cancel_url: str) -> str:
+        """A Checkout session in setup mode (the customer saves a card for later invoices); its URL."""
+        session = self.client.v1.checkout.sessions.create(params={
+            "mode": "setup", "customer": customer_id, "currency": "usd", "payment_method_types": ["card"],
+            "success_url": success_url, "cancel_url": cancel_url})
+        return session.url
+
+    def card_of_setup(self, setup_intent_id: str) -> tuple[str, str, str]:
+        """(payment method id, brand, last4) of a succeeded SetupIntent."""
+        intent = self.client.v1.setup_intents.retrieve(setup_intent_id, params={"expand": ["payment_method"]})
+        pm = intent.payment_method
+        return pm.id, pm.card.brand, pm.card.last4
+
+    def make_default_card(self, customer_id: str, payment_method_id: str) -> None:
+        """Invoices charge this card from now on."""
+        self.client.v1.customers.update(
+            customer_id, params={"invoice_settings": {"default_payment_method": payment_method_id}})
+
+    def invoices(self, customer_id: str, limit: int = 24) -> list[dict]:
+        """The customer's latest invoices: number, status, amounts (cents), link, created (epoch s)."""
+        listed = self.client.v1.invoices.list(params={"customer": customer_id, "limit": limit})
+        return [{"id": i.id, "number": i.number, "status": i.status, "amount_due": i.amount_due,
+                 "amount_paid": i.amount_paid, "currency": i.currency, "url": i.hosted_invoice_url,
+                 "created": i.created} for i in listed.data]
+
     # ---------------------------------------------------------------------------------- meters
 
     def find_meters(self) -> dict[str, str]:

@@ -13,7 +13,7 @@ from datetime import datetime
 import psycopg
 from psycopg.rows import dict_row
 
-from billing import customers, stripe_sync
+from billing import customers, payments, stripe_sync
 from billing.stripe_api import StripeGateway
 from core import db
 from core.celery_app import app
@@ -48,6 +48,17 @@ def ensure_customers() -> int:
         return 0
     with psycopg.connect(db.resolve_url(), autocommit=True, row_factory=dict_row) as conn:
         return customers.ensure_all_customers(conn, StripeGateway(settings))
+
+
+@app.task(name="quilt.billing.suspend_overdue")
+def suspend_overdue() -> list[str]:
+    """Every few minutes (Celery beat): suspend tenants whose invoice payment failed longer ago than
+    QUILT_PAYMENT_GRACE_S and has not succeeded since (billing.payments)."""
+    with psycopg.connect(db.resolve_url(), autocommit=True, row_factory=dict_row) as conn:
+        suspended = payments.suspend_overdue(conn, get_billing_settings().payment_grace_s)
+    if suspended:
+        log.warning("suspended for failed payments: %s", ", ".join(suspended))
+    return suspended
 
 
 @app.task(name="quilt.billing.sync_stripe")

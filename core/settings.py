@@ -164,6 +164,11 @@ class BillingSettings(BaseSettings):
     billing_resend_limit_s: int = Field(20 * 3600, ge=60, le=24 * 3600,
                                         description="an event first tried longer ago than this is not resent "
                                                     "blindly (Stripe de-duplicates for at least 24 h): it goes to review")
+    stripe_webhook_secret: SecretStr | None = Field(
+        None, description="the webhook endpoint's signing secret (whsec_...); unset: /api/v1/stripe/webhook is off")
+    payment_grace_s: int = Field(3 * 86_400, ge=0, le=90 * 86_400,
+                                 description="a tenant whose invoice payment failed is suspended this long after, "
+                                             "unless a payment succeeds first")
 
     @property
     def stripe_enabled(self) -> bool:

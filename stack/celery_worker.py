@@ -20,6 +20,7 @@ app.conf.beat_schedule = {
     # Hourly, after the previous hour's window has settled (QUILT_BILLING_SETTLE_S, 5 min).
     "billing-stripe-sync": {"task": "quilt.billing.sync_stripe", "schedule": crontab(minute="10")},
     "billing-stripe-customers": {"task": "quilt.billing.ensure_customers", "schedule": 900.0},
+    "billing-suspend-overdue": {"task": "quilt.billing.suspend_overdue", "schedule": 300.0},
 }
 
 __all__ = ["app"]

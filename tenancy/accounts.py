@@ -26,7 +26,7 @@ SuspensionKind = Literal["payment", "operator"]
 _SUSPEND = ("UPDATE tenants SET suspended_at = now(), suspended_kind = %s, suspended_reason = %s "
             "WHERE id = %s RETURNING id")
 _RESTORE = ("UPDATE tenants SET suspended_at = NULL, suspended_kind = NULL, suspended_reason = NULL "
-            "WHERE id = %s AND suspended_at IS NOT NULL RETURNING id")
+            "WHERE id = %s AND suspended_at IS NOT NULL AND (%s::text IS NULL OR suspended_kind = %s) RETURNING id")
 _RECORD = "INSERT INTO audit_log (tenant_id, actor, action, detail) VALUES (%s, %s, %s, %s)"
 _AUDIT = ("SELECT a.id, a.tenant_id, t.name AS tenant_name, a.actor, a.action, a.detail, a.at "
           "FROM audit_log a JOIN tenants t ON t.id = a.tenant_id "
@@ -74,7 +74,7 @@ def suspend(conn: psycopg.Connection, tenant_id: str, kind: SuspensionKind, reas
 def restore(conn: psycopg.Connection, tenant_id: str, actor: str) -> bool:
     """Lift a suspension; False if the tenant was not suspended."""
     with conn.transaction():
-        lifted = conn.execute(_RESTORE, (tenant_id,)).fetchone() is not None
+        lifted = conn.execute(_RESTORE, (tenant_id, None, None)).fetchone() is not None
         if lifted:
             record(conn, tenant_id, actor, "tenant.restored")
     return lifted
@@ -94,9 +94,11 @@ async def suspend_async(conn: psycopg.AsyncConnection, tenant_id: str, kind: Sus
     await record_async(conn, tenant_id, actor, "tenant.suspended", kind=kind, reason=reason)
 
 
-async def restore_async(conn: psycopg.AsyncConnection, tenant_id: str, actor: str) -> bool:
-    """Async form of `restore`."""
-    lifted = await (await conn.execute(_RESTORE, (tenant_id,))).fetchone() is not None
+async def restore_async(conn: psycopg.AsyncConnection, tenant_id: str, actor: str,
+                        only_kind: SuspensionKind | None = None) -> bool:
+    """Async form of `restore`; with `only_kind`, only a suspension of that kind is lifted (a paid
+    invoice lifts a payment suspension, not an operator's)."""
+    lifted = await (await conn.execute(_RESTORE, (tenant_id, only_kind, only_kind))).fetchone() is not None
     if lifted:
         await record_async(conn, tenant_id, actor, "tenant.restored")
     return lifted

@@ -237,3 +237,46 @@ def test_tenants_page_and_its_forms_are_for_operators_only(stack, page, tenant):
         {reason: 'x', csrf_token: token})}).then(r => r.status)"""
     assert page.evaluate(post, [f"/dashboard/tenants/{tenant.name}/suspend", token]) == 403  # not an operator
     assert page.evaluate(post, ["/dashboard/account/budget", ""]) == 403  # no CSRF token
+
+
+@pytest.fixture(scope="module")
+def stripe_fake():
+    from billing.fake_stripe import FakeStripe
+
+    with FakeStripe() as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def billed_dashboard(stack, stripe_fake, tmp_path_factory):
+    """A second API process billing through the fake (the shared stack has no Stripe)."""
+    from stripeutil import billing_api
+
+    with billing_api(stack, stripe_fake, tmp_path_factory.mktemp("billed")) as url:
+        yield url
+
+
+def test_card_setup_through_checkout_and_the_invoice_list(stack, page, tenant, stripe_fake, billed_dashboard):
+    from types import SimpleNamespace
+
+    from stripeutil import billed_customer
+
+    customer = billed_customer(stack, stripe_fake, tenant.tenant_id)
+    stripe_fake.add_invoice(customer, 1234, status="open")
+    stripe_fake.add_invoice(customer, 500, status="paid")
+    _login(page, SimpleNamespace(base_url=billed_dashboard), tenant.key)
+    page.click("#nav-billing")
+    assert page.text_content("#card-on-file").strip() == "No card on file."
+    statuses = [s.strip() for s in page.locator("#invoices-table .invoice-status").all_text_contents()]
+    assert sorted(statuses) == ["open", "paid"]
+    assert "12.34 USD" in page.text_content("#invoices-table")
+
+    page.click("#add-card")  # to Stripe Checkout (the fake's hosted page), and back
+    page.wait_for_selector("#fake-checkout-submit")
+    page.click("#fake-checkout-submit")
+    page.wait_for_selector("#card-notice")
+    assert page.text_content("#card-on-file").strip() == "visa ending in 4242"
+    assert stripe_fake.delivered[-1] == ("checkout.session.completed", 200)
+    pm = stripe_fake.customers[customer]["invoice_settings"]["default_payment_method"]
+    assert pm.startswith("pm_")
+    _shot(page, "billing-card-saved")

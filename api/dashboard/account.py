@@ -1,12 +1,15 @@
-"""The dashboard's account pages: a tenant's budgets (editable), credit and audit trail, and the
-operator's tenants page (suspend, restore, plan and quotas, credit grants). Each form calls the
+"""The dashboard's account pages: a tenant's budgets (editable), credit and audit trail, its card
+and invoices (Stripe), and the operator's tenants page (suspend, restore, plan and quotas, credit grants). Each form calls the
 same function as its API route (api.routes.account), so both check and record alike."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
+import stripe
 from fastapi import APIRouter, Form, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import RedirectResponse
 
 from api.dashboard.deps import (
@@ -16,11 +19,13 @@ from api.dashboard.deps import (
     OperatorOnly,
     page_context,
 )
-from api.dashboard.render import PageRoute, page
+from api.dashboard.render import PageRoute, csp_with_form_action, page
 from api.deps import Pool
 from api.routes import account
 from billing import budgets
-from core.errors import InvalidInput
+from billing.stripe_api import StripeGateway
+from core.errors import InvalidInput, NotFound
+from core.settings import get_billing_settings
 from tenancy import keys
 
 router = APIRouter(prefix="/dashboard", route_class=PageRoute, include_in_schema=False)
@@ -46,6 +51,55 @@ async def account_budget(viewer: Changing, pool: Pool, monthly_usd: Annotated[st
     async with pool.connection() as conn:
         await account.change_budget(conn, viewer.who, monthly_usd.strip() or None, api_key_prefix or None)
     return RedirectResponse("/dashboard/account?saved=budget", status_code=303)
+
+
+@router.get("/billing")
+async def billing_page(request: Request, viewer: LoggedIn, pool: Pool, card: str | None = Query(None, max_length=20)):
+    """Your payment method and invoices (from Stripe), and whether a payment is overdue."""
+    settings = get_billing_settings()
+    async with pool.connection() as conn:
+        acct = await (await conn.execute(
+            "SELECT stripe_customer_id, card_brand, card_last4, payment_failed_at, payment_failed_invoice "
+            "FROM billing_accounts WHERE tenant_id = %s", (viewer.who.tenant_id,))).fetchone()
+    invoices, problem = [], None
+    if not settings.stripe_enabled:
+        problem = "This server does not bill through Stripe."
+    elif acct is None:
+        problem = "Your Stripe customer is being created; reload in a minute."
+    else:
+        try:
+            invoices = await run_in_threadpool(StripeGateway(settings).invoices, acct["stripe_customer_id"])
+        except stripe.StripeError as exc:
+            problem = f"Stripe did not answer ({type(exc).__name__}); invoices are not shown now."
+    response = page(request, "billing.html", page_context(viewer, "billing", account=acct, invoices=invoices,
+                                                          problem=problem, card_saved=card == "saved",
+                                                          grace_days=settings.payment_grace_s / 86_400))
+    # The card form is answered by a redirect to Stripe Checkout, which form-action must allow.
+    response.headers["Content-Security-Policy"] = csp_with_form_action(_checkout_origin(settings))
+    return response
+
+
+def _checkout_origin(settings) -> str:
+    if settings.stripe_api_base:  # a Stripe-compatible server (the local fake) hosts its own pages
+        parts = urlsplit(settings.stripe_api_base)
+        return f"{parts.scheme}://{parts.netloc}"
+    return "https://checkout.stripe.com"
+
+
+@router.post("/billing/card")
+async def billing_card(request: Request, viewer: Changing, pool: Pool):
+    """Start Stripe Checkout (setup mode) to add or replace the card invoices are charged to."""
+    settings = get_billing_settings()
+    async with pool.connection() as conn:
+        acct = await (await conn.execute("SELECT stripe_customer_id FROM billing_accounts WHERE tenant_id = %s",
+                                         (viewer.who.tenant_id,))).fetchone()
+    if not settings.stripe_enabled or acct is None:
+        raise NotFound("this tenant has no Stripe customer yet", field="billing")
+    base = str(request.base_url).rstrip("/")
+    url = await run_in_threadpool(StripeGateway(settings).setup_checkout, customer_id=acct["stripe_customer_id"],
+                                  success_url=f"{base}/dashboard/billing?card=saved",
+                                  cancel_url=f"{base}/dashboard/billing")
+    return RedirectResponse(url, status_code=303)
 
 
 @router.get("/tenants")

@@ -53,6 +53,11 @@ HEADERS = {
 }
 
 
+def csp_with_form_action(origin: str) -> str:
+    """The pages' policy with one more origin forms may go to (a redirect counts)."""
+    return HEADERS["Content-Security-Policy"].replace("form-action 'self'", f"form-action 'self' {origin}")
+
+
 def page(request: Request, template: str, context: dict, *, status_code: int = 200) -> HTMLResponse:
     """Render a page. `context` may hold `viewer` (the logged-in tenant, for the menu and the CSRF
     token of its forms)."""
@@ -96,7 +101,8 @@ class PageRoute(GuardedRoute):
                 err = ServerError(str(exc.detail))
                 err.status_code = exc.status_code
                 response = _error_page(request, err)
-            response.headers.update(HEADERS)
+            for name, value in HEADERS.items():  # a page may widen one (the billing page's form-action)
+                response.headers.setdefault(name, value)
             return response
 
         return handle
