@@ -25,6 +25,10 @@ def new_key_id() -> str:
     return "key-" + uuid.uuid4().hex[:16]
 
 
+def new_member_id() -> str:
+    return "mem-" + uuid.uuid4().hex[:16]
+
+
 def new_api_key() -> str:
     # The tinker SDK refuses keys that do not start with "tml-".
     return "tml-" + secrets.token_urlsafe(32)

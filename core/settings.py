@@ -69,6 +69,12 @@ class ApiSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     workers: int = Field(1, ge=1, le=256, description="API processes behind the one port (uvicorn --workers); "
                                                    "the API keeps no state of its own, so they scale out")
+    signup: Literal["invite", "open"] = Field(
+        "invite", description="dashboard sign-up: 'invite' (only with an owner's invitation; the self-hosting "
+                              "default) or 'open' (anyone may create a tenant)")
+    smtp_url: str = Field("", description="smtp://user:password@host:port for invitation and password-reset mail; "
+                                          "empty: the links are written to the API's log")
+    mail_from: str = Field("quilt@localhost", max_length=254, description="From: of that mail")
     access_log: bool = Field(False, description="uvicorn's line per request; off: errors are logged with their "
                              "request id anyway (api.errors), and the lines cost a cheap call 6% of its CPU")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest accepted request body")

@@ -8,8 +8,8 @@ an `operator` one with 403, each saying why and what to do. Lifting it takes eff
 call: the tenants row's change reaches every API process's cache of callers (migration 0009).
 
 Audit rows are append-only (a trigger refuses UPDATE and DELETE). `actor` names who acted:
-`key:<prefix>` for a call made with an API key, `cli` for the operator's shell, `stripe` for a
-webhook.
+`key:<prefix>` for a call made with an API key, `account:<email>` for a member's dashboard session
+(tenancy.auth.Principal.actor), `cli` for the operator's shell, `stripe` for a webhook.
 """
 
 from __future__ import annotations
@@ -44,16 +44,6 @@ def suspension_refusal(kind: str, reason: str, tenant_name: str) -> QuiltError:
     return Forbidden(
         f"tenant {tenant_name!r} is suspended by an operator: {reason}. Contact your operator to lift it; "
         "running work finishes and nothing is deleted.", field="tenant.suspended")
-
-
-def key_actor(key_prefix: str) -> str:
-    return f"key:{key_prefix}"
-
-
-async def actor_of(conn: psycopg.AsyncConnection, key_id: str) -> str:
-    """The audit actor of a call made with the key `key_id`: `key:<its prefix>`."""
-    row = await (await conn.execute("SELECT prefix FROM api_keys WHERE id = %s", (key_id,))).fetchone()
-    return key_actor(row["prefix"] if row else key_id)
 
 
 # ---------------------------------------------------------------------------- the CLI's side (sync)

@@ -25,15 +25,27 @@ class Principal:
     tokens_per_minute: int
     suspended_kind: str | None = None  # "payment" or "operator" while suspended (tenancy.accounts)
     suspended_reason: str | None = None
+    key_prefix: str = ""
+    account_email: str | None = None  # a dashboard session of a member account (tenancy.members), not a key
+    member_role: str = "owner"  # an API key acts for its tenant as an owner does
 
     @property
     def is_operator(self) -> bool:
         return self.role == "operator"
 
+    @property
+    def is_owner(self) -> bool:
+        return self.member_role == "owner"
 
-_COLUMNS = ("k.id AS key_id, k.revoked_at, t.id AS tenant_id, t.name AS tenant_name, t.role, "
-            "t.plan_weight, t.max_models, t.max_inflight_requests, t.tokens_per_minute, t.suspended_kind, "
-            "t.suspended_reason")
+    @property
+    def actor(self) -> str:
+        """Who this is in the audit log: `key:<prefix>` or `account:<email>`."""
+        return f"account:{self.account_email}" if self.account_email else f"key:{self.key_prefix}"
+
+
+_TENANT_COLUMNS = ("t.id AS tenant_id, t.name AS tenant_name, t.role, t.plan_weight, t.max_models, "
+                   "t.max_inflight_requests, t.tokens_per_minute, t.suspended_kind, t.suspended_reason")
+_COLUMNS = f"k.id AS key_id, k.prefix AS key_prefix, k.revoked_at, {_TENANT_COLUMNS}"
 _FROM = " FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE "
 _PRINCIPAL = f"SELECT {_COLUMNS}{_FROM}"
 _PRINCIPAL_AND_SPEND = f"SELECT {_COLUMNS}, {MONTH_TO_DATE_OF_T} AS spent{_FROM}"
@@ -67,3 +79,18 @@ async def principal_for_key_id(conn: AsyncConnection, key_id: str) -> Principal:
     """The caller behind a dashboard session, which holds the id of the key it logged in with (never
     the key): re-read on every request, so revoking that key or changing the role takes effect."""
     return await _principal(conn, "k.id = %s", key_id)
+
+
+_ACCOUNT = (f"SELECT '' AS key_id, '' AS key_prefix, a.email AS account_email, a.role AS member_role, {_TENANT_COLUMNS} "
+            "FROM members a JOIN tenants t ON t.id = a.tenant_id WHERE a.id = %s AND a.removed_at IS NULL")
+
+
+async def principal_for_account(conn: AsyncConnection, account_id: str) -> Principal:
+    """The caller behind a dashboard session of a member account (tenancy.members): re-read on every
+    request, so removing the member or changing their role takes effect at once."""
+    cur = await conn.execute(_ACCOUNT, (account_id,))
+    row = await cur.fetchone()
+    if row is None:
+        raise Unauthenticated("this account was removed from its tenant; ask an owner to invite you again",
+                              field="session")
+    return Principal(**row)

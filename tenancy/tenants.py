@@ -28,19 +28,31 @@ class Tenant:
 _COLUMNS = "id, name, role, plan_weight, max_models, max_inflight_requests, tokens_per_minute"
 
 
-def create_tenant(conn: psycopg.Connection, name: str, *, role: str = "tenant", plan_weight: float = 1.0) -> Tenant:
+_CREATE = (f"INSERT INTO tenants ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+           f"ON CONFLICT (name) DO NOTHING RETURNING {_COLUMNS}")
+
+
+def _create_params(name: str, role: str, plan_weight: float) -> tuple:
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}")
     quotas = get_tenancy_settings()
-    row = conn.execute(
-        f"INSERT INTO tenants ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s) "
-        f"ON CONFLICT (name) DO NOTHING RETURNING {_COLUMNS}",
-        (ids.new_tenant_id(), name, role, plan_weight, quotas.max_models,
-         quotas.max_inflight_requests, quotas.tokens_per_minute),
-    ).fetchone()
+    return (ids.new_tenant_id(), name, role, plan_weight, quotas.max_models, quotas.max_inflight_requests,
+            quotas.tokens_per_minute)
+
+
+def _created(row: dict | None, name: str) -> Tenant:
     if row is None:
         raise Conflict(f"a tenant named {name!r} already exists", field="name")
     return Tenant(**row)
+
+
+def create_tenant(conn: psycopg.Connection, name: str, *, role: str = "tenant", plan_weight: float = 1.0) -> Tenant:
+    return _created(conn.execute(_CREATE, _create_params(name, role, plan_weight)).fetchone(), name)
+
+
+async def create_tenant_async(conn: psycopg.AsyncConnection, name: str) -> Tenant:
+    """Async form of `create_tenant` for a self-serve sign-up (role tenant, default quotas)."""
+    return _created(await (await conn.execute(_CREATE, _create_params(name, "tenant", 1.0))).fetchone(), name)
 
 
 def get_tenant_by_name(conn: psycopg.Connection, name: str) -> Tenant:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -62,3 +67,35 @@ def fb_body(model_id: str, seq_id: int, data: list[dict], loss_fn: str = "cross_
 
 
 ADAM = {"learning_rate": 0.01, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
+
+
+@contextlib.contextmanager
+def second_api(stack, log_dir: Path, **env: str) -> Iterator[str]:
+    """The base URL of another API process on the session stack's Postgres and Redis, with settings
+    of its own (`env`: QUILT_* variables the shared stack does not set); stopped after the block."""
+    port = free_port()
+    full_env = {**os.environ, "QUILT_DATABASE_URL": stack.database_url, "QUILT_REDIS_URL": stack.redis_url,
+                "QUILT_DATA_DIR": str(stack.data_dir), "HF_HUB_OFFLINE": "1", **env}
+    full_env.pop("QUILT_STRIPE_API_KEY", None)
+    log_path = log_dir / f"api-{port}.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "api.app:create_app", "--host",
+                             "127.0.0.1", "--port", str(port)], cwd=ROOT, env=full_env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(url + "/api/v1/healthz", timeout=5).status_code in (200, 503):
+                    break
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()

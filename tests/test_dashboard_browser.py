@@ -240,11 +240,13 @@ def test_tenants_page_and_its_forms_are_for_operators_only(stack, page, tenant):
 
 
 @pytest.fixture(scope="module")
-def stripe_fake():
+def stripe_fake(stack):
     from billing.fake_stripe import FakeStripe
+    from stripeutil import forget_customers
 
     with FakeStripe() as f:
         yield f
+        forget_customers(stack, f)
 
 
 @pytest.fixture(scope="module")
@@ -280,3 +282,33 @@ def test_card_setup_through_checkout_and_the_invoice_list(stack, page, tenant, s
     pm = stripe_fake.customers[customer]["invoice_settings"]["default_payment_method"]
     assert pm.startswith("pm_")
     _shot(page, "billing-card-saved")
+
+
+def test_sign_up_log_out_and_log_in_with_a_password(stack, page, tmp_path):
+    import time
+
+    from stackutil import second_api
+
+    with second_api(stack, tmp_path, QUILT_SIGNUP="open") as url:
+        email, name = f"ui-{time.time_ns()}@startup.example", f"ui-startup-{time.time_ns()}"
+        page.goto(url + "/dashboard/login")
+        page.click("#signup-link")
+        page.fill("#signup-email", email)
+        page.fill("#signup-tenant", name)
+        page.fill("#signup-password", "short")
+        page.click("#signup-submit")
+        assert "10 to 200 characters" in page.text_content("#signup-error")
+        page.fill("#signup-password", "a long enough password")
+        page.click("#signup-submit")
+        page.wait_for_url("**/dashboard/runs")
+        page.click("#nav-members")
+        assert page.text_content(f"#members-table tr[data-email='{email}'] .member-role").strip() == "owner"
+        _shot(page, "members")
+        page.click("text=Log out")
+        page.wait_for_url("**/dashboard/login")
+        page.fill("#login-email", email)
+        page.fill("#login-password", "a long enough password")
+        page.click("#password-login-submit")
+        page.wait_for_url("**/dashboard/runs")
+        page.click("#nav-account")
+        assert name in page.text_content("h1")

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 from stackutil import datum, fb_body, new_model, wait_future
-from stripeutil import billed_customer, billing_api
+from stripeutil import billed_customer, billing_api, forget_customers
 
 from billing import payments
 from billing.fake_stripe import FakeStripe
@@ -20,9 +20,10 @@ from tenancy import accounts
 
 
 @pytest.fixture(scope="module")
-def fake():
+def fake(stack):
     with FakeStripe() as f:
         yield f
+        forget_customers(stack, f)
 
 
 @pytest.fixture(scope="module")

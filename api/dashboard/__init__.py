@@ -24,7 +24,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
-from api.dashboard import account, data, pages
+from api.dashboard import account, data, members, pages
 from api.input_guard import GuardedRoute
 
 log = logging.getLogger("quilt.dashboard")
@@ -41,6 +41,7 @@ def install(app: FastAPI) -> None:
     """Add the dashboard's routes and static files to the API app."""
     app.include_router(pages.router)
     app.include_router(account.router)
+    app.include_router(members.router)
     # A person opening the server's address wants the dashboard; SDKs never ask for `/`.
     front = APIRouter(route_class=GuardedRoute, include_in_schema=False)
     front.add_api_route("/", _to_dashboard, methods=["GET", "HEAD"])

@@ -11,7 +11,7 @@ from fastapi import Depends, Request
 from api.dashboard import sessions
 from api.deps import Pool, RedisDep
 from core.errors import Forbidden, Unauthenticated
-from tenancy.auth import Principal, principal_for_key_id
+from tenancy.auth import Principal, principal_for_account, principal_for_key_id
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,10 @@ async def _viewer(request: Request, pool: Pool, redis: RedisDep) -> Viewer:
         raise Unauthenticated("log in to the dashboard with an API key", field="session")
     async with pool.connection() as conn:
         try:
-            who = await principal_for_key_id(conn, session.key_id)
+            if session.account_id:
+                who = await principal_for_account(conn, session.account_id)
+            else:
+                who = await principal_for_key_id(conn, session.key_id)
         except Unauthenticated:  # the key was revoked: the session ends with it
             await sessions.end(redis, token)
             raise
@@ -60,6 +63,12 @@ async def _operator(viewer: Annotated[Viewer, Depends(_viewer)]) -> Viewer:
     return viewer
 
 
+async def _owner_changing(viewer: Annotated[Viewer, Depends(_csrf_checked)]) -> Viewer:
+    if not viewer.who.is_owner:
+        raise Forbidden("only an owner of this tenant may do this", field="role")
+    return viewer
+
+
 async def _operator_changing(viewer: Annotated[Viewer, Depends(_csrf_checked)]) -> Viewer:
     return await _operator(viewer)
 
@@ -68,3 +77,4 @@ LoggedIn = Annotated[Viewer, Depends(_viewer)]
 Changing = Annotated[Viewer, Depends(_csrf_checked)]  # any state-changing request
 OperatorOnly = Annotated[Viewer, Depends(_operator)]
 OperatorChanging = Annotated[Viewer, Depends(_operator_changing)]  # an operator's state-changing request
+OwnerChanging = Annotated[Viewer, Depends(_owner_changing)]  # a tenant owner's state-changing request

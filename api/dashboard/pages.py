@@ -30,7 +30,7 @@ CHECKPOINT_KINDS = (TRAINING_KIND, SAMPLER_KIND, EXTERNAL_KIND)
 HOME = "/dashboard/runs"
 
 
-def _safe_next(target: str | None) -> str:
+def safe_next(target: str | None) -> str:
     """Where to go after logging in: only a dashboard path of this site (no open redirect)."""
     if target and target.startswith("/dashboard/") and not target.startswith("//") and "\\" not in target:
         return target
@@ -39,7 +39,7 @@ def _safe_next(target: str | None) -> str:
 
 # ------------------------------------------------------------------------------ log in / out
 
-def _login_page(request: Request, next_path: str, *, error: str | None = None, status_code: int = 200):
+def login_page(request: Request, next_path: str, *, error: str | None = None, status_code: int = 200):
     token = sessions.new_csrf_token()
     response = page(request, "login.html", {"csrf_token": token, "next": next_path, "error": error},
                     status_code=status_code)
@@ -57,7 +57,7 @@ async def home() -> RedirectResponse:
 @router.get("/login")
 async def login_form(request: Request, next: str = Query(HOME, max_length=2000)):
     """The login form: paste an API key."""
-    return _login_page(request, _safe_next(next))
+    return login_page(request, safe_next(next))
 
 
 @router.post("/login")
@@ -72,9 +72,9 @@ async def login(request: Request, pool: Pool, redis: RedisDep,
         try:
             who, _spent = await authenticate(conn, api_key.strip())
         except Unauthenticated as exc:
-            return _login_page(request, _safe_next(next), error=exc.message, status_code=401)
+            return login_page(request, safe_next(next), error=exc.message, status_code=401)
     token, _ = await sessions.create(redis, who.key_id)
-    response = RedirectResponse(_safe_next(next), status_code=303)
+    response = RedirectResponse(safe_next(next), status_code=303)
     sessions.set_cookie(response, request, sessions.COOKIE, token)
     sessions.clear_cookie(response, request, sessions.LOGIN_CSRF_COOKIE)
     return response
@@ -185,7 +185,7 @@ async def create_key(request: Request, viewer: Changing, pool: Pool,
     """Create a key; its secret is in this response only (not in a redirect URL, not in the session)."""
     async with pool.connection() as conn:
         secret, info = await keys.create_key_async(conn, viewer.who.tenant_id, name.strip())
-        await accounts.record_async(conn, viewer.who.tenant_id, await accounts.actor_of(conn, viewer.who.key_id),
+        await accounts.record_async(conn, viewer.who.tenant_id, viewer.who.actor,
                                     "key.created", prefix=info.prefix, name=info.name)
     return await _keys_page(request, viewer, pool, new_secret=secret, new_key=info)
 
@@ -195,7 +195,7 @@ async def revoke_key(viewer: Changing, pool: Pool, callers: Callers, prefix: Ann
     """Revoke one of your keys by prefix. Revoking the key this session logged in with ends it."""
     async with pool.connection() as conn:
         revoked = await keys.revoke_key_async(conn, prefix, viewer.who.tenant_id)
-        await accounts.record_async(conn, viewer.who.tenant_id, await accounts.actor_of(conn, viewer.who.key_id),
+        await accounts.record_async(conn, viewer.who.tenant_id, viewer.who.actor,
                                     "key.revoked", prefix=revoked.prefix)
     # This process need not wait for the notification (api.caller_cache); the others get it.
     callers.invalidate(f"tenant:{viewer.who.tenant_id}")

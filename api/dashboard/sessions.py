@@ -2,7 +2,8 @@
 
 Logging in with an API key creates a session that remembers the *id* of that key, never the key;
 every request re-reads the key and its tenant (`tenancy.auth.principal_for_key_id`), so revoking the
-key or changing the tenant's role takes effect at once. Redis holds the session under a hash of the
+key or changing the tenant's role takes effect at once. A member's password login remembers the
+member's id the same way (`principal_for_account`): removing the member ends their sessions. Redis holds the session under a hash of the
 token, so a copy of Redis does not hand out sessions.
 
 CSRF: each session carries its own random token; every state-changing request must send it back
@@ -35,19 +36,22 @@ MAX_AGE_S = 7 * 24 * 3600  # and none lives longer than this, used or not
 
 @dataclass(frozen=True)
 class DashSession:
-    key_id: str
+    key_id: str  # "" for a member account's session
     csrf_token: str
     created_at: float
+    account_id: str | None = None  # a member account (tenancy.members), when logged in with a password
 
 
 def _redis_key(token: str) -> str:
     return "quilt:dash:session:" + hashlib.sha256(token.encode()).hexdigest()
 
 
-async def create(redis: Redis, key_id: str) -> tuple[str, DashSession]:
-    """A new session for the key with this id; returns (the cookie token, the session)."""
+async def create(redis: Redis, key_id: str = "", *, account_id: str | None = None) -> tuple[str, DashSession]:
+    """A new session for the key with this id, or for a member account; returns (the cookie token,
+    the session)."""
     token = secrets.token_urlsafe(32)
-    session = DashSession(key_id=key_id, csrf_token=secrets.token_urlsafe(32), created_at=time.time())
+    session = DashSession(key_id=key_id, csrf_token=secrets.token_urlsafe(32), created_at=time.time(),
+                          account_id=account_id)
     await redis.set(_redis_key(token), json.dumps(asdict(session)), ex=IDLE_TTL_S)
     return token, session
 

@@ -109,6 +109,8 @@ async def put_budget(body: BudgetRequest, who: Who, pool: Pool) -> dict:
 async def change_budget(conn, who: Principal, monthly_usd: str | None, api_key_prefix: str | None) -> None:
     """Set (or with None, clear) one budget of the caller's tenant, and record it (the API and the
     dashboard's account page)."""
+    if not who.is_owner:
+        raise Forbidden("only an owner of this tenant may change its budgets", field="role")
     limit = None if monthly_usd is None else _micro_usd(monthly_usd, "monthly_usd", most=MAX_BUDGET_USD)
     key_id = None
     if api_key_prefix is not None:
@@ -117,7 +119,7 @@ async def change_budget(conn, who: Principal, monthly_usd: str | None, api_key_p
         if row is None:
             raise NotFound(f"no API key of yours with prefix {api_key_prefix!r}", field="api_key_prefix")
         key_id = row["id"]
-    actor = await accounts.actor_of(conn, who.key_id)
+    actor = who.actor
     scope = {"api_key_prefix": api_key_prefix} if key_id else {}
     if limit is None:
         if await budgets.clear_budget_async(conn, who.tenant_id, key_id):
@@ -178,7 +180,7 @@ async def suspend_tenant(name: str, body: SuspendRequest, who: Who, pool: Pool) 
 async def suspend(conn, who: Principal, name: str, kind: str, reason: str) -> None:
     _operator(who)
     await accounts.suspend_async(conn, await _tenant_id(conn, name), kind, reason,
-                                 await accounts.actor_of(conn, who.key_id))
+                                 who.actor)
 
 
 @router.post("/tenants/{name}/restore")
@@ -191,7 +193,7 @@ async def restore_tenant(name: str, who: Who, pool: Pool) -> dict:
 
 async def restore(conn, who: Principal, name: str) -> bool:
     _operator(who)
-    return await accounts.restore_async(conn, await _tenant_id(conn, name), await accounts.actor_of(conn, who.key_id))
+    return await accounts.restore_async(conn, await _tenant_id(conn, name), who.actor)
 
 
 @router.post("/tenants/{name}/credits")
@@ -209,7 +211,7 @@ async def grant(conn, who: Principal, name: str, amount_usd: str, category: str,
     if amount == 0:
         raise InvalidInput("usd: a grant must be more than 0", field="usd")
     tenant_id = await _tenant_id(conn, name)
-    actor = await accounts.actor_of(conn, who.key_id)
+    actor = who.actor
     grant_id = await credits.grant_async(conn, tenant_id, amount, category, reason, actor)
     await accounts.record_async(conn, tenant_id, actor, "credit.granted", grant_id=grant_id,
                                 amount_micro_usd=amount, category=category, reason=reason)
@@ -227,6 +229,6 @@ async def set_plan(conn, who: Principal, name: str, changes: dict) -> dict:
     _operator(who)
     tenant_id = await _tenant_id(conn, name)
     row = await tenants.set_plan_async(conn, tenant_id, changes)
-    await accounts.record_async(conn, tenant_id, await accounts.actor_of(conn, who.key_id), "tenant.plan_set",
+    await accounts.record_async(conn, tenant_id, who.actor, "tenant.plan_set",
                                 **changes)
     return {"tenant": name, **{k: row[k] for k in tenants.PLAN_FIELDS}}

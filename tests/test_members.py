@@ -1,0 +1,164 @@
+"""Dashboard accounts (tenancy.members): invitation-only sign-up by default, an owner's invitation
+joining its tenant with a role, password login beside the API-key login, reset links written to the
+log without a mail server (single use), members who may make keys but not change budgets, removal
+ending a member's sessions, and open sign-up creating a tenant when the operator allows it."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+
+import httpx
+import pytest
+from dashutil import csrf_of, login
+from stackutil import second_api
+
+PASSWORD = "correct horse battery"
+
+
+def _form_client(base_url: str, path: str) -> tuple[httpx.Client, str]:
+    """A client that has opened a session-less form page (its double-submit CSRF cookie set)."""
+    client = httpx.Client(base_url=base_url, timeout=60)
+    page = client.get(path)
+    return client, csrf_of(page.text)
+
+
+def _csrf(client: httpx.Client) -> str:
+    """The double-submit token a session-less form page last set (each such page sets a new one)."""
+    return client.cookies.get("quilt_login_csrf")
+
+
+def _invite(owner: httpx.Client, email: str, role: str = "member") -> str:
+    token = csrf_of(owner.get("/dashboard/members").text)
+    r = owner.post("/dashboard/members/invite", data={"email": email, "role": role, "csrf_token": token})
+    assert r.status_code == 200, r.text[:500]
+    return re.search(r'id="invite-link">([^<]+)<', r.text).group(1).split("invite=")[1]
+
+
+def _join(stack, invite: str, password: str = PASSWORD) -> httpx.Client:
+    client, token = _form_client(stack.base_url, f"/dashboard/signup?invite={invite}")
+    r = client.post("/dashboard/signup", data={"invite": invite, "password": password, "csrf_token": token})
+    assert r.status_code == 303, r.text[:500]
+    return client
+
+
+def _password_login(base_url: str, email: str, password: str) -> httpx.Response:
+    client, token = _form_client(base_url, "/dashboard/login")
+    return client.post("/dashboard/login/password", data={"email": email, "password": password, "csrf_token": token})
+
+
+def _logged_token(stack, pattern: str, timeout_s: float = 10) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = re.findall(pattern, (stack.log_dir / "api.log").read_text())
+        if found:
+            return found[-1]
+        time.sleep(0.1)
+    raise AssertionError(f"{pattern} not in the API log")
+
+
+def test_sign_up_is_by_invitation_unless_opened(stack):
+    client, token = _form_client(stack.base_url, "/dashboard/login")
+    closed = client.get("/dashboard/signup")
+    assert closed.status_code == 403 and "by invitation" in closed.text
+    token = client.cookies.get("quilt_login_csrf")  # the sign-up page set a new one
+    r = client.post("/dashboard/signup", data={"email": "a@b.example", "password": PASSWORD, "tenant": "x",
+                                               "csrf_token": token})
+    assert r.status_code == 403
+    assert client.post("/dashboard/signup", data={"invite": "made-up", "password": PASSWORD,
+                                                  "csrf_token": token}).status_code == 403
+
+
+def test_an_invited_member_joins_logs_in_and_has_a_members_rights(stack, tenant):
+    email = f"dev-{time.time_ns()}@team.example"
+    with contextlib.closing(login(stack, tenant.key)) as owner:
+        invite = _invite(owner, email)
+        assert email in (stack.log_dir / "api.log").read_text()  # no mail server: the link is logged
+        member = _join(stack, invite)
+        assert member.get("/dashboard/members").status_code == 200
+        assert email in owner.get("/dashboard/members").text
+        # Used once only.
+        client, token = _form_client(stack.base_url, f"/dashboard/signup?invite={invite}")
+        assert client.post("/dashboard/signup", data={"invite": invite, "password": PASSWORD,
+                                                      "csrf_token": token}).status_code == 403
+
+        page = member.get("/dashboard/keys").text
+        made = member.post("/dashboard/keys", data={"name": "from-a-member", "csrf_token": csrf_of(page)})
+        assert made.status_code == 200 and "new-key-secret" in made.text
+        refused = member.post("/dashboard/account/budget", data={"monthly_usd": "5", "csrf_token": csrf_of(page)})
+        assert refused.status_code == 403
+        assert member.post("/dashboard/members/invite", data={"email": "x@y.example",
+                                                              "csrf_token": csrf_of(page)}).status_code == 403
+        audit = owner.get("/dashboard/account").text
+        for action in ("member.invited", "member.joined", "key.created"):
+            assert action in audit
+        assert f"account:{email}" in audit
+
+        # Logging in with the password works; a wrong one or an unknown address reads the same.
+        assert _password_login(stack.base_url, email, PASSWORD).status_code == 303
+        wrong, unknown = (_password_login(stack.base_url, email, "not the password"),
+                          _password_login(stack.base_url, "nobody@team.example", PASSWORD))
+        assert wrong.status_code == unknown.status_code == 401
+        assert "wrong email or password" in wrong.text and "wrong email or password" in unknown.text
+
+        # Removing the member ends their session at its next request.
+        member_id = re.search(rf'data-email="{re.escape(email)}".*?name="member_id" value="([^"]+)"',
+                              owner.get("/dashboard/members").text, re.S).group(1)
+        r = owner.post("/dashboard/members/remove", data={"member_id": member_id,
+                                                          "csrf_token": csrf_of(owner.get("/dashboard/members").text)})
+        assert r.status_code == 303
+        assert member.get("/dashboard/runs").status_code == 303  # back to the login page
+        assert _password_login(stack.base_url, email, PASSWORD).status_code == 401
+        member.close()
+
+
+def test_a_password_reset_link_is_logged_and_works_once(stack, tenant):
+    email = f"reset-{time.time_ns()}@team.example"
+    with contextlib.closing(login(stack, tenant.key)) as owner:
+        _join(stack, _invite(owner, email, role="owner")).close()
+    client, token = _form_client(stack.base_url, "/dashboard/forgot")
+    for address in (email, "nobody@team.example"):  # the same answer for an unknown address
+        r = client.post("/dashboard/forgot", data={"email": address,
+                                                   "csrf_token": _csrf(client)})
+        assert r.status_code == 200 and "forgot-sent" in r.text
+    reset = _logged_token(stack, rf"for {re.escape(email)}: \S+/dashboard/reset\?token=(\S+)")
+    client, token = _form_client(stack.base_url, f"/dashboard/reset?token={reset}")
+    short = client.post("/dashboard/reset", data={"token": reset, "password": "short", "csrf_token": _csrf(client)})
+    assert short.status_code == 400 and "password" in short.text
+    done = client.post("/dashboard/reset", data={"token": reset, "password": "a new long password", "csrf_token": _csrf(client)})
+    assert done.status_code == 303
+    again = client.post("/dashboard/reset", data={"token": reset, "password": "another long one!", "csrf_token": _csrf(client)})
+    assert again.status_code == 403
+    assert _password_login(stack.base_url, email, "a new long password").status_code == 303
+    assert _password_login(stack.base_url, email, PASSWORD).status_code == 401
+
+
+@pytest.mark.parametrize("password", ["x" * 201, "has a \x00 in it!!"])
+def test_hostile_passwords_are_refused(stack, password):
+    client, token = _form_client(stack.base_url, "/dashboard/login")
+    r = client.post("/dashboard/login/password", data={"email": "a@b.example", "password": password,
+                                                       "csrf_token": token})
+    assert r.status_code == 400, r.text
+
+
+def test_open_sign_up_creates_a_tenant_and_its_owner(stack, tmp_path):
+    with second_api(stack, tmp_path, QUILT_SIGNUP="open") as url:
+        email, name = f"founder-{time.time_ns()}@startup.example", f"startup-{time.time_ns()}"
+        client, token = _form_client(url, "/dashboard/signup")
+        bad = client.post("/dashboard/signup", data={"email": "not-an-address", "password": PASSWORD, "tenant": name,
+                                                     "csrf_token": token})
+        assert bad.status_code == 400 and "email" in bad.text
+        r = client.post("/dashboard/signup", data={"email": email, "password": PASSWORD, "tenant": name,
+                                                   "csrf_token": _csrf(client)})
+        assert r.status_code == 303
+        assert name in client.get("/dashboard/account").text
+        assert "member.joined" in client.get("/dashboard/account").text
+        other, other_token = _form_client(url, "/dashboard/signup")
+        dup = other.post("/dashboard/signup", data={"email": email.upper(), "password": PASSWORD, "tenant": name + "-2",
+                                                    "csrf_token": other_token})
+        assert dup.status_code == 409, dup.text[:300]
+        # An owner may set budgets.
+        page = client.get("/dashboard/account").text
+        assert client.post("/dashboard/account/budget", data={"monthly_usd": "5",
+                                                              "csrf_token": csrf_of(page)}).status_code == 303
