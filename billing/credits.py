@@ -84,3 +84,24 @@ async def grant_async(conn: psycopg.AsyncConnection, tenant_id: str, amount_micr
     """Async form of `grant` (the operator API)."""
     check_grant(amount_micro_usd, category, reason)
     return (await (await conn.execute(_GRANT, (tenant_id, amount_micro_usd, category, reason, actor))).fetchone())["id"]
+
+
+_UNSENT = ("SELECT g.id, g.amount_micro_usd, g.category, g.reason, b.stripe_customer_id FROM credit_grants g "
+           "JOIN billing_accounts b ON b.tenant_id = g.tenant_id "
+           "WHERE NOT EXISTS (SELECT 1 FROM credit_grant_stripe s WHERE s.grant_id = g.id) ORDER BY g.id")
+
+
+def send_to_stripe(conn: psycopg.Connection, gateway) -> int:
+    """Send grants Stripe has not got yet as Billing credit grants (whole cents, rounded down: Stripe
+    never applies more than was granted); returns how many went. Part of the Stripe sync."""
+    sent = 0
+    for g in conn.execute(_UNSENT).fetchall():
+        cents = g["amount_micro_usd"] // 10_000
+        if cents <= 0:
+            continue
+        stripe_id = gateway.create_credit_grant(grant_id=g["id"], customer_id=g["stripe_customer_id"],
+                                                amount_cents=cents, category=g["category"], name=g["reason"])
+        conn.execute("INSERT INTO credit_grant_stripe (grant_id, stripe_credit_grant_id) VALUES (%s, %s) "
+                     "ON CONFLICT DO NOTHING", (g["id"], stripe_id))
+        sent += 1
+    return sent

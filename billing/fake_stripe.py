@@ -14,7 +14,8 @@ in memory, and enforces what matters for billing correctness:
 
 Routes: POST/GET /v1/customers[/{id}], GET/POST /v1/billing/meters,
 GET /v1/billing/meters/{id}/event_summaries, POST /v1/billing/meter_events, POST /v1/checkout/sessions
-(setup mode), GET /v1/setup_intents/{id}, GET /v1/invoices, and GET /_fake/state.
+(setup mode), GET /v1/setup_intents/{id}, GET /v1/invoices, POST /v1/billing/credit_grants, and
+GET /_fake/state.
 
 Card setup: a Checkout session's `url` is a page of this server (`/_fake/checkout/{id}`) with one
 button; pressing it saves a test card (visa 4242) on a SetupIntent, sends `checkout.session.completed`
@@ -105,6 +106,7 @@ class FakeStripe:
         self.checkout_sessions: dict[str, dict] = {}
         self.setup_intents: dict[str, dict] = {}
         self.invoices: dict[str, dict] = {}
+        self.credit_grants: dict[str, dict] = {}
         self.webhook_url: str | None = None  # where events go (Quilt's /api/v1/stripe/webhook)
         self.webhook_secret = "whsec_quilt_fake"
         self.delivered: list[tuple[str, int]] = []  # (event type, HTTP status of Quilt's answer)
@@ -235,6 +237,8 @@ class FakeStripe:
                 raise StripeHTTPError(404, f"No such customer: '{rest[1]}'", code="resource_missing", param="id")
             customer.setdefault("invoice_settings", {}).update(form.get("invoice_settings", {}))
             return 200, customer
+        if rest == ["billing", "credit_grants"] and method == "POST":
+            return 200, self._create_credit_grant(form)
         if rest == ["checkout", "sessions"] and method == "POST":
             return 200, self._create_checkout(form)
         if len(rest) == 2 and rest[0] == "setup_intents" and method == "GET":
@@ -287,6 +291,24 @@ class FakeStripe:
             "Content-Type": "application/json", "Stripe-Signature": signature or self.sign(body)})
         self.delivered.append((type_, r.status_code))
         return r
+
+    def _create_credit_grant(self, form: dict) -> dict:
+        if form.get("customer") not in self.customers:
+            raise StripeHTTPError(400, f"No such customer: '{form.get('customer')}'", code="resource_missing",
+                                  param="customer")
+        monetary = (form.get("amount") or {}).get("monetary") or {}
+        if not str(monetary.get("value", "")).isdigit() or int(monetary["value"]) <= 0:
+            raise StripeHTTPError(400, "amount[monetary][value] must be a positive integer", param="amount")
+        if form.get("category") not in ("paid", "promotional"):
+            raise StripeHTTPError(400, "Invalid category", param="category")
+        if not (form.get("applicability_config") or {}).get("scope"):
+            raise StripeHTTPError(400, "Missing required param: applicability_config.", code="parameter_missing")
+        grant = {"id": _new_id("credgr"), "object": "billing.credit_grant", "customer": form["customer"],
+                 "category": form["category"], "name": form.get("name"), "metadata": form.get("metadata", {}),
+                 "amount": {"type": "monetary", "monetary": {"currency": monetary.get("currency", "usd"),
+                                                             "value": int(monetary["value"])}}}
+        self.credit_grants[grant["id"]] = grant
+        return grant
 
     def _create_checkout(self, form: dict) -> dict:
         if form.get("mode") != "setup":

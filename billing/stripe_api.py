@@ -99,6 +99,19 @@ class StripeGateway:
                  "amount_paid": i.amount_paid, "currency": i.currency, "url": i.hosted_invoice_url,
                  "created": i.created} for i in listed.data]
 
+    def create_credit_grant(self, *, grant_id: int, customer_id: str, amount_cents: int, category: str,
+                            name: str) -> str:
+        """A Billing credit grant that Stripe applies to the customer's metered usage before charging;
+        the idempotency key makes a retry return the same grant."""
+        grant = self.client.v1.billing.credit_grants.create(
+            params={"customer": customer_id, "name": name[:100], "category": category,
+                    "amount": {"type": "monetary", "monetary": {"currency": "usd", "value": amount_cents}},
+                    "applicability_config": {"scope": {"price_type": "metered"}},
+                    "metadata": {"quilt_credit_grant_id": str(grant_id)}},
+            options={"idempotency_key": f"quilt-credit-grant-{grant_id}"},
+        )
+        return grant.id
+
     # ---------------------------------------------------------------------------------- meters
 
     def find_meters(self) -> dict[str, str]:

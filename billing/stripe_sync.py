@@ -31,6 +31,7 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 from psycopg.rows import dict_row
 
+from billing import credits
 from billing.customers import ensure_all_customers
 from billing.stripe_api import StripeGateway
 from core.settings import BillingSettings
@@ -162,6 +163,7 @@ class SyncReport:
     busy: bool = False
     customers_created: int = 0
     meters_created: int = 0
+    credit_grants_sent: int = 0
     planned: int = 0
     accepted: int = 0
     duplicates: int = 0
@@ -288,6 +290,7 @@ def sync(db_url: str, settings: BillingSettings, *, gateway: StripeGateway | Non
         try:
             report.customers_created = ensure_all_customers(conn, gateway)
             report.meters_created = ensure_meters(conn, gateway, settings)
+            report.credit_grants_sent = credits.send_to_stripe(conn, gateway)
             report.planned, report.anomalies = plan(conn, settings, as_of)
             send_pending(conn, gateway, settings, report)
         finally:

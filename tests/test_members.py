@@ -162,3 +162,16 @@ def test_open_sign_up_creates_a_tenant_and_its_owner(stack, tmp_path):
         page = client.get("/dashboard/account").text
         assert client.post("/dashboard/account/budget", data={"monthly_usd": "5",
                                                               "csrf_token": csrf_of(page)}).status_code == 303
+
+
+def test_an_owner_cannot_touch_another_tenants_members(stack):
+    a, b = stack.create_tenant("mem-a"), stack.create_tenant("mem-b")
+    email = f"a-{time.time_ns()}@team.example"
+    with contextlib.closing(login(stack, a.key)) as owner_a, contextlib.closing(login(stack, b.key)) as owner_b:
+        _join(stack, _invite(owner_a, email)).close()
+        member_id = re.search(r'name="member_id" value="([^"]+)"', owner_a.get("/dashboard/members").text).group(1)
+        assert email not in owner_b.get("/dashboard/members").text
+        r = owner_b.post("/dashboard/members/remove", data={"member_id": member_id,
+                                                            "csrf_token": csrf_of(owner_b.get("/dashboard/members").text)})
+        assert r.status_code == 404
+        assert email in owner_a.get("/dashboard/members").text

@@ -111,3 +111,22 @@ def test_the_grace_period_holds_until_it_is_over(stack, fake, api, tenant, tmp_p
             assert tenant.tenant_id in payments.suspend_overdue(conn, 0)  # what beat does once it is over
             assert tenant.tenant_id not in payments.suspend_overdue(conn, 0)  # once
     fake.webhook_url = api + "/api/v1/stripe/webhook"
+
+
+def test_credit_grants_reach_stripe_once_as_billing_credit_grants(stack, fake, api, tenant):
+    from dashutil import operator_key
+
+    from billing import credits
+    from billing.stripe_api import StripeGateway
+    from core.settings import BillingSettings
+
+    customer = billed_customer(stack, fake, tenant.tenant_id)
+    with stack.http(operator_key(stack)) as op:
+        r = op.post(f"/quilt/tenants/{tenant.name}/credits", json={"usd": "7.255", "reason": "pilot", "category": "paid"})
+        assert r.status_code == 200, r.text
+    gateway = StripeGateway(BillingSettings(stripe_api_base=fake.url, stripe_max_network_retries=0))
+    with psycopg.connect(stack.database_url, autocommit=True, row_factory=dict_row) as conn:
+        assert credits.send_to_stripe(conn, gateway) >= 1
+        assert credits.send_to_stripe(conn, gateway) == 0  # sent once
+    mine = [g for g in fake.credit_grants.values() if g["customer"] == customer]
+    assert [(g["amount"]["monetary"]["value"], g["category"]) for g in mine] == [(725, "paid")]  # whole cents, down
