@@ -32,8 +32,11 @@ def billed_customer(stack, fake: FakeStripe, tenant_id: str) -> str:
         return customers.ensure_customer(conn, gateway, tenant_id)
 
 
-def forget_customers(stack, fake: FakeStripe) -> None:
-    """Drop the billing accounts of the fake's customers: the fake goes away, and another test's
+@contextlib.contextmanager
+def stripe_fake(stack) -> Iterator[FakeStripe]:
+    """A running fake; afterwards the billing accounts of its customers go too, since another test's
     Stripe sync over the shared database must not send usage to customers its own fake never had."""
-    with db.connect(stack.database_url) as conn:
-        conn.execute("DELETE FROM billing_accounts WHERE stripe_customer_id = ANY(%s)", (list(fake.customers),))
+    with FakeStripe() as fake:
+        yield fake
+        with db.connect(stack.database_url) as conn:
+            conn.execute("DELETE FROM billing_accounts WHERE stripe_customer_id = ANY(%s)", (list(fake.customers),))

@@ -241,12 +241,10 @@ def test_tenants_page_and_its_forms_are_for_operators_only(stack, page, tenant):
 
 @pytest.fixture(scope="module")
 def stripe_fake(stack):
-    from billing.fake_stripe import FakeStripe
-    from stripeutil import forget_customers
+    from stripeutil import stripe_fake as running_fake
 
-    with FakeStripe() as f:
+    with running_fake(stack) as f:
         yield f
-        forget_customers(stack, f)
 
 
 @pytest.fixture(scope="module")

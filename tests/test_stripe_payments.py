@@ -12,18 +12,16 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 from stackutil import datum, fb_body, new_model, wait_future
-from stripeutil import billed_customer, billing_api, forget_customers
+from stripeutil import billed_customer, billing_api, stripe_fake
 
 from billing import payments
-from billing.fake_stripe import FakeStripe
 from tenancy import accounts
 
 
 @pytest.fixture(scope="module")
 def fake(stack):
-    with FakeStripe() as f:
+    with stripe_fake(stack) as f:
         yield f
-        forget_customers(stack, f)
 
 
 @pytest.fixture(scope="module")
