@@ -185,3 +185,21 @@ def test_spend_page_shows_plots_and_budgets(stack, owned):
     assert '"base_model": "quilt/tiny-qwen3"' in page or '"base_model":"quilt/tiny-qwen3"' in page  # the plot's data
     backwards = {"since": "2026-02-01", "until": "2026-01-01"}
     assert login(stack, a.key).get("/dashboard/spend", params=backwards).status_code == 400
+
+
+def test_every_dashboard_change_needs_its_csrf_token(stack):
+    """Every POST route of the dashboard, found in the app itself, refuses a request without the
+    token: 403, whether it needs a session (the session's token) or not (the double-submit cookie)."""
+    from api.app import create_app
+
+    posts = sorted({r.path for r in create_app().routes
+                    if getattr(r, "methods", None) and "POST" in r.methods and r.path.startswith("/dashboard")})
+    assert len(posts) >= 15, posts
+    client = login(stack, operator_key(stack))
+    try:
+        for path in posts:
+            concrete = path.replace("{name}", "nobody")
+            r = client.post(concrete, data={"reason": "x", "usd": "1", "email": "a@b.example", "password": "p" * 12})
+            assert r.status_code == 403 and "CSRF" in r.text, (path, r.status_code, r.text[:200])
+    finally:
+        client.close()
