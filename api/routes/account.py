@@ -2,7 +2,8 @@
 and the operator's suspension and credit grants.
 
 Amounts are given as exact decimal USD text (`"12.50"`) and echoed as micro-USD too. Every change
-writes an audit row in the same transaction (tenancy.accounts), naming the key that made it.
+writes an audit row in the same transaction (tenancy.accounts), naming who made it (the caller's key
+or member account).
 Operator routes answer 403 to any other caller; a tenant a caller may not see is a 404.
 """
 
@@ -51,7 +52,7 @@ class PlanRequest(BaseModel):
     max_inflight_requests: int | None = Field(None, ge=1, le=2**31 - 1)
     max_models: int | None = Field(None, ge=1, le=2**31 - 1)
     plan_weight: float | None = Field(None, gt=0, le=1000, allow_inf_nan=False,
-                                      description="the tenant's fair-share weight in the trainer and the pool")
+                                      description="the tenant's fair-share weight in the trainer (re-read every 30 s)")
 
 
 class CreditGrantRequest(BaseModel):
