@@ -127,7 +127,6 @@ def cmd_credits_grant(args, prepared: Callable) -> int:
     from billing import credits
     from billing.pricing import parse_usd, usd_short
     from core import db
-    from tenancy import accounts
 
     try:
         amount = parse_usd(args.usd)
@@ -138,8 +137,6 @@ def cmd_credits_grant(args, prepared: Callable) -> int:
     with db.connect(prepared(args)) as conn, conn.transaction():
         tenant = _tenant(conn, args.tenant)
         grant_id = credits.grant(conn, tenant.id, amount, category, args.reason, "cli")
-        accounts.record(conn, tenant.id, "cli", "credit.granted", grant_id=grant_id, amount_micro_usd=amount,
-                        category=category, reason=args.reason)
     print(f"granted {usd_short(amount)} of {category} credit to {tenant.name} (grant {grant_id})")
     return 0
 

@@ -4,7 +4,7 @@ A grant is consumed by the tenant's usage from the day it is granted on (UTC day
 daily rollup), oldest grant first; usage beyond the balance is what gets charged. `apply` is the
 whole rule, a pure function over plain data; `credit_state` feeds it from Postgres. Grants are
 append-only rows (migration 0011), made by an operator (`quilt credits grant`, or the operator
-API), each with an audit row (tenancy.accounts) in the same transaction.
+API), each with its audit row (tenancy.accounts), written here in the same transaction.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from datetime import date
 
 import psycopg
+
+from tenancy import accounts
 
 MAX_GRANT_MICRO_USD = 10**9 * 10**6  # a billion USD: past any real grant, far inside bigint
 
@@ -74,16 +76,27 @@ def check_grant(amount_micro_usd: int, category: str, reason: str) -> None:
 
 def grant(conn: psycopg.Connection, tenant_id: str, amount_micro_usd: int, category: str, reason: str,
           actor: str) -> int:
-    """Grant credit (the CLI), in the caller's transaction (with its audit row); returns the grant's id."""
+    """Grant credit (the CLI) and record it in the audit log, in the caller's transaction; returns
+    the grant's id."""
     check_grant(amount_micro_usd, category, reason)
-    return conn.execute(_GRANT, (tenant_id, amount_micro_usd, category, reason, actor)).fetchone()["id"]
+    grant_id = conn.execute(_GRANT, (tenant_id, amount_micro_usd, category, reason, actor)).fetchone()["id"]
+    accounts.record(conn, tenant_id, actor, "credit.granted", **_detail(grant_id, amount_micro_usd, category, reason))
+    return grant_id
 
 
 async def grant_async(conn: psycopg.AsyncConnection, tenant_id: str, amount_micro_usd: int, category: str,
                       reason: str, actor: str) -> int:
     """Async form of `grant` (the operator API)."""
     check_grant(amount_micro_usd, category, reason)
-    return (await (await conn.execute(_GRANT, (tenant_id, amount_micro_usd, category, reason, actor))).fetchone())["id"]
+    cur = await conn.execute(_GRANT, (tenant_id, amount_micro_usd, category, reason, actor))
+    grant_id = (await cur.fetchone())["id"]
+    await accounts.record_async(conn, tenant_id, actor, "credit.granted",
+                                **_detail(grant_id, amount_micro_usd, category, reason))
+    return grant_id
+
+
+def _detail(grant_id: int, amount_micro_usd: int, category: str, reason: str) -> dict:
+    return {"grant_id": grant_id, "amount_micro_usd": amount_micro_usd, "category": category, "reason": reason}
 
 
 _UNSENT = ("SELECT g.id, g.amount_micro_usd, g.category, g.reason, b.stripe_customer_id FROM credit_grants g "

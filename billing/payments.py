@@ -63,10 +63,10 @@ def verify(payload: bytes, signature: str | None, secret: str) -> dict:
 
 
 def suspend_overdue(conn: psycopg.Connection, grace_s: int) -> list[str]:
-    """Suspend every tenant whose payment failed more than `grace_s` ago (Celery beat); their ids."""
+    """Suspend every tenant whose payment failed more than `grace_s` ago (Celery beat; `conn` with
+    dict rows); their ids."""
     with conn.transaction():
-        return [r["tenant_id"] if isinstance(r, dict) else r[0]
-                for r in conn.execute(_SUSPEND_OVERDUE, (grace_s,)).fetchall()]
+        return [r["tenant_id"] for r in conn.execute(_SUSPEND_OVERDUE, (grace_s,)).fetchall()]
 
 
 async def handle(conn: psycopg.AsyncConnection, event: dict, gateway: Callable[[], StripeGateway],

@@ -24,6 +24,7 @@ from argon2.exceptions import InvalidHashError, VerifyMismatchError
 
 from core import ids
 from core.errors import Conflict, Forbidden, InvalidInput, NotFound, Unauthenticated
+from tenancy.tenants import create_tenant_async
 
 log = logging.getLogger("quilt.members")
 
@@ -66,8 +67,6 @@ def _token_hash(token: str) -> bytes:
 
 async def sign_up(conn: psycopg.AsyncConnection, email: str, password_hash: str, tenant_name: str) -> dict:
     """Open sign-up: a new tenant and its first owner (the caller commits)."""
-    from tenancy.tenants import create_tenant_async
-
     tenant = await create_tenant_async(conn, tenant_name)
     member = await _insert(conn, tenant.id, email, password_hash, "owner")
     return {**member, "tenant_name": tenant.name}
@@ -75,9 +74,7 @@ async def sign_up(conn: psycopg.AsyncConnection, email: str, password_hash: str,
 
 async def accept_invite(conn: psycopg.AsyncConnection, token: str, password_hash: str) -> dict:
     """Join the tenant an invitation names, with its role (once; the caller commits)."""
-    row = await (await conn.execute(
-        "UPDATE member_tokens SET used_at = now() WHERE token_hash = %s AND purpose = 'invite' "
-        "AND used_at IS NULL AND expires_at > now() RETURNING tenant_id, email, role", (_token_hash(token),))).fetchone()
+    row = await _use_token(conn, token, "invite")
     if row is None:
         raise Forbidden("this invitation is unknown, used or expired; ask an owner for a new one", field="invite")
     return await _insert(conn, row["tenant_id"], row["email"], password_hash, row["role"])
@@ -136,6 +133,14 @@ async def new_token(conn: psycopg.AsyncConnection, purpose: str, tenant_id: str,
     return token
 
 
+async def _use_token(conn: psycopg.AsyncConnection, token: str, purpose: str) -> dict | None:
+    """Mark a live token of this purpose used and return its row, or None (unknown, used or expired)."""
+    cur = await conn.execute(
+        "UPDATE member_tokens SET used_at = now() WHERE token_hash = %s AND purpose = %s AND used_at IS NULL "
+        "AND expires_at > now() RETURNING tenant_id, email, role", (_token_hash(token), purpose))
+    return await cur.fetchone()
+
+
 async def start_reset(conn: psycopg.AsyncConnection, email: str) -> str | None:
     """A reset token for a live account with this address, or None (the caller says the same either way)."""
     row = await (await conn.execute("SELECT tenant_id FROM members WHERE lower(email) = %s AND removed_at IS NULL",
@@ -147,9 +152,7 @@ async def start_reset(conn: psycopg.AsyncConnection, email: str) -> str | None:
 
 async def finish_reset(conn: psycopg.AsyncConnection, token: str, password_hash: str) -> str:
     """Set the new password of the reset token's account (once); returns its email."""
-    row = await (await conn.execute(
-        "UPDATE member_tokens SET used_at = now() WHERE token_hash = %s AND purpose = 'reset' AND used_at IS NULL "
-        "AND expires_at > now() RETURNING email", (_token_hash(token),))).fetchone()
+    row = await _use_token(conn, token, "reset")
     if row is None:
         raise Forbidden("this reset link is unknown, used or expired; ask for a new one", field="token")
     await conn.execute("UPDATE members SET password_hash = %s WHERE lower(email) = %s AND removed_at IS NULL",

@@ -211,11 +211,7 @@ async def grant(conn, who: Principal, name: str, amount_usd: str, category: str,
     amount = _micro_usd(amount_usd, "usd", most=credits.MAX_GRANT_MICRO_USD // 10**6)
     if amount == 0:
         raise InvalidInput("usd: a grant must be more than 0", field="usd")
-    tenant_id = await _tenant_id(conn, name)
-    actor = who.actor
-    grant_id = await credits.grant_async(conn, tenant_id, amount, category, reason, actor)
-    await accounts.record_async(conn, tenant_id, actor, "credit.granted", grant_id=grant_id,
-                                amount_micro_usd=amount, category=category, reason=reason)
+    grant_id = await credits.grant_async(conn, await _tenant_id(conn, name), amount, category, reason, who.actor)
     return grant_id, amount
 
 
