@@ -13,6 +13,8 @@ from core.ids import CHECKPOINT_NAME_RE
 from core.numbers import INT32_MAX
 from core.work import SEED_MAX
 
+EPISODE_ID_PATTERN = r"^[A-Za-z0-9._:/-]{1,128}$"
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -263,6 +265,19 @@ class SampleRequest(_Body):
     prompt_alt_tokens_k: int = Field(0, le=INT32_MAX)
     deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False,
                                      description="Quilt: abort and fail the request if unfinished after this")
+    episode_id: str | None = Field(None, pattern=EPISODE_ID_PATTERN,
+                                   description="Quilt: the multi-turn episode this call belongs to (1-128 of "
+                                               "letters, digits, '.', '_', ':', '/', '-'); the pool serves episodes "
+                                               "that have consumed less first")
+    episode_hint: Literal["promote", "demote"] | None = Field(
+        None, description="Quilt: move the episode one feedback level up (say its tool returned the final answer) "
+                          "or down (say a retry loop began); needs episode_id")
+
+    @model_validator(mode="after")
+    def _hint_needs_episode(self) -> "SampleRequest":
+        if self.episode_hint is not None and self.episode_id is None:
+            raise ValueError("episode_hint needs episode_id")
+        return self
 
 
 class CancelFutureRequest(_Body):

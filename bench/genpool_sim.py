@@ -29,6 +29,7 @@ batches, shared vs partitioned; then one JSON line per scale:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import json
 import math
@@ -37,7 +38,13 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from gen_pool.admission import GroupView, PoolView, plan_admission
+from gen_pool.admission import (
+    GRACE_SEQUENCES,
+    BatchLedger,
+    GroupView,
+    PoolView,
+    plan_admission,
+)
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,7 @@ class Model:
     lifetime_s: float = 450.0
     horizon_s: float = 900.0
     quantum_s: float = 0.5
-    share_after_s: float = PoolView.share_after_s  # admission rule 3 (0 = plain fair shares first)
+    ahead: int = 0  # batches a tenant may sample ahead of its trainer (quilt.rl's max_staleness); 0 = synchronous
 
 
 @dataclass(frozen=True)
@@ -129,11 +136,18 @@ class SimGroup:
 class SimTenant:
     plan: TenantPlan
     rng: random.Random
-    step: int = 0
+    step: int = 0  # batches submitted
     pending: int = 0  # groups of the current batch not done
-    batch_start: float = 0.0
-    next_submit: float = 0.0
-    ttb: list[float] = field(default_factory=list)
+    next_submit: float = 0.0  # its first batch: when it arrives
+    # The tenant's trainer: steps done (its policy version), sampled batches waiting for it (the
+    # version each was sampled at), and whether it is training until when, or idle since when.
+    trained: int = 0
+    sampling_at: int = 0  # the version the batch being sampled started from
+    ready: list[int] = field(default_factory=list)
+    train_until: float | None = None
+    idle_since: float | None = None
+    ttb: list[float] = field(default_factory=list)  # how long the trainer waited for each batch
+    staleness: list[int] = field(default_factory=list)  # per trained batch: versions behind
     gone: bool = False
 
 
@@ -146,6 +160,7 @@ class Result:
     ttb: dict[str, list[float]]
     plan_calls: int
     plan_s: float
+    staleness: list[int] = field(default_factory=list)
 
     @property
     def tps(self) -> float:
@@ -182,17 +197,24 @@ def simulate(gpus: int, m: Model, mode: str, seed: int, plans: list[TenantPlan] 
     groups: dict[str, SimGroup] = {}
     queued: dict[str, SimGroup] = {}  # groups with sequences not yet started
     running_full: dict[str, int] = {}  # per tenant: running sequences of fully started groups
+    running: dict[str, int] = {}  # per tenant: all its running sequences
+    ledger = BatchLedger()  # admission rule 3
+    held_s, sequences = 0.0, 0  # every admitted sequence's slot time: rule 3's grace
     finishing: list[tuple[float, str, int]] = []  # (finish time, group, length) heap
     tokens = busy = 0.0
     plan_calls, plan_s = 0, 0.0
     now = 0.0
     while now < m.horizon_s:
         now += m.quantum_s
+        # Slots are held in whole quanta (freed at a quantum's end), so this is what each held.
+        for tid, r in running.items():
+            ledger.add(tid, r * m.quantum_s)
         # 1. Sequences that finished in this quantum free their slots.
         while finishing and finishing[0][0] <= now:
             _t, gid, _length = heapq.heappop(finishing)
             g = groups[gid]
             g.finished += 1
+            running[g.tenant] -= 1
             if gid not in queued:
                 running_full[g.tenant] -= 1
             if g.finished == len(g.lengths):
@@ -200,9 +222,9 @@ def simulate(gpus: int, m: Model, mode: str, seed: int, plans: list[TenantPlan] 
                 t = tenants[g.tenant]
                 t.pending -= 1
                 if t.pending == 0:
-                    t.ttb.append(now - t.batch_start)
-                    t.next_submit = now + m.pause_s * t.plan.pause_x * t.rng.uniform(0.5, 1.5)
-        # 2. Tenants present and between batches submit their next batch; others leave.
+                    ledger.close(g.tenant)
+                    t.ready.append(t.sampling_at)
+        # 2. Trainers take sampled batches; tenants whose bound allows submit their next batch; others leave.
         present = 0
         for t in tenants.values():
             if t.gone or t.plan.arrive > now:
@@ -211,7 +233,16 @@ def simulate(gpus: int, m: Model, mode: str, seed: int, plans: list[TenantPlan] 
                 t.gone = True
                 continue
             present += 1
-            if t.pending == 0 and now >= t.next_submit:
+            if t.train_until is not None and now >= t.train_until:
+                t.trained, t.train_until, t.idle_since = t.trained + 1, None, now
+            if t.train_until is None and t.ready:
+                t.staleness.append(t.trained - t.ready.pop(0))
+                t.ttb.append(now - t.idle_since)
+                t.train_until = now + m.pause_s * t.plan.pause_x * t.rng.uniform(0.5, 1.5)
+            # Batch `step` may be sampled once the trainer is at most `ahead` versions behind it.
+            if t.pending == 0 and now >= t.next_submit and t.step - t.trained <= m.ahead:
+                if t.idle_since is None:
+                    t.idle_since = now
                 progress = min(1.0, (now - t.plan.arrive) / max(t.plan.leave - t.plan.arrive, 1.0))
                 median = m.median_len * t.plan.len_x * (1 + m.drift * progress)
                 batch = max(1, round(m.groups * t.plan.groups_x))
@@ -220,14 +251,16 @@ def simulate(gpus: int, m: Model, mode: str, seed: int, plans: list[TenantPlan] 
                                for _ in range(m.n)]
                     gid = f"{t.plan.tid}/{t.step}/{k}"
                     groups[gid] = queued[gid] = SimGroup(gid, t.plan.tid, now, lengths)
-                t.pending, t.batch_start, t.step = batch, now, t.step + 1
+                t.pending, t.step, t.sampling_at = batch, t.step + 1, t.trained
+                ledger.open(t.plan.tid, now)
         # 3. The policy decides who starts.
         caps = {}
         if mode == "partitioned" and present:
             share = max(1, capacity // present)
             caps = {tid: share for tid, t in tenants.items() if not t.gone}
         view = PoolView(now=now, target=capacity, groups=compact_views(queued, running_full),
-                        tenant_caps=caps, share_after_s=m.share_after_s)
+                        tenant_caps=caps, since=dict(ledger.since), received=ledger.received({}),
+                        grace_s=GRACE_SEQUENCES * held_s / sequences if sequences else 0.0)
         t0 = time.perf_counter()
         plan = plan_admission(view)
         plan_s += time.perf_counter() - t0
@@ -237,26 +270,31 @@ def simulate(gpus: int, m: Model, mode: str, seed: int, plans: list[TenantPlan] 
             if g.admitted + a.count == len(g.lengths):  # fully started: summed per tenant from now on
                 del queued[g.gid]
                 running_full[g.tenant] = running_full.get(g.tenant, 0) + (g.admitted - g.finished) + a.count
+            running[g.tenant] = running.get(g.tenant, 0) + a.count
             for _ in range(a.count):
                 length = g.lengths[g.admitted]
                 g.admitted += 1
                 end = now + m.prefill_s + length / m.token_rate
+                held_s, sequences = held_s + end - now, sequences + 1
                 heapq.heappush(finishing, (end, g.gid, length))
                 # Count only what falls inside the horizon.
                 inside = max(0.0, min(end, m.horizon_s) - now)
                 busy += inside
                 decode = max(0.0, min(end, m.horizon_s) - now - m.prefill_s)
                 tokens += min(length, decode * m.token_rate)
-    return Result(tokens, busy, capacity, m.horizon_s, {tid: t.ttb for tid, t in tenants.items()}, plan_calls, plan_s)
+    return Result(tokens, busy, capacity, m.horizon_s, {tid: t.ttb for tid, t in tenants.items()}, plan_calls, plan_s,
+                  [x for t in tenants.values() for x in t.staleness])
 
 
 def fixed_comparison(m: Model, tenants: int, mixed: bool, seeds: int) -> dict:
-    """Shared vs partitioned for `tenants` tenants present throughout (fixed_tenants), medians over
-    seeds: tokens/s ratio, the worst tenant's p95 time-to-batch ratio, and both utilisations."""
+    """Shared (its tenants `m.ahead` versions ahead) vs a synchronous partition for `tenants`
+    tenants present throughout (fixed_tenants), medians over seeds: tokens/s ratio, the worst
+    tenant's p95 time-to-batch ratio, and both utilisations."""
     ratios, p95s, utils = [], [], []
     for seed in range(seeds):
         plans = fixed_tenants(tenants, m, seed, mixed)
-        shared, part = (simulate(1, m, mode, seed, plans) for mode in ("shared", "partitioned"))
+        shared = simulate(1, m, "shared", seed, plans)
+        part = simulate(1, dataclasses.replace(m, ahead=0), "partitioned", seed, plans)
         ratios.append(shared.tps / part.tps)
         p95s.append(max(pct(shared.ttb[t], 0.95) / pct(part.ttb[t], 0.95) for t in shared.ttb if part.ttb[t]))
         utils.append((shared.util, part.util))

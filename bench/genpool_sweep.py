@@ -38,8 +38,6 @@ def main() -> None:
     ap.add_argument("--token-rate", type=float, default=59.0, help="tokens/s of one running sequence")
     ap.add_argument("--median-len", type=float, default=32.0)
     ap.add_argument("--seeds", type=int, default=2)
-    ap.add_argument("--share-after-s", type=float, default=Model.share_after_s,
-                    help="admission: a tenant below its fair share waiting this long goes first (0 = always)")
     args = ap.parse_args()
     sigmas, groups, pauses = (0.5, 1.0, 1.5), (8, 16, 32, 48), (0.75, 1.5, 3.0, 6.0, 12.0)
     if args.quick:
@@ -50,12 +48,12 @@ def main() -> None:
     for sigma, g, pause, mixed in itertools.product(sigmas, groups, pauses, (False, True)):
         m = Model(slots=args.slots, token_rate=args.token_rate, prefill_s=step_s, groups=g, n=4,
                   median_len=args.median_len, sigma=sigma, max_len=256, drift=0.0, pause_s=pause,
-                  horizon_s=300.0, quantum_s=max(step_s, 0.02), share_after_s=args.share_after_s)
+                  horizon_s=300.0, quantum_s=max(step_s, 0.02))
         rows.append({"sigma": sigma, "groups": g, "pause_s": pause, "tenants": "mixed" if mixed else "same",
                      **fixed_comparison(m, args.tenants, mixed, args.seeds)})
     rows.sort(key=lambda r: -r["ratio"])
     print(f"{len(rows)} workloads x {args.seeds} seeds, {args.tenants} tenants on {args.slots} slots at "
-          f"{args.token_rate:.0f} tok/s per sequence, n=4 per group, share_after_s {args.share_after_s} "
+          f"{args.token_rate:.0f} tok/s per sequence, n=4 per group "
           f"({time.perf_counter() - t0:.0f} s)")
     print(f"\n{'sigma':>6}{'groups':>8}{'pause s':>9}{'tenants':>9}{'shared/part':>13}{'p95 ratio':>11}"
           f"{'util shared':>13}{'util part':>11}")

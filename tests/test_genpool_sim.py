@@ -46,3 +46,29 @@ def test_tenant_multipliers_shape_each_tenants_batches():
     # A quarter of the batch and half the pause: more, faster batches in the same time.
     assert len(small) > len(big)
     assert sum(small) / len(small) < sum(big) / len(big)
+
+
+def test_sampling_ahead_overlaps_the_trainer_within_the_bound():
+    # Trainer steps long enough that a synchronous pool idles while every tenant trains.
+    m = dataclasses.replace(SMALL, pause_s=4.0)
+    plans = fixed_tenants(4, m, seed=3)
+    sync = simulate(1, m, "shared", 3, plans)
+    ahead = simulate(1, dataclasses.replace(m, ahead=1), "shared", 3, plans)
+    assert set(sync.staleness) == {0}  # synchronous: every batch trained on the version it sampled with
+    assert max(ahead.staleness) == 1 and min(ahead.staleness) >= 0
+    assert ahead.tps > sync.tps  # sampling while the trainer trains fills the pool
+    mean = lambda r: sum(x for xs in r.ttb.values() for x in xs) / sum(len(xs) for xs in r.ttb.values())  # noqa: E731
+    assert mean(ahead) < mean(sync)  # the trainer waits less for its batches
+
+
+def test_episode_model_keeps_its_accounting():
+    from genpool_episodes import Workload
+    from genpool_episodes import simulate as episodes
+
+    w = Workload(horizon_s=60.0)
+    for regime in ("sync", "stream"):
+        today, levels = episodes(w, regime, False, 0), episodes(w, regime, True, 0)
+        for r in (today, levels):
+            assert 0 < r["tps"] <= w.slots * w.token_rate
+            assert r["episodes"] > 0 and r["batches"] > 0
+            assert r["lat_p50"] <= r["lat_p95"] and r["ttb_p50"] <= r["ttb_p95"]

@@ -160,6 +160,13 @@ def test_other_tenants_samplers_are_404(stack):
     ({"topk_prompt_logprobs": -1}, "topk_prompt_logprobs"),
     ({"topk_sample_logprobs": 2}, "topk_sample_logprobs"),
     ({"deadline_s": -1}, "deadline_s"),
+    ({"episode_id": ""}, "episode_id"),
+    ({"episode_id": "x" * 129}, "episode_id"),
+    ({"episode_id": "ep\u00001"}, "episode_id"),
+    ({"episode_id": "<script>"}, "episode_id"),
+    ({"episode_id": 7}, "episode_id"),
+    ({"episode_id": "ep-1", "episode_hint": "sideways"}, "episode_hint"),
+    ({"episode_hint": "promote"}, ""),  # a hint needs its episode
 ])
 def test_bad_sampling_requests_are_4xx(stack, tenant, change, field):
     http = stack.http(tenant.key)

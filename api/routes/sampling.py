@@ -232,7 +232,8 @@ async def asample(body: SampleRequest, who: Who, pool: Pool, redis: RedisDep, se
         work = SampleWork(prompt=tuple(prompt), n=body.num_samples, spec=spec, adapter=adapter, submitted_at=now,
                           deadline_at=now + deadline_s, prompt_logprobs=body.prompt_logprobs,
                           prompt_logprobs_last_n=body.prompt_logprobs_last_n,
-                          prompt_topk=body.topk_prompt_logprobs)
+                          prompt_topk=body.topk_prompt_logprobs, episode_id=body.episode_id,
+                          episode_hint=body.episode_hint)
         item = WorkItem(ids.new_request_id(), who.tenant_id, body.sampling_session_id or "", body.seq_id or 0,
                         WorkKind.SAMPLE, len(prompt) * body.num_samples, work)
         slot = None

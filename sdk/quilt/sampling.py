@@ -160,7 +160,8 @@ class SamplingClient:
         return f"<SamplingClient {self.sampling_session_id!r} on {target!r}>"
 
     def _body(self, prompt: Any, num_samples: int, params: SamplingParams | None, prompt_logprobs: bool,
-              deadline_s: float | None, topk_prompt_logprobs: int = 0) -> dict[str, Any]:
+              deadline_s: float | None, topk_prompt_logprobs: int = 0, episode_id: str | None = None,
+              episode_hint: str | None = None) -> dict[str, Any]:
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
         if not isinstance(topk_prompt_logprobs, int) or topk_prompt_logprobs < 0:
@@ -176,6 +177,12 @@ class SamplingClient:
         }
         if deadline_s is not None:
             body["deadline_s"] = float(deadline_s)
+        if episode_hint is not None and episode_id is None:
+            raise ValueError("episode_hint needs episode_id")
+        if episode_id is not None:
+            body["episode_id"] = str(episode_id)
+        if episode_hint is not None:
+            body["episode_hint"] = episode_hint
         return body
 
     async def _submit(self, body: dict[str, Any]) -> APIFuture[SampleResponse]:
@@ -187,7 +194,8 @@ class SamplingClient:
 
     def sample(self, prompt: ModelInput | Sequence[int], num_samples: int = 1,
                sampling_params: SamplingParams | None = None, *, include_prompt_logprobs: bool = False,
-               topk_prompt_logprobs: int = 0, deadline_s: float | None = None) -> APIFuture[SampleResponse]:
+               topk_prompt_logprobs: int = 0, deadline_s: float | None = None, episode_id: str | None = None,
+               episode_hint: str | None = None) -> APIFuture[SampleResponse]:
         """Sample ``num_samples`` continuations of ``prompt`` (one group).
 
         Args:
@@ -199,18 +207,24 @@ class SamplingClient:
                 every prompt position (``SampleResponse.topk_prompt_logprobs``).
             deadline_s: fail the request (aborting its sequences) if it is not done this many
                 seconds after submission.
+            episode_id: the multi-turn episode this call is a turn of (1-128 of letters, digits,
+                ``._:/-``). The pool serves episodes that have consumed fewer tokens first, so
+                short episodes are not stuck behind the long tail; quilt.rl sends one per group.
+            episode_hint: ``"promote"`` (the episode is about to end, say its tool returned the
+                final answer) or ``"demote"`` (say a retry loop began) moves the episode one level.
         """
         body = self._body(prompt, num_samples, sampling_params, include_prompt_logprobs, deadline_s,
-                          topk_prompt_logprobs)
+                          topk_prompt_logprobs, episode_id, episode_hint)
         return self._runner.run(self._submit(body))
 
     async def sample_async(self, prompt: ModelInput | Sequence[int], num_samples: int = 1,
                            sampling_params: SamplingParams | None = None, *,
                            include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
-                           deadline_s: float | None = None) -> APIFuture[SampleResponse]:
+                           deadline_s: float | None = None, episode_id: str | None = None,
+                           episode_hint: str | None = None) -> APIFuture[SampleResponse]:
         """Async form of :meth:`sample` (returns the future once submitted)."""
         body = self._body(prompt, num_samples, sampling_params, include_prompt_logprobs, deadline_s,
-                          topk_prompt_logprobs)
+                          topk_prompt_logprobs, episode_id, episode_hint)
         return await self._runner.run_async(self._submit(body))
 
     async def _logprobs(self, prompt: Any) -> APIFuture[list[float | None]]:
