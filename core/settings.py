@@ -69,6 +69,10 @@ class ApiSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     workers: int = Field(1, ge=1, le=256, description="API processes behind the one port (uvicorn --workers); "
                                                    "the API keeps no state of its own, so they scale out")
+    capacity_gen_devices: int = Field(1, ge=1, le=100_000, description="accelerators serving generation per base "
+                                                                     "model, as the operator page's capacity planner counts them")
+    capacity_train_devices: int = Field(1, ge=1, le=100_000, description="accelerators training per base model, "
+                                                                         "likewise")
     signup: Literal["invite", "open"] = Field(
         "invite", description="dashboard sign-up: 'invite' (only with an owner's invitation; the self-hosting "
                               "default) or 'open' (anyone may create a tenant)")

@@ -59,3 +59,20 @@ def test_shares_sum_to_one_and_group_the_tail(monkeypatch):
 def test_shares_of_nothing_are_zero():
     assert ops.shares([]) == {"tenants": [], "trainer": [], "generator": [], "cost": [], "train_tokens": 0,
                               "sample_tokens": 0, "cost_micro_usd": 0}
+
+
+def test_env_waits_order_by_rollout_share_and_keep_missing_values():
+    rows = [{"tenant": "a", "steps": 3, "rollout": 0.2, "trainer": 0.1},
+            {"tenant": "b", "steps": 1, "rollout": 0.7, "trainer": None}]
+    assert ops.env_waits(rows) == {"tenants": ["b", "a"], "rollout": [0.7, 0.2], "trainer": [None, 0.1],
+                                   "steps": [1, 3]}
+
+
+def test_capacity_reads_generation_and_trainer_busy():
+    base = {"gen": {"slot_s": 90.0, "capacity_s": 100.0}, "busy": {"busy": [None, 0.4, 0.6]}}
+    c = ops.capacity(base, 0.0, (4, 4))
+    assert c["gen_busy"] == 0.9 and c["trainer_busy"] == 0.5
+    assert c["recommended"] == [5, 3] and c["reason"] == "balance busy time"
+    assert c["balanced_gen_share"] == pytest.approx(0.9 / 1.4, abs=1e-4)
+    assert ops.capacity({"gen": None, "busy": {"busy": [0.5]}}, 0.0, (1, 1)) is None
+    assert ops.capacity({"gen": {"slot_s": 1.0, "capacity_s": 2.0}, "busy": {"busy": [None]}}, 0.0, (1, 1)) is None

@@ -13,10 +13,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-
 import quilt
 from quilt import rl
 
@@ -86,6 +86,50 @@ def test_environment_failures_are_counted_and_not_trained(stack, tenant):
         assert entry.infra_failure_rate == pytest.approx(0.5)
         assert entry.outcomes["infra_failure"] == 4
         assert entry.datums <= 4  # only the healthy group's episodes can become datums
+
+
+class SlowTool(rl.Env):
+    """Two turns, each scored by a 'tool' that takes 50 ms."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    async def reset(self):
+        return [11, 87, 140]
+
+    async def step(self, tokens):
+        self.turns += 1
+        await asyncio.sleep(0.05)
+        done = self.turns == 2
+        return rl.StepResult(reward=sum(256 <= t < 512 for t in tokens) / 6, done=done,
+                             next_prompt=None if done else [11, 87, 140, *tokens], episode_hint=None if done else "promote")
+
+
+def test_time_waiting_on_environments_reaches_the_run_and_operator_pages(stack):
+    from dashutil import login, operator_key
+
+    tenant = stack.create_tenant("rl-envwait")
+    tc, logs = run(stack, tenant, config(max_staleness=0, budget=rl.EpisodeBudget(max_turns=2)), steps=2,
+                   make_group=lambda i, n: [SlowTool() for _ in range(n)])
+    for entry in logs:
+        assert entry.env_s >= 2 * 0.05 * entry.groups  # two tool calls per group, 50 ms each
+        assert entry.sample_s > 0 and 0 < entry.env_wait_share < 1
+        assert 0 < entry.trainer_env_wait_share < entry.env_wait_share
+    owner = stack.http(tenant.key)
+    rows = owner.get(f"/quilt/models/{tc.model_id}/metrics").json()["metrics"]
+    shares = [r["metrics"]["env_wait_share"] for r in rows if "env_wait_share" in r["metrics"]]
+    assert len(shares) == 2 and all(0 < s < 1 for s in shares)
+    operator = login(stack, operator_key(stack))
+    ops = operator.get("/dashboard/data/ops", params={"minutes": 5}).json()
+    waits = ops["env_waits"]
+    i = waits["tenants"].index(tenant.name)
+    assert waits["steps"][i] == 2 and 0 < waits["rollout"][i] < 1 and 0 < waits["trainer"][i] < 1
+    # Every call carried its group's episode id: the pool tracks them (the beacon is 2 s behind).
+    deadline = time.monotonic() + 10
+    while (ops["bases"][0]["gen"].get("episodes_tracked") or 0) < 2 * 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        ops = operator.get("/dashboard/data/ops", params={"minutes": 5}).json()
+    assert ops["bases"][0]["gen"]["episodes_tracked"] >= 2 * 2
 
 
 @pytest.mark.timeout(900)

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 from api.dashboard import ops
 from api.dashboard.deps import LoggedIn, OperatorOnly
 from api.dashboard.render import DataRoute
-from api.deps import Pool, RedisDep
+from api.deps import Pool, RedisDep, Settings
 from api.routes.run_metrics import MAX_ROWS, rows_json
 from tenancy import scoped
 
@@ -26,8 +26,9 @@ async def run_data(model_id: str, viewer: LoggedIn, pool: Pool) -> dict:
 
 
 @router.get("/ops")
-async def ops_data(viewer: OperatorOnly, pool: Pool, redis: RedisDep,
+async def ops_data(viewer: OperatorOnly, pool: Pool, redis: RedisDep, settings: Settings,
                    minutes: int = Query(15, ge=1, le=24 * 60)) -> dict:
     """The operator page's numbers over the last `minutes` (operators only)."""
     async with pool.connection() as conn:
-        return await ops.snapshot(conn, redis, window_s=minutes * 60)
+        return await ops.snapshot(conn, redis, window_s=minutes * 60,
+                                  devices=(settings.capacity_gen_devices, settings.capacity_train_devices))

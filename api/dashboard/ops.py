@@ -6,7 +6,8 @@ Sources (nothing new is written for this page):
   fused-round records (`quilt:stats:trainer:<base>:rounds`);
 - Postgres: the usage ledger (token rates, each tenant's share), sampling request rows (time from
   submission to a finished group: the time a tenant waits for a trainable batch) and the trainer's
-  per-request `run_metrics` rows (data staleness).
+  per-request `run_metrics` rows (data staleness), and the rows quilt.rl posts per step (the share
+  of rollout and trainer time spent waiting on environments).
 
 The shaping is done by pure functions over plain rows (`*_series`, `histogram`, `shares`), tested
 without services; `snapshot` only fetches.
@@ -21,7 +22,7 @@ from collections import defaultdict
 
 from redis.asyncio import Redis
 
-from core import catalog, health, queue
+from core import capacity_plan, catalog, health, queue
 
 ROUNDS_READ = 1000  # newest round records read per trainer (the worker keeps QUILT_TRAINER_STATS_HISTORY)
 FUSED_ROUNDS_SHOWN = 200
@@ -111,6 +112,35 @@ def shares(rows: list[dict]) -> dict:
             "train_tokens": totals["train"], "sample_tokens": totals["sample"], "cost_micro_usd": totals["cost"]}
 
 
+def env_waits(rows: list[dict]) -> dict:
+    """Per tenant, the mean over its RL steps in the window of the share of rollout time spent
+    waiting on environments and of the trainer's cycle spent so (quilt.rl's `env_wait_share`,
+    `trainer_env_wait_share`), most waiting first."""
+    ordered = sorted(rows, key=lambda r: (-(r["rollout"] or 0.0), r["tenant"]))[:MAX_TENANTS_SHOWN]
+    return {"tenants": [r["tenant"] for r in ordered],
+            "rollout": [None if r["rollout"] is None else round(r["rollout"], 4) for r in ordered],
+            "trainer": [None if r["trainer"] is None else round(r["trainer"], 4) for r in ordered],
+            "steps": [int(r["steps"]) for r in ordered]}
+
+
+def capacity(base: dict, staleness_mean: float, devices: tuple[int, int]) -> dict | None:
+    """The capacity planner's answer for one base (core.capacity_plan): generation busy is its slot
+    utilisation since the worker started (its beacon's counters), trainer busy the window's mean
+    busy fraction; None while either side has no reading."""
+    gen = base.get("gen") or {}
+    known = [b for b in base["busy"]["busy"] if b is not None]
+    if not gen.get("capacity_s") or not known:
+        return None
+    health_now = capacity_plan.QueueHealth(
+        gen_devices=devices[0], train_devices=devices[1], gen_busy=gen["slot_s"] / gen["capacity_s"],
+        trainer_busy=sum(known) / len(known), staleness_mean=staleness_mean)
+    rec = capacity_plan.recommend(health_now)
+    total = devices[0] + devices[1]
+    return {"gen_busy": round(health_now.gen_busy, 4), "trainer_busy": round(health_now.trainer_busy, 4),
+            "now": list(devices), "recommended": [rec.gen_devices, rec.train_devices], "reason": rec.reason,
+            "balanced_gen_share": round(rec.balanced_gen_devices / total, 4)}
+
+
 # ---------------------------------------------------------------------------------------- fetching
 
 _RATES = """
@@ -145,6 +175,19 @@ WHERE source = 'trainer' AND created_at >= now() - make_interval(secs => %(windo
 """
 
 
+# jsonb_typeof guards the casts: a client may post any finite number under these names, or null.
+_ENV_WAITS = """
+SELECT t.name AS tenant, count(*) AS steps,
+       avg((m.metrics->>'env_wait_share')::float8) AS rollout,
+       avg((m.metrics->>'trainer_env_wait_share')::float8)
+           FILTER (WHERE jsonb_typeof(m.metrics->'trainer_env_wait_share') = 'number') AS trainer
+FROM run_metrics m JOIN tenants t ON t.id = m.tenant_id
+WHERE m.source = 'client' AND m.created_at >= now() - make_interval(secs => %(window)s)
+  AND jsonb_typeof(m.metrics->'env_wait_share') = 'number'
+GROUP BY t.name
+"""
+
+
 def _json(raw) -> dict | None:
     return json.loads(raw) if raw else None
 
@@ -168,7 +211,7 @@ async def _base_health(redis: Redis, base: catalog.BaseModel, *, now: float, win
     }
 
 
-async def snapshot(conn, redis: Redis, *, window_s: float) -> dict:
+async def snapshot(conn, redis: Redis, *, window_s: float, devices: tuple[int, int] = (1, 1)) -> dict:
     """Everything the operator page draws, for the last `window_s` seconds."""
     now = time.time()
     bin_s = max(5, round(window_s / 60))  # whole seconds, so Postgres' bin starts equal ours exactly
@@ -186,6 +229,8 @@ async def snapshot(conn, redis: Redis, *, window_s: float) -> dict:
     overall = next((r for r in ttb if r["tenant"] is None), None)
     tenants = sorted((r for r in ttb if r["tenant"] is not None), key=lambda r: -r["p95"])[:MAX_TENANTS_SHOWN]
     lags = [r["lag"] for r in await (await conn.execute(_STALENESS, params)).fetchall()]
+    for item in per_base:
+        item["capacity"] = capacity(item, sum(lags) / len(lags) if lags else 0.0, devices)
     share_rows = [{k: (int(v) if k != "tenant" else v) for k, v in r.items()}
                   for r in await (await conn.execute(_SHARES, params)).fetchall()]
     return {
@@ -199,4 +244,5 @@ async def snapshot(conn, redis: Redis, *, window_s: float) -> dict:
         },
         "staleness": histogram(lags),
         "shares": shares(share_rows),
+        "env_waits": env_waits(await (await conn.execute(_ENV_WAITS, params)).fetchall()),
     }

@@ -13,7 +13,6 @@ import asyncio
 import random
 
 import pytest
-
 import quilt
 from quilt import rl
 from quilt.rl.grpo import Episode, Turn
@@ -115,10 +114,12 @@ class FakeSampler:
         self.answer = answer  # what the future fails with, if anything
         self.requests = 0
         self.deadlines: list[float | None] = []
+        self.episodes: list[tuple[str | None, str | None]] = []
 
-    async def sample_async(self, prompt, n, params, deadline_s=None):
+    async def sample_async(self, prompt, n, params, deadline_s=None, episode_id=None, episode_hint=None):
         self.requests += 1
         self.deadlines.append(deadline_s)
+        self.episodes.append((episode_id, episode_hint))
         if self.fail:
             raise quilt.ServerRequestError("engine died", category="server")
         if self.answer is not None:
@@ -199,6 +200,37 @@ def test_sampling_failure_is_infra_and_budget_ends_multi_turn_episodes():
         assert episode.outcome == "model_failure" and len(episode.turns) == 3
         assert episode.reward == pytest.approx(0.3)
         assert "3 turns" in episode.error
+
+
+def test_every_call_of_a_group_carries_its_episode_id_and_the_env_hints():
+    class Hinting(rl.Env):
+        def __init__(self):
+            self.turn = 0
+
+        async def reset(self):
+            return [5]
+
+        async def step(self, tokens):
+            self.turn += 1
+            await asyncio.sleep(0.02)  # the environment's own time, counted as env_s
+            hint = ("demote", "promote", None)[self.turn - 1]
+            return rl.StepResult(reward=0.0, done=self.turn == 3, next_prompt=[5, self.turn], episode_hint=hint)
+
+    sampler = FakeSampler(0, random.Random(1))
+    first = asyncio.run(rl.rollout_group(0, sampler, [Hinting(), Hinting()], quilt.SamplingParams(max_tokens=3),
+                                         rl.EpisodeBudget(max_turns=3)))
+    ids = {episode for episode, _ in sampler.episodes}
+    assert len(ids) == 1 and None not in ids  # one id for the group's every call
+    # Both members share each prompt, so each turn is one call; a hint applies to the next call only.
+    assert [hint for _, hint in sampler.episodes] == [None, "demote", "promote"]
+    assert first.env_s >= 3 * 0.02 and first.sample_s > 0
+    assert first.env_s + first.sample_s <= first.finished_at - first.started_at + 1e-6
+    other = FakeSampler(0, random.Random(1))
+    asyncio.run(rl.rollout_group(1, other, [Hinting(), Hinting()], quilt.SamplingParams(max_tokens=3),
+                                 rl.EpisodeBudget(max_turns=3)))
+    assert {e for e, _ in other.episodes}.isdisjoint(ids)  # another group, another episode
+    with pytest.raises(ValueError, match="episode_hint"):
+        rl.StepResult(reward=0.0, done=False, next_prompt=[1], episode_hint="sideways")
 
 
 # -- the pipeline -------------------------------------------------------------------------

@@ -211,6 +211,8 @@
   }
 
   const OFF_POLICY = ["staleness:mean", "staleness:max", "mismatch_kl:mean", "logprob_diff_abs:mean"];
+  // quilt.rl's per-step shares of time waiting on environments: one plot, not one each.
+  const ENV_WAIT = ["env_wait_share", "trainer_env_wait_share"];
 
   function clientPlotElement(container, name) {
     const id = "client-plot-" + name.replace(/[^A-Za-z0-9_-]/g, "_");
@@ -237,7 +239,7 @@
       yLabel: "loss" });
 
     const container = document.getElementById("client-plots");
-    const names = metricNames(rows, "client");
+    const names = metricNames(rows, "client").filter((n) => !ENV_WAIT.includes(n));
     // reward_mean first: it is the curve RL users look for
     names.sort((a, b) => (a === "reward_mean" ? -1 : b === "reward_mean" ? 1 : a.localeCompare(b)));
     for (const name of names) {
@@ -245,6 +247,16 @@
       plot(clientPlotElement(container, name), { x: s.x, series: [{ label: name, values: s.values }] });
     }
     document.getElementById("client-empty").hidden = names.length > 0;
+
+    const waits = ENV_WAIT.filter((n) => metricNames(rows, "client").includes(n));
+    const envPlot = document.getElementById("envwait-plot");
+    envPlot.hidden = waits.length === 0;
+    if (waits.length) {
+      const merged = mergeOnSteps(waits.map((n) => Object.assign(
+        { label: n === "env_wait_share" ? "share of rollout time" : "share of trainer time" },
+        seriesByStep(rows, "client", n))));
+      plot(envPlot, Object.assign(merged, { yLabel: "share", yRange: [0, 1] }));
+    }
 
     const present = OFF_POLICY.filter((n) => metricNames(rows, "trainer").includes(n));
     const off = document.getElementById("offpolicy-plot");
@@ -325,8 +337,17 @@
     }
   }
 
+  function capacityText(c) {
+    if (!c) return "no reading yet";
+    const move = c.reason === "hold" ? "hold" : `move to ${c.recommended[0]} / ${c.recommended[1]} (${c.reason})`;
+    return `${c.now[0]} / ${c.now[1]} now: ${move}; balanced at ${Math.round(100 * c.balanced_gen_share)}% ` +
+      `generation (busy: generation ${Math.round(100 * c.gen_busy)}%, trainer ${Math.round(100 * c.trainer_busy)}%)`;
+  }
+
   function drawBase(i, b, at) {
     stats(i, b);
+    const cap = document.getElementById(`capacity-${i}`);
+    if (cap) cap.textContent = capacityText(b.capacity);
     const h = remember(i, b, at);
     plot(document.getElementById(`queue-plot-${i}`), { time: true, x: h.t, yLabel: "requests", series: [
       { label: "training stream", values: h.training }, { label: "sampling stream", values: h.sampling },
@@ -365,6 +386,10 @@
     barPlot(document.getElementById("share-plot"), sh.tenants, [
       { label: "trainer tokens", values: sh.trainer }, { label: "generated tokens", values: sh.generator },
       { label: "cost", values: sh.cost }], { yLabel: "share", yRange: [0, 1], xLabel: "tenant" });
+    const ew = data.env_waits;
+    barPlot(document.getElementById("envwait-plot"), ew.tenants, [
+      { label: "share of rollout time", values: ew.rollout }, { label: "share of trainer time", values: ew.trainer }],
+      { yLabel: "share", yRange: [0, 1], xLabel: "tenant" });
     setText("ops-window", `last ${Math.round(data.window_s / 60)} min, ${data.bin_s} s bins`);
   }
 

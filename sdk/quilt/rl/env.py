@@ -42,6 +42,9 @@ class StepResult:
         outcome: how the step ended, one of :data:`OUTCOMES`.
         next_prompt: multi-turn only: the full context the model reads on the next turn.
         metrics: numbers to average into the step log (``name -> value``).
+        episode_hint: multi-turn only, optional: ``"promote"`` when the next turn likely ends the
+            episode (say the tool returned the answer), ``"demote"`` when it likely starts a long
+            detour (say a retry loop); the pool moves the episode one priority level accordingly.
     """
 
     reward: float
@@ -49,12 +52,15 @@ class StepResult:
     outcome: Outcome = "success"
     next_prompt: Prompt | None = None
     metrics: Mapping[str, float] = field(default_factory=dict)
+    episode_hint: Literal["promote", "demote"] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
             raise ValueError(f"StepResult.reward must be a finite number, got {self.reward!r}")
         if self.outcome not in OUTCOMES:
             raise ValueError(f"StepResult.outcome must be one of {OUTCOMES}, got {self.outcome!r}")
+        if self.episode_hint not in (None, "promote", "demote"):
+            raise ValueError(f"StepResult.episode_hint must be 'promote', 'demote' or None, got {self.episode_hint!r}")
         if not self.done and self.next_prompt is None:
             raise ValueError("StepResult.next_prompt is required when done is False (the model needs a next turn)")
 

@@ -96,6 +96,13 @@ class StepLog:
 
     ``policy_version`` is the version the step trained (its weights before the optimizer step);
     staleness is that minus the version that sampled each trained episode.
+
+    Where the time went: ``env_s`` and ``sample_s`` are the batch's groups' wall time waiting on
+    environments and on sampling (summed over groups); ``train_s`` the step's forward_backward and
+    optim_step. ``env_wait_share`` is env_s / (env_s + sample_s), the share of rollout time spent
+    waiting on environments rather than the pool; ``trainer_env_wait_share`` is the share of the
+    trainer's cycle (waiting for the batch, then training) spent waiting on environments, the
+    batch wait apportioned by ``env_wait_share``.
     """
 
     step: int
@@ -117,6 +124,19 @@ class StepLog:
     outcomes: dict[str, int]
     env_metrics: dict[str, float]
     loss_per_token: float | None
+    env_s: float = 0.0
+    sample_s: float = 0.0
+    train_s: float = 0.0
+
+    @property
+    def env_wait_share(self) -> float:
+        waited = self.env_s + self.sample_s
+        return self.env_s / waited if waited > 0 else 0.0
+
+    @property
+    def trainer_env_wait_share(self) -> float:
+        cycle = self.time_to_batch_s + self.train_s
+        return self.time_to_batch_s * self.env_wait_share / cycle if cycle > 0 else 0.0
 
     def line(self) -> str:
         """A one-line human summary."""
@@ -124,12 +144,12 @@ class StepLog:
         return (f"step {self.step:3d} v{self.policy_version:<3d} reward {self.reward_mean:.3f} "
                 f"zero-adv {self.zero_advantage_fraction:.2f} infra {self.infra_failure_rate:.2f} "
                 f"stale {self.staleness_mean:.2f}/{self.staleness_max} kl {kl} "
-                f"ttb {self.time_to_batch_s:.2f}s step {self.seconds:.2f}s")
+                f"ttb {self.time_to_batch_s:.2f}s step {self.seconds:.2f}s env {self.env_wait_share:.0%}")
 
 
 # What the run's page plots beside the trainer's loss (one curve each).
 _SERVER_METRICS = ("reward_mean", "zero_advantage_fraction", "infra_failure_rate", "staleness_mean",
-                   "mismatch_kl", "time_to_batch_s", "dropped_stale")
+                   "mismatch_kl", "time_to_batch_s", "dropped_stale", "env_wait_share", "trainer_env_wait_share")
 
 
 def may_start_group(*, consuming_step: int, queued: int, groups_per_batch: int, sampler_version: int,
@@ -286,6 +306,7 @@ class _Pipeline:
                     datums.extend(new)
                     lags.extend(self.version - d.policy_version for d in new if d.policy_version is not None)
         metrics: dict[str, float] = {}
+        train_started = time.monotonic()
         if datums:
             config = {**(cfg.loss_fn_config or {}), "max_staleness": cfg.max_staleness}
             fb = await self.tc.forward_backward_async(datums, cfg.loss_fn, config)
@@ -304,6 +325,8 @@ class _Pipeline:
             episodes=episodes, datums=len(datums), dropped_stale=dropped + int(metrics.get("dropped_stale:sum", 0)),
             outcomes=dict(outcomes), env_metrics={k: statistics.fmean(v) for k, v in env_metrics.items()},
             loss_per_token=metrics["loss:sum"] / weighted if datums and weighted and "loss:sum" in metrics else None,
+            env_s=sum(g.env_s for g in batch), sample_s=sum(g.sample_s for g in batch),
+            train_s=time.monotonic() - train_started,
         )
 
     async def _report(self, entry: StepLog) -> None:

@@ -16,13 +16,20 @@ sampling parameters, say) is raised: it would fail every episode the same way. T
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..errors import APIConnectionError, InternalServerError, ServerRequestError, UserRequestError
+from ..errors import (
+    APIConnectionError,
+    InternalServerError,
+    ServerRequestError,
+    UserRequestError,
+)
 from ..sampling import SamplingClient, SamplingParams
 from ..types import ModelInput
 from .env import Env, Prompt, StepResult
@@ -60,13 +67,19 @@ class EpisodeBudget:
 
 @dataclass
 class SampledGroup:
-    """A finished group: its episodes, the sampler's policy version, and when it ran."""
+    """A finished group: its episodes, the sampler's policy version, and when it ran.
+
+    ``env_s`` is the wall time the group waited on its environments (reset, step, reward: the
+    slowest member's call each time), ``sample_s`` the wall time it waited on the pool.
+    """
 
     index: int
     episodes: list[Episode]
     policy_version: int | None
     started_at: float
     finished_at: float
+    env_s: float = 0.0
+    sample_s: float = 0.0
 
 
 @dataclass
@@ -77,6 +90,7 @@ class _Live:
     reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
     finished: Episode | None = None
+    hint: str | None = None  # the environment's word on its next turn (StepResult.episode_hint)
 
     def end(self, outcome: str, error: str | None = None) -> None:
         self.finished = Episode(turns=self.turns, reward=self.reward, outcome=outcome, error=error,
@@ -100,10 +114,17 @@ async def _env_call(coro, timeout_s: float, what: str):
 
 async def rollout_group(index: int, sampler: SamplingClient, envs: Sequence[Env], params: SamplingParams,
                         budget: EpisodeBudget = EpisodeBudget()) -> SampledGroup:  # noqa: B008 (frozen)
-    """Run one group's episodes to the end with ``sampler``; never raises for an episode's failure."""
+    """Run one group's episodes to the end with ``sampler``; never raises for an episode's failure.
+
+    Every sampling call of the group carries one episode id, so the pool can serve groups that
+    have consumed less first (gen_pool.episodes) without predicting lengths.
+    """
     started = time.monotonic()
+    clock = _Clock()
+    episode_id = f"rl-{uuid.uuid4().hex[:20]}/{index}"
     live = [_Live(env) for env in envs]
-    resets = await asyncio.gather(*(_env_call(e.env.reset(), budget.step_timeout_s, "reset") for e in live))
+    with clock.timing("env"):
+        resets = await asyncio.gather(*(_env_call(e.env.reset(), budget.step_timeout_s, "reset") for e in live))
     for episode, (prompt, error) in zip(live, resets):
         if error:
             episode.end("infra_failure", error)
@@ -117,15 +138,39 @@ async def rollout_group(index: int, sampler: SamplingClient, envs: Sequence[Env]
         by_prompt: dict[tuple[int, ...], list[_Live]] = {}
         for e in active:
             by_prompt.setdefault(tuple(e.prompt or ()), []).append(e)
-        await asyncio.gather(*(_sample_turn(sampler, list(prompt), members, params, budget, versions)
-                               for prompt, members in by_prompt.items()))
+        await asyncio.gather(*(_sample_turn(sampler, list(prompt), members, params, budget, versions, clock,
+                                            episode_id) for prompt, members in by_prompt.items()))
     return SampledGroup(index=index, episodes=[e.finished for e in live if e.finished is not None],
                         policy_version=min(versions) if versions else sampler.policy_version,
-                        started_at=started, finished_at=time.monotonic())
+                        started_at=started, finished_at=time.monotonic(), env_s=clock.seconds["env"],
+                        sample_s=clock.seconds["sample"])
+
+
+class _Clock:
+    """Wall time a group spends waiting on each kind of call. Turns that diverged wait side by
+    side; an interval counts once however many of them overlap, so the totals add up to at most
+    the group's wall time."""
+
+    def __init__(self) -> None:
+        self.seconds = {"env": 0.0, "sample": 0.0}
+        self._open = {"env": 0, "sample": 0}
+        self._since = {"env": 0.0, "sample": 0.0}
+
+    @contextlib.contextmanager
+    def timing(self, kind: str):
+        if self._open[kind] == 0:
+            self._since[kind] = time.monotonic()
+        self._open[kind] += 1
+        try:
+            yield
+        finally:
+            self._open[kind] -= 1
+            if self._open[kind] == 0:
+                self.seconds[kind] += time.monotonic() - self._since[kind]
 
 
 async def _sample_turn(sampler: SamplingClient, prompt: list[int], members: list[_Live], params: SamplingParams,
-                       budget: EpisodeBudget, versions: list[int]) -> None:
+                       budget: EpisodeBudget, versions: list[int], clock: _Clock, episode_id: str) -> None:
     turn_params = params
     if budget.max_episode_tokens is not None:
         left = min(budget.max_episode_tokens - sum(len(t.tokens) for t in m.turns) for m in members)
@@ -135,20 +180,26 @@ async def _sample_turn(sampler: SamplingClient, prompt: list[int], members: list
             return
         if params.max_tokens is None or params.max_tokens > left:
             turn_params = dataclasses.replace(params, max_tokens=left)
+    hints = {m.hint for m in members} - {None}
+    hint = "promote" if "promote" in hints else ("demote" if hints else None)
+    for m in members:
+        m.hint = None
     try:
-        future = await sampler.sample_async(prompt, len(members), turn_params, deadline_s=budget.sample_deadline_s)
-        try:
-            response = await future
-        except asyncio.CancelledError:
-            # The run is over (or was stopped): free the pool's slots instead of finishing rollouts
-            # nobody will train on.
-            cancel = getattr(future, "cancel", None)
-            if cancel is not None:
-                try:
-                    cancel()
-                except Exception as exc:  # the SDK may already be closing; the server times it out
-                    log.debug("could not cancel %s: %s", getattr(future, "request_id", "?"), exc)
-            raise
+        with clock.timing("sample"):
+            future = await sampler.sample_async(prompt, len(members), turn_params, deadline_s=budget.sample_deadline_s,
+                                                episode_id=episode_id, episode_hint=hint)
+            try:
+                response = await future
+            except asyncio.CancelledError:
+                # The run is over (or was stopped): free the pool's slots instead of finishing rollouts
+                # nobody will train on.
+                cancel = getattr(future, "cancel", None)
+                if cancel is not None:
+                    try:
+                        cancel()
+                    except Exception as exc:  # the SDK may already be closing; the server times it out
+                        log.debug("could not cancel %s: %s", getattr(future, "request_id", "?"), exc)
+                raise
     except _INFRA_ERRORS as exc:
         log.warning("sampling failed for %d episodes: %s", len(members), exc)
         for m in members:
@@ -173,8 +224,9 @@ async def _sample_turn(sampler: SamplingClient, prompt: list[int], members: list
             versions.append(seq.policy_version)
         m.turns.append(turn)
         turns.append(turn)
-    results = await asyncio.gather(*(_env_call(m.env.step(t.tokens), budget.step_timeout_s, "step")
-                                     for m, t in zip(members, turns)))
+    with clock.timing("env"):
+        results = await asyncio.gather(*(_env_call(m.env.step(t.tokens), budget.step_timeout_s, "step")
+                                         for m, t in zip(members, turns)))
     for m, (result, error) in zip(members, results):
         if error:
             m.end("infra_failure", error)
@@ -191,3 +243,4 @@ async def _sample_turn(sampler: SamplingClient, prompt: list[int], members: list
             m.end("model_failure", f"episode did not finish within {budget.max_turns} turns")
         else:
             m.prompt = _ints(result.next_prompt)
+            m.hint = result.episode_hint
