@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU measurements, in one command, under 8 minutes on one GPU: the fusion benchmark on a
+# The GPU measurements, in one command, under 10 minutes on one GPU: the fusion benchmark on a
 # 1.7 B-parameter Qwen3 shape in bfloat16, the fill benchmark, and publish-to-first-token on a
-# random-weight Qwen3-8B shape. Prints each benchmark's table and JSON line, then one JSON line of
+# random-weight Qwen3-8B shape, and suffix speculation on and off at low and high load
+# (bench/suffix_speculation.py --engine; arctic-inference from the gpu extra). Prints each benchmark's table and JSON line, then one JSON line of
 # all three. On a machine without a CUDA GPU it says so and exits 0 (nothing to measure).
 #
 #   bash bench/gpu_suite.sh            (after QUILT_ENGINE=gpu bash scripts/install.sh)
@@ -31,11 +32,12 @@ run() {  # name, seconds, command...: the command's output, and its last JSON li
 run fusion 150 "$PY" bench/trainer_fusion.py --quick --device cuda --dtype bfloat16 --hidden 4096 --layers 8
 run fill 150 "$PY" bench/genpool_fill.py --quick
 run first_token 170 "$PY" bench/first_token.py --preset qwen3-8b --trials 5 --workdir "$WORK"
+run suffix 120 "$PY" bench/suffix_speculation.py --engine
 
 echo
 "$PY" - "$WORK" <<'PY'
 import json, sys
 from pathlib import Path
 work = Path(sys.argv[1])
-print(json.dumps({"gpu": True, **{n: json.loads((work / f"{n}.json").read_text()) for n in ("fusion", "fill", "first_token")}}))
+print(json.dumps({"gpu": True, **{n: json.loads((work / f"{n}.json").read_text()) for n in ("fusion", "fill", "first_token", "suffix")}}))
 PY

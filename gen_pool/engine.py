@@ -52,6 +52,7 @@ from gen_pool.adapters import (
     identity_adapter,
 )
 from gen_pool.settings import GenPoolSettings
+from gen_pool.speculation import speculative_config
 
 log = logging.getLogger("quilt.gen.engine")
 
@@ -160,6 +161,9 @@ class GenEngine:
         kw = {}
         if not current_platform.is_cpu():
             kw["gpu_memory_utilization"] = settings.gpu_memory_share
+        if settings.suffix_speculation:
+            kw["speculative_config"] = speculative_config(settings.concurrency_target, settings.speculation_below,
+                                                          settings.speculative_tokens)
         args = AsyncEngineArgs(
             model=str(model_path), tokenizer=str(model_path), seed=settings.seed,
             dtype=resolve_dtype(settings.dtype, "cpu" if current_platform.is_cpu() else "cuda"),
