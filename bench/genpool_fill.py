@@ -10,10 +10,13 @@ trainer step. A pool shared across tenants can give those slots to other tenants
 2. TENANTS tenants, each running ROUNDS synchronous batches (GROUPS sample(n) groups of lognormal
    lengths, a pause of 0.5-1.5x PAUSE standing in for the trainer step between batches, tenants
    starting staggered; --mix mixed makes them differ in pause, batch size and length), in three
-   modes on the same engine with the same seeded workload:
+   (four) modes on the same engine with the same seeded workload:
    (a) shared:      one admission queue (gen_pool.admission) across tenants, gap filling on;
    (b) partitioned: the same engine, each tenant capped at target / TENANTS running sequences;
    (c) serial:      one tenant's batch at a time, with the whole engine.
+   (d) async (--async): the shared pool, but each tenant samples its next batch while its trainer
+                    step runs, one version ahead at most (quilt.rl with max_staleness=1); the
+                    staleness of every trained batch is measured and printed.
    Printed per mode: generated tokens/s, slot utilisation (busy sequence-seconds / target / wall),
    where the idle capacity comes from (time full; time with free slots and no work to run; time with
    free slots while work waits, i.e. held back by caps or admission latency), and each tenant's
@@ -28,7 +31,8 @@ trainer step. A pool shared across tenants can give those slots to other tenants
     python bench/genpool_fill.py [--quick] [--target 32] [--rounds 5] ...
 
 Ends with one JSON line: {"shared_over_partitioned_tps", "worst_tenant_p95_ttb_ratio",
-"slot_util_shared", ...}. Target: shared >= 1.5x partitioned tokens/s, every tenant's p95
+"shared_over_ideal" (the measured ratio over the ideal engine's for this workload), "slot_util_shared",
+..., with --async "async_over_partitioned_tps", "async_over_ideal", "async_staleness_mean/max"}. Target: shared >= 1.5x partitioned tokens/s, every tenant's p95
 time-to-batch <= 1.1x its partitioned value.
 """
 
@@ -52,7 +56,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from genpool_sim import Model, fixed_comparison, pct, tenant_shape
 
 from core.work import AdapterRef, SamplingSpec
-from gen_pool.admission import PoolView
 from gen_pool.engine import GenEngine, SeqRequest
 from gen_pool.scheduler import Group, Scheduler
 from gen_pool.settings import GenPoolSettings
@@ -92,8 +95,7 @@ def submit(sched: Scheduler, futures: dict, group: Group) -> asyncio.Future:
     return fut
 
 
-def make_scheduler(engine: GenEngine, target: int, cap: int, done: list[Group],
-                   share_after_s: float = PoolView.share_after_s) -> tuple[Scheduler, dict]:
+def make_scheduler(engine: GenEngine, target: int, cap: int, done: list[Group]) -> tuple[Scheduler, dict]:
     futures: dict[str, asyncio.Future] = {}
 
     def on_finish(g: Group, outcome) -> None:
@@ -102,7 +104,7 @@ def make_scheduler(engine: GenEngine, target: int, cap: int, done: list[Group],
         if fut is not None and not fut.done():
             fut.set_result(outcome)
 
-    return Scheduler(engine, target=target, default_cap=cap, share_after_s=share_after_s, on_finish=on_finish), futures
+    return Scheduler(engine, target=target, default_cap=cap, on_finish=on_finish), futures
 
 
 # --------------------------------------------------------------------------- 1. the curve
@@ -139,7 +141,6 @@ class Workload:
     pause_s: float
     seed: int
     seeded: bool  # per-request sampling seeds (vLLM then samples those rows one by one)
-    share_after_s: float = PoolView.share_after_s  # admission rule 3 (0 = plain fair shares first)
     mixed: bool = False  # tenants differ in pause, batch size and length (genpool_sim.MIXED)
 
     def groups_of(self, tenant: int) -> int:
@@ -163,6 +164,7 @@ class ModeResult:
     busy_seq_s: float
     target: int
     ttb: dict[int, list[float]] = field(default_factory=dict)
+    staleness: list[int] = field(default_factory=list)  # async: per trained batch, versions behind
     # (running, waiting) sampled every few ms: is idle capacity the admission's fault or no demand?
     occupancy: list[tuple[int, int]] = field(default_factory=list)
 
@@ -192,14 +194,28 @@ class ModeResult:
         return pct(self.ttb[tenant], q)
 
 
-async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Workload, target: int) -> ModeResult:
+async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Workload, target: int,
+                   ahead: int = 1) -> ModeResult:
+    """One arm: `shared`, `partitioned` or `serial` tenants sample a batch, wait for it, train; in
+    `async` (shared pool) each tenant's next batch samples while its trainer step runs, at most
+    `ahead` versions ahead of the trainer (quilt.rl's max_staleness)."""
     cap = target // w.tenants if name == "partitioned" else 0
     done: list[Group] = []
-    sched, futures = make_scheduler(engine, target, cap, done, w.share_after_s)
+    sched, futures = make_scheduler(engine, target, cap, done)
     stop = asyncio.Event()
     pool = asyncio.create_task(run_pool(sched, stop))
     serial = asyncio.Lock()
     result = ModeResult(name, 0.0, 0, 0.0, target, {t: [] for t in range(w.tenants)})
+
+    async def sample_batch(t: int, rnd: int) -> None:
+        futs = []
+        for gi in range(w.groups_of(t)):
+            lengths = w.lengths(t, rnd, gi)
+            g = Group(request_id=f"{name}-{t}-{rnd}-{gi}", tenant_id=f"tenant-{t}", prompt=(5 + t, 6, 7, 8),
+                      spec=SamplingSpec(max_tokens=max(lengths), eos_stops=False, seed=gi if w.seeded else None),
+                      n=w.n, adapter=refs[t], model_id=f"m{t}", lengths=lengths)
+            futs.append(submit(sched, futures, g))
+        await asyncio.gather(*futs)
 
     async def tenant(t: int) -> None:
         # Tenants do not start in lockstep, and trainer steps vary (seeded: the same in every mode).
@@ -208,17 +224,38 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
         for rnd in range(w.rounds):
             ready = time.perf_counter()
             async with (serial if name == "serial" else _nothing()):
-                futs = []
-                for gi in range(w.groups_of(t)):
-                    lengths = w.lengths(t, rnd, gi)
-                    g = Group(request_id=f"{name}-{t}-{rnd}-{gi}", tenant_id=f"tenant-{t}", prompt=(5 + t, 6, 7, 8),
-                              spec=SamplingSpec(max_tokens=max(lengths), eos_stops=False,
-                                                seed=gi if w.seeded else None), n=w.n,
-                              adapter=refs[t], model_id=f"m{t}", lengths=lengths)
-                    futs.append(submit(sched, futures, g))
-                await asyncio.gather(*futs)
+                await sample_batch(t, rnd)
             result.ttb[t].append(time.perf_counter() - ready)
             await asyncio.sleep(w.pause_of(t) * rng.uniform(0.5, 1.5))  # the trainer step
+
+    async def async_tenant(t: int) -> None:
+        rng = random.Random(w.seed * 1000 + t)
+        await asyncio.sleep(w.pause_s * t / w.tenants)
+        version = 0  # the trainer's steps done
+        moved = asyncio.Condition()
+        sampled: asyncio.Queue[int] = asyncio.Queue()  # the version each sampled batch was sampled at
+
+        async def sampler() -> None:
+            for rnd in range(w.rounds):
+                async with moved:
+                    await moved.wait_for(lambda: rnd - version <= ahead)
+                at = version
+                await sample_batch(t, rnd)
+                sampled.put_nowait(at)
+
+        async def trainer() -> None:
+            nonlocal version
+            for _ in range(w.rounds):
+                idle = time.perf_counter()
+                at = await sampled.get()
+                result.ttb[t].append(time.perf_counter() - idle)
+                result.staleness.append(version - at)
+                await asyncio.sleep(w.pause_of(t) * rng.uniform(0.5, 1.5))
+                async with moved:
+                    version += 1
+                    moved.notify_all()
+
+        await asyncio.gather(sampler(), trainer())
 
     async def watch() -> None:
         while True:
@@ -227,7 +264,7 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
 
     watcher = asyncio.create_task(watch())
     t0 = time.perf_counter()
-    await asyncio.gather(*(tenant(t) for t in range(w.tenants)))
+    await asyncio.gather(*((async_tenant if name == "async" else tenant)(t) for t in range(w.tenants)))
     result.wall_s = time.perf_counter() - t0
     watcher.cancel()
     stop.set()
@@ -249,13 +286,14 @@ class _nothing:
         return False
 
 
-def ideal(w: Workload, target: int, slot_rate: float, step_s: float, seeds: int = 5) -> dict:
+def ideal(w: Workload, target: int, slot_rate: float, step_s: float, seeds: int = 5, ahead: int = 0) -> dict:
     """The same workload shape through the simulator's flat-step engine (every running sequence
     decodes `slot_rate` tokens/s however many run) and the same admission function: what sharing
-    could give this workload if the engine were ideal. Medians over a few seeds."""
+    could give this workload if the engine were ideal (`ahead` 1: its tenants sample one version
+    ahead, against synchronous partitions). Medians over a few seeds."""
     m = Model(slots=target, token_rate=slot_rate, prefill_s=step_s, groups=w.groups, n=w.n,
               median_len=float(w.median_len), sigma=w.sigma, max_len=w.max_len, drift=0.0, pause_s=w.pause_s,
-              horizon_s=400.0, quantum_s=max(step_s, 0.02), share_after_s=w.share_after_s)
+              horizon_s=400.0, quantum_s=max(step_s, 0.02), ahead=ahead)
     return fixed_comparison(m, w.tenants, w.mixed, seeds)
 
 
@@ -309,7 +347,7 @@ async def main_async(args) -> dict:
         for k, ms, tps in curve:
             print(f"{k:>8} {ms:>9.1f} {tps:>9.0f}")
         w = Workload(args.tenants, args.rounds, args.groups, args.n, args.median_len, args.sigma, args.max_len,
-                     args.pause, args.seed, args.seeded, args.share_after_s, args.mix == "mixed")
+                     args.pause, args.seed, args.seeded, args.mix == "mixed")
         mean_len = statistics.mean(x for t in range(w.tenants) for r in range(w.rounds) for gi in range(w.groups_of(t))
                                    for x in w.lengths(t, r, gi))
         print(f"\n2. {w.tenants} tenants x {w.rounds} rounds x {w.groups} groups x n={w.n}; lengths lognormal "
@@ -320,7 +358,7 @@ async def main_async(args) -> dict:
                 print(f"   tenant {t}: {w.groups_of(t)} groups, pause {w.pause_of(t):.2f} s, "
                       f"median length {w.median_len * tenant_shape(t, True)['len_x']:.0f}")
         results = {}
-        for mode in ("shared", "partitioned", "serial"):
+        for mode in ("shared", "partitioned", "serial", *(("async",) if args.async_arm else ())):
             results[mode] = await run_mode(mode, engine, refs, w, args.target)
             r = results[mode]
             print(f"   {mode:<12} done in {r.wall_s:6.1f} s", flush=True)
@@ -335,6 +373,9 @@ async def main_async(args) -> dict:
         for t in range(w.tenants):
             print(f"{f'tenant {t} ttb p50/p95 s':<22}" +
                   "".join(f"{f'{r.p(t, 0.5):.2f}/{r.p(t, 0.95):.2f}':>14}" for r in results.values()))
+        print(f"{'staleness mean/max':<22}" + "".join(
+            f"{f'{statistics.fmean(r.staleness):.2f}/{max(r.staleness)}' if r.staleness else '0/0':>14}"
+            for r in results.values()))
         shared, part = results["shared"], results["partitioned"]
         ratios = [shared.p(t, 0.95) / part.p(t, 0.95) for t in range(w.tenants)]
         util_ratio, rate_ratio = shared.util / part.util, shared.per_slot_tps / part.per_slot_tps
@@ -345,7 +386,24 @@ async def main_async(args) -> dict:
               f"x per-busy-slot rate ratio {rate_ratio:.2f}")
         print(f"ideal engine (simulated: flat decode step at the measured {seq_rate:.0f} tok/s per "
               f"sequence, same workload shape and admission): {flat['ratio']:.2f}x, utilisation "
-              f"{flat['util_shared']:.2f} vs {flat['util_partitioned']:.2f}")
+              f"{flat['util_shared']:.2f} vs {flat['util_partitioned']:.2f}; shared reaches "
+              f"{shared.tps / part.tps / flat['ratio']:.2f} of it")
+        extra = {}
+        if "async" in results:
+            ahead = results["async"]
+            flat_async = ideal(w, args.target, seq_rate, at_target[1] / 1000, ahead=1)
+            print(f"async (one version ahead) / partitioned tokens/s {ahead.tps / part.tps:.2f}, "
+                  f"{ahead.tps / shared.tps:.2f}x synchronous shared; ideal engine {flat_async['ratio']:.2f}x "
+                  f"(reached {ahead.tps / part.tps / flat_async['ratio']:.2f}); trained data "
+                  f"{statistics.fmean(ahead.staleness):.2f} versions behind on average, at most {max(ahead.staleness)}")
+            extra = {"async_over_partitioned_tps": round(ahead.tps / part.tps, 3),
+                     "async_over_shared_tps": round(ahead.tps / shared.tps, 3),
+                     "async_over_ideal": round(ahead.tps / part.tps / flat_async["ratio"], 3),
+                     "ideal_flat_step_async_over_partitioned_tps": round(flat_async["ratio"], 3),
+                     "async_worst_tenant_p95_ttb_ratio": round(max(ahead.p(t, 0.95) / part.p(t, 0.95)
+                                                                   for t in range(w.tenants)), 3),
+                     "async_staleness_mean": round(statistics.fmean(ahead.staleness), 3),
+                     "async_staleness_max": max(ahead.staleness)}
 
         lat = await publish_latency(engine, refs, paths[-1], root, args.publish_trials)
         print(f"\n3. publish-to-first-token while busy: p50 {1000 * statistics.median(lat):.0f} ms, "
@@ -359,13 +417,14 @@ async def main_async(args) -> dict:
             "slot_util_serial": round(results["serial"].util, 3),
             "per_slot_rate_ratio": round(rate_ratio, 3),
             "ideal_flat_step_shared_over_partitioned_tps": round(flat["ratio"], 3),
+            "shared_over_ideal": round(shared.tps / part.tps / flat["ratio"], 3),
+            **extra,
             "shared_time_no_demand": round(shared.time_share("no_demand"), 3),
             "shared_time_held_back": round(shared.time_share("held_back"), 3),
             "tps": {m: round(r.tps, 1) for m, r in results.items()},
             "step_ms_1_vs_target": [round(curve[0][1], 1), round(next(ms for k, ms, _ in curve if k >= args.target), 1)],
             "publish_to_first_token_ms_p50": round(1000 * statistics.median(lat), 1),
-            "workload": {"tenants": args.mix, "groups": w.groups, "n": w.n, "sigma": w.sigma, "pause_s": w.pause_s,
-                         "share_after_s": w.share_after_s},
+            "workload": {"tenants": args.mix, "groups": w.groups, "n": w.n, "sigma": w.sigma, "pause_s": w.pause_s},
         }
         summary["target_met"] = summary["shared_over_partitioned_tps"] >= 1.5 and summary["worst_tenant_p95_ttb_ratio"] <= 1.1
         return summary
@@ -389,8 +448,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="seeds the workload (lengths, pauses)")
     ap.add_argument("--mix", choices=("same", "mixed"), default="same",
                     help="identical tenants, or tenants that differ in pause, batch size and length")
-    ap.add_argument("--share-after-s", type=float, default=PoolView.share_after_s,
-                    help="admission: a tenant below its fair share waiting this long goes first (0 = always)")
+    ap.add_argument("--async", dest="async_arm", action="store_true",
+                    help="a fourth arm: the shared pool with every tenant sampling one version ahead of its trainer")
     ap.add_argument("--seeded", action="store_true",
                     help="give every sequence a sampling seed (RL rollouts usually do not; costs per row)")
     args = ap.parse_args()

@@ -109,7 +109,8 @@ def test_time_waiting_on_environments_reaches_the_run_and_operator_pages(stack):
     from dashutil import login, operator_key
 
     tenant = stack.create_tenant("rl-envwait")
-    tc, logs = run(stack, tenant, config(max_staleness=0, budget=rl.EpisodeBudget(max_turns=2)), steps=2,
+    tc, logs = run(stack, tenant, config(max_staleness=0, budget=rl.EpisodeBudget(max_turns=2), episode_priority=True),
+                   steps=2,
                    make_group=lambda i, n: [SlowTool() for _ in range(n)])
     for entry in logs:
         assert entry.env_s >= 2 * 0.05 * entry.groups  # two tool calls per group, 50 ms each

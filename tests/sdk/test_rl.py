@@ -218,7 +218,7 @@ def test_every_call_of_a_group_carries_its_episode_id_and_the_env_hints():
 
     sampler = FakeSampler(0, random.Random(1))
     first = asyncio.run(rl.rollout_group(0, sampler, [Hinting(), Hinting()], quilt.SamplingParams(max_tokens=3),
-                                         rl.EpisodeBudget(max_turns=3)))
+                                         rl.EpisodeBudget(max_turns=3), episode_priority=True))
     ids = {episode for episode, _ in sampler.episodes}
     assert len(ids) == 1 and None not in ids  # one id for the group's every call
     # Both members share each prompt, so each turn is one call; a hint applies to the next call only.
@@ -227,8 +227,12 @@ def test_every_call_of_a_group_carries_its_episode_id_and_the_env_hints():
     assert first.env_s + first.sample_s <= first.finished_at - first.started_at + 1e-6
     other = FakeSampler(0, random.Random(1))
     asyncio.run(rl.rollout_group(1, other, [Hinting(), Hinting()], quilt.SamplingParams(max_tokens=3),
-                                 rl.EpisodeBudget(max_turns=3)))
+                                 rl.EpisodeBudget(max_turns=3), episode_priority=True))
     assert {e for e, _ in other.episodes}.isdisjoint(ids)  # another group, another episode
+    plain = FakeSampler(0, random.Random(1))
+    asyncio.run(rl.rollout_group(2, plain, [Hinting(), Hinting()], quilt.SamplingParams(max_tokens=3),
+                                 rl.EpisodeBudget(max_turns=3)))
+    assert set(plain.episodes) == {(None, None)}  # off by default: no id, no hints
     with pytest.raises(ValueError, match="episode_hint"):
         rl.StepResult(reward=0.0, done=False, next_prompt=[1], episode_hint="sideways")
 

@@ -113,15 +113,17 @@ async def _env_call(coro, timeout_s: float, what: str):
 
 
 async def rollout_group(index: int, sampler: SamplingClient, envs: Sequence[Env], params: SamplingParams,
-                        budget: EpisodeBudget = EpisodeBudget()) -> SampledGroup:  # noqa: B008 (frozen)
+                        budget: EpisodeBudget = EpisodeBudget(),  # noqa: B008 (frozen)
+                        *, episode_priority: bool = False) -> SampledGroup:
     """Run one group's episodes to the end with ``sampler``; never raises for an episode's failure.
 
-    Every sampling call of the group carries one episode id, so the pool can serve groups that
-    have consumed less first (gen_pool.episodes) without predicting lengths.
+    With ``episode_priority`` every sampling call of the group carries one episode id (and the
+    environments' hints), so the pool serves groups that have consumed less first
+    (gen_pool.episodes) without predicting lengths.
     """
     started = time.monotonic()
     clock = _Clock()
-    episode_id = f"rl-{uuid.uuid4().hex[:20]}/{index}"
+    episode_id = f"rl-{uuid.uuid4().hex[:20]}/{index}" if episode_priority else None
     live = [_Live(env) for env in envs]
     with clock.timing("env"):
         resets = await asyncio.gather(*(_env_call(e.env.reset(), budget.step_timeout_s, "reset") for e in live))
@@ -170,7 +172,7 @@ class _Clock:
 
 
 async def _sample_turn(sampler: SamplingClient, prompt: list[int], members: list[_Live], params: SamplingParams,
-                       budget: EpisodeBudget, versions: list[int], clock: _Clock, episode_id: str) -> None:
+                       budget: EpisodeBudget, versions: list[int], clock: _Clock, episode_id: str | None) -> None:
     turn_params = params
     if budget.max_episode_tokens is not None:
         left = min(budget.max_episode_tokens - sum(len(t.tokens) for t in m.turns) for m in members)
@@ -181,7 +183,7 @@ async def _sample_turn(sampler: SamplingClient, prompt: list[int], members: list
         if params.max_tokens is None or params.max_tokens > left:
             turn_params = dataclasses.replace(params, max_tokens=left)
     hints = {m.hint for m in members} - {None}
-    hint = "promote" if "promote" in hints else ("demote" if hints else None)
+    hint = None if episode_id is None else "promote" if "promote" in hints else "demote" if hints else None
     for m in members:
         m.hint = None
     try:
