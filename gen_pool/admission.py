@@ -23,8 +23,8 @@ The plan is built from small rules, each a function below:
    slot-seconds since its pending batch began than its `fair_shares` slice of the capacity
    elapsed since then (`received` < share x (now - `since`)) is served first while it runs below
    its slice. A tenant that filled others' gaps has a surplus and waits its turn under rule 2; one
-   back from its trainer step to a pool busy with others' tails falls behind from its first
-   unserved moment and gets its slice. The guard it replaces waited a fixed `share_after_s`,
+   back from its trainer step to a pool busy with others' tails falls behind once the grace below
+   has passed unserved, and gets its slice. The guard it replaces waited a fixed `share_after_s`,
    whose right value depended on the workload's time scale (bench/genpool_sweep.py: 10 s let a
    large-batch tenant's p95 time-to-batch reach 1.8x its partition; 1 s suited this machine's
    lengths, not a GPU's); this rule asks only what the tenant got against what it was owed.
@@ -36,7 +36,8 @@ The plan is built from small rules, each a function below:
 6. Feedback levels (a multi-level feedback queue for multi-turn episodes): a group carries its
    episode's `level` (gen_pool.episodes: demoted by the tokens the episode has consumed, raised
    by waiting and by the client's hints). Lower levels go first, within a tenant and, after rule
-   3 and before rule 2, across tenants; groups without an episode are level 0, so single-turn work is unchanged.
+   3 and before rule 2, across tenants; groups without an episode are level 0, so single-turn
+   work is unchanged.
 """
 
 from __future__ import annotations
