@@ -233,6 +233,14 @@ def test_every_call_of_a_group_carries_its_episode_id_and_the_env_hints():
     asyncio.run(rl.rollout_group(2, plain, [Hinting(), Hinting()], quilt.SamplingParams(max_tokens=3),
                                  rl.EpisodeBudget(max_turns=3)))
     assert set(plain.episodes) == {(None, None)}  # off by default: no id, no hints
+
+    class OldSampler(FakeSampler):  # a duck-typed sampler from before episodes
+        async def sample_async(self, prompt, n, params, deadline_s=None):
+            return await super().sample_async(prompt, n, params, deadline_s)
+
+    group = asyncio.run(rl.rollout_group(3, OldSampler(0, random.Random(1)), [Hinting(), Hinting()],
+                                         quilt.SamplingParams(max_tokens=3), rl.EpisodeBudget(max_turns=3)))
+    assert len(group.episodes) == 2
     with pytest.raises(ValueError, match="episode_hint"):
         rl.StepResult(reward=0.0, done=False, next_prompt=[1], episode_hint="sideways")
 

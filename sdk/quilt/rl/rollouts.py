@@ -150,8 +150,8 @@ async def rollout_group(index: int, sampler: SamplingClient, envs: Sequence[Env]
 
 class _Clock:
     """Wall time a group spends waiting on each kind of call. Turns that diverged wait side by
-    side; an interval counts once however many of them overlap, so the totals add up to at most
-    the group's wall time."""
+    side; an interval counts once however many calls of its kind overlap, so each total is at most
+    the group's wall time (the two kinds overlap only where diverged turns wait on different ones)."""
 
     def __init__(self) -> None:
         self.seconds = {"env": 0.0, "sample": 0.0}
@@ -188,8 +188,10 @@ async def _sample_turn(sampler: SamplingClient, prompt: list[int], members: list
         m.hint = None
     try:
         with clock.timing("sample"):
+            # Only with an episode: a sampler that duck-types the SDK's needs no episode arguments.
+            episode = {} if episode_id is None else {"episode_id": episode_id, "episode_hint": hint}
             future = await sampler.sample_async(prompt, len(members), turn_params, deadline_s=budget.sample_deadline_s,
-                                                episode_id=episode_id, episode_hint=hint)
+                                                **episode)
             try:
                 response = await future
             except asyncio.CancelledError:
