@@ -30,6 +30,8 @@ import argparse
 import json
 from dataclasses import dataclass
 
+from flags import add_flags, from_flags
+
 from core.capacity_plan import PlannerSettings, QueueHealth, recommend
 
 
@@ -74,11 +76,9 @@ def simulate(r: Run, planned: bool) -> dict:
     train_used = train_avail = 0.0
     last_plan, moves, t = 0.0, 0, 0.0
     while t < r.horizon_s:
-        ready = [side for at, side in moving if at <= t]
-        moving = [(at, side) for at, side in moving if at > t]
+        moving = [(at, side) for at, side in moving if at > t]  # those arrived take part from now
         in_gen = gen - sum(1 for _, side in moving if side == "gen")
         in_train = (r.devices - gen) - sum(1 for _, side in moving if side == "train")
-        del ready
         L = length(r, t)
         # Generation, unless as far ahead as the bound allows.
         if generated - trained < r.staleness + 1:
@@ -127,11 +127,8 @@ def simulate(r: Run, planned: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", default="8,64,256,1000")
-    for f in Run.__dataclass_fields__.values():
-        if f.name != "devices":
-            ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    add_flags(ap, Run, skip=("devices",))
     args = ap.parse_args()
-    base = {f: getattr(args, f) for f in Run.__dataclass_fields__ if f != "devices"}
     print(f"rollout length {args.len0:.0f} -> {args.len0 * args.growth:.0f} tokens over {args.horizon_s / 3600:.1f} h; "
           f"staleness bound {args.staleness}; planner every {args.plan_every_s:.0f} s; a move idles a device "
           f"{args.move_s:.0f} s\n")
@@ -139,7 +136,7 @@ def main() -> None:
           f"{'final gen/train':>17}{'moves':>7}{'balanced at end':>17}")
     lines = []
     for n in (int(x) for x in args.devices.split(",")):
-        r = Run(devices=n, **base)
+        r = from_flags(args, Run, skip=("devices",), devices=n)
         out = {p: simulate(r, p == "planned") for p in ("static", "planned")}
         for name, o in out.items():
             print(f"{n:>8}{name:>9}{o['trainer_waiting']:>16.1%}{o['staleness_mean']:>14.2f}/{o['staleness_max']:<5}"

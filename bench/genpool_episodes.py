@@ -33,6 +33,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from flags import add_flags, from_flags
 from genpool_sim import pct
 
 from gen_pool.admission import BatchLedger, GroupView, PoolView, plan_admission
@@ -182,10 +183,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a short horizon (a smoke run)")
     ap.add_argument("--seeds", type=int, default=3)
-    for f in Workload.__dataclass_fields__.values():
-        ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    add_flags(ap, Workload)
     args = ap.parse_args()
-    w = Workload(**{f: getattr(args, f) for f in Workload.__dataclass_fields__})
+    w = from_flags(args, Workload)
     if args.quick:
         w, args.seeds = Workload(**{**w.__dict__, "horizon_s": 120.0}), 1
     print(f"workload: {w}\nfeedback levels: {FeedbackLevels()}\n")

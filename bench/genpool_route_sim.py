@@ -35,6 +35,9 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from flags import add_flags, from_flags
+from genpool_sim import pct
+
 from gen_pool.routing import ReplicaView, RouteRequest, route
 
 
@@ -219,11 +222,6 @@ def simulate(gpus: int, m: Model, policy: str, seed: int) -> dict:
     return {"tps": tokens / m.horizon_s, "hit_rate": hits / starts if starts else 0.0, "ttb": ttb}
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))] if xs else float("nan")
-
-
 def compare(gpus: int, m: Model, seed: int) -> dict:
     t0 = time.perf_counter()
     out = {p: simulate(gpus, m, p, seed) for p in ("quilt", "round_robin", "random")}
@@ -253,10 +251,9 @@ def main() -> None:
     ap.add_argument("--gpus", default="8,64,256,1000")
     ap.add_argument("--quick", action="store_true", help="8 and 64 GPUs, 120 s")
     ap.add_argument("--seed", type=int, default=0)
-    for f in Model.__dataclass_fields__.values():
-        ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    add_flags(ap, Model)
     args = ap.parse_args()
-    m = Model(**{f: getattr(args, f) for f in Model.__dataclass_fields__})
+    m = from_flags(args, Model)
     scales = [int(x) for x in args.gpus.split(",")]
     if args.quick:
         scales, m = [s for s in scales if s <= 64] or [8], Model(**{**m.__dict__, "horizon_s": 120.0})

@@ -38,6 +38,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from flags import add_flags, from_flags
+
 from gen_pool.admission import (
     GRACE_SEQUENCES,
     BatchLedger,
@@ -343,10 +345,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small scales and a short horizon (a smoke run)")
     ap.add_argument("--gpus", default="8,64,256,1000", help="comma-separated pool sizes")
     ap.add_argument("--seed", type=int, default=0)
-    for f in Model.__dataclass_fields__.values():
-        ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    add_flags(ap, Model)
     args = ap.parse_args()
-    m = Model(**{f: getattr(args, f) for f in Model.__dataclass_fields__})
+    m = from_flags(args, Model)
     scales = [int(x) for x in args.gpus.split(",")]
     if args.quick:
         scales = [s for s in scales if s <= 64] or [8]
