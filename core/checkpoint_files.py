@@ -68,5 +68,10 @@ def policy_version(directory: str | Path) -> int:
 def adapter_files(directory: Path) -> list[Path]:
     """The files that make the adapter: everything a checkpoint directory holds except optimizer
     state (a training checkpoint's Adam moments are not part of the adapter, and are twice its
-    size). Plain files only: nothing reached through a link is ever sent."""
-    return sorted(p for p in directory.iterdir() if p.is_file() and not p.is_symlink() and p.name != OPTIMIZER_FILE)
+    size). Plain files only: nothing reached through a link is ever sent. FileNotFoundError when
+    the config or the weights are missing: a directory half deleted is not an adapter."""
+    files = sorted(p for p in directory.iterdir() if p.is_file() and not p.is_symlink() and p.name != OPTIMIZER_FILE)
+    missing = {ADAPTER_CONFIG, ADAPTER_WEIGHTS} - {p.name for p in files}
+    if missing:
+        raise FileNotFoundError(f"{directory} has no {', '.join(sorted(missing))}")
+    return files

@@ -97,6 +97,8 @@ class S3Store(LocalStore):
         directory = self.local_dir(storage_path)
         if directory.is_dir():
             return directory
+        from botocore.exceptions import ClientError
+
         prefix = self._object_prefix(storage_path)
         names = [obj["Key"][len(prefix):] for page in self.client.get_paginator("list_objects_v2").paginate(
             Bucket=self.bucket, Prefix=prefix) for obj in page.get("Contents", [])]
@@ -107,7 +109,12 @@ class S3Store(LocalStore):
         staging = Path(tempfile.mkdtemp(prefix=".fetch-", dir=directory.parent))
         try:
             for name in names:
-                self.client.download_file(self.bucket, prefix + name, str(staging / name))
+                try:
+                    self.client.download_file(self.bucket, prefix + name, str(staging / name))
+                except ClientError as exc:  # deleted between the listing and this download
+                    if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+                        raise _gone(storage_path) from None
+                    raise
             try:
                 os.rename(staging, directory)
             except OSError:

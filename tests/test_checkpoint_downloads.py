@@ -6,6 +6,7 @@ scores tokens exactly as the trainer does."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import tarfile
@@ -157,3 +158,46 @@ def test_encrypted_exports_are_refused_by_name(stack, tenant):
         tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))
         with pytest.raises(tinker.BadRequestError, match="age_encryption_recipients"):
             tc.save_weights_external("enc", age_encryption_recipients=["age1xyz"]).result()
+
+
+def test_a_delete_racing_a_download_is_a_404(stack, tenant):
+    """A download whose checkpoint row was read just before a delete removed its files (the
+    fuzzer found the merged download answering 500 there): every way of fetching it answers 404,
+    as if the delete had come first."""
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
+        tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))
+        tc.save_state("racing").result()
+    route = f"/training_runs/{tc.model_id}/checkpoints/weights/racing"
+    with httpx.Client(base_url=stack.base_url + "/api/v1", headers={"X-API-Key": tenant.key}, timeout=60) as http:
+        links = [http.get(f"{route}/{what}").headers["location"] for what in ("archive", "merged")]
+        links += list(http.get(f"{route}/external_weights_urls").json()["urls"].values())
+        with db.connect(stack.database_url) as conn:
+            storage = Path(conn.execute("SELECT storage_path FROM checkpoints WHERE model_id = %s AND name = 'racing'",
+                                        (tc.model_id,)).fetchone()["storage_path"])
+        assert all(httpx.get(url, timeout=60).status_code == 200 for url in links)
+        (storage / "adapter_model.safetensors").unlink()  # where shutil.rmtree has got to
+        for url in links:
+            r = httpx.get(url, timeout=60)
+            assert r.status_code == 404 and r.json()["field"] == "checkpoint_id", (url, r.text)
+        for what in ("archive", "merged", "external_weights_urls"):
+            r = http.get(f"{route}/{what}")
+            assert r.status_code == 404 and r.json()["field"] == "checkpoint_id", (what, r.text)
+
+
+def test_an_archive_begun_before_a_delete_is_sent_whole(tmp_path):
+    """Its files are opened when the response is made, so removing them meanwhile cuts nothing."""
+    from api.dashboard import adapter_archive
+
+    (tmp_path / "adapter_config.json").write_text('{"r": 4}')
+    (tmp_path / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 4096)
+    response = adapter_archive.adapter_response("m", "ck", tmp_path)
+    for p in list(tmp_path.iterdir()):
+        p.unlink()
+
+    async def read() -> bytes:
+        return b"".join([chunk async for chunk in response.body_iterator])
+
+    body = asyncio.run(read())
+    with tarfile.open(fileobj=io.BytesIO(body), mode="r:gz") as tar:
+        got = {m.name.rsplit("/", 1)[-1]: tar.extractfile(m).read() for m in tar if m.isfile()}
+    assert got == {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": bytes(range(256)) * 4096}

@@ -8,6 +8,7 @@ of a file be compressed and sent before the next is read.
 
 from __future__ import annotations
 
+import mimetypes
 import os
 import re
 import tarfile
@@ -32,9 +33,20 @@ def archive_name(model_id: str, name: str, suffix: str = ".tar.gz") -> str:
 
 
 def adapter_response(model_id: str, name: str, directory: Path) -> StreamingResponse:
-    """A download of the checkpoint's adapter as `<model>-<name>.tar.gz`."""
+    """A download of the checkpoint's adapter as `<model>-<name>.tar.gz`. Its files are opened
+    now (FileNotFoundError when they are already gone), so a delete while it is sent cuts nothing."""
     filename = archive_name(model_id, name)
-    return _download(stream_tar_gz(directory, top=filename.removesuffix(".tar.gz")), filename, "application/gzip")
+    members = [_file_member(p) for p in adapter_files(directory)]
+    return _download(stream_tar(members, top=filename.removesuffix(".tar.gz"), gzip=True), filename,
+                     "application/gzip")
+
+
+def file_response(path: Path) -> StreamingResponse:
+    """One file of a checkpoint as a download, opened now like `adapter_response`'s."""
+    member = _file_member(path)
+    response = _download(member.chunks(), path.name, mimetypes.guess_type(path.name)[0] or "application/octet-stream")
+    response.headers["Content-Length"] = str(member.size)
+    return response
 
 
 def merged_response(model_id: str, name: str, members: list[Member]) -> StreamingResponse:
@@ -50,24 +62,23 @@ def _download(chunks: Iterator[bytes], filename: str, media_type: str) -> Stream
                                       "Cache-Control": "no-store"})
 
 
-def stream_tar_gz(directory: Path, top: str) -> Iterator[bytes]:
-    """Yield a gzip'd tar of `adapter_files(directory)` under the folder `top`. Synchronous on
-    purpose: Starlette runs sync iterators in a thread, so file reads never block the event loop."""
-    return stream_tar([_file_member(p) for p in adapter_files(directory)], top, gzip=True)
-
-
 def _file_member(path: Path) -> Member:
+    """A file as a tar member, opened here: an open file outlives its name (POSIX), so a checkpoint
+    deleted after this call still sends whole, and one deleted before raises FileNotFoundError
+    while the handler can still answer 404."""
+    f = path.open("rb")
+    size = os.fstat(f.fileno()).st_size
+
     def chunks() -> Iterator[bytes]:
-        with path.open("rb") as f:
-            st = os.fstat(f.fileno())  # the size of what we read, even if the name is replaced meanwhile
-            remaining = st.st_size
+        with f:
+            remaining = size
             while remaining > 0:
                 chunk = f.read(min(CHUNK, remaining))
                 if not chunk:
                     raise OSError(f"{path} shrank while it was being sent")
                 remaining -= len(chunk)
                 yield chunk
-    return Member(path.name, path.stat().st_size, chunks)
+    return Member(path.name, size, chunks)
 
 
 def stream_tar(members: list[Member], top: str, *, gzip: bool) -> Iterator[bytes]:

@@ -16,7 +16,7 @@ from api.dashboard.deps import Changing, LoggedIn, OperatorOnly, Viewer, page_co
 from api.dashboard.render import PageRoute, page
 from api.deps import Callers, Pool, RedisDep
 from api.routes.billing import get_usage
-from api.routes.downloads import checkpoint_directory, merge_members
+from api.routes.downloads import adapter_download, merge_members
 from core import catalog
 from core.checkpoint_files import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
 from core.errors import Forbidden, NotFound, Unauthenticated
@@ -139,7 +139,7 @@ async def _own_checkpoint(viewer: Viewer, pool, model_id: str, kind: str, name: 
 async def download_adapter(model_id: str, kind: str, name: str, viewer: LoggedIn, pool: Pool) -> StreamingResponse:
     """The checkpoint's PEFT adapter (adapter_config.json, adapter_model.safetensors) as a .tar.gz."""
     ckpt = await _own_checkpoint(viewer, pool, model_id, kind, name)
-    return adapter_archive.adapter_response(model_id, name, await checkpoint_directory(ckpt))
+    return await adapter_download(ckpt)
 
 
 @router.get("/runs/{model_id}/checkpoints/{kind}/{name}/merged.tar")

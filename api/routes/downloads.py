@@ -17,6 +17,7 @@ needs the base's files on this API's machine.
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import time
 from datetime import UTC, datetime
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse, RedirectResponse
+from fastapi.responses import RedirectResponse, StreamingResponse
 
 from api import signed_urls
 from api.dashboard import adapter_archive
@@ -49,14 +50,42 @@ async def _key(request: Request, pool, settings) -> bytes:
     return key
 
 
+def _gone(ckpt: dict) -> NotFound:
+    return NotFound(f"the files of checkpoint {ckpt['kind']}/{ckpt['name']} are gone from the checkpoint store",
+                    field="checkpoint_id")
+
+
+@contextlib.contextmanager
+def _while_its_files_last(ckpt: dict):
+    """A checkpoint deleted after its row was read loses its files under the reader: a 404, as if
+    the delete had come first."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise _gone(ckpt) from None
+
+
 async def checkpoint_directory(ckpt: dict) -> Path:
     """A checkpoint's files on this machine (fetched from the checkpoint store when it is not a
     local directory and this API replica has not got them yet), or a 404 saying they are gone."""
     try:
         return await run_in_threadpool(checkpoint_store.get_store().fetch, ckpt["storage_path"])
     except NotFound:
-        raise NotFound(f"the files of checkpoint {ckpt['kind']}/{ckpt['name']} are gone from the checkpoint store",
-                       field="checkpoint_id") from None
+        raise _gone(ckpt) from None
+
+
+async def _adapter_files(ckpt: dict) -> list[Path]:
+    """The files of the checkpoint's adapter (core.checkpoint_files.adapter_files), or a 404."""
+    directory = await checkpoint_directory(ckpt)
+    with _while_its_files_last(ckpt):
+        return adapter_files(directory)
+
+
+async def adapter_download(ckpt: dict) -> StreamingResponse:
+    """The checkpoint's adapter as a streamed .tar.gz (api.dashboard.adapter_archive), or a 404."""
+    directory = await checkpoint_directory(ckpt)
+    with _while_its_files_last(ckpt):
+        return await run_in_threadpool(adapter_archive.adapter_response, ckpt["model_id"], ckpt["name"], directory)
 
 
 async def _checkpoint(pool, who, run_id: str, checkpoint_id: str) -> dict:
@@ -74,7 +103,7 @@ async def checkpoint_archive(run_id: str, checkpoint_id: str, request: Request, 
                              settings: Settings) -> RedirectResponse:
     """302 to a signed URL of the checkpoint's adapter as a .tar.gz; `Expires` says until when it works."""
     ckpt = await _checkpoint(pool, who, run_id, checkpoint_id)
-    await checkpoint_directory(ckpt)
+    await _adapter_files(ckpt)  # refuse now, not when the link is followed
     expires = int(time.time()) + settings.download_url_ttl_s
     grant = signed_urls.Grant(who.tenant_id, ckpt["id"], signed_urls.ARCHIVE, expires)
     url = _url(request, await _key(request, pool, settings), grant, adapter_archive.archive_name(run_id, ckpt["name"]))
@@ -106,8 +135,10 @@ async def merge_members(pool, ckpt: dict) -> list[adapter_merge.Member]:
     if base is None or not Path(base.path).is_dir():
         raise NotFound("this checkpoint's base model is not served here any more; it cannot be merged",
                        field="checkpoint_id")
+    directory = await checkpoint_directory(ckpt)
     try:
-        return await run_in_threadpool(adapter_merge.merged_members, Path(base.path), await checkpoint_directory(ckpt))
+        with _while_its_files_last(ckpt):
+            return await run_in_threadpool(adapter_merge.merged_members, Path(base.path), directory)
     except ValueError as exc:
         raise InvalidInput(f"this checkpoint cannot be merged into its base: {exc}", field="checkpoint_id") from None
 
@@ -117,7 +148,7 @@ async def external_weights_urls(run_id: str, checkpoint_id: str, request: Reques
                                 settings: Settings) -> dict:
     """One signed URL per file of the checkpoint's adapter, keyed by file name, and when they expire."""
     ckpt = await _checkpoint(pool, who, run_id, checkpoint_id)
-    files = adapter_files(await checkpoint_directory(ckpt))
+    files = await _adapter_files(ckpt)
     expires = int(time.time()) + settings.download_url_ttl_s
     key = await _key(request, pool, settings)
     urls = {p.name: _url(request, key, signed_urls.Grant(who.tenant_id, ckpt["id"], p.name, expires), p.name)
@@ -135,12 +166,12 @@ async def download(token: str, filename: str, request: Request, pool: Pool, sett
         ckpt = await cur.fetchone()
     if ckpt is None:
         raise NotFound("the checkpoint of this download link was deleted or has expired", field="token")
-    directory = await checkpoint_directory(ckpt)
     if grant.file == signed_urls.MERGED:
         return adapter_archive.merged_response(ckpt["model_id"], ckpt["name"], await merge_members(pool, ckpt))
     if grant.file == signed_urls.ARCHIVE:
-        return adapter_archive.adapter_response(ckpt["model_id"], ckpt["name"], directory)
-    path = next((p for p in adapter_files(directory) if p.name == grant.file), None)
+        return await adapter_download(ckpt)
+    path = next((p for p in await _adapter_files(ckpt) if p.name == grant.file), None)
     if path is None:
         raise NotFound(f"file {grant.file!r} is not part of this checkpoint", field="token")
-    return FileResponse(path, filename=path.name, headers={"Cache-Control": "no-store"})
+    with _while_its_files_last(ckpt):
+        return await run_in_threadpool(adapter_archive.file_response, path)
