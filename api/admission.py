@@ -20,6 +20,7 @@ sampling sequence ids exceed int32, so a Redis key held for the future's lifetim
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, replace
 
@@ -30,8 +31,9 @@ from api import records
 from billing import budgets
 from core import faults, queue
 from core.errors import InvalidInput, QuotaExceeded
-from core.settings import get_api_settings
-from core.work import WorkItem
+from core.settings import get_api_settings, get_core_settings
+from core.work import WorkItem, WorkKind
+from gen_pool.router import Router
 from tenancy import accounts, rate_limit, scoped
 from tenancy.auth import Principal
 
@@ -146,7 +148,8 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
             await redis.delete(slot.key)
         raise
     try:
-        await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds)
+        await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds,
+                            await _replica_stream(redis, ticket.base_model, item))
     except Exception:
         log.exception("could not enqueue %s", item.request_id)
         await records.mark_failed(conn, item.request_id)
@@ -161,9 +164,24 @@ async def _resume(redis: Redis, ticket: Ticket, request_id: str, status: str | N
     """A retried call: its request `request_id` exists. While that is still queued its entry is
     appended, unless it already was (`queue.enqueue` appends once per request id)."""
     if status == "queued":
-        await queue.enqueue(redis, ticket.base_model, replace(ticket.item, request_id=request_id),
-                            get_api_settings().future_ttl_seconds)
+        item = replace(ticket.item, request_id=request_id)
+        await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds,
+                            await _replica_stream(redis, ticket.base_model, item))
     return request_id
+
+
+@functools.cache
+def _router() -> Router | None:
+    core = get_core_settings()
+    return Router(core.gen_replicas, core.gen_routing) if core.gen_replicas > 1 else None
+
+
+async def _replica_stream(redis: Redis, base_model: str, item: WorkItem) -> str | None:
+    """With several generation replicas, the one a sample group goes to (gen_pool.router)."""
+    router = _router()
+    if router is None or item.kind is not WorkKind.SAMPLE:
+        return None
+    return await router.stream_for(redis, base_model, item)
 
 
 async def _quota_and_budget(conn: AsyncConnection, who: Principal, *, billable: bool) -> None:

@@ -157,6 +157,10 @@ class StreamConsumer:
                 items.append((sid, WorkItem.from_fields(fields)))
             except MalformedWork as exc:
                 self._drop_malformed(sid, fields, exc)
+                continue
+            moved = fields.get(queue.MOVED_FIELD.encode(), fields.get(queue.MOVED_FIELD))
+            if moved:  # each move off a dead replica's stream was a delivery there (gen_pool.router)
+                counts = {**counts, sid: counts.get(sid, 0) + int(moved)}
         done = self.finished([i.request_id for _, i in items]) if counts and self.finished and items else set()
         out = []
         for sid, item in items:

@@ -14,6 +14,8 @@ import os
 import threading
 import time
 
+from core import queue
+
 log = logging.getLogger(__name__)
 
 HEALTH_TTL_S = 3
@@ -30,8 +32,16 @@ def trainer_rounds_key(base_model: str) -> str:
     return f"quilt:stats:trainer:{base_model}:rounds"
 
 
-def gen_key(base_model: str) -> str:
-    return f"quilt:health:gen:{base_model}"
+def gen_key(base_model: str, replica: str | None = None) -> str:
+    """A generation worker's beacon: the base's one, or replica `replica`'s where there are several."""
+    return f"quilt:health:gen:{base_model}" if replica is None else f"quilt:health:gen:{base_model}@{replica}"
+
+
+def gen_keys(base_model: str, replicas: int) -> dict[str, str]:
+    """Beacon key of each generation worker of a base, by the name health reports it under."""
+    if replicas <= 1:
+        return {base_model: gen_key(base_model)}
+    return {f"{base_model}@{name}": gen_key(base_model, name) for name in queue.replica_names(replicas)}
 
 
 def consumer_key(stream: str, consumer: str) -> str:

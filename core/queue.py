@@ -28,8 +28,22 @@ def train_stream(base_model: str) -> str:
     return f"quilt:train:{base_model}"
 
 
-def sample_stream(base_model: str) -> str:
-    return f"quilt:sample:{base_model}"
+def sample_stream(base_model: str, replica: str | None = None) -> str:
+    """The base's one sampling stream, or with several generation replicas (QUILT_GEN_REPLICAS)
+    replica `replica`'s own, which the API routes groups into (gen_pool.router)."""
+    return f"quilt:sample:{base_model}" if replica is None else f"quilt:sample:{base_model}@{replica}"
+
+
+def replica_names(count: int) -> list[str]:
+    """The generation replicas of a base model (QUILT_GEN_REPLICAS), as their workers are named."""
+    return [f"gen-{i}" for i in range(count)]
+
+
+def sample_streams(base_model: str, replicas: int) -> list[str]:
+    """Every stream that holds the base's sampling work (the one, or each replica's)."""
+    if replicas <= 1:
+        return [sample_stream(base_model)]
+    return [sample_stream(base_model, name) for name in replica_names(replicas)]
 
 
 def stream_for(item: WorkItem, base_model: str) -> str:
@@ -142,9 +156,37 @@ return false
 """
 
 
-async def enqueue(redis, base_model: str, item: WorkItem, ttl_s: int) -> bool:
-    """Append `item` to its worker's stream unless an entry for its request id was already
-    appended in the last `ttl_s` seconds (the future's lifetime); True if this call appended it."""
+async def enqueue(redis, base_model: str, item: WorkItem, ttl_s: int, stream: str | None = None) -> bool:
+    """Append `item` to its worker's stream (or to `stream`) unless an entry for its request id
+    was already appended in the last `ttl_s` seconds (the future's lifetime); True if this call
+    appended it."""
     args = [str(ttl_s)] + [part for pair in item.to_fields().items() for part in pair]
-    appended = await redis.eval(_ENQUEUE_ONCE, 2, enqueued_key(item.request_id), stream_for(item, base_model), *args)
+    appended = await redis.eval(_ENQUEUE_ONCE, 2, enqueued_key(item.request_id),
+                                stream or stream_for(item, base_model), *args)
     return appended is not None
+
+
+MOVED_FIELD = "moved"  # how often an entry was moved off a dead replica's stream (counts as a delivery)
+
+# Move one entry to another stream, at most once however many workers try: whoever deletes it
+# from the source appends it to the destination, with its move count raised.
+_MOVE = """
+local found = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])
+if #found == 0 then return false end
+redis.call('XACK', KEYS[1], ARGV[2], ARGV[1])
+redis.call('XDEL', KEYS[1], ARGV[1])
+local fields, out, moved = found[1][2], {}, 0
+for i = 1, #fields, 2 do
+  if fields[i] == ARGV[3] then moved = tonumber(fields[i + 1]) or 0
+  else out[#out + 1] = fields[i]; out[#out + 1] = fields[i + 1] end
+end
+out[#out + 1] = ARGV[3]
+out[#out + 1] = tostring(moved + 1)
+return redis.call('XADD', KEYS[2], '*', unpack(out))
+"""
+
+
+def move(redis, source: str, group: str, entry_id: str, destination: str) -> bool:
+    """Move a stream entry (pending or not) from `source` to `destination` (synchronous client);
+    True if this call moved it."""
+    return redis.eval(_MOVE, 2, source, destination, entry_id, group, MOVED_FIELD) is not None

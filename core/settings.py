@@ -36,6 +36,11 @@ class CoreSettings(BaseSettings):
     superseded_version_grace_s: int = Field(
         3600, ge=0, description="a replaced version of named sampler weights is deleted this long after "
                                 "(requests queued before the replacement may still name it)")
+    gen_replicas: int = Field(1, ge=1, le=1024,
+                              description="generation workers per base model, named gen-0 ... gen-(N-1); above 1 "
+                                          "each has its own stream and the API routes every group (gen_pool.router)")
+    gen_routing: Literal["affinity", "round_robin", "random"] = Field(
+        "affinity", description="how the API picks a generation replica (gen_pool.routing); the others are baselines")
     crash_at: str = Field("", description="fault injection: crash points to die at (core.faults); empty in service")
     checkpoint_store: Literal["local", "s3"] = Field(
         "local", description="where checkpoint files live (core.checkpoint_store): <data dir>/checkpoints, or an "

@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,6 +148,10 @@ class GenEngine:
         self.ids = AdapterIds()
         self._identity = LoRARequest(IDENTITY_NAME, IDENTITY_ID, identity_path)
         self._loaded: dict[str, object] = {}  # version key -> LoRARequest that add_lora accepted
+        # Version keys by last use, oldest first: vLLM evicts least recently used adapters from its
+        # slots and its CPU cache, so the tail approximates what each holds (for routing).
+        self._used: OrderedDict[str, None] = OrderedDict()
+        self.adapter_hits = self.adapter_misses = 0  # groups whose adapter was in a slot already, or not
 
     @classmethod
     async def start(cls, model_path: str, settings: GenPoolSettings, workdir: str | Path) -> GenEngine:
@@ -197,6 +202,14 @@ class GenEngine:
         Called before every group that uses it, so a version evicted from vLLM's host cache and
         since deleted from disk fails here, as a user error, instead of killing the engine.
         """
+        if ref.key in self.resident_adapters():
+            self.adapter_hits += 1
+        else:
+            self.adapter_misses += 1
+        self._used[ref.key] = None
+        self._used.move_to_end(ref.key)
+        while len(self._used) > self.settings.max_cpu_loras:
+            self._used.popitem(last=False)
         store = checkpoint_store.get_store()
         path = store.local_dir(ref.path)
         if ref.key not in self._loaded:
@@ -214,6 +227,14 @@ class GenEngine:
             raise AdapterError(f"adapter {ref.name or ref.key!r} cannot be loaded: {type(exc).__name__}: {exc}",
                                field="model_path") from None
         self._loaded[ref.key] = request
+
+    def resident_adapters(self) -> list[str]:
+        """The adapter versions likely in an engine slot (one slot is the identity adapter's)."""
+        return list(self._used)[-(self.settings.max_loras - 1):]
+
+    def cached_adapters(self) -> list[str]:
+        """The adapter versions likely in vLLM's CPU cache."""
+        return list(self._used)
 
     def _lora_for(self, ref: AdapterRef | None):
         if ref is None:

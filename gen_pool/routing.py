@@ -26,8 +26,17 @@ others (power of d choices), so routing a group costs O(holders + d), not O(repl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+# A prompt's prefix is its first this many tokens: a GRPO group's prompt, or a multi-turn
+# episode's shared system prompt and first turns, usually agree that far.
+PREFIX_TOKENS = 32
+POLICIES = ("affinity", "round_robin", "random")
+Policy = Literal["affinity", "round_robin", "random"]
 
 
 @dataclass(frozen=True)
@@ -84,3 +93,36 @@ def route(req: RouteRequest, replicas: Sequence[ReplicaView], w: RouteWeights = 
         return None
     fits = [i for i in live if load(replicas[i], req.n) <= 1 + w.overload] or live
     return max(fits, key=lambda i: (score(req, replicas[i], w), -i))
+
+
+def stable_hash(text: str) -> int:
+    """A 53-bit number, the same in every process (Python's `hash` of a str is not), and exact
+    through JSON readers that hold numbers as doubles."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 11
+
+
+def prefix_hash(prompt: Sequence[int]) -> int:
+    """`stable_hash` of a prompt's leading PREFIX_TOKENS tokens."""
+    return stable_hash(",".join(map(str, prompt[:PREFIX_TOKENS])))
+
+
+def view_of(name: str, beacon: Mapping | None) -> ReplicaView:
+    """A replica as its health beacon describes it; no beacon (expired): unhealthy."""
+    if beacon is None:
+        return ReplicaView(name, 0, 0, 1, healthy=False)
+    return ReplicaView(name, int(beacon.get("running", 0)), int(beacon.get("waiting", 0)),
+                       int(beacon.get("target", 1)), frozenset(beacon.get("adapters") or ()),
+                       frozenset(beacon.get("cached_adapters") or ()), frozenset(beacon.get("prefixes") or ()),
+                       frozenset(beacon.get("sessions") or ()))
+
+
+def pick(policy: Policy, req: RouteRequest, replicas: Sequence[ReplicaView], *, turn: int = 0,
+         rng: random.Random | None = None) -> int | None:
+    """`route` under `policy`, or one of its baselines among the healthy replicas: round-robin
+    (the `turn`-th, a counter the caller keeps) or uniformly at random."""
+    if policy == "affinity":
+        return route(req, replicas)
+    live = [i for i, r in enumerate(replicas) if r.healthy]
+    if not live:
+        return None
+    return live[turn % len(live)] if policy == "round_robin" else (rng or random).choice(live)

@@ -31,6 +31,8 @@ from core.settings import get_api_settings, get_core_settings
 from core.work import SampleWork, WorkItem
 from gen_pool import wire
 from gen_pool.engine import GenEngine
+from gen_pool.router import Locality, reroute_dead_peers
+from gen_pool.routing import Policy
 from gen_pool.scheduler import Group, Scheduler
 from gen_pool.settings import GenPoolSettings, get_gen_pool_settings
 
@@ -54,14 +56,22 @@ def group_from_delivery(d: Delivery, base_model: str) -> Group:
 
 class GenWorker:
     def __init__(self, *, base_model: str, engine: GenEngine, redis, sync_redis, db_url: str,
-                 settings: GenPoolSettings, result_ttl_s: int):
+                 settings: GenPoolSettings, result_ttl_s: int, replicas: int = 1, routing: Policy = "affinity"):
         self.base_model = base_model
         self.engine = engine
         self.redis = redis  # asyncio client: cancellations, beacons
+        self.sync_redis = sync_redis
         self.db_url = db_url
         self.settings = settings
+        # With several replicas (QUILT_GEN_REPLICAS) each reads its own stream, which the API routes into.
+        self.replicas, self.routing = replicas, routing
+        self.replica = settings.consumer_name if replicas > 1 else None
+        if self.replica is not None and self.replica not in queue.replica_names(replicas):
+            raise SystemExit(f"QUILT_GEN_CONSUMER_NAME={self.replica!r} is not one of the {replicas} replicas "
+                             f"QUILT_GEN_REPLICAS names ({', '.join(queue.replica_names(replicas))})")
+        self.locality = Locality()
         self.consumer = AsyncStreamConsumer(StreamConsumer(
-            sync_redis, stream=queue.sample_stream(base_model), group=queue.SAMPLE_GROUP,
+            sync_redis, stream=queue.sample_stream(base_model, self.replica), group=queue.SAMPLE_GROUP,
             consumer=settings.consumer_name, settle=self._settle, result_ttl_s=result_ttl_s,
             liveness_ttl_s=settings.takeover_s, what="sampled", batch=256))
         self.scheduler = Scheduler(engine, target=settings.concurrency_target, default_cap=settings.tenant_cap,
@@ -69,7 +79,7 @@ class GenWorker:
         self.stopping = False
         self._deltas: asyncio.Queue = asyncio.Queue()
         self._conn: psycopg.Connection | None = None
-        self.heartbeat = health.Heartbeat(sync_redis, health.gen_key(base_model))
+        self.heartbeat = health.Heartbeat(sync_redis, health.gen_key(base_model, self.replica))
 
     # ------------------------------------------------------------------ loop
 
@@ -122,6 +132,7 @@ class GenWorker:
     async def _ingest(self, deliveries: list[Delivery]) -> None:
         for d in deliveries:
             g = group_from_delivery(d, self.base_model)
+            self.locality.note(g.prompt, g.episode)
             try:
                 g.cancelled = bool(await self.redis.exists(queue.cancel_key(g.request_id)))
             except stores.STORE_ERRORS:
@@ -160,6 +171,9 @@ class GenWorker:
         """Take over the pending entries of generation workers that died and did not come back;
         returns how many were taken (core.consumer.StreamConsumer.reclaim)."""
         taken = await self.consumer.reclaim()
+        if self.replicas > 1:  # a dead peer's stream: its groups go to live replicas (maybe this one)
+            await asyncio.to_thread(reroute_dead_peers, self.sync_redis, self.base_model, self.replica,
+                                    self.replicas, self.routing)
         if taken:
             await self._ingest(taken)
             self.scheduler.wake()
@@ -214,7 +228,12 @@ class GenWorker:
             return
         self._last_beacon = now
         s = self.scheduler
-        self.heartbeat.update(running=s.running(), waiting=s.waiting(), target=s.target, **s.report())
+        routing = {} if self.replica is None else {"routing": {
+            "adapters": self.engine.resident_adapters(), "cached_adapters": self.engine.cached_adapters(),
+            **self.locality.report()}}
+        self.heartbeat.update(running=s.running(), waiting=s.waiting(), target=s.target, **s.report(),
+                              adapter_hits=self.engine.adapter_hits, adapter_misses=self.engine.adapter_misses,
+                              **routing)
         await self.consumer.heartbeat()
 
 
@@ -250,8 +269,10 @@ async def _main_async() -> None:
     _check_memory(base, settings)
     engine = await GenEngine.start(base.path, settings, workdir)
     redis = redis_client.async_client(redis_client.resolve_url())
+    core = get_core_settings()
     worker = GenWorker(base_model=base.name, engine=engine, redis=redis, sync_redis=redis_client.sync_client(),
-                       db_url=db_url, settings=settings, result_ttl_s=get_api_settings().future_ttl_seconds)
+                       db_url=db_url, settings=settings, result_ttl_s=get_api_settings().future_ttl_seconds,
+                       replicas=core.gen_replicas, routing=core.gen_routing)
 
     async def _stop_on_signal() -> None:
         await stop_requested.wait()

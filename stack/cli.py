@@ -27,7 +27,8 @@ def _prepared(args) -> str:
 def cmd_up(args) -> int:
     from stack.launcher import up
 
-    return up(data_dir=args.data_dir, host=args.host, port=args.port, api_replicas=args.api_replicas)
+    return up(data_dir=args.data_dir, host=args.host, port=args.port, api_replicas=args.api_replicas,
+              gen_replicas=args.gen_replicas)
 
 
 def cmd_migrate(args) -> int:
@@ -262,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=int(os.environ.get("QUILT_PORT", "8000")))
     p.add_argument("--api-replicas", type=_positive, default=1, metavar="K",
                    help="API processes sharing only Postgres and Redis, on ports PORT..PORT+K-1")
+    p.add_argument("--gen-replicas", type=_positive, default=int(os.environ.get("QUILT_GEN_REPLICAS", "1")),
+                   metavar="M", help="generation workers (vLLM engines) per base model; the API routes each "
+                                     "sample group to one (QUILT_GEN_ROUTING)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("migrate", help="apply schema migrations")

@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 
 import migrations
-from core import catalog, db, embedded
+from core import catalog, db, embedded, queue
 from core.settings import clear_settings_cache, get_api_settings, get_core_settings
 from stack import leftovers
 
@@ -117,11 +117,14 @@ def serving_env(base: catalog.BaseModel, env: dict[str, str]) -> tuple[dict[str,
     return trainer, gen
 
 
-def _children(db_url: str, redis_url: str, host: str, port: int, api_replicas: int = 1) -> list[Child]:
+def _children(db_url: str, redis_url: str, host: str, port: int, api_replicas: int = 1,
+              gen_replicas: int = 1) -> list[Child]:
     settings = get_core_settings()
     logs = settings.data_dir / "logs"
+    # Every process must agree on the replica count: the API routes into the replicas' streams.
     env = {**os.environ, "QUILT_DATABASE_URL": db_url, "QUILT_REDIS_URL": redis_url,
-           "QUILT_DATA_DIR": str(settings.data_dir), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+           "QUILT_DATA_DIR": str(settings.data_dir), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           "QUILT_GEN_REPLICAS": str(gen_replicas)}
     py = sys.executable
     # API replicas share nothing but Postgres and Redis; replica i answers on port + i.
     children = [
@@ -143,10 +146,14 @@ def _children(db_url: str, redis_url: str, host: str, port: int, api_replicas: i
             children.append(Child(f"trainer:{base.name}", [py, "-m", "batcher.worker"],
                                   {**trainer_env, "QUILT_TRAINER_BASE_MODEL": base.name,
                                    "QUILT_TRAINER_CONSUMER_NAME": f"trainer-{i}"}, logs / f"trainer-{i}.log"))
-        if base.sampleable:  # one generation worker (vLLM engine) per sampleable base
+        if base.sampleable and gen_replicas == 1:  # one generation worker (vLLM engine) per sampleable base
             children.append(Child(f"gen:{base.name}", [py, "-m", "gen_pool.worker"],
                                   {**gen_env, "QUILT_GEN_BASE_MODEL": base.name, "QUILT_GEN_CONSUMER_NAME": f"gen-{i}"},
                                   logs / f"gen-{i}.log"))
+        elif base.sampleable:  # or replicas, named as the API routes to them
+            children += [Child(f"gen:{base.name}@{name}", [py, "-m", "gen_pool.worker"],
+                               {**gen_env, "QUILT_GEN_BASE_MODEL": base.name, "QUILT_GEN_CONSUMER_NAME": name},
+                               logs / f"gen-{i}-{name}.log") for name in queue.replica_names(gen_replicas)]
     return children
 
 
@@ -169,9 +176,10 @@ def _stop(children: list[Child]) -> None:
             os.killpg(child.proc.pid, signal.SIGKILL)
 
 
-def up(*, data_dir: Path | None, host: str, port: int, api_replicas: int = 1) -> int:
+def up(*, data_dir: Path | None, host: str, port: int, api_replicas: int = 1, gen_replicas: int = 1) -> int:
     """Run the embedded stack until interrupted; returns the exit code. `api_replicas` API
-    processes answer on `port`, `port + 1`, ..."""
+    processes answer on `port`, `port + 1`, ...; `gen_replicas` generation workers serve each
+    sampleable base."""
     stop_requested = False
 
     def _on_signal(signum, frame):
@@ -188,7 +196,7 @@ def up(*, data_dir: Path | None, host: str, port: int, api_replicas: int = 1) ->
     reaper = subprocess.Popen([sys.executable, "-m", "stack.reaper", str(os.getpid()), str(directory)],
                               start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     db_url, redis_url = prepare(data_dir)
-    children = _children(db_url, redis_url, host, port, api_replicas)
+    children = _children(db_url, redis_url, host, port, api_replicas, gen_replicas)
     _record(directory, [])
     for child in children:
         child.start()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 from core import health, queue, redis_client, stores
-from core.settings import get_trainer_settings
+from core.settings import get_core_settings, get_trainer_settings
 
 
 def _consumer(kind: str) -> tuple[str, str]:
@@ -24,7 +24,8 @@ def _consumer(kind: str) -> tuple[str, str]:
     from gen_pool.settings import get_gen_pool_settings
 
     g = get_gen_pool_settings()
-    return queue.sample_stream(g.base_model), g.consumer_name
+    replica = g.consumer_name if get_core_settings().gen_replicas > 1 else None
+    return queue.sample_stream(g.base_model, replica), g.consumer_name
 
 
 def check(kind: str) -> tuple[bool, str]:

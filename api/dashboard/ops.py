@@ -23,6 +23,7 @@ from collections import defaultdict
 from redis.asyncio import Redis
 
 from core import capacity_plan, catalog, health, queue
+from core.settings import get_core_settings
 
 ROUNDS_READ = 1000  # newest round records read per trainer (the worker keeps QUILT_TRAINER_STATS_HISTORY)
 FUSED_ROUNDS_SHOWN = 200
@@ -192,15 +193,39 @@ def _json(raw) -> dict | None:
     return json.loads(raw) if raw else None
 
 
+# Figures of generation replicas that add up to the pool's (counters and gauges of sequences).
+_ADDITIVE = ("running", "waiting", "target", "slot_s", "capacity_s", "active_s", "mixed_s", "adapter_hits",
+             "adapter_misses")
+
+
+def combined_gen(beacons: dict[str, dict | None]) -> dict | None:
+    """One base's generation pool from its replicas' beacons: one replica's beacon as it is;
+    several summed where sums mean something, with each replica's state under "replicas"; None
+    while none is up."""
+    live = [b for b in beacons.values() if b is not None]
+    if len(beacons) == 1 or not live:
+        return live[0] if live else None
+    out: dict = {k: sum(b.get(k, 0) for b in live) for k in _ADDITIVE}
+    out["replicas"] = {name: None if b is None else {k: b.get(k) for k in ("running", "waiting", "target",
+                                                                         "adapter_hits", "adapter_misses")}
+                       for name, b in beacons.items()}
+    return out
+
+
 async def _base_health(redis: Redis, base: catalog.BaseModel, *, now: float, window_s: float, bin_s: float) -> dict:
     trainer = _json(await redis.get(health.trainer_key(base.name)))
-    gen = _json(await redis.get(health.gen_key(base.name))) if base.sampleable else None
+    replicas = get_core_settings().gen_replicas
+    gen = None
+    if base.sampleable:
+        gen = combined_gen({name: _json(await redis.get(key))
+                            for name, key in health.gen_keys(base.name, replicas).items()})
     rounds = [json.loads(r) for r in await redis.lrange(health.trainer_rounds_key(base.name), 0, ROUNDS_READ - 1)]
     busy_total = (trainer or {}).get("busy_s", 0.0) + (trainer or {}).get("wait_s", 0.0)
     return {
         "base_model": base.name,
         "queues": {"training": await redis.xlen(queue.train_stream(base.name)),
-                   "sampling": await redis.xlen(queue.sample_stream(base.name)) if base.sampleable else None},
+                   "sampling": sum([await redis.xlen(st) for st in queue.sample_streams(base.name, replicas)])
+                   if base.sampleable else None},
         "trainer": {"up": trainer is not None, **(trainer or {}),
                     "busy_fraction_since_start": round(trainer["busy_s"] / busy_total, 4) if busy_total else None},
         "gen": None if not base.sampleable else {

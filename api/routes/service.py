@@ -9,6 +9,7 @@ from fastapi import APIRouter, Response
 from api.deps import Pool, RedisDep, Who
 from api.input_guard import GuardedRoute
 from core import catalog, health
+from core.settings import get_core_settings
 
 router = APIRouter(route_class=GuardedRoute, tags=["service"])
 
@@ -68,9 +69,10 @@ async def healthz(pool: Pool, redis: RedisDep, response: Response) -> dict:
             for base in bases:
                 raw = await redis.get(health.trainer_key(base.name))
                 components[f"trainer:{base.name}"] = {"ok": raw is not None, **_aggregates(raw)}
-                if base.sampleable:
-                    raw = await redis.get(health.gen_key(base.name))
-                    components[f"gen:{base.name}"] = {"ok": raw is not None, **_aggregates(raw)}
+                if base.sampleable:  # one component per generation replica
+                    for name, key in health.gen_keys(base.name, get_core_settings().gen_replicas).items():
+                        raw = await redis.get(key)
+                        components[f"gen:{name}"] = {"ok": raw is not None, **_aggregates(raw)}
             raw = await redis.get(health.CELERY_KEY)
             components["celery"] = {"ok": raw is not None, **(json.loads(raw) if raw else {})}
         except Exception as exc:  # health must report, not raise

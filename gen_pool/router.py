@@ -1,0 +1,156 @@
+"""Sending sample groups to generation replicas (QUILT_GEN_REPLICAS above 1), and taking a dead
+replica's groups back. The policy is gen_pool.routing's; this module only moves data to and from it.
+
+    API       `Router.stream_for(redis, base, item)`: the replica stream a group is appended to
+    workers   `reroute_dead_peers(redis, base, me, ...)`: a replica whose consumer liveness key has
+              lapsed (QUILT_GEN_TAKEOVER_S) is dead; its queued and in-flight groups are moved,
+              each once (core.queue.move), to live replicas by the same policy
+
+Replicas describe themselves in their health beacons (core.health.gen_key(base, name)) every
+second: running and queued sequences, target, the adapters in their engine slots and CPU cache,
+the prompt prefixes and episodes they served lately (`Locality`). The API reads them at most every
+REFRESH_S and counts what it routed since into its copy, so a burst between two reads does not
+all go to the replica that looked emptiest. With no beacon yet (replicas still starting) a group
+goes to a replica fixed by its adapter (or prompt), so one tenant's groups still land together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from core import health, queue
+from core.work import MalformedWork, SampleWork, WorkItem
+from gen_pool.routing import (
+    Policy,
+    ReplicaView,
+    RouteRequest,
+    pick,
+    prefix_hash,
+    stable_hash,
+    view_of,
+)
+
+log = logging.getLogger("quilt.gen.router")
+
+REFRESH_S = 0.5
+RECENT = 256  # prefixes and episodes a replica's beacon lists
+
+
+def route_request(work: SampleWork) -> RouteRequest:
+    return RouteRequest(n=work.n, adapter=work.adapter.key if work.adapter else None, prefix=prefix_hash(work.prompt),
+                        session=work.episode_id)
+
+
+def routed(view: ReplicaView, req: RouteRequest) -> ReplicaView:
+    """`view` after `req` was sent there: its sequences queued, its adapter, prefix, episode held."""
+    return dataclasses.replace(
+        view, waiting=view.waiting + req.n,
+        adapters=view.adapters | {req.adapter} if req.adapter else view.adapters,
+        prefixes=view.prefixes | {req.prefix} if req.prefix is not None else view.prefixes,
+        sessions=view.sessions | {req.session} if req.session else view.sessions)
+
+
+def fallback(req: RouteRequest, count: int) -> int:
+    """The replica for a group when none has said anything yet: fixed by adapter, else by prompt."""
+    return (stable_hash(req.adapter) if req.adapter else (req.prefix or 0)) % count
+
+
+def read_views(beacons: Sequence[bytes | str | None], names: Sequence[str]) -> list[ReplicaView]:
+    """Replica views from their beacons (`None`: expired), the routing figures under "routing"."""
+    out = []
+    for name, raw in zip(names, beacons, strict=True):
+        beacon = json.loads(raw) if raw else None
+        out.append(view_of(name, None if beacon is None else {**beacon, **(beacon.get("routing") or {})}))
+    return out
+
+
+class Router:
+    """One API process's router: per base model, the replicas' last views and a round-robin turn."""
+
+    def __init__(self, replicas: int, policy: Policy, *, clock=time.monotonic, rng: random.Random | None = None):
+        self.names = queue.replica_names(replicas)
+        self.policy = policy
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self._views: dict[str, tuple[float, list[ReplicaView]]] = {}
+        self._turn = 0
+
+    async def _current(self, redis, base_model: str) -> list[ReplicaView]:
+        at, views = self._views.get(base_model, (float("-inf"), []))
+        if self.clock() - at >= REFRESH_S:
+            beacons = await redis.mget([health.gen_key(base_model, n) for n in self.names])
+            views = read_views(beacons, self.names)
+            self._views[base_model] = (self.clock(), views)
+        return views
+
+    async def stream_for(self, redis, base_model: str, item: WorkItem) -> str:
+        """The stream of the replica that takes this sample group."""
+        views = await self._current(redis, base_model)
+        req = route_request(item.body)
+        i = pick(self.policy, req, views, turn=self._turn, rng=self.rng)
+        self._turn += 1
+        if i is None:
+            i = fallback(req, len(self.names))
+        else:
+            views[i] = routed(views[i], req)
+        return queue.sample_stream(base_model, self.names[i])
+
+
+def reroute_dead_peers(redis, base_model: str, me: str, replicas: int, policy: Policy, *,
+                       rng: random.Random | None = None, page: int = 256) -> int:
+    """Move every entry of each dead peer's stream to a live replica (synchronous client); returns
+    how many this call moved. Safe to run on every replica at once: each entry moves once."""
+    names = queue.replica_names(replicas)
+    streams = [queue.sample_stream(base_model, n) for n in names]
+    dead = [i for i, n in enumerate(names) if n != me and not redis.exists(health.consumer_key(streams[i], n))]
+    if not dead:
+        return 0
+    views = read_views(redis.mget([health.gen_key(base_model, n) for n in names]), names)
+    for i in dead:
+        views[i] = dataclasses.replace(views[i], healthy=False)
+    moved, turn = 0, 0
+    for i in dead:
+        after = "-"
+        while entries := redis.xrange(streams[i], min=after, max="+", count=page):
+            for entry_id, fields in entries:
+                try:
+                    req = route_request(WorkItem.from_fields(fields).body)
+                except (MalformedWork, AttributeError):  # moved as it is; its reader drops it
+                    req = RouteRequest(n=1)
+                j = pick(policy, req, views, turn=turn, rng=rng)
+                turn += 1
+                j = names.index(me) if j is None else j
+                if queue.move(redis, streams[i], queue.SAMPLE_GROUP, entry_id, streams[j]):
+                    moved += 1
+                    views[j] = routed(views[j], req)
+            after = "(" + (entries[-1][0].decode() if isinstance(entries[-1][0], bytes) else entries[-1][0])
+        if moved:
+            log.warning("moved %d sample groups of %s, which stopped, to live replicas", moved, names[i])
+    return moved
+
+
+class Locality:
+    """What a replica served lately, for its beacon: prompt prefixes and episodes, most recent last."""
+
+    def __init__(self, size: int = RECENT):
+        self.size = size
+        self.prefixes: OrderedDict[int, None] = OrderedDict()
+        self.sessions: OrderedDict[str, None] = OrderedDict()
+
+    def note(self, prompt: Sequence[int], episode: str | None) -> None:
+        for recent, key in ((self.prefixes, prefix_hash(prompt)), (self.sessions, episode)):
+            if key is None:
+                continue
+            recent[key] = None
+            recent.move_to_end(key)
+            while len(recent) > self.size:
+                recent.popitem(last=False)
+
+    def report(self) -> dict:
+        return {"prefixes": list(self.prefixes), "sessions": list(self.sessions)}
