@@ -64,10 +64,15 @@ class Heartbeat:
         self.key = key
         self._info: dict = {"at": time.time(), "pid": os.getpid()}
         self._stopped = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat {key}", daemon=True)
 
-    def update(self, **info) -> None:
+    def update(self, *, push: bool = False, **info) -> None:
+        """The figures the next write carries; `push`: write them at once, not at the next beat
+        (a generation replica's load, which the API routes by)."""
         self._info = {"at": time.time(), "pid": os.getpid(), **info}
+        if push:
+            self._wake.set()
 
     def start(self) -> Heartbeat:
         self._thread.start()
@@ -76,6 +81,7 @@ class Heartbeat:
     def stop(self) -> None:
         """On a clean exit: the key goes at once, so health does not wait for the TTL."""
         self._stopped.set()
+        self._wake.set()
         self._thread.join(timeout=2 * HEARTBEAT_EVERY_S)
         try:
             self.redis.delete(self.key)
@@ -88,4 +94,5 @@ class Heartbeat:
                 self.redis.set(self.key, json.dumps(self._info), ex=HEALTH_TTL_S)
             except Exception as exc:  # Redis down: health is down too; keep trying
                 log.warning("heartbeat %s: %s", self.key, exc)
-            self._stopped.wait(HEARTBEAT_EVERY_S)
+            self._wake.wait(HEARTBEAT_EVERY_S)
+            self._wake.clear()

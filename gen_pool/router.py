@@ -21,7 +21,7 @@ import json
 import logging
 import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from core import health, queue
@@ -38,7 +38,8 @@ from gen_pool.routing import (
 
 log = logging.getLogger("quilt.gen.router")
 
-REFRESH_S = 0.5
+REFRESH_S = 0.2
+REMEMBER_S = 10.0  # what the API sent a replica counts into its view this long (beacons lag a few seconds)
 RECENT = 256  # prefixes and episodes a replica's beacon lists
 
 
@@ -47,10 +48,11 @@ def route_request(work: SampleWork) -> RouteRequest:
                         session=work.episode_id)
 
 
-def routed(view: ReplicaView, req: RouteRequest) -> ReplicaView:
-    """`view` after `req` was sent there: its sequences queued, its adapter, prefix, episode held."""
+def routed(view: ReplicaView, req: RouteRequest, *, load: bool = True) -> ReplicaView:
+    """`view` after `req` was sent there: its sequences queued (unless not `load`), its adapter,
+    prefix and episode held."""
     return dataclasses.replace(
-        view, waiting=view.waiting + req.n,
+        view, waiting=view.waiting + (req.n if load else 0),
         adapters=view.adapters | {req.adapter} if req.adapter else view.adapters,
         prefixes=view.prefixes | {req.prefix} if req.prefix is not None else view.prefixes,
         sessions=view.sessions | {req.session} if req.session else view.sessions)
@@ -61,32 +63,45 @@ def fallback(req: RouteRequest, count: int) -> int:
     return (stable_hash(req.adapter) if req.adapter else (req.prefix or 0)) % count
 
 
-def read_views(beacons: Sequence[bytes | str | None], names: Sequence[str]) -> list[ReplicaView]:
-    """Replica views from their beacons (`None`: expired), the routing figures under "routing"."""
-    out = []
-    for name, raw in zip(names, beacons, strict=True):
+def read_beacons(raws: Sequence[bytes | str | None]) -> list[dict | None]:
+    """Beacons as dicts, the routing figures (under "routing") beside the load figures."""
+    out: list[dict | None] = []
+    for raw in raws:
         beacon = json.loads(raw) if raw else None
-        out.append(view_of(name, None if beacon is None else {**beacon, **(beacon.get("routing") or {})}))
+        out.append(None if beacon is None else {**beacon, **(beacon.get("routing") or {})})
     return out
 
 
 class Router:
-    """One API process's router: per base model, the replicas' last views and a round-robin turn."""
+    """One API process's router: per base model, the replicas' last beacons, what it sent each
+    replica since (which the next beacons may not show yet), and a round-robin turn."""
 
-    def __init__(self, replicas: int, policy: Policy, *, clock=time.monotonic, rng: random.Random | None = None):
+    def __init__(self, replicas: int, policy: Policy, *, clock=time.time, rng: random.Random | None = None):
         self.names = queue.replica_names(replicas)
         self.policy = policy
-        self.clock = clock
+        self.clock = clock  # wall time: beacons carry theirs
         self.rng = rng or random.Random()
         self._views: dict[str, tuple[float, list[ReplicaView]]] = {}
+        self._sent: dict[str, deque[tuple[float, int, RouteRequest]]] = {}
         self._turn = 0
 
     async def _current(self, redis, base_model: str) -> list[ReplicaView]:
+        now = self.clock()
         at, views = self._views.get(base_model, (float("-inf"), []))
-        if self.clock() - at >= REFRESH_S:
-            beacons = await redis.mget([health.gen_key(base_model, n) for n in self.names])
-            views = read_views(beacons, self.names)
-            self._views[base_model] = (self.clock(), views)
+        if now - at < REFRESH_S:
+            return views
+        beacons = read_beacons(await redis.mget([health.gen_key(base_model, n) for n in self.names]))
+        views = [view_of(n, b) for n, b in zip(self.names, beacons, strict=True)]
+        sent = self._sent.setdefault(base_model, deque())
+        while sent and sent[0][0] < now - REMEMBER_S:
+            sent.popleft()
+        for t, i, req in sent:
+            # A group sent after its replica's beacon was taken is not in its figures yet; its
+            # adapter, prefix and episode may not be either while it waits there.
+            b = beacons[i]
+            if b is not None:
+                views[i] = routed(views[i], req) if t >= b.get("at", 0.0) else routed(views[i], req, load=False)
+        self._views[base_model] = (now, views)
         return views
 
     async def stream_for(self, redis, base_model: str, item: WorkItem) -> str:
@@ -99,6 +114,7 @@ class Router:
             i = fallback(req, len(self.names))
         else:
             views[i] = routed(views[i], req)
+            self._sent.setdefault(base_model, deque()).append((self.clock(), i, req))
         return queue.sample_stream(base_model, self.names[i])
 
 
@@ -111,7 +127,8 @@ def reroute_dead_peers(redis, base_model: str, me: str, replicas: int, policy: P
     dead = [i for i, n in enumerate(names) if n != me and not redis.exists(health.consumer_key(streams[i], n))]
     if not dead:
         return 0
-    views = read_views(redis.mget([health.gen_key(base_model, n) for n in names]), names)
+    views = [view_of(n, b) for n, b in zip(names, read_beacons(redis.mget([health.gen_key(base_model, n)
+                                                                           for n in names])), strict=True)]
     for i in dead:
         views[i] = dataclasses.replace(views[i], healthy=False)
     moved, turn = 0, 0

@@ -41,6 +41,7 @@ log = logging.getLogger("quilt.gen")
 # A worker whose liveness key is gone (no beacon for QUILT_GEN_TAKEOVER_S) is dead: its pending
 # entries are taken over once they have been idle that long too, checked this often.
 RECLAIM_EVERY_S = 5.0
+ROUTED_BEACON_S = 0.2
 # A streamed request's tokens (core.queue.delta_key) outlive their reader by this much at most.
 DELTA_TTL_S = 3600
 
@@ -101,7 +102,8 @@ class GenWorker:
                 await self._beacon()
                 if self.engine.dead:
                     raise ServerError("the engine died; exiting so the launcher restarts the worker")
-                await self.scheduler.wait(2.0)  # at least every 2 s, to refresh the health figures
+                # At least every 2 s, to refresh the health figures; a routed replica's as they change.
+                await self.scheduler.wait(2.0 if self.replica is None else ROUTED_BEACON_S)
         finally:
             self.heartbeat.stop()
             for t in tasks:
@@ -224,7 +226,9 @@ class GenWorker:
 
     async def _beacon(self) -> None:
         now = time.time()
-        if now - getattr(self, "_last_beacon", 0.0) < 2.0:
+        # Replicas the API routes by describe their load as it changes (at most every
+        # ROUTED_BEACON_S); a lone worker's figures are for people, every 2 s.
+        if now - getattr(self, "_last_beacon", 0.0) < (2.0 if self.replica is None else ROUTED_BEACON_S):
             return
         self._last_beacon = now
         s = self.scheduler
@@ -233,8 +237,10 @@ class GenWorker:
             **self.locality.report()}}
         self.heartbeat.update(running=s.running(), waiting=s.waiting(), target=s.target, **s.report(),
                               adapter_hits=self.engine.adapter_hits, adapter_misses=self.engine.adapter_misses,
-                              **routing)
-        await self.consumer.heartbeat()
+                              push=self.replica is not None, **routing)
+        if self.replica is None or now - getattr(self, "_last_liveness", 0.0) >= 2.0:
+            self._last_liveness = now
+            await self.consumer.heartbeat()
 
 
 def _check_memory(base: catalog.BaseModel, settings) -> None:

@@ -45,8 +45,8 @@ def _item(adapter: str | None, n: int = 8, prompt=(1, 2, 3), episode: str | None
     return WorkItem(f"req-{uuid.uuid4().hex[:8]}", "tenant", "", 0, WorkKind.SAMPLE, 3, work)
 
 
-def _beacon(r, base: str, name: str, *, running=0, waiting=0, target=64, adapters=()):
-    r.set(health.gen_key(base, name), json.dumps({"running": running, "waiting": waiting, "target": target,
+def _beacon(r, base: str, name: str, *, running=0, waiting=0, target=64, adapters=(), at=0.0):
+    r.set(health.gen_key(base, name), json.dumps({"at": at, "running": running, "waiting": waiting, "target": target,
                                                   "routing": {"adapters": list(adapters)}}), ex=30)
 
 
@@ -70,6 +70,21 @@ def test_groups_follow_their_adapter_until_its_replica_is_full(stack, r, base):
     # A burst of one adapter's groups between two beacon reads: counted as they are sent, so past
     # 1.5x gen-1's target (96 sequences; 16 already went) they spill to gen-0, which now holds it too.
     assert got[3:13] == ["gen-1"] * 10 and got[13:] == ["gen-0"] * 4, got
+
+
+def test_what_was_sent_since_a_beacon_counts_until_the_beacon_shows_it(stack, r, base):
+    now = [1000.0]
+    router = Router(2, "affinity", clock=lambda: now[0])
+    _beacon(r, base, "gen-0", running=4, at=999.0)
+    _beacon(r, base, "gen-1", at=999.0)
+    assert _streams(router, stack.redis_url, base, [_item("x")]) == ["gen-1"]
+    # Beacons taken before that group arrived: gen-1 looks busier and without x; the router still
+    # knows it sent x there (and its 8 sequences), so x's next group follows it.
+    _beacon(r, base, "gen-0", at=1000.5)
+    _beacon(r, base, "gen-1", running=8, at=999.5)
+    now[0] += 1.0
+    assert _streams(router, stack.redis_url, base, [_item("x")]) == ["gen-1"]
+    assert _streams(Router(2, "affinity", clock=lambda: now[0]), stack.redis_url, base, [_item("x")]) == ["gen-0"]
 
 
 def test_before_any_beacon_a_group_goes_where_its_adapter_is_fixed(stack, r, base):
