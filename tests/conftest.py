@@ -13,6 +13,7 @@ import httpx
 import pytest
 from stackutil import ROOT, SHARED_STACK_ENV
 
+from core import redis_client
 from stack.ephemeral import ephemeral_stack
 
 STARTUP_TIMEOUT_S = 240
@@ -75,3 +76,11 @@ def stack():
 @pytest.fixture
 def tenant(stack) -> TenantHandle:
     return stack.create_tenant()
+
+
+@pytest.fixture
+def r(stack):
+    """A synchronous client of the stack's Redis."""
+    client = redis_client.sync_client(stack.redis_url)
+    yield client
+    client.close()

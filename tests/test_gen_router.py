@@ -23,13 +23,6 @@ pytestmark = pytest.mark.stack
 
 
 @pytest.fixture
-def r(stack):
-    client = redis_client.sync_client(stack.redis_url)
-    yield client
-    client.close()
-
-
-@pytest.fixture
 def base(r):
     name = f"test-route-{uuid.uuid4().hex[:8]}"
     yield name

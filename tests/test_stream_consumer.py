@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from core import health, queue, redis_client
+from core import health, queue
 from core.consumer import AsyncStreamConsumer, StreamConsumer
 from core.errors import failure_from_json
 from core.work import Rejected, WorkItem, WorkKind
@@ -26,13 +26,6 @@ class Ledger:
 
     def __call__(self, item, outcome, usage):
         self.rows.append((item.request_id, outcome.ok, usage))
-
-
-@pytest.fixture
-def r(stack):
-    client = redis_client.sync_client(stack.redis_url)
-    yield client
-    client.close()
 
 
 @pytest.fixture
