@@ -39,6 +39,16 @@ def replica_names(count: int) -> list[str]:
     return [f"gen-{i}" for i in range(count)]
 
 
+def replica_of(consumer_name: str, count: int) -> str:
+    """The replica a generation worker is, from its consumer name: `gen-<i>` itself, or any name
+    ending in `-<i>` (a StatefulSet's pod `quilt-gen-<i>`); ValueError unless 0 <= i < count."""
+    head, _, ordinal = consumer_name.rpartition("-")
+    if not head or not ordinal.isdigit() or int(ordinal) >= count:
+        raise ValueError(f"generation worker {consumer_name!r} is not one of the {count} replicas "
+                         f"QUILT_GEN_REPLICAS names: its name must end in -0 ... -{count - 1}")
+    return f"gen-{int(ordinal)}"
+
+
 def sample_streams(base_model: str, replicas: int) -> list[str]:
     """Every stream that holds the base's sampling work (the one, or each replica's)."""
     if replicas <= 1:

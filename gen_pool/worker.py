@@ -66,14 +66,14 @@ class GenWorker:
         self.settings = settings
         # With several replicas (QUILT_GEN_REPLICAS) each reads its own stream, which the API routes into.
         self.replicas, self.routing = replicas, routing
-        self.replica = settings.consumer_name if replicas > 1 else None
-        if self.replica is not None and self.replica not in queue.replica_names(replicas):
-            raise SystemExit(f"QUILT_GEN_CONSUMER_NAME={self.replica!r} is not one of the {replicas} replicas "
-                             f"QUILT_GEN_REPLICAS names ({', '.join(queue.replica_names(replicas))})")
+        try:
+            self.replica = queue.replica_of(settings.consumer_name, replicas) if replicas > 1 else None
+        except ValueError as exc:
+            raise SystemExit(f"QUILT_GEN_CONSUMER_NAME: {exc}") from None
         self.locality = Locality()
         self.consumer = AsyncStreamConsumer(StreamConsumer(
             sync_redis, stream=queue.sample_stream(base_model, self.replica), group=queue.SAMPLE_GROUP,
-            consumer=settings.consumer_name, settle=self._settle, result_ttl_s=result_ttl_s,
+            consumer=self.replica or settings.consumer_name, settle=self._settle, result_ttl_s=result_ttl_s,
             liveness_ttl_s=settings.takeover_s, what="sampled", batch=256))
         self.scheduler = Scheduler(engine, target=settings.concurrency_target, default_cap=settings.tenant_cap,
                                    levels=settings.feedback_levels(), on_finish=self._on_finish)

@@ -23,13 +23,18 @@ def _consumer(kind: str) -> tuple[str, str]:
         return queue.train_stream(s.base_model), s.consumer_name
     from gen_pool.settings import get_gen_pool_settings
 
-    g = get_gen_pool_settings()
-    replica = g.consumer_name if get_core_settings().gen_replicas > 1 else None
-    return queue.sample_stream(g.base_model, replica), g.consumer_name
+    g, replicas = get_gen_pool_settings(), get_core_settings().gen_replicas
+    if replicas <= 1:
+        return queue.sample_stream(g.base_model), g.consumer_name
+    replica = queue.replica_of(g.consumer_name, replicas)  # the worker's own name for itself
+    return queue.sample_stream(g.base_model, replica), replica
 
 
 def check(kind: str) -> tuple[bool, str]:
-    stream, consumer = _consumer(kind)
+    try:
+        stream, consumer = _consumer(kind)
+    except ValueError as exc:  # a generation pod whose name is no replica's: it never beats either
+        return False, str(exc)
     try:
         alive = bool(redis_client.sync_client().exists(health.consumer_key(stream, consumer)))
     except stores.STORE_ERRORS as exc:

@@ -4,7 +4,18 @@ that measures it (bench/genpool_route_sim.py, simulated time only)."""
 import sys
 from pathlib import Path
 
-from gen_pool.routing import ReplicaView, RouteRequest, RouteWeights, route
+import pytest
+
+from core import queue
+from gen_pool.routing import (
+    ReplicaView,
+    RouteRequest,
+    RouteWeights,
+    pick,
+    prefix_hash,
+    route,
+    view_of,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -52,3 +63,21 @@ def test_routing_keeps_adapters_resident_where_round_robin_thrashes():
     quilt, rr = simulate(8, m, "quilt", 0), simulate(8, m, "round_robin", 0)
     assert quilt["hit_rate"] > 0.9 > 0.1 > rr["hit_rate"]
     assert quilt["tps"] >= rr["tps"]
+
+
+def test_a_workers_replica_follows_its_names_ordinal():
+    assert [queue.replica_of(n, 3) for n in ("gen-0", "gen-2", "quilt-gen-1")] == ["gen-0", "gen-2", "gen-1"]
+    for bad in ("gen-3", "quilt-gen", "gen-x", "-1", "7"):
+        with pytest.raises(ValueError, match="QUILT_GEN_REPLICAS"):
+            queue.replica_of(bad, 3)
+
+
+def test_the_baselines_pick_among_healthy_replicas_and_hashes_agree_across_processes():
+    views = [view_of("gen-0", {"running": 1}), view_of("gen-1", None), view_of("gen-2", {})]
+    assert not views[1].healthy and views[0].running == 1
+    assert [pick("round_robin", RouteRequest(1), views, turn=t) for t in range(4)] == [0, 2, 0, 2]
+    assert {pick("random", RouteRequest(1), views) for _ in range(50)} == {0, 2}
+    assert pick("affinity", RouteRequest(1), [views[1]]) is None
+    # blake2b, not Python's salted hash: the API and every replica agree; only the head counts.
+    assert prefix_hash(list(range(40))) == prefix_hash(list(range(32)) + [99]) == 7901985425503095
+    assert prefix_hash([1, 2]) != prefix_hash([2, 1]) and prefix_hash([]) >= 0

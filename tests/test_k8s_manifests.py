@@ -73,7 +73,7 @@ def test_every_container_has_resources_and_the_long_running_ones_probes(objects)
 
 def test_the_gpu_overlay_puts_workers_on_gpus_and_scales_the_api():
     objs = {(o["kind"], o["metadata"]["name"]): o for o in render("gpu")}
-    for key in (("StatefulSet", "quilt-trainer"), ("Deployment", "quilt-gen")):
+    for key in (("StatefulSet", "quilt-trainer"), ("StatefulSet", "quilt-gen")):
         pod = objs[key]["spec"]["template"]["spec"]
         assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1", key
         assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}, key
@@ -81,6 +81,8 @@ def test_the_gpu_overlay_puts_workers_on_gpus_and_scales_the_api():
     assert hpa["scaleTargetRef"]["name"] == "quilt-api" and hpa["minReplicas"] >= 2
     config = objs[("ConfigMap", "quilt-config")]["data"]
     assert config["QUILT_TRAINER_DEVICE"] == "cuda" and config["QUILT_TRAINER_SHARES_DEVICE"] == "false"
+    # Pod quilt-gen-<i> is replica gen-<i>: the API routes among as many as the StatefulSet runs.
+    assert int(config["QUILT_GEN_REPLICAS"]) == objs[("StatefulSet", "quilt-gen")]["spec"]["replicas"] == 2
     assert ("Secret", "quilt-secrets") not in objs  # production secrets are the operator's, never in git
 
 
@@ -104,3 +106,7 @@ def test_probes_answer_from_real_health(stack):
         assert alive.returncode == 0 and "alive" in alive.stdout, alive.stdout + alive.stderr
     dead = probe("trainer", "trainer-that-never-ran")
     assert dead.returncode == 1 and "no liveness key" in dead.stdout
+    # With routed replicas a pod is its name's ordinal: quilt-gen-5 of 2 is none of them.
+    env["QUILT_GEN_REPLICAS"] = "2"
+    misnamed = probe("gen", "quilt-gen-5")
+    assert misnamed.returncode == 1 and "must end in -0 ... -1" in misnamed.stdout, misnamed.stdout
