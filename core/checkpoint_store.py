@@ -68,6 +68,12 @@ class LocalStore:
         deletes elsewhere)."""
         return retention.remove_dir(self.root, str(self.local_dir(storage_path)))
 
+    def orphans(self, named: set[str], older_than: float) -> list[str]:
+        """Versions in the store that no storage path in `named` (live or queued for deletion)
+        names, untouched since the timestamp `older_than` (core.retention.sweep_orphans)."""
+        dirs = {self.local_dir(p).resolve() for p in named if _key_or_none(p)}
+        return [str(p) for p in retention.orphan_dirs(self.root, dirs, set(), older_than=older_than)]
+
 
 class S3Store(LocalStore):
     """Versions as objects in a bucket; `root` holds this machine's copies, by key."""
@@ -137,6 +143,31 @@ class S3Store(LocalStore):
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
         super().remove(storage_path)  # this machine's copy
         return True
+
+
+    def orphans(self, named: set[str], older_than: float) -> list[str]:
+        """This machine's orphaned directories, and the bucket's: versions whose objects no row
+        names, the newest of them written before `older_than` (a trainer that uploaded a save
+        and died before recording it)."""
+        local = super().orphans(named, older_than)
+        known = {_key_or_none(p) for p in named} | {_key_or_none(p) for p in local}
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        newest: dict[str, float] = {}
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                parts = obj["Key"][len(prefix):].split("/")
+                if len(parts) != KEY_PARTS + 1:  # not <tenant>/<model>/<kind>/<name>/<version>/<file>
+                    continue
+                key = "/".join(parts[:KEY_PARTS])
+                newest[key] = max(newest.get(key, 0.0), obj["LastModified"].timestamp())
+        return local + sorted(k for k, at in newest.items() if k not in known and at < older_than)
+
+
+def _key_or_none(storage_path: str | Path) -> str | None:
+    try:
+        return key_of(storage_path)
+    except ValueError:  # a row no version path could be: it names nothing in the store
+        return None
 
 
 def _gone(storage_path: str | Path) -> NotFound:

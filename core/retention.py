@@ -9,7 +9,7 @@ whatever a concurrent save does. Files become garbage three ways:
     sampler snapshots): hidden at once by every query, files removed by the next sweep;
   * a client deletes it (removed at once by the route);
   * nobody recorded it (a worker died between writing the files and recording them): found by
-    `sweep_orphans` once an hour has passed.
+    `sweep_orphans` once an hour has passed (on this machine's disk, and in the bucket with S3).
 `sweep` (Celery beat, every minute) expires rows and removes due directories; `sweep_orphans`
 (hourly) walks the store. All of it is safe to repeat after a crash.
 """
@@ -101,13 +101,13 @@ def orphan_dirs(checkpoint_dir: Path, live: set[Path], queued: set[Path], *, old
 
 
 def sweep_orphans(conn: psycopg.Connection, store: LocalStore, *, min_age_s: float = ORPHAN_MIN_AGE_S) -> int:
-    """Delete the orphaned directories `orphan_dirs` finds under this machine's checkpoint
-    directory (hourly), from the store too."""
-    live = {store.local_dir(r["storage_path"]).resolve() for r in conn.execute("SELECT storage_path FROM checkpoints")}
-    queued = {store.local_dir(r["path"]).resolve() for r in conn.execute("SELECT path FROM storage_garbage")}
-    orphans = orphan_dirs(store.root, live, queued, older_than=time.time() - min_age_s)
+    """Delete the orphaned versions the store finds (hourly): `orphan_dirs` under this machine's
+    checkpoint directory, and with S3 the bucket's versions no row names."""
+    named = {r["storage_path"] for r in conn.execute("SELECT storage_path FROM checkpoints")}
+    named |= {r["path"] for r in conn.execute("SELECT path FROM storage_garbage")}
+    orphans = store.orphans(named, time.time() - min_age_s)
     for path in orphans:
-        store.remove(str(path))
+        store.remove(path)
     if orphans:
         log.warning("removed %d checkpoint directories no checkpoint named (a save that crashed midway?)",
                     len(orphans))

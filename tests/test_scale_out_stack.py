@@ -126,6 +126,27 @@ def test_publish_fetch_remove_round_trip(s3_server, aws_env, tmp_path):
         S3Store(tmp_path / "third", bucket=BUCKET, prefix="unit", endpoint_url=s3_server, region=None).fetch(str(path))
 
 
+def test_the_orphan_sweep_finds_versions_in_the_bucket_that_no_row_names(s3_server, aws_env, tmp_path):
+    """A trainer that uploaded a save and died before recording it leaves objects only the bucket
+    holds (its machine is gone): the hourly sweep finds them by key and age, and removes them."""
+    writer = S3Store(tmp_path / "writer", bucket=BUCKET, prefix="sweep", endpoint_url=s3_server, region=None)
+    versions = {}
+    for name in ("recorded", "queued", "crashed"):
+        versions[name] = path = _version(tmp_path / "writer", name)
+        path.mkdir(parents=True)
+        (path / "adapter_model.safetensors").write_bytes(os.urandom(64))
+        writer.publish(str(path))
+    (tmp_path / "writer" / "tenant-a" / "stray.txt").write_text("not a version")
+    sweeper = S3Store(tmp_path / "beat", bucket=BUCKET, prefix="sweep", endpoint_url=s3_server, region=None)
+    named = {str(versions["recorded"]), str(versions["queued"]), "a/b"}  # "a/b": a row naming nothing
+    assert sweeper.orphans(named, time.time() - 3600) == []  # younger than the age limit
+    found = sweeper.orphans(named, time.time() + 1)
+    assert found == [key_of(versions["crashed"])]
+    for key in found:
+        assert sweeper.remove(key)
+    assert {k.split("/")[4] for k in _objects(s3_server, "sweep/")} == {"recorded", "queued"}
+
+
 def test_keys_refuse_what_is_not_a_version_path(tmp_path):
     for bad in ("a/b", "t/m//n/v", "t/m/k/n/.."):
         with pytest.raises(ValueError):
