@@ -67,7 +67,8 @@ def cancel_key(request_id: str) -> str:
 
 def delta_key(request_id: str) -> str:
     """A streamed sampling request's tokens as they are sampled: entries {"i": sequence index,
-    "t": JSON token ids}, in order; the future (future_key) still holds the whole result."""
+    "o": the position of the first, "t": JSON token ids}, in order; the future (future_key) still
+    holds the whole result. A sequence run again (its worker died) starts again at "o": 0."""
     return f"quilt:deltas:{request_id}"
 
 

@@ -64,7 +64,7 @@ class Group:
     prompt_logprobs: bool = False
     prompt_logprobs_last_n: int | None = None
     prompt_topk: int = 0
-    on_tokens: Any = None  # streamed: (sequence index, new tokens) -> None, as they are sampled
+    on_tokens: Any = None  # streamed: (sequence index, offset, new tokens) -> None, as they are sampled
     arrival: float = field(default_factory=time.time)
     deadline: float | None = None
     lengths: tuple[int, ...] | None = None  # per-sequence max_tokens (benchmarks); None = spec's
@@ -270,7 +270,8 @@ class Scheduler:
                          seed=g.spec.sample_seed(index), adapter=g.adapter,
                          prompt_logprobs=(g.prompt_logprobs or g.prompt_topk > 0) and index == 0,
                          prompt_topk=g.prompt_topk,
-                         on_tokens=None if g.on_tokens is None else functools.partial(g.on_tokens, index))
+                         on_tokens=None if g.on_tokens is None else _with_offsets(functools.partial(g.on_tokens,
+                                                                                                     index)))
         try:
             result = await self.engine.generate(req)
         except asyncio.CancelledError:
@@ -353,3 +354,16 @@ class Scheduler:
         for g in list(self.groups.values()):
             for t in g.tasks.values():
                 t.cancel()
+
+
+def _with_offsets(emit: Callable[[int, tuple[int, ...]], None]) -> Callable[[tuple[int, ...]], None]:
+    """One run of a sequence's streamed tokens, each step's with its position in the sequence. A
+    sequence run again (aborted and re-admitted here, or re-run by another worker after this one
+    died) starts again at 0, which tells the stream's reader what it already has."""
+    sent = 0
+
+    def call(tokens: tuple[int, ...]) -> None:
+        nonlocal sent
+        emit(sent, tokens)
+        sent += len(tokens)
+    return call

@@ -143,17 +143,17 @@ class GenWorker:
                 g.on_tokens = functools.partial(self._stream_tokens, g.request_id)
             self.scheduler.add(g)
 
-    def _stream_tokens(self, request_id: str, index: int, tokens: tuple[int, ...]) -> None:
+    def _stream_tokens(self, request_id: str, index: int, offset: int, tokens: tuple[int, ...]) -> None:
         # One writer task, first in first out: a stream's entries keep the order they were sampled in.
-        self._deltas.put_nowait((request_id, index, tokens))
+        self._deltas.put_nowait((request_id, index, offset, tokens))
 
     async def _delta_writer(self) -> None:
         while True:
-            request_id, index, tokens = await self._deltas.get()
+            request_id, index, offset, tokens = await self._deltas.get()
             key = queue.delta_key(request_id)
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.xadd(key, {"i": str(index), "t": json.dumps(tokens)})
+                    pipe.xadd(key, {"i": str(index), "o": str(offset), "t": json.dumps(tokens)})
                     pipe.expire(key, DELTA_TTL_S)
                     await pipe.execute()
             except stores.STORE_ERRORS as exc:  # the whole result still reaches the future

@@ -12,6 +12,7 @@ import signal
 import time
 
 import httpx
+import openai
 import pytest
 import quilt
 from billing_workload import wait_recorded
@@ -102,3 +103,27 @@ def test_groups_stay_with_their_adapter_and_survive_a_frozen_replica(replicas_st
     assert len(rows) == 10 and all((row["status"], row["billed"]) == ("done", 1) for row in rows), rows
     for client in clients:
         client.close()
+
+
+def test_a_stream_whose_replica_freezes_is_finished_by_the_other_without_repeats(replicas_stack):
+    """The other replica samples the seeded sequence again from its start; the stream skips what
+    it already sent, so the client's text is the result's, once."""
+    s = replicas_stack
+    r = redis_client.sync_client(s.redis_url)
+    _, key = new_tenant(s, "rep-stream")
+    client = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key=key, max_retries=0, timeout=300)
+    plain = client.completions.create(model=TINY, prompt="bob has", max_tokens=400, seed=11)
+    stream = iter(client.completions.create(model=TINY, prompt="bob has", max_tokens=400, seed=11, stream=True))
+    first = next(stream)  # sampling is under way
+    pieces = [first.choices[0].text]
+    holder = next(n for n in queue.replica_names(2)
+                  if r.xpending(queue.sample_stream(TINY, n), queue.SAMPLE_GROUP)["pending"])
+    pid = _beacons(r)[holder]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        pieces += [c.choices[0].text for c in stream if c.choices]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert "".join(pieces) == plain.choices[0].text
+    starts = [f for _, f in r.xrange(queue.delta_key(first.id.removeprefix("cmpl-"))) if f[b"o"] == b"0"]
+    assert len(starts) == 2, "the sequence was not sampled again: nothing was tested"

@@ -166,3 +166,24 @@ def test_a_spent_budget_is_402_and_usage_is_metered(stack):
     with pytest.raises(openai.APIStatusError) as refused:
         client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert refused.value.status_code == 402
+
+
+class _Letters:
+    """A tokenizer of one letter per token id, for the decoder alone."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_a_stream_sampled_again_from_the_start_skips_what_it_sent():
+    from api.routes.openai_compat import _Decoder
+
+    d = _Decoder(_Letters())
+    assert d.add([0, 1], 0) + d.add([2], 2) == "abc"
+    assert d.add([0, 1], 0) + d.add([2, 3], 2) == "d"  # a re-run repeating itself, then new tokens
+    assert d.finish([0, 1, 2, 3, 4]) == "e" and not d.diverged
+    other = _Decoder(_Letters())
+    assert other.add([0, 1], 0) == "ab"
+    assert other.add([5], 0) == "" and other.diverged  # an unseeded re-run: what was sent is void
+    assert other.add([6], 1) == ""
+    assert _Decoder(_Letters()).add([7, 8]) == "hi"  # entries written before offsets: appended

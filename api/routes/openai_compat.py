@@ -169,12 +169,23 @@ async def _result(redis, settings, admitted: _Admitted) -> dict:
 
 class _Decoder:
     """Token ids -> the text they add, one sequence at a time; a partial UTF-8 character at the
-    end waits for the token that completes it."""
+    end waits for the token that completes it. Tokens come with their position in the sequence: a
+    sequence sampled again from the start (its worker died and another re-ran it) repeats what was
+    sent, which is skipped when it agrees; when it does not (an unseeded re-run), the text sent so
+    far is not the result's and the sequence is marked `diverged`."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.tokens, self.sent = tokenizer, [], ""
+        self.tokenizer, self.tokens, self.sent, self.diverged = tokenizer, [], "", False
 
-    def add(self, tokens) -> str:
+    def add(self, tokens, offset: int | None = None) -> str:
+        tokens = list(tokens)
+        if offset is not None and offset < len(self.tokens):
+            known = self.tokens[offset:offset + len(tokens)]
+            if tokens[:len(known)] != known:
+                self.diverged = True
+            tokens = tokens[len(known):]
+        if self.diverged or not tokens:
+            return ""
         self.tokens.extend(tokens)
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         if text.endswith("\ufffd") or not text.startswith(self.sent):
@@ -206,8 +217,9 @@ async def _stream(redis, settings, admitted: _Admitted, chunk_of) -> StreamingRe
             for _stream_key, entries in reply or ():
                 for entry_id, fields in entries:
                     last = entry_id
-                    i = int(fields[b"i"])
-                    text = await run_in_threadpool(decoders[i].add, json.loads(fields[b"t"]))
+                    i, offset = int(fields[b"i"]), fields.get(b"o")
+                    text = await run_in_threadpool(decoders[i].add, json.loads(fields[b"t"]),
+                                                   None if offset is None else int(offset))
                     if text:
                         yield event(chunk_of(i, text, None))
             if outcome is not None:
@@ -216,6 +228,12 @@ async def _stream(redis, settings, admitted: _Admitted, chunk_of) -> StreamingRe
         if not outcome.ok:
             err = _failure(outcome)
             yield event({"error": {"message": err.message, "type": err.category, "request_id": err.request_id}})
+        elif diverged := [i for i, d in enumerate(decoders) if d.diverged]:
+            yield event({"error": {
+                "message": f"the worker sampling this request stopped and another sampled choices {diverged} again "
+                           "differently (no seed): the text streamed for them is not the result. The whole result "
+                           f"is future {admitted.request_id} (POST /api/v1/retrieve_future); send a seed to make "
+                           "a stream survive a worker's death", "type": "server", "request_id": admitted.request_id}})
         else:
             for i, seq in enumerate(outcome.result["sequences"]):
                 rest = await run_in_threadpool(decoders[i].finish, seq["tokens"])
