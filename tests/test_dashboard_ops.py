@@ -76,3 +76,13 @@ def test_capacity_reads_generation_and_trainer_busy():
     assert c["balanced_gen_share"] == pytest.approx(0.9 / 1.4, abs=1e-4)
     assert ops.capacity({"gen": None, "busy": {"busy": [0.5]}}, 0.0, (1, 1)) is None
     assert ops.capacity({"gen": {"slot_s": 1.0, "capacity_s": 2.0}, "busy": {"busy": [None]}}, 0.0, (1, 1)) is None
+
+
+def test_generation_replicas_add_up_and_each_shows():
+    one = {"running": 3, "target": 8, "slot_s": 2.0, "capacity_s": 4.0, "group_latency_p95_s": 1.5}
+    assert ops.combined_gen({"b": one}) is one  # one worker: its beacon as it is
+    assert ops.combined_gen({"b@gen-0": None, "b@gen-1": None}) is None
+    both = ops.combined_gen({"b@gen-0": one, "b@gen-1": {**one, "running": 5, "adapter_hits": 2}, "b@gen-2": None})
+    assert (both["running"], both["target"], both["slot_s"], both["capacity_s"]) == (8, 16, 4.0, 8.0)
+    assert both["adapter_hits"] == 2 and both["replicas"]["b@gen-2"] is None
+    assert both["replicas"]["b@gen-1"]["running"] == 5
