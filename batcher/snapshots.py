@@ -10,8 +10,12 @@ answered are re-run for their effect only: no second result, no second charge, s
 in Redis with append-only persistence (`core.embedded`).
 
 On disk: `<root>/<model_id>/<seq_id, 10 digits>/`, a training checkpoint directory
-(`core.checkpoint_files`); each is written beside the others and renamed into place, then older
-ones are removed, so a crash at any point leaves at least one whole snapshot.
+(`core.checkpoint_files`); each is written beside the others, then older ones are removed, so a
+crash at any point leaves at least one whole snapshot. Where they live is a store
+(`core.checkpoint_store.snapshot_store_for`): this machine's disk, or with
+QUILT_TRAINER_SNAPSHOTS_IN_STORE and the S3 checkpoint store also the bucket: a snapshot is
+uploaded before `write` returns (so before the requests it covers are acknowledged), and a trainer
+on another machine finds and fetches a model's newest one.
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ from pathlib import Path
 
 from batcher.backend import LoraBackend
 from core.checkpoint_files import TrainerMeta
+from core.checkpoint_store import LocalStore
 from core.work import LoraShape
 
 
 class SnapshotStore:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, store: LocalStore | None = None):
         self.root = Path(root)
+        self.store = store or LocalStore(self.root)
 
     def _dir(self, model_id: str) -> Path:
         return self.root / model_id.replace("/", "_")
@@ -34,18 +40,18 @@ class SnapshotStore:
     def write(self, backend: LoraBackend, model_id: str, seq_id: int) -> int:
         """Snapshot the model's state as of `seq_id` (no gradients pending); returns bytes written."""
         directory = self._dir(model_id)
-        size = backend.save(model_id, str(directory / f"{seq_id:010d}"), overwrite=True, with_optimizer=True)
-        for old in directory.iterdir():
-            if old.name.isdigit() and int(old.name) < seq_id:
-                shutil.rmtree(old, ignore_errors=True)
+        path = directory / f"{seq_id:010d}"
+        size = backend.save(model_id, str(path), overwrite=True, with_optimizer=True)
+        self.store.publish(str(path))
+        for old in self.store.children(directory):
+            if old.isdigit() and int(old) < seq_id:
+                self.store.remove(str(directory / old))
         return size
 
     def latest(self, model_id: str) -> tuple[int, Path] | None:
         directory = self._dir(model_id)
-        if not directory.is_dir():
-            return None
-        done = sorted((int(p.name), p) for p in directory.iterdir() if p.name.isdigit())
-        return done[-1] if done else None
+        done = sorted(int(name) for name in self.store.children(directory) if name.isdigit())
+        return (done[-1], directory / f"{done[-1]:010d}") if done else None
 
     def restore(self, backend: LoraBackend, model_id: str) -> int | None:
         """Load the model's newest snapshot into the backend; returns its seq_id (None: no snapshot)."""
@@ -53,9 +59,13 @@ class SnapshotStore:
         if found is None:
             return None
         seq_id, path = found
+        path = self.store.fetch(str(path))  # from the bucket when this machine has not got it
         backend.create(model_id, LoraShape.from_json(TrainerMeta.read(path).lora_config))
         backend.load(model_id, str(path), optimizer=True)
         return seq_id
 
     def drop(self, model_id: str) -> None:
-        shutil.rmtree(self._dir(model_id), ignore_errors=True)
+        directory = self._dir(model_id)
+        for name in self.store.children(directory):
+            self.store.remove(str(directory / name))
+        shutil.rmtree(directory, ignore_errors=True)

@@ -540,6 +540,13 @@ def _pass_request(item: WorkItem) -> PassRequest:
     return PassRequest(item.request_id, item.model_id, item.body, forward_only=item.kind is WorkKind.FORWARD)
 
 
+def _snapshot_store(settings) -> SnapshotStore:
+    core = get_core_settings()
+    root = settings.snapshot_dir or Path(core.data_dir) / "snapshots"
+    return SnapshotStore(root, checkpoint_store.snapshot_store_for(core, root,
+                                                                   in_checkpoint_store=settings.snapshots_in_store))
+
+
 def _memory_plan(base: catalog.BaseModel, settings) -> memory_plan.MemoryPlan:
     """Check, before loading anything, that the base fits this trainer's device; exits naming the
     setting to change when it does not (core.memory_plan)."""
@@ -573,8 +580,7 @@ def main() -> None:
         block_ms=settings.read_block_ms, result_ttl_s=get_api_settings().future_ttl_seconds,
         token_budget=token_budget, offload_idle_s=settings.offload_idle_s, stats_history=settings.stats_history,
         seq_gap_deadline_s=settings.seq_gap_deadline_s,
-        snapshots=SnapshotStore(settings.snapshot_dir or Path(get_core_settings().data_dir) / "snapshots")
-        if settings.snapshots else None,
+        snapshots=_snapshot_store(settings) if settings.snapshots else None,
         snapshot_every_steps=settings.snapshot_every_steps,
     )
 

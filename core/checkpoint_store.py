@@ -35,12 +35,13 @@ log = logging.getLogger("quilt.checkpoint_store")
 KEY_PARTS = 5  # <tenant>/<model>/<kind>/<name>/<version>
 
 
-def key_of(storage_path: str | Path) -> str:
-    """A version's key, the same on every machine whatever its checkpoint directory."""
-    parts = Path(storage_path).parts
-    if len(parts) < KEY_PARTS or any(p in ("", ".", "..") for p in parts[-KEY_PARTS:]):
+def key_of(storage_path: str | Path, parts: int = KEY_PARTS) -> str:
+    """A version's key (its last `parts` path parts), the same on every machine whatever its
+    checkpoint directory."""
+    names = Path(storage_path).parts
+    if len(names) < parts or any(p in ("", ".", "..") for p in names[-parts:]):
         raise ValueError(f"not a checkpoint version path: {storage_path!r}")
-    return "/".join(parts[-KEY_PARTS:])
+    return "/".join(names[-parts:])
 
 
 class LocalStore:
@@ -68,6 +69,12 @@ class LocalStore:
         deletes elsewhere)."""
         return retention.remove_dir(self.root, str(self.local_dir(storage_path)))
 
+    def children(self, parent: str | Path) -> list[str]:
+        """The names of the versions under `parent`, a version's parent directory (a trainer's
+        snapshots of one model: batcher.snapshots)."""
+        parent = Path(parent)
+        return sorted(p.name for p in parent.iterdir() if p.is_dir()) if parent.is_dir() else []
+
     def orphans(self, named: set[str], older_than: float) -> list[str]:
         """Versions in the store that no storage path in `named` (live or queued for deletion)
         names, untouched since the timestamp `older_than` (core.retention.sweep_orphans)."""
@@ -78,19 +85,30 @@ class LocalStore:
 class S3Store(LocalStore):
     """Versions as objects in a bucket; `root` holds this machine's copies, by key."""
 
-    def __init__(self, root: Path, *, bucket: str, prefix: str, endpoint_url: str | None, region: str | None):
+    def __init__(self, root: Path, *, bucket: str, prefix: str, endpoint_url: str | None, region: str | None,
+                 key_parts: int = KEY_PARTS):
         super().__init__(root)
         import boto3  # only deployments that use S3 pay its import
 
-        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.bucket, self.prefix, self.key_parts = bucket, prefix.strip("/"), key_parts
         self.client = boto3.client("s3", endpoint_url=endpoint_url or None, region_name=region or None)
 
     def local_dir(self, storage_path: str | Path) -> Path:
-        return self.root / key_of(storage_path)
+        return self.root / key_of(storage_path, self.key_parts)
 
     def _object_prefix(self, storage_path: str | Path) -> str:
-        key = key_of(storage_path)
+        key = key_of(storage_path, self.key_parts)
         return f"{self.prefix}/{key}/" if self.prefix else f"{key}/"
+
+    def children(self, parent: str | Path) -> list[str]:
+        """This machine's versions under `parent` and the bucket's."""
+        parent_key = key_of(parent, self.key_parts - 1)
+        prefix = f"{self.prefix}/{parent_key}/" if self.prefix else f"{parent_key}/"
+        remote = {common["Prefix"][len(prefix):].rstrip("/")
+                  for page in self.client.get_paginator("list_objects_v2").paginate(
+                      Bucket=self.bucket, Prefix=prefix, Delimiter="/")
+                  for common in page.get("CommonPrefixes", [])}
+        return sorted(remote | set(super().children(self.root / parent_key)))
 
     def publish(self, storage_path: str | Path) -> None:
         directory = self.local_dir(storage_path)
@@ -128,7 +146,7 @@ class S3Store(LocalStore):
                     raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        log.info("fetched checkpoint %s (%d files) from s3://%s", key_of(storage_path), len(names), self.bucket)
+        log.info("fetched %s (%d files) from s3://%s", key_of(storage_path, self.key_parts), len(names), self.bucket)
         return directory
 
     def remove(self, storage_path: str | Path) -> bool:
@@ -173,6 +191,16 @@ def _key_or_none(storage_path: str | Path) -> str | None:
 def _gone(storage_path: str | Path) -> NotFound:
     name = "/".join(Path(storage_path).parts[-KEY_PARTS + 2:])  # <kind>/<name>/<version>: nothing of the host
     return NotFound(f"the files of checkpoint {name} are gone from the checkpoint store", field="checkpoint_id")
+
+
+def snapshot_store_for(settings: CoreSettings, root: Path, *, in_checkpoint_store: bool) -> LocalStore:
+    """Where a trainer's snapshots (batcher.snapshots: `<root>/<model>/<seq>`) live: `root` on this
+    machine's disk, or, `in_checkpoint_store` with the S3 checkpoint store, also the bucket under
+    QUILT_S3_SNAPSHOT_PREFIX, so another machine can restore the models."""
+    if in_checkpoint_store and settings.checkpoint_store == "s3":
+        return S3Store(root, bucket=settings.s3_bucket, prefix=settings.s3_snapshot_prefix,
+                       endpoint_url=settings.s3_endpoint_url, region=settings.s3_region, key_parts=2)
+    return LocalStore(root)
 
 
 def store_for(settings: CoreSettings) -> LocalStore:

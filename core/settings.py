@@ -49,6 +49,8 @@ class CoreSettings(BaseSettings):
     s3_prefix: str = Field("quilt/checkpoints", description="key prefix of checkpoint objects in the bucket")
     s3_endpoint_url: str = Field("", description="an S3-compatible server's URL (MinIO, Ceph, ...); empty = AWS")
     s3_region: str = Field("", description="the bucket's region; empty = boto3's default chain")
+    s3_snapshot_prefix: str = Field("quilt/snapshots", description="key prefix of trainer snapshots in the bucket "
+                                                                   "(QUILT_TRAINER_SNAPSHOTS_IN_STORE)")
 
     @model_validator(mode="after")
     def _s3_needs_a_bucket(self) -> CoreSettings:
@@ -129,6 +131,10 @@ class TrainerSettings(BaseSettings):
     stats_history: int = Field(1000, ge=10, le=100_000, description="round records kept in Redis")
     snapshots: bool = Field(True, description="keep models' state durable (batcher.snapshots); off: lost on restart")
     snapshot_dir: Path | None = Field(None, description="where snapshots live; default <data dir>/snapshots")
+    snapshots_in_store: bool = Field(
+        False, description="with the S3 checkpoint store, upload every snapshot to the bucket too (before the "
+                           "requests it covers are let go), so another machine can restore the models; costs "
+                           "an upload of adapter + AdamW state per snapshot")
     snapshot_every_steps: int = Field(1, ge=1, le=10_000,
                                       description="optimizer steps between a model's snapshots (the replay log "
                                                   "in Redis holds the requests between them)")

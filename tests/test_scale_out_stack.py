@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 boto3 = pytest.importorskip("boto3")
 tinker = pytest.importorskip("tinker")
@@ -147,6 +148,45 @@ def test_the_orphan_sweep_finds_versions_in_the_bucket_that_no_row_names(s3_serv
     assert {k.split("/")[4] for k in _objects(s3_server, "sweep/")} == {"recorded", "queued"}
 
 
+def test_a_trainers_snapshots_in_the_bucket_restore_on_another_machine(s3_server, aws_env, tmp_path):
+    """QUILT_TRAINER_SNAPSHOTS_IN_STORE: each snapshot is uploaded as it is written and older ones
+    leave the bucket too; a trainer with an empty disk finds the newest and restores the model's
+    weights and AdamW state exactly; dropping the model removes its objects."""
+    from durable_reference import ADAM, SEQS, _datum
+
+    from batcher.backend import LoraBackend, PassRequest
+    from batcher.snapshots import SnapshotStore
+    from core.loss_spec import LossConfig
+    from core.work import AdamParams, LoraShape, PassWork
+    from stack.tiny_model import build_tiny_model
+
+    base = build_tiny_model(tmp_path / "tiny").path
+
+    def machine(name: str) -> SnapshotStore:
+        root = tmp_path / name / "snapshots"
+        return SnapshotStore(root, S3Store(root, bucket=BUCKET, prefix="snaps", endpoint_url=s3_server, region=None,
+                                           key_parts=2))
+
+    a, be = machine("a"), LoraBackend(base)
+    be.create("ten:model-1", LoraShape(rank=8, seed=0))
+    for seq, tokens in enumerate(SEQS, start=1):
+        be.run_pass([PassRequest("r", "ten:model-1", PassWork("cross_entropy", LossConfig(), (_datum(tokens),)),
+                                 False)])
+        be.optim_step("ten:model-1", AdamParams(**ADAM))
+        a.write(be, "ten:model-1", seq * 2)
+    assert {k.split("/")[2] for k in _objects(s3_server, "snaps/")} == {f"{2 * len(SEQS):010d}"}
+
+    b, restored = machine("b"), LoraBackend(base)
+    assert b.latest("ten:model-1")[0] == 2 * len(SEQS)
+    assert b.restore(restored, "ten:model-1") == 2 * len(SEQS)
+    for key, value in be.adapter_state("ten:model-1").items():
+        assert torch.equal(restored.adapter_state("ten:model-1")[key], value), key
+    want, got = (x.adapters["ten:model-1"].optimizer.state_dict()["state"] for x in (be, restored))
+    assert all(torch.equal(got[i]["exp_avg_sq"], want[i]["exp_avg_sq"]) for i in want)
+    b.drop("ten:model-1")
+    assert _objects(s3_server, "snaps/") == {} and b.latest("ten:model-1") is None
+
+
 def test_keys_refuse_what_is_not_a_version_path(tmp_path):
     for bad in ("a/b", "t/m//n/v", "t/m/k/n/.."):
         with pytest.raises(ValueError):
@@ -157,7 +197,8 @@ def test_keys_refuse_what_is_not_a_version_path(tmp_path):
 @pytest.fixture(scope="module")
 def s3_stack(s3_server):
     env = {**CREDENTIALS, "QUILT_CHECKPOINT_STORE": "s3", "QUILT_S3_BUCKET": BUCKET,
-           "QUILT_S3_PREFIX": "stack", "QUILT_S3_ENDPOINT_URL": s3_server}
+           "QUILT_S3_PREFIX": "stack", "QUILT_S3_ENDPOINT_URL": s3_server,
+           "QUILT_TRAINER_SNAPSHOTS_IN_STORE": "true", "QUILT_S3_SNAPSHOT_PREFIX": "stack-snapshots"}
     with ephemeral_stack(env, api_replicas=2) as s:
         yield s
 
@@ -189,6 +230,9 @@ def test_a_stack_keeps_its_checkpoints_in_the_bucket(s3_stack, s3_server, monkey
         names = {k.rsplit("/", 1)[1] for k in stored if "/weights/s3-state/" in k}
         assert {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt", "quilt_state.json"} <= names
         assert any("/sampler_weights/s3-sampler/" in k for k in stored)
+        # The trainer's snapshot of the model (after its last optimizer step) is in the bucket too.
+        snapshots = {k.split("/")[2] for k in _objects(s3_server, "stack-snapshots/") if model_id.replace("/", "_") in k}
+        assert len(snapshots) == 1, snapshots
 
         # Every read below comes from the bucket: this machine's copies are gone.
         _wipe_local_copies(s3_stack)
