@@ -6,11 +6,12 @@ replica's groups back. The policy is gen_pool.routing's; this module only moves 
               lapsed (QUILT_GEN_TAKEOVER_S) is dead; its queued and in-flight groups are moved,
               each once (core.queue.move), to live replicas by the same policy
 
-Replicas describe themselves in their health beacons (core.health.gen_key(base, name)) every
-second: running and queued sequences, target, the adapters in their engine slots and CPU cache,
-the prompt prefixes and episodes they served lately (`Locality`). The API reads them at most every
-REFRESH_S and counts what it routed since into its copy, so a burst between two reads does not
-all go to the replica that looked emptiest. With no beacon yet (replicas still starting) a group
+Replicas describe themselves in their health beacons (core.health.gen_key(base, name)) as their
+load changes (at most every 0.2 s): running and queued sequences, target, the adapters in their
+engine slots and CPU cache, the prompt prefixes and episodes they served lately (`Locality`). The
+API reads them at most every REFRESH_S and adds what it sent each replica after that replica's
+beacon was taken (remembered REMEMBER_S), so neither a burst between two reads nor a beacon that
+lags its replica sends a tenant's groups off the replica holding its adapter. With no beacon yet (replicas still starting) a group
 goes to a replica fixed by its adapter (or prompt), so one tenant's groups still land together.
 """
 
