@@ -10,8 +10,11 @@ entry is appended now if it never was: the API may have died between its commit 
 tenant's in-flight quota (429), its suspension (402 or 403, tenancy.accounts) and monthly budgets
 (402, billing.budgets; both skipped for calls that meter no tokens), its tokens per minute (429 with Retry-After, tenancy.rate_limit), the request row
 (and a new model's row), a commit, then the stream entry. The row is committed before the entry
-exists, so a worker never sees work the database does not know; if Redis refuses the entry, the
-row is marked failed rather than left queued.
+exists, so a worker never sees work the database does not know; if Redis refuses the entry (it
+went down between the rate check and the append) the row stays queued and the slot held, exactly
+as when the API dies between its commit and the append: the call answers 503, and the client's
+retry with the same ids (both SDKs retry 503) appends the entry, once. (Marking the row failed
+instead made that retry resume a failed request with no result: a 410 for work never run.)
 
 The idempotency rule is a parameter: `SeqSlot` for training calls (unique `(model_id, seq_id)` in
 Postgres; the slot's current holder comes with the model read), `RedisSlot` for sampling (the SDK's
@@ -151,11 +154,7 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
         await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds,
                             await _replica_stream(redis, ticket.base_model, item))
     except Exception:
-        log.exception("could not enqueue %s", item.request_id)
-        await records.mark_failed(conn, item.request_id)
-        await conn.commit()
-        if took_slot:
-            await redis.delete(slot.key)
+        log.exception("could not enqueue %s; it stays queued for the client's retry", item.request_id)
         raise
     return item.request_id
 

@@ -82,5 +82,3 @@ async def request_status(conn: AsyncConnection, request_id: str) -> str | None:
     return row["status"] if row else None
 
 
-async def mark_failed(conn: AsyncConnection, request_id: str) -> None:
-    await conn.execute("UPDATE requests SET status = 'failed', finished_at = now() WHERE id = %s", (request_id,))
