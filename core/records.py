@@ -11,7 +11,9 @@ from pathlib import Path
 import psycopg
 from psycopg.types.json import Jsonb
 
-from core import retention
+from core import queue, retention
+from core.errors import ServerError
+from core.work import Rejected, WorkItem, WorkKind
 
 
 def mark_running(conn: psycopg.Connection, request_ids: list[str]) -> None:
@@ -30,6 +32,41 @@ def mark_finished(conn: psycopg.Connection, request_id: str, error: dict | None)
         ("failed" if error else "done", Jsonb(error) if error else None, request_id),
     )
     return cur.rowcount == 1
+
+
+# Both SDKs stop retrying a 503 within about two minutes; a row queued this long with no stream
+# entry ever appended will not get one.
+NEVER_ENQUEUED_AFTER_S = 600
+
+
+def fail_never_enqueued(conn: psycopg.Connection, redis, *, ttl_s: int, after_s: int = NEVER_ENQUEUED_AFTER_S,
+                        batch: int = 500) -> list[str]:
+    """Fail the requests whose row was committed but whose stream entry never was (the API died
+    between the two, or Redis refused the entry) and whose client did not retry (Celery beat):
+    queued for `after_s`, younger than the future's lifetime `ttl_s` (the append marker lives that
+    long), with no append marker. Each gets a failure a poll can read, and is not billed."""
+    rows = conn.execute(
+        "SELECT id, tenant_id FROM requests WHERE status = 'queued' AND created_at < now() - make_interval(secs => %s) "
+        "AND created_at > now() - make_interval(secs => %s) ORDER BY created_at LIMIT %s",
+        (after_s, ttl_s, batch)).fetchall()
+    if not rows:
+        return []
+    pipe = redis.pipeline(transaction=False)
+    for row in rows:
+        pipe.exists(queue.enqueued_key(row["id"]))
+    failed = []
+    for row, appended in zip(rows, pipe.execute(), strict=True):
+        if appended:
+            continue
+        outcome = queue.failure(row["id"], ServerError(
+            "this request never reached a worker (it could not be queued and the call was not retried); send it "
+            "again"))
+        queue.publish(redis, outcome, ttl_s, WorkItem(row["id"], row["tenant_id"], "", 0, WorkKind.REJECTED, 0,
+                                                      Rejected("never queued")))
+        with conn.transaction():
+            if mark_finished(conn, row["id"], outcome.error):
+                failed.append(row["id"])
+    return failed
 
 
 def set_model_status(conn: psycopg.Connection, model_id: str, status: str, detail: str | None = None) -> None:

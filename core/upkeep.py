@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import socket
 
-from core import checkpoint_store, db, health, redis_client, retention
+from core import checkpoint_store, db, health, records, redis_client, retention
 from core.celery_app import app
+from core.settings import get_api_settings
 
 SESSION_IDLE_LIMIT = "10 minutes"  # SDKs heartbeat every 10 s; this is 60 missed beats
 
@@ -41,3 +42,12 @@ def sweep_orphan_checkpoints() -> int:
     """Delete checkpoint directories that no checkpoint names (left by a save that crashed)."""
     with db.connect() as conn:
         return retention.sweep_orphans(conn, checkpoint_store.get_store())
+
+
+@app.task(name="quilt.upkeep.fail_never_enqueued")
+def fail_never_enqueued() -> int:
+    """Fail (unbilled, with a result a poll reads) requests whose stream entry was never appended
+    and whose client gave up retrying (core.records.fail_never_enqueued)."""
+    with db.connect() as conn:
+        return len(records.fail_never_enqueued(conn, redis_client.sync_client(),
+                                               ttl_s=get_api_settings().future_ttl_seconds))
