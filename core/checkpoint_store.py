@@ -96,14 +96,17 @@ class S3Store(LocalStore):
     def local_dir(self, storage_path: str | Path) -> Path:
         return self.root / key_of(storage_path, self.key_parts)
 
+    def _under_prefix(self, key: str) -> str:
+        """The object-key prefix of `key`'s objects ("" for the whole store)."""
+        return "/".join(p for p in (self.prefix, key) if p) + "/" if self.prefix or key else ""
+
     def _object_prefix(self, storage_path: str | Path) -> str:
-        key = key_of(storage_path, self.key_parts)
-        return f"{self.prefix}/{key}/" if self.prefix else f"{key}/"
+        return self._under_prefix(key_of(storage_path, self.key_parts))
 
     def children(self, parent: str | Path) -> list[str]:
         """This machine's versions under `parent` and the bucket's."""
         parent_key = key_of(parent, self.key_parts - 1)
-        prefix = f"{self.prefix}/{parent_key}/" if self.prefix else f"{parent_key}/"
+        prefix = self._under_prefix(parent_key)
         remote = {common["Prefix"][len(prefix):].rstrip("/")
                   for page in self.client.get_paginator("list_objects_v2").paginate(
                       Bucket=self.bucket, Prefix=prefix, Delimiter="/")
@@ -162,14 +165,13 @@ class S3Store(LocalStore):
         super().remove(storage_path)  # this machine's copy
         return True
 
-
     def orphans(self, named: set[str], older_than: float) -> list[str]:
         """This machine's orphaned directories, and the bucket's: versions whose objects no row
         names, the newest of them written before `older_than` (a trainer that uploaded a save
         and died before recording it)."""
         local = super().orphans(named, older_than)
         known = {_key_or_none(p) for p in named} | {_key_or_none(p) for p in local}
-        prefix = f"{self.prefix}/" if self.prefix else ""
+        prefix = self._under_prefix("")
         newest: dict[str, float] = {}
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
             for obj in page.get("Contents", []):

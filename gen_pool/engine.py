@@ -34,7 +34,6 @@ import logging
 import math
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +51,7 @@ from gen_pool.adapters import (
     check_adapter,
     identity_adapter,
 )
+from gen_pool.routing import Recent
 from gen_pool.settings import GenPoolSettings
 from gen_pool.speculation import speculative_config
 
@@ -150,7 +150,7 @@ class GenEngine:
         self._loaded: dict[str, object] = {}  # version key -> LoRARequest that add_lora accepted
         # Version keys by last use, oldest first: vLLM evicts least recently used adapters from its
         # slots and its CPU cache, so the tail approximates what each holds (for routing).
-        self._used: OrderedDict[str, None] = OrderedDict()
+        self._used = Recent(settings.max_cpu_loras)
         self.adapter_hits = self.adapter_misses = 0  # groups whose adapter was in a slot already, or not
 
     @classmethod
@@ -206,10 +206,7 @@ class GenEngine:
             self.adapter_hits += 1
         else:
             self.adapter_misses += 1
-        self._used[ref.key] = None
-        self._used.move_to_end(ref.key)
-        while len(self._used) > self.settings.max_cpu_loras:
-            self._used.popitem(last=False)
+        self._used.touch(ref.key)
         store = checkpoint_store.get_store()
         path = store.local_dir(ref.path)
         if ref.key not in self._loaded:
@@ -230,7 +227,7 @@ class GenEngine:
 
     def resident_adapters(self) -> list[str]:
         """The adapter versions likely in an engine slot (one slot is the identity adapter's)."""
-        return list(self._used)[-(self.settings.max_loras - 1):]
+        return self._used.last(self.settings.max_loras - 1)
 
     def cached_adapters(self) -> list[str]:
         """The adapter versions likely in vLLM's CPU cache."""

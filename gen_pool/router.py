@@ -22,13 +22,14 @@ import json
 import logging
 import random
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 
 from core import health, queue
 from core.work import MalformedWork, SampleWork, WorkItem
 from gen_pool.routing import (
     Policy,
+    Recent,
     ReplicaView,
     RouteRequest,
     pick,
@@ -91,7 +92,7 @@ class Router:
         at, views = self._views.get(base_model, (float("-inf"), []))
         if now - at < REFRESH_S:
             return views
-        beacons = read_beacons(await redis.mget([health.gen_key(base_model, n) for n in self.names]))
+        beacons = read_beacons(await redis.mget(list(health.gen_keys(base_model, len(self.names)).values())))
         views = [view_of(n, b) for n, b in zip(self.names, beacons, strict=True)]
         sent = self._sent.setdefault(base_model, deque())
         while sent and sent[0][0] < now - REMEMBER_S:
@@ -123,13 +124,12 @@ def reroute_dead_peers(redis, base_model: str, me: str, replicas: int, policy: P
                        rng: random.Random | None = None, page: int = 256) -> int:
     """Move every entry of each dead peer's stream to a live replica (synchronous client); returns
     how many this call moved. Safe to run on every replica at once: each entry moves once."""
-    names = queue.replica_names(replicas)
-    streams = [queue.sample_stream(base_model, n) for n in names]
+    names, streams = queue.replica_names(replicas), queue.sample_streams(base_model, replicas)
     dead = [i for i, n in enumerate(names) if n != me and not redis.exists(health.consumer_key(streams[i], n))]
     if not dead:
         return 0
-    views = [view_of(n, b) for n, b in zip(names, read_beacons(redis.mget([health.gen_key(base_model, n)
-                                                                           for n in names])), strict=True)]
+    beacons = read_beacons(redis.mget(list(health.gen_keys(base_model, replicas).values())))
+    views = [view_of(n, b) for n, b in zip(names, beacons, strict=True)]
     for i in dead:
         views[i] = dataclasses.replace(views[i], healthy=False)
     moved, turn = 0, 0
@@ -157,18 +157,12 @@ class Locality:
     """What a replica served lately, for its beacon: prompt prefixes and episodes, most recent last."""
 
     def __init__(self, size: int = RECENT):
-        self.size = size
-        self.prefixes: OrderedDict[int, None] = OrderedDict()
-        self.sessions: OrderedDict[str, None] = OrderedDict()
+        self.prefixes, self.sessions = Recent(size), Recent(size)
 
     def note(self, prompt: Sequence[int], episode: str | None) -> None:
-        for recent, key in ((self.prefixes, prefix_hash(prompt)), (self.sessions, episode)):
-            if key is None:
-                continue
-            recent[key] = None
-            recent.move_to_end(key)
-            while len(recent) > self.size:
-                recent.popitem(last=False)
+        self.prefixes.touch(prefix_hash(prompt))
+        if episode is not None:
+            self.sessions.touch(episode)
 
     def report(self) -> dict:
         return {"prefixes": list(self.prefixes), "sessions": list(self.sessions)}

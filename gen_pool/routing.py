@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -126,3 +127,28 @@ def pick(policy: Policy, req: RouteRequest, replicas: Sequence[ReplicaView], *, 
     if not live:
         return None
     return live[turn % len(live)] if policy == "round_robin" else (rng or random).choice(live)
+
+
+class Recent:
+    """The last `size` distinct keys used, least recent first (what a replica reports it holds)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._keys: OrderedDict[Hashable, None] = OrderedDict()
+
+    def touch(self, key: Hashable) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.size:
+            self._keys.popitem(last=False)
+
+    def last(self, n: int) -> list:
+        """The `n` most recent, least recent first."""
+        out = [k for _, k in zip(range(n), reversed(self._keys))]
+        return out[::-1]
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._keys
+
+    def __iter__(self) -> Iterator:
+        return iter(self._keys)
