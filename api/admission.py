@@ -32,11 +32,12 @@ from redis.asyncio import Redis
 
 from api import records
 from billing import budgets
-from core import faults, queue
+from core import faults, placement, queue
 from core.errors import InvalidInput, QuotaExceeded
 from core.settings import get_api_settings, get_core_settings
 from core.work import WorkItem, WorkKind
 from gen_pool.router import Router
+from gen_pool.routing import stable_hash
 from tenancy import accounts, rate_limit, scoped
 from tenancy.auth import Principal
 
@@ -114,7 +115,7 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
     if isinstance(slot, SeqSlot):
         existing = _holder(slot, row_kind, slot.holder_id, slot.holder_kind)
         if existing:
-            return await _resume(redis, ticket, existing, slot.holder_status)
+            return await _resume(conn, redis, ticket, existing, slot.holder_status)
     took_slot = False  # only a slot this call took is given back when it fails
     if isinstance(slot, RedisSlot):
         took_slot = bool(await redis.set(slot.key, item.request_id, nx=True, ex=slot.ttl_s))
@@ -123,7 +124,7 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
             if existing:
                 status = await records.request_status(conn, existing.decode())
                 if status is not None:
-                    return await _resume(redis, ticket, existing.decode(), status)
+                    return await _resume(conn, redis, ticket, existing.decode(), status)
                 # The call that took the slot has not recorded its request: it died before its commit,
                 # or is still on its way. Admit this one under that id; the row and the entry are each
                 # written once whichever of the two gets there first.
@@ -132,8 +133,9 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
         if ticket.check_quota:
             await _quota_and_budget(conn, who, billable=ticket.billable)
             await _rate(redis, who, item.n_tokens if ticket.rate_tokens is None else ticket.rate_tokens)
+        shard = await _new_model_shard(conn, redis, ticket)
         if ticket.new_model is not None:
-            await records.insert_training_model(conn, who, item.model_id, ticket.new_model)
+            await records.insert_training_model(conn, who, item.model_id, ticket.new_model, shard)
         inserted = await records.insert_request(
             conn, who, item.request_id, model_id=item.model_id or None,
             seq_id=item.seq_id if isinstance(slot, SeqSlot) else None, kind=row_kind, n_tokens=item.n_tokens,
@@ -143,7 +145,7 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
             if isinstance(slot, SeqSlot):
                 holder = await records.seq_holder(conn, slot.model_id, slot.seq_id)
                 return _holder(slot, row_kind, *holder) or item.request_id
-            return await _resume(redis, replace(ticket, item=item), item.request_id, "queued")
+            return await _resume(conn, redis, replace(ticket, item=item), item.request_id, "queued")
         await conn.commit()
         faults.crash_point("api.after_commit")
     except BaseException:
@@ -151,22 +153,50 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
             await redis.delete(slot.key)
         raise
     try:
-        await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds,
-                            await _replica_stream(redis, ticket.base_model, item))
+        stream = (queue.train_stream(ticket.base_model, shard) if shard
+                  else await _stream(conn, redis, ticket.base_model, item))
+        await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds, stream)
     except Exception:
         log.exception("could not enqueue %s; it stays queued for the client's retry", item.request_id)
         raise
     return item.request_id
 
 
-async def _resume(redis: Redis, ticket: Ticket, request_id: str, status: str | None) -> str:
+async def _resume(conn: AsyncConnection, redis: Redis, ticket: Ticket, request_id: str, status: str | None) -> str:
     """A retried call: its request `request_id` exists. While that is still queued its entry is
     appended, unless it already was (`queue.enqueue` appends once per request id)."""
     if status == "queued":
         item = replace(ticket.item, request_id=request_id)
         await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds,
-                            await _replica_stream(redis, ticket.base_model, item))
+                            await _stream(conn, redis, ticket.base_model, item))
     return request_id
+
+
+async def _stream(conn: AsyncConnection, redis: Redis, base_model: str, item: WorkItem) -> str | None:
+    """Where an item goes when it is not the default stream of its kind: a sample group to its
+    generation replica, a training call to its model's trainer shard."""
+    if item.kind is WorkKind.SAMPLE:
+        return await _replica_stream(redis, base_model, item)
+    shards = get_core_settings().trainer_shards
+    if shards <= 1 or not item.model_id:
+        return None
+    return queue.train_stream(base_model, await records.model_shard(
+        conn, item.model_id, lambda: _place(conn, redis, base_model, item.model_id)))
+
+
+async def _new_model_shard(conn: AsyncConnection, redis: Redis, ticket: Ticket) -> str | None:
+    """The trainer shard a new model is placed on (with QUILT_TRAINER_SHARDS above 1)."""
+    if ticket.new_model is None or get_core_settings().trainer_shards <= 1:
+        return None
+    return await _place(conn, redis, ticket.base_model, ticket.item.model_id)
+
+
+async def _place(conn: AsyncConnection, redis: Redis, base_model: str, model_id: str) -> str:
+    """The least loaded open shard (core.placement); while none is (all restarting or draining),
+    one fixed by the model id, whose calls wait in its stream for it, or are moved on."""
+    shards = get_core_settings().trainer_shards
+    chosen = placement.place(await placement.read_views_async(conn, redis, base_model, shards))
+    return chosen or queue.shard_names(shards)[stable_hash(model_id) % shards]
 
 
 @functools.cache

@@ -4,6 +4,7 @@ through tenancy.scoped)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from psycopg import AsyncConnection
@@ -43,13 +44,29 @@ async def insert_sampling_session(conn: AsyncConnection, who: Principal, sampler
     return await cur.fetchone() is not None
 
 
-async def insert_training_model(conn: AsyncConnection, who: Principal, model_id: str, model: NewModel) -> None:
+async def insert_training_model(conn: AsyncConnection, who: Principal, model_id: str, model: NewModel,
+                                 shard: str | None = None) -> None:
+    """Record a new model, placed on trainer shard `shard` (None: one trainer per base)."""
     await conn.execute(
         "INSERT INTO training_models (id, tenant_id, session_id, model_seq_id, base_model, lora_config, "
-        "user_metadata) VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
+        "user_metadata, trainer_shard) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
         (model_id, who.tenant_id, model.session_id, model.model_seq_id, model.base_model, Jsonb(model.lora_config),
-         Jsonb(model.user_metadata)),
+         Jsonb(model.user_metadata), shard),
     )
+
+
+async def model_shard(conn: AsyncConnection, model_id: str, choose: Callable[[], Awaitable[str]]) -> str:
+    """The trainer shard of a model; one not placed yet (made before there were shards) is placed
+    on `await choose()` now, unless a concurrent call placed it first."""
+    row = await (await conn.execute("SELECT trainer_shard FROM training_models WHERE id = %s",
+                                    (model_id,))).fetchone()
+    if row is not None and row["trainer_shard"]:
+        return row["trainer_shard"]
+    chosen = await choose()
+    row = await (await conn.execute(
+        "UPDATE training_models SET trainer_shard = COALESCE(trainer_shard, %s) WHERE id = %s RETURNING trainer_shard",
+        (chosen, model_id))).fetchone()
+    return row["trainer_shard"] if row else chosen
 
 
 async def insert_request(conn: AsyncConnection, who: Principal, request_id: str, *, model_id: str | None,

@@ -14,6 +14,7 @@ import json
 import logging
 import signal
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -36,6 +37,7 @@ from core import (
     health,
     ids,
     memory_plan,
+    placement,
     queue,
     records,
     redis_client,
@@ -49,6 +51,7 @@ from core.settings import get_api_settings, get_core_settings, get_trainer_setti
 from core.work import (
     CreateModel,
     LoadWeights,
+    MalformedWork,
     OptimStep,
     Rejected,
     SaveWeights,
@@ -68,14 +71,22 @@ LIVENESS_TTL_S = 60
 RECLAIM_IDLE_MS = 15_000
 RECLAIM_EVERY_S = 5.0
 EXPORT_POLL_MS = 5
+RECENT_TOKENS_S = 60.0  # the window of a shard's "recent tokens" (core.placement's load)
+RESTART_EXIT_CODE = 75  # a fenced shard exits so its supervisor starts it afresh
 
 
 class TrainerWorker:
     def __init__(self, *, base_model: str, backend: LoraBackend, redis, db_url: str, consumer: str,
                  block_ms: int, result_ttl_s: int, token_budget: int | None = None, offload_idle_s: float = 300.0,
                  stats_history: int = 1000, seq_gap_deadline_s: float = 300.0,
-                 snapshots: SnapshotStore | None = None, snapshot_every_steps: int = 1):
+                 snapshots: SnapshotStore | None = None, snapshot_every_steps: int = 1,
+                 shard: str | None = None, shards: int = 1, takeover_s: int = 20):
         self.base_model = base_model
+        # Trainer shards (QUILT_TRAINER_SHARDS above 1): this worker holds the models placed on
+        # `shard` (core.placement), reads that shard's stream, forwards what arrives for models
+        # placed elsewhere, restores models re-placed onto it, and re-places a dead peer's models.
+        self.shard = shard
+        self.shards = shards
         self.backend = backend
         self.redis = redis
         self.db_url = db_url
@@ -92,14 +103,19 @@ class TrainerWorker:
         self.recovering: dict[str, int | None] = {}  # restored model -> last seq_id of its replay log
         self._steps_since_snapshot: dict[str, int] = {}
         self._failed_before: set[str] = set()  # replayed requests that had failed
-        self.consumer = StreamConsumer(redis, stream=queue.train_stream(base_model), group=queue.TRAIN_GROUP,
-                                       consumer=consumer, settle=self._settle, result_ttl_s=result_ttl_s,
-                                       liveness_ttl_s=LIVENESS_TTL_S, reclaim_idle_ms=RECLAIM_IDLE_MS,
-                                       what="trained", finished=self._finished_ids)
+        stream = queue.train_stream(base_model, shard)
+        self.consumer = StreamConsumer(redis, stream=stream, group=queue.TRAIN_GROUP,
+                                       consumer=shard or consumer, settle=self._settle, result_ttl_s=result_ttl_s,
+                                       liveness_ttl_s=takeover_s if shard else LIVENESS_TTL_S,
+                                       reclaim_idle_ms=RECLAIM_IDLE_MS, what="trained", finished=self._finished_ids)
         self.queues = ModelQueues()
         self.exports = Exports()  # sampler weights being written off the loop (batcher.exports)
         self.store = checkpoint_store.get_store()  # where checkpoints are written and read from
-        self.heartbeat = health.Heartbeat(redis, health.trainer_key(base_model))
+        # A shard's liveness key is kept by its heartbeat thread: a long round never looks like death.
+        self.heartbeat = health.Heartbeat(
+            redis, health.trainer_key(base_model, shard),
+            also=((health.consumer_key(stream, shard), takeover_s),) if shard else ())
+        self._recent_tokens: deque[tuple[float, int]] = deque()  # (when, tokens) of recent passes
         self.deficits: dict[str, float] = {}  # fair-share state carried between rounds
         self._weights: dict[str, float] = {}
         self._weights_at = 0.0
@@ -132,8 +148,10 @@ class TrainerWorker:
     def prepare(self) -> None:
         self.consumer.ensure_group()
         self.consumer.heartbeat()
+        if self.shard:  # this start restores only what is still placed here: a fence is moot
+            self.redis.delete(placement.fence_key(self.base_model, self.shard))
         restored = self._restore()
-        lost = records.mark_models_lost(self._db(), self.base_model, keep=restored)
+        lost = records.mark_models_lost(self._db(), self.base_model, keep=restored, shard=self.shard)
         if restored:
             log.info("%d models restored from their snapshots", len(restored))
         if lost:
@@ -148,7 +166,9 @@ class TrainerWorker:
         if self.snapshots is None:
             return []
         restored = []
-        for model_id in records.mark_models_recovering(self._db(), self.base_model):
+        mine = (placement.claim_own(self._db(), self.base_model, self.shard) if self.shard
+                else records.mark_models_recovering(self._db(), self.base_model))
+        for model_id in mine:
             try:
                 seq_id = self.snapshots.restore(self.backend, model_id)
             except Exception:
@@ -233,10 +253,18 @@ class TrainerWorker:
             faults.crash_point("trainer.after_read")
             self._ingest(arrived)
             arrived = self.consumer.read()
+        if self.shard and self.redis.exists(placement.fence_key(self.base_model, self.shard)):
+            # Silent past QUILT_TRAINER_TAKEOVER_S (frozen, cut off): a peer re-placed our models and
+            # restores them. Going on would run them twice; a fresh start takes what is still ours.
+            log.error("shard %s was taken for dead and its models re-placed; restarting", self.shard)
+            raise SystemExit(RESTART_EXIT_CODE)
         if time.monotonic() - self._reclaimed_at >= RECLAIM_EVERY_S:
             self._ingest(self.consumer.reclaim())
             self._reclaimed_at = time.monotonic()
             self._give_up_stalled()
+            if self.shard:
+                self._take_over_dead_shards()
+                self._drain_if_asked()
 
     def _tenant_weights(self) -> dict[str, float]:
         """Plan weights for fair sharing, re-read every 30 s (plans change rarely; while Postgres is
@@ -251,10 +279,13 @@ class TrainerWorker:
         return self._weights
 
     def _ingest(self, deliveries: list[Delivery]) -> None:
+        creating: set[str] = set()
+        if self.shard:
+            deliveries, creating = self._own(deliveries)
         for d in deliveries:
             item = d.item
-            if item.kind is not WorkKind.CREATE_MODEL and not self.queues.knows(item.model_id) \
-                    and not self.backend.has(item.model_id):
+            if item.kind is not WorkKind.CREATE_MODEL and item.model_id not in creating \
+                    and not self.queues.knows(item.model_id) and not self.backend.has(item.model_id):
                 self._finish(d, ServerError(
                     f"model {item.model_id!r} was lost when its trainer restarted; load your last checkpoint "
                     "into a new model"))
@@ -267,6 +298,128 @@ class TrainerWorker:
                     f"seq_id {item.seq_id} of model {item.model_id!r} arrived after the requests behind it were "
                     f"given up waiting for it ({self.seq_gap_deadline_s:g} s); send it again with a new seq_id",
                     field="seq_id"))
+
+    # ------------------------------------------------------------------ shards
+
+    def _local(self, model_id: str) -> bool:
+        return self.queues.knows(model_id) or self.backend.has(model_id)
+
+    def _own(self, deliveries: list[Delivery]) -> tuple[list[Delivery], set[str]]:
+        """Of the deliveries for models this shard does not hold: forward those placed on another
+        shard, restore (adopt) those placed here from their snapshots. Returns what stays here,
+        and the models placed here whose create has not run yet (their calls wait for it)."""
+        unknown = sorted({d.item.model_id for d in deliveries if not self._local(d.item.model_id)})
+        if not unknown:
+            return deliveries, set()
+        owners = self._db_call(placement.owners, unknown)
+        creating, kept = set(), []
+        for model_id in unknown:
+            shard, status = owners.get(model_id, (None, "deleted"))
+            if status in placement.LIVE_STATUSES and shard is None:  # from before shards
+                owners[model_id] = (self._db_call(placement.place_unplaced, self.redis, self.base_model, model_id,
+                                                  self.shards), status)
+        for d in deliveries:
+            model_id = d.item.model_id
+            shard, status = owners.get(model_id, (None, "deleted"))
+            if model_id in unknown and status in placement.LIVE_STATUSES and shard != self.shard:
+                queue.move(self.redis, self.consumer.stream, queue.TRAIN_GROUP, d.stream_id,
+                           queue.train_stream(self.base_model, shard))
+                continue
+            if model_id in unknown and status == "creating":
+                creating.add(model_id)
+            elif model_id in unknown and status in placement.LIVE_STATUSES and not self._local(model_id):
+                self._adopt(model_id)
+            kept.append(d)
+        return kept, creating
+
+    def _adopt(self, model_id: str) -> None:
+        """A model re-placed onto this shard: load its newest snapshot; the requests since it come
+        moved from its old shard's stream and are replayed (answered ones for their effect only)."""
+        seq_id = None
+        if self.snapshots is not None:
+            try:
+                seq_id = self.snapshots.restore(self.backend, model_id)
+            except Exception:
+                log.exception("snapshot of %s could not be loaded", model_id)
+                self.backend.delete(model_id)
+        if seq_id is None:
+            self._db_call(records.set_model_status, model_id, "lost", "its trainer shard stopped and it had no snapshot")
+            return
+        self.queues.resume(model_id, next_seq=seq_id + 1)
+        self.recovering[model_id] = self._db_call(placement.last_answered_seq, model_id)
+        log.info("adopted %s from its snapshot at seq_id %d", model_id, seq_id)
+
+    def _take_over_dead_shards(self) -> None:
+        """Re-place the models of peers whose liveness key lapsed and move their streams' entries
+        (and the unsharded stream's, from before shards) to the models' shards, each entry once."""
+        for name in queue.shard_names(self.shards):
+            stream = queue.train_stream(self.base_model, name)
+            if name == self.shard or self.redis.exists(health.consumer_key(stream, name)):
+                continue
+
+            def still_dead(stream=stream, name=name) -> bool:
+                return not self.redis.exists(health.consumer_key(stream, name))
+
+            if self._db_call(placement.models_on, self.base_model, name):
+                moves = self._db_call(placement.replace_dead, self.redis, self.base_model, name, self.shards,
+                                      still_dead)
+                if moves:
+                    log.warning("shard %s stopped: its %d models re-placed: %s", name, len(moves), moves)
+            if still_dead():
+                self._forward(stream, lambda model_id: True)
+        self._forward(queue.train_stream(self.base_model), lambda model_id: True)
+
+    def _forward(self, source: str, which: Callable[[str], bool], page: int = 256) -> int:
+        """Move the entries of `source` whose model `which` selects to the streams of the shards
+        their models are placed on (entries of models gone come here, to be failed as lost)."""
+        moved, after = 0, "-"
+        while entries := self.redis.xrange(source, min=after, max="+", count=page):
+            ids_of = {}
+            for entry_id, fields in entries:
+                try:
+                    ids_of[entry_id] = WorkItem.from_fields(fields).model_id
+                except MalformedWork:
+                    ids_of[entry_id] = ""
+            owners = self._db_call(placement.owners, sorted({m for m in ids_of.values() if m}))
+            for entry_id, model_id in ids_of.items():
+                if not which(model_id):
+                    continue
+                shard, status = owners.get(model_id, (None, "deleted"))
+                if status in placement.LIVE_STATUSES and shard is None:
+                    shard = self._db_call(placement.place_unplaced, self.redis, self.base_model, model_id, self.shards)
+                destination = queue.train_stream(self.base_model, shard if status in placement.LIVE_STATUSES
+                                                 else self.shard)
+                if destination != source and queue.move(self.redis, source, queue.TRAIN_GROUP, entry_id, destination):
+                    moved += 1
+            last = entries[-1][0]
+            after = "(" + (last.decode() if isinstance(last, bytes) else last)
+        return moved
+
+    def _drain_if_asked(self) -> None:
+        """`quilt trainers drain`: move every model placed here to the open shards, each with its
+        stream entries (queued, and answered since its snapshot, which the new shard replays)."""
+        if not self._db_call(placement.is_draining, self.base_model, self.shard):
+            return
+        mine = self._db_call(placement.models_on, self.base_model, self.shard)
+        if not mine:
+            return
+        moves = self._db_call(placement.move_off, self.redis, self.base_model, self.shard, mine, self.shards)
+        if not moves:
+            log.warning("shard %s is draining but no other shard is open to take its %d models", self.shard, len(mine))
+            return
+        for model_id in moves:
+            self.exports.wait_for(model_id)
+        self._finish_exports()
+        moved = self._forward(self.consumer.stream, lambda model_id: model_id in moves)
+        for model_id in moves:
+            self.queues.drop_model(model_id)
+            self.held.pop(model_id, None)
+            self.recovering.pop(model_id, None)
+            self._steps_since_snapshot.pop(model_id, None)
+            if self.backend.has(model_id):
+                self.backend.delete(model_id)
+        log.warning("draining shard %s: %d models moved (%d requests with them): %s", self.shard, len(moves), moved,
+                    moves)
 
     def _give_up_stalled(self) -> None:
         for stalled in self.queues.give_up_stalled(self.seq_gap_deadline_s):
@@ -494,7 +647,10 @@ class TrainerWorker:
             "micro_batches": ps.micro_batches if ps else 0,
             "compute_s": round(compute_s, 6), "wait_s": round(wait_s, 6),
         }
+        if self.shard:
+            record["shard"] = self.shard
         if ps:
+            self._recent_tokens.append((time.monotonic(), ps.tokens))
             self.stats["tokens"] += ps.tokens
             self.stats["padded_tokens"] += ps.padded_tokens
             self.stats["models_fused"] += ps.models
@@ -513,7 +669,10 @@ class TrainerWorker:
             return
         self._last_beacon = now
         s = self.stats
+        while self._recent_tokens and self._recent_tokens[0][0] < time.monotonic() - RECENT_TOKENS_S:
+            self._recent_tokens.popleft()
         self.heartbeat.update(models=len(self.backend.adapters), queued=self.queues.depth(),
+                              recent_tokens=sum(n for _, n in self._recent_tokens),
                               **self.backend.residency(),
                               **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()
                                  if k != "started_at"})
@@ -572,6 +731,9 @@ def main() -> None:
     plan = _memory_plan(base, settings)
     token_budget = settings.token_budget or plan.token_budget
     dtype = getattr(torch, memory_plan.resolve_dtype(settings.dtype, settings.device))
+    shards = get_core_settings().trainer_shards
+    # A shard is named by its worker's ordinal: `shard-i` under quilt up, pod quilt-trainer-i on a cluster.
+    shard = queue.shard_of(settings.consumer_name, shards) if shards > 1 else None
     worker = TrainerWorker(
         base_model=base.name, backend=LoraBackend(
             base.path, device=settings.device, max_tokens_per_pass=token_budget, offload_device=settings.offload_device,
@@ -581,7 +743,8 @@ def main() -> None:
         token_budget=token_budget, offload_idle_s=settings.offload_idle_s, stats_history=settings.stats_history,
         seq_gap_deadline_s=settings.seq_gap_deadline_s,
         snapshots=_snapshot_store(settings) if settings.snapshots else None,
-        snapshot_every_steps=settings.snapshot_every_steps,
+        snapshot_every_steps=settings.snapshot_every_steps, shard=shard, shards=shards,
+        takeover_s=settings.takeover_s,
     )
 
     def _stop(signum, frame):

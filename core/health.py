@@ -23,8 +23,21 @@ HEARTBEAT_EVERY_S = 1.0
 CELERY_TTL_S = 45
 
 
-def trainer_key(base_model: str) -> str:
-    return f"quilt:health:trainer:{base_model}"
+def trainer_key(base_model: str, shard: str | None = None) -> str:
+    """A trainer's beacon: the base's one, or shard `shard`'s where there are several."""
+    return f"quilt:health:trainer:{base_model}" if shard is None else f"quilt:health:trainer:{base_model}@{shard}"
+
+
+def trainer_keys(base_model: str, shards: int) -> dict[str, str]:
+    """Beacon key of each trainer of a base, by the name health reports it under."""
+    if shards <= 1:
+        return {base_model: trainer_key(base_model)}
+    return {f"{base_model}@{name}": trainer_key(base_model, name) for name in queue.shard_names(shards)}
+
+
+def model_trainer_key(base_model: str, shard: str | None, shards: int) -> str:
+    """The beacon of the trainer holding a model placed on `shard` (None: not placed yet)."""
+    return trainer_key(base_model, shard if shards > 1 and shard else None)
 
 
 def trainer_rounds_key(base_model: str) -> str:
@@ -59,9 +72,12 @@ class Heartbeat:
     """Writes `key` every HEARTBEAT_EVERY_S from a daemon thread, with the figures last given to
     `update` (the figures' own time is `at`; the key's freshness is the process's)."""
 
-    def __init__(self, redis, key: str):
+    def __init__(self, redis, key: str, *, also: tuple[tuple[str, int], ...] = ()):
         self.redis = redis  # a synchronous client; redis-py's pool is safe across threads
         self.key = key
+        # Other keys this process's life keeps set, with their TTLs (a trainer shard's consumer
+        # liveness key: others re-place its models once it lapses, however long a round runs).
+        self.also = also
         self._info: dict = {"at": time.time(), "pid": os.getpid()}
         self._stopped = threading.Event()
         self._wake = threading.Event()
@@ -91,7 +107,11 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stopped.is_set():
             try:
-                self.redis.set(self.key, json.dumps(self._info), ex=HEALTH_TTL_S)
+                pipe = self.redis.pipeline()
+                pipe.set(self.key, json.dumps(self._info), ex=HEALTH_TTL_S)
+                for key, ttl_s in self.also:
+                    pipe.set(key, b"1", ex=ttl_s)
+                pipe.execute()
             except Exception as exc:  # Redis down: health is down too; keep trying
                 log.warning("heartbeat %s: %s", self.key, exc)
             self._wake.wait(HEARTBEAT_EVERY_S)

@@ -24,8 +24,21 @@ SAMPLE_GROUP = "samplers"
 CANCEL_CHANNEL = "quilt:cancels"
 
 
-def train_stream(base_model: str) -> str:
-    return f"quilt:train:{base_model}"
+def train_stream(base_model: str, shard: str | None = None) -> str:
+    """The base's one training stream, or with several trainer shards (QUILT_TRAINER_SHARDS) shard
+    `shard`'s own, which the API sends the calls of the models placed there to (core.placement)."""
+    return f"quilt:train:{base_model}" if shard is None else f"quilt:train:{base_model}@{shard}"
+
+
+def shard_names(count: int) -> list[str]:
+    """The trainer shards of a base model (QUILT_TRAINER_SHARDS), as their workers are named."""
+    return [f"shard-{i}" for i in range(count)]
+
+
+def shard_of(consumer_name: str, count: int) -> str:
+    """The shard a trainer worker is, from its consumer name (`shard-<i>`, or a StatefulSet's pod
+    `quilt-trainer-<i>`); ValueError unless 0 <= i < count."""
+    return _ordinal(consumer_name, count, "shard", "QUILT_TRAINER_SHARDS")
 
 
 def sample_stream(base_model: str, replica: str | None = None) -> str:
@@ -42,11 +55,22 @@ def replica_names(count: int) -> list[str]:
 def replica_of(consumer_name: str, count: int) -> str:
     """The replica a generation worker is, from its consumer name: `gen-<i>` itself, or any name
     ending in `-<i>` (a StatefulSet's pod `quilt-gen-<i>`); ValueError unless 0 <= i < count."""
+    return _ordinal(consumer_name, count, "gen", "QUILT_GEN_REPLICAS")
+
+
+def _ordinal(consumer_name: str, count: int, prefix: str, setting: str) -> str:
     head, _, ordinal = consumer_name.rpartition("-")
     if not head or not ordinal.isdigit() or int(ordinal) >= count:
-        raise ValueError(f"generation worker {consumer_name!r} is not one of the {count} replicas "
-                         f"QUILT_GEN_REPLICAS names: its name must end in -0 ... -{count - 1}")
-    return f"gen-{int(ordinal)}"
+        raise ValueError(f"worker {consumer_name!r} is not one of the {count} that {setting} names: its name "
+                         f"must end in -0 ... -{count - 1}")
+    return f"{prefix}-{int(ordinal)}"
+
+
+def train_streams(base_model: str, shards: int) -> list[str]:
+    """Every stream that holds the base's training work (the one, or each shard's)."""
+    if shards <= 1:
+        return [train_stream(base_model)]
+    return [train_stream(base_model, name) for name in shard_names(shards)]
 
 
 def sample_streams(base_model: str, replicas: int) -> list[str]:

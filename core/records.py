@@ -84,13 +84,15 @@ def mark_models_recovering(conn: psycopg.Connection, base_model: str) -> list[st
     return [r["id"] for r in rows]
 
 
-def mark_models_lost(conn: psycopg.Connection, base_model: str, *, keep: list[str] = ()) -> int:
-    """At trainer start: models of a previous process that it could not restore (no snapshot:
-    batcher.snapshots) are gone."""
+def mark_models_lost(conn: psycopg.Connection, base_model: str, *, keep: list[str] = (),
+                     shard: str | None = None) -> int:
+    """At trainer start: models of a previous process (of trainer shard `shard`, where the base has
+    several) that it could not restore (no snapshot: batcher.snapshots) are gone."""
     cur = conn.execute(
         "UPDATE training_models SET status = 'lost', status_detail = 'trainer restarted' "
-        "WHERE base_model = %s AND status IN ('ready', 'recovering') AND NOT (id = ANY(%s))",
-        (base_model, list(keep)),
+        "WHERE base_model = %s AND status IN ('ready', 'recovering') AND NOT (id = ANY(%s)) "
+        "AND (%s::text IS NULL OR trainer_shard = %s)",
+        (base_model, list(keep), shard, shard),
     )
     return cur.rowcount
 

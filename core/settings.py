@@ -39,6 +39,10 @@ class CoreSettings(BaseSettings):
     gen_replicas: int = Field(1, ge=1, le=1024,
                               description="generation workers per base model, named gen-0 ... gen-(N-1); above 1 "
                                           "each has its own stream and the API routes every group (gen_pool.router)")
+    trainer_shards: int = Field(1, ge=1, le=1024,
+                                description="trainer workers per base model, named shard-0 ... shard-(N-1); above 1 "
+                                            "each owns the training models placed on it (Postgres), reads its own "
+                                            "stream, and the API sends each model's calls there (core.placement)")
     gen_routing: Literal["affinity", "round_robin", "random"] = Field(
         "affinity", description="how the API picks a generation replica (gen_pool.routing); the others are baselines")
     crash_at: str = Field("", description="fault injection: crash points to die at (core.faults); empty in service")
@@ -138,6 +142,10 @@ class TrainerSettings(BaseSettings):
     snapshot_every_steps: int = Field(1, ge=1, le=10_000,
                                       description="optimizer steps between a model's snapshots (the replay log "
                                                   "in Redis holds the requests between them)")
+    takeover_s: int = Field(20, ge=5, le=3600,
+                            description="with trainer shards: how long a shard is silent (its liveness key lapsed) "
+                                        "before a live shard re-places its models and restores them from their "
+                                        "snapshots; longer than a restart of the shard (which restores its own)")
     seq_gap_deadline_s: float = Field(300.0, gt=0, le=86_400,
                                       description="how long requests wait for a missing earlier seq_id of their "
                                                   "model before they fail (and stop counting as in flight)")

@@ -28,7 +28,7 @@ def cmd_up(args) -> int:
     from stack.launcher import up
 
     return up(data_dir=args.data_dir, host=args.host, port=args.port, api_replicas=args.api_replicas,
-              gen_replicas=args.gen_replicas)
+              gen_replicas=args.gen_replicas, trainer_shards=args.trainer_shards)
 
 
 def cmd_migrate(args) -> int:
@@ -266,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-replicas", type=_positive, default=int(os.environ.get("QUILT_GEN_REPLICAS", "1")),
                    metavar="M", help="generation workers (vLLM engines) per base model; the API routes each "
                                      "sample group to one (QUILT_GEN_ROUTING)")
+    p.add_argument("--trainer-shards", type=_positive, default=int(os.environ.get("QUILT_TRAINER_SHARDS", "1")),
+                   metavar="N", help="trainer workers per base model, each holding the training models placed on "
+                                     "it (`quilt trainers`)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("migrate", help="apply schema migrations")
@@ -365,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     from stack.export import add_command as add_export_command
 
     add_export_command(sub)
+    from stack.trainers import add_command as add_trainers_command
+
+    add_trainers_command(sub, _data_dir_option)
     return parser
 
 

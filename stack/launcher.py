@@ -118,13 +118,13 @@ def serving_env(base: catalog.BaseModel, env: dict[str, str]) -> tuple[dict[str,
 
 
 def _children(db_url: str, redis_url: str, host: str, port: int, api_replicas: int = 1,
-              gen_replicas: int = 1) -> list[Child]:
+              gen_replicas: int = 1, trainer_shards: int = 1) -> list[Child]:
     settings = get_core_settings()
     logs = settings.data_dir / "logs"
-    # Every process must agree on the replica count: the API routes into the replicas' streams.
+    # Every process must agree on the replica and shard counts: the API routes into their streams.
     env = {**os.environ, "QUILT_DATABASE_URL": db_url, "QUILT_REDIS_URL": redis_url,
            "QUILT_DATA_DIR": str(settings.data_dir), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-           "QUILT_GEN_REPLICAS": str(gen_replicas)}
+           "QUILT_GEN_REPLICAS": str(gen_replicas), "QUILT_TRAINER_SHARDS": str(trainer_shards)}
     py = sys.executable
     # API replicas share nothing but Postgres and Redis; replica i answers on port + i.
     children = [
@@ -142,10 +142,15 @@ def _children(db_url: str, redis_url: str, host: str, port: int, api_replicas: i
         models = catalog.list_models_sync(conn)
     for i, base in enumerate(models):
         trainer_env, gen_env = serving_env(base, env)
-        if base.trainable:
+        if base.trainable and trainer_shards == 1:
             children.append(Child(f"trainer:{base.name}", [py, "-m", "batcher.worker"],
                                   {**trainer_env, "QUILT_TRAINER_BASE_MODEL": base.name,
                                    "QUILT_TRAINER_CONSUMER_NAME": f"trainer-{i}"}, logs / f"trainer-{i}.log"))
+        elif base.trainable:  # or shards, each holding the models placed on it (core.placement)
+            children += [Child(f"trainer:{base.name}@{name}", [py, "-m", "batcher.worker"],
+                               {**trainer_env, "QUILT_TRAINER_BASE_MODEL": base.name,
+                                "QUILT_TRAINER_CONSUMER_NAME": name}, logs / f"trainer-{i}-{name}.log")
+                         for name in queue.shard_names(trainer_shards)]
         if base.sampleable and gen_replicas == 1:  # one generation worker (vLLM engine) per sampleable base
             children.append(Child(f"gen:{base.name}", [py, "-m", "gen_pool.worker"],
                                   {**gen_env, "QUILT_GEN_BASE_MODEL": base.name, "QUILT_GEN_CONSUMER_NAME": f"gen-{i}"},
@@ -176,10 +181,11 @@ def _stop(children: list[Child]) -> None:
             os.killpg(child.proc.pid, signal.SIGKILL)
 
 
-def up(*, data_dir: Path | None, host: str, port: int, api_replicas: int = 1, gen_replicas: int = 1) -> int:
+def up(*, data_dir: Path | None, host: str, port: int, api_replicas: int = 1, gen_replicas: int = 1,
+       trainer_shards: int = 1) -> int:
     """Run the embedded stack until interrupted; returns the exit code. `api_replicas` API
     processes answer on `port`, `port + 1`, ...; `gen_replicas` generation workers serve each
-    sampleable base."""
+    sampleable base; `trainer_shards` trainer workers each trainable base."""
     stop_requested = False
 
     def _on_signal(signum, frame):
@@ -196,7 +202,7 @@ def up(*, data_dir: Path | None, host: str, port: int, api_replicas: int = 1, ge
     reaper = subprocess.Popen([sys.executable, "-m", "stack.reaper", str(os.getpid()), str(directory)],
                               start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     db_url, redis_url = prepare(data_dir)
-    children = _children(db_url, redis_url, host, port, api_replicas, gen_replicas)
+    children = _children(db_url, redis_url, host, port, api_replicas, gen_replicas, trainer_shards)
     _record(directory, [])
     for child in children:
         child.start()

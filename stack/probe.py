@@ -19,8 +19,11 @@ from core.settings import get_core_settings, get_trainer_settings
 
 def _consumer(kind: str) -> tuple[str, str]:
     if kind == "trainer":
-        s = get_trainer_settings()
-        return queue.train_stream(s.base_model), s.consumer_name
+        s, shards = get_trainer_settings(), get_core_settings().trainer_shards
+        if shards <= 1:
+            return queue.train_stream(s.base_model), s.consumer_name
+        shard = queue.shard_of(s.consumer_name, shards)
+        return queue.train_stream(s.base_model, shard), shard
     from gen_pool.settings import get_gen_pool_settings
 
     g, replicas = get_gen_pool_settings(), get_core_settings().gen_replicas

@@ -86,3 +86,15 @@ def test_generation_replicas_add_up_and_each_shows():
     assert (both["running"], both["target"], both["slot_s"], both["capacity_s"]) == (8, 16, 4.0, 8.0)
     assert both["adapter_hits"] == 2 and both["replicas"]["b@gen-2"] is None
     assert both["replicas"]["b@gen-1"]["running"] == 5
+
+
+def test_trainer_shards_add_up_and_each_shows_its_fusion():
+    one = {"rounds": 10, "busy_s": 2.0, "wait_s": 8.0, "models": 3, "queued": 1, "recent_tokens": 640,
+           "tenants_fused": 15, "fused_rounds": 5}
+    assert ops.combined_trainer({"b": one}) is one  # one trainer: its beacon as it is
+    assert ops.combined_trainer({"b@shard-0": None, "b@shard-1": None}) is None
+    both = ops.combined_trainer({"b@shard-0": one, "b@shard-1": {**one, "models": 1, "fused_rounds": 15},
+                                 "b@shard-2": None})
+    assert (both["rounds"], both["busy_s"], both["models"], both["recent_tokens"]) == (20, 4.0, 4, 1280)
+    assert both["shards"]["b@shard-2"] is None
+    assert both["shards"]["b@shard-0"]["tenants_per_pass"] == 3.0 and both["shards"]["b@shard-1"]["models"] == 1

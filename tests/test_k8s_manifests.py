@@ -83,6 +83,9 @@ def test_the_gpu_overlay_puts_workers_on_gpus_and_scales_the_api():
     assert config["QUILT_TRAINER_DEVICE"] == "cuda" and config["QUILT_TRAINER_SHARES_DEVICE"] == "false"
     # Pod quilt-gen-<i> is replica gen-<i>: the API routes among as many as the StatefulSet runs.
     assert int(config["QUILT_GEN_REPLICAS"]) == objs[("StatefulSet", "quilt-gen")]["spec"]["replicas"] == 2
+    # Likewise pod quilt-trainer-<i> is shard-<i>, restoring its peers' models from the bucket.
+    assert int(config["QUILT_TRAINER_SHARDS"]) == objs[("StatefulSet", "quilt-trainer")]["spec"]["replicas"] == 2
+    assert config["QUILT_TRAINER_SNAPSHOTS_IN_STORE"] == "true" and config["QUILT_CHECKPOINT_STORE"] == "s3"
     assert ("Secret", "quilt-secrets") not in objs  # production secrets are the operator's, never in git
 
 

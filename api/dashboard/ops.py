@@ -198,6 +198,26 @@ _ADDITIVE = ("running", "waiting", "target", "slot_s", "capacity_s", "active_s",
              "adapter_misses")
 
 
+# Figures of trainer shards that add up to the base's (counters, and gauges of models and queues).
+_TRAINER_ADDITIVE = ("rounds", "requests", "busy_s", "wait_s", "tokens", "padded_tokens", "models_fused",
+                     "tenants_fused", "fused_rounds", "models", "queued", "recent_tokens", "resident", "parked")
+
+
+def combined_trainer(beacons: dict[str, dict | None]) -> dict | None:
+    """One base's trainers from their shards' beacons, as `combined_gen` does for replicas: each
+    shard's models, queue and mean tenants per fused pass under "shards" (fusion and fair share
+    happen within a shard)."""
+    live = [b for b in beacons.values() if b is not None]
+    if len(beacons) == 1 or not live:
+        return live[0] if live else None
+    out: dict = {k: sum(b.get(k, 0) for b in live) for k in _TRAINER_ADDITIVE}
+    out["shards"] = {name: None if b is None else {
+        "models": b.get("models"), "queued": b.get("queued"), "recent_tokens": b.get("recent_tokens"),
+        "tenants_per_pass": round(b["tenants_fused"] / b["fused_rounds"], 2) if b.get("fused_rounds") else None}
+        for name, b in beacons.items()}
+    return out
+
+
 def combined_gen(beacons: dict[str, dict | None]) -> dict | None:
     """One base's generation pool from its replicas' beacons: one replica's beacon as it is;
     several summed where sums mean something, with each replica's state under "replicas"; None
@@ -213,7 +233,9 @@ def combined_gen(beacons: dict[str, dict | None]) -> dict | None:
 
 
 async def _base_health(redis: Redis, base: catalog.BaseModel, *, now: float, window_s: float, bin_s: float) -> dict:
-    trainer = _json(await redis.get(health.trainer_key(base.name)))
+    shards = get_core_settings().trainer_shards
+    trainer = combined_trainer({name: _json(await redis.get(key))
+                                for name, key in health.trainer_keys(base.name, shards).items()})
     replicas = get_core_settings().gen_replicas
     gen = None
     if base.sampleable:
@@ -223,7 +245,7 @@ async def _base_health(redis: Redis, base: catalog.BaseModel, *, now: float, win
     busy_total = (trainer or {}).get("busy_s", 0.0) + (trainer or {}).get("wait_s", 0.0)
     return {
         "base_model": base.name,
-        "queues": {"training": await redis.xlen(queue.train_stream(base.name)),
+        "queues": {"training": sum([await redis.xlen(st) for st in queue.train_streams(base.name, shards)]),
                    "sampling": sum([await redis.xlen(st) for st in queue.sample_streams(base.name, replicas)])
                    if base.sampleable else None},
         "trainer": {"up": trainer is not None, **(trainer or {}),

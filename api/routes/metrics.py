@@ -14,7 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from api.deps import Pool, RedisDep
 from api.input_guard import GuardedRoute
-from core import catalog, health
+from core import catalog, health, queue
+from core.settings import get_core_settings
 
 router = APIRouter(route_class=GuardedRoute, tags=["service"])
 
@@ -42,10 +43,10 @@ class _Snapshot:
     def collect(self):
         for field, (name, doc, kind) in _TRAINER_FIELDS.items():
             cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            family = cls(name, doc, labels=["base_model"])
-            for base, beacon in self.beacons.items():
+            family = cls(name, doc, labels=["base_model", "shard"])
+            for (base, shard), beacon in self.beacons.items():
                 if field in beacon:
-                    family.add_metric([base], float(beacon[field]))
+                    family.add_metric([base, shard], float(beacon[field]))
             yield family
 
 
@@ -55,10 +56,12 @@ async def metrics(pool: Pool, redis: RedisDep) -> Response:
     async with pool.connection() as conn:
         bases = await catalog.list_models(conn)
     beacons = {}
+    shards = get_core_settings().trainer_shards
     for base in bases:
-        raw = await redis.get(health.trainer_key(base.name))
-        if raw:
-            beacons[base.name] = json.loads(raw)
+        for shard in queue.shard_names(shards) if shards > 1 else [""]:
+            raw = await redis.get(health.trainer_key(base.name, shard or None))
+            if raw:
+                beacons[(base.name, shard)] = json.loads(raw)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(beacons))
     return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")

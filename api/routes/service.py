@@ -67,8 +67,10 @@ async def healthz(pool: Pool, redis: RedisDep, response: Response) -> dict:
     if components["redis"]["ok"]:
         try:
             for base in bases:
-                raw = await redis.get(health.trainer_key(base.name))
-                components[f"trainer:{base.name}"] = {"ok": raw is not None, **_aggregates(raw)}
+                if base.trainable:  # one component per trainer shard
+                    for name, key in health.trainer_keys(base.name, get_core_settings().trainer_shards).items():
+                        raw = await redis.get(key)
+                        components[f"trainer:{name}"] = {"ok": raw is not None, **_aggregates(raw)}
                 if base.sampleable:  # one component per generation replica
                     for name, key in health.gen_keys(base.name, get_core_settings().gen_replicas).items():
                         raw = await redis.get(key)

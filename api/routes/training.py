@@ -112,7 +112,8 @@ async def get_info(body: ModelRef, who: Who, pool: Pool, redis: RedisDep, caller
             base = await caller_cache.base_model(callers, conn, model["base_model"])
         callers.put(generation, "model", body.model_id, model)
     status = model["status"]
-    if status == "ready" and not await redis.exists(health.trainer_key(base.name)):
+    trainer = health.model_trainer_key(base.name, model.get("trainer_shard"), get_core_settings().trainer_shards)
+    if status == "ready" and not await redis.exists(trainer):
         status = "recovering"
     return {
         "type": "get_info",

@@ -1,0 +1,190 @@
+"""Scale-out on one machine: `quilt up --api-replicas 2 --gen-replicas 2 --trainer-shards 2`.
+
+Four tenants train and sample through both API processes; their models are spread over the two
+trainer shards (placement in Postgres). A shard that stops answering (frozen with SIGSTOP, so the
+launcher does not restart it) has its models re-placed on the live shard after
+QUILT_TRAINER_TAKEOVER_S: restored from their snapshots, the requests since replayed, the queued
+ones run, the weights and AdamW state equal to an uninterrupted run; woken, it finds itself fenced
+and restarts holding nothing it lost. `quilt trainers drain` moves a shard's models off it with
+their state intact."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import quilt
+from billing_workload import wait_recorded
+from durable_reference import ADAM, SEQS, assert_equals_reference
+from stackutil import ROOT, TINY, datum, fb_body, new_model, wait_future
+
+from core import catalog, db, health, queue, redis_client
+from stack.ephemeral import ephemeral_stack, new_tenant
+
+pytestmark = pytest.mark.stack
+TAKEOVER_S = 5
+SHARDS = queue.shard_names(2)
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    with ephemeral_stack({"QUILT_TRAINER_TAKEOVER_S": str(TAKEOVER_S)}, api_replicas=2, gen_replicas=2,
+                         trainer_shards=2) as s:
+        yield s
+
+
+def _placed(s, model_ids: list[str]) -> dict[str, str]:
+    with db.connect(s.database_url) as conn:
+        return {r["id"]: r["trainer_shard"] for r in conn.execute(
+            "SELECT id, trainer_shard FROM training_models WHERE id = ANY(%s)", (model_ids,))}
+
+
+def _beacon(r, shard: str) -> dict | None:
+    raw = r.get(health.trainer_key(TINY, shard))
+    return json.loads(raw) if raw else None
+
+
+def _until(what: str, check, timeout_s: float = 120):
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"{what} did not happen in {timeout_s} s"
+        time.sleep(0.2)
+    return value
+
+
+def _quilt(s, *args: str) -> subprocess.CompletedProcess:
+    env = {"QUILT_DATA_DIR": str(s.data_dir), "QUILT_DATABASE_URL": s.database_url, "QUILT_REDIS_URL": s.redis_url,
+           "QUILT_TRAINER_SHARDS": "2", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "stack.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_four_tenants_train_and_sample_over_two_shards(sharded):
+    s = sharded
+    r = redis_client.sync_client(s.redis_url)
+    components = httpx.get(f"{s.base_url}/api/v1/healthz", timeout=10).json()["components"]
+    assert all(components[f"trainer:{TINY}@{name}"]["ok"] for name in SHARDS), components
+
+    tenants = [new_tenant(s, f"shard-t{i}") for i in range(4)]
+    clients = [quilt.Client(api_key=key, base_url=s.api_urls[i % 2]) for i, (_, key) in enumerate(tenants)]
+    trainers = [c.create_training_client(TINY, rank=4, seed=i) for i, c in enumerate(clients)]
+    placed = _placed(s, [tc.model_id for tc in trainers])
+    assert sorted(collections.Counter(placed.values()).items()) == [("shard-0", 2), ("shard-1", 2)], placed
+
+    data = [quilt.datum_for_next_token([5, 6, 7, 8, 9, 10])]
+    losses = {tc.model_id: [tc.train_step(data, "cross_entropy", quilt.AdamParams(learning_rate=1e-2)).loss
+                            for _ in range(3)] for tc in trainers}
+    assert all(ls[-1] < ls[0] for ls in losses.values()), losses  # each model learns on its own shard
+    params = quilt.SamplingParams(max_tokens=6, seed=1, stop=[])
+    for i, tc in enumerate(trainers):
+        sampler = tc.save_weights_and_get_sampling_client(f"shard-s{i}")
+        assert len(sampler.sample([5, 6, 7], 2, params).result(timeout=300).sequences) == 2
+
+    beacons = _until("both shards' beacons to show their models",
+                     lambda: (b := [_beacon(r, n) for n in SHARDS]) and all(x and x["models"] == 2 for x in b) and b)
+    assert all(b["recent_tokens"] > 0 for b in beacons), beacons
+    listed = _quilt(s, "trainers", "list")
+    assert listed.returncode == 0, listed.stderr
+    rows = {line.split()[0]: line.split() for line in listed.stdout.splitlines() if line.startswith("shard-")}
+    assert [rows[n][1:4] for n in SHARDS] == [["yes", "no", "2"], ["yes", "no", "2"]], listed.stdout
+    ids = [t for t, _ in tenants]
+    wait_recorded(s.database_url, ids)
+    with db.connect(s.database_url) as conn:
+        billed = conn.execute("SELECT r.status, count(u.id) AS n FROM requests r LEFT JOIN usage_ledger u "
+                              "ON u.request_id = r.id WHERE r.tenant_id = ANY(%s) GROUP BY r.id, r.status",
+                              (ids,)).fetchall()
+    assert billed and all((b["status"], b["n"]) == ("done", 1) for b in billed), billed
+    for c in clients:
+        c.close()
+
+
+def test_a_dead_shards_models_resume_on_the_other_at_their_last_step(sharded):
+    s = sharded
+    r = redis_client.sync_client(s.redis_url)
+    _, key = new_tenant(s, "shard-durable")
+    client = httpx.Client(base_url=s.base_url + "/api/v1", headers={"X-API-Key": key}, timeout=60)
+    other_api = httpx.Client(base_url=s.api_urls[1] + "/api/v1", headers={"X-API-Key": key}, timeout=60)
+    model_id = new_model(client, rank=8, seed=0)
+    home = _placed(s, [model_id])[model_id]
+    for seq, body in ((1, fb_body(model_id, 1, [datum(SEQS[0])])),
+                      (2, {"model_id": model_id, "seq_id": 2, "adam_params": ADAM}),
+                      (3, fb_body(model_id, 3, [datum(SEQS[1])]))):
+        res = client.post("/optim_step" if seq == 2 else "/forward_backward", json=body)
+        assert "error" not in wait_future(client, res.json()["request_id"])
+    # seq 3's gradients live only in the frozen shard's memory; its answer has been given.
+    pid = _beacon(r, home)["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        submitted = [other_api.post("/optim_step", json={"model_id": model_id, "seq_id": 4, "adam_params": ADAM}),
+                     client.post("/forward_backward", json=fb_body(model_id, 5, [datum(SEQS[2])])),
+                     other_api.post("/optim_step", json={"model_id": model_id, "seq_id": 6, "adam_params": ADAM}),
+                     client.post("/save_weights", json={"model_id": model_id, "seq_id": 7, "path": "after-move"})]
+        results = [wait_future(client, res.json()["request_id"], timeout_s=300) for res in submitted]
+        moved_after_s = time.monotonic() - started
+        assert all("error" not in res for res in results), results
+        new_home = _placed(s, [model_id])[model_id]
+        assert new_home != home
+        info = client.post("/get_info", json={"model_id": model_id}).json()
+        assert info["status"] == "ready", info
+        print(f"{home} frozen: its model answered from {new_home} {moved_after_s:.1f} s later "
+              f"(QUILT_TRAINER_TAKEOVER_S={TAKEOVER_S})")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # Woken, the old shard finds it was fenced, exits, and the launcher starts it afresh.
+    _until("the fenced shard to restart", lambda: f"trainer:{TINY}@{home} exited with 75"
+           in (s.data_dir / "up.out").read_text(), timeout_s=60)
+    _until("the restarted shard's beacon", lambda: (b := _beacon(r, home)) and b["pid"] != pid, timeout_s=120)
+
+    with db.connect(s.database_url) as conn:
+        base_path = catalog.get_model_sync(conn, TINY).path
+        storage = conn.execute("SELECT storage_path FROM checkpoints WHERE model_id = %s AND name = 'after-move'",
+                               (model_id,)).fetchone()["storage_path"]
+        billed = conn.execute("SELECT r.seq_id, count(u.id) AS n FROM requests r LEFT JOIN usage_ledger u "
+                              "ON u.request_id = r.id WHERE r.model_id = %s AND r.kind = 'forward_backward' "
+                              "GROUP BY r.seq_id ORDER BY r.seq_id", (model_id,)).fetchall()
+    assert [(b["seq_id"], b["n"]) for b in billed] == [(1, 1), (3, 1), (5, 1)]  # each once, replay or not
+    assert_equals_reference(storage, base_path)
+    # Every model the frozen shard held now lives on the other; nothing of them is left on it.
+    assert _until("the restarted shard's beacon", lambda: _beacon(r, home))["models"] == 0
+    client.close()
+    other_api.close()
+
+
+def test_a_drained_shard_hands_its_models_over_intact(sharded):
+    s = sharded
+    _, key = new_tenant(s, "shard-drain")
+    client = httpx.Client(base_url=s.base_url + "/api/v1", headers={"X-API-Key": key}, timeout=60)
+    model_id = new_model(client, rank=4, seed=3)
+    seq = 1
+    for step in range(2):
+        for body, route in ((fb_body(model_id, seq, [datum(SEQS[step])]), "/forward_backward"),
+                            ({"model_id": model_id, "seq_id": seq + 1, "adam_params": ADAM}, "/optim_step")):
+            assert "error" not in wait_future(client, client.post(route, json=body).json()["request_id"])
+        seq += 2
+    before = wait_future(client, client.post("/forward", json=fb_body(model_id, seq, [datum(SEQS[2])])).json()[
+        "request_id"])
+    home = _placed(s, [model_id])[model_id]
+
+    drained = _quilt(s, "trainers", "drain", home, "--wait", "120")
+    assert drained.returncode == 0, drained.stdout + drained.stderr
+    assert "holds no models" in drained.stdout
+    new_home = _placed(s, [model_id])[model_id]
+    assert new_home != home
+    after = wait_future(client, client.post("/forward", json=fb_body(model_id, seq + 1, [datum(SEQS[2])])).json()[
+        "request_id"])
+    assert after["metrics"]["loss:sum"] == pytest.approx(before["metrics"]["loss:sum"], rel=1e-6)
+
+    # While it drains, new models go to the open shard; undrained, it takes them again.
+    assert _placed(s, [new_model(client, rank=4, model_seq_id=1)]).popitem()[1] == new_home
+    assert _quilt(s, "trainers", "undrain", home).returncode == 0
+    bad = _quilt(s, "trainers", "drain", "shard-x")
+    assert bad.returncode == 2 and "shard-<i>" in bad.stderr
+    client.close()
