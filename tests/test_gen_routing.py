@@ -19,7 +19,7 @@ from gen_pool.routing import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from genpool_route_sim import Model, simulate  # noqa: E402
+from genpool_route_sim import Model, common_batches, simulate  # noqa: E402
 
 
 def r(name, running=0, waiting=0, target=64, **kw):
@@ -81,3 +81,9 @@ def test_the_baselines_pick_among_healthy_replicas_and_hashes_agree_across_proce
     # blake2b, not Python's salted hash: the API and every replica agree; only the head counts.
     assert prefix_hash(list(range(40))) == prefix_hash(list(range(32)) + [99]) == 7901985425503095
     assert prefix_hash([1, 2]) != prefix_hash([2, 1]) and prefix_hash([]) >= 0
+
+
+def test_tenants_are_compared_over_the_batches_both_policies_completed():
+    # A tenant's 3rd batch that only one policy reached within the horizon is not held against it;
+    # a tenant with no batch under one of them is left out.
+    assert common_batches([[1.0, 2.0, 9.0], []], [[2.0, 3.0], [4.0]]) == [([1.0, 2.0], [2.0, 3.0])]
