@@ -136,7 +136,8 @@ class TrainerWorker:
     # ------------------------------------------------------------------ setup
 
     def _db(self) -> psycopg.Connection:
-        self._conn = db.live_connection(getattr(self, "_conn", None), self.db_url)
+        self._conn = db.live_connection(getattr(self, "_conn", None), self.db_url,
+                                        db.session_name("trainer", self.shard, self.base_model) if self.shard else "")
         return self._conn
 
     def _db_call(self, record: Callable[..., T], *args, **kwargs) -> T:
@@ -265,6 +266,7 @@ class TrainerWorker:
             if self.shard:
                 self._take_over_dead_shards()
                 self._drain_if_asked()
+                self._adopt_placed()
 
     def _tenant_weights(self) -> dict[str, float]:
         """Plan weights for fair sharing, re-read every 30 s (plans change rarely; while Postgres is
@@ -349,10 +351,19 @@ class TrainerWorker:
         self.recovering[model_id] = self._db_call(placement.last_answered_seq, model_id)
         log.info("adopted %s from its snapshot at seq_id %d", model_id, seq_id)
 
+    def _adopt_placed(self) -> None:
+        """Restore the models re-placed onto this shard that no call has brought yet (idle ones),
+        so they read 'ready' again without waiting for their next call."""
+        for model_id in self._db_call(placement.recovering_on, self.base_model, self.shard):
+            if not self._local(model_id):
+                self._adopt(model_id)
+
     def _take_over_dead_shards(self) -> None:
-        """Re-place the models of peers whose liveness key lapsed and move their streams' entries
-        (and the unsharded stream's, from before shards) to the models' shards, each entry once."""
-        for name in queue.shard_names(self.shards):
+        """Re-place the models of peers whose liveness key lapsed (or that are past the shard count)
+        and move their streams' entries (and the unsharded stream's, from before shards) to the
+        models' shards, each entry once."""
+        for name in queue.shard_names(self.shards) + self._db_call(placement.stray_shards, self.base_model,
+                                                                   self.shards):
             stream = queue.train_stream(self.base_model, name)
             if name == self.shard or self.redis.exists(health.consumer_key(stream, name)):
                 continue

@@ -24,11 +24,28 @@ def connect(url: str | None = None) -> Iterator[psycopg.Connection]:
         yield conn
 
 
-def live_connection(conn: psycopg.Connection | None, url: str) -> psycopg.Connection:
-    """A worker's one autocommit connection for its small writes: `conn` if usable, else a new one."""
+def live_connection(conn: psycopg.Connection | None, url: str, name: str = "") -> psycopg.Connection:
+    """A worker's one autocommit connection for its small writes: `conn` if usable, else a new one
+    (`name`: its application_name, by which a peer can end its sessions, core.placement)."""
     if conn is None or conn.closed or conn.broken:
-        conn = psycopg.connect(url, autocommit=True, row_factory=dict_row)
+        named = {"application_name": name} if name else {}
+        conn = psycopg.connect(url, autocommit=True, row_factory=dict_row, **named)
     return conn
+
+
+def session_name(role: str, worker: str, base_model: str) -> str:
+    """The application_name of a worker's Postgres sessions (`live_connection`), by which a peer
+    taking its work over ends them (`end_sessions`); Postgres keeps at most 63 bytes of it."""
+    return f"quilt-{role} {worker} {base_model}"[:63]
+
+
+def end_sessions(conn: psycopg.Connection, name: str) -> int:
+    """End every session named `name` but this one: fencing's Postgres half. A worker that is frozen
+    or cut off, not dead, may hold row locks in an open transaction (a settle it was in) that would
+    stall the peer re-running its work; ending its sessions rolls that back, and should it wake
+    it reconnects and its own fence (or the settle's once-only rule) stops it doing harm."""
+    return len(conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s "
+                            "AND pid <> pg_backend_pid()", (name,)).fetchall())
 
 
 @contextlib.asynccontextmanager

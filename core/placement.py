@@ -21,7 +21,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from core import health, queue
+from core import db, health, queue
 
 # Statuses of a model that a shard holds (or is about to): counted as load, moved with the shard.
 LIVE_STATUSES = ("creating", "ready", "recovering")
@@ -140,6 +140,9 @@ def replace_dead(conn, redis, base_model: str, dead: str, shards: int, still_dea
     """Re-place the live models of shard `dead` on the open shards (`spread`) and fence it;
     returns model -> new shard ({} when `still_dead()`, asked under the lock, says it is back, or
     no shard is open). The new shard restores each from its snapshot when its entries arrive."""
+    # First, as a frozen shard may hold this very placement lock too (a shard restarting at this
+    # instant just restarts again).
+    db.end_sessions(conn, db.session_name("trainer", dead, base_model))
     with conn.transaction():
         _locked(conn, base_model)
         if not still_dead():
@@ -201,6 +204,23 @@ def is_draining(conn, base_model: str, shard: str) -> bool:
     row = conn.execute("SELECT draining FROM trainer_shards WHERE base_model = %s AND shard = %s",
                        (base_model, shard)).fetchone()
     return bool(row and row["draining"])
+
+
+def stray_shards(conn, base_model: str, shards: int) -> list[str]:
+    """Shards that hold live models but are no longer among the base's `shards` (their count was
+    lowered): they are treated as dead, so their models move to the shards that run."""
+    names = queue.shard_names(shards)
+    return [r["trainer_shard"] for r in conn.execute(
+        "SELECT DISTINCT trainer_shard FROM training_models WHERE base_model = %s AND trainer_shard IS NOT NULL "
+        "AND status = ANY(%s) AND NOT (trainer_shard = ANY(%s)) ORDER BY 1",
+        (base_model, list(LIVE_STATUSES), names))]
+
+
+def recovering_on(conn, base_model: str, shard: str) -> list[str]:
+    """Models placed on `shard` that are being restored there (moved onto it, or at its start)."""
+    return [r["id"] for r in conn.execute(
+        "SELECT id FROM training_models WHERE base_model = %s AND trainer_shard = %s AND status = 'recovering'",
+        (base_model, shard))]
 
 
 def models_on(conn, base_model: str, shard: str) -> list[str]:

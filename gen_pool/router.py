@@ -3,8 +3,9 @@ replica's groups back. The policy is gen_pool.routing's; this module only moves 
 
     API       `Router.stream_for(redis, base, item)`: the replica stream a group is appended to
     workers   `reroute_dead_peers(redis, base, me, ...)`: a replica whose consumer liveness key has
-              lapsed (QUILT_GEN_TAKEOVER_S) is dead; its queued and in-flight groups are moved,
-              each once (core.queue.move), to live replicas by the same policy
+              lapsed (QUILT_GEN_TAKEOVER_S) is dead; its Postgres sessions are ended and its
+              queued and in-flight groups moved, each once (core.queue.move), to live replicas
+              by the same policy
 
 Replicas describe themselves in their health beacons (core.health.gen_key(base, name)) as their
 load changes (at most every 0.2 s): running and queued sequences, target, the adapters in their
@@ -25,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from core import health, queue
+from core import db, health, queue
 from core.work import MalformedWork, SampleWork, WorkItem
 from gen_pool.routing import (
     Policy,
@@ -121,9 +122,11 @@ class Router:
 
 
 def reroute_dead_peers(redis, base_model: str, me: str, replicas: int, policy: Policy, *,
-                       rng: random.Random | None = None, page: int = 256) -> int:
+                       rng: random.Random | None = None, page: int = 256, db_url: str | None = None) -> int:
     """Move every entry of each dead peer's stream to a live replica (synchronous client); returns
-    how many this call moved. Safe to run on every replica at once: each entry moves once."""
+    how many this call moved. Safe to run on every replica at once: each entry moves once. With
+    `db_url`, a dead peer that left entries has its Postgres sessions ended first (core.db.end_sessions:
+    a frozen one may hold a lock the re-run's settle would wait on)."""
     names, streams = queue.replica_names(replicas), queue.sample_streams(base_model, replicas)
     dead = [i for i, n in enumerate(names) if n != me and not redis.exists(health.consumer_key(streams[i], n))]
     if not dead:
@@ -134,6 +137,9 @@ def reroute_dead_peers(redis, base_model: str, me: str, replicas: int, policy: P
         views[i] = dataclasses.replace(views[i], healthy=False)
     moved, turn = 0, 0
     for i in dead:
+        if db_url and redis.xlen(streams[i]):
+            with db.connect(db_url) as conn:
+                db.end_sessions(conn, db.session_name("gen", names[i], base_model))
         after = "-"
         while entries := redis.xrange(streams[i], min=after, max="+", count=page):
             for entry_id, fields in entries:

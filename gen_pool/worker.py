@@ -175,7 +175,7 @@ class GenWorker:
         taken = await self.consumer.reclaim()
         if self.replicas > 1:  # a dead peer's stream: its groups go to live replicas (maybe this one)
             await asyncio.to_thread(reroute_dead_peers, self.sync_redis, self.base_model, self.replica,
-                                    self.replicas, self.routing)
+                                    self.replicas, self.routing, db_url=self.db_url)
         if taken:
             await self._ingest(taken)
             self.scheduler.wake()
@@ -221,7 +221,8 @@ class GenWorker:
 
     def _db(self) -> psycopg.Connection:
         # Only ever used from the consumer's write thread.
-        self._conn = db.live_connection(self._conn, self.db_url)
+        self._conn = db.live_connection(self._conn, self.db_url,
+                                        db.session_name("gen", self.replica, self.base_model) if self.replica else "")
         return self._conn
 
     async def _beacon(self) -> None:

@@ -13,6 +13,7 @@ import time
 
 import httpx
 import openai
+import psycopg
 import pytest
 import quilt
 from billing_workload import wait_recorded
@@ -76,6 +77,11 @@ def test_groups_stay_with_their_adapter_and_survive_a_frozen_replica(replicas_st
     while r.xpending(stream, queue.SAMPLE_GROUP)["pending"] < 3:
         assert time.monotonic() < deadline, "the frozen replica never took the three groups"
         time.sleep(0.01)
+    # A frozen process may be caught inside a settle's transaction: a session under the replica's
+    # name holds the groups' request rows, which the re-runs' settles must not wait on.
+    held = psycopg.connect(s.database_url, application_name=db.session_name("gen", frozen, TINY))
+    held.execute("SELECT id FROM requests WHERE tenant_id = %s AND kind = 'sample' AND status <> 'done' FOR UPDATE",
+                 (tenants[0][0],))
     os.kill(pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
@@ -87,6 +93,9 @@ def test_groups_stay_with_their_adapter_and_survive_a_frozen_replica(replicas_st
               f"later (QUILT_GEN_TAKEOVER_S={TAKEOVER_S})")
     finally:
         os.kill(pid, signal.SIGCONT)
+    with pytest.raises(psycopg.OperationalError):
+        held.execute("SELECT 1")  # ended by the replica that took the groups over
+    held.close()
     # Back: its beacon returns and it takes work again.
     deadline = time.monotonic() + 60
     while _beacons(r)[frozen] is None:

@@ -19,13 +19,14 @@ import sys
 import time
 
 import httpx
+import psycopg
 import pytest
 import quilt
 from billing_workload import wait_recorded
 from durable_reference import ADAM, SEQS, assert_equals_reference
 from stackutil import ROOT, TINY, datum, fb_body, new_model, wait_future
 
-from core import catalog, db, health, queue, redis_client
+from core import catalog, db, health, placement, queue, redis_client
 from stack.ephemeral import ephemeral_stack, new_tenant
 
 pytestmark = pytest.mark.stack
@@ -118,7 +119,11 @@ def test_a_dead_shards_models_resume_on_the_other_at_their_last_step(sharded):
                       (3, fb_body(model_id, 3, [datum(SEQS[1])]))):
         res = client.post("/optim_step" if seq == 2 else "/forward_backward", json=body)
         assert "error" not in wait_future(client, res.json()["request_id"])
-    # seq 3's gradients live only in the frozen shard's memory; its answer has been given.
+    # seq 3's gradients live only in the frozen shard's memory; its answer has been given. As a
+    # frozen process may be caught inside a transaction, a session under the shard's name holds
+    # the model's row locked: re-placing the model must end it, not wait on it.
+    held = psycopg.connect(s.database_url, application_name=db.session_name("trainer", home, TINY))
+    held.execute("SELECT 1 FROM training_models WHERE id = %s FOR UPDATE", (model_id,))
     pid = _beacon(r, home)["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -138,6 +143,9 @@ def test_a_dead_shards_models_resume_on_the_other_at_their_last_step(sharded):
               f"(QUILT_TRAINER_TAKEOVER_S={TAKEOVER_S})")
     finally:
         os.kill(pid, signal.SIGCONT)
+    with pytest.raises(psycopg.OperationalError):
+        held.execute("SELECT 1")  # ended by the shard that took over
+    held.close()
     # Woken, the old shard finds it was fenced, exits, and the launcher starts it afresh.
     _until("the fenced shard to restart", lambda: f"trainer:{TINY}@{home} exited with 75"
            in (s.data_dir / "up.out").read_text(), timeout_s=60)
@@ -152,8 +160,15 @@ def test_a_dead_shards_models_resume_on_the_other_at_their_last_step(sharded):
                               "GROUP BY r.seq_id ORDER BY r.seq_id", (model_id,)).fetchall()
     assert [(b["seq_id"], b["n"]) for b in billed] == [(1, 1), (3, 1), (5, 1)]  # each once, replay or not
     assert_equals_reference(storage, base_path)
-    # Every model the frozen shard held now lives on the other; nothing of them is left on it.
+    # Every model the frozen shard held now lives on the other, idle ones included (restored
+    # without waiting for a call); nothing of them is left on it.
     assert _until("the restarted shard's beacon", lambda: _beacon(r, home))["models"] == 0
+    with db.connect(s.database_url) as conn:
+        conn.autocommit = True
+        _until("every moved model to be ready", lambda: not conn.execute(
+            "SELECT 1 FROM training_models WHERE status = 'recovering'").fetchall(), timeout_s=60)
+        assert not conn.execute("SELECT 1 FROM training_models WHERE trainer_shard = %s AND status = 'ready'",
+                                (home,)).fetchall()
     client.close()
     other_api.close()
 
@@ -188,3 +203,28 @@ def test_a_drained_shard_hands_its_models_over_intact(sharded):
     bad = _quilt(s, "trainers", "drain", "shard-x")
     assert bad.returncode == 2 and "shard-<i>" in bad.stderr
     client.close()
+
+
+def test_models_left_on_a_shard_past_the_count_are_re_placed(sharded):
+    """After the shard count is lowered, models placed on a shard that no longer runs are treated
+    as a dead shard's: a live shard re-places them and fences the old name."""
+    s = sharded
+    r = redis_client.sync_client(s.redis_url)
+    tenant_id, key = new_tenant(s, "shard-stray")
+    with httpx.Client(base_url=s.base_url + "/api/v1", headers={"X-API-Key": key}, timeout=60) as client:
+        session_id = client.post("/create_session", json={}).json()["session_id"]
+    model_id = f"{session_id}:train:9"
+    with db.connect(s.database_url) as conn:
+        conn.execute("INSERT INTO training_models (id, tenant_id, session_id, model_seq_id, base_model, lora_config, "
+                     "status, trainer_shard) VALUES (%s, %s, %s, 9, %s, '{\"rank\": 4}', 'ready', 'shard-7')",
+                     (model_id, tenant_id, session_id, TINY))
+    placed = _until("the stray model to be re-placed",
+                    lambda: (p := _placed(s, [model_id])[model_id]) != "shard-7" and p, timeout_s=60)
+    assert placed in SHARDS
+    assert r.exists(placement.fence_key(TINY, "shard-7"))
+    # Its new shard restores it without waiting for a call; this one never had a snapshot, so it
+    # is said to be lost rather than left recovering for ever.
+    with db.connect(s.database_url) as conn:
+        conn.autocommit = True
+        _until("the stray model's fate", lambda: conn.execute(
+            "SELECT status FROM training_models WHERE id = %s", (model_id,)).fetchone()["status"] == "lost")
