@@ -9,7 +9,9 @@
 entry is appended now if it never was: the API may have died between its commit and the append), the
 tenant's in-flight quota (429), its suspension (402 or 403, tenancy.accounts) and monthly budgets
 (402, billing.budgets; both skipped for calls that meter no tokens), its tokens per minute (429 with Retry-After, tenancy.rate_limit), the request row
-(and a new model's row), a commit, then the stream entry. The row is committed before the entry
+(and a new model's row, placed on a trainer shard where there are several: core.placement), a
+commit, then the stream entry (a sample group's generation replica's stream, gen_pool.router; a
+training call's model's shard's). The row is committed before the entry
 exists, so a worker never sees work the database does not know; if Redis refuses the entry (it
 went down between the rate check and the append) the row stays queued and the slot held, exactly
 as when the API dies between its commit and the append: the call answers 503, and the client's

@@ -745,6 +745,9 @@ def main() -> None:
     shards = get_core_settings().trainer_shards
     # A shard is named by its worker's ordinal: `shard-i` under quilt up, pod quilt-trainer-i on a cluster.
     shard = queue.shard_of(settings.consumer_name, shards) if shards > 1 else None
+    if shard and get_core_settings().checkpoint_store == "s3" and not settings.snapshots_in_store:
+        log.warning("%d trainer shards with snapshots on this machine's disk only: a shard on another machine "
+                    "cannot restore this one's models; set QUILT_TRAINER_SNAPSHOTS_IN_STORE=true", shards)
     worker = TrainerWorker(
         base_model=base.name, backend=LoraBackend(
             base.path, device=settings.device, max_tokens_per_pass=token_budget, offload_device=settings.offload_device,

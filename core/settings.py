@@ -90,6 +90,14 @@ class ApiSettings(BaseSettings):
     smtp_url: str = Field("", description="smtp://user:password@host:port for invitation and password-reset mail; "
                                           "empty: the links are written to the API's log")
     mail_from: str = Field("quilt@localhost", max_length=254, description="From: of that mail")
+    login_window_s: int = Field(900, ge=1, le=86_400, description="the window in which failed dashboard logins "
+                                                                "are counted (tenancy.login_limit)")
+    login_failures_per_account: int = Field(10, ge=1, le=1_000_000,
+                                            description="failed logins (and reset requests) for one email per "
+                                                        "window before it is braked (429)")
+    login_failures_per_address: int = Field(100, ge=1, le=1_000_000,
+                                            description="failed logins (and reset requests) from one client "
+                                                        "address per window before it is braked (429)")
     access_log: bool = Field(False, description="uvicorn's line per request; off: errors are logged with their "
                              "request id anyway (api.errors), and the lines cost a cheap call 6% of its CPU")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest accepted request body")

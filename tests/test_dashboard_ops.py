@@ -19,6 +19,12 @@ def test_busy_fraction_spreads_a_round_over_the_bins_it_overlaps():
     assert series["waiting"] == [1.0, 0.5, 0.3]
 
 
+def test_shards_busy_side_by_side_are_averaged():
+    rounds = [{"at": 1010.0, "compute_s": 8.0, "shard": "shard-0"}, {"at": 1010.0, "compute_s": 6.0, "shard": "shard-1"}]
+    series = ops.trainer_series(rounds, now=1009.0, window_s=20, bin_s=10, complete=True, workers=2)
+    assert series["busy"] == [0.0, 0.7]  # (8 + 6) / (10 s x 2 shards), not 1.4 capped to 1
+
+
 def test_busy_bins_before_trimmed_history_are_unknown():
     series = ops.trainer_series([{"at": 1005.0, "compute_s": 1.0}], now=1009.0, window_s=30, bin_s=10, complete=False)
     assert series["busy"] == [None, None, 0.1]

@@ -14,6 +14,8 @@ import pytest
 from dashutil import csrf_of, login
 from stackutil import second_api
 
+from tenancy import login_limit
+
 PASSWORD = "correct horse battery"
 
 
@@ -175,3 +177,46 @@ def test_an_owner_cannot_touch_another_tenants_members(stack):
                                                             "csrf_token": csrf_of(owner_b.get("/dashboard/members").text)})
         assert r.status_code == 404
         assert email in owner_a.get("/dashboard/members").text
+
+
+def test_failed_logins_are_braked_per_account_then_cleared_by_a_success(stack, tenant):
+    """Ten wrong passwords for one address brake it: the eleventh attempt answers 429 with
+    Retry-After whatever the password (no Argon2 spent on it), while other accounts log in from
+    the same client. A success before the limit clears the count."""
+    email = f"brake-{time.time_ns()}@team.example"
+    with contextlib.closing(login(stack, tenant.key)) as owner:
+        _join(stack, _invite(owner, email)).close()
+    for _ in range(9):
+        assert _password_login(stack.base_url, email, "a wrong guess").status_code == 401
+    assert _password_login(stack.base_url, email, PASSWORD).status_code == 303  # clears the count
+    for _ in range(10):
+        assert _password_login(stack.base_url, email, "a wrong guess").status_code == 401
+    braked = _password_login(stack.base_url, email, PASSWORD)
+    assert braked.status_code == 429 and 0 < int(braked.headers["Retry-After"]) <= 900
+    assert "too many failed attempts from this account" in braked.text
+    # Another account from the same client is not braked by it.
+    other = f"brake-other-{time.time_ns()}@team.example"
+    with contextlib.closing(login(stack, tenant.key)) as owner:
+        _join(stack, _invite(owner, other)).close()
+    assert _password_login(stack.base_url, other, PASSWORD).status_code == 303
+
+
+def test_a_client_address_is_braked_across_accounts_keys_and_reset_requests(stack, r, tmp_path):
+    r.delete(login_limit.address_key("127.0.0.1"))  # the suite's own failures from this address so far
+    with second_api(stack, tmp_path, QUILT_LOGIN_FAILURES_PER_ADDRESS="5") as url:
+        for i in range(3):
+            assert _password_login(url, f"nobody-{i}@team.example", "guess").status_code == 401
+        client, token = _form_client(url, "/dashboard/login")
+        assert client.post("/dashboard/login", data={"api_key": "tml-not-a-key", "csrf_token": token}).status_code \
+            == 401
+        client, token = _form_client(url, "/dashboard/forgot")
+        assert client.post("/dashboard/forgot", data={"email": "x@team.example", "csrf_token": token}).status_code \
+            == 200
+        # Five failures from this address: a password, a key and a reset request are all refused now.
+        assert _password_login(url, "someone@team.example", PASSWORD).status_code == 429
+        client, token = _form_client(url, "/dashboard/login")
+        refused = client.post("/dashboard/login", data={"api_key": "tml-not-a-key", "csrf_token": token})
+        assert refused.status_code == 429 and "Retry-After" in refused.headers
+        client, token = _form_client(url, "/dashboard/forgot")
+        flood = client.post("/dashboard/forgot", data={"email": "x@team.example", "csrf_token": token})
+        assert flood.status_code == 429 and "Retry-After" in flood.headers

@@ -12,13 +12,19 @@ from fastapi.responses import RedirectResponse
 
 from api.dashboard import sessions
 from api.dashboard.deps import LoggedIn, OwnerChanging, page_context
-from api.dashboard.pages import login_page, safe_next
+from api.dashboard.pages import client_address, login_page, safe_next
 from api.dashboard.render import PageRoute, page
 from api.deps import Pool, RedisDep
 from billing.customers import request_customer
-from core.errors import Forbidden, InvalidInput, QuiltError
+from core.errors import (
+    Forbidden,
+    InvalidInput,
+    QuiltError,
+    QuotaExceeded,
+    Unauthenticated,
+)
 from core.settings import get_api_settings
-from tenancy import accounts, members
+from tenancy import accounts, login_limit, members
 
 router = APIRouter(prefix="/dashboard", route_class=PageRoute, include_in_schema=False)
 
@@ -98,13 +104,23 @@ async def login_password(request: Request, pool: Pool, redis: RedisDep,
                          password: Annotated[str, Form(max_length=members.MAX_PASSWORD)] = "",
                          csrf_token: Annotated[str, Form(max_length=200)] = "",
                          next: Annotated[str, Form(max_length=2000)] = HOME):
-    """Log in with an email and a password."""
+    """Log in with an email and a password. Failures are counted per email and per client address
+    (tenancy.login_limit); past the limit the answer is 429 with Retry-After, whatever the password."""
     _check_csrf(request, csrf_token)
+    account, address = email.strip().lower(), client_address(request)
+    try:
+        await login_limit.check(redis, account=account, address=address)
+    except QuotaExceeded as exc:
+        return login_page(request, safe_next(next), error=exc.message, status_code=429,
+                          retry_after_s=exc.retry_after_s)
     async with pool.connection() as conn:
         try:
-            member = await members.log_in(conn, email.strip().lower(), password)
+            member = await members.log_in(conn, account, password)
         except QuiltError as exc:
+            if isinstance(exc, Unauthenticated):
+                await login_limit.failed(redis, account=account, address=address)
             return login_page(request, safe_next(next), error=exc.message, status_code=exc.status_code)
+    await login_limit.succeeded(redis, account=account)
     return await _start_session(request, redis, member["id"], safe_next(next))
 
 
@@ -115,10 +131,14 @@ async def forgot_form(request: Request):
 
 
 @router.post("/forgot")
-async def forgot(request: Request, pool: Pool, email: Annotated[str, Form(max_length=254)] = "",
+async def forgot(request: Request, pool: Pool, redis: RedisDep, email: Annotated[str, Form(max_length=254)] = "",
                  csrf_token: Annotated[str, Form(max_length=200)] = ""):
-    """Send the link (or log it without a mail server); the answer is the same whether or not the address has an account."""
+    """Send the link (or log it without a mail server); the answer is the same whether or not the address has an account.
+    Each request counts against the address and the client like a failed login (no inbox flooding)."""
     _check_csrf(request, csrf_token)
+    account, address = email.strip().lower(), client_address(request)
+    await login_limit.check(redis, account=account, address=address)
+    await login_limit.failed(redis, account=account, address=address)
     async with pool.connection() as conn:
         token = await members.start_reset(conn, email.strip().lower())
     if token:

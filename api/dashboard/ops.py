@@ -38,12 +38,14 @@ def bin_edges(now: float, window_s: float, bin_s: float) -> list[float]:
     return [last - (n - 1 - i) * bin_s for i in range(n)]
 
 
-def trainer_series(rounds: list[dict], *, now: float, window_s: float, bin_s: float, complete: bool) -> dict:
+def trainer_series(rounds: list[dict], *, now: float, window_s: float, bin_s: float, complete: bool,
+                   workers: int = 1) -> dict:
     """Per time bin: the trainer's busy fraction (seconds computing / bin length) and waiting
     fraction (the rest), from round records (`at` = when the round ended, `compute_s`). A round
     computed during [at - compute_s, at], spread over the bins it overlaps; rounds run one after
     another, so their seconds add up. `complete` False means older records were trimmed: bins that
-    end before the oldest record are unknown (None), not idle."""
+    end before the oldest record are unknown (None), not idle. With `workers` trainer shards writing
+    records side by side, the fraction is their mean."""
     edges = bin_edges(now, window_s, bin_s)
     busy = [0.0] * len(edges)
     oldest = min((r["at"] - r.get("compute_s", 0.0) for r in rounds), default=now)
@@ -57,7 +59,7 @@ def trainer_series(rounds: list[dict], *, now: float, window_s: float, bin_s: fl
     busy_f: list[float | None] = []
     for start, b in zip(edges, busy):
         known = complete or start + bin_s > oldest
-        busy_f.append(round(min(1.0, b / bin_s), 4) if known else None)
+        busy_f.append(round(min(1.0, b / (bin_s * workers)), 4) if known else None)
     return {"t": edges, "busy": busy_f, "waiting": [None if b is None else round(1.0 - b, 4) for b in busy_f]}
 
 
@@ -253,7 +255,8 @@ async def _base_health(redis: Redis, base: catalog.BaseModel, *, now: float, win
         "gen": None if not base.sampleable else {
             "up": gen is not None, **(gen or {}),
             "slot_utilisation": round(gen["running"] / gen["target"], 4) if gen and gen.get("target") else None},
-        "busy": trainer_series(rounds, now=now, window_s=window_s, bin_s=bin_s, complete=len(rounds) < ROUNDS_READ),
+        "busy": trainer_series(rounds, now=now, window_s=window_s, bin_s=bin_s, complete=len(rounds) < ROUNDS_READ,
+                               workers=shards),
         "fused": fused_rounds(rounds, since=now - window_s),
     }
 

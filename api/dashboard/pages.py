@@ -4,6 +4,7 @@ tenant's run or checkpoint is a 404 page, exactly as in the API."""
 
 from __future__ import annotations
 
+import math
 from datetime import date
 from typing import Annotated
 from urllib.parse import urlencode
@@ -19,8 +20,8 @@ from api.routes.billing import get_usage
 from api.routes.downloads import adapter_download, merge_members
 from core import catalog
 from core.checkpoint_files import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
-from core.errors import Forbidden, NotFound, Unauthenticated
-from tenancy import accounts, keys, scoped
+from core.errors import Forbidden, NotFound, QuotaExceeded, Unauthenticated
+from tenancy import accounts, keys, login_limit, scoped
 from tenancy.auth import authenticate
 
 router = APIRouter(prefix="/dashboard", route_class=PageRoute, include_in_schema=False)
@@ -39,12 +40,20 @@ def safe_next(target: str | None) -> str:
 
 # ------------------------------------------------------------------------------ log in / out
 
-def login_page(request: Request, next_path: str, *, error: str | None = None, status_code: int = 200):
+def login_page(request: Request, next_path: str, *, error: str | None = None, status_code: int = 200,
+               retry_after_s: float | None = None):
     token = sessions.new_csrf_token()
     response = page(request, "login.html", {"csrf_token": token, "next": next_path, "error": error},
                     status_code=status_code)
     sessions.set_cookie(response, request, sessions.LOGIN_CSRF_COOKIE, token)
+    if retry_after_s is not None:
+        response.headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
     return response
+
+
+def client_address(request: Request) -> str:
+    """Whom failed logins are counted against (tenancy.login_limit): the connection's peer."""
+    return request.client.host if request.client else "unknown"
 
 
 @router.get("")
@@ -68,10 +77,17 @@ async def login(request: Request, pool: Pool, redis: RedisDep,
     """Check the API key and start a session (a fresh token every time: no session fixation)."""
     if not sessions.tokens_match(request.cookies.get(sessions.LOGIN_CSRF_COOKIE), csrf_token):
         raise Forbidden("missing or wrong CSRF token: reload the login page and try again", field="csrf_token")
+    address = client_address(request)
+    try:
+        await login_limit.check(redis, account=None, address=address)
+    except QuotaExceeded as exc:
+        return login_page(request, safe_next(next), error=exc.message, status_code=429,
+                          retry_after_s=exc.retry_after_s)
     async with pool.connection() as conn:
         try:
             who, _spent = await authenticate(conn, api_key.strip())
         except Unauthenticated as exc:
+            await login_limit.failed(redis, account=None, address=address)
             return login_page(request, safe_next(next), error=exc.message, status_code=401)
     token, _ = await sessions.create(redis, who.key_id)
     response = RedirectResponse(safe_next(next), status_code=303)

@@ -4,6 +4,7 @@ class that turns errors on pages into pages (a 404 page, a login redirect) inste
 from __future__ import annotations
 
 import logging
+import math
 from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import quote, urlencode
@@ -17,7 +18,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from api.errors import request_id_of
 from api.input_guard import GuardedRoute
 from billing.pricing import usd
-from core.errors import InvalidInput, QuiltError, ServerError, Unauthenticated
+from core.errors import (
+    InvalidInput,
+    QuiltError,
+    QuotaExceeded,
+    ServerError,
+    Unauthenticated,
+)
 
 log = logging.getLogger("quilt.dashboard")
 
@@ -74,8 +81,11 @@ def _error_page(request: Request, exc: QuiltError) -> HTMLResponse:
     level = logging.WARNING if exc.status_code < 500 else logging.ERROR
     log.log(level, "%s %s -> %d %s", request.method, request.url.path, exc.status_code, exc.message,
             extra={"request_id": rid, "tenant_id": getattr(request.state, "tenant_id", None)})
-    return page(request, "error.html", {"status": exc.status_code, "message": exc.message, "request_id": rid},
-                status_code=exc.status_code)
+    response = page(request, "error.html", {"status": exc.status_code, "message": exc.message, "request_id": rid},
+                    status_code=exc.status_code)
+    if isinstance(exc, QuotaExceeded):
+        response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    return response
 
 
 class PageRoute(GuardedRoute):

@@ -1,16 +1,20 @@
-"""Scale-out on one machine: `quilt up --api-replicas 2 --gen-replicas 2 --trainer-shards 2`.
+"""Scale-out on one machine: `quilt up --api-replicas 2 --gen-replicas 2 --trainer-shards 2`, every
+generation replica a real vLLM engine, one stack for the module.
 
-Four tenants train and sample through both API processes; their models are spread over the two
-trainer shards (placement in Postgres). A shard that stops answering (frozen with SIGSTOP, so the
-launcher does not restart it) has its models re-placed on the live shard after
-QUILT_TRAINER_TAKEOVER_S: restored from their snapshots, the requests since replayed, the queued
-ones run, the weights and AdamW state equal to an uninterrupted run; woken, it finds itself fenced
-and restarts holding nothing it lost. `quilt trainers drain` moves a shard's models off it with
-their state intact."""
+Generation replicas: the API routes each tenant's groups to the replica that holds its adapter,
+healthz reports each replica, and a replica that stops answering (frozen with SIGSTOP, so the
+launcher does not restart it) has its queued groups moved to the live one after
+QUILT_GEN_TAKEOVER_S: the client sees latency, not an error, and each group is billed once.
+
+Trainer shards: four tenants train and sample through both API processes, their models spread
+over the two shards (placement in Postgres). A shard that stops answering has its models
+re-placed on the live shard after QUILT_TRAINER_TAKEOVER_S: restored from their snapshots, the
+requests since replayed, the queued ones run, the weights and AdamW state equal to an
+uninterrupted run; woken, it finds itself fenced and restarts holding nothing it lost. `quilt
+trainers drain` moves a shard's models off it with their state intact."""
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import signal
@@ -19,6 +23,7 @@ import sys
 import time
 
 import httpx
+import openai
 import psycopg
 import pytest
 import quilt
@@ -35,16 +40,132 @@ SHARDS = queue.shard_names(2)
 
 
 @pytest.fixture(scope="module")
-def sharded():
-    with ephemeral_stack({"QUILT_TRAINER_TAKEOVER_S": str(TAKEOVER_S)}, api_replicas=2, gen_replicas=2,
-                         trainer_shards=2) as s:
+def replicas_stack():
+    with ephemeral_stack({"QUILT_GEN_TAKEOVER_S": str(TAKEOVER_S), "QUILT_TRAINER_TAKEOVER_S": str(TAKEOVER_S)},
+                         api_replicas=2, gen_replicas=2, trainer_shards=2) as s:
         yield s
 
+
+def _beacons(r) -> dict[str, dict | None]:
+    return {name: json.loads(raw) if (raw := r.get(health.gen_key(TINY, name))) else None
+            for name in queue.replica_names(2)}
+
+
+def _holder(r, adapter_key_part: str) -> list[str]:
+    return [name for name, b in _beacons(r).items()
+            if b and any(adapter_key_part in k for k in b.get("routing", {}).get("adapters", []))]
+
+
+def test_groups_stay_with_their_adapter_and_survive_a_frozen_replica(replicas_stack):
+    s = replicas_stack
+    r = redis_client.sync_client(s.redis_url)
+    health_now = httpx.get(f"{s.base_url}/api/v1/healthz", timeout=10).json()["components"]
+    assert health_now[f"gen:{TINY}@gen-0"]["ok"] and health_now[f"gen:{TINY}@gen-1"]["ok"]
+
+    tenants = [new_tenant(s, f"rep-{i}") for i in range(2)]
+    clients = [quilt.Client(api_key=key, base_url=s.base_url) for _, key in tenants]
+    samplers = []
+    for i, client in enumerate(clients):
+        tc = client.create_training_client(TINY, rank=4, seed=i)
+        samplers.append((tc.model_id, tc.save_weights_and_get_sampling_client(f"rep-{i}")))
+    params = quilt.SamplingParams(max_tokens=8, seed=1, stop=[])
+    for _ in range(3):
+        for _, sampler in samplers:
+            assert len(sampler.sample([5, 6, 7], 2, params).result(timeout=300).sequences) == 2
+    time.sleep(2.5)  # a beacon or two
+    homes = {model_id: _holder(r, model_id) for model_id, _ in samplers}
+    assert all(len(h) == 1 for h in homes.values()), homes  # every group of a tenant went to one replica
+    beacons = _beacons(r)
+    hits = sum(b["adapter_hits"] for b in beacons.values())
+    misses = sum(b["adapter_misses"] for b in beacons.values())
+    assert misses == 2 and hits == 4, beacons  # one load per adapter, then hits
+
+    # Freeze the replica holding tenant 0's adapter while it runs three of its groups: once its
+    # liveness key lapses the other replica takes them (moved off its stream, in flight or not).
+    model_id, sampler = samplers[0]
+    (frozen,) = homes[model_id]
+    pid, stream = beacons[frozen]["pid"], queue.sample_stream(TINY, frozen)
+    long = quilt.SamplingParams(max_tokens=300, seed=2, stop=[])
+    futures = [sampler.sample([5, 6, 7, k], 2, long) for k in range(3)]
+    deadline = time.monotonic() + 120
+    while r.xpending(stream, queue.SAMPLE_GROUP)["pending"] < 3:
+        assert time.monotonic() < deadline, "the frozen replica never took the three groups"
+        time.sleep(0.01)
+    # A frozen process may be caught inside a settle's transaction: a session under the replica's
+    # name holds the groups' request rows, which the re-runs' settles must not wait on.
+    held = psycopg.connect(s.database_url, application_name=db.session_name("gen", frozen, TINY))
+    held.execute("SELECT id FROM requests WHERE tenant_id = %s AND kind = 'sample' AND status <> 'done' FOR UPDATE",
+                 (tenants[0][0],))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        outs = [f.result(timeout=300) for f in futures]
+        moved_after_s = time.monotonic() - started
+        assert all(len(o.sequences) == 2 and all(len(q.tokens) == 300 for q in o.sequences) for o in outs)
+        assert r.xlen(stream) == 0 and r.xpending(stream, queue.SAMPLE_GROUP)["pending"] == 0
+        print(f"frozen replica {frozen}: its 3 in-flight groups were answered by the other {moved_after_s:.1f} s "
+              f"later (QUILT_GEN_TAKEOVER_S={TAKEOVER_S})")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    with pytest.raises(psycopg.OperationalError):
+        held.execute("SELECT 1")  # ended by the replica that took the groups over
+    held.close()
+    # Back: its beacon returns and it takes work again.
+    deadline = time.monotonic() + 60
+    while _beacons(r)[frozen] is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert len(sampler.sample([5, 6, 7], 2, params).result(timeout=300).sequences) == 2
+
+    ids = [t for t, _ in tenants]
+    wait_recorded(s.database_url, ids)
+    with db.connect(s.database_url) as conn:
+        rows = conn.execute(
+            "SELECT r.status, (SELECT count(*) FROM usage_ledger u WHERE u.request_id = r.id) AS billed "
+            "FROM requests r WHERE r.tenant_id = ANY(%s) AND r.kind = 'sample'", (ids,)).fetchall()
+    assert len(rows) == 10 and all((row["status"], row["billed"]) == ("done", 1) for row in rows), rows
+    for client in clients:
+        client.close()
+
+
+def test_a_stream_whose_replica_freezes_is_finished_by_the_other_without_repeats(replicas_stack):
+    """The other replica samples the seeded sequence again from its start; the stream skips what
+    it already sent, so the client's text is the result's, once."""
+    s = replicas_stack
+    r = redis_client.sync_client(s.redis_url)
+    _, key = new_tenant(s, "rep-stream")
+    client = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key=key, max_retries=0, timeout=300)
+    plain = client.completions.create(model=TINY, prompt="bob has", max_tokens=400, seed=11)
+    stream = iter(client.completions.create(model=TINY, prompt="bob has", max_tokens=400, seed=11, stream=True))
+    first = next(stream)  # sampling is under way
+    pieces = [first.choices[0].text]
+    holder = next(n for n in queue.replica_names(2)
+                  if r.xpending(queue.sample_stream(TINY, n), queue.SAMPLE_GROUP)["pending"])
+    pid = _beacons(r)[holder]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        pieces += [c.choices[0].text for c in stream if c.choices]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert "".join(pieces) == plain.choices[0].text
+    starts = [f for _, f in r.xrange(queue.delta_key(first.id.removeprefix("cmpl-"))) if f[b"o"] == b"0"]
+    assert len(starts) == 2, "the sequence was not sampled again: nothing was tested"
+
+
+# ------------------------------------------------------------------ trainer shards
 
 def _placed(s, model_ids: list[str]) -> dict[str, str]:
     with db.connect(s.database_url) as conn:
         return {r["id"]: r["trainer_shard"] for r in conn.execute(
             "SELECT id, trainer_shard FROM training_models WHERE id = ANY(%s)", (model_ids,))}
+
+
+def _held(s) -> dict[str, int]:
+    """Live models placed on each shard."""
+    with db.connect(s.database_url) as conn:
+        rows = conn.execute("SELECT trainer_shard, count(*) AS n FROM training_models WHERE status = ANY(%s) "
+                            "GROUP BY trainer_shard", (list(placement.LIVE_STATUSES),)).fetchall()
+    return {name: 0 for name in SHARDS} | {r["trainer_shard"]: r["n"] for r in rows}
 
 
 def _beacon(r, shard: str) -> dict | None:
@@ -67,8 +188,8 @@ def _quilt(s, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-def test_four_tenants_train_and_sample_over_two_shards(sharded):
-    s = sharded
+def test_four_tenants_train_and_sample_over_two_shards(replicas_stack):
+    s = replicas_stack
     r = redis_client.sync_client(s.redis_url)
     components = httpx.get(f"{s.base_url}/api/v1/healthz", timeout=10).json()["components"]
     assert all(components[f"trainer:{TINY}@{name}"]["ok"] for name in SHARDS), components
@@ -77,7 +198,9 @@ def test_four_tenants_train_and_sample_over_two_shards(sharded):
     clients = [quilt.Client(api_key=key, base_url=s.api_urls[i % 2]) for i, (_, key) in enumerate(tenants)]
     trainers = [c.create_training_client(TINY, rank=4, seed=i) for i, c in enumerate(clients)]
     placed = _placed(s, [tc.model_id for tc in trainers])
-    assert sorted(collections.Counter(placed.values()).items()) == [("shard-0", 2), ("shard-1", 2)], placed
+    assert set(placed.values()) == set(SHARDS), placed
+    held = _held(s)  # with the models of the tests before: the least loaded shard took each new one
+    assert abs(held["shard-0"] - held["shard-1"]) <= 1, held
 
     data = [quilt.datum_for_next_token([5, 6, 7, 8, 9, 10])]
     losses = {tc.model_id: [tc.train_step(data, "cross_entropy", quilt.AdamParams(learning_rate=1e-2)).loss
@@ -88,13 +211,13 @@ def test_four_tenants_train_and_sample_over_two_shards(sharded):
         sampler = tc.save_weights_and_get_sampling_client(f"shard-s{i}")
         assert len(sampler.sample([5, 6, 7], 2, params).result(timeout=300).sequences) == 2
 
-    beacons = _until("both shards' beacons to show their models",
-                     lambda: (b := [_beacon(r, n) for n in SHARDS]) and all(x and x["models"] == 2 for x in b) and b)
+    beacons = _until("both shards' beacons to show their models", lambda: (b := [_beacon(r, n) for n in SHARDS])
+                     and all(x and x.get("models") == held[n] for x, n in zip(b, SHARDS)) and b)
     assert all(b["recent_tokens"] > 0 for b in beacons), beacons
     listed = _quilt(s, "trainers", "list")
     assert listed.returncode == 0, listed.stderr
     rows = {line.split()[0]: line.split() for line in listed.stdout.splitlines() if line.startswith("shard-")}
-    assert [rows[n][1:4] for n in SHARDS] == [["yes", "no", "2"], ["yes", "no", "2"]], listed.stdout
+    assert [rows[n][1:4] for n in SHARDS] == [["yes", "no", str(held[n])] for n in SHARDS], listed.stdout
     ids = [t for t, _ in tenants]
     wait_recorded(s.database_url, ids)
     with db.connect(s.database_url) as conn:
@@ -106,8 +229,8 @@ def test_four_tenants_train_and_sample_over_two_shards(sharded):
         c.close()
 
 
-def test_a_dead_shards_models_resume_on_the_other_at_their_last_step(sharded):
-    s = sharded
+def test_a_dead_shards_models_resume_on_the_other_at_their_last_step(replicas_stack):
+    s = replicas_stack
     r = redis_client.sync_client(s.redis_url)
     _, key = new_tenant(s, "shard-durable")
     client = httpx.Client(base_url=s.base_url + "/api/v1", headers={"X-API-Key": key}, timeout=60)
@@ -162,7 +285,9 @@ def test_a_dead_shards_models_resume_on_the_other_at_their_last_step(sharded):
     assert_equals_reference(storage, base_path)
     # Every model the frozen shard held now lives on the other, idle ones included (restored
     # without waiting for a call); nothing of them is left on it.
-    assert _until("the restarted shard's beacon", lambda: _beacon(r, home))["models"] == 0
+    # (its first beacons carry no figures until its loop has run once)
+    assert _until("the restarted shard's figures", lambda: (b := _beacon(r, home)) and "models" in b and b)[
+        "models"] == 0
     with db.connect(s.database_url) as conn:
         conn.autocommit = True
         _until("every moved model to be ready", lambda: not conn.execute(
@@ -173,8 +298,8 @@ def test_a_dead_shards_models_resume_on_the_other_at_their_last_step(sharded):
     other_api.close()
 
 
-def test_a_drained_shard_hands_its_models_over_intact(sharded):
-    s = sharded
+def test_a_drained_shard_hands_its_models_over_intact(replicas_stack):
+    s = replicas_stack
     _, key = new_tenant(s, "shard-drain")
     client = httpx.Client(base_url=s.base_url + "/api/v1", headers={"X-API-Key": key}, timeout=60)
     model_id = new_model(client, rank=4, seed=3)
@@ -205,10 +330,10 @@ def test_a_drained_shard_hands_its_models_over_intact(sharded):
     client.close()
 
 
-def test_models_left_on_a_shard_past_the_count_are_re_placed(sharded):
+def test_models_left_on_a_shard_past_the_count_are_re_placed(replicas_stack):
     """After the shard count is lowered, models placed on a shard that no longer runs are treated
     as a dead shard's: a live shard re-places them and fences the old name."""
-    s = sharded
+    s = replicas_stack
     r = redis_client.sync_client(s.redis_url)
     tenant_id, key = new_tenant(s, "shard-stray")
     with httpx.Client(base_url=s.base_url + "/api/v1", headers={"X-API-Key": key}, timeout=60) as client:
