@@ -50,19 +50,21 @@ _UNUSABLE = {"failed": "failed to be created", "lost": "was lost when its traine
 
 @dataclass(frozen=True)
 class SeqSlot:
-    """A training call's identity: `seq_id` of `model_id`, and the request holding it, if any."""
+    """A training call's identity: `seq_id` of `model_id`, and the request holding it, if any;
+    with it, the trainer shard the model's row named (None: one trainer per base, or not placed)."""
 
     model_id: str
     seq_id: int
     holder_id: str | None = None
     holder_kind: str | None = None
     holder_status: str | None = None
+    shard: str | None = None
 
     @classmethod
     def of(cls, model: dict, seq_id: int) -> SeqSlot:
         """From a row of `usable_model(..., seq_id=seq_id)`."""
         return cls(model["id"], seq_id, model.get("seq_holder_id"), model.get("seq_holder_kind"),
-                   model.get("seq_holder_status"))
+                   model.get("seq_holder_status"), model.get("trainer_shard"))
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,10 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
         if ticket.check_quota:
             await _quota_and_budget(conn, who, billable=ticket.billable)
             await _rate(redis, who, item.n_tokens if ticket.rate_tokens is None else ticket.rate_tokens)
-        shard = await _new_model_shard(conn, redis, ticket)
         if ticket.new_model is not None:
+            shard = await _new_model_shard(conn, redis, ticket)
+            if shard is not None:
+                ticket = replace(ticket, slot=replace(slot, shard=shard))
             await records.insert_training_model(conn, who, item.model_id, ticket.new_model, shard)
         inserted = await records.insert_request(
             conn, who, item.request_id, model_id=item.model_id or None,
@@ -155,9 +159,8 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
             await redis.delete(slot.key)
         raise
     try:
-        stream = (queue.train_stream(ticket.base_model, shard) if shard
-                  else await _stream(conn, redis, ticket.base_model, item))
-        await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds, stream)
+        await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds,
+                            await _stream(conn, redis, ticket, item))
     except Exception:
         log.exception("could not enqueue %s; it stays queued for the client's retry", item.request_id)
         raise
@@ -170,19 +173,22 @@ async def _resume(conn: AsyncConnection, redis: Redis, ticket: Ticket, request_i
     if status == "queued":
         item = replace(ticket.item, request_id=request_id)
         await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds,
-                            await _stream(conn, redis, ticket.base_model, item))
+                            await _stream(conn, redis, ticket, item))
     return request_id
 
 
-async def _stream(conn: AsyncConnection, redis: Redis, base_model: str, item: WorkItem) -> str | None:
+async def _stream(conn: AsyncConnection, redis: Redis, ticket: Ticket, item: WorkItem) -> str | None:
     """Where an item goes when it is not the default stream of its kind: a sample group to its
-    generation replica, a training call to its model's trainer shard."""
+    generation replica, a training call to its model's trainer shard (as the model's row read for
+    this call said; read here only for a model placed before shards, which is placed now)."""
+    base_model = ticket.base_model
     if item.kind is WorkKind.SAMPLE:
         return await _replica_stream(redis, base_model, item)
     shards = get_core_settings().trainer_shards
     if shards <= 1 or not item.model_id:
         return None
-    return queue.train_stream(base_model, await records.model_shard(
+    known = ticket.slot.shard if isinstance(ticket.slot, SeqSlot) else None
+    return queue.train_stream(base_model, known or await records.model_shard(
         conn, item.model_id, lambda: _place(conn, redis, base_model, item.model_id)))
 
 

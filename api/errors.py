@@ -30,11 +30,16 @@ def request_id_of(request: Request) -> str:
     return rid
 
 
+def retry_after(seconds: float) -> str:
+    """A Retry-After header's value: whole seconds, at least one."""
+    return str(max(1, math.ceil(seconds)))
+
+
 def _respond(request: Request, err: QuiltError) -> JSONResponse:
     err.request_id = err.request_id or request_id_of(request)
     headers = {REQUEST_ID_HEADER: err.request_id}
     if err.status_code in (429, 503):
-        headers["Retry-After"] = str(max(1, math.ceil(getattr(err, "retry_after_s", 1.0))))
+        headers["Retry-After"] = retry_after(getattr(err, "retry_after_s", 1.0))
     level = logging.WARNING if isinstance(err, UserError) else logging.ERROR
     log.log(level, "%s %s -> %d %s", request.method, request.url.path, err.status_code, err.message,
             extra={"request_id": err.request_id, "tenant_id": getattr(request.state, "tenant_id", None)})

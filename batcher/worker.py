@@ -167,9 +167,7 @@ class TrainerWorker:
         if self.snapshots is None:
             return []
         restored = []
-        mine = (placement.claim_own(self._db(), self.base_model, self.shard) if self.shard
-                else records.mark_models_recovering(self._db(), self.base_model))
-        for model_id in mine:
+        for model_id in placement.claim_own(self._db(), self.base_model, self.shard):
             try:
                 seq_id = self.snapshots.restore(self.backend, model_id)
             except Exception:
@@ -313,13 +311,8 @@ class TrainerWorker:
         unknown = sorted({d.item.model_id for d in deliveries if not self._local(d.item.model_id)})
         if not unknown:
             return deliveries, set()
-        owners = self._db_call(placement.owners, unknown)
+        owners = self._owners(unknown)
         creating, kept = set(), []
-        for model_id in unknown:
-            shard, status = owners.get(model_id, (None, "deleted"))
-            if status in placement.LIVE_STATUSES and shard is None:  # from before shards
-                owners[model_id] = (self._db_call(placement.place_unplaced, self.redis, self.base_model, model_id,
-                                                  self.shards), status)
         for d in deliveries:
             model_id = d.item.model_id
             shard, status = owners.get(model_id, (None, "deleted"))
@@ -333,6 +326,18 @@ class TrainerWorker:
                 self._adopt(model_id)
             kept.append(d)
         return kept, creating
+
+    def _owners(self, model_ids: list[str]) -> dict[str, tuple[str | None, str]]:
+        """model -> (its shard, its status); a model gone reads (None, 'deleted'), and a live one
+        not placed yet (from before shards) is placed now."""
+        found = self._db_call(placement.owners, model_ids)
+        out = {}
+        for model_id in model_ids:
+            shard, status = found.get(model_id, (None, "deleted"))
+            if status in placement.LIVE_STATUSES and shard is None:
+                shard = self._db_call(placement.place_unplaced, self.redis, self.base_model, model_id, self.shards)
+            out[model_id] = (shard, status)
+        return out
 
     def _adopt(self, model_id: str) -> None:
         """A model re-placed onto this shard: load its newest snapshot; the requests since it come
@@ -391,13 +396,10 @@ class TrainerWorker:
                     ids_of[entry_id] = WorkItem.from_fields(fields).model_id
                 except MalformedWork:
                     ids_of[entry_id] = ""
-            owners = self._db_call(placement.owners, sorted({m for m in ids_of.values() if m}))
+            ids_of = {entry_id: model_id for entry_id, model_id in ids_of.items() if which(model_id)}
+            owners = self._owners(sorted({m for m in ids_of.values() if m}))
             for entry_id, model_id in ids_of.items():
-                if not which(model_id):
-                    continue
                 shard, status = owners.get(model_id, (None, "deleted"))
-                if status in placement.LIVE_STATUSES and shard is None:
-                    shard = self._db_call(placement.place_unplaced, self.redis, self.base_model, model_id, self.shards)
                 destination = queue.train_stream(self.base_model, shard if status in placement.LIVE_STATUSES
                                                  else self.shard)
                 if destination != source and queue.move(self.redis, source, queue.TRAIN_GROUP, entry_id, destination):

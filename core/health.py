@@ -30,9 +30,7 @@ def trainer_key(base_model: str, shard: str | None = None) -> str:
 
 def trainer_keys(base_model: str, shards: int) -> dict[str, str]:
     """Beacon key of each trainer of a base, by the name health reports it under."""
-    if shards <= 1:
-        return {base_model: trainer_key(base_model)}
-    return {f"{base_model}@{name}": trainer_key(base_model, name) for name in queue.shard_names(shards)}
+    return _by_worker(base_model, queue.shard_names(shards) if shards > 1 else [], trainer_key)
 
 
 def model_trainer_key(base_model: str, shard: str | None, shards: int) -> str:
@@ -52,9 +50,14 @@ def gen_key(base_model: str, replica: str | None = None) -> str:
 
 def gen_keys(base_model: str, replicas: int) -> dict[str, str]:
     """Beacon key of each generation worker of a base, by the name health reports it under."""
-    if replicas <= 1:
-        return {base_model: gen_key(base_model)}
-    return {f"{base_model}@{name}": gen_key(base_model, name) for name in queue.replica_names(replicas)}
+    return _by_worker(base_model, queue.replica_names(replicas) if replicas > 1 else [], gen_key)
+
+
+def _by_worker(base_model: str, names: list[str], key) -> dict[str, str]:
+    """The base's one key (no names), or each named worker's, as `<base>@<name>` -> key."""
+    if not names:
+        return {base_model: key(base_model)}
+    return {f"{base_model}@{name}": key(base_model, name) for name in names}
 
 
 def consumer_key(stream: str, consumer: str) -> str:

@@ -21,7 +21,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from core import db, health, queue
+from core import db, health, queue, records
 
 # Statuses of a model that a shard holds (or is about to): counted as load, moved with the shard.
 LIVE_STATUSES = ("creating", "ready", "recovering")
@@ -123,17 +123,16 @@ def _locked(conn, base_model: str) -> None:
     conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (lock_key(base_model),))
 
 
-def claim_own(conn, base_model: str, shard: str) -> list[str]:
-    """At a shard's start: the live models placed on it, now 'recovering' (their snapshots load
-    and their logs replay). Under the placement lock, so a peer re-placing them as the shard
-    comes back either finishes first (and they are not returned) or sees the shard alive."""
+def claim_own(conn, base_model: str, shard: str | None) -> list[str]:
+    """At a trainer's start: the live models it holds (those placed on `shard`; every one of the
+    base without shards), now 'recovering' (core.records.mark_models_recovering). A shard claims
+    under the placement lock, so a peer re-placing them as it comes back either finishes first
+    (and they are not returned) or sees the shard alive."""
+    if shard is None:
+        return records.mark_models_recovering(conn, base_model)
     with conn.transaction():
         _locked(conn, base_model)
-        rows = conn.execute(
-            "UPDATE training_models SET status = 'recovering', status_detail = 'trainer restarted' "
-            "WHERE base_model = %s AND trainer_shard = %s AND status IN ('ready', 'recovering') RETURNING id",
-            (base_model, shard)).fetchall()
-    return [r["id"] for r in rows]
+        return records.mark_models_recovering(conn, base_model, shard=shard)
 
 
 def replace_dead(conn, redis, base_model: str, dead: str, shards: int, still_dead) -> dict[str, str]:

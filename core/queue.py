@@ -68,16 +68,12 @@ def _ordinal(consumer_name: str, count: int, prefix: str, setting: str) -> str:
 
 def train_streams(base_model: str, shards: int) -> list[str]:
     """Every stream that holds the base's training work (the one, or each shard's)."""
-    if shards <= 1:
-        return [train_stream(base_model)]
-    return [train_stream(base_model, name) for name in shard_names(shards)]
+    return [train_stream(base_model, name) for name in (shard_names(shards) if shards > 1 else [None])]
 
 
 def sample_streams(base_model: str, replicas: int) -> list[str]:
     """Every stream that holds the base's sampling work (the one, or each replica's)."""
-    if replicas <= 1:
-        return [sample_stream(base_model)]
-    return [sample_stream(base_model, name) for name in replica_names(replicas)]
+    return [sample_stream(base_model, name) for name in (replica_names(replicas) if replicas > 1 else [None])]
 
 
 def stream_for(item: WorkItem, base_model: str) -> str:

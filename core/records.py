@@ -73,13 +73,15 @@ def set_model_status(conn: psycopg.Connection, model_id: str, status: str, detai
     conn.execute("UPDATE training_models SET status = %s, status_detail = %s WHERE id = %s", (status, detail, model_id))
 
 
-def mark_models_recovering(conn: psycopg.Connection, base_model: str) -> list[str]:
-    """At trainer start: every live model of the base is 'recovering' (its snapshot loads, the
-    requests since are replayed) until the trainer says 'ready' again. Returns their ids."""
+def mark_models_recovering(conn: psycopg.Connection, base_model: str, *, shard: str | None = None) -> list[str]:
+    """At trainer start: every live model of the base (placed on trainer shard `shard`, where the
+    base has several) is 'recovering' (its snapshot loads, the requests since are replayed) until
+    the trainer says 'ready' again. Returns their ids."""
     rows = conn.execute(
         "UPDATE training_models SET status = 'recovering', status_detail = 'trainer restarted' "
-        "WHERE base_model = %s AND status IN ('ready', 'recovering') RETURNING id",
-        (base_model,),
+        "WHERE base_model = %s AND status IN ('ready', 'recovering') AND (%s::text IS NULL OR trainer_shard = %s) "
+        "RETURNING id",
+        (base_model, shard, shard),
     ).fetchall()
     return [r["id"] for r in rows]
 

@@ -20,19 +20,20 @@ from core.errors import QuotaExceeded
 from core.settings import get_api_settings
 
 
-def _account_key(account: str) -> str:
-    return "quilt:login:account:" + hashlib.sha256(account.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+def _key(kind: str, value: str) -> str:
+    return f"quilt:login:{kind}:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def address_key(address: str) -> str:
-    return "quilt:login:address:" + hashlib.sha256(address.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return _key("address", address)
 
 
-def _keys(account: str | None, address: str) -> list[tuple[str, int]]:
+def _keys(account: str | None, address: str) -> list[tuple[str, int, str]]:
+    """(counter, its limit, whom it names) for the address and, given one, the account."""
     s = get_api_settings()
-    out = [(address_key(address), s.login_failures_per_address)]
+    out = [(address_key(address), s.login_failures_per_address, "this address")]
     if account:
-        out.append((_account_key(account), s.login_failures_per_account))
+        out.append((_key("account", account), s.login_failures_per_account, "this account"))
     return out
 
 
@@ -40,15 +41,14 @@ async def check(redis: Redis, *, account: str | None, address: str) -> None:
     """Raise 429 (QuotaExceeded, with Retry-After) while the account or the address is braked."""
     keys = _keys(account, address)
     pipe = redis.pipeline()
-    for key, _ in keys:
+    for key, _, _ in keys:
         pipe.get(key)
         pipe.ttl(key)
     replies = await pipe.execute()
-    for i, (key, limit) in enumerate(keys):
+    for i, (_, limit, what) in enumerate(keys):
         count, ttl = int(replies[2 * i] or 0), int(replies[2 * i + 1])
         if count >= limit:
             wait = max(ttl, 1)
-            what = "this address" if key.startswith("quilt:login:address:") else "this account"
             raise QuotaExceeded(f"too many failed attempts from {what}; try again in {wait} s", field="login",
                                 retry_after_s=float(wait))
 
@@ -64,9 +64,9 @@ return 0
 
 async def failed(redis: Redis, *, account: str | None, address: str) -> None:
     """Count a failure (or a reset request) against the account and the address."""
-    keys = [key for key, _ in _keys(account, address)]
+    keys = [key for key, _, _ in _keys(account, address)]
     await redis.eval(_COUNT, len(keys), *keys, get_api_settings().login_window_s)
 
 
 async def succeeded(redis: Redis, *, account: str) -> None:
-    await redis.delete(_account_key(account))
+    await redis.delete(_key("account", account))

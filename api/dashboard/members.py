@@ -12,7 +12,7 @@ from fastapi.responses import RedirectResponse
 
 from api.dashboard import sessions
 from api.dashboard.deps import LoggedIn, OwnerChanging, page_context
-from api.dashboard.pages import client_address, login_page, safe_next
+from api.dashboard.pages import braked_login, client_address, login_page, safe_next
 from api.dashboard.render import PageRoute, page
 from api.deps import Pool, RedisDep
 from billing.customers import request_customer
@@ -20,7 +20,6 @@ from core.errors import (
     Forbidden,
     InvalidInput,
     QuiltError,
-    QuotaExceeded,
     Unauthenticated,
 )
 from core.settings import get_api_settings
@@ -108,11 +107,8 @@ async def login_password(request: Request, pool: Pool, redis: RedisDep,
     (tenancy.login_limit); past the limit the answer is 429 with Retry-After, whatever the password."""
     _check_csrf(request, csrf_token)
     account, address = email.strip().lower(), client_address(request)
-    try:
-        await login_limit.check(redis, account=account, address=address)
-    except QuotaExceeded as exc:
-        return login_page(request, safe_next(next), error=exc.message, status_code=429,
-                          retry_after_s=exc.retry_after_s)
+    if braked := await braked_login(request, redis, safe_next(next), account=account, address=address):
+        return braked
     async with pool.connection() as conn:
         try:
             member = await members.log_in(conn, account, password)

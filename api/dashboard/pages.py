@@ -4,7 +4,6 @@ tenant's run or checkpoint is a 404 page, exactly as in the API."""
 
 from __future__ import annotations
 
-import math
 from datetime import date
 from typing import Annotated
 from urllib.parse import urlencode
@@ -16,6 +15,7 @@ from api.dashboard import adapter_archive, sessions
 from api.dashboard.deps import Changing, LoggedIn, OperatorOnly, Viewer, page_context
 from api.dashboard.render import PageRoute, page
 from api.deps import Callers, Pool, RedisDep
+from api.errors import retry_after
 from api.routes.billing import get_usage
 from api.routes.downloads import adapter_download, merge_members
 from core import catalog
@@ -47,13 +47,23 @@ def login_page(request: Request, next_path: str, *, error: str | None = None, st
                     status_code=status_code)
     sessions.set_cookie(response, request, sessions.LOGIN_CSRF_COOKIE, token)
     if retry_after_s is not None:
-        response.headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+        response.headers["Retry-After"] = retry_after(retry_after_s)
     return response
 
 
 def client_address(request: Request) -> str:
     """Whom failed logins are counted against (tenancy.login_limit): the connection's peer."""
     return request.client.host if request.client else "unknown"
+
+
+async def braked_login(request: Request, redis, next_path: str, *, account: str | None, address: str):
+    """The login page answering 429 (with Retry-After) while tenancy.login_limit brakes this
+    account or address; None when the attempt may go on."""
+    try:
+        await login_limit.check(redis, account=account, address=address)
+    except QuotaExceeded as exc:
+        return login_page(request, next_path, error=exc.message, status_code=429, retry_after_s=exc.retry_after_s)
+    return None
 
 
 @router.get("")
@@ -78,11 +88,8 @@ async def login(request: Request, pool: Pool, redis: RedisDep,
     if not sessions.tokens_match(request.cookies.get(sessions.LOGIN_CSRF_COOKIE), csrf_token):
         raise Forbidden("missing or wrong CSRF token: reload the login page and try again", field="csrf_token")
     address = client_address(request)
-    try:
-        await login_limit.check(redis, account=None, address=address)
-    except QuotaExceeded as exc:
-        return login_page(request, safe_next(next), error=exc.message, status_code=429,
-                          retry_after_s=exc.retry_after_s)
+    if braked := await braked_login(request, redis, safe_next(next), account=None, address=address):
+        return braked
     async with pool.connection() as conn:
         try:
             who, _spent = await authenticate(conn, api_key.strip())

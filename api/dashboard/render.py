@@ -4,7 +4,6 @@ class that turns errors on pages into pages (a 404 page, a login redirect) inste
 from __future__ import annotations
 
 import logging
-import math
 from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import quote, urlencode
@@ -15,7 +14,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api.errors import request_id_of
+from api.errors import request_id_of, retry_after
 from api.input_guard import GuardedRoute
 from billing.pricing import usd
 from core.errors import (
@@ -84,7 +83,7 @@ def _error_page(request: Request, exc: QuiltError) -> HTMLResponse:
     response = page(request, "error.html", {"status": exc.status_code, "message": exc.message, "request_id": rid},
                     status_code=exc.status_code)
     if isinstance(exc, QuotaExceeded):
-        response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        response.headers["Retry-After"] = retry_after(exc.retry_after_s)
     return response
 
 

@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from api.deps import Pool, RedisDep
 from api.input_guard import GuardedRoute
-from core import catalog, health, queue
+from core import catalog, health
 from core.settings import get_core_settings
 
 router = APIRouter(route_class=GuardedRoute, tags=["service"])
@@ -58,10 +58,10 @@ async def metrics(pool: Pool, redis: RedisDep) -> Response:
     beacons = {}
     shards = get_core_settings().trainer_shards
     for base in bases:
-        for shard in queue.shard_names(shards) if shards > 1 else [""]:
-            raw = await redis.get(health.trainer_key(base.name, shard or None))
-            if raw:
-                beacons[(base.name, shard)] = json.loads(raw)
+        for name, key in health.trainer_keys(base.name, shards).items():
+            raw = await redis.get(key)
+            if raw:  # labelled by base and shard ("" with one trainer per base)
+                beacons[(base.name, name.partition("@")[2])] = json.loads(raw)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(beacons))
     return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
