@@ -10,7 +10,9 @@ hand), and each API process LISTENs on one connection of its own (`listen`). Whi
 connection is down the cache is off and every call reads Postgres as before; it comes back
 empty, since notifications sent meanwhile are lost. So a revoked key is refused from the first
 request after the revocation commits (give or take the notification's trip over loopback), and
-`max_age_s` only bounds what a lost notification could cost.
+`max_age_s` only bounds what a lost notification could cost. The process that makes a change does
+not wait for that trip (`changing`): its client's next call, which may come before the
+notification does, must already see the change (a suspension refuses it, a restore admits it).
 
 A read that raced an invalidation is not remembered: `generation` counts invalidations, and an
 entry fetched under an older generation is dropped instead of stored.
@@ -21,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import psycopg
 
@@ -83,6 +87,17 @@ class CallerCache:
         self.live = live
         for entries in self._entries.values():
             entries.clear()
+
+
+@asynccontextmanager
+async def changing(pool, callers: CallerCache) -> AsyncIterator[psycopg.AsyncConnection]:
+    """A connection for a change to what the cache holds (a tenant's quotas or suspension, a key):
+    once it commits, this process forgets all it cached. Such changes are rare and whole-cache
+    forgetting needs no knowledge of which entries they touch; other processes follow on the
+    notification."""
+    async with pool.connection() as conn:
+        yield conn
+    callers.reset(live=callers.live)
 
 
 async def spend(callers: CallerCache, pool, tenant_id: str) -> int:

@@ -3,12 +3,13 @@ a cache that cannot hear about changes is not used."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 from stackutil import datum, fb_body, new_model, wait_future
 
-from api.caller_cache import CallerCache
+from api.caller_cache import CallerCache, changing
 from core import db
 from tenancy.auth import Principal
 from tenancy.keys import create_key
@@ -61,6 +62,25 @@ def test_nothing_is_served_while_the_cache_cannot_hear_changes_nor_past_its_age(
     aged.put(aged.generation, "base", "x", object())
     aged.invalidate("no-such-kind:x")  # unknown: everything goes
     assert aged.get("base", "x") is None
+
+
+def test_the_process_making_a_change_forgets_at_its_commit_not_at_the_notification(stack):
+    """An operator's suspension must refuse the tenant's very next call to the same process, which
+    can come before the change's notification does (CI saw it admitted once)."""
+    async def go():
+        cache = _live()
+        async with db.async_pool(stack.database_url, max_size=1) as pool:
+            cache.put(cache.generation, "key", "h-a", _who("a"))
+            with pytest.raises(ZeroDivisionError):
+                async with changing(pool, cache) as conn:
+                    await conn.execute("SELECT 1")
+                    1 / 0  # nothing committed: nothing to forget
+            assert cache.get("key", "h-a") == _who("a")
+            async with changing(pool, cache) as conn:
+                await conn.execute("SELECT 1")
+                assert cache.get("key", "h-a") == _who("a")  # until the commit
+            assert cache.get("key", "h-a") is None and cache.live
+    asyncio.run(go())
 
 
 def _eventually(check, timeout_s: float = 5.0):

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Form, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import RedirectResponse
 
+from api.caller_cache import changing
 from api.dashboard.deps import (
     Changing,
     LoggedIn,
@@ -20,7 +21,7 @@ from api.dashboard.deps import (
     page_context,
 )
 from api.dashboard.render import PageRoute, csp_with_form_action, page
-from api.deps import Pool
+from api.deps import Callers, Pool
 from api.routes import account
 from billing import budgets
 from billing.stripe_api import StripeGateway
@@ -119,33 +120,33 @@ def _back(name: str) -> RedirectResponse:
 
 
 @router.post("/tenants/{name}/suspend")
-async def tenant_suspend(name: str, viewer: OperatorChanging, pool: Pool,
+async def tenant_suspend(name: str, viewer: OperatorChanging, pool: Pool, callers: Callers,
                          reason: Annotated[str, Form(max_length=500)] = "",
                          kind: Annotated[Literal["operator", "payment"], Form()] = "operator"):
     """Suspend a tenant with a reason it will see."""
     if not reason.strip():
         raise InvalidInput("reason: say why (the tenant sees it with every refusal)", field="reason")
-    async with pool.connection() as conn:
+    async with changing(pool, callers) as conn:
         await account.suspend(conn, viewer.who, name, kind, reason.strip())
     return _back(name)
 
 
 @router.post("/tenants/{name}/restore")
-async def tenant_restore(name: str, viewer: OperatorChanging, pool: Pool):
+async def tenant_restore(name: str, viewer: OperatorChanging, pool: Pool, callers: Callers):
     """Lift a tenant's suspension."""
-    async with pool.connection() as conn:
+    async with changing(pool, callers) as conn:
         await account.restore(conn, viewer.who, name)
     return _back(name)
 
 
 @router.post("/tenants/{name}/plan")
-async def tenant_plan(name: str, viewer: OperatorChanging, pool: Pool,
+async def tenant_plan(name: str, viewer: OperatorChanging, pool: Pool, callers: Callers,
                       tokens_per_minute: Annotated[int, Form(ge=1, le=2**31 - 1)],
                       max_inflight_requests: Annotated[int, Form(ge=1, le=2**31 - 1)],
                       max_models: Annotated[int, Form(ge=1, le=2**31 - 1)],
                       plan_weight: Annotated[float, Form(gt=0, le=1000, allow_inf_nan=False)]):
     """A tenant's quotas and fair-share weight."""
-    async with pool.connection() as conn:
+    async with changing(pool, callers) as conn:
         await account.set_plan(conn, viewer.who, name, {
             "tokens_per_minute": tokens_per_minute, "max_inflight_requests": max_inflight_requests,
             "max_models": max_models, "plan_weight": plan_weight})

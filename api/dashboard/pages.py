@@ -11,6 +11,7 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import RedirectResponse, StreamingResponse
 
+from api.caller_cache import changing
 from api.dashboard import adapter_archive, sessions
 from api.dashboard.deps import Changing, LoggedIn, OperatorOnly, Viewer, page_context
 from api.dashboard.render import PageRoute, page
@@ -216,12 +217,10 @@ async def create_key(request: Request, viewer: Changing, pool: Pool,
 @router.post("/keys/revoke")
 async def revoke_key(viewer: Changing, pool: Pool, callers: Callers, prefix: Annotated[str, Form(max_length=40)] = ""):
     """Revoke one of your keys by prefix. Revoking the key this session logged in with ends it."""
-    async with pool.connection() as conn:
+    async with changing(pool, callers) as conn:
         revoked = await keys.revoke_key_async(conn, prefix, viewer.who.tenant_id)
         await accounts.record_async(conn, viewer.who.tenant_id, viewer.who.actor,
                                     "key.revoked", prefix=revoked.prefix)
-    # This process need not wait for the notification (api.caller_cache); the others get it.
-    callers.invalidate(f"tenant:{viewer.who.tenant_id}")
     return RedirectResponse("/dashboard/keys?" + urlencode({"revoked": prefix}), status_code=303)
 
 

@@ -14,7 +14,8 @@ from typing import Literal
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import Pool, Who
+from api.caller_cache import changing
+from api.deps import Callers, Pool, Who
 from api.input_guard import GuardedRoute
 from api.routes.billing import budget_json
 from billing import budgets, credits
@@ -171,9 +172,9 @@ async def audit_json(conn, who: Principal, tenant: str | None, *, limit: int, be
 
 
 @router.post("/tenants/{name}/suspend")
-async def suspend_tenant(name: str, body: SuspendRequest, who: Who, pool: Pool) -> dict:
+async def suspend_tenant(name: str, body: SuspendRequest, who: Who, pool: Pool, callers: Callers) -> dict:
     """(Operators.) Refuse a tenant's new billable work with `reason` until restored; nothing is deleted."""
-    async with pool.connection() as conn:
+    async with changing(pool, callers) as conn:
         await suspend(conn, who, name, body.kind, body.reason)
     return {"tenant": name, "suspended": True, "kind": body.kind, "reason": body.reason}
 
@@ -185,9 +186,9 @@ async def suspend(conn, who: Principal, name: str, kind: str, reason: str) -> No
 
 
 @router.post("/tenants/{name}/restore")
-async def restore_tenant(name: str, who: Who, pool: Pool) -> dict:
+async def restore_tenant(name: str, who: Who, pool: Pool, callers: Callers) -> dict:
     """(Operators.) Lift a suspension; service resumes from the tenant's next call."""
-    async with pool.connection() as conn:
+    async with changing(pool, callers) as conn:
         lifted = await restore(conn, who, name)
     return {"tenant": name, "suspended": False, "was_suspended": lifted}
 
@@ -216,10 +217,11 @@ async def grant(conn, who: Principal, name: str, amount_usd: str, category: str,
 
 
 @router.put("/tenants/{name}/plan")
-async def put_plan(name: str, body: PlanRequest, who: Who, pool: Pool) -> dict:
+async def put_plan(name: str, body: PlanRequest, who: Who, pool: Pool, callers: Callers) -> dict:
     """(Operators.) A tenant's quotas and fair-share weight (the fields given); they apply from its next call."""
-    async with pool.connection() as conn:
-        return await set_plan(conn, who, name, body.model_dump(exclude_none=True))
+    async with changing(pool, callers) as conn:
+        plan = await set_plan(conn, who, name, body.model_dump(exclude_none=True))
+    return plan
 
 
 async def set_plan(conn, who: Principal, name: str, changes: dict) -> dict:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Header, Request
 from fastapi.concurrency import run_in_threadpool
 
-from api.deps import Pool
+from api.caller_cache import changing
+from api.deps import Callers, Pool
 from api.input_guard import GuardedRoute
 from billing import payments
 from billing.stripe_api import StripeGateway
@@ -16,7 +17,7 @@ router = APIRouter(route_class=GuardedRoute, tags=["billing"])
 
 
 @router.post("/stripe/webhook")
-async def stripe_webhook(request: Request, pool: Pool,
+async def stripe_webhook(request: Request, pool: Pool, callers: Callers,
                          stripe_signature: str | None = Header(None, max_length=4096)) -> dict:
     """Stripe's webhook endpoint (no API key: the signature is the permission). 400 for a body
     whose signature does not verify; an event already handled answers 200 and changes nothing."""
@@ -25,7 +26,7 @@ async def stripe_webhook(request: Request, pool: Pool,
         raise NotFound("Stripe webhooks are not configured on this server (QUILT_STRIPE_WEBHOOK_SECRET)",
                        field="path")
     event = payments.verify(await request.body(), stripe_signature, settings.stripe_webhook_secret.get_secret_value())
-    async with pool.connection() as conn:
+    async with changing(pool, callers) as conn:  # it may suspend or restore a tenant
         outcome = await payments.handle(conn, event, lambda: StripeGateway(settings), settings.payment_grace_s,
                                         run_in_threadpool)
     return {"received": True, "outcome": outcome}
