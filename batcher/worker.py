@@ -158,8 +158,12 @@ class TrainerWorker:
         if lost:
             log.warning("%d models of a previous trainer process are lost (no snapshot)", lost)
         # Our own unacknowledged entries from before a crash come back first: queued work, and the
-        # replay log of every restored model since its snapshot.
+        # replay log of every restored model since its snapshot; without shards, then those the
+        # shards of a larger QUILT_TRAINER_SHARDS left in their streams.
         self._ingest(self.consumer.read(own_pending=True))
+        if not self.shard and self._gather_strays():
+            while arrived := self.consumer.read():
+                self._ingest(arrived)
         self.recovering = {model_id: self.queues.last_seq(model_id, finished=True) for model_id in restored}
         self._mark_recovered()
 
@@ -265,6 +269,8 @@ class TrainerWorker:
                 self._take_over_dead_shards()
                 self._drain_if_asked()
                 self._adopt_placed()
+            else:
+                self._gather_strays()
 
     def _tenant_weights(self) -> dict[str, float]:
         """Plan weights for fair sharing, re-read every 30 s (plans change rarely; while Postgres is
@@ -385,9 +391,24 @@ class TrainerWorker:
                 self._forward(stream, lambda model_id: True)
         self._forward(queue.train_stream(self.base_model), lambda model_id: True)
 
+    def _gather_strays(self) -> int:
+        """Without shards: move into this trainer's stream the entries of shard streams whose
+        trainers have stopped (QUILT_TRAINER_SHARDS lowered to 1): queued calls, and the replay
+        logs since the snapshots this trainer restored its models from. A shard still running (a
+        rollout's old pod) keeps its stream until its liveness key lapses. Returns how many moved."""
+        moved = 0
+        for name in self._db_call(placement.stray_shards, self.base_model, 1):
+            stream = queue.train_stream(self.base_model, name)
+            if not self.redis.exists(health.consumer_key(stream, name)):
+                moved += self._forward(stream, lambda model_id: True)
+        if moved:
+            log.warning("%d requests moved here from the streams of trainer shards that no longer run", moved)
+        return moved
+
     def _forward(self, source: str, which: Callable[[str], bool], page: int = 256) -> int:
         """Move the entries of `source` whose model `which` selects to the streams of the shards
-        their models are placed on (entries of models gone come here, to be failed as lost)."""
+        their models are placed on (entries of models gone come here, to be failed as lost);
+        without shards, all of them here."""
         moved, after = 0, "-"
         while entries := self.redis.xrange(source, min=after, max="+", count=page):
             ids_of = {}
@@ -397,7 +418,7 @@ class TrainerWorker:
                 except MalformedWork:
                     ids_of[entry_id] = ""
             ids_of = {entry_id: model_id for entry_id, model_id in ids_of.items() if which(model_id)}
-            owners = self._owners(sorted({m for m in ids_of.values() if m}))
+            owners = self._owners(sorted({m for m in ids_of.values() if m})) if self.shard else {}
             for entry_id, model_id in ids_of.items():
                 shard, status = owners.get(model_id, (None, "deleted"))
                 destination = queue.train_stream(self.base_model, shard if status in placement.LIVE_STATUSES

@@ -207,8 +207,9 @@ def is_draining(conn, base_model: str, shard: str) -> bool:
 
 def stray_shards(conn, base_model: str, shards: int) -> list[str]:
     """Shards that hold live models but are no longer among the base's `shards` (their count was
-    lowered): they are treated as dead, so their models move to the shards that run."""
-    names = queue.shard_names(shards)
+    lowered; with 1, every shard): they are treated as dead, so their models move to the shards
+    that run (or the one trainer)."""
+    names = queue.shard_names(shards) if shards > 1 else []
     return [r["trainer_shard"] for r in conn.execute(
         "SELECT DISTINCT trainer_shard FROM training_models WHERE base_model = %s AND trainer_shard IS NOT NULL "
         "AND status = ANY(%s) AND NOT (trainer_shard = ANY(%s)) ORDER BY 1",

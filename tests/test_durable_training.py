@@ -5,13 +5,17 @@ weights and AdamW state equal an uninterrupted run. Nothing is billed twice."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 import time
 
+import psutil
 import pytest
 from durable_reference import ADAM, SEQS, assert_equals_reference
 from stackutil import TINY, datum, fb_body, new_model, wait_future
 
-from core import catalog, db
+from core import catalog, db, queue, redis_client
+from core.work import WorkItem
 from stack import leftovers
 
 pytestmark = pytest.mark.stack
@@ -85,3 +89,38 @@ def test_requests_queued_while_the_trainer_is_down_wait_and_run(stack, tenant):
     result = wait_future(client, r.json()["request_id"], timeout_s=300)
     assert "loss:sum" in result["metrics"], result
     print(f"forward_backward across a trainer restart answered in {time.monotonic() - started:.1f} s")
+
+
+def test_calls_left_in_shard_streams_run_once_the_shard_count_is_lowered_to_one(stack, tenant):
+    """Going from several trainer shards back to one leaves the shards' streams behind: the one
+    trainer moves their entries (queued calls, replay logs) into its own and runs them."""
+    client = stack.http(tenant.key)
+    model_id = new_model(client, rank=4, seed=0)
+    trainer = next(e.pid for e in leftovers.read(stack.data_dir) if e.name == f"trainer:{TINY}")
+    launcher = psutil.Process(trainer).parent()
+    stray, own = queue.train_stream(TINY, "shard-1"), queue.train_stream(TINY)
+    r = redis_client.sync_client(stack.redis_url)
+    # Stop the launcher first so the trainer stays down while its call is put where a shard left it.
+    launcher.send_signal(signal.SIGSTOP)
+    try:
+        os.kill(trainer, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while psutil.pid_exists(trainer) and psutil.Process(trainer).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        submitted = client.post("/forward_backward", json=fb_body(model_id, 1, [datum(SEQS[0])])).json()
+        (entry_id,) = [entry_id for entry_id, fields in r.xrange(own)
+                       if WorkItem.from_fields(fields).request_id == submitted["request_id"]]
+        assert queue.move(r, own, queue.TRAIN_GROUP, entry_id, stray)
+        with db.connect(stack.database_url) as conn:
+            conn.execute("UPDATE training_models SET trainer_shard = 'shard-1' WHERE id = %s", (model_id,))
+    finally:
+        launcher.send_signal(signal.SIGCONT)
+    try:
+        result = wait_future(client, submitted["request_id"], timeout_s=300)
+        assert "loss:sum" in result["metrics"], result
+        assert r.xlen(stray) == 0
+    finally:
+        with db.connect(stack.database_url) as conn:
+            conn.execute("UPDATE training_models SET trainer_shard = NULL WHERE id = %s", (model_id,))
+        r.close()
