@@ -15,7 +15,8 @@ process keeps its files in a local directory, `local_dir(storage_path)`:
 With the local store the directory is the store, and `publish` and `fetch` only check it. With
 S3 the local directory is `<data dir>/checkpoints` as well (the writer's copy, or a cache on
 other machines); the objects are `s3://<bucket>/<prefix>/<key>/<file>`. A download lands in a
-temporary directory renamed into place, so a reader never sees half a version.
+temporary directory renamed into place, so a reader never sees half a version. Those copies are
+held under QUILT_S3_CACHE_MAX_GIB, least recently used first out (core.checkpoint_cache).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from core import retention
+from core.checkpoint_cache import SizeLimit
 from core.errors import NotFound
 from core.settings import CoreSettings, get_core_settings
 
@@ -86,12 +88,18 @@ class S3Store(LocalStore):
     """Versions as objects in a bucket; `root` holds this machine's copies, by key."""
 
     def __init__(self, root: Path, *, bucket: str, prefix: str, endpoint_url: str | None, region: str | None,
-                 key_parts: int = KEY_PARTS):
+                 key_parts: int = KEY_PARTS, cache_max_bytes: int | None = None, cache_min_idle_s: float = 600.0):
         super().__init__(root)
         import boto3  # only deployments that use S3 pay its import
 
         self.bucket, self.prefix, self.key_parts = bucket, prefix.strip("/"), key_parts
         self.client = boto3.client("s3", endpoint_url=endpoint_url or None, region_name=region or None)
+        self.limit = None if cache_max_bytes is None else SizeLimit(root, key_parts, max_bytes=cache_max_bytes,
+                                                                    min_idle_s=cache_min_idle_s)
+
+    def _added(self, directory: Path) -> None:
+        if self.limit is not None:
+            self.limit.added(sum(f.stat().st_size for f in directory.iterdir() if f.is_file()))
 
     def local_dir(self, storage_path: str | Path) -> Path:
         return self.root / key_of(storage_path, self.key_parts)
@@ -119,11 +127,15 @@ class S3Store(LocalStore):
         prefix = self._object_prefix(storage_path)
         for file in sorted(p for p in directory.iterdir() if p.is_file() and not p.is_symlink()):
             self.client.upload_file(str(file), self.bucket, prefix + file.name)
+        self._added(directory)  # the writer's copy is a cached copy from now on
 
     def fetch(self, storage_path: str | Path) -> Path:
         directory = self.local_dir(storage_path)
-        if directory.is_dir():
+        try:
+            os.utime(directory)  # a use: the size limit removes least recently used copies first
             return directory
+        except FileNotFoundError:
+            pass
         from botocore.exceptions import ClientError
 
         prefix = self._object_prefix(storage_path)
@@ -150,6 +162,7 @@ class S3Store(LocalStore):
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         log.info("fetched %s (%d files) from s3://%s", key_of(storage_path, self.key_parts), len(names), self.bucket)
+        self._added(directory)
         return directory
 
     def remove(self, storage_path: str | Path) -> bool:
@@ -208,7 +221,9 @@ def snapshot_store_for(settings: CoreSettings, root: Path, *, in_checkpoint_stor
 def store_for(settings: CoreSettings) -> LocalStore:
     if settings.checkpoint_store == "s3":
         return S3Store(settings.checkpoint_dir, bucket=settings.s3_bucket, prefix=settings.s3_prefix,
-                       endpoint_url=settings.s3_endpoint_url, region=settings.s3_region)
+                       endpoint_url=settings.s3_endpoint_url, region=settings.s3_region,
+                       cache_max_bytes=int(settings.s3_cache_max_gib * 2**30),
+                       cache_min_idle_s=settings.s3_cache_min_idle_s)
     return LocalStore(settings.checkpoint_dir)
 
 

@@ -55,6 +55,12 @@ class CoreSettings(BaseSettings):
     s3_region: str = Field("", description="the bucket's region; empty = boto3's default chain")
     s3_snapshot_prefix: str = Field("quilt/snapshots", description="key prefix of trainer snapshots in the bucket "
                                                                    "(QUILT_TRAINER_SNAPSHOTS_IN_STORE)")
+    s3_cache_max_gib: float = Field(50.0, gt=0, le=2**20, allow_inf_nan=False,
+                                    description="the most this machine keeps of checkpoint versions fetched from or "
+                                                "written to the bucket; least recently used ones go first")
+    s3_cache_min_idle_s: float = Field(600.0, ge=0, le=30 * 86400, allow_inf_nan=False,
+                                       description="a cached version used this recently is never removed (a reader "
+                                                   "may hold its path)")
 
     @model_validator(mode="after")
     def _s3_needs_a_bucket(self) -> CoreSettings:

@@ -209,9 +209,12 @@ class GenEngine:
         self._used.touch(ref.key)
         store = checkpoint_store.get_store()
         path = store.local_dir(ref.path)
+        # Every group, loaded or not: vLLM re-reads a version's files when it has dropped them from
+        # its host cache, and the bucket's local copies are kept under a size limit, least recently
+        # used out (core.checkpoint_cache): a fetch marks the use, or brings back a removed copy.
+        with contextlib.suppress(NotFound):  # then check_adapter (or vLLM) names what is missing
+            path = await asyncio.to_thread(store.fetch, ref.path)  # from S3 once per replica
         if ref.key not in self._loaded:
-            with contextlib.suppress(NotFound):  # then check_adapter names what is missing
-                path = await asyncio.to_thread(store.fetch, ref.path)  # from S3 once per replica
             check_adapter(path, max_rank=self.settings.max_lora_rank)
         from vllm.lora.request import LoRARequest
 

@@ -127,6 +127,33 @@ def test_publish_fetch_remove_round_trip(s3_server, aws_env, tmp_path):
         S3Store(tmp_path / "third", bucket=BUCKET, prefix="unit", endpoint_url=s3_server, region=None).fetch(str(path))
 
 
+def test_a_readers_copies_stay_under_its_limit_and_come_back_from_the_bucket(s3_server, aws_env, tmp_path):
+    """Copies fetched from the bucket are held under the size limit, least recently used out; a
+    removed copy is fetched again on its next use, and the bucket never loses the version."""
+    writer = S3Store(tmp_path / "writer", bucket=BUCKET, prefix="cache", endpoint_url=s3_server, region=None)
+    reader = S3Store(tmp_path / "reader", bucket=BUCKET, prefix="cache", endpoint_url=s3_server, region=None,
+                     cache_max_bytes=2 * 4096 + 100, cache_min_idle_s=0)
+    paths = []
+    for name in ("a", "b", "c"):
+        path = _version(tmp_path / "writer", name)
+        path.mkdir(parents=True)
+        (path / "adapter_model.safetensors").write_bytes(os.urandom(4096))
+        writer.publish(str(path))
+        paths.append(str(path))
+    a, b, c = paths
+    reader.fetch(a)
+    time.sleep(0.05)
+    reader.fetch(b)
+    time.sleep(0.05)
+    reader.fetch(a)  # a use: b is now the least recently used
+    time.sleep(0.05)
+    reader.fetch(c)  # three copies do not fit two
+    assert reader.local_dir(a).is_dir() and reader.local_dir(c).is_dir() and not reader.local_dir(b).exists()
+    assert (reader.fetch(b) / "adapter_model.safetensors").read_bytes() == (
+        Path(b) / "adapter_model.safetensors").read_bytes()  # back from the bucket
+    assert len(_objects(s3_server, "cache/")) == 3
+
+
 def test_the_orphan_sweep_finds_versions_in_the_bucket_that_no_row_names(s3_server, aws_env, tmp_path):
     """A trainer that uploaded a save and died before recording it leaves objects only the bucket
     holds (its machine is gone): the hourly sweep finds them by key and age, and removes them."""
