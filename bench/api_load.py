@@ -13,10 +13,10 @@ result-ready-to-response path), plus a `forward_backward` submission every `--su
    second here is what one API process does; since the clients, Postgres, Redis and the workers
    share this 2-core machine, it also prints requests per second of the API process's own CPU
    time (read from /proc), the capacity of one API process on a core of its own.
-2. **Paced**: the same clients send at `--paced-share` of the measured capacity in all (Poisson
-   arrivals), the regime a service runs in. Per call it prints the client's latency and the API's
-   own time (`Server-Timing: app;dur`, from the request reaching the app to its answer starting):
-   the overhead per future the issue bounds (p99 at most 10 ms).
+2. **Paced**: the same clients send at `--paced-share` of the measured capacity in all, or at
+   `--rate` requests/s (Poisson arrivals), the regime a service runs in. Per call it prints the
+   client's latency and the API's own time (`Server-Timing: app;dur`, from the request reaching
+   the app to its answer starting): the overhead per future the issue bounds (p99 at most 10 ms).
 
 With `--pin` (the default where there are at least 2 CPUs) the API process runs on CPU 0 and
 everything else (clients, Postgres, Redis, workers) on the others, so clients do not steal the
@@ -267,6 +267,9 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=1, help="load-generator processes")
     parser.add_argument("--submit-every", type=int, default=20, help="every Nth call submits a forward_backward")
     parser.add_argument("--paced-share", type=float, default=0.5, help="phase 2's rate, a share of phase 1's")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="phase 2's rate in requests/s instead (machines whose capacities differ compare at one "
+                             "rate: the second core, shared by clients, Postgres and the trainer, sets the tail)")
     parser.add_argument("--api-workers", type=int, default=1, help="API processes (QUILT_WORKERS)")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2)
     parser.add_argument("--data-parent", type=Path, default=Path("/tmp"),
@@ -288,7 +291,7 @@ def main() -> None:
         clients = [(tenants[c % args.tenants], [2 + c // args.tenants], per_tenant) for c in range(args.clients)]
         full, wall1, cpu1, fsync1 = _phase(stack, clients, args, 0.0, other, api)
         capacity = sum(len(v) for v in full.values()) / wall1
-        rate = args.paced_share * capacity / args.clients
+        rate = (args.rate if args.rate else args.paced_share * capacity) / args.clients
         paced, wall2, cpu2, fsync2 = _phase(stack, clients, args, rate, other, api)
 
     n1, n2 = sum(len(v) for v in full.values()), sum(len(v) for v in paced.values())
@@ -297,7 +300,8 @@ def main() -> None:
           f"{args.data_parent}")
     s1, e1, cheap1, _ = _table(f"1. capacity: {n1 / wall1:.0f} requests/s, {n1 / max(cpu1, 1e-9):.0f} per API "
                                f"CPU-second (API used {cpu1 / wall1:.2f} of a core)", full)
-    s2, e2, cheap2, app2 = _table(f"2. paced at {args.paced_share:.0%} of that: {n2 / wall2:.0f} requests/s, "
+    pace = f"at {args.rate:g} requests/s" if args.rate else f"at {args.paced_share:.0%} of that"
+    s2, e2, cheap2, app2 = _table(f"2. paced {pace}: {n2 / wall2:.0f} requests/s, "
                                   f"{n2 / max(cpu2, 1e-9):.0f} per API CPU-second", paced)
     print(f"\nfdatasync of 8 KiB in the data directory, every 20 ms beside the calls: capacity phase p50 "
           f"{fsync1['p50_ms']:.2f} ms, p99 {fsync1['p99_ms']:.2f} ms, max {fsync1['max_ms']:.1f} ms; paced phase p50 "
@@ -310,7 +314,7 @@ def main() -> None:
         "pinned": bool(args.pin), "data_parent": str(args.data_parent), "requests_per_s": round(n1 / wall1, 1),
         "requests_per_api_cpu_s": round(n1 / max(cpu1, 1e-9), 1),
         "capacity_cheap_p99_ms": round(_pct(cheap1, 0.99), 2),
-        "paced_requests_per_s": round(n2 / wall2, 1),
+        "paced_requests_per_s": round(n2 / wall2, 1), "paced_rate_asked": args.rate,
         "paced_cheap_p50_ms": round(_pct(cheap2, 0.5), 2), "paced_cheap_p99_ms": round(_pct(cheap2, 0.99), 2),
         "paced_app_p50_ms": round(_pct(app2, 0.5), 3), "paced_app_p99_ms": round(_pct(app2, 0.99), 3),
         "errors": e1 + e2, "fsync_capacity": fsync1, "fsync_paced": fsync2, "capacity": s1, "paced": s2}))

@@ -136,6 +136,8 @@ class S3Store(LocalStore):
             return directory
         except FileNotFoundError:
             pass
+        except OSError:  # a copy this process may not touch (a read-only mount) is a copy all the same
+            return directory
         from botocore.exceptions import ClientError
 
         prefix = self._object_prefix(storage_path)
