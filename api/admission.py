@@ -1,9 +1,16 @@
 """Admission: the one path by which work enters a worker's stream.
 
-    async with pool.connection() as conn:          # the route's one checkout
+    async with db.autocommit(pool) as conn:       # the route's one checkout
         model = await usable_model(conn, who, model_id, seq_id=seq_id)   # read once, 404 if not yours
         ... validate the body against the model's base ...
         request_id = await admit(conn, redis, who, Ticket(item, base_model, SeqSlot.of(model, seq_id)))
+
+A call on an existing model, or a sample group, writes one statement (the request row, with the
+model's last use in the same statement), so its route hands `admit` an autocommit connection: no
+BEGIN and no COMMIT round trip, two of a submission's eight waits (reads see a fresh snapshot per
+statement either way, under READ COMMITTED). A call that writes more rows (a new model with its
+first request, a sampler with its publication) hands it a transaction (`pool.connection()`), which
+`admit` commits.
 
 `admit` runs, in order: the idempotency rule (a retried call gets the existing future, whose
 entry is appended now if it never was: the API may have died between its commit and the append), the

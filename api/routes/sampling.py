@@ -30,7 +30,7 @@ from api.schemas import (
     SampleRequest,
     SaveWeightsForSamplerRequest,
 )
-from core import catalog, ids, queue, retention
+from core import catalog, db, ids, queue, retention
 from core.checkpoint_files import SAMPLER_KIND, new_version_dir
 from core.errors import InvalidInput, NotFound
 from core.settings import get_core_settings
@@ -222,7 +222,7 @@ async def asample(body: SampleRequest, who: Who, pool: Pool, redis: RedisDep, se
     deadline_s = body.deadline_s or gen.default_deadline_s
     if deadline_s > gen.max_deadline_s:
         raise InvalidInput(f"deadline_s {deadline_s} exceeds the limit of {gen.max_deadline_s}", field="deadline_s")
-    async with pool.connection() as conn:
+    async with db.autocommit(pool) as conn:  # one row written: no transaction (admission)
         base, adapter = await resolve(conn, who, sampling_session_id=body.sampling_session_id,
                                       model_path=body.model_path, base_model=body.base_model)
         limits = group_limits(base)

@@ -80,7 +80,7 @@ async def _model_call(conn, redis, who, model: dict, *, seq_id: int, kind: WorkK
 
 async def _queue_on_model(pool, redis, who, *, model_id: str, seq_id: int, kind: WorkKind, body) -> dict:
     """A call whose body needs nothing of the model: read it, then admit."""
-    async with pool.connection() as conn:
+    async with db.autocommit(pool) as conn:  # one row written: no transaction (admission)
         model = await admission.usable_model(conn, who, model_id, seq_id=seq_id)
         return await _model_call(conn, redis, who, model, seq_id=seq_id, kind=kind, body=body)
 
@@ -147,7 +147,7 @@ async def _forward(request: Request, who, pool, redis, settings, *, forward_only
     if not 1 <= req.seq_id <= INT32_MAX:
         raise InvalidInput(f"seq_id must be in [1, {INT32_MAX}], got {req.seq_id}", field="seq_id")
     spec_of(req.loss_fn)
-    async with pool.connection() as conn:
+    async with db.autocommit(pool) as conn:  # one row written: no transaction (admission)
         model = await admission.usable_model(conn, who, req.model_id, seq_id=req.seq_id)
         limits = datums.Limits(model["vocab_size"], model["max_context_length"], settings.max_datums_per_request,
                                settings.max_tokens_per_request)
