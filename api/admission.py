@@ -232,14 +232,14 @@ async def _quota_and_budget(conn: AsyncConnection, who: Principal, *, billable: 
     """Suspension and budget (billable tickets only), and the in-flight quota."""
     if billable and who.suspended_kind:
         raise accounts.suspension_refusal(who.suspended_kind, who.suspended_reason or "", who.tenant_name)
-    inflight = await scoped.count_inflight(conn, who)
+    inflight, budgeted = await scoped.inflight_and_budgeted(conn, who)
     if inflight >= who.max_inflight_requests:
         raise QuotaExceeded(
             f"{inflight} requests in flight reach your limit of {who.max_inflight_requests}; "
             "wait for some futures to finish",
             field="max_inflight_requests",
         )
-    if billable:
+    if billable and budgeted:
         await budgets.check(conn, tenant_id=who.tenant_id, tenant_name=who.tenant_name, key_id=who.key_id)
 
 

@@ -84,12 +84,17 @@ async def count_live_models(conn: AsyncConnection, who: Principal) -> int:
     return (await cur.fetchone())["n"]
 
 
-async def count_inflight(conn: AsyncConnection, who: Principal) -> int:
+async def inflight_and_budgeted(conn: AsyncConnection, who: Principal) -> tuple[int, bool]:
+    """The tenant's requests in flight, and whether a monthly budget bounds the tenant or the
+    calling key (billing.budgets): admission's two reads in one statement, one round trip."""
     cur = await conn.execute(
-        "SELECT count(*) AS n FROM requests WHERE tenant_id = %s AND status IN ('queued', 'running')",
-        (who.tenant_id,),
+        "SELECT (SELECT count(*) FROM requests WHERE tenant_id = %(tenant)s AND status IN ('queued', 'running')) "
+        "AS n, EXISTS (SELECT 1 FROM budgets WHERE tenant_id = %(tenant)s "
+        "AND (api_key_id IS NULL OR api_key_id = %(key)s)) AS budgeted",
+        {"tenant": who.tenant_id, "key": who.key_id},
     )
-    return (await cur.fetchone())["n"]
+    row = await cur.fetchone()
+    return row["n"], row["budgeted"]
 
 
 async def list_models(conn: AsyncConnection, who: Principal, *, limit: int, offset: int) -> tuple[list[dict], int]:
