@@ -201,7 +201,7 @@ async def _stream(conn: AsyncConnection, redis: Redis, ticket: Ticket, item: Wor
 
 async def _new_model_shard(conn: AsyncConnection, redis: Redis, ticket: Ticket) -> str | None:
     """The trainer shard a new model is placed on (with QUILT_TRAINER_SHARDS above 1)."""
-    if ticket.new_model is None or get_core_settings().trainer_shards <= 1:
+    if get_core_settings().trainer_shards <= 1:
         return None
     return await _place(conn, redis, ticket.base_model, ticket.item.model_id)
 

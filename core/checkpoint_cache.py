@@ -72,16 +72,15 @@ def scan(root: Path, depth: int) -> list[Cached]:
     return out
 
 
-def evict(root: Path, keys: list[str], *, min_idle_s: float) -> int:
+def evict(root: Path, keys: list[str], *, min_idle_s: float) -> list[str]:
     """Remove the copies `keys` names, each unless it was used since the scan (checked just before
-    it goes, which leaves a reader a window of one rename); returns the bytes freed."""
-    freed = 0
+    it goes, which leaves a reader a window of one rename); returns those removed."""
+    removed = []
     for key in keys:
         directory = root / key
         try:
             if time.time() - directory.stat().st_mtime < min_idle_s:
                 continue
-            size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
             # One rename takes it out of every reader's sight; the deletion follows at leisure.
             doomed = directory.with_name(f".evict-{directory.name}-{os.getpid()}")
             os.rename(directory, doomed)
@@ -90,8 +89,8 @@ def evict(root: Path, keys: list[str], *, min_idle_s: float) -> int:
         shutil.rmtree(doomed, ignore_errors=True)
         with contextlib.suppress(OSError):
             directory.parent.rmdir()  # the checkpoint name's directory, if no other version is left
-        freed += size
-    return freed
+        removed.append(key)
+    return removed
 
 
 class SizeLimit:
@@ -112,11 +111,12 @@ class SizeLimit:
         cached = scan(self.root, self.depth)
         self._scanned_at = time.monotonic()
         doomed = evictions(cached, max_bytes=self.max_bytes, now=time.time(), min_idle_s=self.min_idle_s)
-        freed = evict(self.root, doomed, min_idle_s=self.min_idle_s) if doomed else 0
+        removed = set(evict(self.root, doomed, min_idle_s=self.min_idle_s)) if doomed else set()
+        freed = sum(c.size for c in cached if c.key in removed)  # a version is never rewritten: sizes hold
         self._estimate = sum(c.size for c in cached) - freed
         if freed:
             log.info("checkpoint cache: %d versions (%.1f MiB) removed, least recently used first; %.1f MiB left "
-                     "(limit %.1f MiB)", len(doomed), freed / 2**20, self._estimate / 2**20, self.max_bytes / 2**20)
+                     "(limit %.1f MiB)", len(removed), freed / 2**20, self._estimate / 2**20, self.max_bytes / 2**20)
         elif self._estimate > self.max_bytes:
             log.warning("checkpoint cache over its limit (%.1f of %.1f MiB) with every version used in the last "
                         "%g s", self._estimate / 2**20, self.max_bytes / 2**20, self.min_idle_s)

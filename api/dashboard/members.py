@@ -136,7 +136,7 @@ async def forgot(request: Request, pool: Pool, redis: RedisDep, email: Annotated
     await login_limit.check(redis, account=account, address=address)
     await login_limit.failed(redis, account=account, address=address)
     async with pool.connection() as conn:
-        token = await members.start_reset(conn, email.strip().lower())
+        token = await members.start_reset(conn, account)
     if token:
         settings = get_api_settings()
         await run_in_threadpool(members.deliver, settings.smtp_url, settings.mail_from, email.strip().lower(),
