@@ -2,13 +2,13 @@
 own adapter, in one forward and one backward.
 
 Rows are ordered so each adapter's rows are contiguous (`Routing.segments`); a wrapped Linear then
-computes `base(x)` once and, for all segments together, one gathered shrink and one gathered expand
-(`GatheredLora`: batched matmuls over per-row weights taken from the adapters stacked once per
-layer), so the cost of a pass barely grows with the number of adapters in it. Every adapter gets
-exactly the gradient of a separate pass (summed in another order). It replaced one pair of
-matmuls per adapter per layer, which made each extra adapter cost its own small kernels: on this
-CPU that path ran at 0.87 of the one-adapter ceiling at 8 tenants and 0.72 at 16
-(bench/trainer_fusion.py measures the fused pass against that ceiling).
+computes `base(x)` once and, for all segments together, one shrink and one expand added into it
+(`SegmentedLora`: batched matmuls with one weight per segment when segments are the same size, per-row
+gathered weights otherwise), so the cost of a pass barely grows with the number of adapters in it.
+Every adapter gets exactly the gradient of a separate pass (summed in another order). It replaced
+one pair of matmuls per adapter per layer, which made each extra adapter cost its own small
+kernels: on this CPU that path ran at 0.87 of the one-adapter ceiling at 8 tenants and 0.72 at 16
+(bench/trainer_fusion.py measures the fused pass against that ceiling; now 0.98 and 0.98).
 
 Adapters are stored and exported in PEFT's format (`base_model.model.<module>.lora_A.weight`,
 `adapter_config.json`), which is what vLLM loads and what `peft` reads back.
@@ -68,72 +68,130 @@ class MultiLoraLinear(nn.Module):
         present = [self.adapters.get(name) for name, _, _ in segments]
         if not any(present):
             return y
-        if len(segments) == 1:  # one adapter: two plain matmuls, nothing to route
-            w = present[0]
-            return y + ((x_B_T_in.to(w.A_r_in.dtype) @ w.A_r_in.T) @ (w.B_out_r.T * w.scale)).to(y.dtype)
-        # Many adapters: stack them once (rank-padded, scale folded into B) and run one gathered
-        # shrink and one gathered expand for the whole batch (GatheredLora), so a pass costs about the
-        # same however many adapters it holds.
-        A_S_R_in, B_S_out_R = _stacked(present, self.base)
-        rows = torch.tensor([e - s for _, s, e in segments], device=x_B_T_in.device)
-        row_adapter_B = torch.repeat_interleave(torch.arange(len(segments), device=x_B_T_in.device), rows)
-        x = x_B_T_in.to(A_S_R_in.dtype)
-        return y + GatheredLora.apply(x, A_S_R_in, B_S_out_R, row_adapter_B).to(y.dtype)
+        # One shrink and one expand for the whole batch, however many adapters it holds, added
+        # into the base's output in place (SegmentedLora): one adapter takes the same path, so the
+        # fused pass and a lone adapter's differ only by what routing costs.
+        some = next(w for w in present if w is not None)
+        params: list[torch.Tensor | None] = []
+        for w in present:
+            params += [w.A_r_in, w.B_out_r] if w is not None else [None, None]
+        routed = _Segments.of(segments, present, self.base)
+        return SegmentedLora.apply(y, x_B_T_in.to(some.A_r_in.dtype), routed, *params)
 
 
-def _stacked(present: list[LoraWeights | None], base: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """(S, R, in) A's and (S, out, R) scaled B's of the batch's segments, zero-padded to the largest
-    rank R (zero rows and columns add exactly nothing); a segment without an adapter here is zeros."""
-    some = next(w for w in present if w is not None)
-    rank = max(w.A_r_in.shape[0] for w in present if w is not None)
-    dtype, device = some.A_r_in.dtype, some.A_r_in.device
-    As, Bs = [], []
-    for w in present:
-        if w is None:
-            As.append(torch.zeros(rank, base.in_features, dtype=dtype, device=device))
-            Bs.append(torch.zeros(base.out_features, rank, dtype=dtype, device=device))
-            continue
-        pad = rank - w.A_r_in.shape[0]
-        A, B = w.A_r_in, w.B_out_r * w.scale
-        if pad:
-            A, B = torch.nn.functional.pad(A, (0, 0, 0, pad)), torch.nn.functional.pad(B, (0, pad))
-        As.append(A)
-        Bs.append(B)
-    return torch.stack(As), torch.stack(Bs)
+@dataclass(frozen=True)
+class _Segments:
+    """What SegmentedLora needs to know of a pass's segments besides the weights themselves."""
+
+    rows: tuple[int, ...]           # rows per segment, in batch order
+    ranks: tuple[int, ...]          # each segment's adapter rank (0: no adapter on this layer)
+    scales: tuple[float, ...]       # each segment's alpha / rank (0.0: no adapter)
+    rank: int                       # the largest rank: the stacked weights are zero-padded to it
+    in_features: int
+    out_features: int
+
+    @classmethod
+    def of(cls, segments, present: list[LoraWeights | None], base: nn.Linear) -> _Segments:
+        ranks = tuple(w.A_r_in.shape[0] if w is not None else 0 for w in present)
+        return cls(tuple(e - s for _, s, e in segments), ranks,
+                   tuple(w.scale if w is not None else 0.0 for w in present), max(ranks),
+                   base.in_features, base.out_features)
+
+    @property
+    def equal(self) -> bool:
+        """Every segment has as many rows: the batch is a (segments, rows x tokens, in) stack as it is."""
+        return len(set(self.rows)) == 1
 
 
-class GatheredLora(torch.autograd.Function):
-    """`x[b] @ A[a(b)].T @ B[a(b)].T` for every row b, with a(b) its adapter: batched matmuls over
-    per-row gathered weights (the shape of Punica's BGMV kernels), in one shrink and one expand.
+class SegmentedLora(torch.autograd.Function):
+    """`y[b] += x[b] @ A[a(b)].T @ B[a(b)].T * scale[a(b)]` for every row b, with a(b) its adapter,
+    in one shrink and one expand for the whole batch, into the base's output `y` in place.
 
-    The gathered per-row weights are transient: forward saves only x, the small stacked weights and
-    the rank-wide intermediate, and backward gathers again, so memory does not grow with rows x
-    weights. Gradients of the stacked weights are summed per adapter with index_add (each adapter's
-    rows contribute exactly what a separate pass would, up to summation order)."""
+    The adapters' A and B are stacked once per layer and pass (zero-padded to the largest rank:
+    zero rows and columns add exactly nothing), inside this function, so autograd sees one node per
+    layer whatever the number of adapters, and each adapter's gradient comes back as a slice of the
+    stacked one. When every segment has as many rows (the usual fused step: one small batch per
+    tenant) the batch already is a stack of segments, and the shrink and expand are batched matmuls
+    with one weight per segment (Punica's SGMV shape, nothing gathered). Otherwise each row's
+    weights are gathered from the stack (BGMV's shape) and gradients summed per adapter with
+    index_add. Each adapter gets exactly the gradient of a separate pass, summed in another order.
+
+    The expand accumulates into `y` (baddbmm) rather than into a tensor of its own: at the
+    vocabulary-wide lm_head a fresh output the size of the logits, and the pass to add it, cost
+    more than the matmul (the base's backward never reads `y`, so changing it is safe)."""
 
     @staticmethod
-    def forward(ctx, x_B_T_in, A_S_R_in, B_S_out_R, row_adapter_B):
-        A_B_R_in = A_S_R_in.index_select(0, row_adapter_B)
-        xa_B_T_R = torch.bmm(x_B_T_in, A_B_R_in.transpose(1, 2))
-        out = torch.bmm(xa_B_T_R, B_S_out_R.index_select(0, row_adapter_B).transpose(1, 2))
-        ctx.save_for_backward(x_B_T_in, A_S_R_in, B_S_out_R, row_adapter_B, xa_B_T_R)
-        return out
+    def forward(ctx, y_B_T_out, x_B_T_in, routed: _Segments, *params):
+        R = routed.rank
+        A_S_R_in = torch.stack([_padded(a, R, 0, (R, routed.in_features), x_B_T_in) for a in params[0::2]])
+        B_S_out_R = torch.stack([_padded(b, R, 1, (routed.out_features, R), x_B_T_in) for b in params[1::2]])
+        scale_S = torch.tensor(routed.scales, dtype=x_B_T_in.dtype, device=x_B_T_in.device)
+        B, T, _ = x_B_T_in.shape
+        S = len(routed.rows)
+        if routed.equal:
+            row_adapter_B = None
+            xa = torch.bmm(x_B_T_in.reshape(S, -1, routed.in_features), A_S_R_in.transpose(1, 2))
+            xa.mul_(scale_S.view(S, 1, 1))
+            B_x_out_R = B_S_out_R
+        else:
+            row_adapter_B = torch.repeat_interleave(
+                torch.arange(S, device=x_B_T_in.device), torch.tensor(routed.rows, device=x_B_T_in.device))
+            xa = torch.bmm(x_B_T_in, A_S_R_in.index_select(0, row_adapter_B).transpose(1, 2))
+            xa.mul_(scale_S.index_select(0, row_adapter_B).view(B, 1, 1))
+            B_x_out_R = B_S_out_R.index_select(0, row_adapter_B)
+        if y_B_T_out.dtype == xa.dtype and y_B_T_out.is_contiguous():
+            y_B_T_out.view(xa.shape[0], -1, routed.out_features).baddbmm_(xa, B_x_out_R.transpose(1, 2))
+        else:  # a bf16 base: the adapters' product is computed in their float32 and rounded once
+            y_B_T_out.add_(torch.bmm(xa, B_x_out_R.transpose(1, 2)).view(B, T, -1).to(y_B_T_out.dtype))
+        ctx.mark_dirty(y_B_T_out)
+        ctx.routed = routed
+        ctx.save_for_backward(x_B_T_in, A_S_R_in, B_S_out_R, scale_S, xa, row_adapter_B)
+        return y_B_T_out
 
     @staticmethod
     def backward(ctx, grad_B_T_out):
-        x_B_T_in, A_S_R_in, B_S_out_R, row_adapter_B, xa_B_T_R = ctx.saved_tensors
-        B_B_out_R = B_S_out_R.index_select(0, row_adapter_B)
-        grad_xa_B_T_R = torch.bmm(grad_B_T_out, B_B_out_R)
+        x_B_T_in, A_S_R_in, B_S_out_R, scale_S, xa, row_adapter_B = ctx.saved_tensors
+        routed: _Segments = ctx.routed
+        S = len(routed.rows)
+        B, T, _ = x_B_T_in.shape
+        grad = grad_B_T_out.to(xa.dtype)
+        want_x = ctx.needs_input_grad[1]
+        want_w = any(ctx.needs_input_grad[3:])
         grad_x = grad_A = grad_B = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.bmm(grad_xa_B_T_R, A_S_R_in.index_select(0, row_adapter_B))
-        if ctx.needs_input_grad[1]:
-            grad_A = torch.zeros_like(A_S_R_in).index_add_(
-                0, row_adapter_B, torch.bmm(grad_xa_B_T_R.transpose(1, 2), x_B_T_in))
-        if ctx.needs_input_grad[2]:
-            grad_B = torch.zeros_like(B_S_out_R).index_add_(
-                0, row_adapter_B, torch.bmm(grad_B_T_out.transpose(1, 2), xa_B_T_R))
-        return grad_x, grad_A, grad_B, None
+        if row_adapter_B is None:  # equal segments: one weight per segment, nothing to gather
+            g_S_N_out = grad.reshape(S, -1, routed.out_features)
+            grad_xa = torch.bmm(g_S_N_out, B_S_out_R).mul_(scale_S.view(S, 1, 1))
+            if want_x:
+                grad_x = torch.bmm(grad_xa, A_S_R_in).view(B, T, routed.in_features)
+            if want_w:
+                grad_A = torch.bmm(grad_xa.transpose(1, 2), x_B_T_in.reshape(S, -1, routed.in_features))
+                grad_B = torch.bmm(g_S_N_out.transpose(1, 2), xa)
+        else:
+            grad_xa = torch.bmm(grad, B_S_out_R.index_select(0, row_adapter_B))
+            grad_xa.mul_(scale_S.index_select(0, row_adapter_B).view(B, 1, 1))
+            if want_x:
+                grad_x = torch.bmm(grad_xa, A_S_R_in.index_select(0, row_adapter_B))
+            if want_w:
+                grad_A = torch.zeros_like(A_S_R_in).index_add_(
+                    0, row_adapter_B, torch.bmm(grad_xa.transpose(1, 2), x_B_T_in))
+                grad_B = torch.zeros_like(B_S_out_R).index_add_(
+                    0, row_adapter_B, torch.bmm(grad.transpose(1, 2), xa))
+        grads: list[torch.Tensor | None] = []
+        for s, r in enumerate(routed.ranks):
+            wanted = want_w and r and ctx.needs_input_grad[3 + 2 * s]
+            grads += [grad_A[s, :r] if wanted else None, grad_B[s, :, :r] if wanted else None]
+        return (grad_B_T_out, grad_x, None, *grads)
+
+
+def _padded(w: torch.Tensor | None, rank: int, dim: int, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    """An adapter's A (dim 0) or B (dim 1) zero-padded to `rank` along its rank dimension; zeros of
+    `shape` for a segment without an adapter on this layer."""
+    if w is None:
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+    pad = rank - w.shape[dim]
+    if not pad:
+        return w
+    return torch.nn.functional.pad(w, (0, 0, 0, pad) if dim == 0 else (0, pad))
 
 
 class MultiLoraModel:
