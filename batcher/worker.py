@@ -22,6 +22,7 @@ from typing import TypeVar
 import psycopg
 import torch
 
+from batcher import heap
 from batcher.backend import LoraBackend, PassRequest
 from batcher.exports import Exports
 from batcher.policy import FairShare, RoundPlan, plan_round
@@ -760,6 +761,8 @@ def _memory_plan(base: catalog.BaseModel, settings) -> memory_plan.MemoryPlan:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = get_trainer_settings()
+    if settings.keep_freed_memory:
+        heap.keep_freed_memory()
     db_url = db.resolve_url()
     base = catalog.worker_base(db_url, settings.base_model)
     plan = _memory_plan(base, settings)

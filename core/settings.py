@@ -139,6 +139,9 @@ class TrainerSettings(BaseSettings):
                                             "reports (core.memory_plan)")
     shares_device: bool = Field(True, description="GPU only: the generation worker uses this trainer's GPU too "
                                                   "(its QUILT_GEN_GPU_MEMORY_SHARE is then not the trainer's)")
+    keep_freed_memory: bool = Field(
+        True, description="keep freed host memory in the process heap instead of unmapping it (batcher.heap): "
+                          "large tensors are not page-faulted in again every pass; the process holds its peak")
     offload_device: str = Field("cpu", description="where idle adapters and their optimizer state are parked")
     offload_idle_s: float = Field(300.0, ge=0, description="seconds unused before an adapter is parked")
     max_resident_adapters: int = Field(0, ge=0, le=100_000,
