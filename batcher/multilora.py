@@ -165,7 +165,7 @@ class SegmentedLora(torch.autograd.Function):
                 grad_x = torch.bmm(grad_xa, A_S_R_in).view(B, T, routed.in_features)
             if want_w:
                 grad_A = torch.bmm(grad_xa.transpose(1, 2), x_B_T_in.reshape(S, -1, routed.in_features))
-                grad_B = torch.bmm(g_S_N_out.transpose(1, 2), xa)
+                grad_B = _outer(g_S_N_out, xa)
         else:
             grad_xa = torch.bmm(grad, B_S_out_R.index_select(0, row_adapter_B))
             grad_xa.mul_(scale_S.index_select(0, row_adapter_B).view(B, 1, 1))
@@ -175,12 +175,19 @@ class SegmentedLora(torch.autograd.Function):
                 grad_A = torch.zeros_like(A_S_R_in).index_add_(
                     0, row_adapter_B, torch.bmm(grad_xa.transpose(1, 2), x_B_T_in))
                 grad_B = torch.zeros_like(B_S_out_R).index_add_(
-                    0, row_adapter_B, torch.bmm(grad.transpose(1, 2), xa))
+                    0, row_adapter_B, _outer(grad, xa))
         grads: list[torch.Tensor | None] = []
         for s, r in enumerate(routed.ranks):
             wanted = want_w and r and ctx.needs_input_grad[3 + 2 * s]
             grads += [grad_A[s, :r] if wanted else None, grad_B[s, :, :r] if wanted else None]
         return (grad_B_T_out, grad_x, None, *grads)
+
+
+def _outer(grad_X_N_out: torch.Tensor, xa_X_N_R: torch.Tensor) -> torch.Tensor:
+    """B's gradient, `grad.T @ xa` per batch entry, as `(xa.T @ grad).T`: the output-wide operand is
+    then read in its own layout. Handed transposed, a single-entry bmm copied it first: 60 against
+    23 ms at the lm_head of a 4,096-token pass here."""
+    return torch.bmm(xa_X_N_R.transpose(1, 2), grad_X_N_out).transpose(1, 2)
 
 
 def _padded(w: torch.Tensor | None, rank: int, dim: int, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:

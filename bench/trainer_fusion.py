@@ -10,6 +10,8 @@
    (d) PEFT mixed: the same fused step through PEFT's mixed-adapter forward (`adapter_names=`),
                    the other known way to fuse; Quilt uses the grouped layer of batcher.multilora
                    because this column loses to it.
+   2b. The same with tenants bringing different numbers of sequences (1 and 3; 1, 1, 1 and 5),
+       where the layer gathers each row's weights instead of treating the batch as equal segments.
 3. A grid over per-tenant batch sizes at 8 tenants: fusion pays where one tenant's batch leaves the
    hardware under-used and stops paying where one batch already saturates it.
 
@@ -143,12 +145,14 @@ class PeftMixed:
         self.model.zero_grad(set_to_none=True)
 
 
-def measure_modes(be: LoraBackend, n: int, rows_per_tenant: int, reps: int,
+def measure_modes(be: LoraBackend, n: int, rows_per_tenant: int | list[int], reps: int,
                   peft: PeftMixed | None = None) -> tuple[dict[str, float], dict[str, float]]:
     """Median seconds of each mode, and the median over repetitions of each mode's time over the
     fused pass's in the same repetition: the modes run interleaved, so a slow spell of this shared
-    machine lands in one repetition's pair instead of in one mode's column."""
-    work = [(f"t{i}", [datum(1000 * i + j) for j in range(rows_per_tenant)]) for i in range(n)]
+    machine lands in one repetition's pair instead of in one mode's column. `rows_per_tenant` is
+    one count for all, or each tenant's own."""
+    sizes = rows_per_tenant if isinstance(rows_per_tenant, list) else [rows_per_tenant] * n
+    work = [(f"t{i}", [datum(1000 * i + j) for j in range(sizes[i])]) for i in range(n)]
     all_rows = [d for _, data in work for d in data]
     modes = {
         "fused": lambda: run_pass(be, work),
@@ -232,6 +236,16 @@ def main() -> None:
                   f"{row[0]:>10.2f} {row[1]:>11.2f} {row[3]:>11.2f} {row[2]:>10.1%}")
         del peft
 
+        # 2b. tenants bringing different row counts: the layer gathers per-row weights instead
+        print(f"\n2b. tenants with different batch sizes ({ROW}-token sequences; the gathered path)")
+        print(f"{'tenants':>8} {'sequences each':>24} {'fused/seq':>10} {'fused/ceil':>11}")
+        mixed = {}
+        for sizes in ([1, 3] * 4, [1, 1, 1, 5] * 4):
+            _, over_fused = measure_modes(be, len(sizes), sizes, reps)
+            mixed[len(sizes)] = (over_fused["sequential"], over_fused["ceiling"])
+            print(f"{len(sizes):>8} {','.join(map(str, sizes[:4])) + ' ...':>24} {mixed[len(sizes)][0]:>10.2f} "
+                  f"{mixed[len(sizes)][1]:>11.2f}")
+
         # 3. grid at 8 tenants
         print("\n3. 8 tenants, per-tenant batch size: where fusion pays")
         print(f"{'tokens/tenant':>14} {'fused/seq':>10} {'fused/ceil':>11} {'MFU fused':>10}")
@@ -252,6 +266,8 @@ def main() -> None:
         "fused_over_ceiling_32": round(headline[32][1], 3),
         "fused_over_ceiling_64": round(headline[64][1], 3),
         "fused_over_sequential_64": round(headline[64][0], 3),
+        "fused_over_ceiling_mixed_8": round(mixed[8][1], 3),
+        "fused_over_ceiling_mixed_16": round(mixed[16][1], 3),
         "mfu_fused_8": round(headline[8][2], 4),
         "fused_over_peft_mixed_8": round(headline[8][3], 3),
         "tenant_tokens": ROW,
