@@ -86,7 +86,6 @@ class _Segments:
     rows: tuple[int, ...]           # rows per segment, in batch order
     ranks: tuple[int, ...]          # each segment's adapter rank (0: no adapter on this layer)
     scales: tuple[float, ...]       # each segment's alpha / rank (0.0: no adapter)
-    rank: int                       # the largest rank: the stacked weights are zero-padded to it
     in_features: int
     out_features: int
 
@@ -94,8 +93,12 @@ class _Segments:
     def of(cls, segments, present: list[LoraWeights | None], base: nn.Linear) -> _Segments:
         ranks = tuple(w.A_r_in.shape[0] if w is not None else 0 for w in present)
         return cls(tuple(e - s for _, s, e in segments), ranks,
-                   tuple(w.scale if w is not None else 0.0 for w in present), max(ranks),
-                   base.in_features, base.out_features)
+                   tuple(w.scale if w is not None else 0.0 for w in present), base.in_features, base.out_features)
+
+    @property
+    def rank(self) -> int:
+        """The largest rank: the stacked weights are zero-padded to it."""
+        return max(self.ranks)
 
     @property
     def equal(self) -> bool:

@@ -145,14 +145,13 @@ class PeftMixed:
         self.model.zero_grad(set_to_none=True)
 
 
-def measure_modes(be: LoraBackend, n: int, rows_per_tenant: int | list[int], reps: int,
+def measure_modes(be: LoraBackend, sizes: list[int], reps: int,
                   peft: PeftMixed | None = None) -> tuple[dict[str, float], dict[str, float]]:
     """Median seconds of each mode, and the median over repetitions of each mode's time over the
     fused pass's in the same repetition: the modes run interleaved, so a slow spell of this shared
-    machine lands in one repetition's pair instead of in one mode's column. `rows_per_tenant` is
-    one count for all, or each tenant's own."""
-    sizes = rows_per_tenant if isinstance(rows_per_tenant, list) else [rows_per_tenant] * n
-    work = [(f"t{i}", [datum(1000 * i + j) for j in range(sizes[i])]) for i in range(n)]
+    machine lands in one repetition's pair instead of in one mode's column. `sizes`: each tenant's
+    number of sequences."""
+    work = [(f"t{i}", [datum(1000 * i + j) for j in range(k)]) for i, k in enumerate(sizes)]
     all_rows = [d for _, data in work for d in data]
     modes = {
         "fused": lambda: run_pass(be, work),
@@ -223,9 +222,9 @@ def main() -> None:
         print(f"{'tenants':>8} {'fused':>9} {'sequential':>11} {'ceiling':>9} {'PEFT mixed':>11} "
               f"{'fused/seq':>10} {'fused/ceil':>11} {'fused/PEFT':>11} {'MFU fused':>10}")
         headline = {}
-        peft = PeftMixed(tmp, max(TENANTS), args.rank)
+        peft = PeftMixed(tmp, PEFT_UP_TO, args.rank)
         for n in TENANTS:
-            t, over_fused = measure_modes(be, n, 1, reps, peft if n <= PEFT_UP_TO else None)
+            t, over_fused = measure_modes(be, [1] * n, reps, peft if n <= PEFT_UP_TO else None)
             tokens = n * ROW
             tps = {k: tokens / v for k, v in t.items()}
             row = (over_fused["sequential"], over_fused["ceiling"], mfu(tokens, t["fused"]),
@@ -241,7 +240,7 @@ def main() -> None:
         print(f"{'tenants':>8} {'sequences each':>24} {'fused/seq':>10} {'fused/ceil':>11}")
         mixed = {}
         for sizes in ([1, 3] * 4, [1, 1, 1, 5] * 4):
-            _, over_fused = measure_modes(be, len(sizes), sizes, reps)
+            _, over_fused = measure_modes(be, sizes, reps)
             mixed[len(sizes)] = (over_fused["sequential"], over_fused["ceiling"])
             print(f"{len(sizes):>8} {','.join(map(str, sizes[:4])) + ' ...':>24} {mixed[len(sizes)][0]:>10.2f} "
                   f"{mixed[len(sizes)][1]:>11.2f}")
@@ -251,7 +250,7 @@ def main() -> None:
         print(f"{'tokens/tenant':>14} {'fused/seq':>10} {'fused/ceil':>11} {'MFU fused':>10}")
         grid = {}
         for rows in (1, 2, 4, 8):
-            t, over_fused = measure_modes(be, 8, rows, max(2, reps // 2))
+            t, over_fused = measure_modes(be, [rows] * 8, max(2, reps // 2))
             tokens = 8 * rows * ROW
             grid[rows * ROW] = (over_fused["sequential"], over_fused["ceiling"], mfu(tokens, t["fused"]))
             g = grid[rows * ROW]
