@@ -139,7 +139,7 @@ async def forgot(request: Request, pool: Pool, redis: RedisDep, email: Annotated
         token = await members.start_reset(conn, account)
     if token:
         settings = get_api_settings()
-        await run_in_threadpool(members.deliver, settings.smtp_url, settings.mail_from, email.strip().lower(),
+        await run_in_threadpool(members.deliver, settings.smtp_url, settings.mail_from, account,
                                 "Reset your Quilt password", _link(request, f"/dashboard/reset?token={token}"))
     return _form_page(request, "forgot.html", sent=True)
 
