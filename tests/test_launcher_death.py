@@ -89,10 +89,12 @@ def test_a_hard_killed_launcher_leaves_nothing_running():
         assert second.returncode != 0 and "another `quilt up`" in second.stderr, second.stderr
         assert _running(entries) == [e.name for e in entries]  # and disturbed nothing
 
-        # SIGKILL: the reaper stops everything the launcher recorded.
+        # SIGKILL: the reaper stops everything the launcher recorded, removes the record, exits.
+        reaper = _reaper_of(first.pid)
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=10)
         assert _wait_gone(entries) == []
+        reaper.wait(timeout=60)  # it clears the record after its last process is gone
         assert not (data_dir / leftovers.PIDS_FILE).exists()
 
         # The launcher and its reaper both killed: the next launcher stops the leftovers first.
