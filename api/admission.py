@@ -8,7 +8,8 @@
 A call on an existing model, or a sample group, writes one statement (the request row, with the
 model's last use in the same statement), so its route hands `admit` an autocommit connection: no
 BEGIN and no COMMIT round trip, two of a submission's eight waits (reads see a fresh snapshot per
-statement either way, under READ COMMITTED). A call that writes more rows (a new model with its
+statement either way, under READ COMMITTED); its in-flight count and budget flag come with the
+model's read (`usable_model`), a third. A call that writes more rows (a new model with its
 first request, a sampler with its publication) hands it a transaction (`pool.connection()`), which
 `admit` commits.
 
@@ -66,12 +67,16 @@ class SeqSlot:
     holder_kind: str | None = None
     holder_status: str | None = None
     shard: str | None = None
+    # The tenant's requests in flight and whether a budget bounds it, as read with the model (None:
+    # not read with it, so admission reads them itself).
+    quota: tuple[int, bool] | None = None
 
     @classmethod
     def of(cls, model: dict, seq_id: int) -> SeqSlot:
         """From a row of `usable_model(..., seq_id=seq_id)`."""
+        quota = (model["inflight"], model["budgeted"]) if "inflight" in model else None
         return cls(model["id"], seq_id, model.get("seq_holder_id"), model.get("seq_holder_kind"),
-                   model.get("seq_holder_status"), model.get("trainer_shard"))
+                   model.get("seq_holder_status"), model.get("trainer_shard"), quota)
 
 
 @dataclass(frozen=True)
@@ -101,8 +106,9 @@ class Ticket:
 
 async def usable_model(conn: AsyncConnection, who: Principal, model_id: str, *, seq_id: int | None = None) -> dict:
     """The caller's model, if requests may still be queued on it (else 404 / 400); with `seq_id`,
-    the row also names the request already holding that seq_id (tenancy.scoped.get_model)."""
-    model = await scoped.get_model(conn, who, model_id, seq_id=seq_id)
+    the row also names the request already holding that seq_id, and carries admission's own reads
+    (tenancy.scoped.get_model), so the call's next wait is its insert."""
+    model = await scoped.get_model(conn, who, model_id, seq_id=seq_id, admission=True)
     if model["status"] in _UNUSABLE:
         raise InvalidInput(f"model {model_id!r} {_UNUSABLE[model['status']]}", field="model_id")
     return model
@@ -142,7 +148,8 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
                 item = replace(item, request_id=existing.decode())
     try:
         if ticket.check_quota:
-            await _quota_and_budget(conn, who, billable=ticket.billable)
+            await _quota_and_budget(conn, who, billable=ticket.billable,
+                                    read=slot.quota if isinstance(slot, SeqSlot) else None)
             await _rate(redis, who, item.n_tokens if ticket.rate_tokens is None else ticket.rate_tokens)
         if ticket.new_model is not None:
             shard = await _new_model_shard(conn, redis, ticket)
@@ -228,11 +235,13 @@ async def _replica_stream(redis: Redis, base_model: str, item: WorkItem) -> str 
     return await router.stream_for(redis, base_model, item)
 
 
-async def _quota_and_budget(conn: AsyncConnection, who: Principal, *, billable: bool) -> None:
-    """Suspension and budget (billable tickets only), and the in-flight quota."""
+async def _quota_and_budget(conn: AsyncConnection, who: Principal, *, billable: bool,
+                            read: tuple[int, bool] | None) -> None:
+    """Suspension and budget (billable tickets only), and the in-flight quota; `read`: the in-flight
+    count and budget flag already read with the model (else read here)."""
     if billable and who.suspended_kind:
         raise accounts.suspension_refusal(who.suspended_kind, who.suspended_reason or "", who.tenant_name)
-    inflight, budgeted = await scoped.inflight_and_budgeted(conn, who)
+    inflight, budgeted = read if read is not None else await scoped.inflight_and_budgeted(conn, who)
     if inflight >= who.max_inflight_requests:
         raise QuotaExceeded(
             f"{inflight} requests in flight reach your limit of {who.max_inflight_requests}; "

@@ -9,8 +9,14 @@ from core import retention
 from core.errors import NotFound
 from tenancy.auth import Principal
 
+# Admission's reads: the tenant's requests in flight, and whether a monthly budget bounds the tenant
+# or the calling key (billing.budgets).
+_ADMISSION_READS = ("(SELECT count(*) FROM requests WHERE tenant_id = %(tenant)s AND status IN ('queued', 'running')) "
+                    "AS inflight, EXISTS (SELECT 1 FROM budgets WHERE tenant_id = %(tenant)s "
+                    "AND (api_key_id IS NULL OR api_key_id = %(key)s)) AS budgeted")
 
-async def _one(conn: AsyncConnection, sql: str, params: tuple, missing: str, field: str) -> dict:
+
+async def _one(conn: AsyncConnection, sql: str, params: tuple | dict, missing: str, field: str) -> dict:
     cur = await conn.execute(sql, params)
     row = await cur.fetchone()
     if row is None:
@@ -28,18 +34,22 @@ async def get_session(conn: AsyncConnection, who: Principal, session_id: str) ->
     )
 
 
-async def get_model(conn: AsyncConnection, who: Principal, model_id: str, *, seq_id: int | None = None) -> dict:
+async def get_model(conn: AsyncConnection, who: Principal, model_id: str, *, seq_id: int | None = None,
+                    admission: bool = False) -> dict:
     """A training model of yours, with its base's limits (`vocab_size`, `max_context_length`) and,
     given `seq_id`, the request already holding it (`seq_holder_id`, `seq_holder_kind` and
-    `seq_holder_status`, else None): everything a call on the model needs, in one read."""
+    `seq_holder_status`, else None): everything a call on the model needs, in one read. With
+    `admission`, also admission's own reads (`inflight_and_budgeted`'s `inflight` and `budgeted`),
+    so a call on a model waits on one statement before its insert, not two."""
+    quota = f", {_ADMISSION_READS}" if admission else ""
     return await _one(
         conn,
         "SELECT m.*, b.vocab_size, b.max_context_length, r.id AS seq_holder_id, r.kind AS seq_holder_kind, "
-        "r.status AS seq_holder_status "
+        f"r.status AS seq_holder_status{quota} "
         "FROM training_models m JOIN base_models b ON b.name = m.base_model "
-        "LEFT JOIN requests r ON r.model_id = m.id AND r.seq_id = %s "
-        "WHERE m.id = %s AND m.tenant_id = %s AND m.status <> 'deleted'",
-        (seq_id, model_id, who.tenant_id),
+        "LEFT JOIN requests r ON r.model_id = m.id AND r.seq_id = %(seq)s "
+        "WHERE m.id = %(model)s AND m.tenant_id = %(tenant)s AND m.status <> 'deleted'",
+        {"seq": seq_id, "model": model_id, "tenant": who.tenant_id, "key": who.key_id},
         f"model {model_id!r} not found",
         "model_id",
     )
@@ -86,15 +96,11 @@ async def count_live_models(conn: AsyncConnection, who: Principal) -> int:
 
 async def inflight_and_budgeted(conn: AsyncConnection, who: Principal) -> tuple[int, bool]:
     """The tenant's requests in flight, and whether a monthly budget bounds the tenant or the
-    calling key (billing.budgets): admission's two reads in one statement, one round trip."""
-    cur = await conn.execute(
-        "SELECT (SELECT count(*) FROM requests WHERE tenant_id = %(tenant)s AND status IN ('queued', 'running')) "
-        "AS n, EXISTS (SELECT 1 FROM budgets WHERE tenant_id = %(tenant)s "
-        "AND (api_key_id IS NULL OR api_key_id = %(key)s)) AS budgeted",
-        {"tenant": who.tenant_id, "key": who.key_id},
-    )
+    calling key (billing.budgets): admission's two reads in one statement, one round trip (a call
+    on a model reads them with the model instead: `get_model(..., admission=True)`)."""
+    cur = await conn.execute(f"SELECT {_ADMISSION_READS}", {"tenant": who.tenant_id, "key": who.key_id})
     row = await cur.fetchone()
-    return row["n"], row["budgeted"]
+    return row["inflight"], row["budgeted"]
 
 
 async def list_models(conn: AsyncConnection, who: Principal, *, limit: int, offset: int) -> tuple[list[dict], int]:

@@ -92,3 +92,29 @@ def test_requests_behind_a_seq_id_that_never_comes_fail_after_the_deadline_and_f
     late = client.post("/forward_backward", json=fb_body(model_id, 1, [datum([1, 2, 3])]))
     failed = wait_future(client, late.json()["request_id"])
     assert failed["category"] == "user" and "arrived after" in failed["error"], failed
+
+
+def test_the_inflight_quota_refuses_a_call_on_a_model_with_429_until_work_finishes(stack):
+    """Admission reads the in-flight count with the model (one statement): the limit still holds,
+    names its field, spares other tenants, and lifts as the tenant's work finishes."""
+    busy, calm = stack.create_tenant("busy"), stack.create_tenant("calm-inflight")
+    b, c = stack.http(busy.key), stack.http(calm.key)
+    b_model, c_model = new_model(b), new_model(c)
+    assert "max_inflight_requests=3" in _set_quota(stack, busy.name, "--max-inflight", "3")
+    # seq 2-4 wait in the trainer for seq 1, so they stay in flight.
+    waiting = [_fb(b, b_model, seq, n_datums=1) for seq in (2, 3, 4)]
+    assert all(r.status_code == 200 for r in waiting), [r.text for r in waiting]
+    refused = _fb(b, b_model, 5, n_datums=1)
+    assert refused.status_code == 429, refused.text
+    body = refused.json()
+    assert body["field"] == "max_inflight_requests" and "limit of 3" in body["error"] and body["category"] == "user"
+    assert _fb(c, c_model, 1, n_datums=1).status_code == 200  # another tenant is not affected
+    # The limit counts every unfinished request, the ones waiting for seq 1 too: a client sending
+    # out of order past its limit must wait for them (or their seq-gap deadline).
+    assert _fb(b, b_model, 1, n_datums=1).status_code == 429
+    _set_quota(stack, busy.name, "--max-inflight", "4")
+    first = _fb(b, b_model, 1, n_datums=1)
+    assert first.status_code == 200, first.text
+    for r in [first, *waiting]:
+        assert "loss:sum" in wait_future(b, r.json()["request_id"])["metrics"]
+    assert _fb(b, b_model, 5, n_datums=1).status_code == 200  # finished work frees the quota
