@@ -22,7 +22,11 @@ With `--pin` (the default where there are at least 2 CPUs) the API process runs 
 everything else (clients, Postgres, Redis, workers) on the others, so clients do not steal the
 API's core, and the workers run at the lowest priority there (in a deployment they have machines
 of their own; here the trainer running the submitted passes would otherwise take the core that
-Postgres and Redis answer the API from). The clients use aiohttp: an httpx client in this loop spent more CPU per call than the
+Postgres and Redis answer the API from). Phase 2 runs in `--slices` turns of each `--layouts`
+entry: `api` is that layout; `service` moves Postgres and Redis onto the API's core, so what a
+call waits on no longer shares a core with the 64 clients and the trainer (as in a deployment,
+where the load comes from elsewhere and the database has its own machine). Alternating the two in
+one run puts a slow spell of this shared host on both. The clients use aiohttp: an httpx client in this loop spent more CPU per call than the
 API did (about 1,100 calls/s from a whole core against a trivial FastAPI app, aiohttp 6,000).
 Ends with one JSON line.
 """
@@ -158,16 +162,26 @@ def _api_processes(base_url: str) -> list[psutil.Process]:
 WORKERS = ("batcher.worker", "gen_pool.worker", "VLLM", "celery")
 
 
-def _pin(api: list[psutil.Process], api_cpus: set[int], other_cpus: set[int]) -> None:
-    """The API's threads on `api_cpus`; this process and the stack's others (the launcher and all
-    it started: Postgres and its future backends, Redis, workers) on `other_cpus`. The workers
-    (the trainer running the submitted passes, the engine, Celery) get the lowest priority there:
-    in a deployment they have machines of their own, and what they compute is not the API's time;
-    on this box they would otherwise take the core Postgres and Redis answer the API from."""
-    api_pids = {p.pid for p in api}
+STORES = ("postgres", "redis-server")
+LAYOUTS = ("api", "service")
+
+
+def _pin(api: list[psutil.Process], api_cpus: set[int], other_cpus: set[int], layout: str = "api") -> None:
+    """Layout `api`: the API's threads on `api_cpus`; this process and the stack's others (the
+    launcher and all it started: Postgres and its backends, Redis, workers) on `other_cpus`.
+    Layout `service`: Postgres and Redis join the API on `api_cpus`, so what a call waits on runs
+    beside it rather than beside the 64 clients and the trainer (a deployment gives its database
+    no load generator to share with). The workers (the trainer running the submitted passes, the
+    engine, Celery) get the lowest priority: in a deployment they have machines of their own, and
+    what they compute is not the API's time; on this box they would otherwise take the core
+    Postgres and Redis answer the API from."""
+    front = {p.pid for p in api}
     os.sched_setaffinity(0, other_cpus)
     for p in psutil.Process().children(recursive=True):
-        cpus = api_cpus if p.pid in api_pids else other_cpus
+        with contextlib.suppress(psutil.Error):
+            if layout == "service" and p.name() in STORES:
+                front.add(p.pid)
+        cpus = api_cpus if p.pid in front else other_cpus
         with contextlib.suppress(psutil.Error):
             if any(w in " ".join(p.cmdline()) or w in p.name() for w in WORKERS):
                 p.nice(19)
@@ -208,9 +222,11 @@ class FsyncProbe:
         self._thread.join()
         self.path.unlink(missing_ok=True)
 
-    def summary(self) -> dict:
-        return {"count": len(self.samples), "p50_ms": round(_pct(self.samples, 0.5), 3),
-                "p99_ms": round(_pct(self.samples, 0.99), 3), "max_ms": round(max(self.samples, default=0.0), 3)}
+
+
+def _fsync_summary(samples: list[float]) -> dict:
+    return {"count": len(samples), "p50_ms": round(_pct(samples, 0.5), 3),
+            "p99_ms": round(_pct(samples, 0.99), 3), "max_ms": round(max(samples, default=0.0), 3)}
 
 
 def _cpu_s(api: list[psutil.Process]) -> float:
@@ -218,10 +234,10 @@ def _cpu_s(api: list[psutil.Process]) -> float:
 
 
 def _phase(stack: RunningStack, clients: list, args, rate: float, other_cpus: set[int] | None,
-           api: list[psutil.Process]) -> tuple[dict[str, list], float, float, dict]:
-    """Run the clients for `args.seconds`; returns (per-call samples, wall s, API CPU s, the data
-    directory's fsync latency meanwhile)."""
-    stop_at = time.monotonic() + args.seconds
+           api: list[psutil.Process], seconds: float) -> tuple[dict[str, list], float, float, list[float]]:
+    """Run the clients for `seconds`; returns (per-call samples, wall s, API CPU s, the data
+    directory's fsync latencies meanwhile)."""
+    stop_at = time.monotonic() + seconds
     shares = [(stack.base_url, clients[p::args.procs], stop_at, args.submit_every, rate, other_cpus, 1000 + p)
               for p in range(args.procs)]
     started, cpu0 = time.monotonic(), _cpu_s(api)
@@ -234,7 +250,7 @@ def _phase(stack: RunningStack, clients: list, args, rate: float, other_cpus: se
             merged.setdefault(name, []).extend(values)
         for (_tenant, seq, _stride), next_seq in zip(clients[p::args.procs], next_seqs):
             seq[0] = next_seq  # the next phase goes on where this one stopped: no gap to wait behind
-    return merged, wall, cpu, probe.summary()
+    return merged, wall, cpu, probe.samples
 
 
 def _table(title: str, merged: dict[str, list]) -> tuple[dict, int, list, list]:
@@ -275,7 +291,16 @@ def main() -> None:
     parser.add_argument("--data-parent", type=Path, default=Path("/tmp"),
                         help="where the stack's data directory (Postgres, Redis AOF) is made; /dev/shm takes "
                              "the disk's fsync out of the measurement")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS),
+                        help="phase 2's core layouts (with --pin), run in turns: api (the API alone on a core), "
+                             "service (Postgres and Redis beside it)")
+    parser.add_argument("--slices", type=int, default=5,
+                        help="phase 2 alternates its layouts this many times, so a slow spell of a shared host "
+                             "falls on both")
     args = parser.parse_args()
+    layouts = [x for x in args.layouts.split(",") if x] if args.pin else ["unpinned"]
+    if not set(layouts) <= {*LAYOUTS, "unpinned"}:
+        parser.error(f"--layouts: each of {', '.join(LAYOUTS)}")
 
     with ephemeral_stack({"QUILT_WORKERS": str(args.api_workers)}, parent=args.data_parent) as stack:
         tenants = prepare_tenants(stack, args.tenants)
@@ -289,35 +314,57 @@ def main() -> None:
         # collide, and phase 2 goes on from where phase 1 stopped (_phase).
         per_tenant = max(1, args.clients // args.tenants)
         clients = [(tenants[c % args.tenants], [2 + c // args.tenants], per_tenant) for c in range(args.clients)]
-        full, wall1, cpu1, fsync1 = _phase(stack, clients, args, 0.0, other, api)
+        full, wall1, cpu1, fsync1 = _phase(stack, clients, args, 0.0, other, api, args.seconds)
         capacity = sum(len(v) for v in full.values()) / wall1
         rate = (args.rate if args.rate else args.paced_share * capacity) / args.clients
-        paced, wall2, cpu2, fsync2 = _phase(stack, clients, args, rate, other, api)
+        paced = {x: ({}, [0.0, 0.0], []) for x in layouts}  # per layout: samples, [wall, API CPU], fsync
+        for _ in range(max(1, args.slices)):
+            for layout in layouts:
+                if args.pin:
+                    _pin(api, {cpus[0]}, other, layout)
+                part, wall, cpu, fsync = _phase(stack, clients, args, rate, other, api,
+                                                args.seconds / max(1, args.slices))
+                samples, clock, probe = paced[layout]
+                for name, values in part.items():
+                    samples.setdefault(name, []).extend(values)
+                clock[0], clock[1] = clock[0] + wall, clock[1] + cpu
+                probe.extend(fsync)
 
-    n1, n2 = sum(len(v) for v in full.values()), sum(len(v) for v in paced.values())
+    n1 = sum(len(v) for v in full.values())
     print(f"{args.clients} clients, {args.tenants} tenants, {args.seconds:.0f} s per phase, {args.procs} generator "
           f"process(es), {args.api_workers} API process(es), pinned: {bool(args.pin)}, data directory in "
           f"{args.data_parent}")
     s1, e1, cheap1, _ = _table(f"1. capacity: {n1 / wall1:.0f} requests/s, {n1 / max(cpu1, 1e-9):.0f} per API "
                                f"CPU-second (API used {cpu1 / wall1:.2f} of a core)", full)
+    fsync1 = _fsync_summary(fsync1)
+    print(f"fdatasync of 8 KiB in the data directory, every 20 ms beside the calls: p50 {fsync1['p50_ms']:.2f} ms, "
+          f"p99 {fsync1['p99_ms']:.2f} ms, max {fsync1['max_ms']:.1f} ms")
     pace = f"at {args.rate:g} requests/s" if args.rate else f"at {args.paced_share:.0%} of that"
-    s2, e2, cheap2, app2 = _table(f"2. paced {pace}: {n2 / wall2:.0f} requests/s, "
-                                  f"{n2 / max(cpu2, 1e-9):.0f} per API CPU-second", paced)
-    print(f"\nfdatasync of 8 KiB in the data directory, every 20 ms beside the calls: capacity phase p50 "
-          f"{fsync1['p50_ms']:.2f} ms, p99 {fsync1['p99_ms']:.2f} ms, max {fsync1['max_ms']:.1f} ms; paced phase p50 "
-          f"{fsync2['p50_ms']:.2f} ms, p99 {fsync2['p99_ms']:.2f} ms, max {fsync2['max_ms']:.1f} ms")
-    print(f"API's own time per cheap call at the paced load: p50 {_pct(app2, 0.5):.2f} ms, "
-          f"p99 {_pct(app2, 0.99):.2f} ms (client-side p99 {_pct(cheap2, 0.99):.2f} ms); "
-          f"{e1 + e2} errors other than 429")
-    print(json.dumps({
-        "clients": args.clients, "seconds_per_phase": args.seconds, "api_workers": args.api_workers,
-        "pinned": bool(args.pin), "data_parent": str(args.data_parent), "requests_per_s": round(n1 / wall1, 1),
-        "requests_per_api_cpu_s": round(n1 / max(cpu1, 1e-9), 1),
-        "capacity_cheap_p99_ms": round(_pct(cheap1, 0.99), 2),
-        "paced_requests_per_s": round(n2 / wall2, 1), "paced_rate_asked": args.rate,
-        "paced_cheap_p50_ms": round(_pct(cheap2, 0.5), 2), "paced_cheap_p99_ms": round(_pct(cheap2, 0.99), 2),
-        "paced_app_p50_ms": round(_pct(app2, 0.5), 3), "paced_app_p99_ms": round(_pct(app2, 0.99), 3),
-        "errors": e1 + e2, "fsync_capacity": fsync1, "fsync_paced": fsync2, "capacity": s1, "paced": s2}))
+    out = {"clients": args.clients, "seconds_per_phase": args.seconds, "api_workers": args.api_workers,
+           "pinned": bool(args.pin), "data_parent": str(args.data_parent), "requests_per_s": round(n1 / wall1, 1),
+           "requests_per_api_cpu_s": round(n1 / max(cpu1, 1e-9), 1),
+           "capacity_cheap_p99_ms": round(_pct(cheap1, 0.99), 2), "paced_rate_asked": args.rate,
+           "fsync_capacity": fsync1, "capacity": s1, "errors": e1}
+    for i, (layout, (samples, (wall2, cpu2), probe)) in enumerate(paced.items()):
+        n2 = sum(len(v) for v in samples.values())
+        s2, e2, cheap2, app2 = _table(f"2{'abcdef'[i]}. paced {pace}, layout {layout}, {args.slices} slices: "
+                                      f"{n2 / wall2:.0f} requests/s, {n2 / max(cpu2, 1e-9):.0f} per API CPU-second",
+                                      samples)
+        fsync2 = _fsync_summary(probe)
+        print(f"API's own time per cheap call: p50 {_pct(app2, 0.5):.2f} ms, p99 {_pct(app2, 0.99):.2f} ms "
+              f"(client-side p99 {_pct(cheap2, 0.99):.2f} ms); fdatasync p99 {fsync2['p99_ms']:.2f} ms")
+        # The first layout keeps the keys of the bench before layouts; the others are suffixed.
+        tail = "" if i == 0 else f"_{layout}"
+        out.update({f"paced_requests_per_s{tail}": round(n2 / wall2, 1),
+                    f"paced_cheap_p50_ms{tail}": round(_pct(cheap2, 0.5), 2),
+                    f"paced_cheap_p99_ms{tail}": round(_pct(cheap2, 0.99), 2),
+                    f"paced_app_p50_ms{tail}": round(_pct(app2, 0.5), 3),
+                    f"paced_app_p99_ms{tail}": round(_pct(app2, 0.99), 3),
+                    f"paced_submit_app_p99_ms{tail}": s2.get("forward_backward", {}).get("app_p99_ms"),
+                    f"fsync_paced{tail}": fsync2, f"paced{tail}": s2})
+        out["errors"] += e2
+    print(f"\n{out['errors']} errors other than 429")
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
