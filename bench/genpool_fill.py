@@ -23,7 +23,9 @@ trainer step. A pool shared across tenants can give those slots to other tenants
    time-to-trainable-batch (submit -> last group done) p50/p95. Then the ratio split into its two
    factors (utilisation ratio x tokens/s per busy slot ratio) and what an ideal engine would give
    this workload: the same workload shape and admission function in bench/genpool_sim.py's
-   flat-step model at the measured per-sequence rate.
+   flat-step model at the measured per-sequence rate; and the engine model: the same with the
+   measured step curve of part 1, so the gap to the ideal engine splits into what admission loses
+   and what the step's growth with the batch costs on this engine.
    Sequences are unseeded by default, as RL rollouts usually are (--seeded gives each a seed).
 3. Publish-to-first-token: a new adapter version is written and sampled (1 token) while the pool
    is busy with other work; no restart.
@@ -31,7 +33,8 @@ trainer step. A pool shared across tenants can give those slots to other tenants
     python bench/genpool_fill.py [--quick] [--target 32] [--rounds 5] ...
 
 Ends with one JSON line: {"shared_over_partitioned_tps", "worst_tenant_p95_ttb_ratio",
-"shared_over_ideal" (the measured ratio over the ideal engine's for this workload), "slot_util_shared",
+"shared_over_ideal" (the measured ratio over the ideal engine's for this workload),
+"shared_over_engine_model" (over the engine model's), "slot_util_shared",
 ..., with --async "async_over_partitioned_tps", "async_over_ideal", "async_staleness_mean/max"}. Target: shared >= 1.5x partitioned tokens/s, every tenant's p95
 time-to-batch <= 1.1x its partitioned value.
 """
@@ -286,14 +289,18 @@ class _nothing:
         return False
 
 
-def ideal(w: Workload, target: int, slot_rate: float, step_s: float, seeds: int = 5, ahead: int = 0) -> dict:
+def ideal(w: Workload, target: int, slot_rate: float, step_s: float, seeds: int = 5, ahead: int = 0,
+          curve: list[tuple[int, float, float]] | None = None) -> dict:
     """The same workload shape through the simulator's flat-step engine (every running sequence
     decodes `slot_rate` tokens/s however many run) and the same admission function: what sharing
     could give this workload if the engine were ideal (`ahead` 1: its tenants sample one version
-    ahead, against synchronous partitions). Medians over a few seeds."""
+    ahead, against synchronous partitions). With `curve` (step_curve's rows) the simulated step
+    grows with the batch as this engine's measured one does instead: what the same admission would
+    give on this engine with no other loss (the engine model). Medians over a few seeds."""
     m = Model(slots=target, token_rate=slot_rate, prefill_s=step_s, groups=w.groups, n=w.n,
               median_len=float(w.median_len), sigma=w.sigma, max_len=w.max_len, drift=0.0, pause_s=w.pause_s,
-              horizon_s=400.0, quantum_s=max(step_s, 0.02), ahead=ahead)
+              horizon_s=400.0, quantum_s=max(step_s, 0.02), ahead=ahead,
+              step_ms=tuple((k, ms) for k, ms, _ in curve or ()))
     return fixed_comparison(m, w.tenants, w.mixed, seeds)
 
 
@@ -382,24 +389,31 @@ async def main_async(args) -> dict:
         at_target = next(row for row in curve if row[0] >= args.target)
         seq_rate = at_target[2] / at_target[0]  # tokens/s of one sequence with the engine at its target
         flat = ideal(w, args.target, seq_rate, at_target[1] / 1000)
+        grown = ideal(w, args.target, seq_rate, at_target[1] / 1000, curve=curve)
         print(f"\nshared / partitioned tokens/s {shared.tps / part.tps:.2f} = utilisation ratio {util_ratio:.2f} "
               f"x per-busy-slot rate ratio {rate_ratio:.2f}")
         print(f"ideal engine (simulated: flat decode step at the measured {seq_rate:.0f} tok/s per "
               f"sequence, same workload shape and admission): {flat['ratio']:.2f}x, utilisation "
               f"{flat['util_shared']:.2f} vs {flat['util_partitioned']:.2f}; shared reaches "
               f"{shared.tps / part.tps / flat['ratio']:.2f} of it")
+        print(f"engine model (simulated: this engine's measured step curve, same workload and admission): "
+              f"{grown['ratio']:.2f}x; shared reaches {shared.tps / part.tps / grown['ratio']:.2f} of it "
+              f"(the rest of the ideal engine's gap is the step growing with the batch)")
         extra = {}
         if "async" in results:
             ahead = results["async"]
             flat_async = ideal(w, args.target, seq_rate, at_target[1] / 1000, ahead=1)
+            grown_async = ideal(w, args.target, seq_rate, at_target[1] / 1000, ahead=1, curve=curve)
             print(f"async (one version ahead) / partitioned tokens/s {ahead.tps / part.tps:.2f}, "
                   f"{ahead.tps / shared.tps:.2f}x synchronous shared; ideal engine {flat_async['ratio']:.2f}x "
                   f"(reached {ahead.tps / part.tps / flat_async['ratio']:.2f}); trained data "
-                  f"{statistics.fmean(ahead.staleness):.2f} versions behind on average, at most {max(ahead.staleness)}")
+                  f"{statistics.fmean(ahead.staleness):.2f} versions behind on average, at most {max(ahead.staleness)}; "
+                  f"engine model {grown_async['ratio']:.2f}x (reached {ahead.tps / part.tps / grown_async['ratio']:.2f})")
             extra = {"async_over_partitioned_tps": round(ahead.tps / part.tps, 3),
                      "async_over_shared_tps": round(ahead.tps / shared.tps, 3),
                      "async_over_ideal": round(ahead.tps / part.tps / flat_async["ratio"], 3),
                      "ideal_flat_step_async_over_partitioned_tps": round(flat_async["ratio"], 3),
+                     "async_over_engine_model": round(ahead.tps / part.tps / grown_async["ratio"], 3),
                      "async_worst_tenant_p95_ttb_ratio": round(max(ahead.p(t, 0.95) / part.p(t, 0.95)
                                                                    for t in range(w.tenants)), 3),
                      "async_staleness_mean": round(statistics.fmean(ahead.staleness), 3),
@@ -418,6 +432,8 @@ async def main_async(args) -> dict:
             "per_slot_rate_ratio": round(rate_ratio, 3),
             "ideal_flat_step_shared_over_partitioned_tps": round(flat["ratio"], 3),
             "shared_over_ideal": round(shared.tps / part.tps / flat["ratio"], 3),
+            "engine_model_shared_over_partitioned_tps": round(grown["ratio"], 3),
+            "shared_over_engine_model": round(shared.tps / part.tps / grown["ratio"], 3),
             **extra,
             "shared_time_no_demand": round(shared.time_share("no_demand"), 3),
             "shared_time_held_back": round(shared.time_share("held_back"), 3),

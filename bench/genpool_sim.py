@@ -10,7 +10,8 @@ a multi-tenant RL pool, and compares, at each scale and on the same seeded workl
 The model (all numbers are flags):
   * GPUS accelerators x SLOTS sequences each; a running sequence decodes TOKEN_RATE tokens/s no
     matter how many run (the regime where a GPU decode step barely grows with batch size) after a
-    PREFILL_S start-up; the pool is one set of GPUS x SLOTS slots.
+    PREFILL_S start-up; the pool is one set of GPUS x SLOTS slots. (`Model.step_ms`, not a flag,
+    replaces the flat rate by a measured decode-step curve: bench/genpool_fill.py's engine model.)
   * Tenants arrive (Poisson) and leave (after a lognormal lifetime) within a HORIZON; about
     TENANTS_PER_GPU x GPUS are present at a time. Each loops: sample a batch of GROUPS groups of N
     sequences, wait for all, train for a PAUSE (uniform 0.5x-1.5x), repeat.
@@ -66,6 +67,22 @@ class Model:
     horizon_s: float = 900.0
     quantum_s: float = 0.5
     ahead: int = 0  # batches a tenant may sample ahead of its trainer (quilt.rl's max_staleness); 0 = synchronous
+    # A measured decode step, ((running sequences, ms per step), ...) ascending: every running
+    # sequence then decodes 1000 / ms(k) tokens/s while k run (interpolated, held flat past the
+    # ends), a CPU engine's step growing with its batch. Empty: the flat TOKEN_RATE.
+    step_ms: tuple[tuple[int, float], ...] = ()
+
+    def rate(self, running: int) -> float:
+        """Tokens/s of one sequence while `running` sequences run on its accelerator."""
+        curve = self.step_ms
+        if not curve:
+            return self.token_rate
+        if running <= curve[0][0]:
+            return 1000.0 / curve[0][1]
+        for (k0, ms0), (k1, ms1) in zip(curve, curve[1:]):
+            if running <= k1:
+                return 1000.0 / (ms0 + (ms1 - ms0) * (running - k0) / (k1 - k0))
+        return 1000.0 / curve[-1][1]
 
 
 @dataclass(frozen=True)
@@ -206,14 +223,27 @@ def simulate(gpus: int, m: Model, mode: str, seed: int, plans: list[TenantPlan] 
     tokens = busy = 0.0
     plan_calls, plan_s = 0, 0.0
     now = 0.0
+    # The work clock: what a sequence decoding since 0 has done, in seconds at TOKEN_RATE. Flat,
+    # it is the time itself; with a step curve it runs slower while more sequences run, and every
+    # running sequence's end (a point on this clock) comes later alike.
+    flat, work = not m.step_ms, 0.0
     while now < m.horizon_s:
         now += m.quantum_s
+        if flat:
+            work += m.quantum_s
+        else:
+            held = sum(running.values())
+            rate = m.rate(math.ceil(held / gpus))
+            work += m.quantum_s * rate / m.token_rate
+            busy += held * m.quantum_s
         # Slots are held in whole quanta (freed at a quantum's end), so this is what each held.
         for tid, r in running.items():
             ledger.add(tid, r * m.quantum_s)
         # 1. Sequences that finished in this quantum free their slots.
-        while finishing and finishing[0][0] <= now:
-            _t, gid, _length = heapq.heappop(finishing)
+        while finishing and finishing[0][0] <= work:
+            _t, gid, length = heapq.heappop(finishing)
+            if not flat:
+                tokens += length  # (flat: counted at admission)
             g = groups[gid]
             g.finished += 1
             running[g.tenant] -= 1
@@ -276,14 +306,18 @@ def simulate(gpus: int, m: Model, mode: str, seed: int, plans: list[TenantPlan] 
             for _ in range(a.count):
                 length = g.lengths[g.admitted]
                 g.admitted += 1
-                end = now + m.prefill_s + length / m.token_rate
-                held_s, sequences = held_s + end - now, sequences + 1
+                end = work + m.prefill_s + length / m.token_rate
+                held_s, sequences = held_s + end - work, sequences + 1
                 heapq.heappush(finishing, (end, g.gid, length))
+                if not flat:
+                    continue  # counted as it finishes, or below at the horizon
                 # Count only what falls inside the horizon.
                 inside = max(0.0, min(end, m.horizon_s) - now)
                 busy += inside
                 decode = max(0.0, min(end, m.horizon_s) - now - m.prefill_s)
                 tokens += min(length, decode * m.token_rate)
+    if not flat:  # what the sequences still running decoded: each decodes up to its end on the work clock
+        tokens += sum(min(length, max(0.0, (work - end) * m.token_rate + length)) for end, _g, length in finishing)
     return Result(tokens, busy, capacity, m.horizon_s, {tid: t.ttb for tid, t in tenants.items()}, plan_calls, plan_s,
                   [x for t in tenants.values() for x in t.staleness])
 
@@ -345,9 +379,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small scales and a short horizon (a smoke run)")
     ap.add_argument("--gpus", default="8,64,256,1000", help="comma-separated pool sizes")
     ap.add_argument("--seed", type=int, default=0)
-    add_flags(ap, Model)
+    add_flags(ap, Model, skip=("step_ms",))
     args = ap.parse_args()
-    m = from_flags(args, Model)
+    m = from_flags(args, Model, skip=("step_ms",))
     scales = [int(x) for x in args.gpus.split(",")]
     if args.quick:
         scales = [s for s in scales if s <= 64] or [8]
