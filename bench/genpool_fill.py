@@ -34,7 +34,8 @@ trainer step. A pool shared across tenants can give those slots to other tenants
 
 Ends with one JSON line: {"shared_over_partitioned_tps", "worst_tenant_p95_ttb_ratio",
 "shared_over_ideal" (the measured ratio over the ideal engine's for this workload),
-"shared_over_engine_model" (over the engine model's), "slot_util_shared",
+"shared_over_engine_model" (over the engine model's), the same three "..._all_active" (over the
+first "all_active_window_s" of every arm, while every tenant in each still had batches to sample), "slot_util_shared",
 ..., with --async "async_over_partitioned_tps", "async_over_ideal", "async_staleness_mean/max"}. Target: shared >= 1.5x partitioned tokens/s, every tenant's p95
 time-to-batch <= 1.1x its partitioned value.
 """
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -114,16 +116,21 @@ def make_scheduler(engine: GenEngine, target: int, cap: int, done: list[Group]) 
 
 
 async def step_curve(engine: GenEngine, refs: list[AdapterRef], target: int,
-                     seeded: bool) -> list[tuple[int, float, float]]:
+                     seeded: bool, reps: int = 3) -> list[tuple[int, float, float]]:
+    """(running sequences, ms per decode step, tokens/s) at 1, 2, 4, ... 2 x target running: the
+    median of `reps` runs of 48 tokens each (one run swings by 2x on this shared host)."""
     spec = SamplingSpec(max_tokens=48, eos_stops=False)
     rows = []
     k = 1
     while k <= 2 * target:
-        reqs = [SeqRequest(f"curve-{k}-{i}", (5, 6, 7, 8), spec, i if seeded else None, refs[i % len(refs)])
-                for i in range(k)]
-        t0 = time.perf_counter()
-        await asyncio.gather(*(engine.generate(r) for r in reqs))
-        dt = time.perf_counter() - t0
+        times = []
+        for rep in range(reps):
+            reqs = [SeqRequest(f"curve-{k}-{rep}-{i}", (5, 6, 7, 8), spec, i if seeded else None, refs[i % len(refs)])
+                    for i in range(k)]
+            t0 = time.perf_counter()
+            await asyncio.gather(*(engine.generate(r) for r in reqs))
+            times.append(time.perf_counter() - t0)
+        dt = statistics.median(times)
         rows.append((k, 1000 * dt / 48, k * 48 / dt))
         k *= 2
     return rows
@@ -170,6 +177,11 @@ class ModeResult:
     staleness: list[int] = field(default_factory=list)  # async: per trained batch, versions behind
     # (running, waiting) sampled every few ms: is idle capacity the admission's fault or no demand?
     occupancy: list[tuple[int, int]] = field(default_factory=list)
+    # How long every tenant still had batches to sample (from the start until the first tenant
+    # sampled its last): the drain after it, where the slowest tenant samples alone and no pool has
+    # anything to fill with, is what the simulator's looping tenants never have.
+    window_s: float = 0.0
+    seqs: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end from the arm's start, tokens)
 
     def time_share(self, state: str) -> float:
         """Fraction of samples: `full` (running >= target), `no_demand` (free slots, nothing
@@ -187,6 +199,16 @@ class ModeResult:
     @property
     def util(self) -> float:
         return self.busy_seq_s / (self.target * self.wall_s)
+
+    def within(self, window_s: float) -> tuple[float, float]:
+        """(tokens/s, slot utilisation) over the arm's first `window_s` seconds, a sequence's tokens
+        counted in proportion to its time inside."""
+        tokens = busy = 0.0
+        for began, ended, n in self.seqs:
+            inside = max(0.0, min(ended, window_s) - began)
+            busy += inside
+            tokens += n * inside / (ended - began) if ended > began else 0.0
+        return tokens / window_s, busy / (self.target * window_s)
 
     @property
     def per_slot_tps(self) -> float:
@@ -209,6 +231,7 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
     pool = asyncio.create_task(run_pool(sched, stop))
     serial = asyncio.Lock()
     result = ModeResult(name, 0.0, 0, 0.0, target, {t: [] for t in range(w.tenants)})
+    last_sampled: list[float] = []  # per tenant, when its last batch was sampled (the scheduler's clock)
 
     async def sample_batch(t: int, rnd: int) -> None:
         futs = []
@@ -229,6 +252,8 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
             async with (serial if name == "serial" else _nothing()):
                 await sample_batch(t, rnd)
             result.ttb[t].append(time.perf_counter() - ready)
+            if rnd == w.rounds - 1:
+                last_sampled.append(sched.clock())
             await asyncio.sleep(w.pause_of(t) * rng.uniform(0.5, 1.5))  # the trainer step
 
     async def async_tenant(t: int) -> None:
@@ -245,6 +270,7 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
                 at = version
                 await sample_batch(t, rnd)
                 sampled.put_nowait(at)
+            last_sampled.append(sched.clock())
 
         async def trainer() -> None:
             nonlocal version
@@ -266,18 +292,20 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
             await asyncio.sleep(0.005)
 
     watcher = asyncio.create_task(watch())
-    t0 = time.perf_counter()
+    t0, start = time.perf_counter(), sched.clock()
     await asyncio.gather(*((async_tenant if name == "async" else tenant)(t) for t in range(w.tenants)))
     result.wall_s = time.perf_counter() - t0
     watcher.cancel()
     stop.set()
     sched.wake()
     await pool
+    result.window_s = min(last_sampled) - start
     for g in done:
         for i, r in enumerate(g.results):
             if r is not None:
                 result.tokens += len(r.tokens)
                 result.busy_seq_s += g.finished_at[i] - g.started_at[i]
+                result.seqs.append((g.started_at[i] - start, g.finished_at[i] - start, len(r.tokens)))
     return result
 
 
@@ -295,12 +323,14 @@ def ideal(w: Workload, target: int, slot_rate: float, step_s: float, seeds: int 
     decodes `slot_rate` tokens/s however many run) and the same admission function: what sharing
     could give this workload if the engine were ideal (`ahead` 1: its tenants sample one version
     ahead, against synchronous partitions). With `curve` (step_curve's rows) the simulated step
-    grows with the batch as this engine's measured one does instead: what the same admission would
-    give on this engine with no other loss (the engine model). Medians over a few seeds."""
+    grows with the batch as this engine's measured one does instead (made non-decreasing: a step
+    measured faster with more sequences is noise): what the same admission would give on this
+    engine with no other loss (the engine model). Medians over a few seeds."""
     m = Model(slots=target, token_rate=slot_rate, prefill_s=step_s, groups=w.groups, n=w.n,
               median_len=float(w.median_len), sigma=w.sigma, max_len=w.max_len, drift=0.0, pause_s=w.pause_s,
               horizon_s=400.0, quantum_s=max(step_s, 0.02), ahead=ahead,
-              step_ms=tuple((k, ms) for k, ms, _ in curve or ()))
+              step_ms=tuple(zip((k for k, _, _ in curve or ()),
+                                itertools.accumulate((ms for _, ms, _ in curve or ()), max))))
     return fixed_comparison(m, w.tenants, w.mixed, seeds)
 
 
@@ -374,6 +404,12 @@ async def main_async(args) -> dict:
         print(f"{'slot utilisation':<22}" + "".join(f"{r.util:>14.2f}" for r in results.values()))
         print(f"{'tok/s per busy slot':<22}" + "".join(f"{r.per_slot_tps:>14.1f}" for r in results.values()))
         print(f"{'wall s':<22}" + "".join(f"{r.wall_s:>14.1f}" for r in results.values()))
+        print(f"{'all tenants active, s':<22}" + "".join(f"{r.window_s:>14.1f}" for r in results.values()))
+        # One window for every arm (the shortest): the same stretch of the same seeded workload.
+        common = min(r.window_s for r in results.values())
+        active = {m: r.within(common) for m, r in results.items()}
+        print(f"{f'first {common:.0f} s: tokens/s':<22}" + "".join(f"{a[0]:>14.0f}" for a in active.values()))
+        print(f"{'  slot utilisation':<22}" + "".join(f"{a[1]:>14.2f}" for a in active.values()))
         for state, label in (("full", "time full"), ("no_demand", "time, no demand"),
                              ("held_back", "time, work held back")):
             print(f"{label:<22}" + "".join(f"{r.time_share(state):>14.2f}" for r in results.values()))
@@ -399,6 +435,11 @@ async def main_async(args) -> dict:
         print(f"engine model (simulated: this engine's measured step curve, same workload and admission): "
               f"{grown['ratio']:.2f}x; shared reaches {shared.tps / part.tps / grown['ratio']:.2f} of it "
               f"(the rest of the ideal engine's gap is the step growing with the batch)")
+        early = active["shared"][0] / active["partitioned"][0]
+        print(f"over the first {common:.0f} s of every arm, while every tenant still had batches to sample (no drain "
+              f"where the slowest tenant samples alone, which the simulator's looping tenants never have): shared / "
+              f"partitioned {early:.2f}, {early / flat['ratio']:.2f} of the ideal engine, "
+              f"{early / grown['ratio']:.2f} of the engine model")
         extra = {}
         if "async" in results:
             ahead = results["async"]
@@ -408,12 +449,17 @@ async def main_async(args) -> dict:
                   f"{ahead.tps / shared.tps:.2f}x synchronous shared; ideal engine {flat_async['ratio']:.2f}x "
                   f"(reached {ahead.tps / part.tps / flat_async['ratio']:.2f}); trained data "
                   f"{statistics.fmean(ahead.staleness):.2f} versions behind on average, at most {max(ahead.staleness)}; "
-                  f"engine model {grown_async['ratio']:.2f}x (reached {ahead.tps / part.tps / grown_async['ratio']:.2f})")
+                  f"engine model {grown_async['ratio']:.2f}x (reached {ahead.tps / part.tps / grown_async['ratio']:.2f}); "
+                  f"first {common:.0f} s: {active['async'][0] / active['partitioned'][0]:.2f}x partitioned, "
+                  f"{active['async'][0] / active['partitioned'][0] / flat_async['ratio']:.2f} of the ideal engine")
             extra = {"async_over_partitioned_tps": round(ahead.tps / part.tps, 3),
                      "async_over_shared_tps": round(ahead.tps / shared.tps, 3),
                      "async_over_ideal": round(ahead.tps / part.tps / flat_async["ratio"], 3),
                      "ideal_flat_step_async_over_partitioned_tps": round(flat_async["ratio"], 3),
                      "async_over_engine_model": round(ahead.tps / part.tps / grown_async["ratio"], 3),
+                     "async_over_partitioned_tps_all_active": round(active["async"][0] / active["partitioned"][0], 3),
+                     "async_over_ideal_all_active": round(active["async"][0] / active["partitioned"][0]
+                                                          / flat_async["ratio"], 3),
                      "async_worst_tenant_p95_ttb_ratio": round(max(ahead.p(t, 0.95) / part.p(t, 0.95)
                                                                    for t in range(w.tenants)), 3),
                      "async_staleness_mean": round(statistics.fmean(ahead.staleness), 3),
@@ -434,6 +480,10 @@ async def main_async(args) -> dict:
             "shared_over_ideal": round(shared.tps / part.tps / flat["ratio"], 3),
             "engine_model_shared_over_partitioned_tps": round(grown["ratio"], 3),
             "shared_over_engine_model": round(shared.tps / part.tps / grown["ratio"], 3),
+            "all_active_window_s": round(common, 1),
+            "shared_over_partitioned_tps_all_active": round(early, 3),
+            "shared_over_ideal_all_active": round(early / flat["ratio"], 3),
+            "shared_over_engine_model_all_active": round(early / grown["ratio"], 3),
             **extra,
             "shared_time_no_demand": round(shared.time_share("no_demand"), 3),
             "shared_time_held_back": round(shared.time_share("held_back"), 3),
