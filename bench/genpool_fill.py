@@ -220,10 +220,12 @@ class ModeResult:
 
 
 async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Workload, target: int,
-                   ahead: int = 1) -> ModeResult:
+                   ahead: int = 1, run_for: float = 0.0) -> ModeResult:
     """One arm: `shared`, `partitioned` or `serial` tenants sample a batch, wait for it, train; in
     `async` (shared pool) each tenant's next batch samples while its trainer step runs, at most
-    `ahead` versions ahead of the trainer (quilt.rl's max_staleness)."""
+    `ahead` versions ahead of the trainer (quilt.rl's max_staleness). Each tenant runs `w.rounds`
+    batches, or with `run_for` starts batches until that many seconds have passed, and the arm's
+    figures are those seconds' (no drain: the simulator's looping tenants)."""
     cap = target // w.tenants if name == "partitioned" else 0
     done: list[Group] = []
     sched, futures = make_scheduler(engine, target, cap, done)
@@ -232,6 +234,9 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
     serial = asyncio.Lock()
     result = ModeResult(name, 0.0, 0, 0.0, target, {t: [] for t in range(w.tenants)})
     last_sampled: list[float] = []  # per tenant, when its last batch was sampled (the scheduler's clock)
+
+    def more(rnd: int) -> bool:
+        return time.perf_counter() - t0 < run_for if run_for else rnd < w.rounds
 
     async def sample_batch(t: int, rnd: int) -> None:
         futs = []
@@ -247,36 +252,45 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
         # Tenants do not start in lockstep, and trainer steps vary (seeded: the same in every mode).
         rng = random.Random(w.seed * 1000 + t)
         await asyncio.sleep(w.pause_s * t / w.tenants)
-        for rnd in range(w.rounds):
+        rnd, last = 0, sched.clock()
+        while more(rnd):
             ready = time.perf_counter()
             async with (serial if name == "serial" else _nothing()):
                 await sample_batch(t, rnd)
             result.ttb[t].append(time.perf_counter() - ready)
-            if rnd == w.rounds - 1:
-                last_sampled.append(sched.clock())
+            rnd, last = rnd + 1, sched.clock()
             await asyncio.sleep(w.pause_of(t) * rng.uniform(0.5, 1.5))  # the trainer step
+        last_sampled.append(last)
 
     async def async_tenant(t: int) -> None:
         rng = random.Random(w.seed * 1000 + t)
         await asyncio.sleep(w.pause_s * t / w.tenants)
         version = 0  # the trainer's steps done
         moved = asyncio.Condition()
-        sampled: asyncio.Queue[int] = asyncio.Queue()  # the version each sampled batch was sampled at
+        # The version each sampled batch was sampled at; None: the sampler is done.
+        sampled: asyncio.Queue[int | None] = asyncio.Queue()
 
         async def sampler() -> None:
-            for rnd in range(w.rounds):
+            rnd = 0
+            while more(rnd):
                 async with moved:
                     await moved.wait_for(lambda: rnd - version <= ahead)
+                if not more(rnd):
+                    break
                 at = version
                 await sample_batch(t, rnd)
                 sampled.put_nowait(at)
+                rnd += 1
             last_sampled.append(sched.clock())
+            sampled.put_nowait(None)
 
         async def trainer() -> None:
             nonlocal version
-            for _ in range(w.rounds):
+            while True:
                 idle = time.perf_counter()
                 at = await sampled.get()
+                if at is None:
+                    return
                 result.ttb[t].append(time.perf_counter() - idle)
                 result.staleness.append(version - at)
                 await asyncio.sleep(w.pause_of(t) * rng.uniform(0.5, 1.5))
@@ -287,12 +301,12 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
         await asyncio.gather(sampler(), trainer())
 
     async def watch() -> None:
-        while True:
+        while not run_for or time.perf_counter() - t0 < run_for:
             result.occupancy.append((sched.running(), sched.waiting()))
             await asyncio.sleep(0.005)
 
-    watcher = asyncio.create_task(watch())
     t0, start = time.perf_counter(), sched.clock()
+    watcher = asyncio.create_task(watch())
     await asyncio.gather(*((async_tenant if name == "async" else tenant)(t) for t in range(w.tenants)))
     result.wall_s = time.perf_counter() - t0
     watcher.cancel()
@@ -306,6 +320,9 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
                 result.tokens += len(r.tokens)
                 result.busy_seq_s += g.finished_at[i] - g.started_at[i]
                 result.seqs.append((g.started_at[i] - start, g.finished_at[i] - start, len(r.tokens)))
+    if run_for:  # the arm's figures are its first run_for seconds'
+        tps, util = result.within(run_for)
+        result.wall_s, result.tokens, result.busy_seq_s = run_for, tps * run_for, util * target * run_for
     return result
 
 
@@ -387,7 +404,8 @@ async def main_async(args) -> dict:
                      args.pause, args.seed, args.seeded, args.mix == "mixed")
         mean_len = statistics.mean(x for t in range(w.tenants) for r in range(w.rounds) for gi in range(w.groups_of(t))
                                    for x in w.lengths(t, r, gi))
-        print(f"\n2. {w.tenants} tenants x {w.rounds} rounds x {w.groups} groups x n={w.n}; lengths lognormal "
+        batches = f"{args.run_for:.0f} s of batches" if args.run_for else f"{w.rounds} rounds"
+        print(f"\n2. {w.tenants} tenants x {batches} x {w.groups} groups x n={w.n}; lengths lognormal "
               f"(median {w.median_len}, sigma {w.sigma}, cap {w.max_len}, mean {mean_len:.0f}); pause {w.pause_s} s; "
               f"target {args.target} running sequences; tenants {args.mix}", flush=True)
         if w.mixed:
@@ -396,7 +414,7 @@ async def main_async(args) -> dict:
                       f"median length {w.median_len * tenant_shape(t, True)['len_x']:.0f}")
         results = {}
         for mode in ("shared", "partitioned", "serial", *(("async",) if args.async_arm else ())):
-            results[mode] = await run_mode(mode, engine, refs, w, args.target)
+            results[mode] = await run_mode(mode, engine, refs, w, args.target, run_for=args.run_for)
             r = results[mode]
             print(f"   {mode:<12} done in {r.wall_s:6.1f} s", flush=True)
         print(f"\n{'':<22}" + "".join(f"{m:>14}" for m in results))
@@ -490,7 +508,8 @@ async def main_async(args) -> dict:
             "tps": {m: round(r.tps, 1) for m, r in results.items()},
             "step_ms_1_vs_target": [round(curve[0][1], 1), round(next(ms for k, ms, _ in curve if k >= args.target), 1)],
             "publish_to_first_token_ms_p50": round(1000 * statistics.median(lat), 1),
-            "workload": {"tenants": args.mix, "groups": w.groups, "n": w.n, "sigma": w.sigma, "pause_s": w.pause_s},
+            "workload": {"tenants": args.mix, "groups": w.groups, "n": w.n, "sigma": w.sigma, "pause_s": w.pause_s,
+                         "run_for_s": args.run_for or None},
         }
         summary["target_met"] = summary["shared_over_partitioned_tps"] >= 1.5 and summary["worst_tenant_p95_ttb_ratio"] <= 1.1
         return summary
@@ -504,6 +523,9 @@ def main() -> None:
     ap.add_argument("--tenants", type=int, default=4)
     ap.add_argument("--target", type=int, default=32, help="running sequences the engine is kept at")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--run-for", type=float, default=0.0,
+                    help="instead of --rounds: every tenant starts batches for this many seconds, and each arm's "
+                         "figures are those seconds' (no drain at the end, as in the simulator)")
     ap.add_argument("--groups", type=int, default=16, help="sample(n) groups per batch")
     ap.add_argument("--n", type=int, default=4, help="sequences per group")
     ap.add_argument("--median-len", type=int, default=32)
