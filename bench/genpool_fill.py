@@ -169,9 +169,7 @@ class Workload:
 @dataclass
 class ModeResult:
     name: str
-    wall_s: float
-    tokens: int
-    busy_seq_s: float
+    wall_s: float  # the arm's length: until its last batch, or run_for
     target: int
     ttb: dict[int, list[float]] = field(default_factory=dict)
     staleness: list[int] = field(default_factory=list)  # async: per trained batch, versions behind
@@ -194,11 +192,11 @@ class ModeResult:
 
     @property
     def tps(self) -> float:
-        return self.tokens / self.wall_s
+        return self.within(self.wall_s)[0]
 
     @property
     def util(self) -> float:
-        return self.busy_seq_s / (self.target * self.wall_s)
+        return self.within(self.wall_s)[1]
 
     def within(self, window_s: float) -> tuple[float, float]:
         """(tokens/s, slot utilisation) over the arm's first `window_s` seconds, a sequence's tokens
@@ -232,11 +230,11 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
     stop = asyncio.Event()
     pool = asyncio.create_task(run_pool(sched, stop))
     serial = asyncio.Lock()
-    result = ModeResult(name, 0.0, 0, 0.0, target, {t: [] for t in range(w.tenants)})
+    result = ModeResult(name, 0.0, target, {t: [] for t in range(w.tenants)})
     last_sampled: list[float] = []  # per tenant, when its last batch was sampled (the scheduler's clock)
 
     def more(rnd: int) -> bool:
-        return time.perf_counter() - t0 < run_for if run_for else rnd < w.rounds
+        return sched.clock() - start < run_for if run_for else rnd < w.rounds
 
     async def sample_batch(t: int, rnd: int) -> None:
         futs = []
@@ -301,28 +299,22 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
         await asyncio.gather(sampler(), trainer())
 
     async def watch() -> None:
-        while not run_for or time.perf_counter() - t0 < run_for:
+        while not run_for or sched.clock() - start < run_for:
             result.occupancy.append((sched.running(), sched.waiting()))
             await asyncio.sleep(0.005)
 
-    t0, start = time.perf_counter(), sched.clock()
+    start = sched.clock()
     watcher = asyncio.create_task(watch())
     await asyncio.gather(*((async_tenant if name == "async" else tenant)(t) for t in range(w.tenants)))
-    result.wall_s = time.perf_counter() - t0
+    # On the scheduler's clock, as the sequences' times are: a whole run holds every sequence whole.
+    result.wall_s = run_for or sched.clock() - start
     watcher.cancel()
     stop.set()
     sched.wake()
     await pool
     result.window_s = min(last_sampled) - start
-    for g in done:
-        for i, r in enumerate(g.results):
-            if r is not None:
-                result.tokens += len(r.tokens)
-                result.busy_seq_s += g.finished_at[i] - g.started_at[i]
-                result.seqs.append((g.started_at[i] - start, g.finished_at[i] - start, len(r.tokens)))
-    if run_for:  # the arm's figures are its first run_for seconds'
-        tps, util = result.within(run_for)
-        result.wall_s, result.tokens, result.busy_seq_s = run_for, tps * run_for, util * target * run_for
+    result.seqs = [(g.started_at[i] - start, g.finished_at[i] - start, len(r.tokens))
+                   for g in done for i, r in enumerate(g.results) if r is not None]
     return result
 
 
@@ -463,21 +455,21 @@ async def main_async(args) -> dict:
             ahead = results["async"]
             flat_async = ideal(w, args.target, seq_rate, at_target[1] / 1000, ahead=1)
             grown_async = ideal(w, args.target, seq_rate, at_target[1] / 1000, ahead=1, curve=curve)
+            early_async = active["async"][0] / active["partitioned"][0]
             print(f"async (one version ahead) / partitioned tokens/s {ahead.tps / part.tps:.2f}, "
                   f"{ahead.tps / shared.tps:.2f}x synchronous shared; ideal engine {flat_async['ratio']:.2f}x "
                   f"(reached {ahead.tps / part.tps / flat_async['ratio']:.2f}); trained data "
                   f"{statistics.fmean(ahead.staleness):.2f} versions behind on average, at most {max(ahead.staleness)}; "
                   f"engine model {grown_async['ratio']:.2f}x (reached {ahead.tps / part.tps / grown_async['ratio']:.2f}); "
-                  f"first {common:.0f} s: {active['async'][0] / active['partitioned'][0]:.2f}x partitioned, "
-                  f"{active['async'][0] / active['partitioned'][0] / flat_async['ratio']:.2f} of the ideal engine")
+                  f"first {common:.0f} s: {early_async:.2f}x partitioned, "
+                  f"{early_async / flat_async['ratio']:.2f} of the ideal engine")
             extra = {"async_over_partitioned_tps": round(ahead.tps / part.tps, 3),
                      "async_over_shared_tps": round(ahead.tps / shared.tps, 3),
                      "async_over_ideal": round(ahead.tps / part.tps / flat_async["ratio"], 3),
                      "ideal_flat_step_async_over_partitioned_tps": round(flat_async["ratio"], 3),
                      "async_over_engine_model": round(ahead.tps / part.tps / grown_async["ratio"], 3),
-                     "async_over_partitioned_tps_all_active": round(active["async"][0] / active["partitioned"][0], 3),
-                     "async_over_ideal_all_active": round(active["async"][0] / active["partitioned"][0]
-                                                          / flat_async["ratio"], 3),
+                     "async_over_partitioned_tps_all_active": round(early_async, 3),
+                     "async_over_ideal_all_active": round(early_async / flat_async["ratio"], 3),
                      "async_worst_tenant_p95_ttb_ratio": round(max(ahead.p(t, 0.95) / part.p(t, 0.95)
                                                                    for t in range(w.tenants)), 3),
                      "async_staleness_mean": round(statistics.fmean(ahead.staleness), 3),
