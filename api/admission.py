@@ -74,9 +74,8 @@ class SeqSlot:
     @classmethod
     def of(cls, model: dict, seq_id: int) -> SeqSlot:
         """From a row of `usable_model(..., seq_id=seq_id)`."""
-        quota = (model["inflight"], model["budgeted"]) if "inflight" in model else None
         return cls(model["id"], seq_id, model.get("seq_holder_id"), model.get("seq_holder_kind"),
-                   model.get("seq_holder_status"), model.get("trainer_shard"), quota)
+                   model.get("seq_holder_status"), model.get("trainer_shard"), (model["inflight"], model["budgeted"]))
 
 
 @dataclass(frozen=True)
