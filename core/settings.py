@@ -221,6 +221,30 @@ class BillingSettings(BaseSettings):
         return bool(self.stripe_api_key or self.stripe_api_base)
 
 
+class ScalerSettings(BaseSettings):
+    """The capacity planner acting on Kubernetes (stack.k8s_scaler): off by default. It sets the
+    replicas of the generation and trainer StatefulSets of one base within QUILT_GEN_REPLICAS and
+    QUILT_TRAINER_SHARDS, which then name the most workers, not the number running."""
+
+    model_config = SettingsConfigDict(env_prefix="QUILT_SCALER_", extra="ignore")
+
+    act: bool = Field(False, description="patch the StatefulSets' replicas; off: the planner only recommends")
+    interval_s: float = Field(300.0, ge=10, le=86_400, allow_inf_nan=False,
+                              description="seconds between two ticks (Celery beat)")
+    window_s: float = Field(900.0, ge=60, le=86_400, allow_inf_nan=False,
+                            description="the planner reads queue health over this many seconds")
+    base_model: str = Field("", max_length=200, description="the base whose workers are scaled; empty: the one "
+                                                           "base both trained and sampled here")
+    namespace: str = Field("", max_length=63, description="the StatefulSets' namespace; empty: the pod's own")
+    gen_statefulset: str = Field("quilt-gen", max_length=253)
+    trainer_statefulset: str = Field("quilt-trainer", max_length=253)
+    devices_per_gen_replica: int = Field(1, ge=1, le=1024, description="accelerators one generation pod uses")
+    devices_per_trainer_shard: int = Field(1, ge=1, le=1024, description="accelerators one trainer pod uses")
+    api_server: str = Field("", max_length=2048, description="the Kubernetes API's URL; empty: in-cluster "
+                                                            "(the pod's service account)")
+    api_token: SecretStr = Field(SecretStr(""), description="bearer token for api_server (with api_server only)")
+
+
 @functools.cache
 def get_core_settings() -> CoreSettings:
     return CoreSettings()
@@ -246,8 +270,13 @@ def get_billing_settings() -> BillingSettings:
     return BillingSettings()
 
 
+@functools.cache
+def get_scaler_settings() -> ScalerSettings:
+    return ScalerSettings()
+
+
 def clear_settings_cache() -> None:
     """Forget cached settings (the launcher and tests change the environment)."""
     for factory in (get_core_settings, get_api_settings, get_trainer_settings, get_tenancy_settings,
-                    get_billing_settings):
+                    get_billing_settings, get_scaler_settings):
         factory.cache_clear()

@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from core import db, health, queue
+from core import db, health, queue, scale_record
 from core.work import MalformedWork, SampleWork, WorkItem
 from gen_pool.routing import (
     Policy,
@@ -85,6 +85,7 @@ class Router:
         self.clock = clock  # wall time: beacons carry theirs
         self.rng = rng or random.Random()
         self._views: dict[str, tuple[float, list[ReplicaView]]] = {}
+        self._serving: dict[str, int] = {}  # per base, the replicas in service (core.scale_record)
         self._sent: dict[str, deque[tuple[float, int, RouteRequest]]] = {}
         self._turn = 0
 
@@ -93,8 +94,12 @@ class Router:
         at, views = self._views.get(base_model, (float("-inf"), []))
         if now - at < REFRESH_S:
             return views
-        beacons = read_beacons(await redis.mget(list(health.gen_keys(base_model, len(self.names)).values())))
-        views = [view_of(n, b) for n, b in zip(self.names, beacons, strict=True)]
+        raws = await redis.mget([*health.gen_keys(base_model, len(self.names)).values(), scale_record.key(base_model)])
+        beacons = read_beacons(raws[:-1])
+        serving = self._serving[base_model] = len(scale_record.parse(raws[-1]).gen_names(self.names))
+        # A replica past the count in service is leaving (a scaler lowered it): no new groups.
+        views = [view_of(n, b) if i < serving else dataclasses.replace(view_of(n, b), healthy=False)
+                 for i, (n, b) in enumerate(zip(self.names, beacons, strict=True))]
         sent = self._sent.setdefault(base_model, deque())
         while sent and sent[0][0] < now - REMEMBER_S:
             sent.popleft()
@@ -114,7 +119,7 @@ class Router:
         i = pick(self.policy, req, views, turn=self._turn, rng=self.rng)
         self._turn += 1
         if i is None:
-            i = fallback(req, len(self.names))
+            i = fallback(req, self._serving.get(base_model, len(self.names)))
         else:
             views[i] = routed(views[i], req)
             self._sent.setdefault(base_model, deque()).append((self.clock(), i, req))

@@ -10,7 +10,9 @@ from celery.schedules import crontab
 
 import billing.tasks  # noqa: F401  (registers quilt.billing.*)
 import core.upkeep  # noqa: F401  (registers quilt.upkeep.*)
+import stack.k8s_scaler  # noqa: F401  (registers quilt.scaler.*)
 from core.celery_app import app
+from core.settings import get_scaler_settings
 
 app.conf.beat_schedule = {
     "heartbeat": {"task": "quilt.upkeep.heartbeat", "schedule": 10.0},
@@ -22,6 +24,8 @@ app.conf.beat_schedule = {
     "billing-stripe-sync": {"task": "quilt.billing.sync_stripe", "schedule": crontab(minute="10")},
     "billing-stripe-customers": {"task": "quilt.billing.ensure_customers", "schedule": 900.0},
     "billing-suspend-overdue": {"task": "quilt.billing.suspend_overdue", "schedule": 300.0},
+    # Returns at once unless QUILT_SCALER_ACT is on.
+    "scaler-tick": {"task": "quilt.scaler.tick", "schedule": get_scaler_settings().interval_s},
 }
 
 __all__ = ["app"]

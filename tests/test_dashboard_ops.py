@@ -84,6 +84,26 @@ def test_capacity_reads_generation_and_trainer_busy():
     assert ops.capacity({"gen": {"slot_s": 1.0, "capacity_s": 2.0}, "busy": {"busy": [None]}}, 0.0, (1, 1)) is None
 
 
+def test_with_a_scaler_the_planner_counts_the_devices_in_service_and_shows_its_last_move(monkeypatch):
+    from core.scale_record import InService
+    from core.settings import clear_settings_cache
+
+    monkeypatch.setenv("QUILT_SCALER_DEVICES_PER_GEN_REPLICA", "2")
+    clear_settings_cache()
+    try:
+        assert ops.devices_in_service(InService(), (4, 4)) == (4, 4)  # no scaler: as configured
+        record = InService(gen=3, trainer=2, reason="balance busy time", at=10.0)
+        assert ops.devices_in_service(record, (4, 4)) == (6, 2)
+        base = {"gen": {"slot_s": 90.0, "capacity_s": 100.0}, "busy": {"busy": [0.5]}, "in_service": record}
+        c = ops.capacity(base, 0.0, ops.devices_in_service(record, (4, 4)))
+        assert c["now"] == [6, 2]
+        assert c["scaler"] == {"gen": 3, "trainer": 2, "reason": "balance busy time", "at": 10.0}
+        assert "scaler" not in ops.capacity({**base, "in_service": InService()}, 0.0, (4, 4))
+    finally:
+        monkeypatch.delenv("QUILT_SCALER_DEVICES_PER_GEN_REPLICA")
+        clear_settings_cache()
+
+
 def test_generation_replicas_add_up_and_each_shows():
     one = {"running": 3, "target": 8, "slot_s": 2.0, "capacity_s": 4.0, "group_latency_p95_s": 1.5}
     assert ops.combined_gen({"b": one}) is one  # one worker: its beacon as it is

@@ -113,3 +113,20 @@ def test_probes_answer_from_real_health(stack):
     env["QUILT_GEN_REPLICAS"] = "2"
     misnamed = probe("gen", "quilt-gen-5")
     assert misnamed.returncode == 1 and "must end in -0 ... -1" in misnamed.stdout, misnamed.stdout
+
+
+def test_the_scaler_may_only_read_and_set_the_worker_statefulsets_replicas(objects):
+    overlay, objs = objects
+    by = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    celery = by[("Deployment", "quilt-celery")]["spec"]["template"]["spec"]
+    assert celery["serviceAccountName"] == "quilt-scaler", overlay
+    binding = by[("RoleBinding", "quilt-scaler")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "quilt-scaler",
+                                    "namespace": binding["metadata"]["namespace"]}]
+    role = by[(binding["roleRef"]["kind"], binding["roleRef"]["name"])]
+    assert role["kind"] == "Role"  # this namespace only
+    assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["statefulsets/scale"],
+                              "resourceNames": ["quilt-gen", "quilt-trainer"], "verbs": ["get", "patch"]}]
+    assert {("StatefulSet", "quilt-gen"), ("StatefulSet", "quilt-trainer")} <= set(by)
+    config = by[("ConfigMap", "quilt-config")]["data"]
+    assert config["QUILT_SCALER_ACT"] == "false"  # off unless an operator turns it on

@@ -353,3 +353,90 @@ def test_models_left_on_a_shard_past_the_count_are_re_placed(replicas_stack):
         conn.autocommit = True
         _until("the stray model's fate", lambda: conn.execute(
             "SELECT status FROM training_models WHERE id = %s", (model_id,)).fetchone()["status"] == "lost")
+
+
+def test_the_scaler_drains_a_shard_before_removing_it_and_routes_around_a_leaving_replica(replicas_stack, monkeypatch):
+    """The capacity planner acting on Kubernetes (stack.k8s_scaler) against a local fake of the API
+    server's scale subresource: a shard leaves only once the real shard has moved its models off;
+    a generation replica taken out of service gets no new group and shows as leaving, not down;
+    both come back when the planner asks. Runs last: it leaves the stack as it found it."""
+    from k8sutil import FakeKubernetes
+
+    from core import scale_record
+    from core.capacity_plan import Recommendation
+    from core.settings import ScalerSettings, clear_settings_cache
+    from stack import k8s_scaler
+
+    s = replicas_stack
+    monkeypatch.setenv("QUILT_GEN_REPLICAS", "2")
+    monkeypatch.setenv("QUILT_TRAINER_SHARDS", "2")
+    clear_settings_cache()
+    r = redis_client.sync_client(s.redis_url)
+    _, key = new_tenant(s, "scaler")
+    client = quilt.Client(api_key=key, base_url=s.base_url)
+    trainers = [client.create_training_client(TINY, rank=4, seed=i) for i in range(4)]
+    models = [tc.model_id for tc in trainers]
+
+    # As the cluster would run it after a scale-down: one generation pod (gen-1 is not in service).
+    with FakeKubernetes({"quilt-gen": 1, "quilt-trainer": 2}) as fake, db.connect(s.database_url) as conn:
+        conn.autocommit = True
+        settings = ScalerSettings(act=True, api_server=fake.url, api_token="fake-token", namespace="quilt")
+        cluster = k8s_scaler.StatefulSets(settings)
+        wrong = k8s_scaler.StatefulSets(ScalerSettings(api_server=fake.url, api_token="nope", namespace="quilt"))
+        with pytest.raises(Exception, match="401"):
+            wrong.replicas("quilt-gen")
+        merge = "application/merge-patch+json"
+
+        def move(gen: int, train: int):
+            return k8s_scaler.act(conn, r, cluster, settings, TINY, k8s_scaler.fleet_of(cluster, settings),
+                                  Recommendation(gen, train, float(gen), "balance busy time"))
+
+        def only_gen_0_samples(step: int) -> None:
+            """Each model answers (a save on its shard), and its groups go to gen-0, never gen-1, even
+            sent all at once, which the routers would otherwise spread over both."""
+            time.sleep(0.5)  # past the routers' beacon refresh (gen_pool.router.REFRESH_S)
+            params = quilt.SamplingParams(max_tokens=16, seed=1, stop=[])
+            samplers = [tc.save_weights_and_get_sampling_client(f"scaled-{step}-{i}") for i, tc in enumerate(trainers)]
+            futures = [sampler.sample([5, 6, 7], 16, params) for sampler in samplers for _ in range(2)]
+            assert all(len(f.result(timeout=300).sequences) == 16 for f in futures)
+            time.sleep(2.5)  # a beacon or two
+            holders = {model_id: _holder(r, model_id) for model_id in models}
+            assert all(h == ["gen-0"] for h in holders.values()), holders
+            components = httpx.get(f"{s.base_url}/api/v1/healthz", timeout=10).json()["components"]
+            assert components[f"gen:{TINY}@gen-1"]["leaving"] is True and components[f"gen:{TINY}@gen-0"]["ok"]
+
+        # Trainers idle, generation full: a trainer device to generation. The shard is drained first;
+        # neither count moves until it is empty, and generation waits for the device.
+        assert placement.models_on(conn, TINY, "shard-1")  # the placement spread them
+        first = move(2, 1)
+        assert (first.gen, first.trainer, first.drain) == (1, 2, ("shard-1",)) and fake.patches == []
+        assert placement.is_draining(conn, TINY, "shard-1")
+        only_gen_0_samples(1)
+        _until("shard-1 to hand its models over", lambda: not placement.models_on(conn, TINY, "shard-1"))
+        second = move(2, 1)
+        assert (second.gen, second.trainer) == (2, 1)
+        assert fake.patches == [("quilt-trainer", 1, merge), ("quilt-gen", 2, merge)]  # the shrinking side first
+        assert scale_record.read(r, TINY).trainer == 1
+        assert set(_placed(s, models).values()) == {"shard-0"}
+        # Still beating (the fake starts and stops no pod): leaving, not down, and health is ok.
+        healthz = httpx.get(f"{s.base_url}/api/v1/healthz", timeout=10)
+        assert healthz.status_code == 200, healthz.text
+        assert healthz.json()["components"][f"trainer:{TINY}@shard-1"]["leaving"] is True
+
+        # Trainers full, generation idle: generation gives a replica back, the trainers take it in
+        # the same tick and shard-1 (which the scaler drained) reopens.
+        third = move(1, 2)
+        assert (third.gen, third.trainer, third.reopen) == (1, 2, ("shard-1",))
+        assert fake.patches[2:] == [("quilt-gen", 1, merge), ("quilt-trainer", 2, merge)]
+        assert not placement.is_draining(conn, TINY, "shard-1")
+        only_gen_0_samples(2)
+
+        # Off by default: the beat's task touches nothing.
+        monkeypatch.delenv("QUILT_SCALER_ACT", raising=False)
+        clear_settings_cache()
+        assert k8s_scaler.tick_task() == {"action": "off"}
+        assert len(fake.patches) == 4
+
+    r.delete(scale_record.key(TINY))
+    clear_settings_cache()
+    client.close()

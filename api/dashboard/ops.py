@@ -22,8 +22,8 @@ from collections import defaultdict
 
 from redis.asyncio import Redis
 
-from core import capacity_plan, catalog, health, queue
-from core.settings import get_core_settings
+from core import capacity_plan, catalog, health, queue, scale_record
+from core.settings import get_core_settings, get_scaler_settings
 
 ROUNDS_READ = 1000  # newest round records read per trainer (the worker keeps QUILT_TRAINER_STATS_HISTORY)
 FUSED_ROUNDS_SHOWN = 200
@@ -139,9 +139,22 @@ def capacity(base: dict, staleness_mean: float, devices: tuple[int, int]) -> dic
         trainer_busy=sum(known) / len(known), staleness_mean=staleness_mean)
     rec = capacity_plan.recommend(health_now)
     total = devices[0] + devices[1]
-    return {"gen_busy": round(health_now.gen_busy, 4), "trainer_busy": round(health_now.trainer_busy, 4),
-            "now": list(devices), "recommended": [rec.gen_devices, rec.train_devices], "reason": rec.reason,
-            "balanced_gen_share": round(rec.balanced_gen_devices / total, 4)}
+    out = {"gen_busy": round(health_now.gen_busy, 4), "trainer_busy": round(health_now.trainer_busy, 4),
+           "now": list(devices), "recommended": [rec.gen_devices, rec.train_devices], "reason": rec.reason,
+           "balanced_gen_share": round(rec.balanced_gen_devices / total, 4)}
+    record: scale_record.InService = base.get("in_service") or scale_record.InService()
+    if record.at:  # a scaler acts on this base (stack.k8s_scaler)
+        out["scaler"] = {"gen": record.gen, "trainer": record.trainer, "reason": record.reason, "at": record.at}
+    return out
+
+
+def devices_in_service(record: scale_record.InService, configured: tuple[int, int]) -> tuple[int, int]:
+    """The devices the planner counts: those of the workers a scaler keeps in service, else the
+    configured ones (QUILT_CAPACITY_*_DEVICES)."""
+    if record.gen is None or record.trainer is None:
+        return configured
+    s = get_scaler_settings()
+    return record.gen * s.devices_per_gen_replica, record.trainer * s.devices_per_trainer_shard
 
 
 # ---------------------------------------------------------------------------------------- fetching
@@ -236,6 +249,7 @@ def combined_gen(beacons: dict[str, dict | None]) -> dict | None:
 
 async def _base_health(redis: Redis, base: catalog.BaseModel, *, now: float, window_s: float, bin_s: float) -> dict:
     shards = get_core_settings().trainer_shards
+    record = await scale_record.read_async(redis, base.name)
     trainer = combined_trainer({name: _json(await redis.get(key))
                                 for name, key in health.trainer_keys(base.name, shards).items()})
     replicas = get_core_settings().gen_replicas
@@ -255,10 +269,29 @@ async def _base_health(redis: Redis, base: catalog.BaseModel, *, now: float, win
         "gen": None if not base.sampleable else {
             "up": gen is not None, **(gen or {}),
             "slot_utilisation": round(gen["running"] / gen["target"], 4) if gen and gen.get("target") else None},
+        # The busy fraction is the mean over the shards in service, not over every named one.
         "busy": trainer_series(rounds, now=now, window_s=window_s, bin_s=bin_s, complete=len(rounds) < ROUNDS_READ,
-                               workers=shards),
+                               workers=min(record.trainer or shards, shards)),
         "fused": fused_rounds(rounds, since=now - window_s),
+        "in_service": record,
     }
+
+
+async def _staleness_lags(conn, params: dict) -> list[float]:
+    return [r["lag"] for r in await (await conn.execute(_STALENESS, params)).fetchall()]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+async def planner_reading(conn, redis: Redis, base: catalog.BaseModel, *, window_s: float,
+                          devices: tuple[int, int]) -> dict | None:
+    """The capacity planner's answer for one base over the last `window_s` seconds, as the page
+    shows it, with `devices` the split running now (stack.k8s_scaler acts on it)."""
+    bin_s = max(5, round(window_s / 60))
+    item = await _base_health(redis, base, now=time.time(), window_s=window_s, bin_s=bin_s)
+    return capacity(item, _mean(await _staleness_lags(conn, {"window": window_s, "bin": bin_s})), devices)
 
 
 async def snapshot(conn, redis: Redis, *, window_s: float, devices: tuple[int, int] = (1, 1)) -> dict:
@@ -278,9 +311,11 @@ async def snapshot(conn, redis: Redis, *, window_s: float, devices: tuple[int, i
     ttb = await (await conn.execute(_TIME_TO_BATCH, params)).fetchall()
     overall = next((r for r in ttb if r["tenant"] is None), None)
     tenants = sorted((r for r in ttb if r["tenant"] is not None), key=lambda r: -r["p95"])[:MAX_TENANTS_SHOWN]
-    lags = [r["lag"] for r in await (await conn.execute(_STALENESS, params)).fetchall()]
+    lags = await _staleness_lags(conn, params)
     for item in per_base:
-        item["capacity"] = capacity(item, sum(lags) / len(lags) if lags else 0.0, devices)
+        item["capacity"] = capacity(item, _mean(lags), devices_in_service(item["in_service"], devices))
+        record = item.pop("in_service")
+        item["in_service"] = {"gen": record.gen, "trainer": record.trainer} if record.at else None
     share_rows = [{k: (int(v) if k != "tenant" else v) for k, v in r.items()}
                   for r in await (await conn.execute(_SHARES, params)).fetchall()]
     return {

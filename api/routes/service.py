@@ -8,7 +8,7 @@ from fastapi import APIRouter, Response
 
 from api.deps import Pool, RedisDep, Who
 from api.input_guard import GuardedRoute
-from core import catalog, health
+from core import catalog, health, scale_record
 from core.settings import get_core_settings
 
 router = APIRouter(route_class=GuardedRoute, tags=["service"])
@@ -58,6 +58,17 @@ async def _redis(redis) -> dict:
         return {"ok": False, "error": str(exc)}
 
 
+async def _workers(redis, components: dict, kind: str, keys: dict[str, str], serving: list[str]) -> None:
+    """A component per worker in service (down when its beacon lapsed); one a scaler took out of
+    service shows only while it still beats, as leaving, not down."""
+    for name, key in keys.items():
+        raw = await redis.get(key)
+        if name in serving:
+            components[f"{kind}:{name}"] = {"ok": raw is not None, **_aggregates(raw)}
+        elif raw is not None:
+            components[f"{kind}:{name}"] = {"ok": True, "leaving": True, **_aggregates(raw)}
+
+
 @router.get("/healthz")
 async def healthz(pool: Pool, redis: RedisDep, response: Response) -> dict:
     """Report each component: postgres, redis, one trainer and one generation pool per base model, celery."""
@@ -67,14 +78,13 @@ async def healthz(pool: Pool, redis: RedisDep, response: Response) -> dict:
     if components["redis"]["ok"]:
         try:
             for base in bases:
-                if base.trainable:  # one component per trainer shard
-                    for name, key in health.trainer_keys(base.name, get_core_settings().trainer_shards).items():
-                        raw = await redis.get(key)
-                        components[f"trainer:{name}"] = {"ok": raw is not None, **_aggregates(raw)}
-                if base.sampleable:  # one component per generation replica
-                    for name, key in health.gen_keys(base.name, get_core_settings().gen_replicas).items():
-                        raw = await redis.get(key)
-                        components[f"gen:{name}"] = {"ok": raw is not None, **_aggregates(raw)}
+                record = await scale_record.read_async(redis, base.name)
+                if base.trainable:  # one component per trainer shard in service
+                    keys = health.trainer_keys(base.name, get_core_settings().trainer_shards)
+                    await _workers(redis, components, "trainer", keys, record.trainer_names(list(keys)))
+                if base.sampleable:  # one component per generation replica in service
+                    keys = health.gen_keys(base.name, get_core_settings().gen_replicas)
+                    await _workers(redis, components, "gen", keys, record.gen_names(list(keys)))
             raw = await redis.get(health.CELERY_KEY)
             components["celery"] = {"ok": raw is not None, **(json.loads(raw) if raw else {})}
         except Exception as exc:  # health must report, not raise

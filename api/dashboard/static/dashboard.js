@@ -340,8 +340,11 @@
   function capacityText(c) {
     if (!c) return "no reading yet";
     const move = c.reason === "hold" ? "hold" : `move to ${c.recommended[0]} / ${c.recommended[1]} (${c.reason})`;
+    const scaler = c.scaler ? `; scaler: ${c.scaler.gen} generation / ${c.scaler.trainer} trainer pods in ` +
+      `service (${c.scaler.reason})` : "";
     return `${c.now[0]} / ${c.now[1]} now: ${move}; balanced at ${Math.round(100 * c.balanced_gen_share)}% ` +
-      `generation (busy: generation ${Math.round(100 * c.gen_busy)}%, trainer ${Math.round(100 * c.trainer_busy)}%)`;
+      `generation (busy: generation ${Math.round(100 * c.gen_busy)}%, trainer ${Math.round(100 * c.trainer_busy)}%)` +
+      scaler;
   }
 
   function drawBase(i, b, at) {
