@@ -36,8 +36,14 @@ Ends with one JSON line: {"shared_over_partitioned_tps", "worst_tenant_p95_ttb_r
 "shared_over_ideal" (the measured ratio over the ideal engine's for this workload),
 "shared_over_engine_model" (over the engine model's), the same three "..._all_active" (over the
 first "all_active_window_s" of every arm, while every tenant in each still had batches to sample), "slot_util_shared",
-..., with --async "async_over_partitioned_tps", "async_over_ideal", "async_staleness_mean/max"}. Target: shared >= 1.5x partitioned tokens/s, every tenant's p95
-time-to-batch <= 1.1x its partitioned value.
+..., with --async "async_over_partitioned_tps", "async_over_ideal", "async_staleness_mean/max"}. Target
+("target_met"): the shared pool at least 0.97 of the ideal engine for the workload, at least 1.5x
+partitioned tokens/s where tenants differ (--mix mixed), every tenant's p95 time-to-batch at most
+1.1x its partitioned value.
+
+--repeats R runs the arms R times interleaved (shared, partitioned, serial, async, then again) and
+reports every figure as the median of the repetitions' own: on a shared host a slow spell then
+lands in one repetition rather than in one arm.
 """
 
 from __future__ import annotations
@@ -373,6 +379,125 @@ async def publish_latency(engine: GenEngine, refs: list[AdapterRef], spare: str,
 # --------------------------------------------------------------------------- main
 
 
+def report(results: dict[str, ModeResult], w: Workload, curve: list, target: int) -> dict:
+    """One repetition's table and figures: every arm side by side, the ratio split into its factors,
+    and the ideal engine and engine model for this workload; returns the headline figures."""
+    print(f"\n{'':<22}" + "".join(f"{m:>14}" for m in results))
+    print(f"{'tokens/s':<22}" + "".join(f"{r.tps:>14.0f}" for r in results.values()))
+    print(f"{'slot utilisation':<22}" + "".join(f"{r.util:>14.2f}" for r in results.values()))
+    print(f"{'tok/s per busy slot':<22}" + "".join(f"{r.per_slot_tps:>14.1f}" for r in results.values()))
+    print(f"{'wall s':<22}" + "".join(f"{r.wall_s:>14.1f}" for r in results.values()))
+    print(f"{'all tenants active, s':<22}" + "".join(f"{r.window_s:>14.1f}" for r in results.values()))
+    # One window for every arm (the shortest): the same stretch of the same seeded workload.
+    common = min(r.window_s for r in results.values())
+    active = {m: r.within(common) for m, r in results.items()}
+    print(f"{f'first {common:.0f} s: tokens/s':<22}" + "".join(f"{a[0]:>14.0f}" for a in active.values()))
+    print(f"{'  slot utilisation':<22}" + "".join(f"{a[1]:>14.2f}" for a in active.values()))
+    for state, label in (("full", "time full"), ("no_demand", "time, no demand"),
+                         ("held_back", "time, work held back")):
+        print(f"{label:<22}" + "".join(f"{r.time_share(state):>14.2f}" for r in results.values()))
+    for t in range(w.tenants):
+        print(f"{f'tenant {t} ttb p50/p95 s':<22}" +
+              "".join(f"{f'{r.p(t, 0.5):.2f}/{r.p(t, 0.95):.2f}':>14}" for r in results.values()))
+    print(f"{'staleness mean/max':<22}" + "".join(
+        f"{f'{statistics.fmean(r.staleness):.2f}/{max(r.staleness)}' if r.staleness else '0/0':>14}"
+        for r in results.values()))
+    shared, part = results["shared"], results["partitioned"]
+    ratios = [shared.p(t, 0.95) / part.p(t, 0.95) for t in range(w.tenants)]
+    util_ratio, rate_ratio = shared.util / part.util, shared.per_slot_tps / part.per_slot_tps
+    at_target = next(row for row in curve if row[0] >= target)
+    seq_rate = at_target[2] / at_target[0]  # tokens/s of one sequence with the engine at its target
+    flat = ideal(w, target, seq_rate, at_target[1] / 1000)
+    grown = ideal(w, target, seq_rate, at_target[1] / 1000, curve=curve)
+    print(f"\nshared / partitioned tokens/s {shared.tps / part.tps:.2f} = utilisation ratio {util_ratio:.2f} "
+          f"x per-busy-slot rate ratio {rate_ratio:.2f}")
+    print(f"ideal engine (simulated: flat decode step at the measured {seq_rate:.0f} tok/s per "
+          f"sequence, same workload shape and admission): {flat['ratio']:.2f}x, utilisation "
+          f"{flat['util_shared']:.2f} vs {flat['util_partitioned']:.2f}; shared reaches "
+          f"{shared.tps / part.tps / flat['ratio']:.2f} of it")
+    print(f"engine model (simulated: this engine's measured step curve, same workload and admission): "
+          f"{grown['ratio']:.2f}x; shared reaches {shared.tps / part.tps / grown['ratio']:.2f} of it "
+          f"(the rest of the ideal engine's gap is the step growing with the batch)")
+    early = active["shared"][0] / active["partitioned"][0]
+    print(f"over the first {common:.0f} s of every arm, while every tenant still had batches to sample (no drain "
+          f"where the slowest tenant samples alone, which the simulator's looping tenants never have): shared / "
+          f"partitioned {early:.2f}, {early / flat['ratio']:.2f} of the ideal engine, "
+          f"{early / grown['ratio']:.2f} of the engine model")
+    extra = {}
+    if "async" in results:
+        ahead = results["async"]
+        flat_async = ideal(w, target, seq_rate, at_target[1] / 1000, ahead=1)
+        grown_async = ideal(w, target, seq_rate, at_target[1] / 1000, ahead=1, curve=curve)
+        early_async = active["async"][0] / active["partitioned"][0]
+        print(f"async (one version ahead) / partitioned tokens/s {ahead.tps / part.tps:.2f}, "
+              f"{ahead.tps / shared.tps:.2f}x synchronous shared; ideal engine {flat_async['ratio']:.2f}x "
+              f"(reached {ahead.tps / part.tps / flat_async['ratio']:.2f}); trained data "
+              f"{statistics.fmean(ahead.staleness):.2f} versions behind on average, at most {max(ahead.staleness)}; "
+              f"engine model {grown_async['ratio']:.2f}x (reached {ahead.tps / part.tps / grown_async['ratio']:.2f}); "
+              f"first {common:.0f} s: {early_async:.2f}x partitioned, "
+              f"{early_async / flat_async['ratio']:.2f} of the ideal engine")
+        extra = {"async_over_partitioned_tps": round(ahead.tps / part.tps, 3),
+                 "async_over_shared_tps": round(ahead.tps / shared.tps, 3),
+                 "async_over_ideal": round(ahead.tps / part.tps / flat_async["ratio"], 3),
+                 "ideal_flat_step_async_over_partitioned_tps": round(flat_async["ratio"], 3),
+                 "async_over_engine_model": round(ahead.tps / part.tps / grown_async["ratio"], 3),
+                 "async_over_partitioned_tps_all_active": round(early_async, 3),
+                 "async_over_ideal_all_active": round(early_async / flat_async["ratio"], 3),
+                 "async_worst_tenant_p95_ttb_ratio": round(max(ahead.p(t, 0.95) / part.p(t, 0.95)
+                                                               for t in range(w.tenants)), 3),
+                 "async_staleness_mean": round(statistics.fmean(ahead.staleness), 3),
+                 "async_staleness_max": max(ahead.staleness)}
+    summary = {
+        "shared_over_partitioned_tps": round(shared.tps / part.tps, 3),
+        "worst_tenant_p95_ttb_ratio": round(max(ratios), 3),
+        "slot_util_shared": round(shared.util, 3),
+        "slot_util_partitioned": round(part.util, 3),
+        "slot_util_serial": round(results["serial"].util, 3),
+        "per_slot_rate_ratio": round(rate_ratio, 3),
+        "ideal_flat_step_shared_over_partitioned_tps": round(flat["ratio"], 3),
+        "shared_over_ideal": round(shared.tps / part.tps / flat["ratio"], 3),
+        "engine_model_shared_over_partitioned_tps": round(grown["ratio"], 3),
+        "shared_over_engine_model": round(shared.tps / part.tps / grown["ratio"], 3),
+        "all_active_window_s": round(common, 1),
+        "shared_over_partitioned_tps_all_active": round(early, 3),
+        "shared_over_ideal_all_active": round(early / flat["ratio"], 3),
+        "shared_over_engine_model_all_active": round(early / grown["ratio"], 3),
+        **extra,
+        "shared_time_no_demand": round(shared.time_share("no_demand"), 3),
+        "shared_time_held_back": round(shared.time_share("held_back"), 3),
+        "tps": {m: round(r.tps, 1) for m, r in results.items()},
+        "step_ms_1_vs_target": [round(curve[0][1], 1), round(next(ms for k, ms, _ in curve if k >= target), 1)],
+    }
+    return summary
+
+
+HEADLINE = ("shared_over_partitioned_tps", "shared_over_ideal", "worst_tenant_p95_ttb_ratio", "per_slot_rate_ratio",
+            "async_over_partitioned_tps", "async_over_ideal")
+
+
+def over_repeats(reps: list[dict]) -> dict:
+    """The figures over interleaved repetitions: each the median of the repetitions' own (every arm
+    of a repetition ran within minutes of the others, so a slow spell of the host lands in one
+    repetition, not in one arm). One repetition: its figures as they are."""
+    if len(reps) == 1:
+        return reps[0]
+    out: dict = {}
+    for key, value in reps[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = round(statistics.median(r[key] for r in reps), 3)
+        elif isinstance(value, dict):
+            out[key] = {k: round(statistics.median(r[key][k] for r in reps), 1) for k in value}
+        else:
+            out[key] = value
+    print(f"\nover {len(reps)} interleaved repetitions (each the median of the repetitions' own):")
+    shown = [k for k in HEADLINE if k in out]
+    print(f"{'':<34}" + "".join(f"{i + 1:>8}" for i in range(len(reps))) + f"{'median':>9}")
+    for key in shown:
+        print(f"{key:<34}" + "".join(f"{r[key]:>8.2f}" for r in reps) + f"{out[key]:>9.2f}")
+    out["repeats"] = {key: [r[key] for r in reps] for key in shown}
+    return out
+
+
 async def main_async(args) -> dict:
     root = Path(tempfile.mkdtemp(prefix="genpool-fill-"))
     try:
@@ -404,106 +529,28 @@ async def main_async(args) -> dict:
             for t in range(w.tenants):
                 print(f"   tenant {t}: {w.groups_of(t)} groups, pause {w.pause_of(t):.2f} s, "
                       f"median length {w.median_len * tenant_shape(t, True)['len_x']:.0f}")
-        results = {}
-        for mode in ("shared", "partitioned", "serial", *(("async",) if args.async_arm else ())):
-            results[mode] = await run_mode(mode, engine, refs, w, args.target, run_for=args.run_for)
-            r = results[mode]
-            print(f"   {mode:<12} done in {r.wall_s:6.1f} s", flush=True)
-        print(f"\n{'':<22}" + "".join(f"{m:>14}" for m in results))
-        print(f"{'tokens/s':<22}" + "".join(f"{r.tps:>14.0f}" for r in results.values()))
-        print(f"{'slot utilisation':<22}" + "".join(f"{r.util:>14.2f}" for r in results.values()))
-        print(f"{'tok/s per busy slot':<22}" + "".join(f"{r.per_slot_tps:>14.1f}" for r in results.values()))
-        print(f"{'wall s':<22}" + "".join(f"{r.wall_s:>14.1f}" for r in results.values()))
-        print(f"{'all tenants active, s':<22}" + "".join(f"{r.window_s:>14.1f}" for r in results.values()))
-        # One window for every arm (the shortest): the same stretch of the same seeded workload.
-        common = min(r.window_s for r in results.values())
-        active = {m: r.within(common) for m, r in results.items()}
-        print(f"{f'first {common:.0f} s: tokens/s':<22}" + "".join(f"{a[0]:>14.0f}" for a in active.values()))
-        print(f"{'  slot utilisation':<22}" + "".join(f"{a[1]:>14.2f}" for a in active.values()))
-        for state, label in (("full", "time full"), ("no_demand", "time, no demand"),
-                             ("held_back", "time, work held back")):
-            print(f"{label:<22}" + "".join(f"{r.time_share(state):>14.2f}" for r in results.values()))
-        for t in range(w.tenants):
-            print(f"{f'tenant {t} ttb p50/p95 s':<22}" +
-                  "".join(f"{f'{r.p(t, 0.5):.2f}/{r.p(t, 0.95):.2f}':>14}" for r in results.values()))
-        print(f"{'staleness mean/max':<22}" + "".join(
-            f"{f'{statistics.fmean(r.staleness):.2f}/{max(r.staleness)}' if r.staleness else '0/0':>14}"
-            for r in results.values()))
-        shared, part = results["shared"], results["partitioned"]
-        ratios = [shared.p(t, 0.95) / part.p(t, 0.95) for t in range(w.tenants)]
-        util_ratio, rate_ratio = shared.util / part.util, shared.per_slot_tps / part.per_slot_tps
-        at_target = next(row for row in curve if row[0] >= args.target)
-        seq_rate = at_target[2] / at_target[0]  # tokens/s of one sequence with the engine at its target
-        flat = ideal(w, args.target, seq_rate, at_target[1] / 1000)
-        grown = ideal(w, args.target, seq_rate, at_target[1] / 1000, curve=curve)
-        print(f"\nshared / partitioned tokens/s {shared.tps / part.tps:.2f} = utilisation ratio {util_ratio:.2f} "
-              f"x per-busy-slot rate ratio {rate_ratio:.2f}")
-        print(f"ideal engine (simulated: flat decode step at the measured {seq_rate:.0f} tok/s per "
-              f"sequence, same workload shape and admission): {flat['ratio']:.2f}x, utilisation "
-              f"{flat['util_shared']:.2f} vs {flat['util_partitioned']:.2f}; shared reaches "
-              f"{shared.tps / part.tps / flat['ratio']:.2f} of it")
-        print(f"engine model (simulated: this engine's measured step curve, same workload and admission): "
-              f"{grown['ratio']:.2f}x; shared reaches {shared.tps / part.tps / grown['ratio']:.2f} of it "
-              f"(the rest of the ideal engine's gap is the step growing with the batch)")
-        early = active["shared"][0] / active["partitioned"][0]
-        print(f"over the first {common:.0f} s of every arm, while every tenant still had batches to sample (no drain "
-              f"where the slowest tenant samples alone, which the simulator's looping tenants never have): shared / "
-              f"partitioned {early:.2f}, {early / flat['ratio']:.2f} of the ideal engine, "
-              f"{early / grown['ratio']:.2f} of the engine model")
-        extra = {}
-        if "async" in results:
-            ahead = results["async"]
-            flat_async = ideal(w, args.target, seq_rate, at_target[1] / 1000, ahead=1)
-            grown_async = ideal(w, args.target, seq_rate, at_target[1] / 1000, ahead=1, curve=curve)
-            early_async = active["async"][0] / active["partitioned"][0]
-            print(f"async (one version ahead) / partitioned tokens/s {ahead.tps / part.tps:.2f}, "
-                  f"{ahead.tps / shared.tps:.2f}x synchronous shared; ideal engine {flat_async['ratio']:.2f}x "
-                  f"(reached {ahead.tps / part.tps / flat_async['ratio']:.2f}); trained data "
-                  f"{statistics.fmean(ahead.staleness):.2f} versions behind on average, at most {max(ahead.staleness)}; "
-                  f"engine model {grown_async['ratio']:.2f}x (reached {ahead.tps / part.tps / grown_async['ratio']:.2f}); "
-                  f"first {common:.0f} s: {early_async:.2f}x partitioned, "
-                  f"{early_async / flat_async['ratio']:.2f} of the ideal engine")
-            extra = {"async_over_partitioned_tps": round(ahead.tps / part.tps, 3),
-                     "async_over_shared_tps": round(ahead.tps / shared.tps, 3),
-                     "async_over_ideal": round(ahead.tps / part.tps / flat_async["ratio"], 3),
-                     "ideal_flat_step_async_over_partitioned_tps": round(flat_async["ratio"], 3),
-                     "async_over_engine_model": round(ahead.tps / part.tps / grown_async["ratio"], 3),
-                     "async_over_partitioned_tps_all_active": round(early_async, 3),
-                     "async_over_ideal_all_active": round(early_async / flat_async["ratio"], 3),
-                     "async_worst_tenant_p95_ttb_ratio": round(max(ahead.p(t, 0.95) / part.p(t, 0.95)
-                                                                   for t in range(w.tenants)), 3),
-                     "async_staleness_mean": round(statistics.fmean(ahead.staleness), 3),
-                     "async_staleness_max": max(ahead.staleness)}
-
+        reps = []
+        for rep in range(args.repeats):
+            if args.repeats > 1:
+                print(f"\n   repetition {rep + 1} of {args.repeats}", flush=True)
+            results = {}
+            for mode in ("shared", "partitioned", "serial", *(("async",) if args.async_arm else ())):
+                results[mode] = await run_mode(mode, engine, refs, w, args.target, run_for=args.run_for)
+                r = results[mode]
+                print(f"   {mode:<12} done in {r.wall_s:6.1f} s", flush=True)
+            reps.append(report(results, w, curve, args.target))
+        summary = over_repeats(reps)
         lat = await publish_latency(engine, refs, paths[-1], root, args.publish_trials)
         print(f"\n3. publish-to-first-token while busy: p50 {1000 * statistics.median(lat):.0f} ms, "
               f"max {1000 * max(lat):.0f} ms over {len(lat)} new versions")
         engine.shutdown()
-        summary = {
-            "shared_over_partitioned_tps": round(shared.tps / part.tps, 3),
-            "worst_tenant_p95_ttb_ratio": round(max(ratios), 3),
-            "slot_util_shared": round(shared.util, 3),
-            "slot_util_partitioned": round(part.util, 3),
-            "slot_util_serial": round(results["serial"].util, 3),
-            "per_slot_rate_ratio": round(rate_ratio, 3),
-            "ideal_flat_step_shared_over_partitioned_tps": round(flat["ratio"], 3),
-            "shared_over_ideal": round(shared.tps / part.tps / flat["ratio"], 3),
-            "engine_model_shared_over_partitioned_tps": round(grown["ratio"], 3),
-            "shared_over_engine_model": round(shared.tps / part.tps / grown["ratio"], 3),
-            "all_active_window_s": round(common, 1),
-            "shared_over_partitioned_tps_all_active": round(early, 3),
-            "shared_over_ideal_all_active": round(early / flat["ratio"], 3),
-            "shared_over_engine_model_all_active": round(early / grown["ratio"], 3),
-            **extra,
-            "shared_time_no_demand": round(shared.time_share("no_demand"), 3),
-            "shared_time_held_back": round(shared.time_share("held_back"), 3),
-            "tps": {m: round(r.tps, 1) for m, r in results.items()},
-            "step_ms_1_vs_target": [round(curve[0][1], 1), round(next(ms for k, ms, _ in curve if k >= args.target), 1)],
-            "publish_to_first_token_ms_p50": round(1000 * statistics.median(lat), 1),
-            "workload": {"tenants": args.mix, "groups": w.groups, "n": w.n, "sigma": w.sigma, "pause_s": w.pause_s,
-                         "run_for_s": args.run_for or None},
-        }
-        summary["target_met"] = summary["shared_over_partitioned_tps"] >= 1.5 and summary["worst_tenant_p95_ttb_ratio"] <= 1.1
+        summary["publish_to_first_token_ms_p50"] = round(1000 * statistics.median(lat), 1)
+        summary["workload"] = {"tenants": args.mix, "groups": w.groups, "n": w.n, "sigma": w.sigma,
+                               "pause_s": w.pause_s, "run_for_s": args.run_for or None, "repeats": args.repeats}
+        # The issue's targets: the shared pool at least 0.97 of the ideal engine for this workload,
+        # at least 1.5x partitioned where tenants differ, and no tenant's p95 past 1.1x its partition's.
+        summary["target_met"] = (summary["shared_over_ideal"] >= 0.97 and summary["worst_tenant_p95_ttb_ratio"] <= 1.1
+                                 and (not w.mixed or summary["shared_over_partitioned_tps"] >= 1.5))
         return summary
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -524,6 +571,9 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=1.0)
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--pause", type=float, default=1.5, help="seconds of 'trainer step' between batches")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every arm this many times, interleaved (shared, partitioned, ... then again), and "
+                         "report each figure as the median of the repetitions' own")
     ap.add_argument("--publish-trials", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0, help="seeds the workload (lengths, pauses)")
     ap.add_argument("--mix", choices=("same", "mixed"), default="same",
