@@ -30,7 +30,7 @@ run() {  # name, seconds, command...: the command's output, and its last JSON li
 }
 
 run fusion 150 "$PY" bench/trainer_fusion.py --quick --device cuda --dtype bfloat16 --hidden 4096 --layers 8
-run fill 150 "$PY" bench/genpool_fill.py --quick
+run fill 150 "$PY" bench/genpool_fill.py --async --mix mixed --groups 32 --pause 6 --run-for 10 --repeats 2 --publish-trials 2
 run first_token 170 "$PY" bench/first_token.py --preset qwen3-8b --trials 5 --workdir "$WORK"
 run suffix 120 "$PY" bench/suffix_speculation.py --engine
 
