@@ -379,9 +379,24 @@ async def publish_latency(engine: GenEngine, refs: list[AdapterRef], spare: str,
 # --------------------------------------------------------------------------- main
 
 
-def report(results: dict[str, ModeResult], w: Workload, curve: list, target: int) -> dict:
+def ideals(w: Workload, curve: list, target: int, with_async: bool) -> dict:
+    """The ideal engine's and the engine model's ratios for this workload (`ideal`), synchronous
+    and, `with_async`, one version ahead: the same for every repetition, so simulated once."""
+    at_target = next(row for row in curve if row[0] >= target)
+    seq_rate = at_target[2] / at_target[0]  # tokens/s of one sequence with the engine at its target
+    step_s = at_target[1] / 1000
+    out = {"seq_rate": seq_rate, "flat": ideal(w, target, seq_rate, step_s),
+           "grown": ideal(w, target, seq_rate, step_s, curve=curve)}
+    if with_async:
+        out["flat_async"] = ideal(w, target, seq_rate, step_s, ahead=1)
+        out["grown_async"] = ideal(w, target, seq_rate, step_s, ahead=1, curve=curve)
+    return out
+
+
+def report(results: dict[str, ModeResult], w: Workload, curve: list, target: int, sims: dict) -> dict:
     """One repetition's table and figures: every arm side by side, the ratio split into its factors,
-    and the ideal engine and engine model for this workload; returns the headline figures."""
+    and how far each reaches the ideal engine and engine model of `sims` (`ideals`); returns the
+    headline figures."""
     print(f"\n{'':<22}" + "".join(f"{m:>14}" for m in results))
     print(f"{'tokens/s':<22}" + "".join(f"{r.tps:>14.0f}" for r in results.values()))
     print(f"{'slot utilisation':<22}" + "".join(f"{r.util:>14.2f}" for r in results.values()))
@@ -405,10 +420,7 @@ def report(results: dict[str, ModeResult], w: Workload, curve: list, target: int
     shared, part = results["shared"], results["partitioned"]
     ratios = [shared.p(t, 0.95) / part.p(t, 0.95) for t in range(w.tenants)]
     util_ratio, rate_ratio = shared.util / part.util, shared.per_slot_tps / part.per_slot_tps
-    at_target = next(row for row in curve if row[0] >= target)
-    seq_rate = at_target[2] / at_target[0]  # tokens/s of one sequence with the engine at its target
-    flat = ideal(w, target, seq_rate, at_target[1] / 1000)
-    grown = ideal(w, target, seq_rate, at_target[1] / 1000, curve=curve)
+    seq_rate, flat, grown = sims["seq_rate"], sims["flat"], sims["grown"]
     print(f"\nshared / partitioned tokens/s {shared.tps / part.tps:.2f} = utilisation ratio {util_ratio:.2f} "
           f"x per-busy-slot rate ratio {rate_ratio:.2f}")
     print(f"ideal engine (simulated: flat decode step at the measured {seq_rate:.0f} tok/s per "
@@ -426,8 +438,7 @@ def report(results: dict[str, ModeResult], w: Workload, curve: list, target: int
     extra = {}
     if "async" in results:
         ahead = results["async"]
-        flat_async = ideal(w, target, seq_rate, at_target[1] / 1000, ahead=1)
-        grown_async = ideal(w, target, seq_rate, at_target[1] / 1000, ahead=1, curve=curve)
+        flat_async, grown_async = sims["flat_async"], sims["grown_async"]
         early_async = active["async"][0] / active["partitioned"][0]
         print(f"async (one version ahead) / partitioned tokens/s {ahead.tps / part.tps:.2f}, "
               f"{ahead.tps / shared.tps:.2f}x synchronous shared; ideal engine {flat_async['ratio']:.2f}x "
@@ -529,6 +540,7 @@ async def main_async(args) -> dict:
             for t in range(w.tenants):
                 print(f"   tenant {t}: {w.groups_of(t)} groups, pause {w.pause_of(t):.2f} s, "
                       f"median length {w.median_len * tenant_shape(t, True)['len_x']:.0f}")
+        sims = ideals(w, curve, args.target, args.async_arm)
         reps = []
         for rep in range(args.repeats):
             if args.repeats > 1:
@@ -538,7 +550,7 @@ async def main_async(args) -> dict:
                 results[mode] = await run_mode(mode, engine, refs, w, args.target, run_for=args.run_for)
                 r = results[mode]
                 print(f"   {mode:<12} done in {r.wall_s:6.1f} s", flush=True)
-            reps.append(report(results, w, curve, args.target))
+            reps.append(report(results, w, curve, args.target, sims))
         summary = over_repeats(reps)
         lat = await publish_latency(engine, refs, paths[-1], root, args.publish_trials)
         print(f"\n3. publish-to-first-token while busy: p50 {1000 * statistics.median(lat):.0f} ms, "

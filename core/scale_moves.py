@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from core import queue
 from core.capacity_plan import Recommendation
+from core.placement import ShardView
 from core.scale_record import InService
 
 
@@ -44,12 +45,6 @@ class Fleet:
     @property
     def devices(self) -> tuple[int, int]:
         return self.gen * self.devices_per_gen, self.trainer * self.devices_per_trainer
-
-
-@dataclass(frozen=True)
-class ShardState:
-    models: int = 0  # live models placed on the shard
-    draining: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,9 +77,10 @@ def goal(rec: Recommendation, fleet: Fleet) -> tuple[int, int]:
     return gen, trainer
 
 
-def step(rec: Recommendation, fleet: Fleet, shards: Mapping[str, ShardState], record: InService) -> Step:
+def step(rec: Recommendation, fleet: Fleet, shards: Mapping[str, ShardView], record: InService) -> Step:
     """The next move toward the recommendation (see the module docstring). `shards` holds the
-    named shards' placement (absent: empty, open); `record` is what the scaler wrote last."""
+    named shards' placement (core.placement.read_views; absent: empty, open); `record` is what the
+    scaler wrote last."""
     want_gen, want_trainer = goal(rec, fleet)
     names = queue.shard_names(fleet.trainer_max) if fleet.trainer_max > 1 else []
     total = sum(fleet.devices)
@@ -93,9 +89,9 @@ def step(rec: Recommendation, fleet: Fleet, shards: Mapping[str, ShardState], re
     trainer, reason = fleet.trainer, rec.reason
     if want_trainer < fleet.trainer:
         leaving = names[want_trainer:fleet.trainer]
-        drain = [s for s in leaving if not shards.get(s, ShardState()).draining]
+        drain = [s for s in leaving if not shards.get(s, ShardView(s)).draining]
         drained |= set(drain)  # not a shard an operator drained already: it stays theirs
-        if not drain and all(shards.get(s, ShardState()).models == 0 for s in leaving):
+        if not drain and all(shards.get(s, ShardView(s)).models == 0 for s in leaving):
             trainer = want_trainer
         else:
             reason = f"draining {', '.join(leaving)} before removing them"

@@ -1,6 +1,6 @@
 """The capacity planner acting on Kubernetes (QUILT_SCALER_ACT=true; off by default): a Celery beat
 task that, every QUILT_SCALER_INTERVAL_S, reads the planner's answer for one base (the operator
-page's, api.dashboard.ops.planner_reading), turns it into replica counts and the moves that reach
+page's reading, api.dashboard.ops.planner_health), turns it into replica counts and the moves that reach
 them (core.scale_moves), and carries them out:
 
     1. drains the trainer shards that are to leave, reopens the ones taken back (Postgres);
@@ -28,7 +28,6 @@ from core import (
     catalog,
     db,
     placement,
-    queue,
     redis_client,
     scale_moves,
     scale_record,
@@ -86,23 +85,16 @@ def scaled_base(conn, settings: ScalerSettings) -> catalog.BaseModel:
     return both[0]
 
 
-async def _reading(db_url: str, redis_url: str, base: catalog.BaseModel, window_s: float,
-                   devices: tuple[int, int]) -> dict | None:
+async def _health(db_url: str, redis_url: str, base: catalog.BaseModel, window_s: float,
+                  devices: tuple[int, int]) -> capacity_plan.QueueHealth | None:
     from api.dashboard import ops
 
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True, row_factory=dict_row) as conn:
         redis = redis_client.async_client(redis_url)
         try:
-            return await ops.planner_reading(conn, redis, base, window_s=window_s, devices=devices)
+            return await ops.planner_health(conn, redis, base, window_s=window_s, devices=devices)
         finally:
             await redis.aclose()
-
-
-def recommendation(reading: dict) -> capacity_plan.Recommendation:
-    """The planner's answer back from the page's figures (the page and the scaler read one thing)."""
-    gen, train = reading["recommended"]
-    total = reading["now"][0] + reading["now"][1]
-    return capacity_plan.Recommendation(gen, train, reading["balanced_gen_share"] * total, reading["reason"])
 
 
 def fleet_of(cluster: StatefulSets, settings: ScalerSettings) -> scale_moves.Fleet:
@@ -118,10 +110,8 @@ def fleet_of(cluster: StatefulSets, settings: ScalerSettings) -> scale_moves.Fle
 def act(conn, redis, cluster: StatefulSets, settings: ScalerSettings, base: str, fleet: scale_moves.Fleet,
         rec: capacity_plan.Recommendation) -> scale_moves.Step:
     """Carry out the next move toward `rec` (steps 1-3 of the module docstring)."""
-    names = queue.shard_names(fleet.trainer_max) if fleet.trainer_max > 1 else []
-    shards = {name: scale_moves.ShardState(models=len(placement.models_on(conn, base, name)),
-                                           draining=placement.is_draining(conn, base, name)) for name in names}
-    step = scale_moves.step(rec, fleet, shards, scale_record.read(redis, base))
+    views = placement.read_views(conn, redis, base, fleet.trainer_max) if fleet.trainer_max > 1 else []
+    step = scale_moves.step(rec, fleet, {v.name: v for v in views}, scale_record.read(redis, base))
     for shard in step.drain:
         placement.set_draining(conn, base, shard, True)
     for shard in step.reopen:
@@ -143,11 +133,12 @@ def tick(conn, redis, cluster: StatefulSets, settings: ScalerSettings, *, db_url
     """One look and one move (see the module docstring); returns what it saw and did."""
     base = scaled_base(conn, settings)
     fleet = fleet_of(cluster, settings)
-    reading = asyncio.run(_reading(db_url, redis_url, base, settings.window_s, fleet.devices))
-    if reading is None:
+    health = asyncio.run(_health(db_url, redis_url, base, settings.window_s, fleet.devices))
+    if health is None:
         return {"base": base.name, "fleet": dataclasses.asdict(fleet), "action": "no reading yet"}
-    step = act(conn, redis, cluster, settings, base.name, fleet, recommendation(reading))
-    return {"base": base.name, "fleet": dataclasses.asdict(fleet), "recommended": reading["recommended"],
+    rec = capacity_plan.recommend(health)
+    step = act(conn, redis, cluster, settings, base.name, fleet, rec)
+    return {"base": base.name, "fleet": dataclasses.asdict(fleet), "recommended": [rec.gen_devices, rec.train_devices],
             "gen": step.gen, "trainer": step.trainer, "drain": list(step.drain), "reopen": list(step.reopen),
             "reason": step.reason}
 

@@ -94,11 +94,11 @@ def test_with_a_scaler_the_planner_counts_the_devices_in_service_and_shows_its_l
         assert ops.devices_in_service(InService(), (4, 4)) == (4, 4)  # no scaler: as configured
         record = InService(gen=3, trainer=2, reason="balance busy time", at=10.0)
         assert ops.devices_in_service(record, (4, 4)) == (6, 2)
-        base = {"gen": {"slot_s": 90.0, "capacity_s": 100.0}, "busy": {"busy": [0.5]}, "in_service": record}
-        c = ops.capacity(base, 0.0, ops.devices_in_service(record, (4, 4)))
+        base = {"gen": {"slot_s": 90.0, "capacity_s": 100.0}, "busy": {"busy": [0.5]}}
+        c = ops.capacity(base, 0.0, ops.devices_in_service(record, (4, 4)), record)
         assert c["now"] == [6, 2]
         assert c["scaler"] == {"gen": 3, "trainer": 2, "reason": "balance busy time", "at": 10.0}
-        assert "scaler" not in ops.capacity({**base, "in_service": InService()}, 0.0, (4, 4))
+        assert "scaler" not in ops.capacity(base, 0.0, (4, 4), InService())
     finally:
         monkeypatch.delenv("QUILT_SCALER_DEVICES_PER_GEN_REPLICA")
         clear_settings_cache()

@@ -431,11 +431,24 @@ def test_the_scaler_drains_a_shard_before_removing_it_and_routes_around_a_leavin
         assert not placement.is_draining(conn, TINY, "shard-1")
         only_gen_0_samples(2)
 
+        assert len(fake.patches) == 4
+        # A whole tick reads the planner's inputs as the operator page does; what it recommends
+        # depends on this stack's load, so only its consistency is checked.
+        out = k8s_scaler.tick(conn, r, cluster, settings, db_url=s.database_url, redis_url=s.redis_url)
+        assert out["base"] == TINY and (out["fleet"]["gen"], out["fleet"]["trainer"]) == (1, 2)
+        if "action" in out:
+            assert out["action"] == "no reading yet"
+        else:
+            assert scale_record.read(r, TINY).reason == out["reason"]
+            assert sum(out["recommended"]) == 3  # the devices in use now, moved, never added
+        patched = len(fake.patches)
+
         # Off by default: the beat's task touches nothing.
         monkeypatch.delenv("QUILT_SCALER_ACT", raising=False)
         clear_settings_cache()
         assert k8s_scaler.tick_task() == {"action": "off"}
-        assert len(fake.patches) == 4
+        assert len(fake.patches) == patched
+        placement.set_draining(conn, TINY, "shard-1", False)  # in case the tick began a drain
 
     r.delete(scale_record.key(TINY))
     clear_settings_cache()

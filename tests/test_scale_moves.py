@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from core.capacity_plan import Recommendation
-from core.scale_moves import Fleet, ShardState, goal, step
+from core.placement import ShardView
+from core.scale_moves import Fleet, goal, step
 from core.scale_record import InService, dumps, parse
 
 
@@ -31,15 +32,15 @@ def test_goal_is_devices_over_devices_per_replica_within_the_named_workers(rec, 
 
 
 def test_a_shard_is_drained_before_the_count_drops_and_generation_waits_for_its_device():
-    first = step(_rec(3, 1), FLEET, {"shard-1": ShardState(models=2)}, InService())
+    first = step(_rec(3, 1), FLEET, {"shard-1": ShardView("shard-1", models=2)}, InService())
     assert (first.gen, first.trainer, first.drain) == (2, 2, ("shard-1",))
     assert first.reason == "draining shard-1 before removing them"
     assert first.record == InService(gen=2, trainer=2, drained=("shard-1",))
     # Drained but not yet empty: hold.
-    second = step(_rec(3, 1), FLEET, {"shard-1": ShardState(models=1, draining=True)}, first.record)
+    second = step(_rec(3, 1), FLEET, {"shard-1": ShardView("shard-1", models=1, draining=True)}, first.record)
     assert (second.gen, second.trainer, second.drain) == (2, 2, ())
     # Empty: both move in one tick, generation into the device the shard gave back.
-    third = step(_rec(3, 1), FLEET, {"shard-1": ShardState(draining=True)}, second.record)
+    third = step(_rec(3, 1), FLEET, {"shard-1": ShardView("shard-1", draining=True)}, second.record)
     assert (third.gen, third.trainer, third.drain, third.reopen) == (3, 1, (), ())
     assert third.record == InService(gen=3, trainer=1, drained=("shard-1",))
     assert third.changes(FLEET)
@@ -47,8 +48,8 @@ def test_a_shard_is_drained_before_the_count_drops_and_generation_waits_for_its_
 
 def test_taking_a_shard_back_reopens_only_what_the_scaler_drained():
     fleet = Fleet(gen=3, trainer=1, gen_max=4, trainer_max=4)
-    operators = {"shard-2": ShardState(draining=True)}  # drained by hand, for maintenance
-    moved = step(_rec(1, 3), fleet, {"shard-1": ShardState(draining=True), **operators},
+    operators = {"shard-2": ShardView("shard-2", draining=True)}  # drained by hand, for maintenance
+    moved = step(_rec(1, 3), fleet, {"shard-1": ShardView("shard-1", draining=True), **operators},
                  InService(gen=3, trainer=1, drained=("shard-1",)))
     # Generation shrinks at once, so the trainers grow into its devices in the same tick.
     assert (moved.gen, moved.trainer, moved.reopen) == (1, 3, ("shard-1",))
@@ -58,10 +59,10 @@ def test_taking_a_shard_back_reopens_only_what_the_scaler_drained():
 
 def test_a_shard_an_operator_drained_stays_drained_after_the_scaler_removes_and_takes_it_back():
     fleet = Fleet(gen=1, trainer=2, gen_max=4, trainer_max=4)
-    removed = step(_rec(2, 1), fleet, {"shard-1": ShardState(draining=True)}, InService())
+    removed = step(_rec(2, 1), fleet, {"shard-1": ShardView("shard-1", draining=True)}, InService())
     assert (removed.gen, removed.trainer, removed.drain, removed.record.drained) == (2, 1, (), ())
     back = step(_rec(1, 2), Fleet(gen=2, trainer=1, gen_max=4, trainer_max=4),
-                {"shard-1": ShardState(draining=True)}, removed.record)
+                {"shard-1": ShardView("shard-1", draining=True)}, removed.record)
     assert (back.gen, back.trainer, back.reopen) == (1, 2, ())
 
 
@@ -78,7 +79,7 @@ def test_a_side_grows_only_into_devices_already_given_back():
     # Two devices per generation pod: one trainer device is not enough for another, so the trainer
     # keeps it and nothing is drained.
     fleet = Fleet(gen=1, trainer=3, gen_max=4, trainer_max=4, devices_per_gen=2)
-    moved = step(_rec(3, 2), fleet, {"shard-2": ShardState(models=1)}, InService())
+    moved = step(_rec(3, 2), fleet, {"shard-2": ShardView("shard-2", models=1)}, InService())
     assert (moved.gen, moved.trainer, moved.drain) == (1, 3, ())
 
 

@@ -126,23 +126,31 @@ def env_waits(rows: list[dict]) -> dict:
             "steps": [int(r["steps"]) for r in ordered]}
 
 
-def capacity(base: dict, staleness_mean: float, devices: tuple[int, int]) -> dict | None:
-    """The capacity planner's answer for one base (core.capacity_plan): generation busy is its slot
+def queue_health(base: dict, staleness_mean: float, devices: tuple[int, int]) -> capacity_plan.QueueHealth | None:
+    """What the capacity planner reads for one base (core.capacity_plan): generation busy is its slot
     utilisation since the worker started (its beacon's counters), trainer busy the window's mean
     busy fraction; None while either side has no reading."""
     gen = base.get("gen") or {}
     known = [b for b in base["busy"]["busy"] if b is not None]
     if not gen.get("capacity_s") or not known:
         return None
-    health_now = capacity_plan.QueueHealth(
+    return capacity_plan.QueueHealth(
         gen_devices=devices[0], train_devices=devices[1], gen_busy=gen["slot_s"] / gen["capacity_s"],
         trainer_busy=sum(known) / len(known), staleness_mean=staleness_mean)
+
+
+def capacity(base: dict, staleness_mean: float, devices: tuple[int, int],
+             record: scale_record.InService = scale_record.InService()) -> dict | None:  # noqa: B008
+    """The capacity planner's answer for one base as the page shows it, with what a scaler last did
+    (`record`); None while either side has no reading."""
+    health_now = queue_health(base, staleness_mean, devices)
+    if health_now is None:
+        return None
     rec = capacity_plan.recommend(health_now)
     total = devices[0] + devices[1]
     out = {"gen_busy": round(health_now.gen_busy, 4), "trainer_busy": round(health_now.trainer_busy, 4),
            "now": list(devices), "recommended": [rec.gen_devices, rec.train_devices], "reason": rec.reason,
            "balanced_gen_share": round(rec.balanced_gen_devices / total, 4)}
-    record: scale_record.InService = base.get("in_service") or scale_record.InService()
     if record.at:  # a scaler acts on this base (stack.k8s_scaler)
         out["scaler"] = {"gen": record.gen, "trainer": record.trainer, "reason": record.reason, "at": record.at}
     return out
@@ -247,7 +255,9 @@ def combined_gen(beacons: dict[str, dict | None]) -> dict | None:
     return out
 
 
-async def _base_health(redis: Redis, base: catalog.BaseModel, *, now: float, window_s: float, bin_s: float) -> dict:
+async def _base_health(redis: Redis, base: catalog.BaseModel, *, now: float, window_s: float,
+                       bin_s: float) -> tuple[dict, scale_record.InService]:
+    """The base's figures for the page, and the count in service a scaler keeps (core.scale_record)."""
     shards = get_core_settings().trainer_shards
     record = await scale_record.read_async(redis, base.name)
     trainer = combined_trainer({name: _json(await redis.get(key))
@@ -273,8 +283,8 @@ async def _base_health(redis: Redis, base: catalog.BaseModel, *, now: float, win
         "busy": trainer_series(rounds, now=now, window_s=window_s, bin_s=bin_s, complete=len(rounds) < ROUNDS_READ,
                                workers=min(record.trainer or shards, shards)),
         "fused": fused_rounds(rounds, since=now - window_s),
-        "in_service": record,
-    }
+        "in_service": {"gen": record.gen, "trainer": record.trainer} if record.at else None,
+    }, record
 
 
 async def _staleness_lags(conn, params: dict) -> list[float]:
@@ -285,13 +295,13 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-async def planner_reading(conn, redis: Redis, base: catalog.BaseModel, *, window_s: float,
-                          devices: tuple[int, int]) -> dict | None:
-    """The capacity planner's answer for one base over the last `window_s` seconds, as the page
-    shows it, with `devices` the split running now (stack.k8s_scaler acts on it)."""
+async def planner_health(conn, redis: Redis, base: catalog.BaseModel, *, window_s: float,
+                         devices: tuple[int, int]) -> capacity_plan.QueueHealth | None:
+    """What the capacity planner reads for one base over the last `window_s` seconds, as the page
+    does, with `devices` the split running now (stack.k8s_scaler acts on its answer)."""
     bin_s = max(5, round(window_s / 60))
-    item = await _base_health(redis, base, now=time.time(), window_s=window_s, bin_s=bin_s)
-    return capacity(item, _mean(await _staleness_lags(conn, {"window": window_s, "bin": bin_s})), devices)
+    item, _ = await _base_health(redis, base, now=time.time(), window_s=window_s, bin_s=bin_s)
+    return queue_health(item, _mean(await _staleness_lags(conn, {"window": window_s, "bin": bin_s})), devices)
 
 
 async def snapshot(conn, redis: Redis, *, window_s: float, devices: tuple[int, int] = (1, 1)) -> dict:
@@ -303,19 +313,18 @@ async def snapshot(conn, redis: Redis, *, window_s: float, devices: tuple[int, i
     rates: dict[str, list[dict]] = defaultdict(list)
     for r in await (await conn.execute(_RATES, params)).fetchall():
         rates[r["base_model"]].append(r)
-    per_base = []
+    per_base, records = [], []
     for base in bases:
-        item = await _base_health(redis, base, now=now, window_s=window_s, bin_s=bin_s)
+        item, record = await _base_health(redis, base, now=now, window_s=window_s, bin_s=bin_s)
+        records.append(record)
         item["rates"] = rate_series(rates.get(base.name, []), now=now, window_s=window_s, bin_s=bin_s)
         per_base.append(item)
     ttb = await (await conn.execute(_TIME_TO_BATCH, params)).fetchall()
     overall = next((r for r in ttb if r["tenant"] is None), None)
     tenants = sorted((r for r in ttb if r["tenant"] is not None), key=lambda r: -r["p95"])[:MAX_TENANTS_SHOWN]
     lags = await _staleness_lags(conn, params)
-    for item in per_base:
-        item["capacity"] = capacity(item, _mean(lags), devices_in_service(item["in_service"], devices))
-        record = item.pop("in_service")
-        item["in_service"] = {"gen": record.gen, "trainer": record.trainer} if record.at else None
+    for item, record in zip(per_base, records, strict=True):
+        item["capacity"] = capacity(item, _mean(lags), devices_in_service(record, devices), record)
     share_rows = [{k: (int(v) if k != "tenant" else v) for k, v in r.items()}
                   for r in await (await conn.execute(_SHARES, params)).fetchall()]
     return {
