@@ -9,7 +9,8 @@ A call on an existing model, or a sample group, writes one statement (the reques
 model's last use in the same statement), so its route hands `admit` an autocommit connection: no
 BEGIN and no COMMIT round trip, two of a submission's eight waits (reads see a fresh snapshot per
 statement either way, under READ COMMITTED); its in-flight count and budget flag come with the
-model's read (`usable_model`), a third. A call that writes more rows (a new model with its
+model's read (`usable_model`), a third; and its tokens-per-minute take is sent beside that read
+(`early_rate`), a fourth. A call that writes more rows (a new model with its
 first request, a sampler with its publication) hands it a transaction (`pool.connection()`), which
 `admit` commits.
 
@@ -33,9 +34,13 @@ sampling sequence ids exceed int32, so a Redis key held for the future's lifetim
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from psycopg import AsyncConnection
 from redis.asyncio import Redis
@@ -52,6 +57,8 @@ from tenancy import accounts, rate_limit, scoped
 from tenancy.auth import Principal
 
 log = logging.getLogger("quilt.api.admission")
+
+T = TypeVar("T")
 
 _UNUSABLE = {"failed": "failed to be created", "lost": "was lost when its trainer restarted; load a checkpoint into a new model"}
 
@@ -86,6 +93,50 @@ class RedisSlot:
     ttl_s: int
 
 
+class EarlyRate:
+    """A call's tokens-per-minute take, sent beside its model's read (`usable_model(..., rate=)`)
+    so the two are one wait. The take's decision is judged in `admit`, at its usual place after the
+    quota and budget; tokens taken by a call that is then refused, or that is a retry of one
+    already admitted, go back to the bucket when `early_rate` ends. Made by `early_rate`."""
+
+    def __init__(self, redis: Redis, who: Principal, tokens: int):
+        self.redis, self.who, self.tokens = redis, who, tokens
+        self.decision: rate_limit.Decision | None = None  # None: not taken early (`_rate` judges the call)
+        self.kept = False  # the call's row is committed: the tokens paid for it
+
+    async def beside(self, read: Awaitable[T]) -> T:
+        """`read`, with the take in flight meanwhile (when the call's tokens can fit the bucket)."""
+        if not 0 < self.tokens <= self.who.tokens_per_minute:
+            return await read
+        take = asyncio.ensure_future(rate_limit.take(self.redis, self.who.tenant_id,
+                                                     per_minute=self.who.tokens_per_minute, cost=self.tokens))
+        try:
+            return await read
+        finally:  # waited for even when the read fails, so what it took is known and given back
+            self.decision = await take
+
+    async def give_back(self) -> None:
+        if self.decision is None or not self.decision.admitted or self.kept:
+            return
+        self.decision = None
+        try:
+            await rate_limit.give_back(self.redis, self.who.tenant_id, per_minute=self.who.tokens_per_minute,
+                                       cost=self.tokens)
+        except Exception:  # the caller's own answer matters more than the bucket's accuracy
+            log.exception("could not give back %d tokens to tenant %s", self.tokens, self.who.tenant_id)
+
+
+@contextlib.asynccontextmanager
+async def early_rate(redis: Redis, who: Principal, tokens: int) -> AsyncIterator[EarlyRate]:
+    """A call on a model carrying `tokens` (see `EarlyRate`): pass it to `usable_model` and to the
+    call's `Ticket`; unless `admit` committed the call, what was taken goes back on the way out."""
+    rate = EarlyRate(redis, who, tokens)
+    try:
+        yield rate
+    finally:
+        await rate.give_back()
+
+
 @dataclass(frozen=True)
 class Ticket:
     item: WorkItem
@@ -95,6 +146,7 @@ class Ticket:
     check_quota: bool = True  # placeholders for refused calls hold no new work: no quota, no budget
     new_model: records.NewModel | None = None
     rate_tokens: int | None = None  # tokens taken from the tokens_per_minute bucket; default item.n_tokens
+    rate: EarlyRate | None = None  # the take, if it was sent beside the model's read
 
     @property
     def billable(self) -> bool:
@@ -103,11 +155,14 @@ class Ticket:
         return self.item.n_tokens > 0 or self.new_model is not None
 
 
-async def usable_model(conn: AsyncConnection, who: Principal, model_id: str, *, seq_id: int | None = None) -> dict:
+async def usable_model(conn: AsyncConnection, who: Principal, model_id: str, *, seq_id: int | None = None,
+                       rate: EarlyRate | None = None) -> dict:
     """The caller's model, if requests may still be queued on it (else 404 / 400); with `seq_id`,
     the row also names the request already holding that seq_id, and carries admission's own reads
-    (tenancy.scoped.get_model), so the call's next wait is its insert."""
-    model = await scoped.get_model(conn, who, model_id, seq_id=seq_id, admission=True)
+    (tenancy.scoped.get_model); with `rate`, the call's tokens are taken meanwhile. So the call's
+    next wait is its insert."""
+    read = scoped.get_model(conn, who, model_id, seq_id=seq_id, admission=True)
+    model = await (rate.beside(read) if rate is not None else read)
     if model["status"] in _UNUSABLE:
         raise InvalidInput(f"model {model_id!r} {_UNUSABLE[model['status']]}", field="model_id")
     return model
@@ -149,7 +204,7 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
         if ticket.check_quota:
             await _quota_and_budget(conn, who, billable=ticket.billable,
                                     read=slot.quota if isinstance(slot, SeqSlot) else None)
-            await _rate(redis, who, item.n_tokens if ticket.rate_tokens is None else ticket.rate_tokens)
+            await _rate(redis, who, item.n_tokens if ticket.rate_tokens is None else ticket.rate_tokens, ticket.rate)
         if ticket.new_model is not None:
             shard = await _new_model_shard(conn, redis, ticket)
             if shard is not None:
@@ -166,6 +221,8 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
                 return _holder(slot, row_kind, *holder) or item.request_id
             return await _resume(conn, redis, replace(ticket, item=item), item.request_id, "queued")
         await conn.commit()
+        if ticket.rate is not None:
+            ticket.rate.kept = True
         faults.crash_point("api.after_commit")
     except BaseException:
         if took_slot:
@@ -251,15 +308,21 @@ async def _quota_and_budget(conn: AsyncConnection, who: Principal, *, billable: 
         await budgets.check(conn, tenant_id=who.tenant_id, tenant_name=who.tenant_name, key_id=who.key_id)
 
 
-async def _rate(redis: Redis, who: Principal, tokens: int) -> None:
-    """The tenant's tokens-per-minute bucket (tenancy.rate_limit): 429 with the wait, or take them."""
+async def _rate(redis: Redis, who: Principal, tokens: int, early: EarlyRate | None = None) -> None:
+    """The tenant's tokens-per-minute bucket (tenancy.rate_limit): 429 with the wait, or take them
+    (or judge the take `early` already made of these tokens)."""
     if tokens <= 0:
         return
     limit = who.tokens_per_minute
     if tokens > limit:  # can never fit the bucket: a 400, not a 429 a client would retry in vain
         raise InvalidInput(f"this call needs {tokens} tokens, more than your tokens_per_minute limit of {limit} "
                            "allows at once; split it into smaller calls", field="tokens_per_minute")
-    decision = await rate_limit.take(redis, who.tenant_id, per_minute=limit, cost=tokens)
+    if early is not None and early.decision is not None and early.tokens == tokens:
+        decision = early.decision
+    else:
+        if early is not None:  # taken early for another count: that take is not this call's
+            await early.give_back()
+        decision = await rate_limit.take(redis, who.tenant_id, per_minute=limit, cost=tokens)
     if not decision.admitted:
         raise QuotaExceeded(f"this call's {tokens} tokens exceed what is left of your tokens_per_minute limit "
                             f"of {limit}; retry in {decision.retry_after_s:.1f} s", field="tokens_per_minute",

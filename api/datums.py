@@ -106,6 +106,11 @@ def pass_work(loss_fn: str, loss_fn_config: dict[str, Any] | None, data: list[Ra
     return PassWork(loss_fn, config, datums), n_tokens
 
 
+def input_tokens(data: list[RawDatum]) -> int:
+    """A request's model-input tokens, what it is metered and rate-limited by (before any check)."""
+    return sum(len(datum.tokens) for datum in data)
+
+
 def normalise(data: list[RawDatum], loss_fn: str, limits: Limits) -> tuple[tuple[Datum, ...], int]:
     """Check a request's datums; returns (the datums, total model-input tokens)."""
     spec = spec_of(loss_fn)
@@ -114,7 +119,6 @@ def normalise(data: list[RawDatum], loss_fn: str, limits: Limits) -> tuple[tuple
     if len(data) > limits.max_datums:
         raise InvalidInput(f"data: {len(data)} datums exceed the limit of {limits.max_datums} per request", field="data")
     out: list[Datum] = []
-    total = 0
     for i, datum in enumerate(data):
         where = f"data[{i}]"
         n = len(datum.tokens)
@@ -146,8 +150,8 @@ def normalise(data: list[RawDatum], loss_fn: str, limits: Limits) -> tuple[tuple
                 inputs[key] = tuple(_check_tokens(field, values, limits.vocab_size))
             else:
                 inputs[key] = _check_floats(field, key, values)
-        total += n
         out.append(Datum(tuple(tokens), inputs, datum.policy_version))
+    total = input_tokens(data)
     if total > limits.max_tokens:
         raise InvalidInput(
             f"data: {total} model-input tokens exceed the limit of {limits.max_tokens} per request; split it",

@@ -4,7 +4,8 @@ The bucket holds up to a minute of the tenant's `tokens_per_minute` and refills 
 call takes its tokens at admission (training: model-input tokens; sampling: prompt tokens plus
 `max_tokens` for each sample, what it may consume), or takes nothing and learns how many seconds
 until it could: the 429's `Retry-After`. The check and the take are one Lua script on Redis' own
-clock, so replicas never race or disagree on the time.
+clock, so replicas never race or disagree on the time. A call that took its tokens and was then
+refused or found to be a retry of one admitted before gives them back (`give_back`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,20 @@ redis.call('EXPIRE', KEYS[1], 120)
 return {1, tostring(tokens - cost)}
 """
 
+# KEYS[1]: the bucket; ARGV: per-minute rate, tokens given back. A bucket gone (expired) is full.
+_GIVE_BACK = """
+local per_minute = tonumber(ARGV[1])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'at')
+if not state[1] then return 0 end
+local at = tonumber(state[2]) or now
+local tokens = math.min(per_minute, tonumber(state[1]) + math.max(0, now - at) * per_minute / 60 + tonumber(ARGV[2]))
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
+redis.call('EXPIRE', KEYS[1], 120)
+return 1
+"""
+
 
 def bucket_key(tenant_id: str) -> str:
     return f"quilt:tpm:{tenant_id}"
@@ -47,3 +62,8 @@ async def take(redis: Redis, tenant_id: str, *, per_minute: int, cost: int) -> D
     costs above `per_minute` first: the bucket never holds more than a minute's worth."""
     admitted, value = await redis.eval(_TAKE, 1, bucket_key(tenant_id), per_minute, cost)
     return Decision(True) if int(admitted) else Decision(False, float(value))
+
+
+async def give_back(redis: Redis, tenant_id: str, *, per_minute: int, cost: int) -> None:
+    """Return `cost` tokens taken by a call that was then not admitted (never past a full bucket)."""
+    await redis.eval(_GIVE_BACK, 1, bucket_key(tenant_id), per_minute, cost)

@@ -118,3 +118,56 @@ def test_the_inflight_quota_refuses_a_call_on_a_model_with_429_until_work_finish
     for r in [first, *waiting]:
         assert "loss:sum" in wait_future(b, r.json()["request_id"])["metrics"]
     assert _fb(b, b_model, 5, n_datums=1).status_code == 200  # finished work frees the quota
+
+
+def _bucket_level(stack, tenant_id: str) -> float:
+    """What the tenant's tokens-per-minute bucket holds now (tenancy.rate_limit's own refill rule)."""
+    import redis
+
+    from tenancy import rate_limit
+
+    with redis.Redis.from_url(stack.redis_url) as r:
+        tokens, at = r.hmget(rate_limit.bucket_key(tenant_id), "tokens", "at")
+        seconds, micros = r.time()
+    if tokens is None:
+        return float(LIMIT)
+    return min(LIMIT, float(tokens) + max(0.0, seconds + micros / 1e6 - float(at)) * LIMIT / 60)
+
+
+def test_a_call_refused_after_its_tokens_were_taken_gives_them_back(stack):
+    """A call on a model takes its tokens beside the model's read (admission.early_rate); a call
+    then refused (not your model, bad tokens, the in-flight quota) or a retry of a call admitted
+    before leaves the bucket as it found it, and an admitted call takes its tokens once."""
+    t, other = stack.create_tenant("refund"), stack.create_tenant("refund-other")
+    _set_quota(stack, t.name, "--tokens-per-minute", str(LIMIT), "--max-inflight", "3")
+    c, o = stack.http(t.key), stack.http(other.key)
+    model, others_model = new_model(c), new_model(o)
+    full = _bucket_level(stack, t.tenant_id)
+
+    first = _fb(c, model, 2)  # waits for seq 1: stays in flight
+    assert first.status_code == 200, first.text
+    after_one = _bucket_level(stack, t.tenant_id)
+    assert full - 300 - 1 <= after_one <= full - 300 + 30  # taken once (plus a few seconds' refill at most)
+
+    for _ in range(3):  # retries of an admitted call: the same future, nothing taken again
+        again = _fb(c, model, 2)
+        assert again.status_code == 200 and again.json()["request_id"] == first.json()["request_id"]
+    bad_token = [datum([1] * 100 + [10**6] + [1] * 100)]  # 200 model-input tokens, one outside the vocabulary
+    calls = [
+        (_fb(c, others_model, 1), 404),  # another tenant's model: not found
+        (_fb(c, others_model, 2), 404),
+        (c.post("/forward_backward", json=fb_body(model, 3, bad_token)), 400),  # uses up seq 3: in flight
+        (_fb(c, model, 4), 200),  # in flight: 3 of 3
+        (_fb(c, model, 5), 429),  # the in-flight quota
+    ]
+    for r, status in calls:
+        assert r.status_code == status, r.text
+    assert calls[-1][0].json()["field"] == "max_inflight_requests"
+    # Only seq 4 took tokens since: none of the refused calls or retries kept any.
+    assert _bucket_level(stack, t.tenant_id) >= after_one - 300 - 1
+
+    _set_quota(stack, t.name, "--max-inflight", "64")
+    done = _fb(c, model, 1)
+    assert done.status_code == 200, done.text
+    for r in (done, first, calls[3][0]):
+        assert "loss:sum" in wait_future(c, r.json()["request_id"])["metrics"]

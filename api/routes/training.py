@@ -70,11 +70,12 @@ async def _new_model(pool, redis, who, *, session_id: str, model_seq_id: int, ba
     return admission.future_response(request_id, model_id)
 
 
-async def _model_call(conn, redis, who, model: dict, *, seq_id: int, kind: WorkKind, body, n_tokens: int = 0) -> dict:
+async def _model_call(conn, redis, who, model: dict, *, seq_id: int, kind: WorkKind, body, n_tokens: int = 0,
+                      rate: admission.EarlyRate | None = None) -> dict:
     """Admit one call on `model` (a row of `admission.usable_model` read with this seq_id)."""
     item = WorkItem(ids.new_request_id(), who.tenant_id, model["id"], seq_id, kind, n_tokens, body)
     request_id = await admission.admit(conn, redis, who, admission.Ticket(
-        item, model["base_model"], admission.SeqSlot.of(model, seq_id)))
+        item, model["base_model"], admission.SeqSlot.of(model, seq_id), rate=rate))
     return admission.future_response(request_id, model["id"])
 
 
@@ -147,13 +148,15 @@ async def _forward(request: Request, who, pool, redis, settings, *, forward_only
     if not 1 <= req.seq_id <= INT32_MAX:
         raise InvalidInput(f"seq_id must be in [1, {INT32_MAX}], got {req.seq_id}", field="seq_id")
     spec_of(req.loss_fn)
-    async with db.autocommit(pool) as conn:  # one row written: no transaction (admission)
-        model = await admission.usable_model(conn, who, req.model_id, seq_id=req.seq_id)
+    # One row written: no transaction; the tokens' take goes beside the model's read (admission).
+    async with db.autocommit(pool) as conn, admission.early_rate(redis, who, datums.input_tokens(req.data)) as rate:
+        model = await admission.usable_model(conn, who, req.model_id, seq_id=req.seq_id, rate=rate)
         limits = datums.Limits(model["vocab_size"], model["max_context_length"], settings.max_datums_per_request,
                                settings.max_tokens_per_request)
         work, n_tokens = datums.pass_work(req.loss_fn, req.loss_fn_config, req.data, limits)
         kind = WorkKind.FORWARD if req.forward_only else WorkKind.FORWARD_BACKWARD
-        return await _model_call(conn, redis, who, model, seq_id=req.seq_id, kind=kind, body=work, n_tokens=n_tokens)
+        return await _model_call(conn, redis, who, model, seq_id=req.seq_id, kind=kind, body=work, n_tokens=n_tokens,
+                                 rate=rate)
 
 
 # The forward routes read their body themselves (JSON or protobuf), so FastAPI does not know its
