@@ -20,8 +20,11 @@ trainer step. A pool shared across tenants can give those slots to other tenants
    Printed per mode: generated tokens/s, slot utilisation (busy sequence-seconds / target / wall),
    where the idle capacity comes from (time full; time with free slots and no work to run; time with
    free slots while work waits, i.e. held back by caps or admission latency), and each tenant's
-   time-to-trainable-batch (submit -> last group done) p50/p95. Then the ratio split into its two
-   factors (utilisation ratio x tokens/s per busy slot ratio) and what an ideal engine would give
+   time-to-trainable-batch (submit -> last group done) p50/p95, and the CPU each process spent per
+   token generated (this one: Quilt's scheduler and vLLM's front end; vLLM's engine core and its
+   worker), with the time inside the scheduler's own step. Then the ratio split into its two
+   factors (utilisation ratio x tokens/s per busy slot ratio, and the per-busy-slot ratio the step
+   curve of part 1 predicts from each arm's running sequences) and what an ideal engine would give
    this workload: the same workload shape and admission function in bench/genpool_sim.py's
    flat-step model at the measured per-sequence rate; and the engine model: the same with the
    measured step curve of part 1, so the gap to the ideal engine splits into what admission loses
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -61,6 +65,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -92,9 +98,13 @@ def build(root: Path, tenants: int, spec: dict | None = None) -> tuple[str, list
     return base, paths
 
 
-async def run_pool(sched: Scheduler, stop: asyncio.Event) -> None:
+async def run_pool(sched: Scheduler, stop: asyncio.Event, spent: list[float] | None = None) -> None:
+    """The generation worker's loop (gen_pool.worker), adding the time its steps take to `spent[0]`."""
+    spent = spent if spent is not None else [0.0]
     while not stop.is_set():
+        began = time.perf_counter()
         sched.step()
+        spent[0] += time.perf_counter() - began
         await sched.wait(0.2)
 
 
@@ -145,6 +155,19 @@ async def step_curve(engine: GenEngine, refs: list[AdapterRef], target: int,
 # --------------------------------------------------------------------------- 2. the modes
 
 
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of this process (Quilt's scheduler and vLLM's front end: output
+    processing, detokenising) and of vLLM's engine processes beside it (scheduling and the model's
+    step), by role: the same engine's CPU per token in two arms tells its cost from the scheduler's."""
+    out = {"front end": sum(psutil.Process().cpu_times()[:2])}
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            name = child.name()
+            role = "engine core" if "EngineCore" in name else "engine worker" if "Worker" in name else "other"
+            out[role] = out.get(role, 0.0) + sum(child.cpu_times()[:2])
+    return out
+
+
 @dataclass
 class Workload:
     tenants: int
@@ -186,6 +209,8 @@ class ModeResult:
     # anything to fill with, is what the simulator's looping tenants never have.
     window_s: float = 0.0
     seqs: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end from the arm's start, tokens)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds by process role (cpu_seconds) over the arm
+    step_s: float = 0.0  # time inside the scheduler's own step (admission, placing groups) over the arm
 
     def time_share(self, state: str) -> float:
         """Fraction of samples: `full` (running >= target), `no_demand` (free slots, nothing
@@ -222,6 +247,17 @@ class ModeResult:
     def p(self, tenant: int, q: float) -> float:
         return pct(self.ttb[tenant], q)
 
+    def per_slot_tps_from_curve(self, rate) -> float:
+        """The tokens/s per busy slot the step curve predicts for this arm's running sequences:
+        each sampled moment's `running` sequences weighted by the curve's per-sequence `rate` there."""
+        busy = [r for r, _ in self.occupancy if r > 0]
+        return sum(r * rate(r) for r in busy) / max(sum(busy), 1)
+
+    def cpu_ms_per_100_tokens(self, role: str) -> float:
+        """`role`'s CPU per token generated in the arm (its whole length: a drained arm's tail included)."""
+        tokens = sum(n for _, _, n in self.seqs)
+        return 1e5 * self.cpu_s.get(role, 0.0) / max(tokens, 1)
+
 
 async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Workload, target: int,
                    ahead: int = 1, run_for: float = 0.0) -> ModeResult:
@@ -234,7 +270,9 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
     done: list[Group] = []
     sched, futures = make_scheduler(engine, target, cap, done)
     stop = asyncio.Event()
-    pool = asyncio.create_task(run_pool(sched, stop))
+    spent = [0.0]
+    cpu_before = cpu_seconds()
+    pool = asyncio.create_task(run_pool(sched, stop, spent))
     serial = asyncio.Lock()
     result = ModeResult(name, 0.0, target, {t: [] for t in range(w.tenants)})
     last_sampled: list[float] = []  # per tenant, when its last batch was sampled (the scheduler's clock)
@@ -318,6 +356,9 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
     stop.set()
     sched.wake()
     await pool
+    cpu_after = cpu_seconds()
+    result.cpu_s = {role: cpu_after[role] - cpu_before.get(role, 0.0) for role in cpu_after}
+    result.step_s = spent[0]
     result.window_s = min(last_sampled) - start
     result.seqs = [(g.started_at[i] - start, g.finished_at[i] - start, len(r.tokens))
                    for g in done for i, r in enumerate(g.results) if r is not None]
@@ -343,10 +384,14 @@ def ideal(w: Workload, target: int, slot_rate: float, step_s: float, seeds: int 
     engine with no other loss (the engine model). Medians over a few seeds."""
     m = Model(slots=target, token_rate=slot_rate, prefill_s=step_s, groups=w.groups, n=w.n,
               median_len=float(w.median_len), sigma=w.sigma, max_len=w.max_len, drift=0.0, pause_s=w.pause_s,
-              horizon_s=400.0, quantum_s=max(step_s, 0.02), ahead=ahead,
-              step_ms=tuple(zip((k for k, _, _ in curve or ()),
-                                itertools.accumulate((ms for _, ms, _ in curve or ()), max))))
+              horizon_s=400.0, quantum_s=max(step_s, 0.02), ahead=ahead, step_ms=step_ms(curve or []))
     return fixed_comparison(m, w.tenants, w.mixed, seeds)
+
+
+def step_ms(curve: list[tuple[int, float, float]]) -> tuple[tuple[int, float], ...]:
+    """step_curve's rows as the simulator's step (made non-decreasing: a step measured faster with
+    more sequences is noise)."""
+    return tuple(zip((k for k, _, _ in curve), itertools.accumulate((ms for _, ms, _ in curve), max)))
 
 
 # --------------------------------------------------------------------------- 3. publish latency
@@ -414,6 +459,11 @@ def report(results: dict[str, ModeResult], w: Workload, curve: list, target: int
     for t in range(w.tenants):
         print(f"{f'tenant {t} ttb p50/p95 s':<22}" +
               "".join(f"{f'{r.p(t, 0.5):.2f}/{r.p(t, 0.95):.2f}':>14}" for r in results.values()))
+    for role in ("front end", "engine core", "engine worker"):
+        print(f"{f'{role} CPU ms/100 tok':<22}" +
+              "".join(f"{r.cpu_ms_per_100_tokens(role):>14.1f}" for r in results.values()))
+    print(f"{'sched.step ms/100 tok':<22}" +
+          "".join(f"{1e5 * r.step_s / max(sum(n for _, _, n in r.seqs), 1):>14.2f}" for r in results.values()))
     print(f"{'staleness mean/max':<22}" + "".join(
         f"{f'{statistics.fmean(r.staleness):.2f}/{max(r.staleness)}' if r.staleness else '0/0':>14}"
         for r in results.values()))
@@ -421,8 +471,11 @@ def report(results: dict[str, ModeResult], w: Workload, curve: list, target: int
     ratios = [shared.p(t, 0.95) / part.p(t, 0.95) for t in range(w.tenants)]
     util_ratio, rate_ratio = shared.util / part.util, shared.per_slot_tps / part.per_slot_tps
     seq_rate, flat, grown = sims["seq_rate"], sims["flat"], sims["grown"]
+    curve_rate = Model(step_ms=step_ms(curve)).rate
+    from_curve = shared.per_slot_tps_from_curve(curve_rate) / part.per_slot_tps_from_curve(curve_rate)
     print(f"\nshared / partitioned tokens/s {shared.tps / part.tps:.2f} = utilisation ratio {util_ratio:.2f} "
-          f"x per-busy-slot rate ratio {rate_ratio:.2f}")
+          f"x per-busy-slot rate ratio {rate_ratio:.2f} (the step curve at each arm's running sequences "
+          f"predicts {from_curve:.2f})")
     print(f"ideal engine (simulated: flat decode step at the measured {seq_rate:.0f} tok/s per "
           f"sequence, same workload shape and admission): {flat['ratio']:.2f}x, utilisation "
           f"{flat['util_shared']:.2f} vs {flat['util_partitioned']:.2f}; shared reaches "
@@ -465,6 +518,7 @@ def report(results: dict[str, ModeResult], w: Workload, curve: list, target: int
         "slot_util_partitioned": round(part.util, 3),
         "slot_util_serial": round(results["serial"].util, 3),
         "per_slot_rate_ratio": round(rate_ratio, 3),
+        "per_slot_rate_ratio_from_curve": round(from_curve, 3),
         "ideal_flat_step_shared_over_partitioned_tps": round(flat["ratio"], 3),
         "shared_over_ideal": round(shared.tps / part.tps / flat["ratio"], 3),
         "engine_model_shared_over_partitioned_tps": round(grown["ratio"], 3),
@@ -474,6 +528,8 @@ def report(results: dict[str, ModeResult], w: Workload, curve: list, target: int
         "shared_over_ideal_all_active": round(early / flat["ratio"], 3),
         "shared_over_engine_model_all_active": round(early / grown["ratio"], 3),
         **extra,
+        "cpu_ms_per_100_tokens": {m: {role: round(r.cpu_ms_per_100_tokens(role), 2) for role in r.cpu_s}
+                                  for m, r in results.items()},
         "shared_time_no_demand": round(shared.time_share("no_demand"), 3),
         "shared_time_held_back": round(shared.time_share("held_back"), 3),
         "tps": {m: round(r.tps, 1) for m, r in results.items()},
@@ -482,8 +538,15 @@ def report(results: dict[str, ModeResult], w: Workload, curve: list, target: int
     return summary
 
 
-HEADLINE = ("shared_over_partitioned_tps", "shared_over_ideal", "worst_tenant_p95_ttb_ratio", "per_slot_rate_ratio",
-            "async_over_partitioned_tps", "async_over_ideal")
+HEADLINE = ("shared_over_partitioned_tps", "shared_over_ideal", "shared_over_engine_model",
+            "worst_tenant_p95_ttb_ratio", "per_slot_rate_ratio", "per_slot_rate_ratio_from_curve",
+            "async_over_partitioned_tps", "async_over_ideal", "async_over_engine_model")
+
+
+def _median_of(shape: dict, dicts: list[dict]) -> dict:
+    """Key by key, the median of the repetitions' values (nested dicts alike)."""
+    return {k: _median_of(v, [d[k] for d in dicts]) if isinstance(v, dict)
+            else round(statistics.median(d.get(k, 0.0) for d in dicts), 2) for k, v in shape.items()}
 
 
 def over_repeats(reps: list[dict]) -> dict:
@@ -497,7 +560,7 @@ def over_repeats(reps: list[dict]) -> dict:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[key] = round(statistics.median(r[key] for r in reps), 3)
         elif isinstance(value, dict):
-            out[key] = {k: round(statistics.median(r[key][k] for r in reps), 1) for k in value}
+            out[key] = _median_of(value, [r[key] for r in reps])
         else:
             out[key] = value
     print(f"\nover {len(reps)} interleaved repetitions (each the median of the repetitions' own):")
