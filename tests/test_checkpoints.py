@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
-from stackutil import ADAM, datum, fb_body, new_model, wait_future
+from stackutil import ADAM, datum, new_model, wait_future
 
 TOKENS = list(range(50, 90))
 
