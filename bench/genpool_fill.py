@@ -98,14 +98,15 @@ def build(root: Path, tenants: int, spec: dict | None = None) -> tuple[str, list
     return base, paths
 
 
-async def run_pool(sched: Scheduler, stop: asyncio.Event, spent: list[float] | None = None) -> None:
-    """The generation worker's loop (gen_pool.worker), adding the time its steps take to `spent[0]`."""
-    spent = spent if spent is not None else [0.0]
+async def run_pool(sched: Scheduler, stop: asyncio.Event) -> float:
+    """The generation worker's loop (gen_pool.worker); returns the seconds spent inside its steps."""
+    spent = 0.0
     while not stop.is_set():
         began = time.perf_counter()
         sched.step()
-        spent[0] += time.perf_counter() - began
+        spent += time.perf_counter() - began
         await sched.wait(0.2)
+    return spent
 
 
 def submit(sched: Scheduler, futures: dict, group: Group) -> asyncio.Future:
@@ -253,10 +254,14 @@ class ModeResult:
         busy = [r for r, _ in self.occupancy if r > 0]
         return sum(r * rate(r) for r in busy) / max(sum(busy), 1)
 
+    @property
+    def tokens(self) -> int:
+        """Tokens generated in the arm (its whole length: a drained arm's tail included)."""
+        return sum(n for _, _, n in self.seqs)
+
     def cpu_ms_per_100_tokens(self, role: str) -> float:
-        """`role`'s CPU per token generated in the arm (its whole length: a drained arm's tail included)."""
-        tokens = sum(n for _, _, n in self.seqs)
-        return 1e5 * self.cpu_s.get(role, 0.0) / max(tokens, 1)
+        """`role`'s CPU per token generated in the arm."""
+        return 1e5 * self.cpu_s.get(role, 0.0) / max(self.tokens, 1)
 
 
 async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Workload, target: int,
@@ -270,9 +275,8 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
     done: list[Group] = []
     sched, futures = make_scheduler(engine, target, cap, done)
     stop = asyncio.Event()
-    spent = [0.0]
     cpu_before = cpu_seconds()
-    pool = asyncio.create_task(run_pool(sched, stop, spent))
+    pool = asyncio.create_task(run_pool(sched, stop))
     serial = asyncio.Lock()
     result = ModeResult(name, 0.0, target, {t: [] for t in range(w.tenants)})
     last_sampled: list[float] = []  # per tenant, when its last batch was sampled (the scheduler's clock)
@@ -355,10 +359,9 @@ async def run_mode(name: str, engine: GenEngine, refs: list[AdapterRef], w: Work
     watcher.cancel()
     stop.set()
     sched.wake()
-    await pool
+    result.step_s = await pool
     cpu_after = cpu_seconds()
     result.cpu_s = {role: cpu_after[role] - cpu_before.get(role, 0.0) for role in cpu_after}
-    result.step_s = spent[0]
     result.window_s = min(last_sampled) - start
     result.seqs = [(g.started_at[i] - start, g.finished_at[i] - start, len(r.tokens))
                    for g in done for i, r in enumerate(g.results) if r is not None]
@@ -463,7 +466,7 @@ def report(results: dict[str, ModeResult], w: Workload, curve: list, target: int
         print(f"{f'{role} CPU ms/100 tok':<22}" +
               "".join(f"{r.cpu_ms_per_100_tokens(role):>14.1f}" for r in results.values()))
     print(f"{'sched.step ms/100 tok':<22}" +
-          "".join(f"{1e5 * r.step_s / max(sum(n for _, _, n in r.seqs), 1):>14.2f}" for r in results.values()))
+          "".join(f"{1e5 * r.step_s / max(r.tokens, 1):>14.2f}" for r in results.values()))
     print(f"{'staleness mean/max':<22}" + "".join(
         f"{f'{statistics.fmean(r.staleness):.2f}/{max(r.staleness)}' if r.staleness else '0/0':>14}"
         for r in results.values()))

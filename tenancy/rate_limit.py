@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-# KEYS[1]: the bucket; ARGV: per-minute rate, cost. Returns {admitted (1/0), tokens left or seconds to wait}.
+# KEYS[1]: the bucket; ARGV: per-minute rate, cost (negative: tokens given back, never past a full
+# bucket). Returns {admitted (1/0), tokens left or seconds to wait}.
 _TAKE = """
 local per_minute = tonumber(ARGV[1])
 local cost = tonumber(ARGV[2])
@@ -27,23 +28,10 @@ tokens = math.min(per_minute, tokens + math.max(0, now - at) * per_minute / 60)
 if cost > tokens then
   return {0, tostring((cost - tokens) * 60 / per_minute)}
 end
-redis.call('HSET', KEYS[1], 'tokens', tostring(tokens - cost), 'at', tostring(now))
-redis.call('EXPIRE', KEYS[1], 120)
-return {1, tostring(tokens - cost)}
-"""
-
-# KEYS[1]: the bucket; ARGV: per-minute rate, tokens given back. A bucket gone (expired) is full.
-_GIVE_BACK = """
-local per_minute = tonumber(ARGV[1])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local state = redis.call('HMGET', KEYS[1], 'tokens', 'at')
-if not state[1] then return 0 end
-local at = tonumber(state[2]) or now
-local tokens = math.min(per_minute, tonumber(state[1]) + math.max(0, now - at) * per_minute / 60 + tonumber(ARGV[2]))
+tokens = math.min(per_minute, tokens - cost)
 redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
 redis.call('EXPIRE', KEYS[1], 120)
-return 1
+return {1, tostring(tokens)}
 """
 
 
@@ -66,4 +54,4 @@ async def take(redis: Redis, tenant_id: str, *, per_minute: int, cost: int) -> D
 
 async def give_back(redis: Redis, tenant_id: str, *, per_minute: int, cost: int) -> None:
     """Return `cost` tokens taken by a call that was then not admitted (never past a full bucket)."""
-    await redis.eval(_GIVE_BACK, 1, bucket_key(tenant_id), per_minute, cost)
+    await redis.eval(_TAKE, 1, bucket_key(tenant_id), per_minute, -cost)
