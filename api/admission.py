@@ -1,28 +1,36 @@
 """Admission: the one path by which work enters a worker's stream.
 
-    async with db.autocommit(pool) as conn:       # the route's one checkout
+    async with db.autocommit(pool) as conn:       # a call on an existing model
+        ... validate the body against the model's base (caller_cache.training_model) ...
+        request_id = await admit_call(conn, redis, who, item)
+
+    async with pool.connection() as conn:         # a call that writes more rows, or needs a read first
         model = await usable_model(conn, who, model_id, seq_id=seq_id)   # read once, 404 if not yours
-        ... validate the body against the model's base ...
         request_id = await admit(conn, redis, who, Ticket(item, base_model, SeqSlot.of(model, seq_id)))
 
-A call on an existing model, or a sample group, writes one statement (the request row, with the
-model's last use in the same statement), so its route hands `admit` an autocommit connection: no
-BEGIN and no COMMIT round trip, two of a submission's eight waits (reads see a fresh snapshot per
-statement either way, under READ COMMITTED); its in-flight count and budget flag come with the
-model's read (`usable_model`), a third; and its tokens-per-minute take is sent beside that read
-(`early_rate`), a fourth. A call that writes more rows (a new model with its
-first request, a sampler with its publication) hands it a transaction (`pool.connection()`), which
-`admit` commits.
+A call on an existing model waits on two things: one statement that reads the model (404 if not
+yours) and, when nothing in that row can refuse the call, writes its request row beside it
+(`records.insert_call`: an autocommit connection, so no BEGIN and no COMMIT round trip), then the
+append of its stream entry, which takes its tokens per minute in the same Lua script. When the
+row can refuse it (a retry of a call admitted before, the in-flight quota, a suspension, a budget
+to check, an unusable model), nothing is written and `admit` judges the row read, as for any
+other call. A call that writes more rows (a new model with its first request, a sampler with its
+publication) hands `admit` a transaction (`pool.connection()`), which it commits.
 
 `admit` runs, in order: the idempotency rule (a retried call gets the existing future, whose
-entry is appended now if it never was: the API may have died between its commit and the append), the
-tenant's in-flight quota (429), its suspension (402 or 403, tenancy.accounts) and monthly budgets
-(402, billing.budgets; both skipped for calls that meter no tokens), its tokens per minute (429 with Retry-After, tenancy.rate_limit), the request row
-(and a new model's row, placed on a trainer shard where there are several: core.placement), a
-commit, then the stream entry (a sample group's generation replica's stream, gen_pool.router; a
-training call's model's shard's). The row is committed before the entry
-exists, so a worker never sees work the database does not know; if Redis refuses the entry (it
-went down between the rate check and the append) the row stays queued and the slot held, exactly
+entry is appended now if it never was: the API may have died between its commit and the append),
+the tenant's in-flight quota (429), its suspension (402 or 403, tenancy.accounts) and monthly
+budgets (402, billing.budgets; both skipped for calls that meter no tokens), a call too large for
+its tokens-per-minute bucket ever to hold (400, split it), the request row (and a new model's
+row, placed on a trainer shard where there are several: core.placement), a commit, then the
+stream entry (a sample group's generation replica's stream, gen_pool.router; a training call's
+model's shard's) with the tokens taken from the bucket in the same step (tenancy.rate_limit).
+The row is committed before the entry exists, so a worker never sees work the database does not
+know. When the bucket cannot hold the tokens yet, the entry is not appended (and its marker says
+so, so no retry appends it either): the row is deleted, freeing the seq_id, and the call answers
+429 with Retry-After. Tokens are thus taken once per request that reaches a worker, however often
+a call is retried, and a refused call gives nothing back because it took nothing. If Redis
+refuses the entry (it went down after the commit) the row stays queued and the slot held, exactly
 as when the API dies between its commit and the append: the call answers 503, and the client's
 retry with the same ids (both SDKs retry 503) appends the entry, once. (Marking the row failed
 instead made that retry resume a failed request with no result: a 410 for work never run.)
@@ -34,13 +42,9 @@ sampling sequence ids exceed int32, so a Redis key held for the future's lifetim
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, replace
-from typing import TypeVar
 
 from psycopg import AsyncConnection
 from redis.asyncio import Redis
@@ -57,8 +61,6 @@ from tenancy import accounts, rate_limit, scoped
 from tenancy.auth import Principal
 
 log = logging.getLogger("quilt.api.admission")
-
-T = TypeVar("T")
 
 _UNUSABLE = {"failed": "failed to be created", "lost": "was lost when its trainer restarted; load a checkpoint into a new model"}
 
@@ -80,7 +82,7 @@ class SeqSlot:
 
     @classmethod
     def of(cls, model: dict, seq_id: int) -> SeqSlot:
-        """From a row of `usable_model(..., seq_id=seq_id)`."""
+        """From a row of `usable_model(..., seq_id=seq_id)` or of `records.insert_call`."""
         return cls(model["id"], seq_id, model.get("seq_holder_id"), model.get("seq_holder_kind"),
                    model.get("seq_holder_status"), model.get("trainer_shard"), (model["inflight"], model["budgeted"]))
 
@@ -93,50 +95,6 @@ class RedisSlot:
     ttl_s: int
 
 
-class EarlyRate:
-    """A call's tokens-per-minute take, sent beside its model's read (`usable_model(..., rate=)`)
-    so the two are one wait. The take's decision is judged in `admit`, at its usual place after the
-    quota and budget; tokens taken by a call that is then refused, or that is a retry of one
-    already admitted, go back to the bucket when `early_rate` ends. Made by `early_rate`."""
-
-    def __init__(self, redis: Redis, who: Principal, tokens: int):
-        self.redis, self.who, self.tokens = redis, who, tokens
-        self.decision: rate_limit.Decision | None = None  # None: not taken early (`_rate` judges the call)
-        self.kept = False  # the call's row is committed: the tokens paid for it
-
-    async def beside(self, read: Awaitable[T]) -> T:
-        """`read`, with the take in flight meanwhile (when the call's tokens can fit the bucket)."""
-        if not 0 < self.tokens <= self.who.tokens_per_minute:
-            return await read
-        take = asyncio.ensure_future(rate_limit.take(self.redis, self.who.tenant_id,
-                                                     per_minute=self.who.tokens_per_minute, cost=self.tokens))
-        try:
-            return await read
-        finally:  # waited for even when the read fails, so what it took is known and given back
-            self.decision = await take
-
-    async def give_back(self) -> None:
-        if self.decision is None or not self.decision.admitted or self.kept:
-            return
-        self.decision = None
-        try:
-            await rate_limit.give_back(self.redis, self.who.tenant_id, per_minute=self.who.tokens_per_minute,
-                                       cost=self.tokens)
-        except Exception:  # the caller's own answer matters more than the bucket's accuracy
-            log.exception("could not give back %d tokens to tenant %s", self.tokens, self.who.tenant_id)
-
-
-@contextlib.asynccontextmanager
-async def early_rate(redis: Redis, who: Principal, tokens: int) -> AsyncIterator[EarlyRate]:
-    """A call on a model carrying `tokens` (see `EarlyRate`): pass it to `usable_model` and to the
-    call's `Ticket`; unless `admit` committed the call, what was taken goes back on the way out."""
-    rate = EarlyRate(redis, who, tokens)
-    try:
-        yield rate
-    finally:
-        await rate.give_back()
-
-
 @dataclass(frozen=True)
 class Ticket:
     item: WorkItem
@@ -146,7 +104,6 @@ class Ticket:
     check_quota: bool = True  # placeholders for refused calls hold no new work: no quota, no budget
     new_model: records.NewModel | None = None
     rate_tokens: int | None = None  # tokens taken from the tokens_per_minute bucket; default item.n_tokens
-    rate: EarlyRate | None = None  # the take, if it was sent beside the model's read
 
     @property
     def billable(self) -> bool:
@@ -154,18 +111,42 @@ class Ticket:
         budget may still step and save the work it paid for, but starts nothing new)."""
         return self.item.n_tokens > 0 or self.new_model is not None
 
+    @property
+    def tokens(self) -> int:
+        """What the call takes from its tenant's tokens-per-minute bucket."""
+        return self.item.n_tokens if self.rate_tokens is None else self.rate_tokens
 
-async def usable_model(conn: AsyncConnection, who: Principal, model_id: str, *, seq_id: int | None = None,
-                       rate: EarlyRate | None = None) -> dict:
+
+async def usable_model(conn: AsyncConnection, who: Principal, model_id: str, *, seq_id: int | None = None) -> dict:
     """The caller's model, if requests may still be queued on it (else 404 / 400); with `seq_id`,
     the row also names the request already holding that seq_id, and carries admission's own reads
-    (tenancy.scoped.get_model); with `rate`, the call's tokens are taken meanwhile. So the call's
-    next wait is its insert."""
-    read = scoped.get_model(conn, who, model_id, seq_id=seq_id, admission=True)
-    model = await (rate.beside(read) if rate is not None else read)
+    (tenancy.scoped.get_model). So the call's next wait is its insert."""
+    return usable(await scoped.get_model(conn, who, model_id, seq_id=seq_id, admission=True))
+
+
+def usable(model: dict) -> dict:
+    """`model` (a training model's row), unless no request may be queued on it any more (400)."""
     if model["status"] in _UNUSABLE:
-        raise InvalidInput(f"model {model_id!r} {_UNUSABLE[model['status']]}", field="model_id")
+        raise InvalidInput(f"model {model['id']!r} {_UNUSABLE[model['status']]}", field="model_id")
     return model
+
+
+async def admit_call(conn: AsyncConnection, redis: Redis, who: Principal, item: WorkItem) -> str:
+    """Admit `item`, a call on an existing model (`item.model_id`, `item.seq_id`; see the module
+    docstring): one statement reads the model and writes the call's row when nothing in the model's
+    row can refuse it, else `admit` judges that row. Returns the request id, as `admit`."""
+    billable = item.n_tokens > 0  # Ticket.billable, for a call that creates no model
+    model = await records.insert_call(
+        conn, who, item.request_id, model_id=item.model_id, seq_id=item.seq_id, kind=str(item.kind),
+        n_tokens=item.n_tokens, billable=billable, unusable=list(_UNUSABLE),
+        admissible=_bucket_can_hold(who, item.n_tokens) and not (billable and who.suspended_kind))
+    ticket = Ticket(item, model["base_model"], SeqSlot.of(model, item.seq_id))
+    if not model["inserted"]:
+        usable(model)
+        return await admit(conn, redis, who, ticket)
+    await conn.commit()  # nothing to send on an autocommit connection
+    faults.crash_point("api.after_commit")
+    return await _append(conn, redis, who, ticket, item)
 
 
 def _holder(slot: SeqSlot, kind: str, holder_id: str | None, holder_kind: str | None) -> str | None:
@@ -186,7 +167,7 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
     if isinstance(slot, SeqSlot):
         existing = _holder(slot, row_kind, slot.holder_id, slot.holder_kind)
         if existing:
-            return await _resume(conn, redis, ticket, existing, slot.holder_status)
+            return await _resume(conn, redis, who, ticket, existing, slot.holder_status)
     took_slot = False  # only a slot this call took is given back when it fails
     if isinstance(slot, RedisSlot):
         took_slot = bool(await redis.set(slot.key, item.request_id, nx=True, ex=slot.ttl_s))
@@ -195,7 +176,7 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
             if existing:
                 status = await records.request_status(conn, existing.decode())
                 if status is not None:
-                    return await _resume(conn, redis, ticket, existing.decode(), status)
+                    return await _resume(conn, redis, who, ticket, existing.decode(), status)
                 # The call that took the slot has not recorded its request: it died before its commit,
                 # or is still on its way. Admit this one under that id; the row and the entry are each
                 # written once whichever of the two gets there first.
@@ -204,7 +185,7 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
         if ticket.check_quota:
             await _quota_and_budget(conn, who, billable=ticket.billable,
                                     read=slot.quota if isinstance(slot, SeqSlot) else None)
-            await _rate(redis, who, item.n_tokens if ticket.rate_tokens is None else ticket.rate_tokens, ticket.rate)
+            _fits_bucket(who, ticket.tokens)
         if ticket.new_model is not None:
             shard = await _new_model_shard(conn, redis, ticket)
             if shard is not None:
@@ -219,32 +200,44 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
             if isinstance(slot, SeqSlot):
                 holder = await records.seq_holder(conn, slot.model_id, slot.seq_id)
                 return _holder(slot, row_kind, *holder) or item.request_id
-            return await _resume(conn, redis, replace(ticket, item=item), item.request_id, "queued")
+            return await _resume(conn, redis, who, replace(ticket, item=item), item.request_id, "queued")
         await conn.commit()
-        if ticket.rate is not None:
-            ticket.rate.kept = True
         faults.crash_point("api.after_commit")
     except BaseException:
         if took_slot:
             await redis.delete(slot.key)
         raise
-    try:
-        await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds,
-                            await _stream(conn, redis, ticket, item))
-    except Exception:
-        log.exception("could not enqueue %s; it stays queued for the client's retry", item.request_id)
-        raise
-    return item.request_id
+    return await _append(conn, redis, who, ticket, item)
 
 
-async def _resume(conn: AsyncConnection, redis: Redis, ticket: Ticket, request_id: str, status: str | None) -> str:
+async def _resume(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Ticket, request_id: str,
+                  status: str | None) -> str:
     """A retried call: its request `request_id` exists. While that is still queued its entry is
     appended, unless it already was (`queue.enqueue` appends once per request id)."""
     if status == "queued":
-        item = replace(ticket.item, request_id=request_id)
-        await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds,
-                            await _stream(conn, redis, ticket, item))
+        return await _append(conn, redis, who, ticket, replace(ticket.item, request_id=request_id))
     return request_id
+
+
+async def _append(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Ticket, item: WorkItem) -> str:
+    """Append the entry of `item`, whose row is committed, taking its tokens per minute in the same
+    step; when the bucket cannot hold them yet, delete the row (freeing its slot) and answer 429."""
+    bucket = rate_limit.bucket(who, ticket.tokens) if ticket.check_quota else None
+    try:
+        wait_s = await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds,
+                                     await _stream(conn, redis, ticket, item), bucket)
+    except Exception:
+        log.exception("could not enqueue %s; it stays queued for the client's retry", item.request_id)
+        raise
+    if wait_s is None:
+        return item.request_id
+    await records.delete_refused(conn, item.request_id)
+    await conn.commit()
+    if isinstance(ticket.slot, RedisSlot) and await redis.get(ticket.slot.key) == item.request_id.encode():
+        await redis.delete(ticket.slot.key)
+    limit = who.tokens_per_minute
+    raise QuotaExceeded(f"this call's {ticket.tokens} tokens exceed what is left of your tokens_per_minute limit "
+                        f"of {limit}; retry in {wait_s:.1f} s", field="tokens_per_minute", retry_after_s=wait_s)
 
 
 async def _stream(conn: AsyncConnection, redis: Redis, ticket: Ticket, item: WorkItem) -> str | None:
@@ -308,25 +301,17 @@ async def _quota_and_budget(conn: AsyncConnection, who: Principal, *, billable: 
         await budgets.check(conn, tenant_id=who.tenant_id, tenant_name=who.tenant_name, key_id=who.key_id)
 
 
-async def _rate(redis: Redis, who: Principal, tokens: int, early: EarlyRate | None = None) -> None:
-    """The tenant's tokens-per-minute bucket (tenancy.rate_limit): 429 with the wait, or take them
-    (or judge the take `early` already made of these tokens)."""
-    if tokens <= 0:
-        return
+def _bucket_can_hold(who: Principal, tokens: int) -> bool:
+    return tokens <= who.tokens_per_minute
+
+
+def _fits_bucket(who: Principal, tokens: int) -> None:
+    """400 for a call whose tokens its tokens-per-minute bucket can never hold (a 429 would be
+    retried in vain); the bucket itself is judged at the append."""
     limit = who.tokens_per_minute
-    if tokens > limit:  # can never fit the bucket: a 400, not a 429 a client would retry in vain
+    if not _bucket_can_hold(who, tokens):
         raise InvalidInput(f"this call needs {tokens} tokens, more than your tokens_per_minute limit of {limit} "
                            "allows at once; split it into smaller calls", field="tokens_per_minute")
-    if early is not None and early.decision is not None and early.tokens == tokens:
-        decision = early.decision
-    else:
-        if early is not None:  # taken early for another count: that take is not this call's
-            await early.give_back()
-        decision = await rate_limit.take(redis, who.tenant_id, per_minute=limit, cost=tokens)
-    if not decision.admitted:
-        raise QuotaExceeded(f"this call's {tokens} tokens exceed what is left of your tokens_per_minute limit "
-                            f"of {limit}; retry in {decision.retry_after_s:.1f} s", field="tokens_per_minute",
-                            retry_after_s=decision.retry_after_s)
 
 
 def future_response(request_id: str, model_id: str | None) -> dict:

@@ -31,6 +31,8 @@ import psycopg
 from billing.budgets import month_to_date
 from core import catalog, db
 from core.catalog import BaseModel
+from tenancy import scoped
+from tenancy.auth import Principal
 
 log = logging.getLogger("quilt.api.caller_cache")
 
@@ -121,6 +123,24 @@ async def base_model(callers: CallerCache, conn: psycopg.AsyncConnection, name: 
         if found is not None:
             callers.put(generation, "base", name, found)
     return found
+
+
+def cached_model(callers: CallerCache, who: Principal, model_id: str) -> dict | None:
+    """`who`'s training model's row (as `tenancy.scoped.get_model` reads it) if the cache holds it;
+    another tenant's model is not there for `who`."""
+    model = callers.get("model", model_id)
+    return model if model is not None and model["tenant_id"] == who.tenant_id else None
+
+
+async def training_model(callers: CallerCache, conn: psycopg.AsyncConnection, who: Principal, model_id: str) -> dict:
+    """`who`'s training model's row (404 if not theirs), from the cache when it holds it. Its
+    status may lag a change by a notification's trip: what admits work reads it again."""
+    model = cached_model(callers, who, model_id)
+    if model is None:
+        generation = callers.generation
+        model = await scoped.get_model(conn, who, model_id)
+        callers.put(generation, "model", model_id, model)
+    return model
 
 
 async def listen(cache: CallerCache, url: str) -> None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
+from core.errors import NotFound
+from tenancy import scoped
 from tenancy.auth import Principal
 
 
@@ -83,6 +85,41 @@ async def insert_request(conn: AsyncConnection, who: Principal, request_id: str,
         (request_id, who.tenant_id, who.key_id, model_id, seq_id, kind, n_tokens, touch_model, model_id),
     )
     return await cur.fetchone() is not None
+
+
+async def insert_call(conn: AsyncConnection, who: Principal, request_id: str, *, model_id: str, seq_id: int,
+                      kind: str, n_tokens: int, billable: bool, admissible: bool, unusable: list[str]) -> dict:
+    """A call on an existing model in one statement: the model's row as
+    `tenancy.scoped.get_model(..., seq_id=seq_id, admission=True)` reads it (NotFound, 404, the
+    same way), with the call's request row inserted beside it when nothing in the row can refuse
+    the call: `admissible` (what the caller judged without the row), a status not in `unusable`,
+    `seq_id` free, the tenant's in-flight count under its quota, and no budget to check for a
+    `billable` call. The row's `inserted` says whether it was; if not, admission judges the row
+    as it judges a plain read (and writes the row itself when it admits the call after all)."""
+    cur = await conn.execute(
+        f"WITH model AS ({scoped.MODEL_FOR_ADMISSION}), "
+        "r AS (INSERT INTO requests (id, tenant_id, api_key_id, model_id, seq_id, kind, n_tokens) "
+        "SELECT %(id)s, %(tenant)s, %(key)s, model.id, %(seq)s, %(kind)s, %(n_tokens)s FROM model "
+        "WHERE %(admissible)s AND model.status <> ALL(%(unusable)s) AND model.seq_holder_id IS NULL "
+        "AND model.inflight < %(max_inflight)s AND NOT (%(billable)s AND model.budgeted) "
+        "ON CONFLICT DO NOTHING RETURNING id), "
+        "touched AS (UPDATE training_models SET last_request_at = now() "
+        "WHERE id = %(model)s AND last_request_at < now() - interval '1 second' AND EXISTS (SELECT 1 FROM r)) "
+        "SELECT model.*, EXISTS (SELECT 1 FROM r) AS inserted FROM model",
+        {"seq": seq_id, "model": model_id, "tenant": who.tenant_id, "key": who.key_id, "id": request_id,
+         "kind": kind, "n_tokens": n_tokens, "billable": billable, "admissible": admissible, "unusable": unusable,
+         "max_inflight": who.max_inflight_requests},
+    )
+    row = await cur.fetchone()
+    if row is None:
+        raise NotFound(f"model {model_id!r} not found", field="model_id")
+    return row
+
+
+async def delete_refused(conn: AsyncConnection, request_id: str) -> None:
+    """Delete the row of a request whose entry the tokens-per-minute bucket refused (it never
+    reached a worker), freeing its seq_id for the client's retry."""
+    await conn.execute("DELETE FROM requests WHERE id = %s AND status = 'queued'", (request_id,))
 
 
 async def seq_holder(conn: AsyncConnection, model_id: str, seq_id: int) -> tuple[str | None, str | None]:

@@ -3,8 +3,8 @@
     PYTHONPATH=. .venv/bin/python bench/redis_parser.py [--calls 5000] [--repeats 3]
 
 redis-py parses replies with hiredis when it is installed (a dependency of Quilt since 2026-12-03)
-and in Python otherwise. The API's calls on Redis are small and many (a rate take per submission,
-the replicas' beacons read with one MGET, a finished future's result), so the parser is a share of
+and in Python otherwise. The API's calls on Redis are small and many (a submission's append,
+which takes its tokens per minute in the same script, the replicas' beacons read with one MGET, a finished future's result), so the parser is a share of
 each request's CPU. This runs the same three calls against the embedded Redis with each parser,
 alternating, in one process, and prints the client's CPU time (`time.process_time`: this process
 only, not the server's) and wall time per round of three. Loopback through a Unix socket, one
@@ -27,9 +27,9 @@ from redis.asyncio import Redis
 from redis.utils import HIREDIS_AVAILABLE
 from table import print_rows
 
-from core import embedded
+from core import embedded, queue
 from core.settings import CoreSettings
-from tenancy import rate_limit
+from core.work import Rejected, WorkItem, WorkKind
 
 PARSERS = {"python": _AsyncRESP2Parser, "hiredis": _AsyncHiredisParser}
 BEACON = json.dumps({"running": 12, "waiting": 3, "target": 64, "adapters": [f"m{i}" for i in range(16)], "at": 1.0})
@@ -38,16 +38,24 @@ RESULT = json.dumps({"type": "forward_backward", "metrics": {"loss:sum": 1.5},
 
 
 async def one_run(url: str, parser, calls: int) -> tuple[float, float]:
-    """(client CPU us, wall us) per round: a rate take, an MGET of 8 beacons, a GET of a result."""
+    """(client CPU us, wall us) per round: an append taking tokens, an MGET of 8 beacons, a GET of
+    a result."""
     r = Redis.from_url(url, parser_class=parser)
+    bucket = queue.Bucket("bench:bucket", 10**9, 1)
+
+    async def append(i: int) -> None:
+        item = WorkItem(f"{parser.__name__}-{time.monotonic_ns()}-{i}", "bench", "m", i, WorkKind.REJECTED, 0,
+                        Rejected("bench"))
+        await queue.enqueue(r, "bench", item, 60, "bench:stream", bucket)
+
     try:
         beacons = [f"bench:beacon:{i}" for i in range(8)]
         await r.mset({k: BEACON for k in beacons} | {"bench:result": RESULT})
-        for _ in range(200):  # warm: connection, script cache
-            await rate_limit.take(r, "bench", per_minute=10**9, cost=1)
+        for i in range(200):  # warm: connection, script cache
+            await append(i)
         wall0, cpu0 = time.perf_counter(), time.process_time()
-        for _ in range(calls):
-            await rate_limit.take(r, "bench", per_minute=10**9, cost=1)
+        for i in range(calls):
+            await append(i)
             await r.mget(beacons)
             await r.get("bench:result")
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
@@ -68,7 +76,7 @@ async def main_async(args) -> dict:
         embedded.shutdown()
     cpu = {name: statistics.median(c for c, _ in rs) for name, rs in runs.items()}
     wall = {name: statistics.median(w for _, w in rs) for name, rs in runs.items()}
-    print(f"{args.calls} rounds x {args.repeats} (rate take + MGET of 8 beacons + GET of a result), medians:")
+    print(f"{args.calls} rounds x {args.repeats} (an append taking tokens + MGET of 8 beacons + GET of a result), medians:")
     print_rows([(name, f"client CPU {cpu[name]:6.1f} us per round, wall {wall[name]:6.1f} us   "
                        f"(runs: {', '.join(f'{c:.0f}' for c, _ in runs[name])})") for name in PARSERS], "  ")
     out = {"cpu_us_per_round": {k: round(v, 1) for k, v in cpu.items()},

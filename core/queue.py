@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from core import token_bucket
 from core.errors import QuiltError, UserError
 from core.work import WorkItem, WorkKind
 
@@ -177,24 +178,58 @@ def enqueued_key(request_id: str) -> str:
     return f"quilt:enqueued:{request_id}"
 
 
+@dataclass(frozen=True)
+class Bucket:
+    """Tokens an append takes from a token bucket (core.token_bucket) in the same step."""
+
+    key: str
+    per_minute: int
+    cost: int
+
+
 # The marker and the entry in one step: a request's entry is appended at most once, however many
-# times admission runs for it (a client's retry after the API died between commit and append).
-_ENQUEUE_ONCE = """
-if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
-  return redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+# times admission runs for it (a client's retry after the API died between commit and append). With
+# a bucket (KEYS[3]) the request's tokens are taken in that step too; when they do not fit, the
+# marker records the refusal ('r' and the wait), so no later run appends the request either.
+# Returns {1} appended now, {0} appended before, {2, seconds to wait} refused.
+_ENQUEUE_ONCE = token_bucket.LUA + """
+local mark = redis.call('GET', KEYS[1])
+if mark == '1' then return {0} end
+if mark then return {2, string.sub(mark, 2)} end
+if #KEYS == 3 then
+  local admitted, value = take_tokens(KEYS[3], tonumber(ARGV[2]), tonumber(ARGV[3]))
+  if admitted == 0 then
+    redis.call('SET', KEYS[1], 'r' .. tostring(value), 'EX', ARGV[1])
+    return {2, tostring(value)}
+  end
 end
-return false
+redis.call('SET', KEYS[1], '1', 'EX', ARGV[1])
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
+return {1}
 """
 
 
-async def enqueue(redis, base_model: str, item: WorkItem, ttl_s: int, stream: str | None = None) -> bool:
+async def enqueue(redis, base_model: str, item: WorkItem, ttl_s: int, stream: str | None = None,
+                  bucket: Bucket | None = None) -> float | None:
     """Append `item` to its worker's stream (or to `stream`) unless an entry for its request id
-    was already appended in the last `ttl_s` seconds (the future's lifetime); True if this call
-    appended it."""
-    args = [str(ttl_s)] + [part for pair in item.to_fields().items() for part in pair]
-    appended = await redis.eval(_ENQUEUE_ONCE, 2, enqueued_key(item.request_id),
-                                stream or stream_for(item, base_model), *args)
-    return appended is not None
+    was already appended in the last `ttl_s` seconds (the future's lifetime), taking `bucket`'s
+    tokens as it does. None: the entry is in the stream (appended now or before); else the
+    seconds until the bucket holds the tokens, and the request is never appended (its marker says
+    so for `ttl_s`)."""
+    keys = [enqueued_key(item.request_id), stream or stream_for(item, base_model)]
+    take = ["0", "0"]
+    if bucket is not None:
+        keys.append(bucket.key)
+        take = [str(bucket.per_minute), str(bucket.cost)]
+    args = [str(ttl_s), *take] + [part for pair in item.to_fields().items() for part in pair]
+    reply = await redis.eval(_ENQUEUE_ONCE, len(keys), *keys, *args)
+    return float(reply[1]) if int(reply[0]) == 2 else None
+
+
+def was_appended(marker: bytes | None) -> bool:
+    """Whether an append marker (`enqueued_key`'s value) says the request's entry was appended
+    (not absent, not a refusal)."""
+    return marker in (b"1", "1")
 
 
 MOVED_FIELD = "moved"  # how often an entry was moved off a dead replica's stream (counts as a delivery)

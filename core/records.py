@@ -44,7 +44,8 @@ def fail_never_enqueued(conn: psycopg.Connection, redis, *, ttl_s: int, after_s:
     """Fail the requests whose row was committed but whose stream entry never was (the API died
     between the two, or Redis refused the entry) and whose client did not retry (Celery beat):
     queued for `after_s`, younger than the future's lifetime `ttl_s` (the append marker lives that
-    long), with no append marker. Each gets a failure a poll can read, and is not billed."""
+    long), with no append marker (or one recording that the tokens-per-minute bucket refused it:
+    the API died before deleting the refused row). Each gets a failure a poll can read, and is not billed."""
     rows = conn.execute(
         "SELECT id, tenant_id FROM requests WHERE status = 'queued' AND created_at < now() - make_interval(secs => %s) "
         "AND created_at > now() - make_interval(secs => %s) ORDER BY created_at LIMIT %s",
@@ -53,10 +54,10 @@ def fail_never_enqueued(conn: psycopg.Connection, redis, *, ttl_s: int, after_s:
         return []
     pipe = redis.pipeline(transaction=False)
     for row in rows:
-        pipe.exists(queue.enqueued_key(row["id"]))
+        pipe.get(queue.enqueued_key(row["id"]))
     failed = []
-    for row, appended in zip(rows, pipe.execute(), strict=True):
-        if appended:
+    for row, marker in zip(rows, pipe.execute(), strict=True):
+        if queue.was_appended(marker):
             continue
         outcome = queue.failure(row["id"], ServerError(
             "this request never reached a worker (it could not be queued and the call was not retried); send it "

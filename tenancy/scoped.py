@@ -34,6 +34,20 @@ async def get_session(conn: AsyncConnection, who: Principal, session_id: str) ->
     )
 
 
+def _model_read(admission: bool) -> str:
+    quota = f", {_ADMISSION_READS}" if admission else ""
+    return ("SELECT m.*, b.vocab_size, b.max_context_length, r.id AS seq_holder_id, r.kind AS seq_holder_kind, "
+            f"r.status AS seq_holder_status{quota} "
+            "FROM training_models m JOIN base_models b ON b.name = m.base_model "
+            "LEFT JOIN requests r ON r.model_id = m.id AND r.seq_id = %(seq)s "
+            "WHERE m.id = %(model)s AND m.tenant_id = %(tenant)s AND m.status <> 'deleted'")
+
+
+# `get_model(..., admission=True)`'s statement, for a write that reads the model in the same
+# statement (api.records.insert_call); parameters: seq, model, tenant, key.
+MODEL_FOR_ADMISSION = _model_read(admission=True)
+
+
 async def get_model(conn: AsyncConnection, who: Principal, model_id: str, *, seq_id: int | None = None,
                     admission: bool = False) -> dict:
     """A training model of yours, with its base's limits (`vocab_size`, `max_context_length`) and,
@@ -41,14 +55,9 @@ async def get_model(conn: AsyncConnection, who: Principal, model_id: str, *, seq
     `seq_holder_status`, else None): everything a call on the model needs, in one read. With
     `admission`, also admission's own reads (`inflight_and_budgeted`'s `inflight` and `budgeted`),
     so a call on a model waits on one statement before its insert, not two."""
-    quota = f", {_ADMISSION_READS}" if admission else ""
     return await _one(
         conn,
-        "SELECT m.*, b.vocab_size, b.max_context_length, r.id AS seq_holder_id, r.kind AS seq_holder_kind, "
-        f"r.status AS seq_holder_status{quota} "
-        "FROM training_models m JOIN base_models b ON b.name = m.base_model "
-        "LEFT JOIN requests r ON r.model_id = m.id AND r.seq_id = %(seq)s "
-        "WHERE m.id = %(model)s AND m.tenant_id = %(tenant)s AND m.status <> 'deleted'",
+        MODEL_FOR_ADMISSION if admission else _model_read(admission=False),
         {"seq": seq_id, "model": model_id, "tenant": who.tenant_id, "key": who.key_id},
         f"model {model_id!r} not found",
         "model_id",

@@ -116,18 +116,21 @@ def test_a_request_never_queued_and_never_retried_is_failed_unbilled(stack, tena
     upkeep fails it with a result a poll reads (not a 410), so it stops counting as in flight."""
     from core import db, queue, records
 
-    ids = {name: f"req-never-{name}-{os.urandom(4).hex()}" for name in ("stale", "appended", "young")}
+    ids = {name: f"req-never-{name}-{os.urandom(4).hex()}" for name in ("stale", "appended", "young", "refused")}
     with db.connect(stack.database_url) as conn:
         for name, request_id in ids.items():
             age = "0 seconds" if name == "young" else "20 minutes"
             conn.execute("INSERT INTO requests (id, tenant_id, kind, n_tokens, created_at) "
                          "VALUES (%s, %s, 'sample', 4, now() - %s::interval)", (request_id, tenant.tenant_id, age))
     r.set(queue.enqueued_key(ids["appended"]), b"1", ex=600)  # its entry is in a stream, waiting
+    # The tokens-per-minute bucket refused its entry and the API died before deleting the row.
+    r.set(queue.enqueued_key(ids["refused"]), b"r12.5", ex=600)
     with db.connect(stack.database_url) as conn:
-        assert records.fail_never_enqueued(conn, r, ttl_s=3600) == [ids["stale"]]
+        assert sorted(records.fail_never_enqueued(conn, r, ttl_s=3600)) == sorted([ids["stale"], ids["refused"]])
         statuses = {row["id"]: row["status"] for row in conn.execute(
             "SELECT id, status FROM requests WHERE id = ANY(%s)", (list(ids.values()),))}
-        assert statuses == {ids["stale"]: "failed", ids["appended"]: "queued", ids["young"]: "queued"}
+        assert statuses == {ids["stale"]: "failed", ids["appended"]: "queued", ids["young"]: "queued",
+                            ids["refused"]: "failed"}
         assert not conn.execute("SELECT 1 FROM usage_ledger WHERE request_id = %s", (ids["stale"],)).fetchone()
         conn.execute("UPDATE requests SET status = 'failed' WHERE id = ANY(%s)", ([ids["appended"], ids["young"]],))
     with stack.http(tenant.key) as http:

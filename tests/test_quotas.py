@@ -134,10 +134,10 @@ def _bucket_level(stack, tenant_id: str) -> float:
     return min(LIMIT, float(tokens) + max(0.0, seconds + micros / 1e6 - float(at)) * LIMIT / 60)
 
 
-def test_a_call_refused_after_its_tokens_were_taken_gives_them_back(stack):
-    """A call on a model takes its tokens beside the model's read (admission.early_rate); a call
-    then refused (not your model, bad tokens, the in-flight quota) or a retry of a call admitted
-    before leaves the bucket as it found it, and an admitted call takes its tokens once."""
+def test_refused_calls_and_retries_take_no_tokens(stack):
+    """Tokens are taken when a call's entry is appended (admission): a call refused before that
+    (not your model, bad tokens, the in-flight quota) or a retry of a call admitted before takes
+    nothing, and an admitted call takes its tokens once."""
     t, other = stack.create_tenant("refund"), stack.create_tenant("refund-other")
     _set_quota(stack, t.name, "--tokens-per-minute", str(LIMIT), "--max-inflight", "3")
     c, o = stack.http(t.key), stack.http(other.key)

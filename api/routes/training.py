@@ -70,20 +70,16 @@ async def _new_model(pool, redis, who, *, session_id: str, model_seq_id: int, ba
     return admission.future_response(request_id, model_id)
 
 
-async def _model_call(conn, redis, who, model: dict, *, seq_id: int, kind: WorkKind, body, n_tokens: int = 0,
-                      rate: admission.EarlyRate | None = None) -> dict:
-    """Admit one call on `model` (a row of `admission.usable_model` read with this seq_id)."""
-    item = WorkItem(ids.new_request_id(), who.tenant_id, model["id"], seq_id, kind, n_tokens, body)
-    request_id = await admission.admit(conn, redis, who, admission.Ticket(
-        item, model["base_model"], admission.SeqSlot.of(model, seq_id), rate=rate))
-    return admission.future_response(request_id, model["id"])
+async def _model_call(conn, redis, who, model_id: str, *, seq_id: int, kind: WorkKind, body, n_tokens: int = 0) -> dict:
+    """Admit one call on an existing model (`admission.admit_call`; `conn` in autocommit)."""
+    item = WorkItem(ids.new_request_id(), who.tenant_id, model_id, seq_id, kind, n_tokens, body)
+    return admission.future_response(await admission.admit_call(conn, redis, who, item), model_id)
 
 
 async def _queue_on_model(pool, redis, who, *, model_id: str, seq_id: int, kind: WorkKind, body) -> dict:
-    """A call whose body needs nothing of the model: read it, then admit."""
-    async with db.autocommit(pool) as conn:  # one row written: no transaction (admission)
-        model = await admission.usable_model(conn, who, model_id, seq_id=seq_id)
-        return await _model_call(conn, redis, who, model, seq_id=seq_id, kind=kind, body=body)
+    """A call whose body needs nothing of the model: admitted by one statement (admission)."""
+    async with db.autocommit(pool) as conn:
+        return await _model_call(conn, redis, who, model_id, seq_id=seq_id, kind=kind, body=body)
 
 
 @router.post("/create_model")
@@ -104,14 +100,12 @@ async def get_info(body: ModelRef, who: Who, pool: Pool, redis: RedisDep, caller
     tinker SDK and cookbook load the real tokenizer) and the local path of a local one.
     `status` is `recovering` from the moment its trainer is gone (no heartbeat) until the restarted
     trainer has restored it and replayed its requests since the last snapshot; then `ready`."""
-    model = callers.get("model", body.model_id)
-    base = callers.get("base", model["base_model"]) if model and model["tenant_id"] == who.tenant_id else None
+    model = caller_cache.cached_model(callers, who, body.model_id)
+    base = callers.get("base", model["base_model"]) if model else None
     if base is None:
-        generation = callers.generation
         async with db.autocommit(pool) as conn:
-            model = await scoped.get_model(conn, who, body.model_id)
+            model = await caller_cache.training_model(callers, conn, who, body.model_id)
             base = await caller_cache.base_model(callers, conn, model["base_model"])
-        callers.put(generation, "model", body.model_id, model)
     status = model["status"]
     trainer = health.model_trainer_key(base.name, model.get("trainer_shard"), get_core_settings().trainer_shards)
     if status == "ready" and not await redis.exists(trainer):
@@ -142,21 +136,22 @@ async def _parse_forward(request: Request, *, forward_only: bool) -> tinker_prot
                                              forward_only, [d.raw() for d in fb.data])
 
 
-async def _forward(request: Request, who, pool, redis, settings, *, forward_only: bool) -> dict:
+async def _forward(request: Request, who, pool, redis, settings, callers, *, forward_only: bool) -> dict:
     req = await _parse_forward(request, forward_only=forward_only)
     seq_gaps.claim(request, req.model_id, req.seq_id)
     if not 1 <= req.seq_id <= INT32_MAX:
         raise InvalidInput(f"seq_id must be in [1, {INT32_MAX}], got {req.seq_id}", field="seq_id")
     spec_of(req.loss_fn)
-    # One row written: no transaction; the tokens' take goes beside the model's read (admission).
-    async with db.autocommit(pool) as conn, admission.early_rate(redis, who, datums.input_tokens(req.data)) as rate:
-        model = await admission.usable_model(conn, who, req.model_id, seq_id=req.seq_id, rate=rate)
+    async with db.autocommit(pool) as conn:
+        # The base's limits, which never change for a model, usually from the cache: the call then
+        # waits on one statement and its append (admission).
+        model = admission.usable(await caller_cache.training_model(callers, conn, who, req.model_id))
         limits = datums.Limits(model["vocab_size"], model["max_context_length"], settings.max_datums_per_request,
                                settings.max_tokens_per_request)
         work, n_tokens = datums.pass_work(req.loss_fn, req.loss_fn_config, req.data, limits)
         kind = WorkKind.FORWARD if req.forward_only else WorkKind.FORWARD_BACKWARD
-        return await _model_call(conn, redis, who, model, seq_id=req.seq_id, kind=kind, body=work, n_tokens=n_tokens,
-                                 rate=rate)
+        return await _model_call(conn, redis, who, req.model_id, seq_id=req.seq_id, kind=kind, body=work,
+                                 n_tokens=n_tokens)
 
 
 # The forward routes read their body themselves (JSON or protobuf), so FastAPI does not know its
@@ -171,16 +166,18 @@ _FORWARD_BODY = {"requestBody": {"content": {
 
 
 @router.post("/forward_backward", openapi_extra=_FORWARD_BODY)
-async def forward_backward(request: Request, who: Who, pool: Pool, redis: RedisDep, settings: Settings) -> dict:
+async def forward_backward(request: Request, who: Who, pool: Pool, redis: RedisDep, settings: Settings,
+                           callers: Callers) -> dict:
     """Forward and backward pass; gradients accumulate until the next optim_step (a future).
     Accepts a JSON body or a `tinker_public.ForwardBackwardRequest` protobuf (tinker SDK)."""
-    return await _forward(request, who, pool, redis, settings, forward_only=False)
+    return await _forward(request, who, pool, redis, settings, callers, forward_only=False)
 
 
 @router.post("/forward", openapi_extra=_FORWARD_BODY)
-async def forward(request: Request, who: Who, pool: Pool, redis: RedisDep, settings: Settings) -> dict:
+async def forward(request: Request, who: Who, pool: Pool, redis: RedisDep, settings: Settings,
+                  callers: Callers) -> dict:
     """Forward pass only: loss and per-token logprobs, no gradients (a future)."""
-    return await _forward(request, who, pool, redis, settings, forward_only=True)
+    return await _forward(request, who, pool, redis, settings, callers, forward_only=True)
 
 
 @router.post("/optim_step")
