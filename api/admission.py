@@ -21,7 +21,8 @@ publication) hands `admit` a transaction (`pool.connection()`), which it commits
 entry is appended now if it never was: the API may have died between its commit and the append),
 the tenant's in-flight quota (429), its suspension (402 or 403, tenancy.accounts) and monthly
 budgets (402, billing.budgets; both skipped for calls that meter no tokens), a call too large for
-its tokens-per-minute bucket ever to hold (400, split it), the request row (and a new model's
+its tokens-per-minute bucket ever to hold (400, split it) or that this process knows it cannot
+hold yet (429 without a row: tenancy.rate_limit.Shortfalls), the request row (and a new model's
 row, placed on a trainer shard where there are several: core.placement), a commit, then the
 stream entry (a sample group's generation replica's stream, gen_pool.router; a training call's
 model's shard's) with the tokens taken from the bucket in the same step (tenancy.rate_limit).
@@ -139,7 +140,8 @@ async def admit_call(conn: AsyncConnection, redis: Redis, who: Principal, item: 
     model = await records.insert_call(
         conn, who, item.request_id, model_id=item.model_id, seq_id=item.seq_id, kind=str(item.kind),
         n_tokens=item.n_tokens, billable=billable, unusable=list(_UNUSABLE),
-        admissible=_bucket_can_hold(who, item.n_tokens) and not (billable and who.suspended_kind))
+        admissible=(_bucket_can_hold(who, item.n_tokens) and not (billable and who.suspended_kind)
+                    and rate_limit.SHORTFALLS.certain_wait(who, item.n_tokens) is None))
     ticket = Ticket(item, model["base_model"], SeqSlot.of(model, item.seq_id))
     if not model["inserted"]:
         usable(model)
@@ -231,13 +233,18 @@ async def _append(conn: AsyncConnection, redis: Redis, who: Principal, ticket: T
         raise
     if wait_s is None:
         return item.request_id
+    rate_limit.SHORTFALLS.refused(who, ticket.tokens, wait_s)
     await records.delete_refused(conn, item.request_id)
     await conn.commit()
     if isinstance(ticket.slot, RedisSlot) and await redis.get(ticket.slot.key) == item.request_id.encode():
         await redis.delete(ticket.slot.key)
-    limit = who.tokens_per_minute
-    raise QuotaExceeded(f"this call's {ticket.tokens} tokens exceed what is left of your tokens_per_minute limit "
-                        f"of {limit}; retry in {wait_s:.1f} s", field="tokens_per_minute", retry_after_s=wait_s)
+    raise _rate_refusal(who, ticket.tokens, wait_s)
+
+
+def _rate_refusal(who: Principal, tokens: int, wait_s: float) -> QuotaExceeded:
+    return QuotaExceeded(f"this call's {tokens} tokens exceed what is left of your tokens_per_minute limit "
+                         f"of {who.tokens_per_minute}; retry in {wait_s:.1f} s", field="tokens_per_minute",
+                         retry_after_s=wait_s)
 
 
 async def _stream(conn: AsyncConnection, redis: Redis, ticket: Ticket, item: WorkItem) -> str | None:
@@ -307,11 +314,16 @@ def _bucket_can_hold(who: Principal, tokens: int) -> bool:
 
 def _fits_bucket(who: Principal, tokens: int) -> None:
     """400 for a call whose tokens its tokens-per-minute bucket can never hold (a 429 would be
-    retried in vain); the bucket itself is judged at the append."""
+    retried in vain); 429 for one this process knows the bucket cannot hold yet (a refusal seen
+    before: tenancy.rate_limit.Shortfalls), without writing its row. The bucket itself is judged
+    at the append."""
     limit = who.tokens_per_minute
     if not _bucket_can_hold(who, tokens):
         raise InvalidInput(f"this call needs {tokens} tokens, more than your tokens_per_minute limit of {limit} "
                            "allows at once; split it into smaller calls", field="tokens_per_minute")
+    wait_s = rate_limit.SHORTFALLS.certain_wait(who, tokens)
+    if wait_s is not None:
+        raise _rate_refusal(who, tokens, wait_s)
 
 
 def future_response(request_id: str, model_id: str | None) -> dict:
