@@ -71,18 +71,22 @@ async def model_shard(conn: AsyncConnection, model_id: str, choose: Callable[[],
     return row["trainer_shard"] if row else chosen
 
 
+_INSERT_REQUEST = "INSERT INTO requests (id, tenant_id, api_key_id, model_id, seq_id, kind, n_tokens)"
+# After the request row `r`: the model's last request, noted to the second (a model's concurrent
+# calls would otherwise queue on its row's lock until each commit); parameters: touch, model.
+_TOUCHED = ("touched AS (UPDATE training_models SET last_request_at = now() WHERE %(touch)s AND id = %(model)s "
+            "AND last_request_at < now() - interval '1 second' AND EXISTS (SELECT 1 FROM r))")
+
+
 async def insert_request(conn: AsyncConnection, who: Principal, request_id: str, *, model_id: str | None,
                          seq_id: int | None, kind: str, n_tokens: int, touch_model: bool) -> bool:
-    """Insert a request's row (and, with `touch_model`, note the model's last request, to the
-    second: a model's concurrent calls would otherwise queue on its row's lock until each commit)
+    """Insert a request's row (and, with `touch_model`, note the model's last request: `_TOUCHED`)
     in one statement; False if `(model_id, seq_id)` or the id is taken already."""
     cur = await conn.execute(
-        "WITH r AS (INSERT INTO requests (id, tenant_id, api_key_id, model_id, seq_id, kind, n_tokens) "
-        "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING id), "
-        "touched AS (UPDATE training_models SET last_request_at = now() "
-        "WHERE %s AND id = %s AND last_request_at < now() - interval '1 second' AND EXISTS (SELECT 1 FROM r)) "
-        "SELECT id FROM r",
-        (request_id, who.tenant_id, who.key_id, model_id, seq_id, kind, n_tokens, touch_model, model_id),
+        f"WITH r AS ({_INSERT_REQUEST} VALUES (%(id)s, %(tenant)s, %(key)s, %(model)s, %(seq)s, %(kind)s, "
+        f"%(n_tokens)s) ON CONFLICT DO NOTHING RETURNING id), {_TOUCHED} SELECT id FROM r",
+        {"id": request_id, "tenant": who.tenant_id, "key": who.key_id, "model": model_id, "seq": seq_id,
+         "kind": kind, "n_tokens": n_tokens, "touch": touch_model},
     )
     return await cur.fetchone() is not None
 
@@ -98,17 +102,14 @@ async def insert_call(conn: AsyncConnection, who: Principal, request_id: str, *,
     as it judges a plain read (and writes the row itself when it admits the call after all)."""
     cur = await conn.execute(
         f"WITH model AS ({scoped.MODEL_FOR_ADMISSION}), "
-        "r AS (INSERT INTO requests (id, tenant_id, api_key_id, model_id, seq_id, kind, n_tokens) "
-        "SELECT %(id)s, %(tenant)s, %(key)s, model.id, %(seq)s, %(kind)s, %(n_tokens)s FROM model "
-        "WHERE %(admissible)s AND model.status <> ALL(%(unusable)s) AND model.seq_holder_id IS NULL "
+        f"r AS ({_INSERT_REQUEST} SELECT %(id)s, %(tenant)s, %(key)s, model.id, %(seq)s, %(kind)s, %(n_tokens)s "
+        "FROM model WHERE %(admissible)s AND model.status <> ALL(%(unusable)s) AND model.seq_holder_id IS NULL "
         "AND model.inflight < %(max_inflight)s AND NOT (%(billable)s AND model.budgeted) "
-        "ON CONFLICT DO NOTHING RETURNING id), "
-        "touched AS (UPDATE training_models SET last_request_at = now() "
-        "WHERE id = %(model)s AND last_request_at < now() - interval '1 second' AND EXISTS (SELECT 1 FROM r)) "
+        f"ON CONFLICT DO NOTHING RETURNING id), {_TOUCHED} "
         "SELECT model.*, EXISTS (SELECT 1 FROM r) AS inserted FROM model",
         {"seq": seq_id, "model": model_id, "tenant": who.tenant_id, "key": who.key_id, "id": request_id,
          "kind": kind, "n_tokens": n_tokens, "billable": billable, "admissible": admissible, "unusable": unusable,
-         "max_inflight": who.max_inflight_requests},
+         "max_inflight": who.max_inflight_requests, "touch": True},
     )
     row = await cur.fetchone()
     if row is None:

@@ -1,9 +1,9 @@
-"""One token bucket, in Lua on Redis' own clock: the function every script that takes tokens runs.
+"""One token bucket, in Lua on Redis' own clock: a function for the scripts that take tokens.
 
-Two scripts run it: the tenant's plain take (tenancy.rate_limit) and the append of a call's
-stream entry, which takes the call's tokens in the same step (core.queue.enqueue). A bucket
-holds up to `per_minute` tokens and refills continuously; a take either fits and is taken, or
-takes nothing and answers the seconds until it would fit.
+The append of a call's stream entry runs it, taking the call's tokens per minute in the same step
+(core.queue.enqueue; the tenants' buckets are tenancy.rate_limit's). A bucket holds up to
+`per_minute` tokens and refills continuously; a take either fits and is taken, or takes nothing
+and answers the seconds until it would fit.
 """
 
 # take_tokens(key, per_minute, cost) -> 1, tokens left | 0, seconds to wait.
