@@ -19,10 +19,11 @@ publication) hands `admit` a transaction (`pool.connection()`), which it commits
 
 `admit` runs, in order: the idempotency rule (a retried call gets the existing future, whose
 entry is appended now if it never was: the API may have died between its commit and the append),
-the tenant's in-flight quota (429), its suspension (402 or 403, tenancy.accounts) and monthly
-budgets (402, billing.budgets; both skipped for calls that meter no tokens), a call too large for
-its tokens-per-minute bucket ever to hold (400, split it) or that this process knows it cannot
-hold yet (429 without a row: tenancy.rate_limit.Shortfalls), the request row (and a new model's
+what refuses a call whatever the database holds (`_refusal_before_reads`: the tenant's suspension,
+402 or 403, tenancy.accounts, skipped for calls that meter no tokens; a call too large for its
+tokens-per-minute bucket ever to hold, 400, split it; one this process knows the bucket cannot
+hold yet, 429 without a row, tenancy.rate_limit.Shortfalls), the tenant's in-flight quota (429)
+and monthly budgets (402, billing.budgets; billable calls only), the request row (and a new model's
 row, placed on a trainer shard where there are several: core.placement), a commit, then the
 stream entry (a sample group's generation replica's stream, gen_pool.router; a training call's
 model's shard's) with the tokens taken from the bucket in the same step (tenancy.rate_limit).
@@ -53,7 +54,7 @@ from redis.asyncio import Redis
 from api import records
 from billing import budgets
 from core import faults, placement, queue
-from core.errors import InvalidInput, QuotaExceeded
+from core.errors import InvalidInput, QuiltError, QuotaExceeded
 from core.settings import get_api_settings, get_core_settings
 from core.work import WorkItem, WorkKind
 from gen_pool.router import Router
@@ -140,8 +141,7 @@ async def admit_call(conn: AsyncConnection, redis: Redis, who: Principal, item: 
     model = await records.insert_call(
         conn, who, item.request_id, model_id=item.model_id, seq_id=item.seq_id, kind=str(item.kind),
         n_tokens=item.n_tokens, billable=billable, unusable=list(_UNUSABLE),
-        admissible=(_bucket_can_hold(who, item.n_tokens) and not (billable and who.suspended_kind)
-                    and rate_limit.SHORTFALLS.certain_wait(who, item.n_tokens) is None))
+        admissible=_refusal_before_reads(who, item.n_tokens, billable=billable) is None)
     ticket = Ticket(item, model["base_model"], SeqSlot.of(model, item.seq_id))
     if not model["inserted"]:
         usable(model)
@@ -185,9 +185,11 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
                 item = replace(item, request_id=existing.decode())
     try:
         if ticket.check_quota:
+            refusal = _refusal_before_reads(who, ticket.tokens, billable=ticket.billable)
+            if refusal is not None:
+                raise refusal
             await _quota_and_budget(conn, who, billable=ticket.billable,
                                     read=slot.quota if isinstance(slot, SeqSlot) else None)
-            _fits_bucket(who, ticket.tokens)
         if ticket.new_model is not None:
             shard = await _new_model_shard(conn, redis, ticket)
             if shard is not None:
@@ -291,12 +293,26 @@ async def _replica_stream(redis: Redis, base_model: str, item: WorkItem) -> str 
     return await router.stream_for(redis, base_model, item)
 
 
+def _refusal_before_reads(who: Principal, tokens: int, *, billable: bool) -> QuiltError | None:
+    """What refuses a call whatever the database holds: a suspension (billable calls only), tokens
+    its tokens-per-minute bucket can never hold (400: a 429 would be retried in vain; split it), or
+    tokens this process knows the bucket cannot hold yet (429: a refusal seen before,
+    tenancy.rate_limit.Shortfalls). `admit_call` writes the call's row with the model's read only
+    when this is None; `admit` raises it. The bucket itself is judged at the append."""
+    if billable and who.suspended_kind:
+        return accounts.suspension_refusal(who.suspended_kind, who.suspended_reason or "", who.tenant_name)
+    limit = who.tokens_per_minute
+    if tokens > limit:
+        return InvalidInput(f"this call needs {tokens} tokens, more than your tokens_per_minute limit of {limit} "
+                            "allows at once; split it into smaller calls", field="tokens_per_minute")
+    wait_s = rate_limit.SHORTFALLS.certain_wait(who, tokens)
+    return None if wait_s is None else _rate_refusal(who, tokens, wait_s)
+
+
 async def _quota_and_budget(conn: AsyncConnection, who: Principal, *, billable: bool,
                             read: tuple[int, bool] | None) -> None:
-    """Suspension and budget (billable tickets only), and the in-flight quota; `read`: the in-flight
-    count and budget flag already read with the model (else read here)."""
-    if billable and who.suspended_kind:
-        raise accounts.suspension_refusal(who.suspended_kind, who.suspended_reason or "", who.tenant_name)
+    """The in-flight quota, and the budget (billable tickets only); `read`: the in-flight count and
+    budget flag already read with the model (else read here)."""
     inflight, budgeted = read if read is not None else await scoped.inflight_and_budgeted(conn, who)
     if inflight >= who.max_inflight_requests:
         raise QuotaExceeded(
@@ -306,24 +322,6 @@ async def _quota_and_budget(conn: AsyncConnection, who: Principal, *, billable: 
         )
     if billable and budgeted:
         await budgets.check(conn, tenant_id=who.tenant_id, tenant_name=who.tenant_name, key_id=who.key_id)
-
-
-def _bucket_can_hold(who: Principal, tokens: int) -> bool:
-    return tokens <= who.tokens_per_minute
-
-
-def _fits_bucket(who: Principal, tokens: int) -> None:
-    """400 for a call whose tokens its tokens-per-minute bucket can never hold (a 429 would be
-    retried in vain); 429 for one this process knows the bucket cannot hold yet (a refusal seen
-    before: tenancy.rate_limit.Shortfalls), without writing its row. The bucket itself is judged
-    at the append."""
-    limit = who.tokens_per_minute
-    if not _bucket_can_hold(who, tokens):
-        raise InvalidInput(f"this call needs {tokens} tokens, more than your tokens_per_minute limit of {limit} "
-                           "allows at once; split it into smaller calls", field="tokens_per_minute")
-    wait_s = rate_limit.SHORTFALLS.certain_wait(who, tokens)
-    if wait_s is not None:
-        raise _rate_refusal(who, tokens, wait_s)
 
 
 def future_response(request_id: str, model_id: str | None) -> dict:

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
-from core.errors import NotFound
 from tenancy import scoped
 from tenancy.auth import Principal
 
@@ -113,7 +112,7 @@ async def insert_call(conn: AsyncConnection, who: Principal, request_id: str, *,
     )
     row = await cur.fetchone()
     if row is None:
-        raise NotFound(f"model {model_id!r} not found", field="model_id")
+        raise scoped.model_not_found(model_id)
     return row
 
 

@@ -16,12 +16,17 @@ _ADMISSION_READS = ("(SELECT count(*) FROM requests WHERE tenant_id = %(tenant)s
                     "AND (api_key_id IS NULL OR api_key_id = %(key)s)) AS budgeted")
 
 
-async def _one(conn: AsyncConnection, sql: str, params: tuple | dict, missing: str, field: str) -> dict:
+async def _one(conn: AsyncConnection, sql: str, params: tuple | dict, missing: NotFound) -> dict:
     cur = await conn.execute(sql, params)
     row = await cur.fetchone()
     if row is None:
-        raise NotFound(missing, field=field)
+        raise missing
     return row
+
+
+def model_not_found(model_id: str) -> NotFound:
+    """The 404 for a model that is not the caller's (or does not exist: the two read the same)."""
+    return NotFound(f"model {model_id!r} not found", field="model_id")
 
 
 async def get_session(conn: AsyncConnection, who: Principal, session_id: str) -> dict:
@@ -29,8 +34,7 @@ async def get_session(conn: AsyncConnection, who: Principal, session_id: str) ->
         conn,
         "SELECT * FROM sessions WHERE id = %s AND tenant_id = %s",
         (session_id, who.tenant_id),
-        f"session {session_id!r} not found",
-        "session_id",
+        NotFound(f"session {session_id!r} not found", field="session_id"),
     )
 
 
@@ -59,8 +63,7 @@ async def get_model(conn: AsyncConnection, who: Principal, model_id: str, *, seq
         conn,
         MODEL_FOR_ADMISSION if admission else _model_read(admission=False),
         {"seq": seq_id, "model": model_id, "tenant": who.tenant_id, "key": who.key_id},
-        f"model {model_id!r} not found",
-        "model_id",
+        model_not_found(model_id),
     )
 
 
@@ -69,8 +72,7 @@ async def get_request(conn: AsyncConnection, who: Principal, request_id: str) ->
         conn,
         "SELECT id, status, kind, model_id, seq_id, finished_at FROM requests WHERE id = %s AND tenant_id = %s",
         (request_id, who.tenant_id),
-        f"future {request_id!r} not found",
-        "request_id",
+        NotFound(f"future {request_id!r} not found", field="request_id"),
     )
 
 
@@ -80,8 +82,7 @@ async def get_checkpoint(conn: AsyncConnection, who: Principal, model_id: str, k
         f"SELECT * FROM checkpoints WHERE model_id = %s AND kind = %s AND name = %s AND tenant_id = %s "
         f"AND {retention.LIVE}",
         (model_id, kind, name, who.tenant_id),
-        f"checkpoint tinker://{model_id}/{kind}/{name} not found",
-        "path",
+        NotFound(f"checkpoint tinker://{model_id}/{kind}/{name} not found", field="path"),
     )
 
 
@@ -90,8 +91,7 @@ async def get_sampling_session(conn: AsyncConnection, who: Principal, sampling_s
         conn,
         "SELECT * FROM sampling_sessions WHERE id = %s AND tenant_id = %s",
         (sampling_session_id, who.tenant_id),
-        f"sampling session {sampling_session_id!r} not found",
-        "sampling_session_id",
+        NotFound(f"sampling session {sampling_session_id!r} not found", field="sampling_session_id"),
     )
 
 
