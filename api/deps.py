@@ -17,7 +17,7 @@ from api import caller_cache
 from api.caller_cache import CallerCache
 from core import db
 from core.settings import ApiSettings, get_api_settings
-from tenancy.auth import Principal, authenticate
+from tenancy.auth import Principal, authenticate, missing_key
 from tenancy.keys import hash_key
 
 
@@ -48,8 +48,10 @@ async def _principal(request: Request, pool: Pool, callers: Callers,
                      authorization: Annotated[str | None, Header()] = None) -> Principal:
     if x_api_key is None and authorization and authorization[:7].lower() == "bearer ":
         x_api_key = authorization[7:].strip()  # OpenAI clients (api.routes.openai_compat)
-    key_hash = hash_key(x_api_key).hex() if x_api_key else ""
-    who = callers.get("key", key_hash) if key_hash else None
+    if not x_api_key:  # refused before a pooled connection is taken: an anonymous flood holds none
+        raise missing_key()
+    key_hash = hash_key(x_api_key).hex()
+    who = callers.get("key", key_hash)
     if who is None:
         generation = callers.generation
         # A short-lived connection: routes that long-poll must not hold one while they wait. The key

@@ -64,11 +64,16 @@ def _checked(row: dict | None) -> Principal:
     return Principal(**row)
 
 
+def missing_key() -> Unauthenticated:
+    """The 401 for a call that sent no key (answered before any store is asked)."""
+    return Unauthenticated("missing API key: send it in the X-API-Key header", field="X-API-Key")
+
+
 async def authenticate(conn: AsyncConnection, api_key: str | None) -> tuple[Principal, int]:
     """The caller behind `api_key`, and its tenant's spend this month in micro-USD (for the spend
     header: read in the same statement, one round trip less per call)."""
     if not api_key:
-        raise Unauthenticated("missing API key: send it in the X-API-Key header", field="X-API-Key")
+        raise missing_key()
     cur = await conn.execute(_PRINCIPAL_AND_SPEND + "k.key_hash = %s", (hash_key(api_key),))
     row = await cur.fetchone()
     spent = row.pop("spent") if row is not None else 0
