@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import seq_gaps
+from core import waits
 from core.errors import InvalidInput, QuiltError, ServerError, Unavailable, UserError
 from core.stores import STORE_ERRORS
 
@@ -57,7 +58,8 @@ def _field_of(loc: tuple) -> str:
 class RequestIdMiddleware:
     """Every response carries the request id (the caller's X-Request-ID, or a new one) and
     `Server-Timing: app;dur=MS`, the time from the request reaching the app to its answer starting
-    (the API's own part of a call; bench/api_load.py reads it). Pure ASGI: Starlette's
+    (the API's own part of a call), followed by what it waited on meanwhile (core.waits: `pool`,
+    `pg`, `redis`; bench/api_load.py reads them). Pure ASGI: Starlette's
     BaseHTTPMiddleware cost a tenth of a cheap call's CPU (bench/api_load.py)."""
 
     _HEADER = REQUEST_ID_HEADER.lower().encode()
@@ -70,6 +72,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         started = time.perf_counter()
+        spent = waits.tally()
         rid = request_id_of(Request(scope))
 
         async def send_with_id(message):
@@ -77,7 +80,8 @@ class RequestIdMiddleware:
                 headers = list(message.get("headers", []))
                 if not any(name.lower() == self._HEADER for name, _ in headers):
                     headers.append((self._HEADER, rid.encode("latin-1", "replace")))
-                headers.append((self._TIMING, b"app;dur=%.3f" % ((time.perf_counter() - started) * 1000)))
+                headers.append((self._TIMING, b"app;dur=%.3f, %s" % ((time.perf_counter() - started) * 1000,
+                                                                     waits.server_timing(spent))))
                 message = {**message, "headers": headers}
             await send(message)
 

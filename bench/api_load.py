@@ -17,6 +17,11 @@ result-ready-to-response path), plus a `forward_backward` submission every `--su
    `--rate` requests/s (Poisson arrivals), the regime a service runs in. Per call it prints the
    client's latency and the API's own time (`Server-Timing: app;dur`, from the request reaching
    the app to its answer starting): the overhead per future the issue bounds (p99 at most 10 ms).
+   Where the slowest 1% of each call spent that time comes beside it: waiting for a pooled
+   connection, on Postgres, on Redis (the header's `pool`, `pg` and `redis`, core.waits), and the
+   rest, the API's own CPU and its event loop's queue; and how fast the stores answered a client
+   of their own meanwhile (a Redis PING and a Postgres `SELECT 1` every 20 ms): a wait far longer
+   than that is the store's answer sitting unread while the API's event loop ran other calls.
 
 With `--pin` (the default where there are at least 2 CPUs) the API process runs on CPU 0 and
 everything else (clients, Postgres, Redis, workers) on the others, so clients do not steal the
@@ -120,8 +125,31 @@ async def _client(session: aiohttp.ClientSession, base_url: str, tenant: dict, s
         except aiohttp.ClientError:
             status, timing = 0, ""
         elapsed = time.perf_counter() - started
-        app_s = float(timing.partition("dur=")[2] or 0) / 1000
-        seen[name].append((elapsed, app_s) if status == 200 else (-status, 0.0))
+        seen[name].append((elapsed, *_server_timing(timing)) if status == 200 else (-status, *_NO_TIMING))
+
+
+_WAITS = ("pool", "pg", "redis")  # core.waits.NAMES
+_NO_TIMING = (0.0,) * (1 + len(_WAITS))
+
+
+def _server_timing(header: str) -> tuple[float, ...]:
+    """(app, pool, pg, redis) seconds from `Server-Timing: app;dur=MS, pool;dur=MS, ...`."""
+    durs = dict(entry.strip().partition(";dur=")[::2] for entry in header.split(",") if ";dur=" in entry)
+    return tuple(float(durs.get(name) or 0) / 1000 for name in ("app", *_WAITS))
+
+
+def _tail_split(ok: list[tuple]) -> dict[str, float]:
+    """The slowest 1% of a call's app times, on average: the whole, each wait, and the rest (the
+    API's own CPU and its event loop's queue: other calls ahead, a pause)."""
+    if not ok:
+        return {}
+    cut = _pct([v[1] for v in ok], 0.99)
+    tail = [v for v in ok if v[1] >= cut]
+    out = {"app": statistics.fmean(v[1] for v in tail) * 1000}
+    for i, name in enumerate(_WAITS, start=2):
+        out[name] = statistics.fmean(v[i] for v in tail) * 1000
+    out["own"] = out["app"] - sum(out[name] for name in _WAITS)
+    return {k: round(v, 3) for k, v in out.items()}
 
 
 def _generator(args: tuple) -> tuple[dict[str, list], list[int]]:
@@ -224,7 +252,41 @@ class FsyncProbe:
 
 
 
-def _fsync_summary(samples: list[float]) -> dict:
+class StoreProbe:
+    """Times a Redis PING and a Postgres `SELECT 1` every 20 ms while a phase runs, from a client
+    of their own: how long the stores take to answer anyone. Set beside the waits an API request
+    reports (Server-Timing's `redis` and `pg`), it separates a store's slowness from the time its
+    answer sat unread while the API's event loop ran other calls."""
+
+    def __init__(self, redis_url: str, database_url: str):
+        self.samples: dict[str, list[float]] = {"redis": [], "pg": []}
+        self._urls = redis_url, database_url
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import psycopg
+        import redis
+
+        r = redis.Redis.from_url(self._urls[0])
+        with psycopg.connect(self._urls[1], autocommit=True) as pg:
+            while not self._stop.wait(0.02):
+                for name, ask in (("redis", r.ping), ("pg", lambda: pg.execute("SELECT 1").fetchone())):
+                    started = time.perf_counter()
+                    ask()
+                    self.samples[name].append((time.perf_counter() - started) * 1000)
+        r.close()
+
+    def __enter__(self) -> StoreProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _latency_summary(samples: list[float]) -> dict:
     return {"count": len(samples), "p50_ms": round(_pct(samples, 0.5), 3),
             "p99_ms": round(_pct(samples, 0.99), 3), "max_ms": round(max(samples, default=0.0), 3)}
 
@@ -234,14 +296,15 @@ def _cpu_s(api: list[psutil.Process]) -> float:
 
 
 def _phase(stack: RunningStack, clients: list, args, rate: float, other_cpus: set[int] | None,
-           api: list[psutil.Process], seconds: float) -> tuple[dict[str, list], float, float, list[float]]:
-    """Run the clients for `seconds`; returns (per-call samples, wall s, API CPU s, the data
-    directory's fsync latencies meanwhile)."""
+           api: list[psutil.Process], seconds: float) -> tuple[dict[str, list], float, float, dict[str, list]]:
+    """Run the clients for `seconds`; returns (per-call samples, wall s, API CPU s, the probes'
+    latencies meanwhile: the data directory's fsync, and the stores' answers to another client)."""
     stop_at = time.monotonic() + seconds
     shares = [(stack.base_url, clients[p::args.procs], stop_at, args.submit_every, rate, other_cpus, 1000 + p)
               for p in range(args.procs)]
     started, cpu0 = time.monotonic(), _cpu_s(api)
-    with FsyncProbe(stack.data_dir) as probe, multiprocessing.get_context("spawn").Pool(args.procs) as pool:
+    with (FsyncProbe(stack.data_dir) as fsync, StoreProbe(stack.redis_url, stack.database_url) as stores,
+          multiprocessing.get_context("spawn").Pool(args.procs) as pool):
         parts = pool.map(_generator, shares)
     wall, cpu = time.monotonic() - started, _cpu_s(api) - cpu0
     merged: dict[str, list] = {}
@@ -250,7 +313,7 @@ def _phase(stack: RunningStack, clients: list, args, rate: float, other_cpus: se
             merged.setdefault(name, []).extend(values)
         for (_tenant, seq, _stride), next_seq in zip(clients[p::args.procs], next_seqs):
             seq[0] = next_seq  # the next phase goes on where this one stopped: no gap to wait behind
-    return merged, wall, cpu, probe.samples
+    return merged, wall, cpu, {"fsync": fsync.samples, **stores.samples}
 
 
 def _table(title: str, merged: dict[str, list]) -> tuple[dict, int, list, list]:
@@ -269,9 +332,14 @@ def _table(title: str, merged: dict[str, list]) -> tuple[dict, int, list, list]:
             cheap += lat
             cheap_app += app
         summary[name] = {"count": len(values), "p50_ms": round(_pct(lat, 0.5), 2), "p99_ms": round(_pct(lat, 0.99), 2),
-                         "app_p50_ms": round(_pct(app, 0.5), 3), "app_p99_ms": round(_pct(app, 0.99), 3)}
+                         "app_p50_ms": round(_pct(app, 0.5), 3), "app_p99_ms": round(_pct(app, 0.99), 3),
+                         "app_tail_ms": _tail_split(ok)}
         print(f"{name:<18}{len(values):>8}{limited:>6}{bad:>8}{_pct(lat, 0.5):>9.2f}{_pct(lat, 0.99):>9.2f}"
               f"{_pct(app, 0.5):>9.3f}{_pct(app, 0.99):>9.3f}")
+    print(f"the slowest 1% of each call's app time, mean ms: {'app':>7}{'pool':>7}{'pg':>7}{'redis':>7}{'own':>7}")
+    for name, row in summary.items():
+        split = row["app_tail_ms"]
+        print(f"{name:<48}" + "".join(f"{split.get(k, 0.0):>7.2f}" for k in ("app", *_WAITS, "own")))
     return summary, errors, cheap, cheap_app
 
 
@@ -317,18 +385,19 @@ def main() -> None:
         full, wall1, cpu1, fsync1 = _phase(stack, clients, args, 0.0, other, api, args.seconds)
         capacity = sum(len(v) for v in full.values()) / wall1
         rate = (args.rate if args.rate else args.paced_share * capacity) / args.clients
-        paced = {x: ({}, [0.0, 0.0], []) for x in layouts}  # per layout: samples, [wall, API CPU], fsync
+        paced = {x: ({}, [0.0, 0.0], {}) for x in layouts}  # per layout: samples, [wall, API CPU], probes
         for _ in range(max(1, args.slices)):
             for layout in layouts:
                 if args.pin:
                     _pin(api, {cpus[0]}, other, layout)
-                part, wall, cpu, fsync = _phase(stack, clients, args, rate, other, api,
-                                                args.seconds / max(1, args.slices))
+                part, wall, cpu, probed = _phase(stack, clients, args, rate, other, api,
+                                                 args.seconds / max(1, args.slices))
                 samples, clock, probe = paced[layout]
                 for name, values in part.items():
                     samples.setdefault(name, []).extend(values)
                 clock[0], clock[1] = clock[0] + wall, clock[1] + cpu
-                probe.extend(fsync)
+                for name, values in probed.items():
+                    probe.setdefault(name, []).extend(values)
 
     n1 = sum(len(v) for v in full.values())
     print(f"{args.clients} clients, {args.tenants} tenants, {args.seconds:.0f} s per phase, {args.procs} generator "
@@ -336,7 +405,7 @@ def main() -> None:
           f"{args.data_parent}")
     s1, e1, cheap1, _ = _table(f"1. capacity: {n1 / wall1:.0f} requests/s, {n1 / max(cpu1, 1e-9):.0f} per API "
                                f"CPU-second (API used {cpu1 / wall1:.2f} of a core)", full)
-    fsync1 = _fsync_summary(fsync1)
+    fsync1 = _latency_summary(fsync1["fsync"])
     print(f"fdatasync of 8 KiB in the data directory, every 20 ms beside the calls: p50 {fsync1['p50_ms']:.2f} ms, "
           f"p99 {fsync1['p99_ms']:.2f} ms, max {fsync1['max_ms']:.1f} ms")
     pace = f"at {args.rate:g} requests/s" if args.rate else f"at {args.paced_share:.0%} of that"
@@ -350,9 +419,12 @@ def main() -> None:
         s2, e2, cheap2, app2 = _table(f"2{'abcdef'[i]}. paced {pace}, layout {layout}, {args.slices} slices: "
                                       f"{n2 / wall2:.0f} requests/s, {n2 / max(cpu2, 1e-9):.0f} per API CPU-second",
                                       samples)
-        fsync2 = _fsync_summary(probe)
+        fsync2, stores2 = _latency_summary(probe["fsync"]), {k: _latency_summary(probe[k]) for k in ("redis", "pg")}
         print(f"API's own time per cheap call: p50 {_pct(app2, 0.5):.2f} ms, p99 {_pct(app2, 0.99):.2f} ms "
               f"(client-side p99 {_pct(cheap2, 0.99):.2f} ms); fdatasync p99 {fsync2['p99_ms']:.2f} ms")
+        print(f"the stores answering another client meanwhile (every 20 ms): Redis PING p50 "
+              f"{stores2['redis']['p50_ms']:.2f} / p99 {stores2['redis']['p99_ms']:.2f} ms, Postgres SELECT 1 p50 "
+              f"{stores2['pg']['p50_ms']:.2f} / p99 {stores2['pg']['p99_ms']:.2f} ms")
         # The first layout keeps the keys of the bench before layouts; the others are suffixed.
         tail = "" if i == 0 else f"_{layout}"
         out.update({f"paced_requests_per_s{tail}": round(n2 / wall2, 1),
@@ -361,7 +433,8 @@ def main() -> None:
                     f"paced_app_p50_ms{tail}": round(_pct(app2, 0.5), 3),
                     f"paced_app_p99_ms{tail}": round(_pct(app2, 0.99), 3),
                     f"paced_submit_app_p99_ms{tail}": s2.get("forward_backward", {}).get("app_p99_ms"),
-                    f"fsync_paced{tail}": fsync2, f"paced{tail}": s2})
+                    f"paced_submit_app_tail_ms{tail}": s2.get("forward_backward", {}).get("app_tail_ms"),
+                    f"fsync_paced{tail}": fsync2, f"stores_paced{tail}": stores2, f"paced{tail}": s2})
         out["errors"] += e2
     print(f"\n{out['errors']} errors other than 429")
     print(json.dumps(out))

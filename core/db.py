@@ -9,7 +9,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from core import embedded
+from core import embedded, waits
 from core.settings import CoreSettings, get_core_settings
 
 
@@ -62,7 +62,7 @@ async def autocommit(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncCo
 
 
 def async_pool(url: str, *, max_size: int = 16) -> AsyncConnectionPool:
-    """A pool for the API; open it in the app's lifespan."""
-    return AsyncConnectionPool(
-        url, min_size=1, max_size=max_size, open=False, kwargs={"row_factory": dict_row}
-    )
+    """A pool for the API; open it in the app's lifespan. Its checkouts and statements count in
+    the current request's waits (core.waits)."""
+    return waits.TimedPool(url, min_size=1, max_size=max_size, open=False, connection_class=waits.TimedConnection,
+                           kwargs={"row_factory": dict_row})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import redis
 import redis.asyncio as aioredis
 
-from core import embedded
+from core import embedded, waits
 from core.settings import CoreSettings, get_core_settings
 
 
@@ -23,5 +23,6 @@ ASYNC_SOCKET_TIMEOUT_S = 60.0
 
 
 def async_client(url: str) -> aioredis.Redis:
-    return aioredis.Redis.from_url(url, decode_responses=False, max_connections=256,
+    """An asyncio client; its commands count in the current request's waits (core.waits)."""
+    return waits.TimedRedis.from_url(url, decode_responses=False, max_connections=256,
                                    socket_timeout=ASYNC_SOCKET_TIMEOUT_S)
