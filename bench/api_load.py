@@ -48,11 +48,14 @@ import random
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import httpx
 import psutil
+import psycopg
+import redis
 
 from stack.ephemeral import TINY, RunningStack, ephemeral_stack, new_tenant
 
@@ -220,70 +223,71 @@ def _pin(api: list[psutil.Process], api_cpus: set[int], other_cpus: set[int], la
                 pass
 
 
-class FsyncProbe:
+class _Probe:
+    """A thread that measures something every 20 ms while a phase runs (`with probe:`)."""
+
+    def __init__(self):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _ticks(self) -> Iterator[None]:
+        while not self._stop.wait(0.02):
+            yield
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class FsyncProbe(_Probe):
     """Writes 8 KiB and fdatasyncs it every 20 ms in the stack's data directory while a phase runs:
     the latency Postgres's commits and Redis's AOF meet on that filesystem, measured beside the
     calls (on a shared VM's disk its tail, not the API, is what a write call's p99 waits for)."""
 
     def __init__(self, directory: Path):
+        super().__init__()
         self.path, self.samples = directory / "fsync-probe", []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            while not self._stop.wait(0.02):
+            for _ in self._ticks():
                 os.pwrite(fd, b"x" * 8192, 0)
                 started = time.perf_counter()
                 os.fdatasync(fd)
                 self.samples.append((time.perf_counter() - started) * 1000)
         finally:
             os.close(fd)
-
-    def __enter__(self) -> FsyncProbe:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.path.unlink(missing_ok=True)
+            self.path.unlink(missing_ok=True)
 
 
-
-class StoreProbe:
+class StoreProbe(_Probe):
     """Times a Redis PING and a Postgres `SELECT 1` every 20 ms while a phase runs, from a client
     of their own: how long the stores take to answer anyone. Set beside the waits an API request
     reports (Server-Timing's `redis` and `pg`), it separates a store's slowness from the time its
     answer sat unread while the API's event loop ran other calls."""
 
     def __init__(self, redis_url: str, database_url: str):
+        super().__init__()
         self.samples: dict[str, list[float]] = {"redis": [], "pg": []}
         self._urls = redis_url, database_url
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        import psycopg
-        import redis
-
         r = redis.Redis.from_url(self._urls[0])
         with psycopg.connect(self._urls[1], autocommit=True) as pg:
-            while not self._stop.wait(0.02):
+            for _ in self._ticks():
                 for name, ask in (("redis", r.ping), ("pg", lambda: pg.execute("SELECT 1").fetchone())):
                     started = time.perf_counter()
                     ask()
                     self.samples[name].append((time.perf_counter() - started) * 1000)
         r.close()
-
-    def __enter__(self) -> StoreProbe:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def _latency_summary(samples: list[float]) -> dict:

@@ -10,7 +10,9 @@ ahead of it). The API's pool and Redis client add to it (`TimedPool`, `TimedConn
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from contextvars import ContextVar
 
 import psycopg
@@ -36,47 +38,40 @@ def server_timing(spent: list[float]) -> bytes:
     return b", ".join(b"%s;dur=%.3f" % (name.encode(), s * 1000) for name, s in zip(NAMES, spent))
 
 
-def _add(kind: int, started: float) -> None:
-    spent = _TALLY.get()
-    if spent is not None:
-        spent[kind] += time.perf_counter() - started
+@contextlib.contextmanager
+def _timed(kind: int) -> Iterator[None]:
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        spent = _TALLY.get()
+        if spent is not None:
+            spent[kind] += time.perf_counter() - started
 
 
 class TimedConnection(psycopg.AsyncConnection):
     """An async connection whose statements and commits count as Postgres waits."""
 
     async def execute(self, *args, **kwargs):
-        started = time.perf_counter()
-        try:
+        with _timed(PG):
             return await super().execute(*args, **kwargs)
-        finally:
-            _add(PG, started)
 
     async def commit(self) -> None:
-        started = time.perf_counter()
-        try:
+        with _timed(PG):
             await super().commit()
-        finally:
-            _add(PG, started)
 
 
 class TimedPool(AsyncConnectionPool):
     """A pool whose checkouts count as waits for a connection."""
 
     async def getconn(self, timeout: float | None = None):
-        started = time.perf_counter()
-        try:
+        with _timed(POOL):
             return await super().getconn(timeout)
-        finally:
-            _add(POOL, started)
 
 
 class TimedRedis(aioredis.Redis):
     """A Redis client whose commands (Lua calls included) count as Redis waits."""
 
     async def execute_command(self, *args, **options):
-        started = time.perf_counter()
-        try:
+        with _timed(REDIS):
             return await super().execute_command(*args, **options)
-        finally:
-            _add(REDIS, started)
