@@ -25,4 +25,4 @@ ASYNC_SOCKET_TIMEOUT_S = 60.0
 def async_client(url: str) -> aioredis.Redis:
     """An asyncio client; its commands count in the current request's waits (core.waits)."""
     return waits.TimedRedis.from_url(url, decode_responses=False, max_connections=256,
-                                   socket_timeout=ASYNC_SOCKET_TIMEOUT_S)
+                                     socket_timeout=ASYNC_SOCKET_TIMEOUT_S)
