@@ -57,6 +57,7 @@ import psutil
 import psycopg
 import redis
 
+from core import waits
 from stack.ephemeral import TINY, RunningStack, ephemeral_stack, new_tenant
 
 
@@ -131,7 +132,7 @@ async def _client(session: aiohttp.ClientSession, base_url: str, tenant: dict, s
         seen[name].append((elapsed, *_server_timing(timing)) if status == 200 else (-status, *_NO_TIMING))
 
 
-_WAITS = ("pool", "pg", "redis")  # core.waits.NAMES
+_WAITS = waits.NAMES  # the Server-Timing entries beside `app`
 _NO_TIMING = (0.0,) * (1 + len(_WAITS))
 
 
