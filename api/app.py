@@ -28,7 +28,7 @@ from api.routes import (
     training,
 )
 from api.spend_header import SpendHeaderMiddleware
-from core import db, redis_client
+from core import db, loop_lag, redis_client
 from core.settings import get_api_settings, get_core_settings
 
 
@@ -40,15 +40,19 @@ async def _lifespan(app: FastAPI):
     app.state.redis = redis_client.async_client(redis_client.resolve_url(core))
     app.state.callers = CallerCache(get_api_settings().caller_cache_seconds)
     listening = asyncio.create_task(caller_cache.listen(app.state.callers, db.resolve_url(core)))
+    app.state.loop_lag = loop_lag.LagHistogram()
+    lag_tasks = [asyncio.create_task(loop_lag.watch(app.state.loop_lag)),
+                 asyncio.create_task(loop_lag.publish(app.state.redis, app.state.loop_lag, loop_lag.instance_name()))]
     # What exists at start lives as long as the process: out of the collector's sight, a full
     # collection no longer walks it (those walks were the API's longest pauses under load).
     gc.freeze()
     try:
         yield
     finally:
-        listening.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await listening
+        for task in (listening, *lag_tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await app.state.redis.aclose()
         await app.state.pool.close()
 

@@ -19,9 +19,12 @@ result-ready-to-response path), plus a `forward_backward` submission every `--su
    the app to its answer starting): the overhead per future the issue bounds (p99 at most 10 ms).
    Where the slowest 1% of each call spent that time comes beside it: waiting for a pooled
    connection, on Postgres, on Redis (the header's `pool`, `pg` and `redis`, core.waits), and the
-   rest, the API's own CPU and its event loop's queue; and how fast the stores answered a client
-   of their own meanwhile (a Redis PING and a Postgres `SELECT 1` every 20 ms): a wait far longer
-   than that is the store's answer sitting unread while the API's event loop ran other calls.
+   rest, the API's own CPU and its event loop's queue; how fast the stores answered a client
+   of their own meanwhile (a Redis PING and a Postgres `SELECT 1` every 20 ms); and how late the
+   API's event loop ran meanwhile (core.loop_lag's histogram, read from its beacons before and
+   after each phase, so it also holds up to a second of the quieter time either side). A wait far
+   longer than the stores' answers, beside a late loop, is the answer sitting unread while the
+   API's event loop ran other calls: the API's own queue.
 
 With `--pin` (the default where there are at least 2 CPUs) the API process runs on CPU 0 and
 everything else (clients, Postgres, Redis, workers) on the others, so clients do not steal the
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import multiprocessing
 import os
@@ -57,7 +61,7 @@ import psutil
 import psycopg
 import redis
 
-from core import waits
+from core import loop_lag, waits
 from stack.ephemeral import TINY, RunningStack, ephemeral_stack, new_tenant
 
 
@@ -300,10 +304,29 @@ def _cpu_s(api: list[psutil.Process]) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in api)
 
 
+def _loop_lag(redis_url: str) -> loop_lag.LagHistogram:
+    """The API processes' event-loop lag histograms (core.loop_lag's beacons), summed."""
+    r = redis.Redis.from_url(redis_url)
+    try:
+        members = r.smembers(loop_lag.INDEX_KEY)
+        hists, _gone = loop_lag.decode(members, r.mget(loop_lag.read_keys(members)) if members else [])
+    finally:
+        r.close()
+    return functools.reduce(loop_lag.LagHistogram.plus, hists.values(), loop_lag.LagHistogram())
+
+
+def _lag_summary(hist: loop_lag.LagHistogram) -> dict:
+    return {"count": hist.count, "p50_ms": round(hist.quantile(0.5) * 1000, 3),
+            "p99_ms": round(hist.quantile(0.99) * 1000, 3), "p999_ms": round(hist.quantile(0.999) * 1000, 3),
+            "mean_ms": round(hist.sum_s / max(1, hist.count) * 1000, 3)}
+
+
 def _phase(stack: RunningStack, clients: list, args, rate: float, other_cpus: set[int] | None,
            api: list[psutil.Process], seconds: float) -> tuple[dict[str, list], float, float, dict[str, list]]:
     """Run the clients for `seconds`; returns (per-call samples, wall s, API CPU s, the probes'
-    latencies meanwhile: the data directory's fsync, and the stores' answers to another client)."""
+    latencies meanwhile: the data directory's fsync, the stores' answers to another client, and the
+    API's event-loop lag: its beacon's histogram from up to a beat before the phase to a beat after)."""
+    lag0 = _loop_lag(stack.redis_url)
     stop_at = time.monotonic() + seconds
     shares = [(stack.base_url, clients[p::args.procs], stop_at, args.submit_every, rate, other_cpus, 1000 + p)
               for p in range(args.procs)]
@@ -312,13 +335,15 @@ def _phase(stack: RunningStack, clients: list, args, rate: float, other_cpus: se
           multiprocessing.get_context("spawn").Pool(args.procs) as pool):
         parts = pool.map(_generator, shares)
     wall, cpu = time.monotonic() - started, _cpu_s(api) - cpu0
+    time.sleep(loop_lag.BEACON_EVERY_S + 0.1)  # the next beat carries the phase's last wake-ups
+    lag = _loop_lag(stack.redis_url).minus(lag0)
     merged: dict[str, list] = {}
     for p, (part, next_seqs) in enumerate(parts):
         for name, values in part.items():
             merged.setdefault(name, []).extend(values)
         for (_tenant, seq, _stride), next_seq in zip(clients[p::args.procs], next_seqs):
             seq[0] = next_seq  # the next phase goes on where this one stopped: no gap to wait behind
-    return merged, wall, cpu, {"fsync": fsync.samples, **stores.samples}
+    return merged, wall, cpu, {"fsync": fsync.samples, **stores.samples, "loop_lag": lag}
 
 
 def _table(title: str, merged: dict[str, list]) -> tuple[dict, int, list, list]:
@@ -346,6 +371,12 @@ def _table(title: str, merged: dict[str, list]) -> tuple[dict, int, list, list]:
         split = row["app_tail_ms"]
         print(f"{name:<48}" + "".join(f"{split.get(k, 0.0):>7.2f}" for k in ("app", *_WAITS, "own")))
     return summary, errors, cheap, cheap_app
+
+
+def _print_lag(lag: dict) -> None:
+    print(f"the API's event loop meanwhile, late by (a wake-up asked every {loop_lag.PROBE_EVERY_S * 1000:g} ms, "
+          f"{lag['count']} of them): p50 {lag['p50_ms']:.2f} / p99 {lag['p99_ms']:.2f} / p99.9 {lag['p999_ms']:.2f} ms, "
+          f"mean {lag['mean_ms']:.2f} ms")
 
 
 def main() -> None:
@@ -401,6 +432,7 @@ def main() -> None:
                 for name, values in part.items():
                     samples.setdefault(name, []).extend(values)
                 clock[0], clock[1] = clock[0] + wall, clock[1] + cpu
+                probe["loop_lag"] = probe.get("loop_lag", loop_lag.LagHistogram()).plus(probed.pop("loop_lag"))
                 for name, values in probed.items():
                     probe.setdefault(name, []).extend(values)
 
@@ -410,26 +442,30 @@ def main() -> None:
           f"{args.data_parent}")
     s1, e1, cheap1, _ = _table(f"1. capacity: {n1 / wall1:.0f} requests/s, {n1 / max(cpu1, 1e-9):.0f} per API "
                                f"CPU-second (API used {cpu1 / wall1:.2f} of a core)", full)
+    lag1 = _lag_summary(fsync1["loop_lag"])
     fsync1 = _latency_summary(fsync1["fsync"])
     print(f"fdatasync of 8 KiB in the data directory, every 20 ms beside the calls: p50 {fsync1['p50_ms']:.2f} ms, "
           f"p99 {fsync1['p99_ms']:.2f} ms, max {fsync1['max_ms']:.1f} ms")
+    _print_lag(lag1)
     pace = f"at {args.rate:g} requests/s" if args.rate else f"at {args.paced_share:.0%} of that"
     out = {"clients": args.clients, "seconds_per_phase": args.seconds, "api_workers": args.api_workers,
            "pinned": bool(args.pin), "data_parent": str(args.data_parent), "requests_per_s": round(n1 / wall1, 1),
            "requests_per_api_cpu_s": round(n1 / max(cpu1, 1e-9), 1),
            "capacity_cheap_p99_ms": round(_pct(cheap1, 0.99), 2), "paced_rate_asked": args.rate,
-           "fsync_capacity": fsync1, "capacity": s1, "errors": e1}
+           "fsync_capacity": fsync1, "loop_lag_capacity": lag1, "capacity": s1, "errors": e1}
     for i, (layout, (samples, (wall2, cpu2), probe)) in enumerate(paced.items()):
         n2 = sum(len(v) for v in samples.values())
         s2, e2, cheap2, app2 = _table(f"2{'abcdef'[i]}. paced {pace}, layout {layout}, {args.slices} slices: "
                                       f"{n2 / wall2:.0f} requests/s, {n2 / max(cpu2, 1e-9):.0f} per API CPU-second",
                                       samples)
         fsync2, stores2 = _latency_summary(probe["fsync"]), {k: _latency_summary(probe[k]) for k in ("redis", "pg")}
+        lag2 = _lag_summary(probe["loop_lag"])
         print(f"API's own time per cheap call: p50 {_pct(app2, 0.5):.2f} ms, p99 {_pct(app2, 0.99):.2f} ms "
               f"(client-side p99 {_pct(cheap2, 0.99):.2f} ms); fdatasync p99 {fsync2['p99_ms']:.2f} ms")
         print(f"the stores answering another client meanwhile (every 20 ms): Redis PING p50 "
               f"{stores2['redis']['p50_ms']:.2f} / p99 {stores2['redis']['p99_ms']:.2f} ms, Postgres SELECT 1 p50 "
               f"{stores2['pg']['p50_ms']:.2f} / p99 {stores2['pg']['p99_ms']:.2f} ms")
+        _print_lag(lag2)
         # The first layout keeps the keys of the bench before layouts; the others are suffixed.
         tail = "" if i == 0 else f"_{layout}"
         out.update({f"paced_requests_per_s{tail}": round(n2 / wall2, 1),
@@ -439,7 +475,8 @@ def main() -> None:
                     f"paced_app_p99_ms{tail}": round(_pct(app2, 0.99), 3),
                     f"paced_submit_app_p99_ms{tail}": s2.get("forward_backward", {}).get("app_p99_ms"),
                     f"paced_submit_app_tail_ms{tail}": s2.get("forward_backward", {}).get("app_tail_ms"),
-                    f"fsync_paced{tail}": fsync2, f"stores_paced{tail}": stores2, f"paced{tail}": s2})
+                    f"fsync_paced{tail}": fsync2, f"stores_paced{tail}": stores2, f"loop_lag_paced{tail}": lag2,
+                    f"paced{tail}": s2})
         out["errors"] += e2
     print(f"\n{out['errors']} errors other than 429")
     print(json.dumps(out))

@@ -2,10 +2,15 @@
 round trips, each summed over the request.
 
 The API's middleware opens a tally per request (`tally`) and reports it in `Server-Timing` beside
-the request's whole time (`app;dur=3.1, pool;dur=0.0, pg;dur=1.2, redis;dur=0.4`), so a slow call
-says whether it waited on a store or on the API's own event loop (its CPU, a pause, other calls
-ahead of it). The API's pool and Redis client add to it (`TimedPool`, `TimedConnection`,
-`TimedRedis`); outside a request nothing is counted. bench/api_load.py reads it.
+the request's whole time (`app;dur=3.1, pool;dur=0.0, pg;dur=1.2, redis;dur=0.4`). The API's pool
+and Redis client add to it (`TimedPool`, `TimedConnection`, `TimedRedis`); outside a request
+nothing is counted. bench/api_load.py reads it.
+
+A wait runs from the call being sent to the coroutine resuming, so it holds the store's own time
+and also the time the answer sat unread while the event loop ran other calls' steps. The rest of
+`app` is the call's own steps and its queue before them. Which of the two made a wait long is what
+the process's loop lag (core.loop_lag) tells: a late loop beside prompt stores is the API's own
+queue, not the store's.
 """
 
 from __future__ import annotations

@@ -1,20 +1,26 @@
 """`GET /metrics`: Prometheus text built from the workers' Redis beacons at scrape time.
 
 Workers are separate processes (and several API replicas may serve scrapes), so nothing is kept in
-this process: every scrape reads the current beacons. Only aggregates are exposed, no tenant data.
+this process: every scrape reads the current beacons (the API processes' own, core.loop_lag, among
+them). Only aggregates are exposed, no tenant data.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 
 from fastapi import APIRouter, Response
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
 from api.deps import Pool, RedisDep
 from api.input_guard import GuardedRoute
-from core import catalog, health
+from core import catalog, health, loop_lag
 from core.settings import get_core_settings
 
 router = APIRouter(route_class=GuardedRoute, tags=["service"])
@@ -37,8 +43,8 @@ _TRAINER_FIELDS = {
 
 
 class _Snapshot:
-    def __init__(self, beacons: dict[str, dict]):
-        self.beacons = beacons
+    def __init__(self, beacons: dict[str, dict], lags: dict[str, loop_lag.LagHistogram]):
+        self.beacons, self.lags = beacons, lags
 
     def collect(self):
         for field, (name, doc, kind) in _TRAINER_FIELDS.items():
@@ -48,11 +54,19 @@ class _Snapshot:
                 if field in beacon:
                     family.add_metric([base, shard], float(beacon[field]))
             yield family
+        lag = HistogramMetricFamily("quilt_api_event_loop_lag_seconds",
+                                    "how late each API process's event loop woke a task asking to run every "
+                                    f"{loop_lag.PROBE_EVERY_S:g} s (core.loop_lag)", labels=["instance"])
+        for instance, hist in self.lags.items():
+            cumulative = list(itertools.accumulate(hist.counts))
+            lag.add_metric([instance], [(f"{b:g}", c) for b, c in zip(loop_lag.BOUNDS, cumulative)]
+                           + [("+Inf", cumulative[-1])], hist.sum_s)
+        yield lag
 
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics(pool: Pool, redis: RedisDep) -> Response:
-    """Prometheus exposition of trainer round statistics."""
+    """Prometheus exposition of trainer round statistics and of each API process's event-loop lag."""
     async with pool.connection() as conn:
         bases = await catalog.list_models(conn)
     beacons = {}
@@ -63,5 +77,5 @@ async def metrics(pool: Pool, redis: RedisDep) -> Response:
             if raw:  # labelled by base and shard ("" with one trainer per base)
                 beacons[(base.name, name.partition("@")[2])] = json.loads(raw)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(beacons))
+    registry.register(_Snapshot(beacons, await loop_lag.read_all(redis)))
     return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
