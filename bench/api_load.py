@@ -62,6 +62,7 @@ import psycopg
 import redis
 
 from core import loop_lag, waits
+from core.settings import get_api_settings
 from stack.ephemeral import TINY, RunningStack, ephemeral_stack, new_tenant
 
 
@@ -374,8 +375,9 @@ def _table(title: str, merged: dict[str, list]) -> tuple[dict, int, list, list]:
 
 
 def _print_lag(lag: dict) -> None:
-    print(f"the API's event loop meanwhile, late by (a wake-up asked every {loop_lag.PROBE_EVERY_S * 1000:g} ms, "
-          f"{lag['count']} of them): p50 {lag['p50_ms']:.2f} / p99 {lag['p99_ms']:.2f} / p99.9 {lag['p999_ms']:.2f} ms, "
+    every_ms = get_api_settings().loop_lag_probe_s * 1000
+    print(f"the API's event loop meanwhile, late by (a wake-up asked every {every_ms:g} ms, {lag['count']} of "
+          f"them): p50 {lag['p50_ms']:.2f} / p99 {lag['p99_ms']:.2f} / p99.9 {lag['p999_ms']:.2f} ms, "
           f"mean {lag['mean_ms']:.2f} ms")
 
 

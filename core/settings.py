@@ -106,6 +106,9 @@ class ApiSettings(BaseSettings):
                                                         "address per window before it is braked (429)")
     access_log: bool = Field(False, description="uvicorn's line per request; off: errors are logged with their "
                              "request id anyway (api.errors), and the lines cost a cheap call 6% of its CPU")
+    loop_lag_probe_s: float = Field(0.01, ge=0, le=10, description="how often each API process asks its event "
+                                    "loop to wake it, to measure how late the wake-up comes (core.loop_lag, /metrics); "
+                                    "0 turns the probe off")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest accepted request body")
     max_datums_per_request: int = Field(1024, ge=1, description="datums in one forward_backward")
     max_tokens_per_request: int = Field(262_144, ge=1, description="model-input tokens in one request")

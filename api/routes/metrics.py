@@ -56,7 +56,7 @@ class _Snapshot:
             yield family
         lag = HistogramMetricFamily("quilt_api_event_loop_lag_seconds",
                                     "how late each API process's event loop woke a task asking to run every "
-                                    f"{loop_lag.PROBE_EVERY_S:g} s (core.loop_lag)", labels=["instance"])
+                                    "QUILT_LOOP_LAG_PROBE_S (core.loop_lag)", labels=["instance"])
         for instance, hist in self.lags.items():
             cumulative = list(itertools.accumulate(hist.counts))
             lag.add_metric([instance], [(f"{b:g}", c) for b, c in zip(loop_lag.BOUNDS, cumulative)]
