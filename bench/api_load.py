@@ -13,6 +13,10 @@ result-ready-to-response path), plus a `forward_backward` submission every `--su
    second here is what one API process does; since the clients, Postgres, Redis and the workers
    share this 2-core machine, it also prints requests per second of the API process's own CPU
    time (read from /proc), the capacity of one API process on a core of its own.
+   Then, for `--floor-seconds`, the same clients against a FastAPI app that answers every call
+   with a constant (bench/framework_floor.py) on the API's core: what the framework alone costs
+   per call on this host at this hour. Quilt's requests per CPU-second over the floor's is a
+   ratio a host running at half speed leaves in place.
 2. **Paced**: the same clients send at `--paced-share` of the measured capacity in all, or at
    `--rate` requests/s (Poisson arrivals), the regime a service runs in. Per call it prints the
    client's latency and the API's own time (`Server-Timing: app;dur`, from the request reaching
@@ -49,7 +53,10 @@ import json
 import multiprocessing
 import os
 import random
+import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -347,6 +354,44 @@ def _phase(stack: RunningStack, clients: list, args, rate: float, other_cpus: se
     return merged, wall, cpu, {"fsync": fsync.samples, **stores.samples, "loop_lag": lag}
 
 
+def _floor(clients: list, args, api_cpus: set[int] | None, other_cpus: set[int] | None) -> tuple[int, float, float]:
+    """Run the clients as fast as answers come for `--floor-seconds` against framework_floor's app
+    (FastAPI answering each call with a constant) on the API's core; returns (calls, wall s, its CPU s)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "framework_floor:create_app", "--port",
+                             str(port), "--no-access-log", "--log-level", "warning"], env=env)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.post(base_url + "/api/v1/get_info", json={}, timeout=1)
+                break
+            except httpx.TransportError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the framework floor's app did not start") from None
+                time.sleep(0.2)
+        server = psutil.Process(proc.pid)
+        if api_cpus:
+            for thread in server.threads():
+                os.sched_setaffinity(thread.id, api_cpus)
+        stop_at = time.monotonic() + args.floor_seconds
+        shares = [(base_url, clients[p::args.procs], stop_at, args.submit_every, 0.0, other_cpus, 2000 + p)
+                  for p in range(args.procs)]
+        started, cpu0 = time.monotonic(), _cpu_s([server])
+        with multiprocessing.get_context("spawn").Pool(args.procs) as pool:
+            parts = pool.map(_generator, shares)
+        wall, cpu = time.monotonic() - started, _cpu_s([server]) - cpu0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    calls = sum(1 for part, _seqs in parts for values in part.values() for v in values if v[0] >= 0)
+    return calls, wall, cpu
+
+
 def _table(title: str, merged: dict[str, list]) -> tuple[dict, int, list, list]:
     print(f"\n{title}")
     print(f"{'call':<18}{'count':>8}{'429':>6}{'errors':>8}{'p50 ms':>9}{'p99 ms':>9}{'app p50':>9}{'app p99':>9}")
@@ -400,6 +445,10 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS),
                         help="phase 2's core layouts (with --pin), run in turns: api (the API alone on a core), "
                              "service (Postgres and Redis beside it)")
+    parser.add_argument("--floor-seconds", type=float, default=20.0,
+                        help="after phase 1, the same clients as fast as answers come against a FastAPI app that "
+                             "answers with a constant (bench/framework_floor.py), for the framework's own CPU per "
+                             "call on this host now; 0 skips it")
     parser.add_argument("--slices", type=int, default=5,
                         help="phase 2 alternates its layouts this many times, so a slow spell of a shared host "
                              "falls on both")
@@ -421,6 +470,8 @@ def main() -> None:
         per_tenant = max(1, args.clients // args.tenants)
         clients = [(tenants[c % args.tenants], [2 + c // args.tenants], per_tenant) for c in range(args.clients)]
         full, wall1, cpu1, fsync1 = _phase(stack, clients, args, 0.0, other, api, args.seconds)
+        # Beside it in time: the framework alone (the clients' seq_ids move only in _phase).
+        floor = _floor(clients, args, {cpus[0]} if args.pin else None, other) if args.floor_seconds else None
         capacity = sum(len(v) for v in full.values()) / wall1
         rate = (args.rate if args.rate else args.paced_share * capacity) / args.clients
         paced = {x: ({}, [0.0, 0.0], {}) for x in layouts}  # per layout: samples, [wall, API CPU], probes
@@ -449,12 +500,21 @@ def main() -> None:
     print(f"fdatasync of 8 KiB in the data directory, every 20 ms beside the calls: p50 {fsync1['p50_ms']:.2f} ms, "
           f"p99 {fsync1['p99_ms']:.2f} ms, max {fsync1['max_ms']:.1f} ms")
     _print_lag(lag1)
+    if floor:
+        calls, wall, cpu = floor
+        floor_per_cpu = calls / max(cpu, 1e-9)
+        print(f"framework floor (FastAPI answering the same calls with a constant, on the API's core, "
+              f"{args.floor_seconds:g} s): {calls / wall:.0f} requests/s, {floor_per_cpu:.0f} per CPU-second; "
+              f"Quilt's API did {n1 / max(cpu1, 1e-9) / floor_per_cpu:.2f}x of that per CPU-second")
     pace = f"at {args.rate:g} requests/s" if args.rate else f"at {args.paced_share:.0%} of that"
     out = {"clients": args.clients, "seconds_per_phase": args.seconds, "api_workers": args.api_workers,
            "pinned": bool(args.pin), "data_parent": str(args.data_parent), "requests_per_s": round(n1 / wall1, 1),
            "requests_per_api_cpu_s": round(n1 / max(cpu1, 1e-9), 1),
            "capacity_cheap_p99_ms": round(_pct(cheap1, 0.99), 2), "paced_rate_asked": args.rate,
            "fsync_capacity": fsync1, "loop_lag_capacity": lag1, "capacity": s1, "errors": e1}
+    if floor:
+        out["floor_requests_per_cpu_s"] = round(floor[0] / max(floor[2], 1e-9), 1)
+        out["api_over_floor_per_cpu_s"] = round(out["requests_per_api_cpu_s"] / out["floor_requests_per_cpu_s"], 3)
     for i, (layout, (samples, (wall2, cpu2), probe)) in enumerate(paced.items()):
         n2 = sum(len(v) for v in samples.values())
         s2, e2, cheap2, app2 = _table(f"2{'abcdef'[i]}. paced {pace}, layout {layout}, {args.slices} slices: "
