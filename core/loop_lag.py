@@ -33,6 +33,7 @@ BOUNDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 BEACON_EVERY_S = 1.0
 BEACON_TTL_S = 10
 INDEX_KEY = "quilt:health:api"  # set of instances that published a beacon; readers drop stale ones
+PRUNE_EVERY = 60  # beats between a publisher's own pruning of the index
 
 
 def beacon_key(instance: str) -> str:
@@ -102,16 +103,24 @@ def instance_name() -> str:
 
 
 async def publish(redis, hist: LagHistogram, instance: str, every_s: float = BEACON_EVERY_S) -> None:
-    """Write `hist` as this process's beacon every `every_s` until cancelled. A store outage only
-    skips beats: the beacon is a measurement, not a liveness signal anyone acts on."""
-    key = beacon_key(instance)
+    """Write `hist` as this process's beacon every `every_s` until cancelled. The index lives as
+    long as some process beats, and every PRUNE_EVERY beats each process drops the instances whose
+    beacon lapsed, so processes that come and go leave nothing behind. A store outage only skips
+    beats: the beacon is a measurement, not a liveness signal anyone acts on."""
+    key, beats = beacon_key(instance), 0
     while True:
         try:
-            await redis.set(key, json.dumps({"at": time.time(), "instance": instance, "lag": hist.to_json()}),
-                            ex=BEACON_TTL_S)
-            await redis.sadd(INDEX_KEY, instance)
+            async with redis.pipeline(transaction=False) as pipe:
+                pipe.set(key, json.dumps({"at": time.time(), "instance": instance, "lag": hist.to_json()}),
+                         ex=BEACON_TTL_S)
+                pipe.sadd(INDEX_KEY, instance)
+                pipe.expire(INDEX_KEY, BEACON_TTL_S)
+                await pipe.execute()
+            if beats % PRUNE_EVERY == 0:
+                await read_all(redis)
         except RedisError:  # Redis down, restarting or refusing: the next beat tries again
             pass
+        beats += 1
         await asyncio.sleep(every_s)
 
 

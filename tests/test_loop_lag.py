@@ -95,3 +95,8 @@ def test_the_api_publishes_its_loop_lag_to_metrics(stack, r):
     members = r.smembers(loop_lag.INDEX_KEY)
     hists, gone = loop_lag.decode(members, r.mget(loop_lag.read_keys(members)))
     assert hists and not gone and all(h.count > 0 for h in hists.values())
+    assert 0 < r.ttl(loop_lag.INDEX_KEY) <= loop_lag.BEACON_TTL_S  # the index outlives no process
+    # An instance whose beacon lapsed (a process gone) leaves the index at the next reading.
+    r.sadd(loop_lag.INDEX_KEY, "gone-host:1")
+    assert "gone-host:1" not in stack.http(None).get(stack.base_url + "/metrics").text
+    assert b"gone-host:1" not in r.smembers(loop_lag.INDEX_KEY)
