@@ -40,11 +40,10 @@ async def _lifespan(app: FastAPI):
     app.state.redis = redis_client.async_client(redis_client.resolve_url(core))
     app.state.callers = CallerCache(get_api_settings().caller_cache_seconds)
     listening = asyncio.create_task(caller_cache.listen(app.state.callers, db.resolve_url(core)))
-    app.state.loop_lag = loop_lag.LagHistogram()
-    probe_s = get_api_settings().loop_lag_probe_s
-    lag_tasks = [asyncio.create_task(loop_lag.watch(app.state.loop_lag, probe_s)),
-                 asyncio.create_task(loop_lag.publish(app.state.redis, app.state.loop_lag,
-                                                      loop_lag.instance_name()))] if probe_s else []
+    lag, probe_s = loop_lag.LagHistogram(), get_api_settings().loop_lag_probe_s
+    lag_tasks = [asyncio.create_task(loop_lag.watch(lag, probe_s)),
+                 asyncio.create_task(loop_lag.publish(app.state.redis, lag, loop_lag.instance_name()))
+                 ] if probe_s else []
     # What exists at start lives as long as the process: out of the collector's sight, a full
     # collection no longer walks it (those walks were the API's longest pauses under load).
     gc.freeze()

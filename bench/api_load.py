@@ -316,8 +316,8 @@ def _loop_lag(redis_url: str) -> loop_lag.LagHistogram:
     """The API processes' event-loop lag histograms (core.loop_lag's beacons), summed."""
     r = redis.Redis.from_url(redis_url)
     try:
-        members = r.smembers(loop_lag.INDEX_KEY)
-        hists, _gone = loop_lag.decode(members, r.mget(loop_lag.read_keys(members)) if members else [])
+        names = loop_lag.instances(r.smembers(loop_lag.INDEX_KEY))
+        hists, _gone = loop_lag.decode(names, r.mget([loop_lag.beacon_key(n) for n in names]) if names else [])
     finally:
         r.close()
     return functools.reduce(loop_lag.LagHistogram.plus, hists.values(), loop_lag.LagHistogram())

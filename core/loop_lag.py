@@ -124,12 +124,18 @@ async def publish(redis, hist: LagHistogram, instance: str, every_s: float = BEA
         await asyncio.sleep(every_s)
 
 
-def decode(members: set[bytes], raws: list) -> tuple[dict[str, LagHistogram], list[str]]:
-    """The histograms of the index's `members` (sorted, as `read_keys` orders them) from their
-    beacons `raws` (as MGET returns them), and the instances whose beacon lapsed. A beacon of
-    another shape (a process of another version during an upgrade, with other bounds) is left out."""
+def instances(members: set[bytes]) -> list[str]:
+    """The index's members as instance names, in the order `decode` and a reader's MGET of their
+    `beacon_key`s use."""
+    return sorted(m.decode() for m in members)
+
+
+def decode(names: list[str], raws: list) -> tuple[dict[str, LagHistogram], list[str]]:
+    """The histograms of the instances `names` from their beacons `raws` (as MGET returns them, in
+    that order), and the instances whose beacon lapsed. A beacon of another shape (a process of
+    another version during an upgrade, with other bounds) is left out."""
     out, gone = {}, []
-    for instance, raw in zip(sorted(m.decode() for m in members), raws):
+    for instance, raw in zip(names, raws):
         if raw is None:
             gone.append(instance)
             continue
@@ -140,17 +146,12 @@ def decode(members: set[bytes], raws: list) -> tuple[dict[str, LagHistogram], li
     return out, gone
 
 
-def read_keys(members: set[bytes]) -> list[str]:
-    """The beacon keys to MGET for the index's `members`, in `decode`'s order."""
-    return [beacon_key(m) for m in sorted(m.decode() for m in members)]
-
-
 async def read_all(redis) -> dict[str, LagHistogram]:
     """Every live API process's histogram, by instance; instances whose beacon lapsed leave the index."""
-    members = await redis.smembers(INDEX_KEY)
-    if not members:
+    names = instances(await redis.smembers(INDEX_KEY))
+    if not names:
         return {}
-    out, gone = decode(members, await redis.mget(read_keys(members)))
+    out, gone = decode(names, await redis.mget([beacon_key(n) for n in names]))
     if gone:
         await redis.srem(INDEX_KEY, *gone)
     return out

@@ -73,9 +73,9 @@ def test_a_blocked_loop_shows_as_a_late_wake_up():
 def test_beacons_decode_by_instance_leaving_out_lapsed_and_foreign_ones():
     good = json.dumps({"at": 0, "lag": _hist({1: 3}).to_json()})
     other_bounds = json.dumps({"at": 0, "lag": {"counts": [1, 2, 3], "sum_s": 0.1}})
-    members = {b"h:3", b"h:1", b"h:2", b"h:4"}
-    assert loop_lag.read_keys(members) == [loop_lag.beacon_key(f"h:{i}") for i in (1, 2, 3, 4)]
-    hists, gone = loop_lag.decode(members, [good, None, other_bounds, "not json"])
+    names = loop_lag.instances({b"h:3", b"h:1", b"h:2", b"h:4"})
+    assert names == ["h:1", "h:2", "h:3", "h:4"]
+    hists, gone = loop_lag.decode(names, [good, None, other_bounds, "not json"])
     assert hists == {"h:1": _hist({1: 3})} and gone == ["h:2"]
 
 
@@ -92,8 +92,8 @@ def test_the_api_publishes_its_loop_lag_to_metrics(stack, r):
     assert 'le="+Inf"' in text and "quilt_api_event_loop_lag_seconds_sum{" in text
     assert float(counts[0].rsplit(" ", 1)[1]) > 0
     # The beacon a reader such as bench/api_load.py differences over a run.
-    members = r.smembers(loop_lag.INDEX_KEY)
-    hists, gone = loop_lag.decode(members, r.mget(loop_lag.read_keys(members)))
+    names = loop_lag.instances(r.smembers(loop_lag.INDEX_KEY))
+    hists, gone = loop_lag.decode(names, r.mget([loop_lag.beacon_key(n) for n in names]))
     assert hists and not gone and all(h.count > 0 for h in hists.values())
     assert 0 < r.ttl(loop_lag.INDEX_KEY) <= loop_lag.BEACON_TTL_S  # the index outlives no process
     # An instance whose beacon lapsed (a process gone) leaves the index at the next reading.
