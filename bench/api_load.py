@@ -53,7 +53,6 @@ import json
 import multiprocessing
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -70,7 +69,7 @@ import redis
 
 from core import loop_lag, waits
 from core.settings import get_api_settings
-from stack.ephemeral import TINY, RunningStack, ephemeral_stack, new_tenant
+from stack.ephemeral import TINY, RunningStack, ephemeral_stack, free_port, new_tenant
 
 
 def _wait(c: httpx.Client, request_id: str) -> dict:
@@ -329,20 +328,27 @@ def _lag_summary(hist: loop_lag.LagHistogram) -> dict:
             "mean_ms": round(hist.sum_s / max(1, hist.count) * 1000, 3)}
 
 
+def _run_clients(base_url: str, clients: list, args, rate: float, other_cpus: set[int] | None,
+                 server: list[psutil.Process], seconds: float, seed: int) -> tuple[list, float, float]:
+    """The clients, split over `--procs` generator processes, for `seconds` against `base_url`;
+    returns (each generator's (samples, next seq_ids)), wall s, the `server` processes' CPU s)."""
+    stop_at = time.monotonic() + seconds
+    shares = [(base_url, clients[p::args.procs], stop_at, args.submit_every, rate, other_cpus, seed + p)
+              for p in range(args.procs)]
+    started, cpu0 = time.monotonic(), _cpu_s(server)
+    with multiprocessing.get_context("spawn").Pool(args.procs) as pool:
+        parts = pool.map(_generator, shares)
+    return parts, time.monotonic() - started, _cpu_s(server) - cpu0
+
+
 def _phase(stack: RunningStack, clients: list, args, rate: float, other_cpus: set[int] | None,
            api: list[psutil.Process], seconds: float) -> tuple[dict[str, list], float, float, dict[str, list]]:
     """Run the clients for `seconds`; returns (per-call samples, wall s, API CPU s, the probes'
     latencies meanwhile: the data directory's fsync, the stores' answers to another client, and the
     API's event-loop lag: its beacon's histogram from up to a beat before the phase to a beat after)."""
     lag0 = _loop_lag(stack.redis_url)
-    stop_at = time.monotonic() + seconds
-    shares = [(stack.base_url, clients[p::args.procs], stop_at, args.submit_every, rate, other_cpus, 1000 + p)
-              for p in range(args.procs)]
-    started, cpu0 = time.monotonic(), _cpu_s(api)
-    with (FsyncProbe(stack.data_dir) as fsync, StoreProbe(stack.redis_url, stack.database_url) as stores,
-          multiprocessing.get_context("spawn").Pool(args.procs) as pool):
-        parts = pool.map(_generator, shares)
-    wall, cpu = time.monotonic() - started, _cpu_s(api) - cpu0
+    with FsyncProbe(stack.data_dir) as fsync, StoreProbe(stack.redis_url, stack.database_url) as stores:
+        parts, wall, cpu = _run_clients(stack.base_url, clients, args, rate, other_cpus, api, seconds, 1000)
     time.sleep(loop_lag.BEACON_EVERY_S + 0.1)  # the next beat carries the phase's last wake-ups
     lag = _loop_lag(stack.redis_url).minus(lag0)
     merged: dict[str, list] = {}
@@ -357,9 +363,7 @@ def _phase(stack: RunningStack, clients: list, args, rate: float, other_cpus: se
 def _floor(clients: list, args, api_cpus: set[int] | None, other_cpus: set[int] | None) -> tuple[int, float, float]:
     """Run the clients as fast as answers come for `--floor-seconds` against framework_floor's app
     (FastAPI answering each call with a constant) on the API's core; returns (calls, wall s, its CPU s)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "framework_floor:create_app", "--port",
                              str(port), "--no-access-log", "--log-level", "warning"], env=env)
@@ -378,13 +382,7 @@ def _floor(clients: list, args, api_cpus: set[int] | None, other_cpus: set[int] 
         if api_cpus:
             for thread in server.threads():
                 os.sched_setaffinity(thread.id, api_cpus)
-        stop_at = time.monotonic() + args.floor_seconds
-        shares = [(base_url, clients[p::args.procs], stop_at, args.submit_every, 0.0, other_cpus, 2000 + p)
-                  for p in range(args.procs)]
-        started, cpu0 = time.monotonic(), _cpu_s([server])
-        with multiprocessing.get_context("spawn").Pool(args.procs) as pool:
-            parts = pool.map(_generator, shares)
-        wall, cpu = time.monotonic() - started, _cpu_s([server]) - cpu0
+        parts, wall, cpu = _run_clients(base_url, clients, args, 0.0, other_cpus, [server], args.floor_seconds, 2000)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -502,10 +500,10 @@ def main() -> None:
     _print_lag(lag1)
     if floor:
         calls, wall, cpu = floor
-        floor_per_cpu = calls / max(cpu, 1e-9)
+        floor_per_cpu, api_per_cpu = calls / max(cpu, 1e-9), n1 / max(cpu1, 1e-9)
         print(f"framework floor (FastAPI answering the same calls with a constant, on the API's core, "
               f"{args.floor_seconds:g} s): {calls / wall:.0f} requests/s, {floor_per_cpu:.0f} per CPU-second; "
-              f"Quilt's API did {n1 / max(cpu1, 1e-9) / floor_per_cpu:.2f}x of that per CPU-second")
+              f"Quilt's API did {api_per_cpu / floor_per_cpu:.2f}x of that per CPU-second")
     pace = f"at {args.rate:g} requests/s" if args.rate else f"at {args.paced_share:.0%} of that"
     out = {"clients": args.clients, "seconds_per_phase": args.seconds, "api_workers": args.api_workers,
            "pinned": bool(args.pin), "data_parent": str(args.data_parent), "requests_per_s": round(n1 / wall1, 1),
@@ -513,8 +511,8 @@ def main() -> None:
            "capacity_cheap_p99_ms": round(_pct(cheap1, 0.99), 2), "paced_rate_asked": args.rate,
            "fsync_capacity": fsync1, "loop_lag_capacity": lag1, "capacity": s1, "errors": e1}
     if floor:
-        out["floor_requests_per_cpu_s"] = round(floor[0] / max(floor[2], 1e-9), 1)
-        out["api_over_floor_per_cpu_s"] = round(out["requests_per_api_cpu_s"] / out["floor_requests_per_cpu_s"], 3)
+        out["floor_requests_per_cpu_s"] = round(floor_per_cpu, 1)
+        out["api_over_floor_per_cpu_s"] = round(api_per_cpu / floor_per_cpu, 3)
     for i, (layout, (samples, (wall2, cpu2), probe)) in enumerate(paced.items()):
         n2 = sum(len(v) for v in samples.values())
         s2, e2, cheap2, app2 = _table(f"2{'abcdef'[i]}. paced {pace}, layout {layout}, {args.slices} slices: "

@@ -38,7 +38,7 @@ class RunningStack:
         return self.data_dir / "logs"
 
 
-def _free_port(consecutive: int = 1) -> int:
+def free_port(consecutive: int = 1) -> int:
     """A loopback port with the `consecutive - 1` after it free too (API replicas take port + i)."""
     while True:
         with socket.socket() as s:
@@ -82,7 +82,7 @@ def ephemeral_stack(env: dict[str, str] | None = None, startup_s: float = 600, *
             shutil.rmtree(data_dir, ignore_errors=True)
             raise RuntimeError(f"quilt {' '.join(command)} failed:\n{done.stdout}{done.stderr}")
     with open(data_dir / "up.out", "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "stack.cli", "up", "--port", str(_free_port(api_replicas)),
+        proc = subprocess.Popen([sys.executable, "-m", "stack.cli", "up", "--port", str(free_port(api_replicas)),
                                  "--api-replicas", str(api_replicas), "--gen-replicas", str(gen_replicas),
                                  "--trainer-shards", str(trainer_shards)], cwd=ROOT,
                                 env=full_env, stdout=out, stderr=subprocess.STDOUT)

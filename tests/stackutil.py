@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,16 +12,12 @@ from pathlib import Path
 
 import httpx
 
+from stack.ephemeral import free_port
+
 TINY = "quilt/tiny-qwen3"
 # A run inside another test's run (tests/test_tinker_sdk_pinned.py) uses that run's stack (conftest).
 SHARED_STACK_ENV = "QUILT_TEST_SHARED_STACK"
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_future(client: httpx.Client, request_id: str, timeout_s: float = 300) -> dict:

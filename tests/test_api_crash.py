@@ -24,12 +24,12 @@ from stackutil import (
     TINY,
     datum,
     fb_body,
-    free_port,
     new_model,
     wait_future,
 )
 
 from core.faults import CRASH_EXIT_CODE
+from stack.ephemeral import free_port
 
 pytestmark = pytest.mark.stack
 

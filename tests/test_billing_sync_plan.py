@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
@@ -18,6 +17,7 @@ from billing.stripe_sync import (
     plan_events,
 )
 from core.settings import BillingSettings
+from stack.ephemeral import free_port
 
 H10 = datetime(2026, 7, 1, 10, tzinfo=UTC)
 COST = "quilt_cost_micro_usd"
@@ -78,12 +78,6 @@ def fake():
 @pytest.fixture
 def gateway(fake):
     return StripeGateway(BillingSettings(stripe_api_base=fake.url, stripe_max_network_retries=0))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ready(fake, gateway) -> str:

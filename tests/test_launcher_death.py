@@ -19,10 +19,11 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
-from stackutil import ROOT, free_port
+from stackutil import ROOT
 
 from core import health
 from stack import leftovers
+from stack.ephemeral import free_port
 
 pytestmark = pytest.mark.stack
 

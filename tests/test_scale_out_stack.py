@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -34,7 +33,7 @@ from tinkerutil import ready  # noqa: E402
 from core import db  # noqa: E402
 from core.checkpoint_store import S3Store, key_of  # noqa: E402
 from core.errors import NotFound  # noqa: E402
-from stack.ephemeral import ephemeral_stack, new_tenant  # noqa: E402
+from stack.ephemeral import ephemeral_stack, free_port, new_tenant  # noqa: E402
 from tenancy.keys import PREFIX_LEN, revoke_key  # noqa: E402
 
 BUCKET = "quilt-test"
@@ -43,16 +42,10 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "quilt-test", "AWS_SECRET_ACCESS_KEY": "quil
 TOKENS = list(range(40, 57))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3_server(tmp_path_factory):
     """moto's S3 server on a free loopback port; yields its endpoint URL."""
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=log, stderr=subprocess.STDOUT)
