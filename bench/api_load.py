@@ -31,13 +31,15 @@ result-ready-to-response path), plus a `forward_backward` submission every `--su
    API's event loop ran other calls: the API's own queue.
 
 With `--pin` (the default where there are at least 2 CPUs) the API process runs on CPU 0 and
-everything else (clients, Postgres, Redis, workers) on the others, so clients do not steal the
+everything else (clients, Postgres, Redis, workers) on the others, so nothing else runs on the
 API's core, and the workers run at the lowest priority there (in a deployment they have machines
 of their own; here the trainer running the submitted passes would otherwise take the core that
-Postgres and Redis answer the API from). Phase 2 runs in `--slices` turns of each `--layouts`
-entry: `api` is that layout; `service` moves Postgres and Redis onto the API's core, so what a
-call waits on no longer shares a core with the 64 clients and the trainer (as in a deployment,
-where the load comes from elsewhere and the database has its own machine). Alternating the two in
+Postgres and Redis answer the API from). Postgres and Redis daemonize, so they are found by asking
+each server its pid (`_stores`), not in this process's tree. Phase 2 runs in `--slices` turns of
+each `--layouts` entry: `api` is that layout; `service` moves Postgres and Redis onto the API's
+core, away from the 64 clients and the trainer but taking turns with the API: a backend that a
+statement wakes runs there, in the API's place, until it answers. A deployment, whose stores have
+machines of their own, has neither cost; the two layouts bracket it. Alternating the two in
 one run puts a slow spell of this shared host on both. The clients use aiohttp: an httpx client in this loop spent more CPU per call than the
 API did (about 1,100 calls/s from a whole core against a trivial FastAPI app, aiohttp 6,000).
 Ends with one JSON line.
@@ -205,34 +207,40 @@ def _api_processes(base_url: str) -> list[psutil.Process]:
 WORKERS = ("batcher.worker", "gen_pool.worker", "VLLM", "celery")
 
 
-STORES = ("postgres", "redis-server")
 LAYOUTS = ("api", "service")
 
 
-def _pin(api: list[psutil.Process], api_cpus: set[int], other_cpus: set[int], layout: str = "api") -> None:
-    """Layout `api`: the API's threads on `api_cpus`; this process and the stack's others (the
-    launcher and all it started: Postgres and its backends, Redis, workers) on `other_cpus`.
-    Layout `service`: Postgres and Redis join the API on `api_cpus`, so what a call waits on runs
-    beside it rather than beside the 64 clients and the trainer (a deployment gives its database
-    no load generator to share with). The workers (the trainer running the submitted passes, the
-    engine, Celery) get the lowest priority: in a deployment they have machines of their own, and
-    what they compute is not the API's time; on this box they would otherwise take the core
-    Postgres and Redis answer the API from."""
-    front = {p.pid for p in api}
+def _stores(stack: RunningStack) -> list[psutil.Process]:
+    """Postgres (its postmaster and every backend) and Redis. Both daemonize, so they are not in
+    this process's tree: they are found by asking each server its own pid."""
+    with psycopg.connect(stack.database_url) as conn:
+        backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+    postmaster = psutil.Process(backend).parent()
+    redis_pid = redis.Redis.from_url(stack.redis_url).info("server")["process_id"]
+    return [postmaster, *postmaster.children(recursive=True), psutil.Process(redis_pid)]
+
+
+def _pin(api: list[psutil.Process], stores: list[psutil.Process], api_cpus: set[int], other_cpus: set[int],
+         layout: str = "api") -> None:
+    """Layout `api`: the API's threads on `api_cpus`; this process, the stores and the stack's
+    others (the launcher and all it started: workers, the reaper) on `other_cpus`. Layout
+    `service`: Postgres and Redis join the API on `api_cpus`, so what a call waits on runs beside
+    it rather than beside the 64 clients and the trainer (a deployment gives its database no load
+    generator to share with). A Postgres backend forked later inherits its postmaster's CPUs. The
+    workers (the trainer running the submitted passes, the engine, Celery) get the lowest priority:
+    in a deployment they have machines of their own, and what they compute is not the API's time;
+    on this box they would otherwise take the core Postgres and Redis answer the API from."""
+    front = {p.pid for p in api} | ({p.pid for p in stores} if layout == "service" else set())
     os.sched_setaffinity(0, other_cpus)
-    for p in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if layout == "service" and p.name() in STORES:
-                front.add(p.pid)
+    for p in {p.pid: p for p in [*psutil.Process().children(recursive=True), *stores]}.values():
         cpus = api_cpus if p.pid in front else other_cpus
         with contextlib.suppress(psutil.Error):
             if any(w in " ".join(p.cmdline()) or w in p.name() for w in WORKERS):
                 p.nice(19)
-        for thread in p.threads():
-            try:
-                os.sched_setaffinity(thread.id, cpus)
-            except (ProcessLookupError, PermissionError, OSError):
-                pass
+        with contextlib.suppress(psutil.Error):
+            for thread in p.threads():
+                with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+                    os.sched_setaffinity(thread.id, cpus)
 
 
 class _Probe:
@@ -457,12 +465,12 @@ def main() -> None:
 
     with ephemeral_stack({"QUILT_WORKERS": str(args.api_workers)}, parent=args.data_parent) as stack:
         tenants = prepare_tenants(stack, args.tenants)
-        api = _api_processes(stack.base_url)
+        api, stores = _api_processes(stack.base_url), _stores(stack)
         cpus = sorted(os.sched_getaffinity(0))
         other = None
         if args.pin:
             other = set(cpus[1:])
-            _pin(api, {cpus[0]}, other)
+            _pin(api, stores, {cpus[0]}, other)
         # Client k of a tenant submits seq_ids start, start + stride, ...: the tenant's clients never
         # collide, and phase 2 goes on from where phase 1 stopped (_phase).
         per_tenant = max(1, args.clients // args.tenants)
@@ -476,7 +484,7 @@ def main() -> None:
         for _ in range(max(1, args.slices)):
             for layout in layouts:
                 if args.pin:
-                    _pin(api, {cpus[0]}, other, layout)
+                    _pin(api, _stores(stack), {cpus[0]}, other, layout)
                 part, wall, cpu, probed = _phase(stack, clients, args, rate, other, api,
                                                  args.seconds / max(1, args.slices))
                 samples, clock, probe = paced[layout]
