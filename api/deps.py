@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Request, Security
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
@@ -43,13 +44,22 @@ Callers = Annotated[CallerCache, Depends(_callers)]
 Settings = Annotated[ApiSettings, Depends(_settings)]
 
 
-async def _principal(request: Request, pool: Pool, callers: Callers,
-                     x_api_key: Annotated[str | None, Header()] = None,
-                     authorization: Annotated[str | None, Header()] = None) -> Principal:
-    if x_api_key is None and authorization and authorization[:7].lower() == "bearer ":
-        x_api_key = authorization[7:].strip()  # OpenAI clients (api.routes.openai_compat)
+# Declared as security schemes, so the API's OpenAPI document says how to authenticate. Each reads
+# its header as it comes, where a `Header()` parameter costs FastAPI a validation per call.
+_KEY_HEADER = APIKeyHeader(name="X-API-Key", auto_error=False,
+                           description="a Quilt API key (the tinker SDK sends it here)")
+_BEARER = HTTPBearer(auto_error=False, description="the same key as a bearer token (OpenAI clients)")
+
+
+async def _principal(request: Request, x_api_key: Annotated[str | None, Security(_KEY_HEADER)],
+                     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)]) -> Principal:
+    if x_api_key is None and bearer is not None:
+        x_api_key = bearer.credentials.strip()  # OpenAI clients (api.routes.openai_compat)
     if not x_api_key:  # refused before a pooled connection is taken: an anonymous flood holds none
         raise missing_key()
+    # From the app's state, not as dependencies: each dependency costs a cheap call a solving pass.
+    state = request.app.state
+    pool, callers = state.pool, state.callers
     key_hash = hash_key(x_api_key).hex()
     who = callers.get("key", key_hash)
     if who is None:

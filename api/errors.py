@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
-import uuid
 
 import psycopg
 from fastapi import FastAPI, Request
@@ -26,7 +26,7 @@ REQUEST_ID_HEADER = "X-Request-ID"
 def request_id_of(request: Request) -> str:
     rid = getattr(request.state, "request_id", None)
     if rid is None:
-        rid = request.headers.get(REQUEST_ID_HEADER) or "http-" + uuid.uuid4().hex[:16]
+        rid = request.headers.get(REQUEST_ID_HEADER) or "http-" + secrets.token_hex(8)
         request.state.request_id = rid
     return rid
 
