@@ -213,9 +213,8 @@ LAYOUTS = ("api", "service")
 def _stores(stack: RunningStack) -> list[psutil.Process]:
     """Postgres (its postmaster and every backend) and Redis. Both daemonize, so they are not in
     this process's tree: they are found by asking each server its own pid."""
-    with psycopg.connect(stack.database_url) as conn:
-        backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
-    postmaster = psutil.Process(backend).parent()
+    with psycopg.connect(stack.database_url) as conn:  # asked while the backend lives: it ends with the connection
+        postmaster = psutil.Process(conn.execute("SELECT pg_backend_pid()").fetchone()[0]).parent()
     redis_pid = redis.Redis.from_url(stack.redis_url).info("server")["process_id"]
     return [postmaster, *postmaster.children(recursive=True), psutil.Process(redis_pid)]
 
