@@ -10,7 +10,7 @@ arrives, and any number of pollers (and re-polls) see the same result until the 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from core import token_bucket
@@ -101,13 +101,16 @@ def future_key(request_id: str) -> str:
 class Outcome:
     """A finished future: either `result` or `error` (the typed error's JSON). Once stored it also
     names its tenant and kind (`publish`), so the API can answer a finished future from Redis
-    alone (api.routes.futures); None for one stored before they were."""
+    alone (api.routes.futures); None for one stored before they were. One read back from Redis
+    also keeps the JSON text it was stored as (`body`), which a JSON answer sends as it is: turning
+    a large result back into JSON took the API's event loop tens of milliseconds."""
 
     request_id: str
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     tenant_id: str | None = None
     kind: str | None = None
+    body: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -125,11 +128,11 @@ class Outcome:
             value = fields.get(name.encode(), fields.get(name))
             return value.decode() if isinstance(value, bytes) else value
 
-        body = json.loads(text("body"))
-        owner = {"tenant_id": text("tenant"), "kind": text("kind")}
+        body = text("body")
+        owner = {"tenant_id": text("tenant"), "kind": text("kind"), "body": body}
         if text("status") == "failed":
-            return cls(request_id, error=body, **owner)
-        return cls(request_id, result=body, **owner)
+            return cls(request_id, error=json.loads(body), **owner)
+        return cls(request_id, result=json.loads(body), **owner)
 
 
 def failure(request_id: str, err: QuiltError) -> Outcome:

@@ -53,4 +53,4 @@ async def retrieve_future(body: RetrieveFutureRequest, request: Request, who: Wh
     encode = _PROTO_RESULTS.get(outcome.kind)
     if encode is not None and tinker_proto.wants_protobuf(request.headers.get("accept")):
         return Response(encode(outcome.result), media_type=tinker_proto.PROTOBUF)
-    return outcome.result
+    return Response(outcome.body, media_type="application/json")  # stored as JSON: sent as it was stored
