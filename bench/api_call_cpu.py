@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CALLS = ("get_info", "create_session", "retrieve_future")
 
 
 async def _call(app, path: str, body: dict, key: str) -> None:
@@ -62,27 +61,24 @@ async def _call(app, path: str, body: dict, key: str) -> None:
 async def _child(calls: int) -> dict[str, float]:
     from api.app import create_app  # the revision's, by PYTHONPATH
 
-    tenants = json.loads(os.environ["BENCH_TENANTS"])
+    # [(key, {call: body})], one per tenant, made by the parent: a child imports nothing from bench/,
+    # which an older revision's tree may not match.
+    callers = json.loads(os.environ["BENCH_CALLERS"])
     app = create_app()
     async with app.router.lifespan_context(app):
         for _ in range(200):  # until the caller cache listens, as it does in a serving process
             if app.state.callers.live:
                 break
             await asyncio.sleep(0.05)
-        requests = {
-            "get_info": lambda t: ("/get_info", {"model_id": t["model_id"]}),
-            "create_session": lambda t: ("/create_session", {}),
-            "retrieve_future": lambda t: ("/retrieve_future", {"request_id": t["finished"]}),
-        }
         out = {}
-        for name in CALLS:
+        for name in callers[0][1]:
             for i in range(200):  # warm: caches, prepared statements, pooled connections
-                tenant = tenants[i % len(tenants)]
-                await _call(app, *requests[name](tenant), tenant["key"])
+                key, bodies = callers[i % len(callers)]
+                await _call(app, f"/{name}", bodies[name], key)
             started = time.process_time()
             for i in range(calls):
-                tenant = tenants[i % len(tenants)]
-                await _call(app, *requests[name](tenant), tenant["key"])
+                key, bodies = callers[i % len(callers)]
+                await _call(app, f"/{name}", bodies[name], key)
             out[name] = 1e6 * (time.process_time() - started) / calls
     return out
 
@@ -131,7 +127,7 @@ def main() -> None:
             api_load._pin([], api_load._stores(stack), {cpus[0]}, set(cpus[1:]))
         env = {**os.environ, "QUILT_DATABASE_URL": stack.database_url, "QUILT_REDIS_URL": stack.redis_url,
                "QUILT_DATA_DIR": str(stack.data_dir), "QUILT_LOOP_LAG_PROBE_S": "0",
-               "BENCH_TENANTS": json.dumps(tenants)}
+               "BENCH_CALLERS": json.dumps([(t["key"], api_load.cheap_bodies(t)) for t in tenants])}
         taskset = ["taskset", "-c", str(cpus[0])] if len(cpus) >= 2 else []
         turns: dict[str, list[dict]] = {rev: [] for rev in revs}
         for _ in range(args.rounds):
@@ -144,15 +140,15 @@ def main() -> None:
                     raise SystemExit(f"{rev}: {done.stderr[-3000:]}")
                 turns[rev].append(json.loads(done.stdout.strip().splitlines()[-1]))
 
-    median = {rev: {c: statistics.median(t[c] for t in turns[rev]) for c in CALLS} for rev in revs}
+    median = {rev: {c: statistics.median(t[c] for t in turns[rev]) for c in api_load.CALLS} for rev in revs}
     first = revs[0]
     print(f"API CPU per call, in process (median of {args.rounds} turns of {args.calls} calls), µs")
-    print(f"{'revision':<24}" + "".join(f"{c:>18}" for c in CALLS) + f"{'vs ' + first:>16}")
+    print(f"{'revision':<24}" + "".join(f"{c:>18}" for c in api_load.CALLS) + f"{'vs ' + first:>16}")
     out = {"calls": args.calls, "rounds": args.rounds, "revs": revs, "cpu_us": {}, "ratio_to_first": {}}
     for rev in revs:
-        ratio = statistics.mean(median[rev][c] / median[first][c] for c in CALLS)
-        print(f"{rev:<24}" + "".join(f"{median[rev][c]:>18.1f}" for c in CALLS) + f"{ratio:>15.2f}x")
-        out["cpu_us"][rev] = {c: round(median[rev][c], 1) for c in CALLS}
+        ratio = statistics.mean(median[rev][c] / median[first][c] for c in api_load.CALLS)
+        print(f"{rev:<24}" + "".join(f"{median[rev][c]:>18.1f}" for c in api_load.CALLS) + f"{ratio:>15.2f}x")
+        out["cpu_us"][rev] = {c: round(median[rev][c], 1) for c in api_load.CALLS}
         out["ratio_to_first"][rev] = round(ratio, 3)
     print(json.dumps(out))
 

@@ -109,14 +109,19 @@ def prepare_tenants(stack: RunningStack, n: int) -> list[dict]:
 CALLS = ("get_info", "create_session", "retrieve_future")
 
 
+def cheap_bodies(tenant: dict) -> dict[str, dict]:
+    """The body of each of CALLS for a tenant of `prepare_tenants`."""
+    return {"get_info": {"model_id": tenant["model_id"]}, "create_session": {},
+            "retrieve_future": {"request_id": tenant["finished"]}}
+
+
 async def _client(session: aiohttp.ClientSession, base_url: str, tenant: dict, seq: list[int], stride: int,
                   stop_at: float, submit_every: int, rate: float, rng: random.Random) -> dict[str, list]:
     """One client's bounded loop; returns {call: [(latency_s, app_s) or (-status, 0)]} and leaves
     its next seq_id in `seq`. With a rate, calls start at Poisson arrival times (a late call does
     not push the next one back)."""
     seen: dict[str, list] = {name: [] for name in (*CALLS, "forward_backward")}
-    bodies = {"get_info": {"model_id": tenant["model_id"]}, "create_session": {},
-              "retrieve_future": {"request_id": tenant["finished"]}}
+    bodies = cheap_bodies(tenant)
     headers = {"X-API-Key": tenant["key"]}
     i = rng.randrange(len(CALLS))
     due = time.monotonic()

@@ -129,10 +129,10 @@ class Outcome:
             return value.decode() if isinstance(value, bytes) else value
 
         body = text("body")
-        owner = {"tenant_id": text("tenant"), "kind": text("kind"), "body": body}
+        stored = {"tenant_id": text("tenant"), "kind": text("kind"), "body": body}
         if text("status") == "failed":
-            return cls(request_id, error=json.loads(body), **owner)
-        return cls(request_id, result=json.loads(body), **owner)
+            return cls(request_id, error=json.loads(body), **stored)
+        return cls(request_id, result=json.loads(body), **stored)
 
 
 def failure(request_id: str, err: QuiltError) -> Outcome:
