@@ -239,12 +239,14 @@ def _pin(api: list[psutil.Process], stores: list[psutil.Process], api_cpus: set[
     for p in {p.pid: p for p in [*psutil.Process().children(recursive=True), *stores]}.values():
         cpus = api_cpus if p.pid in front else other_cpus
         with contextlib.suppress(psutil.Error):
-            if any(w in " ".join(p.cmdline()) or w in p.name() for w in WORKERS):
-                p.nice(19)
-        with contextlib.suppress(psutil.Error):
+            worker = any(w in " ".join(p.cmdline()) or w in p.name() for w in WORKERS)
+            # Per thread, as the CPUs: Linux keeps a nice value per thread, and a worker's threads
+            # (torch's pool among them) were started before it was asked.
             for thread in p.threads():
                 with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
                     os.sched_setaffinity(thread.id, cpus)
+                    if worker:
+                        os.setpriority(os.PRIO_PROCESS, thread.id, 19)
 
 
 class _Probe:
