@@ -122,9 +122,10 @@ class GuardedRequest(Request):
         for name, value in self.path_params.items():
             if isinstance(value, str):
                 check_text(value, name)
-        for name, value in self.query_params.multi_items():
-            check_text(name, "query")
-            check_text(value, name)
+        if self.scope.get("query_string"):  # most calls have none, and parsing nothing costs a QueryParams
+            for name, value in self.query_params.multi_items():
+                check_text(name, "query")
+                check_text(value, name)
         content_type = self.headers.get("content-type", "")
         if _is_json(content_type):
             body = await self.body()
