@@ -32,16 +32,18 @@ result-ready-to-response path), plus a `forward_backward` submission every `--su
 
 With `--pin` (the default where there are at least 2 CPUs) the API process runs on CPU 0 and
 everything else (clients, Postgres, Redis, workers) on the others, so nothing else runs on the
-API's core, and the workers run at the lowest priority there (in a deployment they have machines
-of their own; here the trainer running the submitted passes would otherwise take the core that
-Postgres and Redis answer the API from). Postgres and Redis daemonize, so they are found by asking
-each server its pid (`_stores`), not in this process's tree. Phase 2 runs in `--slices` turns of
-each `--layouts` entry: `api` is that layout; `service` moves Postgres and Redis onto the API's
-core, away from the 64 clients and the trainer but taking turns with the API: a backend that a
-statement wakes runs there, in the API's place, until it answers. A deployment, whose stores have
-machines of their own, has neither cost; the two layouts bracket it. Alternating the two in
-one run puts a slow spell of this shared host on both. The clients use aiohttp: an httpx client in this loop spent more CPU per call than the
-API did (about 1,100 calls/s from a whole core against a trivial FastAPI app, aiohttp 6,000).
+API's core. There the workers keep the low priority `quilt up` gives them (QUILT_WORKER_NICE,
+stack.priority), so Postgres and Redis, woken by the API's statements, take the core from them at
+once; the load generator keeps an ordinary weight (lowered, it fell behind its Poisson schedule and
+sent its calls in bursts, which queued in the API). Postgres and Redis daemonize, so they are found by asking each server its pid (`_stores`), not in this process's
+tree. Phase 2 runs in `--slices` turns of each `--layouts` entry: `api` is that layout; `service`
+moves Postgres and Redis onto the API's core, away from the 64 clients and the trainer but taking
+turns with the API: a backend that a statement wakes runs there, in the API's place, until it
+answers. A deployment, whose stores have machines of their own, has neither cost; the two layouts
+bracket it. `flat` is `api` with every process at one CPU weight, as before the launcher set
+priorities. Alternating layouts in one run puts a slow spell of this shared host on each. The
+clients use aiohttp: an httpx client in this loop spent more CPU per call than the API did (about
+1,100 calls/s from a whole core against a trivial FastAPI app, aiohttp 6,000).
 Ends with one JSON line.
 """
 
@@ -70,7 +72,8 @@ import psycopg
 import redis
 
 from core import loop_lag, waits
-from core.settings import get_api_settings
+from core.settings import get_api_settings, get_core_settings
+from stack import priority
 from stack.ephemeral import TINY, RunningStack, ephemeral_stack, free_port, new_tenant
 
 
@@ -212,7 +215,7 @@ def _api_processes(base_url: str) -> list[psutil.Process]:
 WORKERS = ("batcher.worker", "gen_pool.worker", "VLLM", "celery")
 
 
-LAYOUTS = ("api", "service")
+LAYOUTS = ("api", "service", "flat")
 
 
 def _stores(stack: RunningStack) -> list[psutil.Process]:
@@ -231,22 +234,22 @@ def _pin(api: list[psutil.Process], stores: list[psutil.Process], api_cpus: set[
     `service`: Postgres and Redis join the API on `api_cpus`, so what a call waits on runs beside
     it rather than beside the 64 clients and the trainer (a deployment gives its database no load
     generator to share with). A Postgres backend forked later inherits its postmaster's CPUs. The
-    workers (the trainer running the submitted passes, the engine, Celery) get the lowest priority:
-    in a deployment they have machines of their own, and what they compute is not the API's time;
-    on this box they would otherwise take the core Postgres and Redis answer the API from."""
+    workers (the trainer running the submitted passes, the engine, Celery) keep the priority
+    `quilt up` gave them (QUILT_WORKER_NICE, stack.priority), which layout `flat` takes away:
+    everything at one weight, the stack as it ran before the launcher set priorities (lowering a
+    nice value needs the privilege to; without it `flat` is `api`)."""
     front = {p.pid for p in api} | ({p.pid for p in stores} if layout == "service" else set())
+    nice = 0 if layout == "flat" else get_core_settings().worker_nice
     os.sched_setaffinity(0, other_cpus)
     for p in {p.pid: p for p in [*psutil.Process().children(recursive=True), *stores]}.values():
         cpus = api_cpus if p.pid in front else other_cpus
         with contextlib.suppress(psutil.Error):
-            worker = any(w in " ".join(p.cmdline()) or w in p.name() for w in WORKERS)
-            # Per thread, as the CPUs: Linux keeps a nice value per thread, and a worker's threads
-            # (torch's pool among them) were started before it was asked.
+            # Per thread: a worker's threads (torch's pool among them) were started before this.
             for thread in p.threads():
                 with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
                     os.sched_setaffinity(thread.id, cpus)
-                    if worker:
-                        os.setpriority(os.PRIO_PROCESS, thread.id, 19)
+            if any(w in " ".join(p.cmdline()) or w in p.name() for w in WORKERS):
+                priority.set_nice(p.pid, nice, threads=True)
 
 
 class _Probe:
@@ -454,9 +457,10 @@ def main() -> None:
     parser.add_argument("--data-parent", type=Path, default=Path("/tmp"),
                         help="where the stack's data directory (Postgres, Redis AOF) is made; /dev/shm takes "
                              "the disk's fsync out of the measurement")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS),
+    parser.add_argument("--layouts", default="api,service",
                         help="phase 2's core layouts (with --pin), run in turns: api (the API alone on a core), "
-                             "service (Postgres and Redis beside it)")
+                             "service (Postgres and Redis beside it), flat (as api, with the workers at the stores' "
+                             "CPU weight)")
     parser.add_argument("--floor-seconds", type=float, default=20.0,
                         help="after phase 1, the same clients as fast as answers come against a FastAPI app that "
                              "answers with a constant (bench/framework_floor.py), for the framework's own CPU per "

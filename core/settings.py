@@ -43,6 +43,11 @@ class CoreSettings(BaseSettings):
                                 description="trainer workers per base model, named shard-0 ... shard-(N-1); above 1 "
                                             "each owns the training models placed on it (Postgres), reads its own "
                                             "stream, and the API sends each model's calls there (core.placement)")
+    worker_nice: int = Field(10, ge=0, le=19,
+                             description="the nice value `quilt up` gives the workers it starts (trainers, generation "
+                                         "workers, Celery) and their sessions' autogroups, so that on a shared core "
+                                         "Postgres, Redis and the API, whose answers callers wait on, run first "
+                                         "(stack.priority); 0 gives them the same weight")
     gen_routing: Literal["affinity", "round_robin", "random"] = Field(
         "affinity", description="how the API picks a generation replica (gen_pool.routing); the others are baselines")
     crash_at: str = Field("", description="fault injection: crash points to die at (core.faults); empty in service")

@@ -25,7 +25,7 @@ import psutil
 import migrations
 from core import catalog, db, embedded, queue
 from core.settings import clear_settings_cache, get_api_settings, get_core_settings
-from stack import leftovers
+from stack import leftovers, priority
 
 log = logging.getLogger("quilt.launcher")
 
@@ -43,6 +43,7 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = field(default=0.0)
+    nice: int = 0  # stack.priority; workers get QUILT_WORKER_NICE
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -52,6 +53,10 @@ class Child:
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         out.close()
+        if self.nice:
+            # Popen returns once the child has exec'd, well before Python starts a thread in it, so
+            # its main thread's value is the one every later thread inherits.
+            priority.set_nice(self.proc.pid, self.nice)
         self.started_at = time.monotonic()
         log.info("started %s (pid %d), log: %s", self.name, self.proc.pid, self.log_path)
 
@@ -159,6 +164,8 @@ def _children(db_url: str, redis_url: str, host: str, port: int, api_replicas: i
             children += [Child(f"gen:{base.name}@{name}", [py, "-m", "gen_pool.worker"],
                                {**gen_env, "QUILT_GEN_BASE_MODEL": base.name, "QUILT_GEN_CONSUMER_NAME": name},
                                logs / f"gen-{i}-{name}.log") for name in queue.replica_names(gen_replicas)]
+    for child in children[api_replicas:]:  # the workers: their work is batch, the API's is waited on
+        child.nice = settings.worker_nice
     return children
 
 

@@ -22,7 +22,7 @@ import redis
 from stackutil import ROOT
 
 from core import health
-from stack import leftovers
+from stack import leftovers, priority
 from stack.ephemeral import free_port
 
 pytestmark = pytest.mark.stack
@@ -144,5 +144,32 @@ def test_a_hard_killed_launcher_leaves_nothing_running():
     finally:
         if first.poll() is None:
             first.kill()
+        leftovers.stop_recorded(data_dir, grace_s=5)
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def test_workers_yield_the_cpu_to_the_api_and_the_stores():
+    """`quilt up` gives its workers QUILT_WORKER_NICE, for their main thread (which every later
+    thread inherits) and, where the kernel has autogroups, for their session's: a thread's own
+    value ranks it only inside its session (stack.priority). The API and the stores keep 0."""
+    data_dir = Path(tempfile.mkdtemp(prefix="qn-", dir="/tmp"))
+    os.environ["QUILT_WORKER_NICE"] = "7"
+    try:
+        up = _launch(data_dir)
+    finally:
+        del os.environ["QUILT_WORKER_NICE"]
+    try:
+        entries = {e.name: e.pid for e in _recorded_with_children(data_dir)}
+        workers = [name for name in entries if name.startswith(("trainer:", "gen:", "celery"))]
+        assert {"celery"} < set(workers) and any(n.startswith("trainer:") for n in workers), entries
+        for name, pid in entries.items():
+            want = 7 if name in workers else 0
+            assert os.getpriority(os.PRIO_PROCESS, pid) == want, name
+            assert priority.group_nice(pid) in (want, None), name
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
         leftovers.stop_recorded(data_dir, grace_s=5)
         shutil.rmtree(data_dir, ignore_errors=True)
