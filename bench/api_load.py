@@ -35,15 +35,16 @@ everything else (clients, Postgres, Redis, workers) on the others, so nothing el
 API's core. There the workers keep the low priority `quilt up` gives them (QUILT_WORKER_NICE,
 stack.priority), so Postgres and Redis, woken by the API's statements, take the core from them at
 once; the load generator keeps an ordinary weight (lowered, it fell behind its Poisson schedule and
-sent its calls in bursts, which queued in the API). Postgres and Redis daemonize, so they are found by asking each server its pid (`_stores`), not in this process's
-tree. Phase 2 runs in `--slices` turns of each `--layouts` entry: `api` is that layout; `service`
-moves Postgres and Redis onto the API's core, away from the 64 clients and the trainer but taking
-turns with the API: a backend that a statement wakes runs there, in the API's place, until it
-answers. A deployment, whose stores have machines of their own, has neither cost; the two layouts
-bracket it. `flat` is `api` with every process at one CPU weight, as before the launcher set
-priorities. Alternating layouts in one run puts a slow spell of this shared host on each. The
-clients use aiohttp: an httpx client in this loop spent more CPU per call than the API did (about
-1,100 calls/s from a whole core against a trivial FastAPI app, aiohttp 6,000).
+sent its calls in bursts, which queued in the API). Postgres and Redis daemonize, so they are found
+by asking each server its pid (`_stores`), not in this process's tree. Phase 2 runs in `--slices`
+turns of each `--layouts` entry: `api` is that layout; `service` moves Postgres and Redis onto the
+API's core, away from the 64 clients and the trainer but taking turns with the API: a backend that
+a statement wakes runs there, in the API's place, until it answers. A deployment, whose stores
+have machines of their own, has neither cost; the two layouts bracket it. `flat` is `api` with
+every process at one CPU weight, as before the launcher set priorities. Alternating layouts in one
+run puts a slow spell of this shared host on each. The clients use aiohttp: an httpx client in
+this loop spent more CPU per call than the API did (about 1,100 calls/s from a whole core against
+a trivial FastAPI app, aiohttp 6,000).
 Ends with one JSON line.
 """
 

@@ -27,7 +27,10 @@ def set_nice(pid: int, nice: int, *, threads: bool = False) -> None:
     starter's). Raising a nice value needs no privilege; lowering one does, and where it is
     refused, or the process has gone, or the kernel has no autogroups, what could not be set is
     left as it was."""
-    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")] if threads and os.path.isdir(f"/proc/{pid}/task") else [pid]
+    tids = [pid]
+    if threads:
+        with contextlib.suppress(FileNotFoundError):  # gone: the main thread's call below finds that out
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     for tid in tids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.setpriority(os.PRIO_PROCESS, tid, nice)

@@ -148,16 +148,13 @@ def test_a_hard_killed_launcher_leaves_nothing_running():
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
-def test_workers_yield_the_cpu_to_the_api_and_the_stores():
+def test_workers_yield_the_cpu_to_the_api_and_the_stores(monkeypatch):
     """`quilt up` gives its workers QUILT_WORKER_NICE, for their main thread (which every later
     thread inherits) and, where the kernel has autogroups, for their session's: a thread's own
     value ranks it only inside its session (stack.priority). The API and the stores keep 0."""
     data_dir = Path(tempfile.mkdtemp(prefix="qn-", dir="/tmp"))
-    os.environ["QUILT_WORKER_NICE"] = "7"
-    try:
-        up = _launch(data_dir)
-    finally:
-        del os.environ["QUILT_WORKER_NICE"]
+    monkeypatch.setenv("QUILT_WORKER_NICE", "7")  # _launch passes this process's environment on
+    up = _launch(data_dir)
     try:
         entries = {e.name: e.pid for e in _recorded_with_children(data_dir)}
         workers = [name for name in entries if name.startswith(("trainer:", "gen:", "celery"))]

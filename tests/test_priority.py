@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 from stack import priority
 
@@ -39,6 +38,5 @@ def test_every_thread_and_the_session_get_the_value():
 def test_a_process_that_has_gone_is_left_alone():
     child = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
     child.wait()
-    time.sleep(0.1)
     priority.set_nice(child.pid, 4, threads=True)  # no error: the pid is reaped
     assert priority.group_nice(child.pid) is None
