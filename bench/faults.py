@@ -16,7 +16,8 @@ step count is compared with the steps it was acknowledged (a lost step, or one a
 shows); every finished request must have exactly one ledger row and every failed one none.
 
 Prints a table (fault, times injected, requests affected, requests failed, acknowledged steps lost,
-ledger rows wrong, max recovery) and ends with one JSON line.
+ledger rows wrong, max recovery), and how many of the killed generation workers' `/dev/shm` segments
+are still there after the stack stops; ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def _pid_of(stack: RunningStack, name: str) -> int:
 
 PROCESS = {"trainer": f"trainer:{TINY}", "gen": f"gen:{TINY}", "celery": "celery", "api": "api"}
 BEACON = {"trainer": f"trainer:{TINY}", "gen": f"gen:{TINY}"}  # healthz components that carry their pid
+SEGMENTS: set[str] = set()  # /dev/shm segments of killed generation workers' engines
 
 
 def inject(stack: RunningStack, fault: str) -> int | None:
@@ -60,6 +62,8 @@ def inject(stack: RunningStack, fault: str) -> int | None:
     if fault == "postgres":
         embedded.restart_postgres(stack.data_dir, OUTAGE_S)
         return None
+    if fault == "gen":  # what its engine's processes map must be unlinked after the kill
+        SEGMENTS.update(leftovers.shared_memory_of(_pid_of(stack, PROCESS[fault])))
     return leftovers.kill_hard(stack.data_dir, PROCESS[fault])
 
 
@@ -253,6 +257,7 @@ def main() -> None:
                 print(f"    failed: {what[:200]}")
         mismatches = ledger_mismatches(stack, [t.tenant_id for t in tenants])
 
+    leaked = sorted(path for path in SEGMENTS if Path(path).exists())
     failures = [(when, what) for t in tenants for when, what in t.failures]
     calls = [c for t in tenants for c in t.calls]
 
@@ -266,10 +271,12 @@ def main() -> None:
     for fault in counts:
         print(f"{fault:<10}{injected[fault]:>9}{affected(fault):>10}{failed(fault):>8}"
               f"{recovery.get(fault, 0.0):>16.1f}")
-    print(f"\nrequests failed {len(failures)}, acknowledged steps lost {lost_steps}, ledger rows wrong {mismatches}")
+    print(f"\nrequests failed {len(failures)}, acknowledged steps lost {lost_steps}, ledger rows wrong {mismatches}, "
+          f"killed engines' shared memory segments left {len(leaked)} of {len(SEGMENTS)}")
     print(json.dumps({"faults": sum(injected.values()), "acknowledged_steps_lost": lost_steps,
                       "requests_failed": len(failures), "ledger_mismatches": mismatches,
                       "max_recovery_s": round(max(recovery.values(), default=0.0), 1),
+                      "shared_memory_left": len(leaked),
                       "by_fault": {f: {"injected": injected[f], "max_recovery_s": round(recovery.get(f, 0.0), 1)}
                                    for f in counts}}))
 

@@ -181,11 +181,10 @@ def _stop(children: list[Child]) -> None:
             child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             log.warning("%s did not stop in %.0f s; killing it", child.name, STOP_GRACE_S)
-            os.killpg(child.proc.pid, signal.SIGKILL)
+            child.proc.kill()  # the rest of its group goes next, its resource tracker last
             child.proc.wait()
         # A child's own children (vLLM's engine core) must not outlive it: end its process group.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(child.proc.pid, signal.SIGKILL)
+        leftovers.end_group(child.proc.pid)
 
 
 def up(*, data_dir: Path | None, host: str, port: int, api_replicas: int = 1, gen_replicas: int = 1,
@@ -237,8 +236,7 @@ def up(*, data_dir: Path | None, host: str, port: int, api_replicas: int = 1, ge
                 if code is None or stop_requested:
                     continue
                 log.error("%s exited with %s; restarting (see %s)", child.name, code, child.log_path)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(child.proc.pid, signal.SIGKILL)  # what it left behind (vLLM's engine core)
+                leftovers.end_group(child.proc.pid)  # what it left behind (vLLM's engine core)
                 time.sleep(RESTART_PAUSE_S)
                 child.restarts += 1
                 child.start()

@@ -9,6 +9,12 @@ the OOM killer), the reaper stops what the record names. A launcher that finds a
 
 A process is only signalled if it is still the one recorded (same pid and start time), so a pid
 the system has reused is never touched.
+
+What a child's process group holds once its leader is gone (vLLM's engine core and worker, and the
+resource tracker of Python's multiprocessing) is ended by `end_group`, which lets the tracker
+outlive the others: it is what unlinks the shared memory (`/dev/shm/psm_*`) and named semaphores
+its dead clients leaked, once they are all gone. Killed with them, those stay until reboot, a few
+hundred MiB of address space per crash.
 """
 
 from __future__ import annotations
@@ -29,6 +35,11 @@ from core.errors import Conflict
 PIDS_FILE = "stack.pids"
 LOCK_FILE = "quilt.lock"
 STOP_GRACE_S = 10.0
+# A tracker unlinks at once when its last client is gone; a killed engine takes a second or two to
+# free its memory and be gone (1.5 s measured on the tiny model).
+TRACKER_GRACE_S = 5.0
+KILLED_GONE_S = 2.0
+_TRACKER = "multiprocessing.resource_tracker"
 
 
 class DataDirInUse(Conflict):
@@ -104,14 +115,58 @@ def stop_recorded(data_dir: Path, *, grace_s: float = STOP_GRACE_S) -> list[str]
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except psutil.TimeoutExpired:
-            _signal(entry, signal.SIGKILL)
+            with contextlib.suppress(psutil.Error):
+                proc.kill()  # the rest of its group goes next, its resource tracker last
         except psutil.Error:
             pass  # already gone
     for entry, _ in entries:
         if entry.group:  # anything its processes left in their group
-            _signal(entry, signal.SIGKILL)
+            end_group(entry.pid)
     clear(data_dir)
     return [e.name for e, _ in entries]
+
+
+def _members(pgid: int) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
+def _is_tracker(proc: psutil.Process) -> bool:
+    try:
+        return any(_TRACKER in arg for arg in proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def end_group(pgid: int, *, grace_s: float = TRACKER_GRACE_S) -> None:
+    """SIGKILL what is left of process group `pgid` once its leader is gone or stopping, except
+    multiprocessing's resource trackers, which are given `grace_s` to unlink what their killed
+    clients leaked and exit by themselves; then SIGKILL whatever is still there."""
+    trackers = []
+    for proc in _members(pgid):
+        if _is_tracker(proc):
+            trackers.append(proc)
+        else:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    psutil.wait_procs(trackers, timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    psutil.wait_procs(_members(pgid), timeout=KILLED_GONE_S)  # a SIGKILL is delivered, not done, on return
+
+
+def shared_memory_of(pgid: int) -> set[str]:
+    """The paths of the `multiprocessing.shared_memory` segments (`/dev/shm/psm_*`) that the
+    processes of group `pgid` have mapped: what `end_group` must see unlinked after a crash."""
+    paths = set()
+    for proc in _members(pgid):
+        with contextlib.suppress(psutil.Error):
+            paths.update(m.path for m in proc.memory_maps() if m.path.startswith("/dev/shm/psm_"))
+    return paths
 
 
 def lock(data_dir: Path) -> int:

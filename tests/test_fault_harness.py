@@ -1,7 +1,8 @@
 """The quick run of the fault-injection harness (`bench/faults.py --quick`): one kill each of the
 generation worker, Celery and the API, two of the trainer, a restart each of Redis and Postgres,
 at seeded random moments while four tenants train and sample on both SDKs. Nothing acknowledged
-is lost, no request fails, every ledger row is right. The full run is a benchmark (README)."""
+is lost, no request fails, every ledger row is right, and the killed generation worker's
+shared memory is unlinked. The full run is a benchmark (README)."""
 
 from __future__ import annotations
 
@@ -24,5 +25,5 @@ def test_the_quick_fault_run_loses_nothing():
     print(proc.stdout[-2500:])
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert figures["faults"] == 7
-    assert (figures["acknowledged_steps_lost"], figures["requests_failed"], figures["ledger_mismatches"]) == (0, 0, 0), \
-        proc.stdout[-3000:]
+    assert (figures["acknowledged_steps_lost"], figures["requests_failed"], figures["ledger_mismatches"],
+            figures["shared_memory_left"]) == (0, 0, 0, 0), proc.stdout[-3000:]

@@ -6,6 +6,7 @@ both SDKs get their samples (latency, not an error). Each group is billed once.
 
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
@@ -53,6 +54,7 @@ def test_a_killed_generation_worker_answers_its_groups_after_restart(stack, monk
         while _gen_pending(r) < 2:
             assert time.monotonic() < deadline, "the generation worker never took both groups"
             time.sleep(0.01)
+        segments = leftovers.shared_memory_of(next(e.pid for e in leftovers.read(stack.data_dir) if e.name == f"gen:{TINY}"))
         killed_at = time.monotonic()
         leftovers.kill_hard(stack.data_dir, f"gen:{TINY}")
         seen_down_s = _gen_down_after(stack.base_url, killed_at)
@@ -65,6 +67,9 @@ def test_a_killed_generation_worker_answers_its_groups_after_restart(stack, monk
     print(f"gen worker killed: healthz showed it after {seen_down_s:.2f} s; the re-run group was answered "
           f"{answered_s:.1f} s after the kill (engine restart included)")
     assert seen_down_s <= 3.5
+    # The dead engine's shared memory went with it (leftovers.end_group), not left for the reboot.
+    assert segments, "the engine's shared memory was not found"
+    assert not [name for name in segments if os.path.exists(name)]
 
     wait_recorded(stack.database_url, [a.tenant_id, b.tenant_id])  # answered a moment before the rows commit
     with db.connect(stack.database_url) as conn:
