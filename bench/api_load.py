@@ -320,6 +320,69 @@ class StoreProbe(_Probe):
         r.close()
 
 
+class PgWaitProbe(_Probe):
+    """Reads `pg_stat_activity` every 20 ms while a phase runs (`--pg-waits`): each statement that
+    has run for at least `LONG_MS`, with what it waits on (`wait_event_type:wait_event`, or `cpu`)
+    and, when it waits on a lock, what the holder is doing; and whether an autovacuum worker or a
+    checkpoint was running. Tells the Postgres part of a slow call's time apart: a lock held by
+    a client busy elsewhere, a flush of the WAL, the server's housekeeping."""
+
+    LONG_MS = 5.0
+    _ACTIVITY = (
+        "SELECT a.pid, a.backend_type, a.state, coalesce(a.wait_event_type || ':' || a.wait_event, 'cpu') AS wait, "
+        "left(regexp_replace(a.query, '\\s+', ' ', 'g'), 70) AS query, "
+        "extract(epoch FROM clock_timestamp() - a.query_start) * 1000 AS ms, "
+        "(SELECT coalesce(b.state, b.backend_type) || ': ' || left(regexp_replace(b.query, '\\s+', ' ', 'g'), 50) "
+        " FROM pg_stat_activity b WHERE b.pid = (pg_blocking_pids(a.pid))[1]) AS holder "
+        "FROM pg_stat_activity a WHERE a.pid <> pg_backend_pid() AND "
+        "(a.state = 'active' OR a.backend_type IN ('autovacuum worker', 'checkpointer'))")
+
+    def __init__(self, database_url: str):
+        super().__init__()
+        self._url = database_url
+        self.ticks = 0
+        self.busy = {"autovacuum": 0, "checkpoint": 0}
+        self.long: dict[tuple[str, str, str], list[float]] = {}  # (wait, query, lock holder) -> ms seen
+
+    def _run(self) -> None:
+        wal = ("SELECT pg_current_wal_lsn() AS lsn, clock_timestamp() AS at, wal_buffers_full, wal_fpi, wal_records "
+               "FROM pg_stat_wal")
+        with psycopg.connect(self._url, autocommit=True) as pg:
+            start = pg.execute(wal).fetchone()
+            for _ in self._ticks():
+                self.ticks += 1
+                rows = pg.execute(self._ACTIVITY).fetchall()
+                if any(r[1] == "autovacuum worker" for r in rows):
+                    self.busy["autovacuum"] += 1
+                if any(r[1] == "checkpointer" and r[3] != "Activity:CheckpointerMain" for r in rows):
+                    self.busy["checkpoint"] += 1
+                for _pid, kind, state, wait, query, ms, holder in rows:
+                    if kind == "client backend" and state == "active" and ms is not None and ms >= self.LONG_MS:
+                        self.long.setdefault((wait, query, holder or ""), []).append(float(ms))
+            end = pg.execute(wal).fetchone()
+            written = pg.execute("SELECT pg_wal_lsn_diff(%s, %s)", (end[0], start[0])).fetchone()[0]
+            self.wal_mb_per_s = float(written) / 2**20 / max((end[1] - start[1]).total_seconds(), 1e-9)
+            self.wal_counts = {k: end[i] - start[i] for i, k in enumerate(("buffers_full", "fpi", "records"), 2)}
+
+    def report(self) -> dict:
+        rows = sorted(self.long.items(), key=lambda kv: -len(kv[1]))
+        print(f"Postgres statements seen running for {self.LONG_MS:g} ms or more ({self.ticks} looks, every 20 ms; "
+              f"an autovacuum worker ran in {self.busy['autovacuum']}, a checkpoint in {self.busy['checkpoint']}; "
+              f"WAL written {self.wal_mb_per_s:.2f} MiB/s, {self.wal_counts['records']} records, "
+              f"{self.wal_counts['fpi']} full pages, buffers full {self.wal_counts['buffers_full']} times):")
+        print(f"  {'seen':>5} {'max ms':>7}  {'waiting on':<28} statement / lock holder")
+        for (wait, query, holder), seen in rows[:12]:
+            print(f"  {len(seen):>5} {max(seen):>7.1f}  {wait:<28} {query}")
+            if holder:
+                print(f"  {'':>5} {'':>7}  {'':<28} held by {holder}")
+        return {"looks": self.ticks, "wal_mib_per_s": round(self.wal_mb_per_s, 3),
+                **{f"wal_{k}": v for k, v in self.wal_counts.items()},
+                **{f"{k}_looks": v for k, v in self.busy.items()},
+                "long_statements": sum(len(v) for v in self.long.values()),
+                "by_wait": {w: sum(len(v) for (w2, _q, _h), v in self.long.items() if w2 == w)
+                            for w in {w for w, _q, _h in self.long}}}
+
+
 def _latency_summary(samples: list[float]) -> dict:
     return {"count": len(samples), "p50_ms": round(_pct(samples, 0.5), 3),
             "p99_ms": round(_pct(samples, 0.99), 3), "max_ms": round(max(samples, default=0.0), 3)}
@@ -365,8 +428,13 @@ def _phase(stack: RunningStack, clients: list, args, rate: float, other_cpus: se
     latencies meanwhile: the data directory's fsync, the stores' answers to another client, and the
     API's event-loop lag: its beacon's histogram from up to a beat before the phase to a beat after)."""
     lag0 = _loop_lag(stack.redis_url)
-    with FsyncProbe(stack.data_dir) as fsync, StoreProbe(stack.redis_url, stack.database_url) as stores:
+    waits_probe = PgWaitProbe(stack.database_url) if args.pg_waits else contextlib.nullcontext()
+    with FsyncProbe(stack.data_dir) as fsync, StoreProbe(stack.redis_url, stack.database_url) as stores, \
+            waits_probe:
         parts, wall, cpu = _run_clients(stack.base_url, clients, args, rate, other_cpus, api, seconds, 1000)
+    if args.pg_waits:
+        print(f"phase of {seconds:g} s at {rate * args.clients:g} requests/s (0: capacity)")
+        out_waits = waits_probe.report()
     time.sleep(loop_lag.BEACON_EVERY_S + 0.1)  # the next beat carries the phase's last wake-ups
     lag = _loop_lag(stack.redis_url).minus(lag0)
     merged: dict[str, list] = {}
@@ -375,7 +443,10 @@ def _phase(stack: RunningStack, clients: list, args, rate: float, other_cpus: se
             merged.setdefault(name, []).extend(values)
         for (_tenant, seq, _stride), next_seq in zip(clients[p::args.procs], next_seqs):
             seq[0] = next_seq  # the next phase goes on where this one stopped: no gap to wait behind
-    return merged, wall, cpu, {"fsync": fsync.samples, **stores.samples, "loop_lag": lag}
+    probes = {"fsync": fsync.samples, **stores.samples, "loop_lag": lag}
+    if args.pg_waits:
+        probes["pg_waits"] = [out_waits]
+    return merged, wall, cpu, probes
 
 
 def _floor(clients: list, args, api_cpus: set[int] | None, other_cpus: set[int] | None) -> tuple[int, float, float]:
@@ -466,6 +537,9 @@ def main() -> None:
                         help="after phase 1, the same clients as fast as answers come against a FastAPI app that "
                              "answers with a constant (bench/framework_floor.py), for the framework's own CPU per "
                              "call on this host now; 0 skips it")
+    parser.add_argument("--pg-waits", action="store_true",
+                        help="read pg_stat_activity every 20 ms in each phase and print the statements seen running "
+                             "for 5 ms or more, with what they waited on (PgWaitProbe)")
     parser.add_argument("--slices", type=int, default=5,
                         help="phase 2 alternates its layouts this many times, so a slow spell of a shared host "
                              "falls on both")
@@ -556,6 +630,12 @@ def main() -> None:
                     f"paced_submit_app_tail_ms{tail}": s2.get("forward_backward", {}).get("app_tail_ms"),
                     f"fsync_paced{tail}": fsync2, f"stores_paced{tail}": stores2, f"loop_lag_paced{tail}": lag2,
                     f"paced{tail}": s2})
+        if args.pg_waits:  # the slices' looks, added up
+            looks = probe["pg_waits"]
+            out[f"pg_waits_paced{tail}"] = {
+                **{k: sum(x[k] for x in looks) for k in ("looks", "autovacuum_looks", "checkpoint_looks",
+                                                          "long_statements")},
+                "by_wait": {w: sum(x["by_wait"].get(w, 0) for x in looks) for x in looks for w in x["by_wait"]}}
         out["errors"] += e2
     print(f"\n{out['errors']} errors other than 429")
     print(json.dumps(out))

