@@ -28,7 +28,10 @@ result-ready-to-response path), plus a `forward_backward` submission every `--su
    API's event loop ran meanwhile (core.loop_lag's histogram, read from its beacons before and
    after each phase, so it also holds up to a second of the quieter time either side). A wait far
    longer than the stores' answers, beside a late loop, is the answer sitting unread while the
-   API's event loop ran other calls: the API's own queue.
+   API's event loop ran other calls: the API's own queue. With `--pg-waits`, each phase also
+   prints the Postgres statements seen running for 5 ms or more and what they waited on
+   (`PgWaitProbe`): how the zero-filled WAL segments behind the submissions' slowest calls were
+   found (core/embedded.py).
 
 With `--pin` (the default where there are at least 2 CPUs) the API process runs on CPU 0 and
 everything else (clients, Postgres, Redis, workers) on the others, so nothing else runs on the
