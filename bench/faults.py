@@ -45,10 +45,6 @@ RECOVERY_LIMIT_S = 600.0  # a stack that is not back by then has failed the run
 
 # ----------------------------------------------------------------------------------- faults
 
-def _pid_of(stack: RunningStack, name: str) -> int:
-    return next(e.pid for e in leftovers.read(stack.data_dir) if e.name == name)
-
-
 PROCESS = {"trainer": f"trainer:{TINY}", "gen": f"gen:{TINY}", "celery": "celery", "api": "api"}
 BEACON = {"trainer": f"trainer:{TINY}", "gen": f"gen:{TINY}"}  # healthz components that carry their pid
 SEGMENTS: set[str] = set()  # /dev/shm segments of killed generation workers' engines
@@ -63,7 +59,7 @@ def inject(stack: RunningStack, fault: str) -> int | None:
         embedded.restart_postgres(stack.data_dir, OUTAGE_S)
         return None
     if fault == "gen":  # what its engine's processes map must be unlinked after the kill
-        SEGMENTS.update(leftovers.shared_memory_of(_pid_of(stack, PROCESS[fault])))
+        SEGMENTS.update(leftovers.shared_memory_of(leftovers.pid_of(stack.data_dir, PROCESS[fault])))
     return leftovers.kill_hard(stack.data_dir, PROCESS[fault])
 
 
@@ -79,8 +75,8 @@ def recovered(stack: RunningStack, fault: str, killed: int | None) -> bool:
     if killed is None:
         return True
     try:
-        now = _pid_of(stack, PROCESS[fault])
-    except StopIteration:
+        now = leftovers.pid_of(stack.data_dir, PROCESS[fault])
+    except LookupError:  # between the kill and the restart's record
         return False
     if now == killed:
         return False

@@ -73,10 +73,19 @@ def read(data_dir: Path) -> list[Recorded]:
         return []
 
 
+def pid_of(data_dir: Path, name: str) -> int:
+    """The pid recorded for process `name` (a child's is its process group's); LookupError if
+    none is (yet)."""
+    for entry in read(data_dir):
+        if entry.name == name:
+            return entry.pid
+    raise LookupError(f"no process {name!r} recorded in {data_dir}")
+
+
 def kill_hard(data_dir: Path, name: str, *, wait_s: float = 30) -> int:
     """SIGKILL the recorded process `name` (a fault, as the OOM killer would) and wait until it is
     gone; returns its pid. The launcher restarts it."""
-    pid = next(e.pid for e in read(data_dir) if e.name == name)
+    pid = pid_of(data_dir, name)
     os.kill(pid, signal.SIGKILL)
     psutil.Process(pid).wait(timeout=wait_s)
     return pid
@@ -126,7 +135,8 @@ def stop_recorded(data_dir: Path, *, grace_s: float = STOP_GRACE_S) -> list[str]
     return [e.name for e, _ in entries]
 
 
-def _members(pgid: int) -> list[psutil.Process]:
+def group_members(pgid: int) -> list[psutil.Process]:
+    """The live (not zombie) processes of process group `pgid`."""
     found = []
     for proc in psutil.process_iter():
         with contextlib.suppress(psutil.Error, ProcessLookupError):
@@ -147,7 +157,7 @@ def end_group(pgid: int, *, grace_s: float = TRACKER_GRACE_S) -> None:
     multiprocessing's resource trackers, which are given `grace_s` to unlink what their killed
     clients leaked and exit by themselves; then SIGKILL whatever is still there."""
     trackers = []
-    for proc in _members(pgid):
+    for proc in group_members(pgid):
         if _is_tracker(proc):
             trackers.append(proc)
         else:
@@ -156,14 +166,14 @@ def end_group(pgid: int, *, grace_s: float = TRACKER_GRACE_S) -> None:
     psutil.wait_procs(trackers, timeout=grace_s)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    psutil.wait_procs(_members(pgid), timeout=KILLED_GONE_S)  # a SIGKILL is delivered, not done, on return
+    psutil.wait_procs(group_members(pgid), timeout=KILLED_GONE_S)  # a SIGKILL is delivered, not done, on return
 
 
 def shared_memory_of(pgid: int) -> set[str]:
     """The paths of the `multiprocessing.shared_memory` segments (`/dev/shm/psm_*`) that the
     processes of group `pgid` have mapped: what `end_group` must see unlinked after a crash."""
     paths = set()
-    for proc in _members(pgid):
+    for proc in group_members(pgid):
         with contextlib.suppress(psutil.Error):
             paths.update(m.path for m in proc.memory_maps() if m.path.startswith("/dev/shm/psm_"))
     return paths

@@ -96,7 +96,7 @@ def test_calls_left_in_shard_streams_run_once_the_shard_count_is_lowered_to_one(
     trainer moves their entries (queued calls, replay logs) into its own and runs them."""
     client = stack.http(tenant.key)
     model_id = new_model(client, rank=4, seed=0)
-    trainer = next(e.pid for e in leftovers.read(stack.data_dir) if e.name == f"trainer:{TINY}")
+    trainer = leftovers.pid_of(stack.data_dir, f"trainer:{TINY}")
     launcher = psutil.Process(trainer).parent()
     stray, own = queue.train_stream(TINY, "shard-1"), queue.train_stream(TINY)
     r = redis_client.sync_client(stack.redis_url)

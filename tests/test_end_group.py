@@ -11,8 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
-
 from stack import leftovers
 
 # A leader that makes a segment through a spawned child (which shares the leader's resource
@@ -54,14 +52,7 @@ def _start_group(tmp_path: Path, code: str = _GROUP) -> tuple[subprocess.Popen, 
 
 
 def _members(pgid: int) -> list[int]:
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p.pid)
-        except (psutil.Error, ProcessLookupError):
-            pass
-    return out
+    return [p.pid for p in leftovers.group_members(pgid)]
 
 
 def test_a_dead_leaders_group_is_ended_and_its_shared_memory_unlinked(tmp_path):

@@ -54,7 +54,7 @@ def test_a_killed_generation_worker_answers_its_groups_after_restart(stack, monk
         while _gen_pending(r) < 2:
             assert time.monotonic() < deadline, "the generation worker never took both groups"
             time.sleep(0.01)
-        segments = leftovers.shared_memory_of(next(e.pid for e in leftovers.read(stack.data_dir) if e.name == f"gen:{TINY}"))
+        segments = leftovers.shared_memory_of(leftovers.pid_of(stack.data_dir, f"gen:{TINY}"))
         killed_at = time.monotonic()
         leftovers.kill_hard(stack.data_dir, f"gen:{TINY}")
         seen_down_s = _gen_down_after(stack.base_url, killed_at)
