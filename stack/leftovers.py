@@ -12,8 +12,8 @@ the system has reused is never touched.
 
 What a child's process group holds once its leader is gone (vLLM's engine core and worker, and the
 resource tracker of Python's multiprocessing) is ended by `end_group`, which lets the tracker
-outlive the others: it is what unlinks the shared memory (`/dev/shm/psm_*`) and named semaphores
-its dead clients leaked, once they are all gone. Killed with them, those stay until reboot, a few
+outlive the others (core.process_end): it is what unlinks the shared memory (`/dev/shm/psm_*`)
+and named semaphores its dead clients leaked. Killed with them, those stay until reboot, a few
 hundred MiB of address space per crash.
 """
 
@@ -30,6 +30,7 @@ from pathlib import Path
 
 import psutil
 
+from core import process_end
 from core.errors import Conflict
 
 PIDS_FILE = "stack.pids"
@@ -39,7 +40,6 @@ STOP_GRACE_S = 10.0
 # free its memory and be gone (1.5 s measured on the tiny model).
 TRACKER_GRACE_S = 5.0
 KILLED_GONE_S = 2.0
-_TRACKER = "multiprocessing.resource_tracker"
 
 
 class DataDirInUse(Conflict):
@@ -145,24 +145,11 @@ def group_members(pgid: int) -> list[psutil.Process]:
     return found
 
 
-def _is_tracker(proc: psutil.Process) -> bool:
-    try:
-        return any(_TRACKER in arg for arg in proc.cmdline())
-    except psutil.Error:
-        return False
-
-
 def end_group(pgid: int, *, grace_s: float = TRACKER_GRACE_S) -> None:
     """SIGKILL what is left of process group `pgid` once its leader is gone or stopping, except
     multiprocessing's resource trackers, which are given `grace_s` to unlink what their killed
     clients leaked and exit by themselves; then SIGKILL whatever is still there."""
-    trackers = []
-    for proc in group_members(pgid):
-        if _is_tracker(proc):
-            trackers.append(proc)
-        else:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
+    trackers = process_end.kill_all_but_trackers(group_members(pgid))
     psutil.wait_procs(trackers, timeout=grace_s)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)

@@ -1,12 +1,14 @@
-"""A generation worker killed with SIGKILL while groups are in flight: healthz shows it within 3 s,
-the launcher restarts it, the restarted worker re-runs its unacknowledged groups, and clients of
-both SDKs get their samples (latency, not an error). Each group is billed once.
+"""A generation worker killed with SIGKILL, or stopped with SIGTERM (which kills its engine without
+a grace), while groups are in flight: healthz shows it within 3 s, the launcher restarts it, the
+restarted worker re-runs its unacknowledged groups, and clients of both SDKs get their samples
+(latency, not an error). Each group is billed once, and the engine's shared memory is unlinked.
 
 (A live replica taking over a dead one's groups after QUILT_GEN_TAKEOVER_S is test_reclaim's.)"""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import httpx
@@ -39,7 +41,8 @@ def _gen_down_after(base_url: str, killed_at: float, timeout_s: float = 10) -> f
     raise AssertionError("healthz still shows the killed generation worker")
 
 
-def test_a_killed_generation_worker_answers_its_groups_after_restart(stack, monkeypatch):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_killed_generation_worker_answers_its_groups_after_restart(stack, monkeypatch, sig):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     a, b = stack.create_tenant("gencrash-a"), stack.create_tenant("gencrash-b")
     r = redis_client.sync_client(stack.redis_url)
@@ -56,7 +59,7 @@ def test_a_killed_generation_worker_answers_its_groups_after_restart(stack, monk
             time.sleep(0.01)
         segments = leftovers.shared_memory_of(leftovers.pid_of(stack.data_dir, f"gen:{TINY}"))
         killed_at = time.monotonic()
-        leftovers.kill_hard(stack.data_dir, f"gen:{TINY}")
+        os.kill(leftovers.pid_of(stack.data_dir, f"gen:{TINY}"), sig)
         seen_down_s = _gen_down_after(stack.base_url, killed_at)
 
         out_official = f_official.result(timeout=600)
@@ -64,7 +67,7 @@ def test_a_killed_generation_worker_answers_its_groups_after_restart(stack, monk
         out_ours = f_ours.result(timeout=600)
     assert len(out_official.sequences) == 4 and len(out_ours.sequences) == 4
     assert all(len(s.tokens) == 400 for s in out_official.sequences)
-    print(f"gen worker killed: healthz showed it after {seen_down_s:.2f} s; the re-run group was answered "
+    print(f"gen worker sent {sig.name}: healthz showed it after {seen_down_s:.2f} s; the re-run group was answered "
           f"{answered_s:.1f} s after the kill (engine restart included)")
     assert seen_down_s <= 3.5
     # The dead engine's shared memory went with it (leftovers.end_group), not left for the reboot.

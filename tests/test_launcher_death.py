@@ -107,6 +107,7 @@ def test_a_hard_killed_launcher_leaves_nothing_running():
         first.wait(timeout=10)
         time.sleep(1)
         assert set(_running(entries)) >= {"redis", "postgres"}  # nobody cleaned up yet
+        gen_logs = {p: p.stat().st_size for p in (data_dir / "logs").glob("gen-*.log")}
         first = _launch(data_dir)
         fresh = _recorded_with_children(data_dir, not_from=entries)
         assert _running(entries) == []
@@ -133,13 +134,28 @@ def test_a_hard_killed_launcher_leaves_nothing_running():
         shown_dead_s = time.monotonic() - killed
         print(f"trainer killed: health key gone after {shown_dead_s:.2f} s (TTL {health.HEALTH_TTL_S} s)")
 
-        # SIGTERM stops the whole stack, in a time a supervisor can wait for.
+        # SIGTERM stops the whole stack, in a time a supervisor can wait for: no child waits out
+        # the launcher's grace, not even a generation worker whose engine is still starting.
+        gen = next(e for e in fresh if e.name.startswith("gen:"))
+        deadline = time.monotonic() + 120
+        while not psutil.Process(gen.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.1)  # its engine's processes are starting
+        gen_log = next((data_dir / "logs").glob("gen-*.log"))
+        with open(gen_log, "rb") as f:  # what this launch's worker wrote
+            f.seek(gen_logs.get(gen_log, 0))
+            engine_state = "up" if b"ready" in f.read() else "starting"
+        gen_group = leftovers.group_members(gen.pid)
+        segments = leftovers.shared_memory_of(gen.pid)
         started = time.monotonic()
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=120)
         stop_s = time.monotonic() - started
-        print(f"quilt up stopped {stop_s:.1f} s after SIGTERM")
+        print(f"quilt up stopped {stop_s:.1f} s after SIGTERM (engine {engine_state})")
+        launcher_log = (data_dir / "up.out").read_text(errors="replace")
+        assert "did not stop" not in launcher_log, launcher_log[-3000:]
         assert _wait_gone(fresh, timeout_s=10) == []
+        assert not [p for p in gen_group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert [s for s in segments if os.path.exists(s)] == []
         assert first.returncode == 0
     finally:
         if first.poll() is None:
