@@ -6,6 +6,7 @@ worker has loaded, since what matters is what the launcher started."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -60,6 +61,15 @@ def _running(entries: list[leftovers.Recorded]) -> list[str]:
                 out.append(e.name)
         except psutil.Error:
             pass
+    return out
+
+
+def _live(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
     return out
 
 
@@ -154,7 +164,7 @@ def test_a_hard_killed_launcher_leaves_nothing_running():
         launcher_log = (data_dir / "up.out").read_text(errors="replace")
         assert "did not stop" not in launcher_log, launcher_log[-3000:]
         assert _wait_gone(fresh, timeout_s=10) == []
-        assert not [p for p in gen_group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert _live(gen_group) == []
         assert [s for s in segments if os.path.exists(s)] == []
         assert first.returncode == 0
     finally:
