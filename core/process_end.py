@@ -17,7 +17,7 @@ import psutil
 _TRACKER = "multiprocessing.resource_tracker"  # in its command line from Python 3.8 to 3.13
 
 
-def is_resource_tracker(proc: psutil.Process) -> bool:
+def _is_resource_tracker(proc: psutil.Process) -> bool:
     try:
         return any(_TRACKER in arg for arg in proc.cmdline())
     except psutil.Error:
@@ -28,7 +28,7 @@ def kill_all_but_trackers(procs: Iterable[psutil.Process]) -> list[psutil.Proces
     """SIGKILL each of `procs` except resource trackers, which are returned, spared."""
     trackers = []
     for proc in procs:
-        if is_resource_tracker(proc):
+        if _is_resource_tracker(proc):
             trackers.append(proc)
         else:
             with contextlib.suppress(psutil.Error):

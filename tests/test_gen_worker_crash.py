@@ -57,9 +57,10 @@ def test_a_killed_generation_worker_answers_its_groups_after_restart(stack, monk
         while _gen_pending(r) < 2:
             assert time.monotonic() < deadline, "the generation worker never took both groups"
             time.sleep(0.01)
-        segments = leftovers.shared_memory_of(leftovers.pid_of(stack.data_dir, f"gen:{TINY}"))
+        gen_pid = leftovers.pid_of(stack.data_dir, f"gen:{TINY}")
+        segments = leftovers.shared_memory_of(gen_pid)
         killed_at = time.monotonic()
-        os.kill(leftovers.pid_of(stack.data_dir, f"gen:{TINY}"), sig)
+        os.kill(gen_pid, sig)
         seen_down_s = _gen_down_after(stack.base_url, killed_at)
 
         out_official = f_official.result(timeout=600)
@@ -70,7 +71,8 @@ def test_a_killed_generation_worker_answers_its_groups_after_restart(stack, monk
     print(f"gen worker sent {sig.name}: healthz showed it after {seen_down_s:.2f} s; the re-run group was answered "
           f"{answered_s:.1f} s after the kill (engine restart included)")
     assert seen_down_s <= 3.5
-    # The dead engine's shared memory went with it (leftovers.end_group), not left for the reboot.
+    # The dead engine's shared memory went with it (its spared resource tracker, core.process_end), not
+    # left for the reboot.
     assert segments, "the engine's shared memory was not found"
     assert not [name for name in segments if os.path.exists(name)]
 
