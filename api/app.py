@@ -14,6 +14,7 @@ from api.body_limit import BodyLimitMiddleware
 from api.caller_cache import CallerCache
 from api.routes import (
     account,
+    admin,
     billing,
     downloads,
     futures,
@@ -81,8 +82,8 @@ def create_app() -> FastAPI:
     # Starlette tries routes in order until one matches, a microsecond or two each, so the calls
     # every client makes most come first (retrieve_future was the 28th route tried). The order
     # decides nothing else: no path is answered by two of these modules (tests/test_route_order.py).
-    for module in (futures, training, sessions, sampling, service, billing, account, runs, downloads, run_metrics,
-                   stripe_webhook):
+    for module in (futures, training, sessions, sampling, service, billing, account, runs, admin, downloads,
+                   run_metrics, stripe_webhook):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(metrics.router)
     app.include_router(openai_compat.router)  # /v1/completions, /v1/chat/completions

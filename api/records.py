@@ -26,11 +26,11 @@ class NewModel:
 
 
 async def insert_session(conn: AsyncConnection, who: Principal, session_id: str, *, tags: list, user_metadata: dict,
-                         sdk_version: str | None) -> None:
+                         sdk_version: str | None, display_name: str | None) -> None:
     await conn.execute(
-        "INSERT INTO sessions (id, tenant_id, api_key_id, tags, user_metadata, sdk_version) "
-        "VALUES (%s, %s, %s, %s, %s, %s)",
-        (session_id, who.tenant_id, who.key_id, Jsonb(tags), Jsonb(user_metadata), sdk_version),
+        "INSERT INTO sessions (id, tenant_id, api_key_id, tags, user_metadata, sdk_version, display_name) "
+        "VALUES (%s, %s, %s, %s, %s, %s, %s)",
+        (session_id, who.tenant_id, who.key_id, Jsonb(tags), Jsonb(user_metadata), sdk_version, display_name),
     )
 
 

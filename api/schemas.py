@@ -30,6 +30,7 @@ class CreateSessionRequest(_Body):
     tags: list[str] = Field(default_factory=list, max_length=64)
     user_metadata: dict[str, Any] = Field(default_factory=dict)
     sdk_version: str | None = Field(None, max_length=64)
+    display_name: str | None = Field(None, max_length=256)
 
 
 class SessionHeartbeatRequest(_Body):

@@ -1,18 +1,21 @@
-"""Usage reports: spend by day, by model and by unit, from the daily rollup of the ledger.
+"""Usage reports: spend by day, by model and by unit, from the daily rollup of the ledger; and
+hourly usage events per session and key, from the ledger itself, in the shape of the tinker SDK's
+`BillingUsageResponse`.
 
-`summarize` is pure (rows in, report out); `report` / `report_sync` fetch the rows for the API and
-the CLI.
+`summarize` and `hourly_events` are pure (rows in, report out); `report` / `report_sync` and
+`usage_events` fetch the rows for the API and the CLI.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import date
+from datetime import UTC, date, datetime, timedelta
 
 import psycopg
 from psycopg.rows import dict_row
 
-from billing.pricing import UNITS, usd
+from billing.pricing import MICRO_PER_USD, UNITS, usd
+from core.errors import InvalidInput
 
 _ROWS = """
 SELECT day, base_model,
@@ -91,3 +94,88 @@ async def report(conn, tenant_id: str, since: date, until: date) -> UsageSummary
 def report_sync(conn: psycopg.Connection, tenant_id: str, since: date, until: date) -> UsageSummary:
     with conn.cursor(row_factory=dict_row) as cur:
         return summarize(cur.execute(_ROWS, (tenant_id, since, until)).fetchall(), since, until)
+
+
+MAX_EVENT_WINDOW = timedelta(days=14)
+
+
+def event_window(starting_on: datetime, ending_before: datetime, now: datetime) -> tuple[datetime, datetime]:
+    """[start, end) of an hourly usage report, in UTC, as the tinker SDK's `GetBillingUsageRequest`
+    bounds it: both on a UTC hour, the start not in the future, the end after it and at most 14 days
+    later. A time without a zone is UTC. Refusals name the field (InvalidInput)."""
+    bounds = {}
+    for name, value in (("starting_on", starting_on), ("ending_before", ending_before)):
+        try:
+            value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        except OverflowError:  # a zone that moves the time past year 1 or 9999
+            raise InvalidInput(f"{name} {value.isoformat()} is out of range", field=name) from None
+        if value != value.replace(minute=0, second=0, microsecond=0):
+            raise InvalidInput(f"{name} must be on a UTC hour (minutes, seconds zero), got {value.isoformat()}",
+                               field=name)
+        bounds[name] = value
+    start, end = bounds["starting_on"], bounds["ending_before"]
+    if start > now:
+        raise InvalidInput(f"starting_on {start.isoformat()} is in the future", field="starting_on")
+    if end <= start:
+        raise InvalidInput(f"ending_before ({end.isoformat()}) must be after starting_on ({start.isoformat()})",
+                           field="ending_before")
+    if end - start > MAX_EVENT_WINDOW:
+        raise InvalidInput(f"a report spans at most {MAX_EVENT_WINDOW.days} days; ending_before is "
+                           f"{end - start} after starting_on", field="ending_before")
+    return start, end
+
+
+# The ledger's rows grouped by UTC hour, base model, the client session behind the request (a
+# training request's model, or a sampling request's sampler, belongs to one; OpenAI-compatible
+# calls have none) and the key that sent it.
+_HOURLY = """
+SELECT date_trunc('hour', l.created_at, 'UTC') AS hour, l.base_model,
+       COALESCE(m.session_id, s.session_id) AS session_id, k.prefix AS key_prefix, k.name AS key_name,
+       sum(l.prefill_tokens)::bigint AS prefill_tokens, sum(l.sample_tokens)::bigint AS sample_tokens,
+       sum(l.train_tokens)::bigint AS train_tokens, sum(l.prefill_micro_usd)::bigint AS prefill_micro_usd,
+       sum(l.sample_micro_usd)::bigint AS sample_micro_usd, sum(l.train_micro_usd)::bigint AS train_micro_usd
+FROM usage_ledger l
+LEFT JOIN training_models m ON m.id = l.model_id
+LEFT JOIN sampling_sessions s ON s.id = l.model_id
+LEFT JOIN api_keys k ON k.id = l.api_key_id
+WHERE l.tenant_id = %s AND l.created_at >= %s AND l.created_at < %s
+GROUP BY 1, 2, 3, 4, 5
+"""
+
+# Quilt's units as tinker's event types. Prefill is every token read without training on it: sampling
+# prompts and `forward` passes, both at the prefill rate; no prefill is served from a cache here.
+_EVENT_OF_UNIT = {"train": {"type": "training"}, "prefill": {"type": "sampling_prefill", "cached": False},
+                  "sample": {"type": "sampling_sample"}}
+
+
+def hourly_events(rows: list[dict]) -> list[dict]:
+    """One event per (hour, base model, session, key) and unit with tokens, ordered by hour, then
+    most tokens first: tinker's `BillingUsageEvent`, with the key's prefix (`key_prefix`) in place
+    of `user_id`. Costs are the ledger's: what each request was billed, before credits."""
+    events = []
+    for r in rows:
+        for unit, info in _EVENT_OF_UNIT.items():
+            tokens, micro_usd = int(r[f"{unit}_tokens"]), int(r[f"{unit}_micro_usd"])
+            if tokens == 0:
+                continue
+            start = r["hour"].astimezone(UTC)
+            events.append({
+                "bucket_start": start, "bucket_end": start + timedelta(hours=1),
+                "base_model": r["base_model"], "session_id": r["session_id"],
+                "key_prefix": r["key_prefix"], "user_name": r["key_name"] or None,
+                "estimated_cost_usd": micro_usd / MICRO_PER_USD,
+                # USD per million tokens: micro-USD per token.
+                "effective_rate_usd_per_million_tokens": micro_usd / tokens,
+                "event_info": {**info, "token_count": tokens},
+            })
+    events.sort(key=lambda e: (e["bucket_start"], -e["event_info"]["token_count"]))
+    return events
+
+
+async def usage_events(conn, tenant_id: str, start: datetime, end: datetime) -> tuple[list[dict], dict[str, dict]]:
+    """The tenant's hourly events in [start, end), and the `user_metadata` of each session in them."""
+    events = hourly_events(await (await conn.execute(_HOURLY, (tenant_id, start, end))).fetchall())
+    session_ids = sorted({e["session_id"] for e in events if e["session_id"]})
+    cur = await conn.execute("SELECT id, user_metadata FROM sessions WHERE tenant_id = %s AND id = ANY(%s)",
+                             (tenant_id, session_ids))
+    return events, {r["id"]: r["user_metadata"] for r in await cur.fetchall()}

@@ -14,6 +14,7 @@ Audit rows are append-only (a trigger refuses UPDATE and DELETE). `actor` names 
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Literal
 
 import psycopg
@@ -31,7 +32,11 @@ _RECORD = "INSERT INTO audit_log (tenant_id, actor, action, detail) VALUES (%s, 
 _AUDIT = ("SELECT a.id, a.tenant_id, t.name AS tenant_name, a.actor, a.action, a.detail, a.at "
           "FROM audit_log a JOIN tenants t ON t.id = a.tenant_id "
           "WHERE (%(tenant)s::text IS NULL OR a.tenant_id = %(tenant)s) "
-          "AND (%(before)s::bigint IS NULL OR a.id < %(before)s) ORDER BY a.id DESC LIMIT %(limit)s")
+          "AND (%(before)s::bigint IS NULL OR a.id < %(before)s) "
+          "AND (%(since)s::timestamptz IS NULL OR a.at >= %(since)s) "
+          "AND (%(until)s::timestamptz IS NULL OR a.at < %(until)s) "
+          "AND (%(resources)s::text[] IS NULL OR split_part(a.action, '.', 1) = ANY(%(resources)s)) "
+          "ORDER BY a.id DESC LIMIT %(limit)s")
 
 
 def suspension_refusal(kind: str, reason: str, tenant_name: str) -> QuiltError:
@@ -95,7 +100,10 @@ async def restore_async(conn: psycopg.AsyncConnection, tenant_id: str, actor: st
 
 
 async def audit_rows(conn: psycopg.AsyncConnection, tenant_id: str | None, *, limit: int,
-                     before: int | None = None) -> list[dict]:
-    """Newest first; `tenant_id` None (operators) is every tenant's."""
-    cur = await conn.execute(_AUDIT, {"tenant": tenant_id, "before": before, "limit": limit})
+                     before: int | None = None, since: datetime | None = None, until: datetime | None = None,
+                     resources: list[str] | None = None) -> list[dict]:
+    """Newest first; `tenant_id` None (operators) is every tenant's. `since`/`until` bound the time
+    ([since, until)); `resources` keeps the actions of those resources (`budget` for `budget.set`)."""
+    cur = await conn.execute(_AUDIT, {"tenant": tenant_id, "before": before, "limit": limit, "since": since,
+                                      "until": until, "resources": resources})
     return await cur.fetchall()

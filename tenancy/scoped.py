@@ -38,6 +38,29 @@ async def get_session(conn: AsyncConnection, who: Principal, session_id: str) ->
     )
 
 
+async def list_sessions(conn: AsyncConnection, who: Principal, *, limit: int, offset: int) -> list[str]:
+    """Your sessions' ids, newest first."""
+    cur = await conn.execute(
+        "SELECT id FROM sessions WHERE tenant_id = %s ORDER BY created_at DESC, id LIMIT %s OFFSET %s",
+        (who.tenant_id, limit, offset),
+    )
+    return [row["id"] for row in await cur.fetchall()]
+
+
+async def session_contents(conn: AsyncConnection, who: Principal, session_id: str) -> tuple[dict, list[str], list[str]]:
+    """A session of yours, its training models (deleted ones left out) and its samplers, each in
+    creation order."""
+    session = await get_session(conn, who, session_id)
+    cur = await conn.execute(
+        "SELECT id FROM training_models WHERE session_id = %s AND tenant_id = %s AND status <> 'deleted' "
+        "ORDER BY model_seq_id", (session_id, who.tenant_id))
+    models = [row["id"] for row in await cur.fetchall()]
+    cur = await conn.execute(
+        "SELECT id FROM sampling_sessions WHERE session_id = %s AND tenant_id = %s ORDER BY seq_id",
+        (session_id, who.tenant_id))
+    return session, models, [row["id"] for row in await cur.fetchall()]
+
+
 def _model_read(admission: bool) -> str:
     quota = f", {_ADMISSION_READS}" if admission else ""
     return ("SELECT m.*, b.vocab_size, b.max_context_length, r.id AS seq_holder_id, r.kind AS seq_holder_kind, "
@@ -136,6 +159,20 @@ async def list_checkpoints(conn: AsyncConnection, who: Principal, *, model_id: s
     )
     rows = await cur.fetchall()
     return rows, (rows[0]["total"] if rows else 0)
+
+
+async def checkpoint_storage(conn: AsyncConnection, who: Principal) -> list[dict]:
+    """Your live checkpoints' count and bytes by the key that created their session (`key_prefix`,
+    `key_name`; None where the session records no key), most bytes first."""
+    cur = await conn.execute(
+        "SELECT k.prefix AS key_prefix, k.name AS key_name, count(*) AS checkpoints, "
+        "sum(c.size_bytes)::bigint AS size_bytes "
+        "FROM checkpoints c JOIN training_models m ON m.id = c.model_id JOIN sessions s ON s.id = m.session_id "
+        f"LEFT JOIN api_keys k ON k.id = s.api_key_id WHERE c.tenant_id = %s AND {retention.LIVE} "
+        "GROUP BY k.prefix, k.name ORDER BY size_bytes DESC, k.prefix",
+        (who.tenant_id,),
+    )
+    return await cur.fetchall()
 
 
 async def list_sampling_sessions(conn: AsyncConnection, who: Principal, *, limit: int = 200) -> list[dict]:

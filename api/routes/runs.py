@@ -36,6 +36,11 @@ def checkpoint_json(row: dict) -> dict:
     }
 
 
+def metadata_text(metadata: dict | None) -> dict[str, str]:
+    """A row's `user_metadata` as the tinker SDK types it: text keys and values."""
+    return {str(k): str(v) for k, v in (metadata or {}).items()}
+
+
 def _run_json(model: dict, who: Principal, checkpoints: list[dict]) -> dict:
     last = {kind: next((c for c in checkpoints if c["kind"] == kind), None) for kind in (TRAINING_KIND, SAMPLER_KIND)}
     out = {
@@ -46,7 +51,7 @@ def _run_json(model: dict, who: Principal, checkpoints: list[dict]) -> dict:
         "lora_rank": model["lora_config"]["rank"],
         "corrupted": model["status"] in ("failed", "lost"),
         "last_request_time": model["last_request_at"].isoformat(),
-        "user_metadata": {str(k): str(v) for k, v in (model["user_metadata"] or {}).items()},
+        "user_metadata": metadata_text(model["user_metadata"]),
         "status": model["status"],
     }
     if last["weights"]:
@@ -109,9 +114,24 @@ def split_checkpoint_id(checkpoint_id: str) -> tuple[str, str]:
     return kind, name
 
 
+def _not_published() -> NotFound:
+    return NotFound("publishing checkpoints is not supported here: a checkpoint stays private to its tenant "
+                    "(download it with get_external_weights_urls or the checkpoint archive to share it)",
+                    field="checkpoint_id")
+
+
+@router.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+async def publish_checkpoint(run_id: str, checkpoint_id: str, who: Who) -> None:
+    """Not supported (404): checkpoints are never readable by another tenant."""
+    raise _not_published()
+
+
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", status_code=204)
 async def delete_checkpoint(run_id: str, checkpoint_id: str, who: Who, pool: Pool) -> Response:
-    """Delete one of your checkpoints and its files."""
+    """Delete one of your checkpoints and its files. (`<kind>/<name>/publish`, the tinker SDK's
+    unpublish, is a 404: nothing is ever published.)"""
+    if checkpoint_id.count("/") == 2 and checkpoint_id.endswith("/publish"):
+        raise _not_published()
     kind, name = split_checkpoint_id(checkpoint_id)
     async with pool.connection() as conn:
         ckpt = await scoped.get_checkpoint(conn, who, run_id, kind, name)

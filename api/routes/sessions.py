@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 
 from api import records
 from api.deps import Pool, Who
 from api.input_guard import GuardedRoute
+from api.routes.runs import metadata_text
 from api.schemas import (
     CreateSessionRequest,
     FinishSessionRequest,
@@ -14,6 +15,7 @@ from api.schemas import (
 )
 from core import db, ids
 from core.errors import UserError
+from core.numbers import INT32_MAX
 from tenancy import scoped
 
 router = APIRouter(route_class=GuardedRoute, tags=["sessions"])
@@ -29,7 +31,7 @@ async def create_session(body: CreateSessionRequest, who: Who, pool: Pool) -> di
     session_id = ids.new_session_id()
     async with db.autocommit(pool) as conn:
         await records.insert_session(conn, who, session_id, tags=body.tags, user_metadata=body.user_metadata,
-                                     sdk_version=body.sdk_version)
+                                     sdk_version=body.sdk_version, display_name=body.display_name)
     return {"session_id": session_id, "type": "create_session"}
 
 
@@ -54,3 +56,24 @@ async def finish_session(session_id: str, body: FinishSessionRequest, who: Who, 
             (str(body.reason.get("type", "success")), session_id),
         )
     return {}
+
+
+@router.get("/sessions")
+async def list_sessions(who: Who, pool: Pool, limit: int = Query(20, ge=1, le=1000),
+                        offset: int = Query(0, ge=0, le=INT32_MAX),
+                        access_scope: str = Query("owned", max_length=32)) -> dict:
+    """Your sessions' ids, newest first (`access_scope` other than `owned` sees the same: sessions
+    are private to their tenant)."""
+    async with pool.connection() as conn:
+        return {"sessions": await scoped.list_sessions(conn, who, limit=limit, offset=offset)}
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, who: Who, pool: Pool, access_scope: str = Query("owned", max_length=32)) -> dict:
+    """One of your sessions: its training runs, its samplers, and the `user_metadata` and
+    `display_name` it was created with."""
+    async with pool.connection() as conn:
+        session, models, samplers = await scoped.session_contents(conn, who, session_id)
+    return {"training_run_ids": models, "sampler_ids": samplers,
+            "user_metadata": metadata_text(session["user_metadata"]) or None,
+            "display_name": session["display_name"]}
