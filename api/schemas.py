@@ -264,6 +264,9 @@ class SampleRequest(_Body):
     topk_prompt_logprobs: int = Field(0, le=INT32_MAX)
     topk_sample_logprobs: int = Field(0, le=INT32_MAX)
     prompt_alt_tokens_k: int = Field(0, le=INT32_MAX)
+    # Named so that asking for them is refused (api.routes.sampling), not silently ignored.
+    target_prompt_logprobs: dict | None = None
+    record_stability_info: bool | None = None
     deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False,
                                      description="Quilt: abort and fail the request if unfinished after this")
     episode_id: str | None = Field(None, pattern=EPISODE_ID_PATTERN,

@@ -159,6 +159,10 @@ def test_other_tenants_samplers_are_404(stack):
     ({"topk_prompt_logprobs": 10**6}, "topk_prompt_logprobs"),
     ({"topk_prompt_logprobs": -1}, "topk_prompt_logprobs"),
     ({"topk_sample_logprobs": 2}, "topk_sample_logprobs"),
+    ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k"),
+    # What the tinker SDK 0.38 sends for these is refused, never dropped unread.
+    ({"target_prompt_logprobs": {"data": [7, -1], "dtype": "int64", "shape": [2, 1]}}, "target_prompt_logprobs"),
+    ({"record_stability_info": True}, "record_stability_info"),
     ({"deadline_s": -1}, "deadline_s"),
     ({"episode_id": ""}, "episode_id"),
     ({"episode_id": "x" * 129}, "episode_id"),
