@@ -3,9 +3,16 @@ fields over time); `type` literals are accepted but not required."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from api.datums import RawDatum, RawTensor
 from core import retention
@@ -14,6 +21,10 @@ from core.numbers import INT32_MAX
 from core.work import SEED_MAX
 
 EPISODE_ID_PATTERN = r"^[A-Za-z0-9._:/-]{1,128}$"
+# A checkpoint's user_metadata (tinker types it dict[str, str]), bounded so that its row stays small.
+CheckpointMetadata = dict[Annotated[str, StringConstraints(max_length=128)],
+                          Annotated[str, StringConstraints(max_length=1024)]]
+CHECKPOINT_METADATA_ENTRIES = 64
 
 
 class _Body(BaseModel):
@@ -56,6 +67,12 @@ class LoraConfig(_Body):
         return self
 
 
+def _adamw_only(value: dict | None) -> dict | None:
+    if value and value.get("type", "adamw") != "adamw":
+        raise ValueError(f"optimizer type {value.get('type')!r} is not supported; use 'adamw'")
+    return value
+
+
 class CreateModelRequest(_Body):
     session_id: str = Field(max_length=128)
     model_seq_id: int = Field(ge=0, le=1_000_000)
@@ -64,12 +81,7 @@ class CreateModelRequest(_Body):
     optimizer_config: dict[str, Any] | None = None
     user_metadata: dict[str, Any] | None = None
 
-    @field_validator("optimizer_config")
-    @classmethod
-    def _adamw_only(cls, value: dict | None) -> dict | None:
-        if value and value.get("type", "adamw") != "adamw":
-            raise ValueError(f"optimizer type {value.get('type')!r} is not supported; use 'adamw'")
-        return value
+    _optimizer = field_validator("optimizer_config")(_adamw_only)
 
 
 class ModelRef(_Body):
@@ -147,6 +159,8 @@ class SaveWeightsRequest(_Body):
     overwrite: bool = False
     ttl_seconds: int | None = Field(None, ge=retention.MIN_TTL_S, le=retention.MAX_TTL_S,
                                     description="delete the checkpoint this long after the save; none: keep")
+    user_metadata: CheckpointMetadata | None = Field(None, max_length=CHECKPOINT_METADATA_ENTRIES,
+                                                     description="listed with the checkpoint")
 
     @field_validator("path")
     @classmethod
@@ -184,6 +198,18 @@ class LoadWeightsRequest(_Body):
     path: str = Field(max_length=1024)
     optimizer: bool = False
     user_metadata: dict[str, Any] | None = None
+    base_model: str | None = Field(None, max_length=256, description="if given, the checkpoint's own base")
+    optimizer_config: dict[str, Any] | None = None
+    weights_access_token: str | None = Field(None, max_length=4096)
+
+    _optimizer = field_validator("optimizer_config")(_adamw_only)
+
+    @field_validator("weights_access_token")
+    @classmethod
+    def _own_weights_only(cls, value: str | None) -> None:
+        if value is not None:
+            raise ValueError("loading another account's checkpoint is not supported: checkpoints are private to "
+                             "their tenant; leave weights_access_token out")
 
     @model_validator(mode="after")
     def _one_addressing(self) -> "LoadWeightsRequest":
@@ -216,6 +242,8 @@ class SaveWeightsForSamplerRequest(_Body):
     ttl_seconds: int | None = Field(None, ge=retention.MIN_TTL_S, le=retention.MAX_TTL_S,
                                     description="delete the weights this long after the save; default: named "
                                                 "kept, anonymous expire QUILT_ANON_SAMPLER_TTL_S after last use")
+    user_metadata: CheckpointMetadata | None = Field(None, max_length=CHECKPOINT_METADATA_ENTRIES,
+                                                     description="listed with the checkpoint")
 
     @field_validator("path")
     @classmethod

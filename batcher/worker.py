@@ -632,7 +632,8 @@ class TrainerWorker:
         self._db_call(records.upsert_checkpoint, tenant_id=item.tenant_id, model_id=item.model_id,
                       kind=_checkpoint_kind(item),
                       name=work.name, storage_path=work.storage_path, size_bytes=size, ttl_s=work.ttl_s,
-                      sliding=work.sliding, grace_s=get_core_settings().superseded_version_grace_s)
+                      sliding=work.sliding, grace_s=get_core_settings().superseded_version_grace_s,
+                      user_metadata=work.user_metadata)
         return result
 
     # ------------------------------------------------------------------ results

@@ -180,6 +180,7 @@ class SaveWeights:
     ttl_s: int | None = None
     sliding: bool = False  # every use restarts the clock (anonymous sampler snapshots)
     sampling_session_id: str | None = None  # the anonymous form's sampler, echoed in the result
+    user_metadata: dict[str, str] | None = None  # the client's, recorded with the checkpoint
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -187,7 +188,7 @@ class SaveWeights:
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> SaveWeights:
         return cls(str(obj["name"]), str(obj["storage_path"]), bool(obj["overwrite"]), obj.get("ttl_s"),
-                   bool(obj.get("sliding", False)), obj.get("sampling_session_id"))
+                   bool(obj.get("sliding", False)), obj.get("sampling_session_id"), obj.get("user_metadata"))
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """What the official tinker SDK (0.38) reads beside training, against a running embedded Quilt:
-sessions (`RestClient.list_sessions` / `get_session`), the bill (`AdminClient.get_billing_usage`,
+sessions (`RestClient.list_sessions` / `get_session`), checkpoints' `user_metadata`, the bill (`AdminClient.get_billing_usage`,
 `get_current_checkpoint_storage_usage` and `tinker billing ...`), the audit log
 (`AdminClient.get_audit_log`), and the refusal of checkpoint publishing. Each shows one tenant
 only its own."""
@@ -65,9 +65,11 @@ def test_sessions_bill_and_storage_through_the_official_sdk(stack):
     with tinker.ServiceClient(user_metadata={"experiment": "grpo-7"}, display_name="nightly",
                               base_url=stack.base_url, api_key=a.key) as service:
         tc, sampler = _train_and_sample(service)
-        state = tc.save_state("kept").result()
+        state = tc.save_state("kept", user_metadata={"eval": "0.81"}).result()
         rest = tinker.RestClient(base_url=stack.base_url, api_key=a.key)
         session_id = tc.model_id.split(":")[0]
+        (kept,) = [c for c in rest.list_checkpoints(tc.model_id).result().checkpoints if c.tinker_path == state.path]
+        assert kept.user_metadata == {"eval": "0.81"}
 
         # Sessions: the run and the sampler it made, with the metadata and name it was opened with.
         got = rest.get_session(session_id).result()

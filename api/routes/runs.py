@@ -33,6 +33,7 @@ def checkpoint_json(row: dict) -> dict:
         "size_bytes": row["size_bytes"],
         "public": False,
         **({"expires_at": row["expires_at"].isoformat()} if row["expires_at"] else {}),
+        **({"user_metadata": row["user_metadata"]} if row["user_metadata"] is not None else {}),
     }
 
 

@@ -112,7 +112,7 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, request: 
                                   anon_ttl_s=get_core_settings().anon_sampler_ttl_s)
         # A new directory per publication: the pool may still serve (and reload) the previous version.
         work = SaveWeights(name=name, overwrite=True, ttl_s=life.ttl_s, sliding=life.sliding,
-                           sampling_session_id=sampler_id,
+                           sampling_session_id=sampler_id, user_metadata=body.user_metadata,
                            storage_path=new_version_dir(get_core_settings().checkpoint_dir, who.tenant_id,
                                                         body.model_id, SAMPLER_KIND, name))
         item = WorkItem(ids.new_request_id(), who.tenant_id, body.model_id, body.seq_id,

@@ -194,6 +194,7 @@ async def save_weights(body: SaveWeightsRequest, request: Request, who: Who, poo
     `ttl_seconds` deletes it that long after the save."""
     seq_gaps.claim(request, body.model_id, body.seq_id)
     work = SaveWeights(name=body.path, overwrite=body.overwrite, ttl_s=body.ttl_seconds,
+                       user_metadata=body.user_metadata,
                        storage_path=new_version_dir(get_core_settings().checkpoint_dir, who.tenant_id, body.model_id,
                                                     TRAINING_KIND, body.path))
     return await _queue_on_model(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id,
@@ -234,6 +235,9 @@ async def load_weights(body: LoadWeightsRequest, request: Request, who: Who, poo
     async with pool.connection() as conn:
         ckpt = await scoped.get_checkpoint(conn, who, run, kind, name)
         source = await scoped.get_model(conn, who, run) if body.model_id is None else None
+    if source is not None and body.base_model not in (None, source["base_model"]):
+        raise InvalidInput(f"base_model {body.base_model!r}: a checkpoint loads onto its own base "
+                           f"({source['base_model']!r}); leave base_model out", field="base_model")
     load = LoadWeights(storage_path=ckpt["storage_path"], optimizer=body.optimizer, path=body.path)
     if body.model_id is None:
         return await _new_model(pool, redis, who, session_id=body.session_id, model_seq_id=body.model_seq_id,
