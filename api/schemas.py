@@ -149,7 +149,16 @@ class AdamParams(_Body):
 class OptimStepRequest(_Body):
     model_id: str = Field(max_length=256)
     seq_id: int = Field(ge=1, le=2**31 - 1)
+    # Where the tinker SDK sends another optimizer's parameters (Dimuon). Before adam_params, so
+    # that its refusal is the first error, not "adam_params: field required".
+    optimizer_params: dict[str, Any] | None = None
     adam_params: AdamParams
+
+    @field_validator("optimizer_params")
+    @classmethod
+    def _adamw_params_only(cls, value: dict | None) -> None:
+        if value is not None:
+            raise ValueError(f"optimizer {value.get('type')!r} is not supported; send adam_params (AdamW)")
 
 
 class SaveWeightsRequest(_Body):

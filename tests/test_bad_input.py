@@ -79,6 +79,13 @@ def test_bad_adam_params(client, model_id):
     _assert_400(r, "adam_params.beta1", "less than 1")
 
 
+def test_another_optimizers_params_are_refused_by_name(client, model_id):
+    # What tinker 0.38 sends for DimuonParams: optimizer_params in place of adam_params.
+    r = client.post("/optim_step", json={"model_id": model_id, "seq_id": 1,
+                                         "optimizer_params": {"type": "dimuon", "learning_rate": 0.02}})
+    _assert_400(r, "optimizer_params", "send adam_params")
+
+
 def test_rank_over_the_limit(client):
     session_id = client.post("/create_session", json={}).json()["session_id"]
     r = client.post("/create_model", json={"session_id": session_id, "model_seq_id": 0,
