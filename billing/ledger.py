@@ -45,31 +45,42 @@ ON CONFLICT (request_id) DO NOTHING
 RETURNING id, api_key_id, created_at
 """
 
-_DAILY = """
+def _adding(alias: str, columns: str) -> str:
+    """An upsert's SET list that adds the new row's `columns` to the existing row (`alias`)."""
+    return ",\n    ".join(f"{c} = {alias}.{c} + EXCLUDED.{c}" for c in columns.split())
+
+
+_UNIT_SUMS = "prefill_tokens sample_tokens train_tokens prefill_micro_usd sample_micro_usd train_micro_usd"
+
+_DAILY = f"""
 INSERT INTO usage_daily AS d (tenant_id, api_key_id, day, base_model, requests, prefill_tokens, sample_tokens,
                               train_tokens, prefill_micro_usd, sample_micro_usd, train_micro_usd, cost_micro_usd)
 VALUES (%(tenant_id)s, %(key)s, (%(at)s::timestamptz AT TIME ZONE 'UTC')::date, %(base_model)s, 1,
         %(prefill)s, %(sample)s, %(train)s, %(prefill_cost)s, %(sample_cost)s, %(train_cost)s, %(cost)s)
 ON CONFLICT (tenant_id, day, base_model, api_key_id) DO UPDATE SET
     requests = d.requests + 1,
-    prefill_tokens = d.prefill_tokens + EXCLUDED.prefill_tokens,
-    sample_tokens = d.sample_tokens + EXCLUDED.sample_tokens,
-    train_tokens = d.train_tokens + EXCLUDED.train_tokens,
-    prefill_micro_usd = d.prefill_micro_usd + EXCLUDED.prefill_micro_usd,
-    sample_micro_usd = d.sample_micro_usd + EXCLUDED.sample_micro_usd,
-    train_micro_usd = d.train_micro_usd + EXCLUDED.train_micro_usd,
-    cost_micro_usd = d.cost_micro_usd + EXCLUDED.cost_micro_usd
+    {_adding("d", _UNIT_SUMS + " cost_micro_usd")}
 """
 
-_HOURLY = """
+_HOURLY = f"""
 INSERT INTO usage_hourly AS h (tenant_id, hour, requests, prefill_tokens, sample_tokens, train_tokens, cost_micro_usd)
 VALUES (%(tenant_id)s, date_trunc('hour', %(at)s::timestamptz, 'UTC'), 1, %(prefill)s, %(sample)s, %(train)s, %(cost)s)
 ON CONFLICT (tenant_id, hour) DO UPDATE SET
     requests = h.requests + 1,
-    prefill_tokens = h.prefill_tokens + EXCLUDED.prefill_tokens,
-    sample_tokens = h.sample_tokens + EXCLUDED.sample_tokens,
-    train_tokens = h.train_tokens + EXCLUDED.train_tokens,
-    cost_micro_usd = h.cost_micro_usd + EXCLUDED.cost_micro_usd
+    {_adding("h", "prefill_tokens sample_tokens train_tokens cost_micro_usd")}
+"""
+
+# model_id is a training model or a sampler (or neither); either belongs to one client session.
+_HOURLY_SESSIONS = f"""
+INSERT INTO usage_hourly_sessions AS u (tenant_id, hour, base_model, session_id, api_key_id, prefill_tokens,
+                                        sample_tokens, train_tokens, prefill_micro_usd, sample_micro_usd,
+                                        train_micro_usd)
+VALUES (%(tenant_id)s, date_trunc('hour', %(at)s::timestamptz, 'UTC'), %(base_model)s,
+        COALESCE((SELECT session_id FROM training_models WHERE id = %(model_id)s),
+                 (SELECT session_id FROM sampling_sessions WHERE id = %(model_id)s), ''),
+        %(key)s, %(prefill)s, %(sample)s, %(train)s, %(prefill_cost)s, %(sample_cost)s, %(train_cost)s)
+ON CONFLICT (tenant_id, hour, base_model, session_id, api_key_id) DO UPDATE SET
+    {_adding("u", _UNIT_SUMS)}
 """
 
 
@@ -122,6 +133,8 @@ def record_usage(conn: psycopg.Connection, *, request_id: str, tenant_id: str, a
         params.update(at=row["created_at"], key=row["api_key_id"] or "")
         cur.execute(_DAILY, params)
         cur.execute(_HOURLY, params)
+        if not units.empty:
+            cur.execute(_HOURLY_SESSIONS, params)
     return LedgerEntry(id=row["id"], request_id=request_id, tenant_id=tenant_id, base_model=base_model,
                        units=units, price_id=price.id if price else None, cost=cost, created_at=row["created_at"])
 

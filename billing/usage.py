@@ -1,6 +1,6 @@
 """Usage reports: spend by day, by model and by unit, from the daily rollup of the ledger; and
-hourly usage events per session and key, from the ledger itself, in the shape of the tinker SDK's
-`BillingUsageResponse`.
+hourly usage events per session and key, from the ledger's hourly rollup by session
+(`usage_hourly_sessions`), in the shape of the tinker SDK's `BillingUsageResponse`.
 
 `summarize` and `hourly_events` are pure (rows in, report out); `report` / `report_sync` and
 `usage_events` fetch the rows for the API and the CLI.
@@ -125,21 +125,12 @@ def event_window(starting_on: datetime, ending_before: datetime, now: datetime) 
     return start, end
 
 
-# The ledger's rows grouped by UTC hour, base model, the client session behind the request (a
-# training request's model, or a sampling request's sampler, belongs to one; OpenAI-compatible
-# calls have none) and the key that sent it.
+# The hourly rollup by session and key (usage_hourly_sessions, written with the ledger).
 _HOURLY = """
-SELECT date_trunc('hour', l.created_at, 'UTC') AS hour, l.base_model,
-       COALESCE(m.session_id, s.session_id) AS session_id, k.prefix AS key_prefix, k.name AS key_name,
-       sum(l.prefill_tokens)::bigint AS prefill_tokens, sum(l.sample_tokens)::bigint AS sample_tokens,
-       sum(l.train_tokens)::bigint AS train_tokens, sum(l.prefill_micro_usd)::bigint AS prefill_micro_usd,
-       sum(l.sample_micro_usd)::bigint AS sample_micro_usd, sum(l.train_micro_usd)::bigint AS train_micro_usd
-FROM usage_ledger l
-LEFT JOIN training_models m ON m.id = l.model_id
-LEFT JOIN sampling_sessions s ON s.id = l.model_id
-LEFT JOIN api_keys k ON k.id = l.api_key_id
-WHERE l.tenant_id = %s AND l.created_at >= %s AND l.created_at < %s
-GROUP BY 1, 2, 3, 4, 5
+SELECT u.hour, u.base_model, NULLIF(u.session_id, '') AS session_id, k.prefix AS key_prefix, k.name AS key_name,
+       u.prefill_tokens, u.sample_tokens, u.train_tokens, u.prefill_micro_usd, u.sample_micro_usd, u.train_micro_usd
+FROM usage_hourly_sessions u LEFT JOIN api_keys k ON k.id = NULLIF(u.api_key_id, '')
+WHERE u.tenant_id = %s AND u.hour >= %s AND u.hour < %s
 """
 
 # Quilt's units as tinker's event types. Prefill is every token read without training on it: sampling

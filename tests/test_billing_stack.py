@@ -100,6 +100,26 @@ def test_recording_a_request_twice_bills_it_once(stack, workload):
         row["request_id"]) == 1
 
 
+def test_the_hourly_session_rollup_is_the_ledger_grouped(stack, workload):
+    # usage_hourly_sessions (what GET billing/usage/events reads) is written with each ledger row.
+    units = ("prefill_tokens", "sample_tokens", "train_tokens", "prefill_micro_usd", "sample_micro_usd",
+             "train_micro_usd")
+    with _db(stack) as conn:
+        grouped = conn.execute(
+            "SELECT date_trunc('hour', l.created_at, 'UTC') AS hour, l.base_model, "
+            "COALESCE(m.session_id, s.session_id, '') AS session_id, COALESCE(l.api_key_id, '') AS api_key_id, "
+            + ", ".join(f"sum(l.{u})::bigint AS {u}" for u in units) +
+            " FROM usage_ledger l LEFT JOIN training_models m ON m.id = l.model_id "
+            "LEFT JOIN sampling_sessions s ON s.id = l.model_id "
+            "WHERE l.tenant_id = ANY(%s) AND l.prefill_tokens + l.sample_tokens + l.train_tokens > 0 "
+            "GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4", (workload.tenant_ids,)).fetchall()
+        rollup = conn.execute(
+            f"SELECT hour, base_model, session_id, api_key_id, {', '.join(units)} FROM usage_hourly_sessions "
+            "WHERE tenant_id = ANY(%s) ORDER BY 1, 2, 3, 4", (workload.tenant_ids,)).fetchall()
+    assert rollup == grouped and len(rollup) >= len(workload.tenant_ids)
+    assert all(r["session_id"] for r in rollup)  # every workload call was made in a session
+
+
 def test_every_authenticated_response_carries_the_month_to_date_spend(stack, workload):
     tenant = workload.tenants[0]
     client = stack.http(tenant.key)
