@@ -145,11 +145,11 @@ def hourly_events(rows: list[dict]) -> list[dict]:
     of `user_id`. Costs are the ledger's: what each request was billed, before credits."""
     events = []
     for r in rows:
+        start = r["hour"].astimezone(UTC)
         for unit, info in _EVENT_OF_UNIT.items():
             tokens, micro_usd = int(r[f"{unit}_tokens"]), int(r[f"{unit}_micro_usd"])
             if tokens == 0:
                 continue
-            start = r["hour"].astimezone(UTC)
             events.append({
                 "bucket_start": start, "bucket_end": start + timedelta(hours=1),
                 "base_model": r["base_model"], "session_id": r["session_id"],

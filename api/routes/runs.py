@@ -121,18 +121,18 @@ def _not_published() -> NotFound:
                     field="checkpoint_id")
 
 
-@router.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
-async def publish_checkpoint(run_id: str, checkpoint_id: str, who: Who) -> None:
-    """Not supported (404): checkpoints are never readable by another tenant."""
+# Before the DELETE of `{checkpoint_id:path}`, which would take `<kind>/<name>/publish` for a
+# checkpoint id; a checkpoint named `publish` (`<kind>/publish`, two segments) still reaches it.
+@router.api_route("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", methods=["POST", "DELETE"])
+async def publish_checkpoint(run_id: str, kind: str, name: str, who: Who) -> None:
+    """Publish (POST) and unpublish (DELETE), the tinker SDK's: not supported (404), since
+    checkpoints are never readable by another tenant."""
     raise _not_published()
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", status_code=204)
 async def delete_checkpoint(run_id: str, checkpoint_id: str, who: Who, pool: Pool) -> Response:
-    """Delete one of your checkpoints and its files. (`<kind>/<name>/publish`, the tinker SDK's
-    unpublish, is a 404: nothing is ever published.)"""
-    if checkpoint_id.count("/") == 2 and checkpoint_id.endswith("/publish"):
-        raise _not_published()
+    """Delete one of your checkpoints and its files."""
     kind, name = split_checkpoint_id(checkpoint_id)
     async with pool.connection() as conn:
         ckpt = await scoped.get_checkpoint(conn, who, run_id, kind, name)

@@ -204,10 +204,10 @@ def _unsupported(body: SampleRequest) -> None:
     for field in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
         if getattr(body, field):
             raise InvalidInput(f"{field} is not supported by this server yet; send 0", field=field)
-    asked = {"target_prompt_logprobs": body.target_prompt_logprobs is not None,
-             "record_stability_info": bool(body.record_stability_info)}
-    for field in (f for f, on in asked.items() if on):
-        raise InvalidInput(f"{field} is not supported by this server yet; leave it out", field=field)
+    for field, asked in (("target_prompt_logprobs", body.target_prompt_logprobs is not None),
+                         ("record_stability_info", bool(body.record_stability_info))):
+        if asked:
+            raise InvalidInput(f"{field} is not supported by this server yet; leave it out", field=field)
 
 
 @router.post("/asample")
