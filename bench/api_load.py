@@ -543,6 +543,9 @@ def main() -> None:
     parser.add_argument("--pg-waits", action="store_true",
                         help="read pg_stat_activity every 20 ms in each phase and print the statements seen running "
                              "for 5 ms or more, with what they waited on (PgWaitProbe)")
+    parser.add_argument("--no-sampling", action="store_true",
+                        help="serve the tiny base for training only: no generation worker, for a machine without "
+                             "a generation engine (the calls measured never sample)")
     parser.add_argument("--slices", type=int, default=5,
                         help="phase 2 alternates its layouts this many times, so a slow spell of a shared host "
                              "falls on both")
@@ -551,7 +554,8 @@ def main() -> None:
     if not set(layouts) <= {*LAYOUTS, "unpinned"}:
         parser.error(f"--layouts: each of {', '.join(LAYOUTS)}")
 
-    with ephemeral_stack({"QUILT_WORKERS": str(args.api_workers)}, parent=args.data_parent) as stack:
+    setup = [["models", "create-tiny", "--no-sample"]] if args.no_sampling else []
+    with ephemeral_stack({"QUILT_WORKERS": str(args.api_workers)}, parent=args.data_parent, setup=setup) as stack:
         tenants = prepare_tenants(stack, args.tenants)
         api, stores = _api_processes(stack.base_url), _stores(stack)
         cpus = sorted(os.sched_getaffinity(0))

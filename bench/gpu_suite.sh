@@ -3,7 +3,7 @@
 # 1.7 B-parameter Qwen3 shape in bfloat16, the fill benchmark, and publish-to-first-token on a
 # random-weight Qwen3-8B shape, and suffix speculation on and off at low and high load
 # (bench/suffix_speculation.py --engine; arctic-inference from the gpu extra). Prints each benchmark's table and JSON line, then one JSON line of
-# all three. On a machine without a CUDA GPU it says so and exits 0 (nothing to measure).
+# all of them. On a machine without a CUDA GPU it says so and exits 0 (nothing to measure).
 #
 #   bash bench/gpu_suite.sh            (after QUILT_ENGINE=gpu bash scripts/install.sh)
 set -uo pipefail
@@ -29,10 +29,21 @@ run() {  # name, seconds, command...: the command's output, and its last JSON li
   [ -s "$WORK/$name.json" ] || echo "{\"failed\": $rc}" > "$WORK/$name.json"
 }
 
+skip() {  # name, why: a benchmark this machine cannot run, said in its JSON line rather than failed
+  echo; echo "=== $1: skipped, $2"
+  printf '{"skipped": "%s"}\n' "$2" > "$WORK/$1.json"
+}
+
 run fusion 150 "$PY" bench/trainer_fusion.py --quick --device cuda --dtype bfloat16 --hidden 4096 --layers 8
-run fill 150 "$PY" bench/genpool_fill.py --async --mix mixed --groups 32 --pause 6 --run-for 10 --repeats 2 --publish-trials 2
-run first_token 170 "$PY" bench/first_token.py --preset qwen3-8b --trials 5 --workdir "$WORK"
-run suffix 120 "$PY" bench/suffix_speculation.py --engine
+# The other three drive vLLM's CUDA engine. A machine that has the GPU but not the gpu extra (an
+# image without vLLM and no registry to fetch it from) still measures the trainer.
+if "$PY" -c 'import vllm' 2>/dev/null; then
+  run fill 150 "$PY" bench/genpool_fill.py --async --mix mixed --groups 32 --pause 6 --run-for 10 --repeats 2 --publish-trials 2
+  run first_token 170 "$PY" bench/first_token.py --preset qwen3-8b --trials 5 --workdir "$WORK"
+  run suffix 120 "$PY" bench/suffix_speculation.py --engine
+else
+  for name in fill first_token suffix; do skip "$name" "vllm is not installed (the gpu extra)"; done
+fi
 
 echo
 "$PY" - "$WORK" <<'PY'

@@ -42,7 +42,7 @@ def cmd_models_create_tiny(args) -> int:
     from stack.launcher import ensure_tiny_model
 
     with db.connect(_prepared(args)) as conn:
-        model = ensure_tiny_model(conn, architecture=args.architecture)
+        model = ensure_tiny_model(conn, architecture=args.architecture, sampleable=args.sample)
     print(f"{model.name} at {model.path} ({model.architecture}, vocab {model.vocab_size}, "
           f"context {model.max_context_length})")
     return 0
@@ -281,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     from core.architectures import SUPPORTED
 
     p.add_argument("--architecture", default="qwen3", choices=sorted(SUPPORTED))
+    p.add_argument("--sample", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve sampling (--no-sample: training only, no generation worker)")
     p.set_defaults(func=cmd_models_create_tiny)
     p = models.add_parser("add", help="validate a Hugging Face causal LM and add it to the catalogue")
     _data_dir_option(p)

@@ -89,9 +89,10 @@ def prepare(data_dir: Path | None = None) -> tuple[str, str]:
     return db_url, redis_url
 
 
-def ensure_tiny_model(conn, *, architecture: str = "qwen3") -> catalog.BaseModel:
+def ensure_tiny_model(conn, *, architecture: str = "qwen3", sampleable: bool = True) -> catalog.BaseModel:
     """Build a tiny local random-weight base (idempotent) and add it to the catalogue: the Qwen3 one
-    is the embedded default, the others exist for the architecture tests."""
+    is the embedded default, the others exist for the architecture tests. `sampleable=False` adds it
+    for training only: no generation worker, for a machine without a generation engine."""
     from billing.price_book import ensure_size_price
     from core import model_sources
     from stack.tiny_model import TinyModelSpec, build_tiny_model, tiny_model_name
@@ -99,7 +100,8 @@ def ensure_tiny_model(conn, *, architecture: str = "qwen3") -> catalog.BaseModel
     name = tiny_model_name(architecture)
     info = build_tiny_model(get_core_settings().models_dir / name.split("/")[-1],
                             spec=TinyModelSpec(architecture=architecture))
-    model = model_sources.describe(name, *model_sources.locate(path=info.path), renderer="chatml")
+    model = model_sources.describe(name, *model_sources.locate(path=info.path), renderer="chatml",
+                                   sampleable=sampleable)
     catalog.register(conn, model)
     ensure_size_price(conn, model)
     return model

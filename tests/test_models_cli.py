@@ -75,3 +75,16 @@ def test_add_list_plan_remove(env, tmp_path):
     quilt(env, "models", "remove", "acme/llama-mini")
     assert "acme/llama-mini" not in quilt(env, "models", "list")
     assert "is not in the catalogue" in quilt(env, "models", "remove", "acme/llama-mini", expect=2)
+
+
+def test_create_tiny_for_training_only(env):
+    """`create-tiny --no-sample`: the tiny base serves training without a generation worker (a machine
+    without a generation engine, bench/api_load.py --no-sampling); the default brings sampling back."""
+    def tiny_row() -> list[str]:
+        out = quilt(env, "models", "list")
+        return next(line for line in out.splitlines() if line.startswith("quilt/tiny-qwen3")).split()
+
+    quilt(env, "models", "create-tiny", "--no-sample")
+    assert tiny_row()[6:8] == ["yes", "no"], tiny_row()  # train, sample
+    quilt(env, "models", "create-tiny")
+    assert tiny_row()[6:8] == ["yes", "yes"], tiny_row()
