@@ -97,6 +97,8 @@ def report_sync(conn: psycopg.Connection, tenant_id: str, since: date, until: da
 
 
 MAX_EVENT_WINDOW = timedelta(days=14)
+# One report's rows: each gives up to three events of a few hundred bytes, so at most a few MB.
+MAX_EVENT_ROWS = 5_000
 
 
 def event_window(starting_on: datetime, ending_before: datetime, now: datetime) -> tuple[datetime, datetime]:
@@ -131,12 +133,28 @@ SELECT u.hour, u.base_model, NULLIF(u.session_id, '') AS session_id, k.prefix AS
        u.prefill_tokens, u.sample_tokens, u.train_tokens, u.prefill_micro_usd, u.sample_micro_usd, u.train_micro_usd
 FROM usage_hourly_sessions u LEFT JOIN api_keys k ON k.id = NULLIF(u.api_key_id, '')
 WHERE u.tenant_id = %s AND u.hour >= %s AND u.hour < %s
+ORDER BY u.hour LIMIT %s
 """
 
 # Quilt's units as tinker's event types. Prefill is every token read without training on it: sampling
 # prompts and `forward` passes, both at the prefill rate; no prefill is served from a cache here.
 _EVENT_OF_UNIT = {"train": {"type": "training"}, "prefill": {"type": "sampling_prefill", "cached": False},
                   "sample": {"type": "sampling_sample"}}
+
+
+def within_report_limit(rows: list[dict], start: datetime, limit: int = MAX_EVENT_ROWS) -> list[dict]:
+    """The rows of a report (ordered by hour) when there are at most `limit`; otherwise a refusal
+    naming `ending_before` and the latest end whose report fits. tinker has no paging for this
+    report, so a window is what bounds the answer."""
+    if len(rows) <= limit:
+        return rows
+    first_over = rows[limit]["hour"].astimezone(UTC)
+    if first_over > start:
+        fix = f"ask up to ending_before={first_over.isoformat()} and go on from there"
+    else:
+        fix = "that hour alone holds more: GET /api/v1/quilt/usage gives the same usage by day and base model"
+    raise InvalidInput(f"this window holds more than {limit:,} hourly usage rows (one per base model, session "
+                       f"and key with usage in an hour); {fix}", field="ending_before")
 
 
 def hourly_events(rows: list[dict]) -> list[dict]:
@@ -165,7 +183,8 @@ def hourly_events(rows: list[dict]) -> list[dict]:
 
 async def usage_events(conn, tenant_id: str, start: datetime, end: datetime) -> tuple[list[dict], dict[str, dict]]:
     """The tenant's hourly events in [start, end), and the `user_metadata` of each session in them."""
-    events = hourly_events(await (await conn.execute(_HOURLY, (tenant_id, start, end))).fetchall())
+    rows = await (await conn.execute(_HOURLY, (tenant_id, start, end, MAX_EVENT_ROWS + 1))).fetchall()
+    events = hourly_events(within_report_limit(rows, start))
     session_ids = sorted({e["session_id"] for e in events if e["session_id"]})
     cur = await conn.execute("SELECT id, user_metadata FROM sessions WHERE tenant_id = %s AND id = ANY(%s)",
                              (tenant_id, session_ids))

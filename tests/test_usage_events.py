@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from billing.usage import event_window, hourly_events
+from billing.usage import event_window, hourly_events, within_report_limit
 from core.errors import InvalidInput
 
 NOW = datetime(2026, 12, 4, 13, 47, tzinfo=UTC)
@@ -79,3 +79,16 @@ def test_rows_without_tokens_give_no_events_and_buckets_are_utc():
     (event,) = hourly_events([_row(east, train=7, train_usd=0)])
     assert event["bucket_start"] == HOUR and event["bucket_start"].tzinfo == UTC
     assert event["estimated_cost_usd"] == 0.0 and event["effective_rate_usd_per_million_tokens"] == 0.0
+
+
+def test_a_report_past_its_row_limit_is_refused_with_an_end_that_fits():
+    rows = [_row(HOUR + timedelta(hours=h), session=f"s{h}-{i}", train=1) for h in range(3) for i in range(2)]
+    assert within_report_limit(rows, HOUR, limit=6) == rows
+    with pytest.raises(InvalidInput) as err:  # rows[3] starts the second hour: end there
+        within_report_limit(rows, HOUR, limit=3)
+    assert err.value.field == "ending_before"
+    assert "more than 3 hourly usage rows" in str(err.value)
+    assert f"ending_before={(HOUR + timedelta(hours=1)).isoformat()}" in str(err.value)
+    with pytest.raises(InvalidInput) as err:  # the first hour alone is past the limit
+        within_report_limit(rows, HOUR, limit=1)
+    assert "that hour alone" in str(err.value) and "/api/v1/quilt/usage" in str(err.value)
