@@ -17,7 +17,8 @@ from pydantic import (
 from api.datums import RawDatum, RawTensor
 from core import retention
 from core.ids import CHECKPOINT_NAME_RE
-from core.numbers import INT32_MAX
+from core.numbers import INT32_MAX, INT64_MAX
+from core.queue import MAX_CLONE
 from core.work import SEED_MAX
 
 EPISODE_ID_PATTERN = r"^[A-Za-z0-9._:/-]{1,128}$"
@@ -290,7 +291,8 @@ class SamplingParamsIn(_Body):
 
 class SampleRequest(_Body):
     sampling_session_id: str | None = Field(None, max_length=256)
-    seq_id: int | None = None  # only part of a Redis key: the SDK's sampling ids exceed int32
+    # The SDK's sampling ids exceed int32: a clone's are clone * 10^9 + n (core.queue.CLONE_SPAN).
+    seq_id: int | None = Field(None, ge=0, le=INT64_MAX)
     base_model: str | None = Field(None, max_length=256)
     model_path: str | None = Field(None, max_length=1024)
     num_samples: int = Field(1, ge=1, le=INT32_MAX)
@@ -319,6 +321,25 @@ class SampleRequest(_Body):
         if self.episode_hint is not None and self.episode_id is None:
             raise ValueError("episode_hint needs episode_id")
         return self
+
+
+class SamplingSessionTarget(_Body):
+    type: Literal["sampling_session"] = "sampling_session"
+    sampling_session_id: str = Field(max_length=256)
+    cloned_sampler_id: int = Field(0, ge=0, le=MAX_CLONE)
+
+
+class RetrieveFuturesRequest(_Body):
+    target: SamplingSessionTarget
+    prev_cursor: int = Field(0, ge=0, le=INT64_MAX)
+    timeout: float | None = Field(None, ge=0, allow_inf_nan=False, description="seconds; at most the server's hold")
+    # Accepted and not acted on: a result's payload expires with its future (QUILT_FUTURE_TTL_SECONDS).
+    retrieved_request_ids: list[Annotated[str, Field(max_length=128)]] = Field(default_factory=list,
+                                                                               max_length=10_000)
+
+
+class JoinSamplingSessionRequest(_Body):
+    sampling_session_id: str = Field(max_length=256)
 
 
 class CancelFutureRequest(_Body):

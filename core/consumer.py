@@ -194,6 +194,9 @@ class StreamConsumer:
             self.ack(stream_id)
             return
         self.finish(Delivery(stream_id, item), queue.failure(item.request_id, ServerError(f"malformed request: {exc}")))
+        if raw.get("kind") == WorkKind.SAMPLE and item.model_id:  # its session's poller waits for it too
+            queue.note_session_done(self.redis, item.model_id, item.seq_id, item.request_id, self.result_ttl_s,
+                                    size=None)
 
     # ------------------------------------------------------------------ results
 

@@ -97,6 +97,12 @@ def future_key(request_id: str) -> str:
     return f"quilt:future:{request_id}"
 
 
+def _text(fields: dict, name: str) -> str | None:
+    """A stream entry's field as text, whichever way the client decoded it."""
+    value = fields.get(name.encode(), fields.get(name))
+    return value.decode() if isinstance(value, bytes) else value
+
+
 @dataclass(frozen=True)
 class Outcome:
     """A finished future: either `result` or `error` (the typed error's JSON). Once stored it also
@@ -124,13 +130,9 @@ class Outcome:
 
     @classmethod
     def decode(cls, request_id: str, fields: dict) -> "Outcome":
-        def text(name: str) -> str | None:
-            value = fields.get(name.encode(), fields.get(name))
-            return value.decode() if isinstance(value, bytes) else value
-
-        body = text("body")
-        stored = {"tenant_id": text("tenant"), "kind": text("kind"), "body": body}
-        if text("status") == "failed":
+        body = _text(fields, "body")
+        stored = {"tenant_id": _text(fields, "tenant"), "kind": _text(fields, "kind"), "body": body}
+        if _text(fields, "status") == "failed":
             return cls(request_id, error=json.loads(body), **stored)
         return cls(request_id, result=json.loads(body), **stored)
 
@@ -144,10 +146,34 @@ NOT_ENCODABLE = ("the result holds a number JSON cannot carry (NaN or Infinity):
                  "make the request's weights or advantages smaller")
 
 
+# The tinker SDK numbers the sampling requests of a session's clone `c` from c * CLONE_SPAN; a
+# session's completions are kept per clone, as its `retrieve_futures` poller asks for them.
+CLONE_SPAN = 1_000_000_000
+MAX_CLONE = (2**63 - 1) // CLONE_SPAN - 1  # the largest clone whose seq_ids all fit int64
+SESSION_DONE_KEEP = 10_000  # a session's newest completions kept for its poller (approximately)
+_SEQ_SPAN = 1_000_000  # entries one stream gets in one millisecond, at most (a stream id's second part)
+
+
+def session_done_key(sampling_session_id: str, clone: int) -> str:
+    return f"quilt:sdone:{sampling_session_id}:{clone}"
+
+
+def cursor_of(entry_id: str | bytes) -> int:
+    """A stream entry id (`<ms>-<seq>`) as the integer cursor tinker's `retrieve_futures` carries."""
+    ms, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")
+    return int(ms) * _SEQ_SPAN + int(seq)
+
+
+def entry_of(cursor: int) -> str:
+    ms, seq = divmod(cursor, _SEQ_SPAN)
+    return f"{ms}-{seq}"
+
+
 def publish(redis, outcome: Outcome, ttl_s: int, item: WorkItem) -> Outcome:
     """Store the finished future of `item` (workers; the synchronous client). Returns what was
     stored: a result that cannot be encoded is stored as a failure of category `user` naming the
-    cause."""
+    cause. A sampling request of a session is also recorded as done in its session's completion
+    stream (what `retrieve_futures` reads)."""
     try:
         fields = outcome.encode()
     except ValueError:
@@ -157,8 +183,43 @@ def publish(redis, outcome: Outcome, ttl_s: int, item: WorkItem) -> Outcome:
     pipe = redis.pipeline()
     pipe.xadd(key, {**fields, "tenant": item.tenant_id, "kind": str(item.kind)})
     pipe.expire(key, ttl_s)
+    if item.kind is WorkKind.SAMPLE and item.model_id:
+        note_session_done(pipe, item.model_id, item.seq_id, outcome.request_id, ttl_s,
+                          size=None if fields["status"] == "failed" else len(fields["body"]))
     pipe.execute()
     return outcome
+
+
+def note_session_done(redis, sampling_session_id: str, seq_id: int, request_id: str, ttl_s: int, *,
+                      size: int | None) -> None:
+    """Record a sampling request of a session as finished (`size`: its result's length) or failed
+    (None) in its clone's completion stream."""
+    done = session_done_key(sampling_session_id, seq_id // CLONE_SPAN)
+    fields = {"request": request_id, "state": "failed"} if size is None else \
+        {"request": request_id, "state": "finished", "size": size}
+    redis.xadd(done, fields, maxlen=SESSION_DONE_KEEP, approximate=True)
+    redis.expire(done, ttl_s)
+
+
+async def session_completions(redis, sampling_session_id: str, clone: int, cursor: int, timeout_s: float,
+                              count: int = 1000) -> tuple[list[dict], int]:
+    """The completions of a session's clone after `cursor`, waiting up to `timeout_s` for one (0:
+    no wait), and the cursor to pass next. Entries at or before `cursor` have been seen: they are
+    trimmed."""
+    key = session_done_key(sampling_session_id, clone)
+    if cursor:
+        ms, seq = divmod(cursor, _SEQ_SPAN)
+        await redis.xtrim(key, minid=f"{ms}-{seq + 1}")
+    block = max(1, int(timeout_s * 1000)) if timeout_s > 0 else None
+    reply = await redis.xread({key: entry_of(cursor)}, count=count, block=block)
+    completions = []
+    for entry_id, fields in (reply[0][1] if reply else []):
+        done = {"state": _text(fields, "state"), "request_id": _text(fields, "request")}
+        if done["state"] == "finished":
+            done["response_payload_uncompressed_size"] = int(_text(fields, "size"))
+        completions.append(done)
+        cursor = cursor_of(entry_id)
+    return completions, cursor
 
 
 async def ready(redis, request_id: str) -> Outcome | None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from psycopg import AsyncConnection
 
 from core import retention
-from core.errors import NotFound
+from core.errors import Conflict, NotFound
+from core.queue import MAX_CLONE
 from tenancy.auth import Principal
 
 # Admission's reads: the tenant's requests in flight, and whether a monthly budget bounds the tenant
@@ -116,6 +117,20 @@ async def get_sampling_session(conn: AsyncConnection, who: Principal, sampling_s
         (sampling_session_id, who.tenant_id),
         NotFound(f"sampling session {sampling_session_id!r} not found", field="sampling_session_id"),
     )
+
+
+async def join_sampling_session(conn: AsyncConnection, who: Principal, sampling_session_id: str) -> int:
+    """Your sampling session's next client number (the original client is 0, so the first copy gets
+    1); 404 unless the session is yours."""
+    cur = await conn.execute(
+        "UPDATE sampling_sessions SET clients = clients + 1 WHERE id = %s AND tenant_id = %s AND clients < %s "
+        "RETURNING clients", (sampling_session_id, who.tenant_id, MAX_CLONE))
+    row = await cur.fetchone()
+    if row is None:
+        await get_sampling_session(conn, who, sampling_session_id)
+        raise Conflict(f"sampling session {sampling_session_id!r} has had {MAX_CLONE:,} clients, the "
+                       "most its seq_ids can number; create a new sampling session", field="sampling_session_id")
+    return row["clients"]
 
 
 async def count_live_models(conn: AsyncConnection, who: Principal) -> int:

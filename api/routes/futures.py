@@ -1,4 +1,5 @@
-"""`retrieve_future`: the long-poll every future goes through."""
+"""`retrieve_future`: the long-poll every future goes through; `retrieve_futures`: one long-poll for
+all of a sampling session's requests (the tinker SDK's session poller)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from fastapi.responses import JSONResponse
 from api import tinker_proto
 from api.deps import Pool, RedisDep, Settings, Who
 from api.input_guard import GuardedRoute
-from api.schemas import RetrieveFutureRequest
+from api.schemas import RetrieveFutureRequest, RetrieveFuturesRequest
 from core import db, queue
 from core.errors import UserError
 from tenancy import scoped
@@ -54,3 +55,19 @@ async def retrieve_future(body: RetrieveFutureRequest, request: Request, who: Wh
     if encode is not None and tinker_proto.wants_protobuf(request.headers.get("accept")):
         return Response(encode(outcome.result), media_type=tinker_proto.PROTOBUF)
     return Response(outcome.body, media_type="application/json")  # stored as JSON: sent as it was stored
+
+
+@router.post("/retrieve_futures")
+async def retrieve_futures(body: RetrieveFuturesRequest, who: Who, pool: Pool, redis: RedisDep,
+                           settings: Settings) -> dict:
+    """Wait up to about 30 s (or `timeout` seconds; 0 answers at once) for requests of your sampling
+    session's clone to finish, and name them: `{"completions": [{"state": "finished"|"failed",
+    "request_id", ...}], "cursor"}`. Pass `cursor` back as `prev_cursor`: completions at or before
+    it are not sent again. Each result is then read with `retrieve_future`."""
+    target = body.target
+    async with db.autocommit(pool) as conn:
+        await scoped.get_sampling_session(conn, who, target.sampling_session_id)  # 404 unless it is yours
+    hold = settings.long_poll_seconds if body.timeout is None else min(body.timeout, settings.long_poll_seconds)
+    completions, cursor = await queue.session_completions(redis, target.sampling_session_id,
+                                                          target.cloned_sampler_id, body.prev_cursor, hold)
+    return {"completions": completions, "cursor": cursor}

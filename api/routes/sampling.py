@@ -27,6 +27,7 @@ from api.input_guard import GuardedRoute
 from api.schemas import (
     CancelFutureRequest,
     CreateSamplingSessionRequest,
+    JoinSamplingSessionRequest,
     SampleRequest,
     SaveWeightsForSamplerRequest,
 )
@@ -145,6 +146,16 @@ async def create_sampling_session(body: CreateSamplingSessionRequest, who: Who, 
         raise InvalidInput(f"sampling_session_seq_id {body.sampling_session_seq_id} is already used by sampler "
                            f"{sid!r}", field="sampling_session_seq_id")
     return {"sampling_session_id": sid, "type": "create_sampling_session"}
+
+
+@router.post("/join_sampling_session")
+async def join_sampling_session(body: JoinSamplingSessionRequest, who: Who, pool: Pool) -> dict:
+    """A number of its own for a copy of a sampling client (an unpickled tinker SamplingClient), so
+    its request seq_ids (number * 10^9 + n) never collide with another copy's: 1 for the first
+    copy, then 2, ...; the original client is 0."""
+    async with pool.connection() as conn:
+        clients = await scoped.join_sampling_session(conn, who, body.sampling_session_id)
+    return {"type": "join_sampling_session", "client_counter": clients}
 
 
 @router.get("/samplers/{sampling_session_id}")

@@ -105,9 +105,12 @@ async def get_server_capabilities(pool: Pool) -> dict:
 
 @router.post("/client/config")
 async def client_config(who: Who) -> dict:
-    """SDK handshake (tinker `ClientConfigResponse`). Only flags whose endpoints exist are turned on;
-    plain httpx transport, and forward_backward bodies uncompressed."""
-    return {"use_pyqwest_transport": False, "proto_compress_fwdbwd": False}
+    """SDK handshake (tinker `ClientConfigResponse`). Only flags whose endpoints exist are turned on:
+    plain httpx transport, forward_backward bodies uncompressed, one `retrieve_futures` long-poll per
+    sampling session instead of one per sample, and copies of a sampling client numbered by the
+    server (`join_sampling_session`)."""
+    return {"use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
+            "sample_use_retrieve_futures": True, "sample_join_sampling_session": True}
 
 
 @router.post("/client/dynamic_config")
