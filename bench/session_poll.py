@@ -1,0 +1,106 @@
+"""What one poll per sampling session saves: the official tinker SDK sampling a burst of requests
+against an embedded stack, with the server's `retrieve_futures` protocol (one long-poll per sampling
+client) against the SDK's per-request polling (one `retrieve_future` long-poll per sample in flight,
+each an API connection and a Redis connection blocked on its future). Side by side in one run,
+interleaved: `--bursts` of `--requests` samples of `--max-tokens` tokens each, per arm.
+
+Prints, per arm: the burst's wall time (median), and the API's Redis connections blocked in XREAD
+on futures while the burst ran (read from Redis' CLIENT LIST every 20 ms: max and mean). Which
+regime favours the session poll: many samples in flight per client (an RL step's groups), where
+per-request polling holds one connection each. Which does not: one sample at a time, where both
+hold one poll.
+
+    PYTHONPATH=. python bench/session_poll.py [--requests 64] [--bursts 3] [--max-tokens 8]
+
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import redis  # noqa: E402
+import tinker  # noqa: E402
+from tinker import types  # noqa: E402
+
+from stack.ephemeral import TINY, ephemeral_stack, new_tenant  # noqa: E402
+
+ARMS = ("per_request", "session")
+
+
+class BlockedReads:
+    """Counts the Redis clients blocked in XREAD (the API's long-polls; workers read with XREADGROUP)."""
+
+    def __init__(self, url: str):
+        self.client = redis.Redis.from_url(url)
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            # `cmd` is a connection's last command: only flag `b` says it is blocked in it now.
+            self.samples.append(sum(1 for c in self.client.client_list()
+                                    if c.get("cmd") == "xread" and "b" in c.get("flags", "")))
+
+    def __enter__(self) -> BlockedReads:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def burst(service: tinker.ServiceClient, arm: str, n: int, max_tokens: int) -> float:
+    if arm == "per_request":  # the SDK as it runs against a server without the protocol
+        holder = service.holder
+        holder._client_config = holder._client_config.model_copy(update={"sample_use_retrieve_futures": False})
+    sampler = service.create_sampling_client(base_model=TINY).result()  # tinker 0.38: a future of the client
+    prompt = types.ModelInput.from_ints([40, 41, 42, 43])
+    params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1, stop=[])
+    start = time.perf_counter()
+    futures = [sampler.sample(prompt, 1, params) for _ in range(n)]
+    assert all(len(f.result().sequences[0].tokens) == max_tokens for f in futures)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--bursts", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    args = ap.parse_args()
+    results = {arm: {"wall": [], "blocked": []} for arm in ARMS}
+    with ephemeral_stack() as stack:
+        _tenant, key = new_tenant(stack, "poll", max_inflight_requests=100_000, tokens_per_minute=10**9)
+        for i in range(args.bursts + 1):  # the first round warms the engine and the SDK
+            for arm in ARMS:
+                with tinker.ServiceClient(base_url=stack.base_url, api_key=key) as service, \
+                        BlockedReads(stack.redis_url) as blocked:
+                    wall = burst(service, arm, args.requests, args.max_tokens)
+                if i:
+                    results[arm]["wall"].append(wall)
+                    results[arm]["blocked"].extend(blocked.samples)
+    print(f"{args.requests} samples of {args.max_tokens} tokens in flight at once, {args.bursts} bursts per arm, "
+          "interleaved; the tiny base on the CPU engine")
+    print(f"{'arm':<12} {'burst s (median)':>17} {'blocked XREADs max':>19} {'mean':>6}")
+    out = {"requests": args.requests, "bursts": args.bursts}
+    for arm in ARMS:
+        wall, blocked = statistics.median(results[arm]["wall"]), results[arm]["blocked"]
+        print(f"{arm:<12} {wall:>17.2f} {max(blocked):>19} {statistics.mean(blocked):>6.1f}")
+        out[arm] = {"burst_s": round(wall, 3), "blocked_max": max(blocked),
+                    "blocked_mean": round(statistics.mean(blocked), 2)}
+    out["burst_session_over_per_request"] = round(out["session"]["burst_s"] / out["per_request"]["burst_s"], 3)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
