@@ -20,6 +20,15 @@ SHARED_STACK_ENV = "QUILT_TEST_SHARED_STACK"
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def base_sampler(http: httpx.Client) -> str:
+    """A new session's sampler on the tiny base: its sampling_session_id."""
+    session = http.post("/create_session", json={}).json()["session_id"]
+    r = http.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
+                                                    "base_model": TINY})
+    r.raise_for_status()
+    return r.json()["sampling_session_id"]
+
+
 def wait_future(client: httpx.Client, request_id: str, timeout_s: float = 300) -> dict:
     """Poll retrieve_future until the result or the failure arrives."""
     deadline = time.monotonic() + timeout_s

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import quilt
-from stackutil import TINY, wait_future
+from stackutil import TINY, base_sampler, wait_future
 
 pytestmark = pytest.mark.stack
 
@@ -93,17 +93,9 @@ def _asample(client, sampler_id: str, **kw) -> dict:
     return client.post("/asample", json=body)
 
 
-def _base_sampler(http) -> str:
-    session = http.post("/create_session", json={}).json()["session_id"]
-    r = http.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
-                                                    "base_model": TINY})
-    r.raise_for_status()
-    return r.json()["sampling_session_id"]
-
-
 def test_deadline_aborts_and_reports(stack, tenant):
     http = stack.http(tenant.key)
-    sampler = _base_sampler(http)
+    sampler = base_sampler(http)
     r = _asample(http, sampler, n=2, params={"max_tokens": 1900, "stop": []}, deadline_s=0.5)
     assert r.status_code == 200 and len(r.json()["sample_sequence_ids"]) == 2
     result = wait_future(http, r.json()["request_id"])
@@ -116,7 +108,7 @@ def test_deadline_aborts_and_reports(stack, tenant):
 
 def test_cancel_future_aborts(stack, tenant):
     http = stack.http(tenant.key)
-    sampler = _base_sampler(http)
+    sampler = base_sampler(http)
     rid = _asample(http, sampler, params={"max_tokens": 1900, "stop": []}).json()["request_id"]
     assert http.post("/cancel_future", json={"request_id": rid}).status_code == 200
     result = wait_future(http, rid)
@@ -174,7 +166,7 @@ def test_other_tenants_samplers_are_404(stack):
 ])
 def test_bad_sampling_requests_are_4xx(stack, tenant, change, field):
     http = stack.http(tenant.key)
-    r = _asample(http, _base_sampler(http), **change)
+    r = _asample(http, base_sampler(http), **change)
     assert r.status_code == 400, r.text
     assert r.json()["field"].startswith(field), r.json()
 
@@ -263,7 +255,7 @@ def test_topk_prompt_logprobs_match_a_torch_recomputation(stack, tenant):
 
 def test_topk_alone_and_last_n_through_http(stack, tenant):
     http = stack.http(tenant.key)
-    sampler = _base_sampler(http)
+    sampler = base_sampler(http)
     r = _asample(http, sampler, topk_prompt_logprobs=2, prompt_logprobs_last_n=2)
     result = wait_future(http, r.json()["request_id"])
     assert "prompt_logprobs" not in result  # not asked for

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from stackutil import wait_future
+from stackutil import TINY, base_sampler, wait_future
 
 from core.queue import CLONE_SPAN, MAX_CLONE
 
@@ -15,16 +15,7 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 from tinkerutil import ready  # noqa: E402
 
-TINY = "quilt/tiny-qwen3"
 PROMPT = [40, 41, 42, 43]
-
-
-def _sampler(http) -> str:
-    session = http.post("/create_session", json={}).json()["session_id"]
-    r = http.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
-                                                    "base_model": TINY})
-    r.raise_for_status()
-    return r.json()["sampling_session_id"]
 
 
 def _sample(http, sampler: str, seq_id: int, **params) -> str:
@@ -45,7 +36,7 @@ def _poll(http, sampler: str, clone: int = 0, cursor: int = 0, timeout: float | 
 
 def test_one_poll_names_a_clones_finished_and_failed_requests(stack, tenant):
     http = stack.http(tenant.key)
-    sampler = _sampler(http)
+    sampler = base_sampler(http)
     first = _sample(http, sampler, 1)
     body = _poll(http, sampler)
     assert [c["request_id"] for c in body["completions"]] == [first]
@@ -72,7 +63,7 @@ def test_one_poll_names_a_clones_finished_and_failed_requests(stack, tenant):
 
 def test_another_tenants_session_is_404_and_bad_polls_are_400(stack):
     a, b = stack.create_tenant("a"), stack.create_tenant("b")
-    sampler = _sampler(stack.http(a.key))
+    sampler = base_sampler(stack.http(a.key))
     other = stack.http(b.key)
     r = other.post("/retrieve_futures", json={"target": {"sampling_session_id": sampler}, "timeout": 0})
     assert r.status_code == 404 and r.json()["field"] == "sampling_session_id"
