@@ -333,7 +333,7 @@ class RetrieveFuturesRequest(_Body):
     target: SamplingSessionTarget
     prev_cursor: int = Field(0, ge=0, le=INT64_MAX)
     timeout: float | None = Field(None, ge=0, allow_inf_nan=False, description="seconds; at most the server's hold")
-    # Accepted and not acted on: a result's payload expires with its future (QUILT_FUTURE_TTL_SECONDS).
+    # Results the client has read for good: deleted rather than kept for QUILT_FUTURE_TTL_SECONDS.
     retrieved_request_ids: list[Annotated[str, Field(max_length=128)]] = Field(default_factory=list,
                                                                                max_length=10_000)
 

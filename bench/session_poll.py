@@ -4,8 +4,10 @@ client) against the SDK's per-request polling (one `retrieve_future` long-poll p
 each an API connection and a Redis connection blocked on its future). Side by side in one run,
 interleaved: `--bursts` of `--requests` samples of `--max-tokens` tokens each, per arm.
 
-Prints, per arm: the burst's wall time (median), and the API's Redis connections blocked in XREAD
-on futures while the burst ran (read from Redis' CLIENT LIST every 20 ms: max and mean). Which
+Prints, per arm: the burst's wall time (median); the API's Redis connections blocked in XREAD
+on futures while the burst ran (read from Redis' CLIENT LIST every 20 ms: max and mean); and the
+burst's results still stored in Redis a second after it (the session poll reports the results it
+has read, which are then deleted; per-request polling leaves them for QUILT_FUTURE_TTL_SECONDS). Which
 regime favours the session poll: many samples in flight per client (an RL step's groups), where
 per-request polling holds one connection each. Which does not: one sample at a time, where both
 hold one poll.
@@ -30,6 +32,7 @@ import redis  # noqa: E402
 import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
+from core.queue import future_key  # noqa: E402
 from stack.ephemeral import TINY, ephemeral_stack, new_tenant  # noqa: E402
 
 ARMS = ("per_request", "session")
@@ -78,26 +81,37 @@ def main() -> None:
     ap.add_argument("--bursts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=8)
     args = ap.parse_args()
-    results = {arm: {"wall": [], "blocked": []} for arm in ARMS}
+    results = {arm: {"wall": [], "blocked": [], "kept": [], "kept_bytes": []} for arm in ARMS}
     with ephemeral_stack() as stack:
         _tenant, key = new_tenant(stack, "poll", max_inflight_requests=100_000, tokens_per_minute=10**9)
+        store = redis.Redis.from_url(stack.redis_url)
         for i in range(args.bursts + 1):  # the first round warms the engine and the SDK
             for arm in ARMS:
+                before = set(store.keys(future_key("*")))
                 with tinker.ServiceClient(base_url=stack.base_url, api_key=key) as service, \
                         BlockedReads(stack.redis_url) as blocked:
                     wall = burst(service, arm, args.requests, args.max_tokens)
+                    time.sleep(1)  # the session poller reports what it read on its next poll
+                kept = set(store.keys(future_key("*"))) - before
                 if i:
                     results[arm]["wall"].append(wall)
                     results[arm]["blocked"].extend(blocked.samples)
+                    results[arm]["kept"].append(len(kept))
+                    results[arm]["kept_bytes"].append(sum(store.memory_usage(k) or 0 for k in kept))
     print(f"{args.requests} samples of {args.max_tokens} tokens in flight at once, {args.bursts} bursts per arm, "
           "interleaved; the tiny base on the CPU engine")
-    print(f"{'arm':<12} {'burst s (median)':>17} {'blocked XREADs max':>19} {'mean':>6}")
+    print(f"{'arm':<12} {'burst s (median)':>17} {'blocked XREADs max':>19} {'mean':>6} "
+          f"{'results kept after':>19} {'their bytes':>12}")
     out = {"requests": args.requests, "bursts": args.bursts}
     for arm in ARMS:
-        wall, blocked = statistics.median(results[arm]["wall"]), results[arm]["blocked"]
-        print(f"{arm:<12} {wall:>17.2f} {max(blocked):>19} {statistics.mean(blocked):>6.1f}")
+        res = results[arm]
+        wall, blocked, kept = statistics.median(res["wall"]), res["blocked"], max(res["kept"])
+        kept_bytes = max(res["kept_bytes"])
+        print(f"{arm:<12} {wall:>17.2f} {max(blocked):>19} {statistics.mean(blocked):>6.1f} {kept:>19} "
+              f"{kept_bytes:>12,}")
         out[arm] = {"burst_s": round(wall, 3), "blocked_max": max(blocked),
-                    "blocked_mean": round(statistics.mean(blocked), 2)}
+                    "blocked_mean": round(statistics.mean(blocked), 2), "results_kept": kept,
+                    "results_kept_bytes": kept_bytes}
     out["burst_session_over_per_request"] = round(out["session"]["burst_s"] / out["per_request"]["burst_s"], 3)
     print(json.dumps(out))
 

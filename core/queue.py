@@ -222,6 +222,39 @@ async def session_completions(redis, sampling_session_id: str, clone: int, curso
     return completions, cursor
 
 
+# The futures among KEYS that hold a sampling result of tenant ARGV[1] are deleted; others are left.
+_FORGET_SAMPLES = """
+local n = 0
+for _, key in ipairs(KEYS) do
+  local entry = redis.call('XRANGE', key, '-', '+', 'COUNT', 1)[1]
+  if entry then
+    local tenant, kind
+    for i = 1, #entry[2], 2 do
+      local name, value = entry[2][i], entry[2][i + 1]
+      if name == 'tenant' then tenant = value elseif name == 'kind' then kind = value end
+    end
+    if tenant == ARGV[1] and kind == 'sample' then
+      redis.call('DEL', key)
+      n = n + 1
+    end
+  end
+end
+return n
+"""
+_FORGET_CHUNK = 500  # futures per script call, which holds Redis while it runs
+
+
+async def forget_samples(redis, tenant_id: str, request_ids: list[str]) -> int:
+    """Delete the stored results of these sampling requests of the tenant, which its client has
+    read for good (tinker's `retrieved_request_ids`), instead of keeping them for the futures'
+    lifetime; returns how many were deleted. Another tenant's, and results of other kinds, stay."""
+    deleted = 0
+    for i in range(0, len(request_ids), _FORGET_CHUNK):
+        keys = [future_key(r) for r in request_ids[i:i + _FORGET_CHUNK]]
+        deleted += await redis.eval(_FORGET_SAMPLES, len(keys), *keys, tenant_id)
+    return deleted
+
+
 async def ready(redis, request_id: str) -> Outcome | None:
     """The future's outcome if it is stored already; never waits."""
     entries = await redis.xrange(future_key(request_id), count=1)

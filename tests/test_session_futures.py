@@ -5,11 +5,12 @@ the official SDK (which the server's client/config turns both on for) samples th
 from __future__ import annotations
 
 import pickle
+import time
 
 import pytest
 from stackutil import TINY, base_sampler, wait_future
 
-from core.queue import CLONE_SPAN, MAX_CLONE
+from core.queue import CLONE_SPAN, MAX_CLONE, future_key
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -34,7 +35,7 @@ def _poll(http, sampler: str, clone: int = 0, cursor: int = 0, timeout: float | 
     return r.json()
 
 
-def test_one_poll_names_a_clones_finished_and_failed_requests(stack, tenant):
+def test_one_poll_names_a_clones_finished_and_failed_requests(stack, tenant, r):
     http = stack.http(tenant.key)
     sampler = base_sampler(http)
     first = _sample(http, sampler, 1)
@@ -56,9 +57,26 @@ def test_one_poll_names_a_clones_finished_and_failed_requests(stack, tenant):
     assert clone["completions"] == [{"state": "failed", "request_id": cancelled}]
     assert _poll(http, sampler, cursor=body["cursor"], timeout=0)["completions"] == []
 
+    # Results the client says it has read for good are deleted at its next poll: only its own
+    # sampling results (another tenant's, or a result of another kind, stay).
+    other = stack.create_tenant("other")
+    theirs = _sample(stack.http(other.key), base_sampler(stack.http(other.key)), 1)
+    wait_future(stack.http(other.key), theirs)
+    model = http.post("/create_model", json={"session_id": http.post("/create_session", json={}).json()["session_id"],
+                                             "model_seq_id": 0, "base_model": TINY, "lora_config": {"rank": 2}})
+    created = model.json()["request_id"]
+    wait_future(http, created)
+    acked = http.post("/retrieve_futures", json={"target": {"sampling_session_id": sampler}, "timeout": 0,
+                                                 "prev_cursor": body["cursor"],
+                                                 "retrieved_request_ids": [first, theirs, created, "nope"]})
+    assert acked.status_code == 200
+    assert [r.exists(future_key(x)) for x in (first, theirs, created)] == [0, 1, 1]
+    gone = http.post("/retrieve_future", json={"request_id": first})
+    assert gone.status_code == 410, gone.text
+
     # Copies of the client get numbers of their own, from 1.
     join = [http.post("/join_sampling_session", json={"sampling_session_id": sampler}) for _ in range(2)]
-    assert [r.json() for r in join] == [{"type": "join_sampling_session", "client_counter": n} for n in (1, 2)]
+    assert [j.json() for j in join] == [{"type": "join_sampling_session", "client_counter": n} for n in (1, 2)]
 
 
 def test_another_tenants_session_is_404_and_bad_polls_are_400(stack):
@@ -92,14 +110,20 @@ def test_another_tenants_session_is_404_and_bad_polls_are_400(stack):
     assert r.status_code == 400 and "seq_id" in r.text
 
 
-def test_the_official_sdk_samples_through_the_session_poller_and_its_copies_join(stack, tenant):
+def test_the_official_sdk_samples_through_the_session_poller_and_its_copies_join(stack, tenant, r):
     params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=5, stop=[])
     prompt = types.ModelInput.from_ints(PROMPT)
+    stored = len(r.keys(future_key("*")))
     with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
         sampler = ready(service.create_sampling_client(base_model=TINY))
         futures = [sampler.sample(prompt, 1, params) for _ in range(6)]
         assert all(len(f.result().sequences[0].tokens) == 4 for f in futures)
         assert sampler._futures_poller is not None  # the flag from client/config took effect
+        # The SDK reports the six results read on its next poll, and they are deleted.
+        deadline = time.monotonic() + 20
+        while len(r.keys(future_key("*"))) > stored and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(r.keys(future_key("*"))) == stored
 
         # Unpickled copies (what a multiprocess rollout does) ask the server for their numbers.
         copies = [pickle.loads(pickle.dumps(sampler)) for _ in range(2)]

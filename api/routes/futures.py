@@ -63,10 +63,14 @@ async def retrieve_futures(body: RetrieveFuturesRequest, who: Who, pool: Pool, r
     """Wait up to about 30 s (or `timeout` seconds; 0 answers at once) for requests of your sampling
     session's clone to finish, and name them: `{"completions": [{"state": "finished"|"failed",
     "request_id", ...}], "cursor"}`. Pass `cursor` back as `prev_cursor`: completions at or before
-    it are not sent again. Each result is then read with `retrieve_future`."""
+    it are not sent again. Each result is then read with `retrieve_future`; the results named in
+    `retrieved_request_ids` have been read for good, and are deleted (a later `retrieve_future` of
+    one answers 410)."""
     target = body.target
     async with db.autocommit(pool) as conn:
         await scoped.get_sampling_session(conn, who, target.sampling_session_id)  # 404 unless it is yours
+    if body.retrieved_request_ids:  # read for good: their results need not wait out their lifetime
+        await queue.forget_samples(redis, who.tenant_id, body.retrieved_request_ids)
     hold = settings.long_poll_seconds if body.timeout is None else min(body.timeout, settings.long_poll_seconds)
     completions, cursor = await queue.session_completions(redis, target.sampling_session_id,
                                                           target.cloned_sampler_id, body.prev_cursor, hold)
