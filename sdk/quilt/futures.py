@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 from ._transport import HTTPTransport
 from .errors import APIResponseError, RequestFailedError
 
-__all__ = ["APIFuture", "retrieve_result"]
+__all__ = ["APIFuture", "SessionPoller", "retrieve_result"]
 
 T = TypeVar("T")
 log = logging.getLogger("quilt")
@@ -52,6 +52,76 @@ async def retrieve_result(http: HTTPTransport, request_id: str) -> dict[str, Any
         return answer
 
 
+class SessionPoller:
+    """One ``retrieve_futures`` long-poll for all of a sampling session's requests in flight, in
+    place of one ``retrieve_future`` poll each; it also tells the server which results were read,
+    so their storage is freed at once. Lives on the SDK's loop. A server without the route (404),
+    or polling that still fails after the transport's retries, turns it off for good: each request
+    then polls ``retrieve_future`` itself, as before."""
+
+    def __init__(self, http: HTTPTransport, sampling_session_id: str) -> None:
+        self._http = http
+        self._target = {"type": "sampling_session", "sampling_session_id": sampling_session_id,
+                        "cloned_sampler_id": 0}
+        self._cursor = 0
+        self._waiting: dict[str, asyncio.Future[None]] = {}
+        self._seen: set[str] = set()  # finished before their future began to wait
+        self._retrieved: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+        self.off = False
+
+    async def wait(self, request_id: str) -> None:
+        """Return once the request has finished or failed, or at once when the poller is off."""
+        if self.off:
+            return
+        if request_id in self._seen:
+            self._seen.discard(request_id)
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = waiter
+        self._start()
+        try:
+            await waiter
+        finally:
+            self._waiting.pop(request_id, None)
+
+    def retrieved(self, request_id: str) -> None:
+        """The request's result has been read for good: the next poll says so."""
+        if not self.off:
+            self._retrieved.add(request_id)
+            self._start()
+
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            while self._waiting or self._retrieved:
+                acks = sorted(self._retrieved)
+                body = {"target": self._target, "prev_cursor": self._cursor, "retrieved_request_ids": acks,
+                        "timeout": None if self._waiting else 0}  # nothing to wait for: report and return
+                answer = await self._http.request("POST", "retrieve_futures", body,
+                                                  timeout_s=self._http.config.long_poll_timeout_s)
+                self._retrieved.difference_update(acks)
+                self._cursor = int(require(answer, "cursor", "retrieve_futures"))
+                for done in answer.get("completions") or []:
+                    waiter = self._waiting.pop(str(done.get("request_id")), None)
+                    if waiter is None:
+                        self._seen.add(str(done.get("request_id")))
+                    elif not waiter.done():
+                        waiter.set_result(None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure falls back to per-request polling
+            log.info("session poll for %s off (%s: %s); polling each request instead",
+                     self._target["sampling_session_id"], type(exc).__name__, exc)
+            self.off = True
+            for waiter in self._waiting.values():
+                if not waiter.done():
+                    waiter.set_result(None)
+
+
 def require(answer: Any, key: str, what: str) -> Any:
     """``answer[key]``, or APIResponseError naming the call that left it out."""
     if not isinstance(answer, dict) or answer.get(key) is None:
@@ -83,12 +153,19 @@ class APIFuture(Generic[T]):
         convert: Callable[[dict[str, Any]], T],
         *,
         cancellable: bool = False,
+        poller: SessionPoller | None = None,
     ) -> APIFuture[T]:
         """Start polling ``request_id`` via ``submit`` (the loop's scheduler); results pass ``convert``.
-        ``cancellable``: the server can abort this kind of request (sampling)."""
+        ``cancellable``: the server can abort this kind of request (sampling). ``poller``: the
+        sampling session's poll, which says when to read the result."""
 
         async def resolve() -> T:
-            return convert(await retrieve_result(http, request_id))
+            if poller is not None:
+                await poller.wait(request_id)
+            result = await retrieve_result(http, request_id)
+            if poller is not None:
+                poller.retrieved(request_id)
+            return convert(result)
 
         async def abort() -> Any:
             return await http.request("POST", "cancel_future", {"request_id": request_id})

@@ -16,7 +16,7 @@ from typing import Any
 
 from ._loop import LoopThread
 from ._transport import HTTPTransport
-from .futures import APIFuture, require
+from .futures import APIFuture, SessionPoller, require
 from .types import ModelInput
 
 __all__ = ["SampleResponse", "SampledSequence", "SamplingClient", "SamplingParams"]
@@ -154,6 +154,7 @@ class SamplingClient:
         self._runner = runner
         self._http = http
         self._seq_ids = itertools.count()  # dedupe key of resubmissions, not an order
+        self._poller = SessionPoller(http, sampling_session_id)
 
     def __repr__(self) -> str:
         target = self.model_path or self.base_model
@@ -190,7 +191,8 @@ class SamplingClient:
         request_id = require(answer, "request_id", "asample")
         sequence_ids = list(answer.get("sample_sequence_ids") or [])
         return APIFuture.poll(self._runner.submit, self._http, request_id,
-                              lambda result: SampleResponse.from_json(result, sequence_ids), cancellable=True)
+                              lambda result: SampleResponse.from_json(result, sequence_ids), cancellable=True,
+                              poller=self._poller)
 
     def sample(self, prompt: ModelInput | Sequence[int], num_samples: int = 1,
                sampling_params: SamplingParams | None = None, *, include_prompt_logprobs: bool = False,
@@ -232,7 +234,8 @@ class SamplingClient:
         answer = await self._http.request("POST", "asample", body)
         request_id = require(answer, "request_id", "asample")
         return APIFuture.poll(self._runner.submit, self._http, request_id,
-                              lambda result: list(SampleResponse.from_json(result).prompt_logprobs or []))
+                              lambda result: list(SampleResponse.from_json(result).prompt_logprobs or []),
+                              poller=self._poller)
 
     def compute_logprobs(self, prompt: ModelInput | Sequence[int]) -> APIFuture[list[float | None]]:
         """The logprob of every token of ``prompt`` given the ones before it (``None`` first)."""

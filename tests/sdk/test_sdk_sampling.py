@@ -1,5 +1,7 @@
 """SamplingClient and the TrainingClient's sampling calls on the wire (fake server)."""
 
+import time
+
 import pytest
 import quilt
 
@@ -134,3 +136,41 @@ def test_cancel_asks_the_server_to_abort_a_sampling_request(sampling_server, cli
     # training requests run in order on the trainer and cannot be aborted
     with pytest.raises(TypeError, match="only sampling"):
         tc.forward_backward([quilt.datum_for_next_token([1, 2, 3])]).cancel()
+
+
+def test_samples_wait_on_one_session_poll_and_report_what_they_read(sampling_server, client):
+    """With the server's retrieve_futures, a sample's result is read once the session poll names
+    it (never polled per request while pending), and the next poll reports it as read."""
+    polls = []
+
+    def retrieve_futures(body):
+        polls.append(body)
+        done = [{"state": "finished", "request_id": r, "response_payload_uncompressed_size": 10}
+                for r in sampling_server.answers if r not in {c for p in polls[:-1] for c in p["seen"]}]
+        body["seen"] = [d["request_id"] for d in done]
+        return {"completions": done, "cursor": body["prev_cursor"] + len(done)}
+
+    sampling_server.routes["retrieve_futures"] = retrieve_futures
+    sampler = client.create_sampling_client(base_model="tiny")
+    futures = [sampler.sample([1, 2, 3], 1) for _ in range(5)]
+    assert all(f.result().sequences[0].tokens == SEQ["tokens"] for f in futures)
+    ids = {f.request_id for f in futures}
+    assert polls and all(p["target"] == {"type": "sampling_session", "sampling_session_id": "sess-1:sample:0",
+                                         "cloned_sampler_id": 0} for p in polls)
+    assert sorted(b["request_id"] for b in sampling_server.bodies("retrieve_future")) == sorted(ids)  # one read each
+    deadline = time.monotonic() + 5
+    while not ids <= {r for p in polls for r in p["retrieved_request_ids"]}:
+        assert time.monotonic() < deadline, polls
+        time.sleep(0.01)
+    assert polls[-1]["timeout"] == 0  # reporting alone does not hold a long poll
+    assert not sampler._poller.off
+
+
+def test_a_server_without_retrieve_futures_is_polled_per_request(sampling_server, client):
+    sampler = client.create_sampling_client(base_model="tiny")
+    futures = [sampler.sample([1, 2, 3], 1) for _ in range(3)]
+    assert all(f.result().sequences[0].tokens == SEQ["tokens"] for f in futures)
+    assert sampler._poller.off
+    assert sampling_server.routes_seen().count("retrieve_futures") == 1  # tried once, then never again
+    assert sampler.sample([1, 2, 3], 1).result().sequences[0].tokens == SEQ["tokens"]
+    assert sampling_server.routes_seen().count("retrieve_futures") == 1
