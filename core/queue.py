@@ -208,8 +208,7 @@ async def session_completions(redis, sampling_session_id: str, clone: int, curso
     trimmed."""
     key = session_done_key(sampling_session_id, clone)
     if cursor:
-        ms, seq = divmod(cursor, _SEQ_SPAN)
-        await redis.xtrim(key, minid=f"{ms}-{seq + 1}")
+        await redis.xtrim(key, minid=entry_of(cursor + 1))
     block = max(1, int(timeout_s * 1000)) if timeout_s > 0 else None
     reply = await redis.xread({key: entry_of(cursor)}, count=count, block=block)
     completions = []

@@ -106,9 +106,10 @@ class SessionPoller:
                 self._retrieved.difference_update(acks)
                 self._cursor = int(require(answer, "cursor", "retrieve_futures"))
                 for done in answer.get("completions") or []:
-                    waiter = self._waiting.pop(str(done.get("request_id")), None)
+                    request_id = str(done.get("request_id"))
+                    waiter = self._waiting.pop(request_id, None)
                     if waiter is None:
-                        self._seen.add(str(done.get("request_id")))
+                        self._seen.add(request_id)
                     elif not waiter.done():
                         waiter.set_result(None)
         except asyncio.CancelledError:

@@ -141,13 +141,13 @@ def test_cancel_asks_the_server_to_abort_a_sampling_request(sampling_server, cli
 def test_samples_wait_on_one_session_poll_and_report_what_they_read(sampling_server, client):
     """With the server's retrieve_futures, a sample's result is read once the session poll names
     it (never polled per request while pending), and the next poll reports it as read."""
-    polls = []
+    polls, reported = [], set()
 
-    def retrieve_futures(body):
+    def retrieve_futures(body):  # every accepted request is finished: each is named once
         polls.append(body)
         done = [{"state": "finished", "request_id": r, "response_payload_uncompressed_size": 10}
-                for r in sampling_server.answers if r not in {c for p in polls[:-1] for c in p["seen"]}]
-        body["seen"] = [d["request_id"] for d in done]
+                for r in sampling_server.answers if r not in reported]
+        reported.update(d["request_id"] for d in done)
         return {"completions": done, "cursor": body["prev_cursor"] + len(done)}
 
     sampling_server.routes["retrieve_futures"] = retrieve_futures
