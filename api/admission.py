@@ -24,7 +24,7 @@ what refuses a call whatever the database holds (`_refusal_before_reads`: the te
 tokens-per-minute bucket ever to hold, 400, split it; one this process knows the bucket cannot
 hold yet, 429 without a row, tenancy.rate_limit.Shortfalls), the tenant's in-flight quota (429)
 and monthly budgets (402, billing.budgets; billable calls only), the request row (and a new model's
-row, placed on a trainer shard where there are several: core.placement), a commit, then the
+row, placed on a trainer shard where there are several: scaleout.placement), a commit, then the
 stream entry (a sample group's generation replica's stream, gen_pool.router; a training call's
 model's shard's) with the tokens taken from the bucket in the same step (tenancy.rate_limit).
 The row is committed before the entry exists, so a worker never sees work the database does not
@@ -53,12 +53,13 @@ from redis.asyncio import Redis
 
 from api import records
 from billing import budgets
-from core import faults, placement, queue
+from core import faults, queue
 from core.errors import InvalidInput, QuiltError, QuotaExceeded
 from core.settings import get_api_settings, get_core_settings
 from core.work import WorkItem, WorkKind
 from gen_pool.router import Router
 from gen_pool.routing import stable_hash
+from scaleout import placement
 from tenancy import accounts, rate_limit, scoped
 from tenancy.auth import Principal
 
@@ -272,7 +273,7 @@ async def _new_model_shard(conn: AsyncConnection, redis: Redis, ticket: Ticket) 
 
 
 async def _place(conn: AsyncConnection, redis: Redis, base_model: str, model_id: str) -> str:
-    """The least loaded open shard (core.placement); while none is (all restarting or draining),
+    """The least loaded open shard (scaleout.placement); while none is (all restarting or draining),
     one fixed by the model id, whose calls wait in its stream for it, or are moved on."""
     shards = get_core_settings().trainer_shards
     chosen = placement.place(await placement.read_views_async(conn, redis, base_model, shards))

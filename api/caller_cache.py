@@ -28,9 +28,10 @@ from contextlib import asynccontextmanager
 
 import psycopg
 
+from bases import catalog
+from bases.catalog import BaseModel
 from billing.budgets import month_to_date
-from core import catalog, db
-from core.catalog import BaseModel
+from core import db
 from tenancy import scoped
 from tenancy.auth import Principal
 
@@ -115,7 +116,7 @@ async def spend(callers: CallerCache, pool, tenant_id: str) -> int:
 
 
 async def base_model(callers: CallerCache, conn: psycopg.AsyncConnection, name: str) -> BaseModel | None:
-    """A base by name (`core.catalog.get_model`), from the cache when it holds it."""
+    """A base by name (`bases.catalog.get_model`), from the cache when it holds it."""
     found = callers.get("base", name)
     if found is None:
         generation = callers.generation

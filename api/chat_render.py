@@ -1,5 +1,5 @@
 """Chat messages as the prompt text a base model was trained on, for tokenizers without a chat
-template of their own (the catalogue's `renderer`: core.model_sources.RENDERERS). Pure.
+template of their own (the catalogue's `renderer`: bases.model_sources.RENDERERS). Pure.
 
 A tokenizer that has a template uses it (transformers' apply_chat_template); these are the
 formats of the model families named, for bases that ship without one (the tiny test model

@@ -15,7 +15,7 @@ from pydantic import (
 )
 
 from api.datums import RawDatum, RawTensor
-from core import retention
+from checkpoints import retention
 from core.ids import CHECKPOINT_NAME_RE
 from core.numbers import INT32_MAX, INT64_MAX
 from core.queue import MAX_CLONE

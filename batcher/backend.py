@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bases import architectures
 from batcher import losses
 from batcher.multilora import MultiLoraModel
-from core import architectures
-from core.checkpoint_files import ADAPTER_WEIGHTS, OPTIMIZER_FILE, TrainerMeta
+from checkpoints.layout import ADAPTER_WEIGHTS, OPTIMIZER_FILE, TrainerMeta
 from core.errors import Conflict, InvalidInput, QuiltError, ServerError, UserError
 from core.loss_spec import LossConfig
 from core.work import AdamParams, LoraShape, PassWork
@@ -101,7 +101,7 @@ class LoraBackend:
         self.max_tokens_per_pass = max_tokens_per_pass
         self.max_resident = max_resident  # adapters on the compute device at once; 0 = no limit
         self.last_pass: PassStats | None = None
-        # Which modules can carry LoRA is the architecture's (core.architectures); a model's own
+        # Which modules can carry LoRA is the architecture's (bases.architectures); a model's own
         # lora_config picks among them. Adapters and their AdamW state are float32 on any base dtype.
         self.config = json.loads((Path(base_path) / "config.json").read_text())
         arch = architectures.of_config(self.config)

@@ -5,7 +5,7 @@ unmaps it on free, so each pass's large tensors (the logits, the vocabulary-wide
 and gradients) come back as untouched pages, faulted in one at a time, pass after pass. On the
 fusion bench's 64-tenant pass that was about a fifth of the trainer's CPU time, and most of the
 pass-to-pass noise (bench/trainer_fusion.py runs with and without it). Keeping freed memory in the
-heap makes the process hold its peak, which the memory plan (core.memory_plan) already budgets.
+heap makes the process hold its peak, which the memory plan (bases.memory_plan) already budgets.
 """
 
 from __future__ import annotations

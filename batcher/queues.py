@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from batcher.policy import ModelQueue, Pending
 from core.consumer import Delivery
-from core.work import WorkKind
+from core.errors import UserError
+from core.work import WorkItem, WorkKind
 
 
 class Added(enum.Enum):
@@ -31,6 +32,18 @@ class Stalled:
     model_id: str
     missing: int
     given_up: list[Delivery]
+
+    def error(self, d: Delivery, deadline_s: float) -> UserError:
+        """The answer of `d`, one of the requests given up."""
+        return UserError(f"seq_id {self.missing} of model {self.model_id!r} never arrived within {deadline_s:g} s, "
+                         f"so this request (seq_id {d.item.seq_id}), which must run after it, was not run; later "
+                         "calls of the model run normally", field="seq_id")
+
+
+def late_error(item: WorkItem, deadline_s: float) -> UserError:
+    """The answer of a request that came after the ones behind it were given up (Added.LATE)."""
+    return UserError(f"seq_id {item.seq_id} of model {item.model_id!r} arrived after the requests behind it were "
+                     f"given up waiting for it ({deadline_s:g} s); send it again with a new seq_id", field="seq_id")
 
 
 @dataclass
@@ -89,6 +102,10 @@ class ModelQueues:
         given (finished ones are a restored model's replay log), or None."""
         seqs = [seq for seq, d in self.pending.get(model_id, {}).items() if d.finished == finished]
         return max(seqs) if seqs else None
+
+    def runnable(self) -> bool:
+        """Whether some model's next request is here (so a round would run something)."""
+        return any(seq in self.pending.get(model_id, ()) for model_id, seq in self.next_seq.items())
 
     def knows(self, model_id: str) -> bool:
         return model_id in self.next_seq

@@ -10,9 +10,9 @@ answered are re-run for their effect only: no second result, no second charge, s
 in Redis with append-only persistence (`core.embedded`).
 
 On disk: `<root>/<model_id>/<seq_id, 10 digits>/`, a training checkpoint directory
-(`core.checkpoint_files`); each is written beside the others, then older ones are removed, so a
+(`checkpoints.layout`); each is written beside the others, then older ones are removed, so a
 crash at any point leaves at least one whole snapshot. Where they live is a store
-(`core.checkpoint_store.snapshot_store_for`): this machine's disk, or with
+(`checkpoints.storage.snapshot_store_for`): this machine's disk, or with
 QUILT_TRAINER_SNAPSHOTS_IN_STORE and the S3 checkpoint store also the bucket: a snapshot is
 uploaded before `write` returns (so before the requests it covers are acknowledged), and a trainer
 on another machine finds and fetches a model's newest one.
@@ -20,13 +20,16 @@ on another machine finds and fetches a model's newest one.
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
 from batcher.backend import LoraBackend
-from core.checkpoint_files import TrainerMeta
-from core.checkpoint_store import LocalStore
+from checkpoints.layout import TrainerMeta
+from checkpoints.storage import LocalStore
 from core.work import LoraShape
+
+log = logging.getLogger("quilt.trainer")
 
 
 class SnapshotStore:
@@ -54,14 +57,20 @@ class SnapshotStore:
         return (done[-1], directory / f"{done[-1]:010d}") if done else None
 
     def restore(self, backend: LoraBackend, model_id: str) -> int | None:
-        """Load the model's newest snapshot into the backend; returns its seq_id (None: no snapshot)."""
+        """Load the model's newest snapshot into the backend; returns its seq_id (None: no snapshot,
+        or one that could not be loaded, which is logged and leaves nothing of the model behind)."""
         found = self.latest(model_id)
         if found is None:
             return None
         seq_id, path = found
-        path = self.store.fetch(str(path))  # from the bucket when this machine has not got it
-        backend.create(model_id, LoraShape.from_json(TrainerMeta.read(path).lora_config))
-        backend.load(model_id, str(path), optimizer=True)
+        try:
+            path = self.store.fetch(str(path))  # from the bucket when this machine has not got it
+            backend.create(model_id, LoraShape.from_json(TrainerMeta.read(path).lora_config))
+            backend.load(model_id, str(path), optimizer=True)
+        except Exception:
+            log.exception("snapshot of %s could not be loaded", model_id)
+            backend.delete(model_id)
+            return None
         return seq_id
 
     def drop(self, model_id: str) -> None:

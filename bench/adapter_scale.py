@@ -209,8 +209,8 @@ async def publication(be: LoraBackend, engine, tenants: list[str], root: Path, s
 
 async def publications(tmp: str, root: Path, steps: int) -> dict[str, dict]:
     """Both ways, side by side on one engine: the files written in the loop, and off it."""
+    from core.settings import GenPoolSettings
     from gen_pool.engine import GenEngine
-    from gen_pool.settings import GenPoolSettings
 
     be = LoraBackend(tmp, max_tokens_per_pass=1 << 20)
     tenants = [f"t{i}" for i in range(4)]

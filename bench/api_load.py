@@ -216,7 +216,7 @@ def _api_processes(base_url: str) -> list[psutil.Process]:
     raise RuntimeError(f"no uvicorn process on port {port}")
 
 
-WORKERS = ("batcher.worker", "gen_pool.worker", "VLLM", "celery")
+WORKERS = ("batcher.main", "gen_pool.worker", "VLLM", "celery")
 
 
 LAYOUTS = ("api", "service", "flat")

@@ -10,7 +10,7 @@ trainer (quilt.rl's max_staleness); a batch's staleness is the trainer's steps t
 generated. Moving a device between sides idles it for MOVE_S (loading the other side's weights).
 
   static:  the split that balances the two sides at the start, held for the whole run;
-  planned: the same start; every PLAN_EVERY_S core.capacity_plan.recommend (imported, not copied)
+  planned: the same start; every PLAN_EVERY_S scaleout.capacity_plan.recommend (imported, not copied)
            reads the window's queue health (each side's busy fraction, staleness) and the split
            moves to its answer.
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from flags import add_flags, from_flags
 
-from core.capacity_plan import PlannerSettings, QueueHealth, recommend
+from scaleout.capacity_plan import PlannerSettings, QueueHealth, recommend
 
 
 @dataclass(frozen=True)

@@ -170,8 +170,8 @@ class Tenant(threading.Thread):
 
 def steps_applied(stack: RunningStack, model_id: str) -> int | None:
     """AdamW's step count in the model's last saved training checkpoint."""
+    from checkpoints.layout import OPTIMIZER_FILE
     from core import db
-    from core.checkpoint_files import OPTIMIZER_FILE
 
     with db.connect(stack.database_url) as conn:
         row = conn.execute("SELECT storage_path FROM checkpoints WHERE model_id = %s AND name = 'faults-end' "

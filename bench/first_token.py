@@ -39,11 +39,11 @@ from bench.genpool_fill import (  # noqa: E402
     submit,
 )
 from bench.table import print_rows  # noqa: E402
+from core.settings import GenPoolSettings  # noqa: E402
 from core.work import AdapterRef, SamplingSpec  # noqa: E402
 from gen_pool.adapters import header_adapter  # noqa: E402
 from gen_pool.engine import GenEngine  # noqa: E402
 from gen_pool.scheduler import Group  # noqa: E402
-from gen_pool.settings import GenPoolSettings  # noqa: E402
 from stack.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
 
 PRESETS = {

@@ -72,10 +72,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from genpool_sim import Model, fixed_comparison, pct, tenant_shape
 
+from core.settings import GenPoolSettings
 from core.work import AdapterRef, SamplingSpec
 from gen_pool.engine import GenEngine, SeqRequest
 from gen_pool.scheduler import Group, Scheduler
-from gen_pool.settings import GenPoolSettings
 
 # An overhead-bound model: so small that a decode step costs about the same for 1 or 32 sequences.
 BENCH_SPEC = {"hidden_size": 64, "num_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,

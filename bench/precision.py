@@ -26,8 +26,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bases import architectures  # noqa: E402
 from batcher.backend import LoraBackend, PassRequest  # noqa: E402
-from core import architectures  # noqa: E402
 from core.loss_spec import LossConfig  # noqa: E402
 from core.work import AdamParams, AdapterRef, Datum, LoraShape, PassWork, SamplingSpec  # noqa: E402
 from stack.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
@@ -50,8 +50,8 @@ def main() -> None:
     args = ap.parse_args()
     import asyncio
 
+    from core.settings import GenPoolSettings
     from gen_pool.engine import GenEngine, SeqRequest
-    from gen_pool.settings import GenPoolSettings
 
     root = Path(tempfile.mkdtemp(prefix="precision-"))
     base = build_tiny_model(root / "base", spec=TinyModelSpec(architecture=args.architecture)).path

@@ -94,9 +94,9 @@ async def engine_section(load_low: int, load_high: int, tokens: int) -> dict:
     import tempfile
     from pathlib import Path
 
+    from core.settings import GenPoolSettings
     from core.work import SamplingSpec
     from gen_pool.engine import GenEngine, SeqRequest
-    from gen_pool.settings import GenPoolSettings
     from stack.tiny_model import TinyModelSpec, build_tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="suffix-spec-"))

@@ -73,7 +73,7 @@ async def current_prices(conn) -> dict[str, Price]:
 
 
 def ensure_size_price(conn: psycopg.Connection, base) -> Price:
-    """The price in force for a catalogue base (core.catalog.BaseModel); one from its size
+    """The price in force for a catalogue base (bases.catalog.BaseModel); one from its size
     (billing.pricing.size_rates) is added, effective now, when it has none."""
     price = current_price_sync(conn, base.name)
     if price is not None:

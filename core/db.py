@@ -26,7 +26,7 @@ def connect(url: str | None = None) -> Iterator[psycopg.Connection]:
 
 def live_connection(conn: psycopg.Connection | None, url: str, name: str = "") -> psycopg.Connection:
     """A worker's one autocommit connection for its small writes: `conn` if usable, else a new one
-    (`name`: its application_name, by which a peer can end its sessions, core.placement)."""
+    (`name`: its application_name, by which a peer can end its sessions, scaleout.placement)."""
     if conn is None or conn.closed or conn.broken:
         named = {"application_name": name} if name else {}
         conn = psycopg.connect(url, autocommit=True, row_factory=dict_row, **named)

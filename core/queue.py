@@ -27,7 +27,7 @@ CANCEL_CHANNEL = "quilt:cancels"
 
 def train_stream(base_model: str, shard: str | None = None) -> str:
     """The base's one training stream, or with several trainer shards (QUILT_TRAINER_SHARDS) shard
-    `shard`'s own, which the API sends the calls of the models placed there to (core.placement)."""
+    `shard`'s own, which the API sends the calls of the models placed there to (scaleout.placement)."""
     return f"quilt:train:{base_model}" if shard is None else f"quilt:train:{base_model}@{shard}"
 
 

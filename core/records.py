@@ -1,4 +1,4 @@
-"""Worker-side writes to the resource records (requests, models, checkpoints).
+"""Worker-side writes to the resource records (requests and models; checkpoints: checkpoints.records).
 
 The API reads these through tenant-scoped queries (tenancy.scoped); workers write them here, keyed
 by ids that the API already checked.
@@ -6,12 +6,10 @@ by ids that the API already checked.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import psycopg
 from psycopg.types.json import Jsonb
 
-from core import queue, retention
+from core import queue
 from core.errors import ServerError
 from core.work import Rejected, WorkItem, WorkKind
 
@@ -100,40 +98,13 @@ def mark_models_lost(conn: psycopg.Connection, base_model: str, *, keep: list[st
     return cur.rowcount
 
 
-def upsert_checkpoint(conn: psycopg.Connection, *, tenant_id: str, model_id: str, kind: str, name: str,
-                      storage_path: str, size_bytes: int, ttl_s: int | None = None, sliding: bool = False,
-                      grace_s: int = 0, user_metadata: dict[str, str] | None = None) -> None:
-    """Record a save as checkpoint `name` (a new version if the name exists, whose `user_metadata`
-    replaces the old one's, none included). The version it replaces is queued for deletion
-    `grace_s` from now; see core.retention."""
-    with conn.transaction():
-        old = conn.execute(
-            "SELECT storage_path FROM checkpoints WHERE model_id = %s AND kind = %s AND name = %s FOR UPDATE",
-            (model_id, kind, name),
-        ).fetchone()
-        conn.execute(
-            "INSERT INTO checkpoints (tenant_id, model_id, kind, name, storage_path, size_bytes, expires_at, "
-            "sliding_ttl_s, user_metadata) VALUES (%s, %s, %s, %s, %s, %s, now() + make_interval(secs => %s), %s, %s) "
-            "ON CONFLICT (model_id, kind, name) DO UPDATE SET storage_path = EXCLUDED.storage_path, "
-            "size_bytes = EXCLUDED.size_bytes, created_at = now(), expires_at = EXCLUDED.expires_at, "
-            "sliding_ttl_s = EXCLUDED.sliding_ttl_s, user_metadata = EXCLUDED.user_metadata",
-            (tenant_id, model_id, kind, name, storage_path, size_bytes, ttl_s, ttl_s if sliding else None,
-             None if user_metadata is None else Jsonb(user_metadata)),
-        )
-        # (A checkpoint saved before per-save directories holds its files in the name's directory,
-        # which the new version now lives in: that one is not queued, or it would take the new one along.)
-        if old is not None and old["storage_path"] != storage_path \
-                and not Path(storage_path).is_relative_to(old["storage_path"]):
-            conn.execute(
-                "INSERT INTO storage_garbage (tenant_id, path, delete_after) "
-                "VALUES (%s, %s, now() + make_interval(secs => %s))",
-                (tenant_id, old["storage_path"], grace_s),
-            )
+def finished_requests(conn: psycopg.Connection, request_ids: list[str]) -> dict[str, str]:
+    """request id -> 'done' or 'failed', for those of `request_ids` that have finished."""
+    rows = conn.execute("SELECT id, status FROM requests WHERE id = ANY(%s) AND status IN ('done', 'failed')",
+                        (request_ids,)).fetchall()
+    return {r["id"]: r["status"] for r in rows}
 
 
-def checkpoint_exists(conn: psycopg.Connection, model_id: str, kind: str, name: str) -> bool:
-    row = conn.execute(
-        f"SELECT 1 FROM checkpoints WHERE model_id = %s AND kind = %s AND name = %s AND {retention.LIVE}",
-        (model_id, kind, name),
-    ).fetchone()
-    return row is not None
+def plan_weights(conn: psycopg.Connection) -> dict[str, float]:
+    """tenant id -> its plan's weight in the trainer's fair share."""
+    return {r["id"]: float(r["plan_weight"]) for r in conn.execute("SELECT id, plan_weight FROM tenants").fetchall()}

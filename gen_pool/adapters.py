@@ -24,9 +24,9 @@ import json
 import struct
 from pathlib import Path
 
-from core.checkpoint_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from bases.model_sources import safetensors_header
+from checkpoints.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from core.errors import UserError
-from core.model_sources import safetensors_header
 
 IDENTITY_NAME = "quilt-base-identity"
 IDENTITY_ID = 1

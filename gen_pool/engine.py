@@ -39,9 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from core import architectures, checkpoint_store
+from bases import architectures
+from bases.memory_plan import resolve_dtype
+from checkpoints import storage
 from core.errors import NotFound, ServerError
-from core.memory_plan import resolve_dtype
+from core.settings import GenPoolSettings
 from core.work import AdapterRef, SamplingSpec
 from gen_pool.adapters import (
     IDENTITY_ID,
@@ -52,7 +54,6 @@ from gen_pool.adapters import (
     identity_adapter,
 )
 from gen_pool.routing import Recent
-from gen_pool.settings import GenPoolSettings
 from gen_pool.speculation import speculative_config
 
 log = logging.getLogger("quilt.gen.engine")
@@ -207,11 +208,11 @@ class GenEngine:
         else:
             self.adapter_misses += 1
         self._used.touch(ref.key)
-        store = checkpoint_store.get_store()
+        store = storage.get_store()
         path = store.local_dir(ref.path)
         # Every group, loaded or not: vLLM re-reads a version's files when it has dropped them from
         # its host cache, and the bucket's local copies are kept under a size limit, least recently
-        # used out (core.checkpoint_cache): a fetch marks the use, or brings back a removed copy.
+        # used out (checkpoints.cache): a fetch marks the use, or brings back a removed copy.
         with contextlib.suppress(NotFound):  # then check_adapter (or vLLM) names what is missing
             path = await asyncio.to_thread(store.fetch, ref.path)  # from S3 once per replica
         if ref.key not in self._loaded:

@@ -92,3 +92,9 @@ class EpisodeLedger:
 
     def __len__(self) -> int:
         return len(self._episodes)
+
+
+def levels_of(settings) -> FeedbackLevels:
+    """The feedback levels a generation worker's settings (core.settings.GenPoolSettings) ask for."""
+    return FeedbackLevels(quantum_tokens=settings.episode_quantum_tokens, levels=settings.episode_levels,
+                          aging_s=settings.episode_aging_s)

@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from core import db, health, queue, scale_record
+from core import db, health, queue
 from core.work import MalformedWork, SampleWork, WorkItem
 from gen_pool.routing import (
     Policy,
@@ -38,6 +38,7 @@ from gen_pool.routing import (
     stable_hash,
     view_of,
 )
+from scaleout import in_service
 
 log = logging.getLogger("quilt.gen.router")
 
@@ -85,7 +86,7 @@ class Router:
         self.clock = clock  # wall time: beacons carry theirs
         self.rng = rng or random.Random()
         self._views: dict[str, tuple[float, list[ReplicaView]]] = {}
-        self._serving: dict[str, int] = {}  # per base, the replicas in service (core.scale_record)
+        self._serving: dict[str, int] = {}  # per base, the replicas in service (scaleout.in_service)
         self._sent: dict[str, deque[tuple[float, int, RouteRequest]]] = {}
         self._turn = 0
 
@@ -94,9 +95,9 @@ class Router:
         at, views = self._views.get(base_model, (float("-inf"), []))
         if now - at < REFRESH_S:
             return views
-        raws = await redis.mget([*health.gen_keys(base_model, len(self.names)).values(), scale_record.key(base_model)])
+        raws = await redis.mget([*health.gen_keys(base_model, len(self.names)).values(), in_service.key(base_model)])
         beacons = read_beacons(raws[:-1])
-        serving = self._serving[base_model] = len(scale_record.parse(raws[-1]).gen_names(self.names))
+        serving = self._serving[base_model] = len(in_service.parse(raws[-1]).gen_names(self.names))
         # A replica past the count in service is leaving (a scaler lowered it): no new groups.
         views = [view_of(n, b) if i < serving else dataclasses.replace(view_of(n, b), healthy=False)
                  for i, (n, b) in enumerate(zip(self.names, beacons, strict=True))]

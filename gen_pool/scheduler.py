@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.checkpoint_files import policy_version
+from checkpoints.layout import policy_version
 from core.errors import QuiltError, ServerError, UserError
 from core.work import AdapterRef, SamplingSpec
 from gen_pool import wire

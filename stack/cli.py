@@ -55,8 +55,9 @@ def _serving(args) -> dict:
 
 
 def cmd_models_add(args) -> int:
+    from bases import catalog, model_sources
     from billing.price_book import ensure_size_price
-    from core import catalog, db, model_sources
+    from core import db
 
     local, source = model_sources.locate(path=args.path, hub=args.hub, revision=args.revision)
     base = model_sources.describe(args.name, local, source, dtype=args.dtype, max_context=args.max_context,
@@ -76,7 +77,8 @@ def cmd_models_add(args) -> int:
 
 
 def cmd_models_remove(args) -> int:
-    from core import catalog, db
+    from bases import catalog
+    from core import db
 
     with db.connect(_prepared(args)) as conn:
         catalog.remove(conn, args.name)
@@ -92,7 +94,8 @@ def _params(n: int) -> str:
 
 
 def cmd_models_list(args) -> int:
-    from core import catalog, db
+    from bases import catalog
+    from core import db
 
     with db.connect(_prepared(args)) as conn:
         models = catalog.list_models_sync(conn)
@@ -110,11 +113,11 @@ def cmd_models_list(args) -> int:
 def cmd_models_plan(args) -> int:
     import json
 
-    from core import catalog, db
+    from bases import catalog
+    from bases.memory_plan import PlanInputs, parse_bytes, plan_memory, resolve_dtype
+    from core import db
     from core.errors import NotFound
-    from core.memory_plan import PlanInputs, parse_bytes, plan_memory, resolve_dtype
-    from core.settings import get_trainer_settings
-    from gen_pool.settings import get_gen_pool_settings
+    from core.settings import get_gen_pool_settings, get_trainer_settings
 
     with db.connect(_prepared(args)) as conn:
         base = catalog.get_model_sync(conn, args.name)
@@ -278,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="base models").add_subparsers(dest="action", required=True)
     p = models.add_parser("create-tiny", help="build a tiny local random-weight base and add it to the catalogue")
     _data_dir_option(p)
-    from core.architectures import SUPPORTED
+    from bases.architectures import SUPPORTED
 
     p.add_argument("--architecture", default="qwen3", choices=sorted(SUPPORTED))
     p.add_argument("--sample", action=argparse.BooleanOptionalAction, default=True,

@@ -3,7 +3,7 @@
 A client of the API like the SDK (QUILT_API_KEY, QUILT_BASE_URL): it asks for the signed download
 (api.routes.downloads: `archive` for --peft, `merged` for --merge), follows it without the key,
 and unpacks the stream into DIR as it arrives. --peft gives the PEFT adapter directory, --merge a
-Hugging Face model directory with the adapter merged into the base (core.adapter_merge).
+Hugging Face model directory with the adapter merged into the base (checkpoints.adapter_merge).
 """
 
 from __future__ import annotations

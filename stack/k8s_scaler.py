@@ -1,10 +1,10 @@
 """The capacity planner acting on Kubernetes (QUILT_SCALER_ACT=true; off by default): a Celery beat
 task that, every QUILT_SCALER_INTERVAL_S, reads the planner's answer for one base (the operator
 page's reading, api.dashboard.ops.planner_health), turns it into replica counts and the moves that reach
-them (core.scale_moves), and carries them out:
+them (scaleout.moves), and carries them out:
 
     1. drains the trainer shards that are to leave, reopens the ones taken back (Postgres);
-    2. writes the counts in service (core.scale_record) so routers and health follow at once;
+    2. writes the counts in service (scaleout.in_service) so routers and health follow at once;
     3. patches the `scale` subresource of the generation and trainer StatefulSets.
 
 Everything it decides is in step 2's record and in its log line; the Kubernetes calls go through
@@ -23,18 +23,12 @@ from pathlib import Path
 import psycopg
 from psycopg.rows import dict_row
 
-from core import (
-    capacity_plan,
-    catalog,
-    db,
-    placement,
-    redis_client,
-    scale_moves,
-    scale_record,
-)
+from bases import catalog
+from core import db, redis_client
 from core.celery_app import app
 from core.errors import InvalidInput
 from core.settings import ScalerSettings, get_core_settings, get_scaler_settings
+from scaleout import capacity_plan, in_service, moves, placement
 
 log = logging.getLogger("quilt.scaler")
 
@@ -97,30 +91,30 @@ async def _health(db_url: str, redis_url: str, base: catalog.BaseModel, window_s
             await redis.aclose()
 
 
-def fleet_of(cluster: StatefulSets, settings: ScalerSettings) -> scale_moves.Fleet:
+def fleet_of(cluster: StatefulSets, settings: ScalerSettings) -> moves.Fleet:
     """The base's workers as the cluster runs them now, within the named ones."""
     core = get_core_settings()
-    return scale_moves.Fleet(gen=cluster.replicas(settings.gen_statefulset),
-                             trainer=cluster.replicas(settings.trainer_statefulset),
-                             gen_max=core.gen_replicas, trainer_max=core.trainer_shards,
-                             devices_per_gen=settings.devices_per_gen_replica,
-                             devices_per_trainer=settings.devices_per_trainer_shard)
+    return moves.Fleet(gen=cluster.replicas(settings.gen_statefulset),
+                       trainer=cluster.replicas(settings.trainer_statefulset),
+                       gen_max=core.gen_replicas, trainer_max=core.trainer_shards,
+                       devices_per_gen=settings.devices_per_gen_replica,
+                       devices_per_trainer=settings.devices_per_trainer_shard)
 
 
-def act(conn, redis, cluster: StatefulSets, settings: ScalerSettings, base: str, fleet: scale_moves.Fleet,
-        rec: capacity_plan.Recommendation) -> scale_moves.Step:
+def act(conn, redis, cluster: StatefulSets, settings: ScalerSettings, base: str, fleet: moves.Fleet,
+        rec: capacity_plan.Recommendation) -> moves.Step:
     """Carry out the next move toward `rec` (steps 1-3 of the module docstring)."""
     views = placement.read_views(conn, redis, base, fleet.trainer_max) if fleet.trainer_max > 1 else []
-    step = scale_moves.step(rec, fleet, {v.name: v for v in views}, scale_record.read(redis, base))
+    step = moves.step(rec, fleet, {v.name: v for v in views}, in_service.read(redis, base))
     for shard in step.drain:
         placement.set_draining(conn, base, shard, True)
     for shard in step.reopen:
         placement.set_draining(conn, base, shard, False)
     # The record first: a replica about to go gets no new group from here on.
-    scale_record.write(redis, base, dataclasses.replace(step.record, reason=step.reason, at=time.time()))
+    in_service.write(redis, base, dataclasses.replace(step.record, reason=step.reason, at=time.time()))
     # The side that shrinks first, so the other's new pods find their accelerators free.
-    moves = [(settings.gen_statefulset, fleet.gen, step.gen), (settings.trainer_statefulset, fleet.trainer, step.trainer)]
-    for name, now, then in sorted(moves, key=lambda m: m[2] - m[1]):
+    resizes = [(settings.gen_statefulset, fleet.gen, step.gen), (settings.trainer_statefulset, fleet.trainer, step.trainer)]
+    for name, now, then in sorted(resizes, key=lambda m: m[2] - m[1]):
         if then != now:
             cluster.set_replicas(name, then)
     if step.changes(fleet):

@@ -23,7 +23,8 @@ from pathlib import Path
 import psutil
 
 import migrations
-from core import catalog, db, embedded, queue
+from bases import catalog
+from core import db, embedded, queue
 from core.settings import clear_settings_cache, get_api_settings, get_core_settings
 from stack import leftovers, priority
 
@@ -83,7 +84,7 @@ def prepare(data_dir: Path | None = None) -> tuple[str, str]:
             ensure_tiny_model(conn)
         for base in models:
             if not base.config:  # written before the catalogue knew architectures (migration 0008)
-                from core import model_sources
+                from bases import model_sources
 
                 catalog.register(conn, model_sources.refreshed(base))
     return db_url, redis_url
@@ -93,8 +94,8 @@ def ensure_tiny_model(conn, *, architecture: str = "qwen3", sampleable: bool = T
     """Build a tiny local random-weight base (idempotent) and add it to the catalogue: the Qwen3 one
     is the embedded default, the others exist for the architecture tests. `sampleable=False` adds it
     for training only: no generation worker, for a machine without a generation engine."""
+    from bases import model_sources
     from billing.price_book import ensure_size_price
-    from core import model_sources
     from stack.tiny_model import TinyModelSpec, build_tiny_model, tiny_model_name
 
     name = tiny_model_name(architecture)
@@ -150,11 +151,11 @@ def _children(db_url: str, redis_url: str, host: str, port: int, api_replicas: i
     for i, base in enumerate(models):
         trainer_env, gen_env = serving_env(base, env)
         if base.trainable and trainer_shards == 1:
-            children.append(Child(f"trainer:{base.name}", [py, "-m", "batcher.worker"],
+            children.append(Child(f"trainer:{base.name}", [py, "-m", "batcher.main"],
                                   {**trainer_env, "QUILT_TRAINER_BASE_MODEL": base.name,
                                    "QUILT_TRAINER_CONSUMER_NAME": f"trainer-{i}"}, logs / f"trainer-{i}.log"))
-        elif base.trainable:  # or shards, each holding the models placed on it (core.placement)
-            children += [Child(f"trainer:{base.name}@{name}", [py, "-m", "batcher.worker"],
+        elif base.trainable:  # or shards, each holding the models placed on it (scaleout.placement)
+            children += [Child(f"trainer:{base.name}@{name}", [py, "-m", "batcher.main"],
                                {**trainer_env, "QUILT_TRAINER_BASE_MODEL": base.name,
                                 "QUILT_TRAINER_CONSUMER_NAME": name}, logs / f"trainer-{i}-{name}.log")
                          for name in queue.shard_names(trainer_shards)]

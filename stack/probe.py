@@ -24,7 +24,7 @@ def _consumer(kind: str) -> tuple[str, str]:
             return queue.train_stream(s.base_model), s.consumer_name
         shard = queue.shard_of(s.consumer_name, shards)
         return queue.train_stream(s.base_model, shard), shard
-    from gen_pool.settings import get_gen_pool_settings
+    from core.settings import get_gen_pool_settings
 
     g, replicas = get_gen_pool_settings(), get_core_settings().gen_replicas
     if replicas <= 1:

@@ -1,4 +1,4 @@
-"""A tiny random-weight model (Qwen3 by default; any architecture of core.architectures) with its
+"""A tiny random-weight model (Qwen3 by default; any architecture of bases.architectures) with its
 own byte-level BPE tokenizer, built locally.
 
 Why this exists: Quilt runs where no model hub can be reached, yet its tests and its embedded mode
@@ -97,7 +97,7 @@ class TinyModelSpec:
     # False keeps lm_head a separate Linear, so LoRA can target it (architectures that always tie,
     # like Gemma, tie regardless).
     tie_word_embeddings: bool = False
-    # transformers model_type, one of core.architectures.SUPPORTED. Every architecture shares the
+    # transformers model_type, one of bases.architectures.SUPPORTED. Every architecture shares the
     # one tokenizer, so token ids mean the same across them.
     architecture: str = "qwen3"
     # Mixture-of-experts shape (used only by MoE architectures): experts per layer, experts each
@@ -139,7 +139,7 @@ class TinyModelSpec:
             )
         if not self.initializer_range > 0:
             raise ValueError(f"initializer_range={self.initializer_range} must be > 0")
-        from core.architectures import SUPPORTED
+        from bases.architectures import SUPPORTED
 
         if self.architecture not in SUPPORTED:
             raise ValueError(f"architecture={self.architecture!r} must be one of {sorted(SUPPORTED)}")
@@ -208,7 +208,7 @@ def build_tiny_model(
 
 def read_model_info(path: Path | str, *, name: str = TINY_MODEL_NAME) -> TinyModelInfo:
     """Read a model directory's info from config.json and the safetensors header (no torch)."""
-    from core.model_sources import weights_parameters
+    from bases.model_sources import weights_parameters
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
@@ -276,7 +276,7 @@ def _config(spec: TinyModelSpec, *, vocab_size: int, eos_id: int):
     """The transformers config of `spec.architecture`; the shape fields mean the same for all."""
     from transformers import AutoConfig
 
-    from core.architectures import SUPPORTED
+    from bases.architectures import SUPPORTED
 
     arch = SUPPORTED[spec.architecture]
     extra = {}

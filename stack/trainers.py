@@ -1,7 +1,7 @@
 """`quilt trainers list|drain|undrain`: the trainer shards of each base (QUILT_TRAINER_SHARDS above 1).
 
 A drain is asked in Postgres (trainer_shards.draining); the shard itself moves its models, with
-their stream entries, to the open shards between two rounds (batcher.worker), and gets no new ones
+their stream entries, to the open shards between two rounds (batcher.shards), and gets no new ones
 until undrained. The command waits until no model is placed on the shard, so a maintenance script
 can stop it right after.
 """
@@ -18,7 +18,7 @@ _SHARD = re.compile(r"shard-(0|[1-9][0-9]{0,3})")
 
 
 def _base(conn, name: str | None) -> str:
-    from core import catalog
+    from bases import catalog
 
     trainable = [m.name for m in catalog.list_models_sync(conn) if m.trainable]
     if name is None:
@@ -47,8 +47,8 @@ def _stores(args):
 def cmd_list(args) -> int:
     import json
 
-    from core import placement
     from core.settings import get_core_settings
+    from scaleout import placement
 
     shards = args.shards or get_core_settings().trainer_shards
     conn_cm, redis = _stores(args)
@@ -67,7 +67,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_drain(args) -> int:
-    from core import placement
+    from scaleout import placement
 
     conn_cm, _ = _stores(args)
     with conn_cm as conn:
@@ -86,7 +86,7 @@ def cmd_drain(args) -> int:
 
 
 def cmd_undrain(args) -> int:
-    from core import placement
+    from scaleout import placement
 
     conn_cm, _ = _stores(args)
     with conn_cm as conn:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from psycopg import AsyncConnection
 
-from core import retention
+from checkpoints import retention
 from core.errors import Conflict, NotFound
 from core.queue import MAX_CLONE
 from tenancy.auth import Principal

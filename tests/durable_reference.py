@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from stackutil import ADAM as BASE_ADAM
 
 from batcher.backend import LoraBackend
-from core.checkpoint_files import ADAPTER_WEIGHTS, OPTIMIZER_FILE
+from checkpoints.layout import ADAPTER_WEIGHTS, OPTIMIZER_FILE
 from core.work import AdamParams, Datum, LoraShape, PassWork
 
 SEQS = ([5, 6, 7, 8, 9, 10], [11, 12, 13, 14], [20, 30, 40, 50, 60])

@@ -1,6 +1,6 @@
 """The architecture matrix: every base family Quilt serves, as a tiny random-weight model built here.
 
-For each architecture (core.architectures.SUPPORTED): LoRA trains through the fused multi-tenant
+For each architecture (bases.architectures.SUPPORTED): LoRA trains through the fused multi-tenant
 step exactly as alone; switches the base cannot carry are refused with the field named; and the
 real vLLM engine samples with a trained adapter, the trainer scoring the same tokens within
 MISMATCH tolerances (the `mismatch_kl:mean` and `logprob_diff_abs:mean` metrics clients see).
@@ -18,8 +18,8 @@ import pytest
 import torch
 from genutil import Loop
 
+from bases import architectures
 from batcher.backend import LoraBackend, PassRequest
-from core import architectures
 from core.errors import InvalidInput
 from core.loss_spec import LossConfig
 from core.work import AdamParams, AdapterRef, Datum, LoraShape, PassWork, SamplingSpec
@@ -105,8 +105,8 @@ def test_switches_the_base_cannot_carry_are_refused(tiny):
 @pytest.fixture(scope="module")
 def engine(tiny, tmp_path_factory):
     pytest.importorskip("vllm")
+    from core.settings import GenPoolSettings
     from gen_pool.engine import GenEngine
-    from gen_pool.settings import GenPoolSettings
 
     arch, path, _ = tiny
     loop = Loop()

@@ -1,4 +1,4 @@
-"""The capacity planner as tables (core.capacity_plan), and the run model that drives it
+"""The capacity planner as tables (scaleout.capacity_plan), and the run model that drives it
 (bench/capacity_sim.py: simulated time only)."""
 
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from core.capacity_plan import PlannerSettings, QueueHealth, recommend
+from scaleout.capacity_plan import PlannerSettings, QueueHealth, recommend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 

@@ -1,5 +1,5 @@
 """The size limit on this machine's copies of a bucket's checkpoint versions
-(core.checkpoint_cache): least recently used out, nothing used within the idle time."""
+(checkpoints.cache): least recently used out, nothing used within the idle time."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from core.checkpoint_cache import Cached, SizeLimit, evictions, scan
+from checkpoints.cache import Cached, SizeLimit, evictions, scan
 
 NOW = 10_000.0
 

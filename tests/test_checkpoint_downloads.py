@@ -20,7 +20,8 @@ from genutil import Reference
 from stackutil import TINY
 
 from api import signed_urls
-from core import catalog, db
+from bases import catalog
+from core import db
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402

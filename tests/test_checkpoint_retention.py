@@ -16,8 +16,9 @@ import pytest
 import quilt
 from stackutil import new_model, wait_future
 
-from core import checkpoint_files, db, retention
-from core.checkpoint_store import LocalStore
+from checkpoints import layout, retention
+from checkpoints.storage import LocalStore
+from core import db
 
 TINY = "quilt/tiny-qwen3"
 PROMPT = [5, 6, 7, 8]
@@ -57,7 +58,7 @@ def test_remove_dir_stays_inside_the_checkpoint_root(tmp_path):
 
 
 def test_new_version_dirs_never_repeat(tmp_path):
-    dirs = {checkpoint_files.new_version_dir(tmp_path, "t", "m", "weights", "n") for _ in range(100)}
+    dirs = {layout.new_version_dir(tmp_path, "t", "m", "weights", "n") for _ in range(100)}
     assert len(dirs) == 100 and all(Path(d).parent == tmp_path / "t" / "m" / "weights" / "n" for d in dirs)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from stackutil import ADAM, datum, new_model, wait_future
 
 TOKENS = list(range(50, 90))
@@ -42,7 +41,7 @@ def test_checkpoint_is_in_peft_format(stack, tenant):
     r = client.post("/save_weights", json={"model_id": model_id, "seq_id": 1, "path": "fmt"}).json()
     wait_future(client, r["request_id"])
     name_dir = stack.data_dir / "checkpoints" / tenant.tenant_id / model_id / "weights" / "fmt"
-    (ckpt,) = name_dir.iterdir()  # one directory per save (core.retention)
+    (ckpt,) = name_dir.iterdir()  # one directory per save (checkpoints.retention)
     names = {p.name for p in ckpt.iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt"} <= names
 

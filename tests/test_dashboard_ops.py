@@ -85,8 +85,8 @@ def test_capacity_reads_generation_and_trainer_busy():
 
 
 def test_with_a_scaler_the_planner_counts_the_devices_in_service_and_shows_its_last_move(monkeypatch):
-    from core.scale_record import InService
     from core.settings import clear_settings_cache
+    from scaleout.in_service import InService
 
     monkeypatch.setenv("QUILT_SCALER_DEVICES_PER_GEN_REPLICA", "2")
     clear_settings_cache()

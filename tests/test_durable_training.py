@@ -14,7 +14,8 @@ import pytest
 from durable_reference import ADAM, SEQS, assert_equals_reference
 from stackutil import TINY, datum, fb_body, new_model, wait_future
 
-from core import catalog, db, queue, redis_client
+from bases import catalog
+from core import db, queue, redis_client
 from core.work import WorkItem
 from stack import leftovers
 

@@ -18,10 +18,10 @@ pytest.importorskip("vllm")
 
 from genutil import Loop, Reference, make_adapter
 
+from core.settings import GenPoolSettings
 from core.work import AdapterRef, SamplingSpec
 from gen_pool.adapters import AdapterError
 from gen_pool.engine import GenEngine, SeqRequest
-from gen_pool.settings import GenPoolSettings
 
 LOGPROB_TOL = 1e-3
 PROMPT = (5, 6, 7, 8, 9, 10)

@@ -1,4 +1,4 @@
-"""Merged exports: the adapter merged into its base (core.adapter_merge) is a Hugging Face model
+"""Merged exports: the adapter merged into its base (checkpoints.adapter_merge) is a Hugging Face model
 that transformers loads and the vLLM engine serves, scoring tokens as base + adapter does; `quilt
 export` writes it (--merge) or the adapter alone (--peft) from a running stack, for its owner only;
 the dashboard offers the same download."""
@@ -20,7 +20,9 @@ from dashutil import login, run_url
 from genutil import Loop, Reference, make_adapter
 from stackutil import ROOT, TINY
 
-from core import adapter_merge, catalog, db
+from bases import catalog
+from checkpoints import adapter_merge
+from core import db
 
 TOKENS = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
 TOL = 1e-4  # float32 on both sides
@@ -113,9 +115,9 @@ def test_quilt_export_merge_and_peft(stack, trained, tmp_path):
 
 
 def test_the_merged_model_is_served_by_the_vllm_engine(stack, trained, tmp_path):
+    from core.settings import GenPoolSettings
     from core.work import SamplingSpec
     from gen_pool.engine import GenEngine, SeqRequest
-    from gen_pool.settings import GenPoolSettings
 
     owner, _, path, expected, _ = trained
     assert _quilt("export", path, "--merge", "--out", str(tmp_path / "m"), key=owner.key, stack=stack).returncode == 0

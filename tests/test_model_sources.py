@@ -1,4 +1,4 @@
-"""`quilt models add` validation (core.model_sources), the memory plan (core.memory_plan) and
+"""`quilt models add` validation (bases.model_sources), the memory plan (bases.memory_plan) and
 size-based prices, without services: every refusal names its field and the fix."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
+from bases import architectures, memory_plan, model_sources
 from billing.pricing import size_rates
-from core import architectures, memory_plan, model_sources
 from core.errors import InvalidInput
 from stack.tiny_model import TinyModelSpec, build_tiny_model
 
@@ -193,7 +193,7 @@ def test_the_sampler_refuses_a_kv_cache_too_small_for_one_sequence():
 
 
 def test_per_base_settings_reach_that_bases_workers():
-    from core.catalog import BaseModel
+    from bases.catalog import BaseModel
     from stack.launcher import serving_env
 
     base = BaseModel("b", "/m", 10, 10, dtype="bfloat16",

@@ -67,7 +67,7 @@ def test_add_list_plan_remove(env, tmp_path):
     assert "is not in the catalogue" in quilt(env, "models", "plan", "nobody", expect=2)
 
     # The trainer checks the plan before loading: a device that cannot hold the base is refused.
-    refused = subprocess.run([sys.executable, "-m", "batcher.worker"], cwd=ROOT, capture_output=True, text=True,
+    refused = subprocess.run([sys.executable, "-m", "batcher.main"], cwd=ROOT, capture_output=True, text=True,
                              timeout=300, env={**env, "QUILT_TRAINER_BASE_MODEL": "acme/llama-mini",
                                                "QUILT_TRAINER_GPU_MEMORY": "8MiB"})
     assert refused.returncode != 0 and "does not fit this trainer" in refused.stderr, refused.stderr[-2000:]

@@ -56,7 +56,7 @@ def test_the_answer_is_what_the_pool_samples(stack, published):
     out = _client(stack, owner.key).completions.create(model=path, prompt=prompt, max_tokens=6, seed=11)
     from transformers import AutoTokenizer
 
-    from core import catalog
+    from bases import catalog
 
     with db.connect(stack.database_url) as conn:
         tok = AutoTokenizer.from_pretrained(catalog.get_model_sync(conn, TINY).path)
@@ -100,7 +100,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluators_ask(stack, published
     + PEFT on the same weights; the top-1 alternative says whether each token was the greedy one."""
     from genutil import Reference
 
-    from core import catalog
+    from bases import catalog
 
     owner, path = published
     tokens = [5, 6, 7, 8, 9, 10, 11, 12]

@@ -1,4 +1,4 @@
-"""Trainer-shard placement as tables (core.placement): where a new model goes, how a dead or
+"""Trainer-shard placement as tables (scaleout.placement): where a new model goes, how a dead or
 draining shard's models spread, and what the views read from Postgres and the beacons."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from core import queue
-from core.placement import ShardView, place, spread, views_of
+from scaleout.placement import ShardView, place, spread, views_of
 
 
 @pytest.mark.parametrize(("views", "expected"), [

@@ -31,7 +31,9 @@ from billing_workload import wait_recorded
 from durable_reference import ADAM, SEQS, assert_equals_reference
 from stackutil import ROOT, TINY, datum, fb_body, new_model, wait_future
 
-from core import catalog, db, health, placement, queue, redis_client
+from bases import catalog
+from core import db, health, queue, redis_client
+from scaleout import placement
 from stack.ephemeral import ephemeral_stack, new_tenant
 
 pytestmark = pytest.mark.stack
@@ -365,9 +367,9 @@ def test_the_scaler_drains_a_shard_before_removing_it_and_routes_around_a_leavin
     both come back when the planner asks. Runs last: it leaves the stack as it found it."""
     from k8sutil import FakeKubernetes
 
-    from core import scale_record
-    from core.capacity_plan import Recommendation
     from core.settings import ScalerSettings, clear_settings_cache
+    from scaleout import in_service
+    from scaleout.capacity_plan import Recommendation
     from stack import k8s_scaler
 
     s = replicas_stack
@@ -419,7 +421,7 @@ def test_the_scaler_drains_a_shard_before_removing_it_and_routes_around_a_leavin
         second = move(2, 1)
         assert (second.gen, second.trainer) == (2, 1)
         assert fake.patches == [("quilt-trainer", 1, merge), ("quilt-gen", 2, merge)]  # the shrinking side first
-        assert scale_record.read(r, TINY).trainer == 1
+        assert in_service.read(r, TINY).trainer == 1
         assert set(_placed(s, models).values()) == {"shard-0"}
         # Still beating (the fake starts and stops no pod): leaving, not down, and health is ok.
         healthz = httpx.get(f"{s.base_url}/api/v1/healthz", timeout=10)
@@ -442,7 +444,7 @@ def test_the_scaler_drains_a_shard_before_removing_it_and_routes_around_a_leavin
         if "action" in out:
             assert out["action"] == "no reading yet"
         else:
-            assert scale_record.read(r, TINY).reason == out["reason"]
+            assert in_service.read(r, TINY).reason == out["reason"]
             assert sum(out["recommended"]) == 3  # the devices in use now, moved, never added
         patched = len(fake.patches)
 
@@ -453,6 +455,6 @@ def test_the_scaler_drains_a_shard_before_removing_it_and_routes_around_a_leavin
         assert len(fake.patches) == patched
         placement.set_draining(conn, TINY, "shard-1", False)  # in case the tick began a drain
 
-    r.delete(scale_record.key(TINY))
+    r.delete(in_service.key(TINY))
     clear_settings_cache()
     client.close()

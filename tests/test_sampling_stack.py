@@ -229,7 +229,8 @@ def _storage(stack, model_id: str, name: str) -> str:
 def test_topk_prompt_logprobs_match_a_torch_recomputation(stack, tenant):
     from genutil import Reference
 
-    from core import catalog, db
+    from bases import catalog
+    from core import db
 
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
     with stack.sdk(tenant.key) as client:

@@ -1,14 +1,14 @@
-"""The scaler's moves (core.scale_moves) as tables, and the record the routers read
-(core.scale_record)."""
+"""The scaler's moves (scaleout.moves) as tables, and the record the routers read
+(scaleout.in_service)."""
 
 from __future__ import annotations
 
 import pytest
 
-from core.capacity_plan import Recommendation
-from core.placement import ShardView
-from core.scale_moves import Fleet, goal, step
-from core.scale_record import InService, dumps, parse
+from scaleout.capacity_plan import Recommendation
+from scaleout.in_service import InService, dumps, parse
+from scaleout.moves import Fleet, goal, step
+from scaleout.placement import ShardView
 
 
 def _rec(gen: int, train: int, reason: str = "balance busy time") -> Recommendation:

@@ -1,7 +1,7 @@
 """Scale-out on one machine: a stack with two API replicas (`quilt up --api-replicas 2`) that
 share nothing but Postgres and Redis, and checkpoints in an S3-compatible store.
 
-The store (core.checkpoint_store) runs against a real S3 server: moto in server mode, started by
+The store (checkpoints.storage) runs against a real S3 server: moto in server mode, started by
 the test as a process of its own and reached over HTTP by boto3, as an S3 deployment would be.
 The stack trains, saves, samples, restores and serves downloads with its local copies wiped
 between steps, so every read comes from the bucket; a deleted checkpoint leaves nothing there.
@@ -30,8 +30,8 @@ from stackutil import ADAM, datum, fb_body, new_model, wait_future  # noqa: E402
 from tinker import types  # noqa: E402
 from tinkerutil import ready  # noqa: E402
 
+from checkpoints.storage import S3Store, key_of  # noqa: E402
 from core import db  # noqa: E402
-from core.checkpoint_store import S3Store, key_of  # noqa: E402
 from core.errors import NotFound  # noqa: E402
 from stack.ephemeral import ephemeral_stack, free_port, new_tenant  # noqa: E402
 from tenancy.keys import PREFIX_LEN, revoke_key  # noqa: E402

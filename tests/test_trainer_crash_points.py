@@ -16,7 +16,8 @@ from billing_workload import wait_recorded
 from durable_reference import ADAM, SEQS, assert_equals_reference
 from stackutil import TINY, datum, fb_body, new_model, wait_future
 
-from core import catalog, db
+from bases import catalog
+from core import db
 from stack.ephemeral import ephemeral_stack, new_tenant
 
 pytestmark = pytest.mark.stack

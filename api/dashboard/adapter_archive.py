@@ -19,8 +19,8 @@ from pathlib import Path
 
 from fastapi.responses import StreamingResponse
 
-from core.adapter_merge import Member
-from core.checkpoint_files import adapter_files
+from checkpoints.adapter_merge import Member
+from checkpoints.layout import adapter_files
 
 CHUNK = 1 << 20
 _BLOCK = tarfile.BLOCKSIZE
@@ -50,7 +50,7 @@ def file_response(path: Path) -> StreamingResponse:
 
 
 def merged_response(model_id: str, name: str, members: list[Member]) -> StreamingResponse:
-    """A download of the merged model (core.adapter_merge) as `<model>-<name>-merged.tar`."""
+    """A download of the merged model (checkpoints.adapter_merge) as `<model>-<name>-merged.tar`."""
     filename = archive_name(model_id, name, "-merged.tar")
     return _download(stream_tar(members, top=filename.removesuffix(".tar"), gzip=False), filename,
                      "application/x-tar")

@@ -22,8 +22,10 @@ from collections import defaultdict
 
 from redis.asyncio import Redis
 
-from core import capacity_plan, catalog, health, queue, scale_record
+from bases import catalog
+from core import health, queue
 from core.settings import get_core_settings, get_scaler_settings
+from scaleout import capacity_plan, in_service
 
 ROUNDS_READ = 1000  # newest round records read per trainer (the worker keeps QUILT_TRAINER_STATS_HISTORY)
 FUSED_ROUNDS_SHOWN = 200
@@ -127,7 +129,7 @@ def env_waits(rows: list[dict]) -> dict:
 
 
 def queue_health(base: dict, staleness_mean: float, devices: tuple[int, int]) -> capacity_plan.QueueHealth | None:
-    """What the capacity planner reads for one base (core.capacity_plan): generation busy is its slot
+    """What the capacity planner reads for one base (scaleout.capacity_plan): generation busy is its slot
     utilisation since the worker started (its beacon's counters), trainer busy the window's mean
     busy fraction; None while either side has no reading."""
     gen = base.get("gen") or {}
@@ -140,7 +142,7 @@ def queue_health(base: dict, staleness_mean: float, devices: tuple[int, int]) ->
 
 
 def capacity(base: dict, staleness_mean: float, devices: tuple[int, int],
-             record: scale_record.InService = scale_record.InService()) -> dict | None:  # noqa: B008
+             record: in_service.InService = in_service.InService()) -> dict | None:  # noqa: B008
     """The capacity planner's answer for one base as the page shows it, with what a scaler last did
     (`record`); None while either side has no reading."""
     health_now = queue_health(base, staleness_mean, devices)
@@ -156,7 +158,7 @@ def capacity(base: dict, staleness_mean: float, devices: tuple[int, int],
     return out
 
 
-def devices_in_service(record: scale_record.InService, configured: tuple[int, int]) -> tuple[int, int]:
+def devices_in_service(record: in_service.InService, configured: tuple[int, int]) -> tuple[int, int]:
     """The devices the planner counts: those of the workers a scaler keeps in service, else the
     configured ones (QUILT_CAPACITY_*_DEVICES)."""
     if record.gen is None or record.trainer is None:
@@ -256,10 +258,10 @@ def combined_gen(beacons: dict[str, dict | None]) -> dict | None:
 
 
 async def _base_health(redis: Redis, base: catalog.BaseModel, *, now: float, window_s: float,
-                       bin_s: float) -> tuple[dict, scale_record.InService]:
-    """The base's figures for the page, and the count in service a scaler keeps (core.scale_record)."""
+                       bin_s: float) -> tuple[dict, in_service.InService]:
+    """The base's figures for the page, and the count in service a scaler keeps (scaleout.in_service)."""
     shards = get_core_settings().trainer_shards
-    record = await scale_record.read_async(redis, base.name)
+    record = await in_service.read_async(redis, base.name)
     trainer = combined_trainer({name: _json(await redis.get(key))
                                 for name, key in health.trainer_keys(base.name, shards).items()})
     replicas = get_core_settings().gen_replicas

@@ -19,8 +19,8 @@ from api.deps import Callers, Pool, RedisDep
 from api.errors import retry_after
 from api.routes.billing import get_usage
 from api.routes.downloads import adapter_download, merge_members
-from core import catalog
-from core.checkpoint_files import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
+from bases import catalog
+from checkpoints.layout import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
 from core.errors import Forbidden, NotFound, QuotaExceeded, Unauthenticated
 from tenancy import accounts, keys, login_limit, scoped
 from tenancy.auth import authenticate

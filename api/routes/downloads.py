@@ -11,7 +11,7 @@ fetches.
 
 Every kind of checkpoint can be fetched; what is sent is the PEFT adapter directory
 (adapter_config.json, adapter_model.safetensors) and Quilt's metadata, never optimizer state, or
-for `merged` the base's files with the adapter merged into its weights (core.adapter_merge), which
+for `merged` the base's files with the adapter merged into its weights (checkpoints.adapter_merge), which
 needs the base's files on this API's machine.
 """
 
@@ -32,8 +32,10 @@ from api.dashboard import adapter_archive
 from api.deps import Pool, Settings, Who
 from api.input_guard import GuardedRoute
 from api.routes.runs import split_checkpoint_id
-from core import adapter_merge, catalog, checkpoint_store, db, retention
-from core.checkpoint_files import adapter_files
+from bases import catalog
+from checkpoints import adapter_merge, retention, storage
+from checkpoints.layout import adapter_files
+from core import db
 from core.errors import InvalidInput, NotFound
 from tenancy import scoped
 
@@ -69,13 +71,13 @@ async def checkpoint_directory(ckpt: dict) -> Path:
     """A checkpoint's files on this machine (fetched from the checkpoint store when it is not a
     local directory and this API replica has not got them yet), or a 404 saying they are gone."""
     try:
-        return await run_in_threadpool(checkpoint_store.get_store().fetch, ckpt["storage_path"])
+        return await run_in_threadpool(storage.get_store().fetch, ckpt["storage_path"])
     except NotFound:
         raise _gone(ckpt) from None
 
 
 async def _adapter_files(ckpt: dict) -> list[Path]:
-    """The files of the checkpoint's adapter (core.checkpoint_files.adapter_files), or a 404."""
+    """The files of the checkpoint's adapter (checkpoints.layout.adapter_files), or a 404."""
     directory = await checkpoint_directory(ckpt)
     with _while_its_files_last(ckpt):
         return adapter_files(directory)

@@ -20,7 +20,8 @@ from prometheus_client.core import (
 
 from api.deps import Pool, RedisDep
 from api.input_guard import GuardedRoute
-from core import catalog, health, loop_lag
+from bases import catalog
+from core import health, loop_lag
 from core.settings import get_core_settings
 
 router = APIRouter(route_class=GuardedRoute, tags=["service"])

@@ -32,12 +32,13 @@ from api import admission, chat_render
 from api.deps import Pool, RedisDep, Settings, Who
 from api.input_guard import GuardedRoute
 from api.routes.sampling import check_group, group_limits, resolve
-from core import catalog, ids, queue
+from bases import catalog
+from core import ids, queue
 from core.errors import InvalidInput, NotFound, QuiltError, ServerError
 from core.numbers import INT32_MAX
+from core.settings import get_gen_pool_settings
 from core.work import SampleWork, WorkItem, WorkKind
 from gen_pool import params
-from gen_pool.settings import get_gen_pool_settings
 
 router = APIRouter(prefix="/v1", route_class=GuardedRoute, tags=["openai"])
 

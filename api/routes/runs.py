@@ -12,8 +12,9 @@ from starlette.concurrency import run_in_threadpool
 from api.deps import Pool, Who
 from api.input_guard import GuardedRoute
 from api.schemas import CheckpointTtlRequest, WeightsInfoRequest
-from core import checkpoint_store, ids
-from core.checkpoint_files import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
+from checkpoints import storage
+from checkpoints.layout import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
+from core import ids
 from core.errors import InvalidInput, NotFound
 from core.numbers import INT32_MAX
 from tenancy import scoped
@@ -137,8 +138,8 @@ async def delete_checkpoint(run_id: str, checkpoint_id: str, who: Who, pool: Poo
     async with pool.connection() as conn:
         ckpt = await scoped.get_checkpoint(conn, who, run_id, kind, name)
         await conn.execute("DELETE FROM checkpoints WHERE id = %s", (ckpt["id"],))
-    # Earlier versions of the name are already queued for deletion (core.retention).
-    await run_in_threadpool(checkpoint_store.get_store().remove, ckpt["storage_path"])
+    # Earlier versions of the name are already queued for deletion (checkpoints.retention).
+    await run_in_threadpool(storage.get_store().remove, ckpt["storage_path"])
     return Response(status_code=204)
 
 

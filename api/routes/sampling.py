@@ -31,13 +31,14 @@ from api.schemas import (
     SampleRequest,
     SaveWeightsForSamplerRequest,
 )
-from core import catalog, db, ids, queue, retention
-from core.checkpoint_files import SAMPLER_KIND, new_version_dir
+from bases import catalog
+from checkpoints import retention
+from checkpoints.layout import SAMPLER_KIND, new_version_dir
+from core import db, ids, queue
 from core.errors import InvalidInput, NotFound
-from core.settings import get_core_settings
+from core.settings import get_core_settings, get_gen_pool_settings
 from core.work import AdapterRef, SampleWork, SaveWeights, WorkItem, WorkKind
 from gen_pool import params
-from gen_pool.settings import get_gen_pool_settings
 from tenancy import scoped
 
 log = logging.getLogger("quilt.api.sampling")

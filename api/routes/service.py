@@ -8,8 +8,10 @@ from fastapi import APIRouter, Response
 
 from api.deps import Pool, RedisDep, Who
 from api.input_guard import GuardedRoute
-from core import catalog, health, scale_record
+from bases import catalog
+from core import health
 from core.settings import get_core_settings
+from scaleout import in_service
 
 router = APIRouter(route_class=GuardedRoute, tags=["service"])
 
@@ -78,7 +80,7 @@ async def healthz(pool: Pool, redis: RedisDep, response: Response) -> dict:
     if components["redis"]["ok"]:
         try:
             for base in bases:
-                record = await scale_record.read_async(redis, base.name)
+                record = await in_service.read_async(redis, base.name)
                 if base.trainable:  # one component per trainer shard in service
                     keys = health.trainer_keys(base.name, get_core_settings().trainer_shards)
                     await _workers(redis, components, "trainer", keys, record.trainer_names(list(keys)))

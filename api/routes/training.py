@@ -20,8 +20,9 @@ from api.schemas import (
     SaveWeightsExternalRequest,
     SaveWeightsRequest,
 )
-from core import architectures, catalog, db, health, ids
-from core.checkpoint_files import EXTERNAL_KIND, TRAINING_KIND, new_version_dir
+from bases import architectures, catalog
+from checkpoints.layout import EXTERNAL_KIND, TRAINING_KIND, new_version_dir
+from core import db, health, ids
 from core.errors import Forbidden, InvalidInput, NotFound
 from core.loss_spec import spec_of
 from core.numbers import INT32_MAX

@@ -20,10 +20,11 @@ import struct
 from dataclasses import replace
 from pathlib import Path
 
-from core import architectures
-from core.catalog import BaseModel
+from bases import architectures
+from bases.catalog import BaseModel
 from core.errors import InvalidInput
 from core.numbers import INT32_MAX
+from core.settings import VLLM_LORA_RANKS
 
 DTYPES = ("auto", "bfloat16", "float32")
 # Chat renderers Quilt knows, for tokenizers without a chat template (the cookbook's renderer names).
@@ -103,8 +104,8 @@ def _check_serving(serving: dict) -> None:
     if share is not None and not 0 < share < 1:
         raise InvalidInput(f"--gen-memory-share must be between 0 and 1, got {share}", field="gen_memory_share")
     rank = serving.get("max_lora_rank")
-    if rank is not None and rank not in architectures.VLLM_LORA_RANKS:
-        raise InvalidInput(f"--max-lora-rank must be one of {architectures.VLLM_LORA_RANKS}, got {rank}", field="max_lora_rank")
+    if rank is not None and rank not in VLLM_LORA_RANKS:
+        raise InvalidInput(f"--max-lora-rank must be one of {VLLM_LORA_RANKS}, got {rank}", field="max_lora_rank")
     loras = serving.get("max_loras")
     if loras is not None and not 2 <= loras <= 256:
         raise InvalidInput(f"--max-loras must be in [2, 256], got {loras}", field="max_loras")

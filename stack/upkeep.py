@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import socket
 
-from core import checkpoint_store, db, health, records, redis_client, retention
+from checkpoints import retention, storage
+from core import db, health, records, redis_client
 from core.celery_app import app
 from core.settings import get_api_settings
 
@@ -33,7 +34,7 @@ def expire_sessions() -> int:
 def sweep_checkpoints() -> dict:
     """Expire checkpoints past their TTL and delete checkpoint directories that are due."""
     with db.connect() as conn:
-        result = retention.sweep(conn, checkpoint_store.get_store())
+        result = retention.sweep(conn, storage.get_store())
     return {"expired": result.expired, "removed": result.removed}
 
 
@@ -41,7 +42,7 @@ def sweep_checkpoints() -> dict:
 def sweep_orphan_checkpoints() -> int:
     """Delete checkpoint directories that no checkpoint names (left by a save that crashed)."""
     with db.connect() as conn:
-        return retention.sweep_orphans(conn, checkpoint_store.get_store())
+        return retention.sweep_orphans(conn, storage.get_store())
 
 
 @app.task(name="quilt.upkeep.fail_never_enqueued")

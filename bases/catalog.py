@@ -1,5 +1,5 @@
 """The base-model catalogue: which bases this installation serves, what they are, where their files
-live and how their workers are set up. Rows are written by `quilt models add` (core.model_sources
+live and how their workers are set up. Rows are written by `quilt models add` (bases.model_sources
 validates first) and read by the API and the workers."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class BaseModel:
     max_context_length: int
     trainable: bool = True
     sampleable: bool = True
-    architecture: str = "qwen3"  # config.model_type, one of core.architectures.SUPPORTED
+    architecture: str = "qwen3"  # config.model_type, one of bases.architectures.SUPPORTED
     config: dict = field(default_factory=dict)  # config.json
     source: str = "path"  # 'path' or 'hub'
     hub_id: str | None = None

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from core import architectures
+from bases import architectures
 from core.errors import InvalidInput
 
 GiB = 2**30

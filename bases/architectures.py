@@ -25,8 +25,6 @@ from dataclasses import dataclass
 
 from core.errors import InvalidInput
 
-# vLLM accepts only these values for max_lora_rank (vllm.config.lora.MaxLoRARanks).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)

@@ -1,6 +1,6 @@
 """How long checkpoints live, where their files go, and removing files nobody can name any more.
 
-Every save writes a new directory (the layout is core.checkpoint_files') and a path is never
+Every save writes a new directory (the layout is checkpoints.layout') and a path is never
 reused, so deleting a directory can only ever remove files that no live checkpoint row points at,
 whatever a concurrent save does. Files become garbage three ways:
   * a save replaces a checkpoint of the same name: the old version waits
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 if TYPE_CHECKING:
-    from core.checkpoint_store import LocalStore
+    from checkpoints.storage import LocalStore
 
 log = logging.getLogger("quilt.retention")
 

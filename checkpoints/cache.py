@@ -1,4 +1,4 @@
-"""This machine's copies of checkpoint versions kept in a bucket (core.checkpoint_store.S3Store),
+"""This machine's copies of checkpoint versions kept in a bucket (checkpoints.storage.S3Store),
 held under a size limit: least recently used first out.
 
 A version is never rewritten, so a copy is never stale, but without a limit the copies of every

@@ -1,6 +1,6 @@
 """Where checkpoint files live: a local directory (the default) or an S3-compatible object store.
 
-A checkpoint version is named by its `storage_path` (core.checkpoint_files.new_version_dir), whose
+A checkpoint version is named by its `storage_path` (checkpoints.layout.new_version_dir), whose
 last five parts, `<tenant>/<model>/<kind>/<name>/<version>`, are its key in either store. Each
 process keeps its files in a local directory, `local_dir(storage_path)`:
 
@@ -16,7 +16,7 @@ With the local store the directory is the store, and `publish` and `fetch` only 
 S3 the local directory is `<data dir>/checkpoints` as well (the writer's copy, or a cache on
 other machines); the objects are `s3://<bucket>/<prefix>/<key>/<file>`. A download lands in a
 temporary directory renamed into place, so a reader never sees half a version. Those copies are
-held under QUILT_S3_CACHE_MAX_GIB, least recently used first out (core.checkpoint_cache).
+held under QUILT_S3_CACHE_MAX_GIB, least recently used first out (checkpoints.cache).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from core import retention
-from core.checkpoint_cache import SizeLimit
+from checkpoints import retention
+from checkpoints.cache import SizeLimit
 from core.errors import NotFound
 from core.settings import CoreSettings, get_core_settings
 
@@ -79,7 +79,7 @@ class LocalStore:
 
     def orphans(self, named: set[str], older_than: float) -> list[str]:
         """Versions in the store that no storage path in `named` (live or queued for deletion)
-        names, untouched since the timestamp `older_than` (core.retention.sweep_orphans)."""
+        names, untouched since the timestamp `older_than` (checkpoints.retention.sweep_orphans)."""
         dirs = {self.local_dir(p).resolve() for p in named if _key_or_none(p)}
         return [str(p) for p in retention.orphan_dirs(self.root, dirs, set(), older_than=older_than)]
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from core.checkpoint_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from checkpoints.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 CHUNK = 1 << 20
 _PEFT_PREFIX = "base_model.model."

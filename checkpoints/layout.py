@@ -9,7 +9,7 @@
 `kind` is `weights` (training checkpoints), `sampler_weights` (publications for sampling) or
 `external_weights` (the adapter alone, exported for download).
 Every save gets a fresh `<version>` directory and a directory is never rewritten, so a reader of
-one version (the generation pool, a download) is never disturbed by a later save; core.retention
+one version (the generation pool, a download) is never disturbed by a later save; checkpoints.retention
 deletes versions nobody names any more.
 
 One torch-free module, shared by the trainer (which writes the tensors), the generation pool

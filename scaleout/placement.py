@@ -115,7 +115,7 @@ def lock_key(base_model: str) -> str:
 def fence_key(base_model: str, shard: str) -> str:
     """Set when a shard's models were re-placed while it was silent: should it wake (a frozen
     process, a partitioned node), it must not go on with models now held elsewhere, so it restarts
-    (batcher.worker), and its start restores only what is still placed on it."""
+    (batcher.shards), and its start restores only what is still placed on it."""
     return f"quilt:trainer:fenced:{base_model}@{shard}"
 
 

@@ -10,7 +10,7 @@ service here; every reader trims its names to it:
     ops page    counts the devices in service for the capacity planner
 
 Without a record every named worker is in service, as before scaling existed. Trainer shards past
-the count were drained (core.placement) before the count was lowered, so no model is placed there.
+the count were drained (scaleout.placement) before the count was lowered, so no model is placed there.
 """
 
 from __future__ import annotations

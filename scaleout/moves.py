@@ -1,15 +1,15 @@
-"""Turning the capacity planner's split (core.capacity_plan, in devices) into replica counts, and
+"""Turning the capacity planner's split (scaleout.capacity_plan, in devices) into replica counts, and
 the order of the moves that get there without losing a model or overrunning the devices: a pure
 function over plain data, called by the scaler (stack.k8s_scaler) on each tick.
 
     step(rec, fleet, shards)   the counts to set now, the shards to drain or reopen first, and the
-                               record the routers read (core.scale_record)
+                               record the routers read (scaleout.in_service)
 
 Rules, and why:
 * a side's replicas are its devices over the devices each replica uses, kept within 1 and its
   named maximum (QUILT_GEN_REPLICAS / QUILT_TRAINER_SHARDS): workers past it have no stream;
 * a trainer shard leaves only empty: the shards past the new count are drained first (their
-  models move to the shards that stay, core.placement) and the count drops on the tick that finds
+  models move to the shards that stay, scaleout.placement) and the count drops on the tick that finds
   them holding nothing. Removing a shard that still held models would make them recover from
   snapshots elsewhere, a pause for their tenants that a drain avoids;
 * a generation replica leaves at once: the record stops the routers sending it new groups in the
@@ -27,9 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from core import queue
-from core.capacity_plan import Recommendation
-from core.placement import ShardView
-from core.scale_record import InService
+from scaleout.capacity_plan import Recommendation
+from scaleout.in_service import InService
+from scaleout.placement import ShardView
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def goal(rec: Recommendation, fleet: Fleet) -> tuple[int, int]:
 
 def step(rec: Recommendation, fleet: Fleet, shards: Mapping[str, ShardView], record: InService) -> Step:
     """The next move toward the recommendation (see the module docstring). `shards` holds the
-    named shards' placement (core.placement.read_views; absent: empty, open); `record` is what the
+    named shards' placement (scaleout.placement.read_views; absent: empty, open); `record` is what the
     scaler wrote last."""
     want_gen, want_trainer = goal(rec, fleet)
     names = queue.shard_names(fleet.trainer_max) if fleet.trainer_max > 1 else []

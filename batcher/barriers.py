@@ -1,0 +1,164 @@
+"""The barrier table: everything but the fused pass, one model's request alone, kind -> handler.
+
+Each handler returns the request's outcome (a result dict, or its typed error); none finishes a
+request: the worker answers, keeps or acknowledges the stream entry. Sampler weights are written
+off the loop (batcher.exports): `start_export` takes what is to be written, and `finished_exports`
+hands back the outcomes of the saves written since, oldest first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from batcher.backend import LoraBackend
+from batcher.exports import Exports
+from batcher.snapshots import SnapshotStore
+from checkpoints import records as checkpoint_records
+from checkpoints.layout import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
+from checkpoints.storage import LocalStore
+from core import faults, ids, records
+from core.errors import Conflict, QuiltError, ServerError, UserError
+from core.settings import get_core_settings
+from core.work import CreateModel, LoadWeights, OptimStep, Rejected, SaveWeights, WorkItem, WorkKind
+
+log = logging.getLogger("quilt.trainer")
+
+_CHECKPOINT_KINDS = {WorkKind.SAVE_WEIGHTS: TRAINING_KIND, WorkKind.SAVE_WEIGHTS_FOR_SAMPLER: SAMPLER_KIND,
+                     WorkKind.SAVE_WEIGHTS_EXTERNAL: EXTERNAL_KIND}
+
+Outcome = dict | QuiltError
+
+
+def as_error(item: WorkItem, exc: Exception) -> QuiltError:
+    """A barrier's failure as the request's typed error (unexpected ones are logged, and are ours)."""
+    if isinstance(exc, QuiltError):
+        return exc
+    log.exception("%s failed for %s", item.kind, item.model_id)
+    return ServerError(f"{item.kind} failed: {type(exc).__name__}: {exc}")
+
+
+class Barriers:
+    def __init__(self, *, backend: LoraBackend, store: LocalStore, snapshots: SnapshotStore | None,
+                 db_call: Callable[..., Any]):
+        self.backend = backend
+        self.store = store  # where checkpoints are written and read from (checkpoints.storage)
+        self.snapshots = snapshots
+        self.db_call = db_call  # db_call(record, *args): a records-style call that waits out a Postgres restart
+        self.exports = Exports()  # sampler weights being written off the loop
+        self._handlers: dict[WorkKind, Callable[[WorkItem], dict]] = {
+            WorkKind.CREATE_MODEL: self._create,
+            WorkKind.OPTIM_STEP: self._optim_step,
+            WorkKind.SAVE_WEIGHTS: self._save,  # SAVE_WEIGHTS_FOR_SAMPLER: start_export, off the loop
+            WorkKind.SAVE_WEIGHTS_EXTERNAL: self._save,
+            WorkKind.LOAD_WEIGHTS: self._load,
+            WorkKind.REJECTED: self._rejected,
+        }
+
+    def run(self, item: WorkItem) -> Outcome:
+        """Run the barrier `item`; its result, or its typed error."""
+        try:
+            return self._handlers[item.kind](item)
+        except Exception as exc:
+            return as_error(item, exc)
+
+    def start_export(self, item: WorkItem, context: Any) -> QuiltError | None:
+        """Sampler weights (the adapter alone, tagged with the policy version they were taken at):
+        checked and taken now, written by the export thread; its outcome comes back with `context`
+        from `finished_exports`. An error now is the request's outcome at once."""
+        try:
+            write, result = self._save_job(item)
+        except Exception as exc:
+            return as_error(item, exc)
+
+        def written() -> int:
+            faults.crash_point("trainer.during_export")
+            return write()
+
+        self.exports.start(item.model_id, written, (item, context, result))
+        return None
+
+    def finished_exports(self) -> list[tuple[Any, Outcome]]:
+        """(context, outcome) of each export written (or failed) since the last call, oldest first."""
+        out = []
+        for export in self.exports.finished():
+            item, context, result = export.context
+            try:
+                outcome = self._saved(item, export.future.result(), result)
+            except Exception as exc:
+                outcome = as_error(item, exc)
+            out.append((context, outcome))
+        return out
+
+    # ------------------------------------------------------------------ handlers
+
+    def _create(self, item: WorkItem) -> dict:
+        work: CreateModel = item.body
+        try:
+            self.backend.create(item.model_id, work.lora)
+            if work.load:  # create-from-checkpoint: the model's first request also loads its state
+                self.backend.load(item.model_id, str(self.store.fetch(work.load.storage_path)),
+                                  optimizer=work.load.optimizer)
+            self.db_call(records.set_model_status, item.model_id, "ready")
+        except Exception as exc:
+            err = as_error(item, exc)
+            self.backend.delete(item.model_id)
+            if self.snapshots is not None:
+                self.snapshots.drop(item.model_id)
+            self.db_call(records.set_model_status, item.model_id, "failed", err.message)
+            raise err from exc
+        if work.load:
+            return {"type": "load_weights", "model_id": item.model_id, "path": work.load.path}
+        return {"type": "create_model", "model_id": item.model_id}
+
+    def _optim_step(self, item: WorkItem) -> dict:
+        work: OptimStep = item.body
+        return self.backend.optim_step(item.model_id, work.adam)
+
+    def _load(self, item: WorkItem) -> dict:
+        work: LoadWeights = item.body
+        self.backend.load(item.model_id, str(self.store.fetch(work.storage_path)), optimizer=work.optimizer)
+        return {"type": "load_weights", "path": work.path, "model_id": item.model_id}
+
+    @staticmethod
+    def _rejected(item: WorkItem) -> dict:
+        work: Rejected = item.body  # fails in its place in the order (api.seq_gaps)
+        raise UserError(work.error, field=work.field)
+
+    def _save(self, item: WorkItem) -> dict:
+        """A training checkpoint (weights and optimizer state) or an export for download (the
+        adapter alone), written here, in the loop."""
+        write, result = self._save_job(item)
+        return self._saved(item, write(), result)
+
+    def _save_job(self, item: WorkItem) -> tuple[Callable[[], int], dict]:
+        """What a save writes (LoraBackend.export) and the answer it will give."""
+        work: SaveWeights = item.body
+        kind = _CHECKPOINT_KINDS[item.kind]
+        # Every save gets a new directory (checkpoints.layout), so "exists" is a question for the records.
+        if not work.overwrite and self.db_call(checkpoint_records.checkpoint_exists, item.model_id, kind, work.name):
+            raise Conflict(f"checkpoint {work.name!r} already exists; pass overwrite=True to replace it", field="path")
+        write_files = self.backend.export(item.model_id, str(self.store.local_dir(work.storage_path)),
+                                          overwrite=work.overwrite, with_optimizer=item.kind is WorkKind.SAVE_WEIGHTS)
+
+        def write() -> int:  # a save is answered only once it is in the store
+            size = write_files()
+            self.store.publish(work.storage_path)
+            return size
+
+        result = {"type": str(item.kind), "path": ids.tinker_path(item.model_id, kind, work.name)}
+        if item.kind is WorkKind.SAVE_WEIGHTS_FOR_SAMPLER:
+            result["policy_version"] = self.backend.policy_version(item.model_id)
+            if work.sampling_session_id:
+                result["sampling_session_id"] = work.sampling_session_id
+        return write, result
+
+    def _saved(self, item: WorkItem, size: int, result: dict) -> dict:
+        """Record a written checkpoint; returns the save's answer."""
+        work: SaveWeights = item.body
+        self.db_call(checkpoint_records.upsert_checkpoint, tenant_id=item.tenant_id, model_id=item.model_id,
+                     kind=_CHECKPOINT_KINDS[item.kind], name=work.name, storage_path=work.storage_path,
+                     size_bytes=size, ttl_s=work.ttl_s, sliding=work.sliding,
+                     grace_s=get_core_settings().superseded_version_grace_s, user_metadata=work.user_metadata)
+        return result
