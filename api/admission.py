@@ -17,13 +17,11 @@ to check, an unusable model), nothing is written and `admit` judges the row read
 other call. A call that writes more rows (a new model with its first request, a sampler with its
 publication) hands `admit` a transaction (`pool.connection()`), which it commits.
 
-`admit` runs, in order: the idempotency rule (a retried call gets the existing future, whose
-entry is appended now if it never was: the API may have died between its commit and the append),
-what refuses a call whatever the database holds (`_refusal_before_reads`: the tenant's suspension,
-402 or 403, tenancy.accounts, skipped for calls that meter no tokens; a call too large for its
-tokens-per-minute bucket ever to hold, 400, split it; one this process knows the bucket cannot
-hold yet, 429 without a row, tenancy.rate_limit.Shortfalls), the tenant's in-flight quota (429)
-and monthly budgets (402, billing.budgets; billable calls only), the request row (and a new model's
+`admit` judges the call by `api.admission_rule.decide`, the one statement of every refusal (the
+model's state, the seq_id's holder: a retried call gets the existing future, whose entry is
+appended now if it never was, since the API may have died between its commit and the append; a
+suspension, the tokens-per-minute limit, the live-models and in-flight quotas, the monthly
+budgets), reading only the facts it asks for; then it writes the request row (and a new model's
 row, placed on a trainer shard where there are several: scaleout.placement), a commit, then the
 stream entry (a sample group's generation replica's stream, gen_pool.router; a training call's
 model's shard's) with the tokens taken from the bucket in the same step (tenancy.rate_limit).
@@ -51,27 +49,26 @@ from dataclasses import dataclass, replace
 from psycopg import AsyncConnection
 from redis.asyncio import Redis
 
+from api import admission_rule as rule
 from api import records
 from billing import budgets
 from core import faults, queue
-from core.errors import InvalidInput, QuiltError, QuotaExceeded
 from core.settings import get_api_settings, get_core_settings
 from core.work import WorkItem, WorkKind
 from gen_pool.router import Router
 from gen_pool.routing import stable_hash
 from scaleout import placement
-from tenancy import accounts, rate_limit, scoped
+from tenancy import rate_limit, scoped
 from tenancy.auth import Principal
 
 log = logging.getLogger("quilt.api.admission")
-
-_UNUSABLE = {"failed": "failed to be created", "lost": "was lost when its trainer restarted; load a checkpoint into a new model"}
 
 
 @dataclass(frozen=True)
 class SeqSlot:
     """A training call's identity: `seq_id` of `model_id`, and the request holding it, if any;
-    with it, the trainer shard the model's row named (None: one trainer per base, or not placed)."""
+    with it, the trainer shard the model's row named (None: one trainer per base, or not placed)
+    and the model's status (None: a model this call creates)."""
 
     model_id: str
     seq_id: int
@@ -82,12 +79,14 @@ class SeqSlot:
     # The tenant's requests in flight and whether a budget bounds it, as read with the model (None:
     # not read with it, so admission reads them itself).
     quota: tuple[int, bool] | None = None
+    model_status: str | None = None
 
     @classmethod
     def of(cls, model: dict, seq_id: int) -> SeqSlot:
         """From a row of `usable_model(..., seq_id=seq_id)` or of `records.insert_call`."""
         return cls(model["id"], seq_id, model.get("seq_holder_id"), model.get("seq_holder_kind"),
-                   model.get("seq_holder_status"), model.get("trainer_shard"), (model["inflight"], model["budgeted"]))
+                   model.get("seq_holder_status"), model.get("trainer_shard"), (model["inflight"], model["budgeted"]),
+                   model["status"])
 
 
 @dataclass(frozen=True)
@@ -129,68 +128,84 @@ async def usable_model(conn: AsyncConnection, who: Principal, model_id: str, *, 
 
 def usable(model: dict) -> dict:
     """`model` (a training model's row), unless no request may be queued on it any more (400)."""
-    if model["status"] in _UNUSABLE:
-        raise InvalidInput(f"model {model['id']!r} {_UNUSABLE[model['status']]}", field="model_id")
+    refusal = rule.model_refusal(model["id"], model["status"])
+    if refusal is not None:
+        raise refusal
     return model
+
+
+def facts(who: Principal, ticket: Ticket) -> rule.Facts:
+    """What admission judges of `ticket`, from what the call has read so far."""
+    item, slot = ticket.item, ticket.slot
+    seq = slot if isinstance(slot, SeqSlot) else None
+    holder = rule.Holder(seq.holder_id, seq.holder_kind, seq.holder_status) if seq and seq.holder_id else None
+    quota = seq.quota if seq and seq.quota is not None else (None, None)
+    return rule.Facts(
+        who, ticket.row_kind or str(item.kind), tokens=ticket.tokens, billable=ticket.billable,
+        check_quota=ticket.check_quota, known_wait_s=rate_limit.SHORTFALLS.certain_wait(who, ticket.tokens),
+        model_id=item.model_id or None, seq_id=seq.seq_id if seq else None,
+        model_status=seq.model_status if seq else None, holder=holder, new_model=ticket.new_model is not None,
+        inflight=quota[0], budgeted=quota[1])
+
+
+async def _judge(conn: AsyncConnection, who: Principal, f: rule.Facts) -> rule.Admit | rule.Resume:
+    """`rule.decide`, reading what it asks for until it decides; a refusal is raised."""
+    while True:
+        decision = rule.decide(f)
+        if isinstance(decision, rule.Refuse):
+            raise decision.error
+        if not isinstance(decision, rule.Read):
+            return decision
+        if decision.what == "live_models":
+            f = replace(f, live_models=await scoped.count_live_models(conn, who))
+        elif decision.what == "quota":
+            inflight, budgeted = await scoped.inflight_and_budgeted(conn, who)
+            f = replace(f, inflight=inflight, budgeted=budgeted)
+        else:
+            states, month = await budgets.budget_states(conn, who.tenant_id, who.key_id)
+            f = replace(f, budgets=tuple(states), month=month)
 
 
 async def admit_call(conn: AsyncConnection, redis: Redis, who: Principal, item: WorkItem) -> str:
     """Admit `item`, a call on an existing model (`item.model_id`, `item.seq_id`; see the module
     docstring): one statement reads the model and writes the call's row when nothing in the model's
     row can refuse it, else `admit` judges that row. Returns the request id, as `admit`."""
-    billable = item.n_tokens > 0  # Ticket.billable, for a call that creates no model
+    ticket = Ticket(item, "", SeqSlot(item.model_id, item.seq_id))
+    call = facts(who, ticket)
     model = await records.insert_call(
         conn, who, item.request_id, model_id=item.model_id, seq_id=item.seq_id, kind=str(item.kind),
-        n_tokens=item.n_tokens, billable=billable, unusable=list(_UNUSABLE),
-        admissible=_refusal_before_reads(who, item.n_tokens, billable=billable) is None)
+        n_tokens=item.n_tokens, billable=call.billable, unusable=list(rule.UNUSABLE),
+        admissible=rule.before_reads(call) is None)
     ticket = Ticket(item, model["base_model"], SeqSlot.of(model, item.seq_id))
     if not model["inserted"]:
-        usable(model)
         return await admit(conn, redis, who, ticket)
     await conn.commit()  # nothing to send on an autocommit connection
     faults.crash_point("api.after_commit")
     return await _append(conn, redis, who, ticket, item)
 
 
-def _holder(slot: SeqSlot, kind: str, holder_id: str | None, holder_kind: str | None) -> str | None:
-    if holder_id is None:
-        return None
-    if holder_kind != kind:
-        # 400, not 409: the tinker SDK retries 409 for minutes, and this is a client bug, not a race.
-        raise InvalidInput(f"seq_id {slot.seq_id} of model {slot.model_id!r} was already used by a "
-                           f"{holder_kind} request", field="seq_id")
-    return holder_id
-
-
 async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Ticket) -> str:
     """Admit one call (see the module docstring); returns its request id, or the id of the request
     a retry of the same call already made. Commits `conn`."""
     item, slot = ticket.item, ticket.slot
-    row_kind = ticket.row_kind or str(item.kind)
-    if isinstance(slot, SeqSlot):
-        existing = _holder(slot, row_kind, slot.holder_id, slot.holder_kind)
-        if existing:
-            return await _resume(conn, redis, who, ticket, existing, slot.holder_status)
+    call = facts(who, ticket)
     took_slot = False  # only a slot this call took is given back when it fails
     if isinstance(slot, RedisSlot):
         took_slot = bool(await redis.set(slot.key, item.request_id, nx=True, ex=slot.ttl_s))
-        if not took_slot:
-            existing = await redis.get(slot.key)
-            if existing:
-                status = await records.request_status(conn, existing.decode())
-                if status is not None:
-                    return await _resume(conn, redis, who, ticket, existing.decode(), status)
+        existing = None if took_slot else await redis.get(slot.key)
+        if existing:
+            status = await records.request_status(conn, existing.decode())
+            if status is not None:
+                call = replace(call, holder=rule.Holder(existing.decode(), None, status))
+            else:
                 # The call that took the slot has not recorded its request: it died before its commit,
                 # or is still on its way. Admit this one under that id; the row and the entry are each
                 # written once whichever of the two gets there first.
                 item = replace(item, request_id=existing.decode())
     try:
-        if ticket.check_quota:
-            refusal = _refusal_before_reads(who, ticket.tokens, billable=ticket.billable)
-            if refusal is not None:
-                raise refusal
-            await _quota_and_budget(conn, who, billable=ticket.billable,
-                                    read=slot.quota if isinstance(slot, SeqSlot) else None)
+        decision = await _judge(conn, who, call)
+        if isinstance(decision, rule.Resume):
+            return await _resume(conn, redis, who, ticket, decision.request_id, decision.status)
         if ticket.new_model is not None:
             shard = await _new_model_shard(conn, redis, ticket)
             if shard is not None:
@@ -198,13 +213,16 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
             await records.insert_training_model(conn, who, item.model_id, ticket.new_model, shard)
         inserted = await records.insert_request(
             conn, who, item.request_id, model_id=item.model_id or None,
-            seq_id=item.seq_id if isinstance(slot, SeqSlot) else None, kind=row_kind, n_tokens=item.n_tokens,
+            seq_id=item.seq_id if isinstance(slot, SeqSlot) else None, kind=call.kind, n_tokens=item.n_tokens,
             touch_model=isinstance(slot, SeqSlot) and ticket.new_model is None)
         if not inserted:  # a concurrent duplicate won the insert
             await conn.rollback()
             if isinstance(slot, SeqSlot):
-                holder = await records.seq_holder(conn, slot.model_id, slot.seq_id)
-                return _holder(slot, row_kind, *holder) or item.request_id
+                holder_id, holder_kind = await records.seq_holder(conn, slot.model_id, slot.seq_id)
+                if holder_id is None:
+                    return item.request_id
+                decision = await _judge(conn, who, replace(call, holder=rule.Holder(holder_id, holder_kind)))
+                return decision.request_id
             return await _resume(conn, redis, who, replace(ticket, item=item), item.request_id, "queued")
         await conn.commit()
         faults.crash_point("api.after_commit")
@@ -241,13 +259,7 @@ async def _append(conn: AsyncConnection, redis: Redis, who: Principal, ticket: T
     await conn.commit()
     if isinstance(ticket.slot, RedisSlot) and await redis.get(ticket.slot.key) == item.request_id.encode():
         await redis.delete(ticket.slot.key)
-    raise _rate_refusal(who, ticket.tokens, wait_s)
-
-
-def _rate_refusal(who: Principal, tokens: int, wait_s: float) -> QuotaExceeded:
-    return QuotaExceeded(f"this call's {tokens} tokens exceed what is left of your tokens_per_minute limit "
-                         f"of {who.tokens_per_minute}; retry in {wait_s:.1f} s", field="tokens_per_minute",
-                         retry_after_s=wait_s)
+    raise rule.rate_refusal(who, ticket.tokens, wait_s)
 
 
 async def _stream(conn: AsyncConnection, redis: Redis, ticket: Ticket, item: WorkItem) -> str | None:
@@ -292,37 +304,6 @@ async def _replica_stream(redis: Redis, base_model: str, item: WorkItem) -> str 
     if router is None or item.kind is not WorkKind.SAMPLE:
         return None
     return await router.stream_for(redis, base_model, item)
-
-
-def _refusal_before_reads(who: Principal, tokens: int, *, billable: bool) -> QuiltError | None:
-    """What refuses a call whatever the database holds: a suspension (billable calls only), tokens
-    its tokens-per-minute bucket can never hold (400: a 429 would be retried in vain; split it), or
-    tokens this process knows the bucket cannot hold yet (429: a refusal seen before,
-    tenancy.rate_limit.Shortfalls). `admit_call` writes the call's row with the model's read only
-    when this is None; `admit` raises it. The bucket itself is judged at the append."""
-    if billable and who.suspended_kind:
-        return accounts.suspension_refusal(who.suspended_kind, who.suspended_reason or "", who.tenant_name)
-    limit = who.tokens_per_minute
-    if tokens > limit:
-        return InvalidInput(f"this call needs {tokens} tokens, more than your tokens_per_minute limit of {limit} "
-                            "allows at once; split it into smaller calls", field="tokens_per_minute")
-    wait_s = rate_limit.SHORTFALLS.certain_wait(who, tokens)
-    return None if wait_s is None else _rate_refusal(who, tokens, wait_s)
-
-
-async def _quota_and_budget(conn: AsyncConnection, who: Principal, *, billable: bool,
-                            read: tuple[int, bool] | None) -> None:
-    """The in-flight quota, and the budget (billable tickets only); `read`: the in-flight count and
-    budget flag already read with the model (else read here)."""
-    inflight, budgeted = read if read is not None else await scoped.inflight_and_budgeted(conn, who)
-    if inflight >= who.max_inflight_requests:
-        raise QuotaExceeded(
-            f"{inflight} requests in flight reach your limit of {who.max_inflight_requests}; "
-            "wait for some futures to finish",
-            field="max_inflight_requests",
-        )
-    if billable and budgeted:
-        await budgets.check(conn, tenant_id=who.tenant_id, tenant_name=who.tenant_name, key_id=who.key_id)
 
 
 def future_response(request_id: str, model_id: str | None) -> dict:

@@ -1,6 +1,6 @@
 """The API's writes to the resource records: sessions, samplers, training models and request rows.
-Every row is stamped with the caller's tenant; routes hold no SQL writes of their own (reads go
-through tenancy.scoped)."""
+Every row is stamped with the caller's tenant, and a route changes a row only once it has read it
+through tenancy.scoped; routes hold no SQL of their own."""
 
 from __future__ import annotations
 
@@ -136,3 +136,31 @@ async def request_status(conn: AsyncConnection, request_id: str) -> str | None:
     return row["status"] if row else None
 
 
+
+
+async def touch_session(conn: AsyncConnection, session_id: str) -> None:
+    """A session's heartbeat."""
+    await conn.execute("UPDATE sessions SET last_heartbeat_at = now() WHERE id = %s", (session_id,))
+
+
+async def finish_session(conn: AsyncConnection, session_id: str, reason: str) -> None:
+    """Close a session; the first reason given wins."""
+    await conn.execute("UPDATE sessions SET finished_at = now(), finish_reason = %s WHERE id = %s AND finished_at IS NULL",
+                       (reason, session_id))
+
+
+async def delete_checkpoint(conn: AsyncConnection, checkpoint_id: int) -> None:
+    """Delete a checkpoint's row (its files are the store's: checkpoints.storage)."""
+    await conn.execute("DELETE FROM checkpoints WHERE id = %s", (checkpoint_id,))
+
+
+async def expire_checkpoint(conn: AsyncConnection, checkpoint_id: int, ttl_s: int | None) -> None:
+    """Expire a checkpoint `ttl_s` from now (None: never), replacing any earlier expiry, sliding or not."""
+    await conn.execute("UPDATE checkpoints SET expires_at = now() + make_interval(secs => %s), sliding_ttl_s = NULL "
+                       "WHERE id = %s", (ttl_s, checkpoint_id))
+
+
+async def slide_checkpoint(conn: AsyncConnection, checkpoint_id: int) -> None:
+    """A use of a checkpoint with a sliding lifetime restarts its clock (checkpoints.retention)."""
+    await conn.execute("UPDATE checkpoints SET expires_at = now() + make_interval(secs => sliding_ttl_s) WHERE id = %s",
+                       (checkpoint_id,))

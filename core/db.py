@@ -66,3 +66,8 @@ def async_pool(url: str, *, max_size: int = 16) -> AsyncConnectionPool:
     the current request's waits (core.waits)."""
     return waits.TimedPool(url, min_size=1, max_size=max_size, open=False, connection_class=waits.TimedConnection,
                            kwargs={"row_factory": dict_row})
+
+
+async def ping(conn: psycopg.AsyncConnection) -> None:
+    """One round trip to Postgres (a health check): raises if it cannot answer."""
+    await conn.execute("SELECT 1")

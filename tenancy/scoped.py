@@ -110,6 +110,27 @@ async def get_checkpoint(conn: AsyncConnection, who: Principal, model_id: str, k
     )
 
 
+async def live_checkpoint(conn: AsyncConnection, tenant_id: str, checkpoint_id: int) -> dict | None:
+    """A live checkpoint of tenant `tenant_id` by its row id (a signed URL names both), or None."""
+    cur = await conn.execute(f"SELECT * FROM checkpoints WHERE id = %s AND tenant_id = %s AND {retention.LIVE}",
+                             (checkpoint_id, tenant_id))
+    return await cur.fetchone()
+
+
+async def model_base(conn: AsyncConnection, tenant_id: str, model_id: str) -> str:
+    """The base model of tenant `tenant_id`'s training model `model_id` (404 if not theirs)."""
+    row = await _one(conn, "SELECT base_model FROM training_models WHERE id = %s AND tenant_id = %s",
+                     (model_id, tenant_id), model_not_found(model_id))
+    return row["base_model"]
+
+
+async def key_id(conn: AsyncConnection, who: Principal, prefix: str) -> str:
+    """The id of the caller's tenant's API key with `prefix` (404 if none)."""
+    row = await _one(conn, "SELECT id FROM api_keys WHERE tenant_id = %s AND prefix = %s", (who.tenant_id, prefix),
+                     NotFound(f"no API key of yours with prefix {prefix!r}", field="api_key_prefix"))
+    return row["id"]
+
+
 async def get_sampling_session(conn: AsyncConnection, who: Principal, sampling_session_id: str) -> dict:
     return await _one(
         conn,

@@ -62,6 +62,12 @@ def get_tenant_by_name(conn: psycopg.Connection, name: str) -> Tenant:
     return Tenant(**row)
 
 
+async def tenant_id_named(conn: psycopg.AsyncConnection, name: str) -> str | None:
+    """The id of the tenant named `name` (an operator's lookup), or None."""
+    row = await (await conn.execute("SELECT id FROM tenants WHERE name = %s", (name,))).fetchone()
+    return row["id"] if row else None
+
+
 def list_tenants(conn: psycopg.Connection) -> list[Tenant]:
     return [Tenant(**r) for r in conn.execute(f"SELECT {_COLUMNS} FROM tenants ORDER BY created_at")]
 

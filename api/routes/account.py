@@ -21,7 +21,7 @@ from api.routes.billing import budget_json
 from billing import budgets, credits
 from billing.pricing import parse_usd, usd
 from core.errors import Forbidden, InvalidInput, NotFound
-from tenancy import accounts, tenants
+from tenancy import accounts, scoped, tenants
 from tenancy.auth import Principal
 
 router = APIRouter(route_class=GuardedRoute, prefix="/quilt", tags=["account"])
@@ -80,10 +80,10 @@ def _operator(who: Principal) -> None:
 
 
 async def _tenant_id(conn, name: str) -> str:
-    row = await (await conn.execute("SELECT id FROM tenants WHERE name = %s", (name,))).fetchone()
-    if row is None:
+    tenant_id = await tenants.tenant_id_named(conn, name)
+    if tenant_id is None:
         raise NotFound(f"no tenant named {name!r}", field="tenant")
-    return row["id"]
+    return tenant_id
 
 
 async def _budgets(conn, who: Principal) -> dict:
@@ -116,11 +116,7 @@ async def change_budget(conn, who: Principal, monthly_usd: str | None, api_key_p
     limit = None if monthly_usd is None else _micro_usd(monthly_usd, "monthly_usd", most=MAX_BUDGET_USD)
     key_id = None
     if api_key_prefix is not None:
-        row = await (await conn.execute("SELECT id FROM api_keys WHERE tenant_id = %s AND prefix = %s",
-                                        (who.tenant_id, api_key_prefix.removesuffix("...")))).fetchone()
-        if row is None:
-            raise NotFound(f"no API key of yours with prefix {api_key_prefix!r}", field="api_key_prefix")
-        key_id = row["id"]
+        key_id = await scoped.key_id(conn, who, api_key_prefix.removesuffix("..."))
     actor = who.actor
     scope = {"api_key_prefix": api_key_prefix} if key_id else {}
     if limit is None:

@@ -33,7 +33,7 @@ from api.deps import Pool, Settings, Who
 from api.input_guard import GuardedRoute
 from api.routes.runs import split_checkpoint_id
 from bases import catalog
-from checkpoints import adapter_merge, retention, storage
+from checkpoints import adapter_merge, storage
 from checkpoints.layout import adapter_files
 from core import db
 from core.errors import InvalidInput, NotFound
@@ -132,8 +132,7 @@ async def merged_model(run_id: str, checkpoint_id: str, request: Request, who: W
 async def merge_members(pool, ckpt: dict) -> list[adapter_merge.Member]:
     """The merged model's files for a checkpoint of yours (4xx when it cannot be merged)."""
     async with db.autocommit(pool) as conn:
-        cur = await conn.execute("SELECT base_model FROM training_models WHERE id = %s", (ckpt["model_id"],))
-        base = await catalog.get_model(conn, (await cur.fetchone())["base_model"])
+        base = await catalog.get_model(conn, await scoped.model_base(conn, ckpt["tenant_id"], ckpt["model_id"]))
     if base is None or not Path(base.path).is_dir():
         raise NotFound("this checkpoint's base model is not served here any more; it cannot be merged",
                        field="checkpoint_id")
@@ -163,9 +162,7 @@ async def download(token: str, filename: str, request: Request, pool: Pool, sett
     """The file (or archive) a signed URL names, while it is unexpired and its checkpoint lives."""
     grant = signed_urls.verify(await _key(request, pool, settings), token)
     async with db.autocommit(pool) as conn:
-        cur = await conn.execute(f"SELECT * FROM checkpoints WHERE id = %s AND tenant_id = %s AND {retention.LIVE}",
-                                 (grant.checkpoint_id, grant.tenant_id))
-        ckpt = await cur.fetchone()
+        ckpt = await scoped.live_checkpoint(conn, grant.tenant_id, grant.checkpoint_id)
     if ckpt is None:
         raise NotFound("the checkpoint of this download link was deleted or has expired", field="token")
     if grant.file == signed_urls.MERGED:

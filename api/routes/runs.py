@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Response
 from starlette.concurrency import run_in_threadpool
 
+from api import records
 from api.deps import Pool, Who
 from api.input_guard import GuardedRoute
 from api.schemas import CheckpointTtlRequest, WeightsInfoRequest
@@ -137,7 +138,7 @@ async def delete_checkpoint(run_id: str, checkpoint_id: str, who: Who, pool: Poo
     kind, name = split_checkpoint_id(checkpoint_id)
     async with pool.connection() as conn:
         ckpt = await scoped.get_checkpoint(conn, who, run_id, kind, name)
-        await conn.execute("DELETE FROM checkpoints WHERE id = %s", (ckpt["id"],))
+        await records.delete_checkpoint(conn, ckpt["id"])
     # Earlier versions of the name are already queued for deletion (checkpoints.retention).
     await run_in_threadpool(storage.get_store().remove, ckpt["storage_path"])
     return Response(status_code=204)
@@ -151,11 +152,7 @@ async def set_checkpoint_ttl(run_id: str, checkpoint_id: str, body: CheckpointTt
     kind, name = split_checkpoint_id(checkpoint_id)
     async with pool.connection() as conn:
         ckpt = await scoped.get_checkpoint(conn, who, run_id, kind, name)
-        await conn.execute(
-            "UPDATE checkpoints SET expires_at = now() + make_interval(secs => %s), sliding_ttl_s = NULL "
-            "WHERE id = %s",
-            (body.ttl_seconds, ckpt["id"]),
-        )
+        await records.expire_checkpoint(conn, ckpt["id"], body.ttl_seconds)
     return Response(status_code=204)
 
 

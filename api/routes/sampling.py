@@ -58,11 +58,6 @@ def _sampler_path(path: str) -> tuple[str, str]:
     return run, name
 
 
-async def _base_of_model(conn, model_id: str) -> str:
-    cur = await conn.execute("SELECT base_model FROM training_models WHERE id = %s", (model_id,))
-    return (await cur.fetchone())["base_model"]
-
-
 async def _sampleable(conn, name: str) -> catalog.BaseModel:
     base = await catalog.get_model(conn, name)
     if base is None or not base.sampleable:
@@ -136,7 +131,7 @@ async def create_sampling_session(body: CreateSamplingSessionRequest, who: Who, 
         if body.model_path is not None:
             run, name = _sampler_path(body.model_path)
             await scoped.get_checkpoint(conn, who, run, SAMPLER_KIND, name)
-            base_name, model_id = await _base_of_model(conn, run), run
+            base_name, model_id = await scoped.model_base(conn, who.tenant_id, run), run
         else:
             base_name = (await _sampleable(conn, body.base_model)).name
         await records.insert_sampling_session(conn, who, sid, session_id=body.session_id,
@@ -187,11 +182,8 @@ async def resolve(conn, who, *, sampling_session_id: str | None = None, model_pa
                        f"or expired (anonymous snapshots expire {get_core_settings().anon_sampler_ttl_s} s "
                        f"after their last use)", field="model_path") from None
     if retention.due_to_slide(ckpt["expires_at"], ckpt["sliding_ttl_s"], datetime.now(UTC)):
-        await conn.execute(
-            "UPDATE checkpoints SET expires_at = now() + make_interval(secs => sliding_ttl_s) WHERE id = %s",
-            (ckpt["id"],),
-        )
-    base = await _sampleable(conn, await _base_of_model(conn, run))
+        await records.slide_checkpoint(conn, ckpt["id"])
+    base = await _sampleable(conn, await scoped.model_base(conn, who.tenant_id, run))
     return base, AdapterRef(key=ckpt["storage_path"], path=ckpt["storage_path"], model_id=run, name=name)
 
 

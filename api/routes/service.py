@@ -9,7 +9,7 @@ from fastapi import APIRouter, Response
 from api.deps import Pool, RedisDep, Who
 from api.input_guard import GuardedRoute
 from bases import catalog
-from core import health
+from core import db, health
 from core.settings import get_core_settings
 from scaleout import in_service
 
@@ -46,7 +46,7 @@ async def _postgres(pool, *, with_bases: bool = True) -> tuple[dict, list[catalo
     not raise)."""
     try:
         async with pool.connection() as conn:
-            await conn.execute("SELECT 1")
+            await db.ping(conn)
             return {"ok": True}, await catalog.list_models(conn) if with_bases else []
     except Exception as exc:
         return {"ok": False, "error": str(exc)}, []

@@ -42,7 +42,7 @@ async def session_heartbeat(body: SessionHeartbeatRequest, who: Who, pool: Pool)
         session = await scoped.get_session(conn, who, body.session_id)
         if session["finished_at"] is not None:
             raise SessionFinished(f"session {body.session_id!r} has finished", field="session_id")
-        await conn.execute("UPDATE sessions SET last_heartbeat_at = now() WHERE id = %s", (body.session_id,))
+        await records.touch_session(conn, body.session_id)
     return {"type": "session_heartbeat"}
 
 
@@ -51,10 +51,7 @@ async def finish_session(session_id: str, body: FinishSessionRequest, who: Who, 
     """Close a session (first reason wins)."""
     async with pool.connection() as conn:
         await scoped.get_session(conn, who, session_id)
-        await conn.execute(
-            "UPDATE sessions SET finished_at = now(), finish_reason = %s WHERE id = %s AND finished_at IS NULL",
-            (str(body.reason.get("type", "success")), session_id),
-        )
+        await records.finish_session(conn, session_id, str(body.reason.get("type", "success")))
     return {}
 
 

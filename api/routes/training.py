@@ -23,7 +23,7 @@ from api.schemas import (
 from bases import architectures, catalog
 from checkpoints.layout import EXTERNAL_KIND, TRAINING_KIND, new_version_dir
 from core import db, health, ids
-from core.errors import Forbidden, InvalidInput, NotFound
+from core.errors import InvalidInput, NotFound
 from core.loss_spec import spec_of
 from core.numbers import INT32_MAX
 from core.settings import get_core_settings, get_trainer_settings
@@ -58,12 +58,6 @@ async def _new_model(pool, redis, who, *, session_id: str, model_seq_id: int, ba
         if base.config:  # a LoRA this base cannot carry: 400 now, not a failed future later
             architectures.lora_targets(base.config, lora.to_json())
         slot = admission.SeqSlot(model_id, 0, *await records.seq_holder(conn, model_id, 0))
-        if slot.holder_id is None:
-            live = await scoped.count_live_models(conn, who)
-            if live >= who.max_models:
-                raise Forbidden(f"{live} live models reach your limit of {who.max_models}; "
-                                "finish sessions you no longer use or ask an operator to raise max_models",
-                                field="max_models")
         item = WorkItem(ids.new_request_id(), who.tenant_id, model_id, 0, WorkKind.CREATE_MODEL, 0,
                         CreateModel(lora, load))
         new = records.NewModel(session_id, model_seq_id, base.name, lora.to_json(), user_metadata or {})

@@ -1,0 +1,160 @@
+"""Admission's refusals, written once: one pure function from plain data to a decision.
+
+`decide(facts)` judges, in this order, and the first that applies wins:
+
+1. the model's state: a model that failed to be created or was lost takes no call (400);
+2. the seq_id's holder: a retry of the same call resumes its request; a holder of another kind is
+   a client bug (400, not 409: the tinker SDK retries 409 for minutes);
+3. for calls that hold new work (`check_quota`), what refuses whatever the database holds: a
+   suspended tenant (billable calls only: 402 for payment, 403 by an operator), tokens its
+   tokens-per-minute bucket can never hold (400: split the call), tokens this process knows the
+   bucket cannot hold yet (429, tenancy.rate_limit.Shortfalls);
+4. the live-models quota (a new model, 403) and the in-flight quota (429);
+5. the monthly budgets (billable calls, 402, billing.budgets).
+
+A fact not read yet (None) that a rule needs comes back as `Read(what)`: the caller reads it and
+asks again, so a call reads only what can refuse it. `api.admission` does the reads and the
+writes; `api.records.insert_call`'s SQL is the atomic guard of the common case, and inserts a
+call's row exactly when `decide` on the row it reads says `Admit` (tests/test_admission_rule.py
+runs both over one table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from billing import budgets
+from billing.budgets import BudgetState
+from core.errors import Forbidden, InvalidInput, QuiltError, QuotaExceeded
+from tenancy import accounts
+from tenancy.auth import Principal
+
+# Model statuses that take no call, and why.
+UNUSABLE = {"failed": "failed to be created",
+            "lost": "was lost when its trainer restarted; load a checkpoint into a new model"}
+
+
+@dataclass(frozen=True)
+class Holder:
+    """The request already holding a call's identity: its id, its kind (None: not checked, a
+    sampling call's Redis slot) and its status (None: not recorded yet)."""
+
+    request_id: str
+    kind: str | None = None
+    status: str | None = None
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Everything admission judges, as plain data. None: not read (yet)."""
+
+    who: Principal
+    kind: str  # the request row's kind
+    tokens: int = 0  # what the call takes from the tokens-per-minute bucket
+    billable: bool = False  # meters tokens or creates a model: budgets and suspensions apply
+    check_quota: bool = True  # False for placeholders of refused calls: they hold no new work
+    known_wait_s: float | None = None  # a wait this process already knows the bucket needs
+    model_id: str | None = None
+    seq_id: int | None = None
+    model_status: str | None = None  # None: no existing model is involved (a new one, sampling)
+    holder: Holder | None = None
+    new_model: bool = False
+    live_models: int | None = None  # the tenant's live models (read for a new model)
+    inflight: int | None = None  # the tenant's requests in flight
+    budgeted: bool | None = None  # whether a monthly budget bounds the tenant or the key
+    budgets: tuple[BudgetState, ...] | None = None  # their states, read when `budgeted`
+    month: str = ""  # the budgets' month label ('2026-07')
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Write the call's row and append its entry."""
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A retry: the request `request_id` (in `status`) already holds the call's identity."""
+
+    request_id: str
+    status: str | None
+
+
+@dataclass(frozen=True)
+class Refuse:
+    error: QuiltError
+
+
+@dataclass(frozen=True)
+class Read:
+    """A fact a rule needs is not read yet: 'live_models', 'quota' (inflight and budgeted) or
+    'budgets'."""
+
+    what: str
+
+
+Decision = Admit | Resume | Refuse | Read
+
+
+def decide(f: Facts) -> Decision:
+    """The decision on one call (see the module docstring)."""
+    refusal = model_refusal(f.model_id, f.model_status)
+    if refusal is not None:
+        return Refuse(refusal)
+    if f.holder is not None:
+        if f.holder.kind is not None and f.holder.kind != f.kind:
+            return Refuse(InvalidInput(f"seq_id {f.seq_id} of model {f.model_id!r} was already used by a "
+                                       f"{f.holder.kind} request", field="seq_id"))
+        return Resume(f.holder.request_id, f.holder.status)
+    if not f.check_quota:
+        return Admit()
+    refusal = before_reads(f)
+    if refusal is not None:
+        return Refuse(refusal)
+    who = f.who
+    if f.new_model:
+        if f.live_models is None:
+            return Read("live_models")
+        if f.live_models >= who.max_models:
+            return Refuse(Forbidden(f"{f.live_models} live models reach your limit of {who.max_models}; finish "
+                                    "sessions you no longer use or ask an operator to raise max_models",
+                                    field="max_models"))
+    if f.inflight is None or f.budgeted is None:
+        return Read("quota")
+    if f.inflight >= who.max_inflight_requests:
+        return Refuse(QuotaExceeded(f"{f.inflight} requests in flight reach your limit of "
+                                    f"{who.max_inflight_requests}; wait for some futures to finish",
+                                    field="max_inflight_requests"))
+    if f.billable and f.budgeted:
+        if f.budgets is None:
+            return Read("budgets")
+        spent = budgets.first_exhausted(list(f.budgets))
+        if spent is not None:
+            return Refuse(budgets.refusal(spent, who.tenant_name, f.month))
+    return Admit()
+
+
+def model_refusal(model_id: str | None, status: str | None) -> QuiltError | None:
+    """Rule 1: a model in `status` takes no call."""
+    if status in UNUSABLE:
+        return InvalidInput(f"model {model_id!r} {UNUSABLE[status]}", field="model_id")
+    return None
+
+
+def before_reads(f: Facts) -> QuiltError | None:
+    """What refuses a call whatever the database holds (rule 3): a suspension (billable calls
+    only), tokens its bucket can never hold, or tokens this process knows it cannot hold yet."""
+    who = f.who
+    if f.billable and who.suspended_kind:
+        return accounts.suspension_refusal(who.suspended_kind, who.suspended_reason or "", who.tenant_name)
+    if f.tokens > who.tokens_per_minute:
+        return InvalidInput(f"this call needs {f.tokens} tokens, more than your tokens_per_minute limit of "
+                            f"{who.tokens_per_minute} allows at once; split it into smaller calls",
+                            field="tokens_per_minute")
+    return None if f.known_wait_s is None else rate_refusal(who, f.tokens, f.known_wait_s)
+
+
+def rate_refusal(who: Principal, tokens: int, wait_s: float) -> QuotaExceeded:
+    """The 429 of a call whose tokens the bucket cannot hold for `wait_s` more seconds."""
+    return QuotaExceeded(f"this call's {tokens} tokens exceed what is left of your tokens_per_minute limit "
+                         f"of {who.tokens_per_minute}; retry in {wait_s:.1f} s", field="tokens_per_minute",
+                         retry_after_s=wait_s)
