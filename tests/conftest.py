@@ -87,3 +87,11 @@ def r(stack):
     client = redis_client.sync_client(stack.redis_url)
     yield client
     client.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that uses the embedded stack (the `stack` fixture, directly or through another
+    fixture) is marked `stack`, whether or not its file says so: the fast tier leaves it out."""
+    for item in items:
+        if "stack" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.stack)

@@ -121,6 +121,7 @@ def engine(tiny, tmp_path_factory):
 _ids = itertools.count()
 
 
+@pytest.mark.engine
 def test_sampler_serves_a_trained_adapter_and_agrees_with_the_trainer(tiny, engine, tmp_path):
     from gen_pool.engine import SeqRequest
 

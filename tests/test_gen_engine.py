@@ -23,6 +23,8 @@ from core.work import AdapterRef, SamplingSpec
 from gen_pool.adapters import AdapterError
 from gen_pool.engine import GenEngine, SeqRequest
 
+pytestmark = pytest.mark.engine
+
 LOGPROB_TOL = 1e-3
 PROMPT = (5, 6, 7, 8, 9, 10)
 _ids = itertools.count()

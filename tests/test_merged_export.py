@@ -114,6 +114,7 @@ def test_quilt_export_merge_and_peft(stack, trained, tmp_path):
     assert theirs.returncode != 0 and "404" in theirs.stderr and not (tmp_path / "x").exists()
 
 
+@pytest.mark.engine
 def test_the_merged_model_is_served_by_the_vllm_engine(stack, trained, tmp_path):
     from core.settings import GenPoolSettings
     from core.work import SamplingSpec

@@ -15,6 +15,8 @@ import pytest
 
 from stack.tiny_model import TinyModelSpec, build_tiny_model
 
+pytestmark = pytest.mark.stack
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

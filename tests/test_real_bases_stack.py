@@ -15,6 +15,8 @@ from tinker import types
 from stack.ephemeral import ROOT, ephemeral_stack, new_tenant
 from stack.tiny_model import TinyModelSpec, build_tiny_model
 
+pytestmark = pytest.mark.stack
+
 LLAMA = "quilt/tiny-llama"
 MOE = "acme/moe-mini"
 

@@ -36,6 +36,8 @@ from core.errors import NotFound  # noqa: E402
 from stack.ephemeral import ephemeral_stack, free_port, new_tenant  # noqa: E402
 from tenancy.keys import PREFIX_LEN, revoke_key  # noqa: E402
 
+pytestmark = pytest.mark.stack
+
 BUCKET = "quilt-test"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "quilt-test", "AWS_SECRET_ACCESS_KEY": "quilt-test-secret",
                "AWS_DEFAULT_REGION": "us-east-1"}
