@@ -16,7 +16,7 @@
    this shows the switch works, not the GPU's speed-up; bench/gpu_suite.sh measures that.
 
 Needs `arctic-inference` importable (not a dependency on CPU: its wheel is GPU-only; build it
-from source as the README's "Suffix speculation" says, then PYTHONPATH=<its site-packages>).
+from source as docs/concepts/sampling.md says ("Suffix speculation at low load"), then PYTHONPATH=<its site-packages>).
 
     PYTHONPATH=.:<arctic> python bench/suffix_speculation.py [--episodes 400] [--engine]
 
@@ -135,7 +135,7 @@ def main() -> None:
     try:
         import arctic_inference.suffix_decoding  # noqa: F401
     except ImportError as exc:
-        print(f"arctic-inference is not importable ({exc}); see the README, 'Suffix speculation'")
+        print(f"arctic-inference is not importable ({exc}); see docs/concepts/sampling.md, 'Suffix speculation at low load'")
         print(json.dumps({"skipped": "arctic-inference not installed"}))
         sys.exit(0)
     print(f"1. suffix drafts on replayed rollouts (K = {K} drafted tokens per step at most)\n")

@@ -90,8 +90,10 @@ class ApiSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=_PREFIX, extra="ignore")
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="the address `quilt up` serves the API on (its --host default); "
+                                                "0.0.0.0 for every interface")
+    port: int = Field(8000, ge=0, le=65535, description="the port `quilt up` serves the API on (its --port default); "
+                                                        "API replica i answers on port + i")
     workers: int = Field(1, ge=1, le=256, description="API processes behind the one port (uvicorn --workers); "
                                                    "the API keeps no state of its own, so they scale out")
     capacity_gen_devices: int = Field(1, ge=1, le=100_000, description="accelerators serving generation per base "
@@ -315,8 +317,8 @@ class ScalerSettings(BaseSettings):
     base_model: str = Field("", max_length=200, description="the base whose workers are scaled; empty: the one "
                                                            "base both trained and sampled here")
     namespace: str = Field("", max_length=63, description="the StatefulSets' namespace; empty: the pod's own")
-    gen_statefulset: str = Field("quilt-gen", max_length=253)
-    trainer_statefulset: str = Field("quilt-trainer", max_length=253)
+    gen_statefulset: str = Field("quilt-gen", max_length=253, description="the generation workers' StatefulSet")
+    trainer_statefulset: str = Field("quilt-trainer", max_length=253, description="the trainers' StatefulSet")
     devices_per_gen_replica: int = Field(1, ge=1, le=1024, description="accelerators one generation pod uses")
     devices_per_trainer_shard: int = Field(1, ge=1, le=1024, description="accelerators one trainer pod uses")
     api_server: str = Field("", max_length=2048, description="the Kubernetes API's URL; empty: in-cluster "

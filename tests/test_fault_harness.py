@@ -2,7 +2,7 @@
 generation worker, Celery and the API, two of the trainer, a restart each of Redis and Postgres,
 at seeded random moments while four tenants train and sample on both SDKs. Nothing acknowledged
 is lost, no request fails, every ledger row is right, and the killed generation worker's
-shared memory is unlinked. The full run is a benchmark (README)."""
+shared memory is unlinked. The full run is a benchmark (docs/benchmarks/journals/faults.md)."""
 
 from __future__ import annotations
 

@@ -77,3 +77,11 @@ def test_a_tenant_behind_on_its_slice_still_goes_first_whatever_its_level():
     p = plan_admission(PoolView(now=2.0, target=2, groups=groups, since={"A": 0.0, "B": 1.0},
                                 received={"A": 0.0, "B": 10.0}))
     assert list(p.admits)[0] == Admit("a", 1)
+
+
+def test_the_generation_settings_default_to_the_episode_defaults():
+    # core.settings cannot import gen_pool (the layers), so the defaults are written there again.
+    from core.settings import GenPoolSettings
+    from gen_pool.episodes import FeedbackLevels, levels_of
+
+    assert levels_of(GenPoolSettings()) == FeedbackLevels()

@@ -5,7 +5,7 @@ both outages finishes every call, and every request is done and billed once.
 
 Redis is stopped with SHUTDOWN (its append-only file is complete) and started from the same
 configuration; Postgres with pg_ctl's fast mode. A crash of Redis (SIGKILL) may lose its last
-second of writes under `appendfsync everysec`: README's "What survives what" says what that costs."""
+second of writes under `appendfsync everysec`: docs/concepts/durability.md says what that costs."""
 
 from __future__ import annotations
 
