@@ -102,6 +102,7 @@ def decide(f: Facts) -> Decision:
         return Refuse(refusal)
     if f.holder is not None:
         if f.holder.kind is not None and f.holder.kind != f.kind:
+            # 400, not 409: the tinker SDK retries 409 for minutes, and this is a client bug, not a race.
             return Refuse(InvalidInput(f"seq_id {f.seq_id} of model {f.model_id!r} was already used by a "
                                        f"{f.holder.kind} request", field="seq_id"))
         return Resume(f.holder.request_id, f.holder.status)
