@@ -14,6 +14,7 @@ from api.input_guard import GuardedRoute
 from api.schemas import (
     CreateModelRequest,
     ForwardBackwardRequest,
+    ForwardRequest,
     LoadWeightsRequest,
     ModelRef,
     OptimStepRequest,
@@ -122,11 +123,15 @@ async def _parse_forward(request: Request, *, forward_only: bool) -> tinker_prot
         parsed = tinker_proto.decode_forward_backward(await request.body())
         return dataclasses.replace(parsed, forward_only=parsed.forward_only or forward_only)
     raw = await request.json()  # parsed and checked by the route's guard (api.input_guard)
+    # /forward takes tinker's ForwardRequest (`forward_input`); a Quilt SDK before 0.2 sent
+    # `forward_backward_input` there, read when `forward_input` is absent.
+    tinker_forward = forward_only and not (isinstance(raw, dict) and "forward_backward_input" in raw
+                                           and "forward_input" not in raw)
     try:
-        body = ForwardBackwardRequest.model_validate(raw)
+        body = (ForwardRequest if tinker_forward else ForwardBackwardRequest).model_validate(raw)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(), body=raw) from None
-    fb = body.forward_backward_input
+    fb = body.forward_input if tinker_forward else body.forward_backward_input
     return tinker_proto.ForwardBackwardProto(body.model_id, body.seq_id, fb.loss_fn, fb.loss_fn_config or {},
                                              forward_only, [d.raw() for d in fb.data])
 
@@ -150,17 +155,23 @@ async def _forward(request: Request, who, pool, redis, settings, callers, *, for
 
 
 # The forward routes read their body themselves (JSON or protobuf), so FastAPI does not know its
-# models: the JSON schema's definitions are added to the document's components (api.app).
-_FORWARD_SCHEMA = ForwardBackwardRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-SCHEMA_COMPONENTS = _FORWARD_SCHEMA.pop("$defs")
-_FORWARD_BODY = {"requestBody": {"content": {
-    "application/json": {"schema": _FORWARD_SCHEMA},
-    tinker_proto.PROTOBUF: {"schema": {"type": "string", "format": "binary",
-                                       "description": "tinker_public.ForwardBackwardRequest"}},
-}}}
+# models: the JSON schemas' definitions are added to the document's components (api.app).
+def _body(model) -> tuple[dict, dict]:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs")
+    return {"requestBody": {"content": {
+        "application/json": {"schema": schema},
+        tinker_proto.PROTOBUF: {"schema": {"type": "string", "format": "binary",
+                                           "description": "tinker_public.ForwardBackwardRequest"}},
+    }}}, defs
 
 
-@router.post("/forward_backward", openapi_extra=_FORWARD_BODY)
+_FORWARD_BACKWARD_BODY, _FB_DEFS = _body(ForwardBackwardRequest)
+_FORWARD_BODY, _F_DEFS = _body(ForwardRequest)
+SCHEMA_COMPONENTS = {**_FB_DEFS, **_F_DEFS}
+
+
+@router.post("/forward_backward", openapi_extra=_FORWARD_BACKWARD_BODY)
 async def forward_backward(request: Request, who: Who, pool: Pool, redis: RedisDep, settings: Settings,
                            callers: Callers) -> dict:
     """Forward and backward pass; gradients accumulate until the next optim_step (a future).
