@@ -22,6 +22,7 @@ from api.schemas import (
     SaveWeightsRequest,
 )
 from bases import architectures, catalog
+from checkpoints import encryption
 from checkpoints.layout import EXTERNAL_KIND, TRAINING_KIND, new_version_dir
 from core import db, health, ids
 from core.errors import InvalidInput, NotFound
@@ -213,15 +214,15 @@ async def save_weights_external(body: SaveWeightsExternalRequest, request: Reque
     """Export the adapter alone (a PEFT directory: adapter_config.json, adapter_model.safetensors)
     as `tinker://{model_id}/external_weights/{name}` (a future); fetch its files with
     `GET training_runs/{run}/checkpoints/external_weights/{name}/external_weights_urls`. Saving a
-    name again replaces it."""
+    name again replaces it. With `age_encryption_recipients` (x25519 `age1...` keys or ssh public
+    keys, at most 10) every file is encrypted to them with age and served as `<file>.age`: only
+    their identities can read it, so the server cannot merge it (tinker-cookbook's
+    `weights.download` decrypts it)."""
     seq_gaps.claim(request, body.model_id, body.seq_id)
-    if body.age_encryption_recipients:
-        raise InvalidInput("age_encryption_recipients: encrypted exports are not supported by this server; leave it "
-                           "out (downloads are served over this API's own connection)",
-                           field="age_encryption_recipients")
     work = SaveWeights(name=body.path, overwrite=True, ttl_s=body.ttl_seconds,
                        storage_path=new_version_dir(get_core_settings().checkpoint_dir, who.tenant_id, body.model_id,
-                                                    EXTERNAL_KIND, body.path))
+                                                    EXTERNAL_KIND, body.path),
+                       age_recipients=encryption.check_recipients(body.age_encryption_recipients or []))
     return await _queue_on_model(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id,
                                  kind=WorkKind.SAVE_WEIGHTS_EXTERNAL, body=work)
 
