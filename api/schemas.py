@@ -43,6 +43,15 @@ class CreateSessionRequest(_Body):
     user_metadata: dict[str, Any] = Field(default_factory=dict)
     sdk_version: str | None = Field(None, max_length=64)
     display_name: str | None = Field(None, max_length=256)
+    # The tinker SDK sends TINKER_PROJECT_ID here. A Quilt tenant has no projects: refused, not dropped.
+    project_id: str | None = Field(None, max_length=256)
+
+    @field_validator("project_id")
+    @classmethod
+    def _no_projects(cls, value: str | None) -> None:
+        if value is not None:
+            raise ValueError("projects are not supported here (a tenant's sessions are all in one); leave "
+                             "project_id out (unset TINKER_PROJECT_ID)")
 
 
 class SessionHeartbeatRequest(_Body):
@@ -116,6 +125,11 @@ class DatumIn(_Body):
     model_input: ModelInputIn
     loss_fn_inputs: dict[str, TensorDataIn | list[float | int]]
     policy_version: int | None = Field(None, ge=0, description="policy version the datum was sampled with")
+    # tinker's provenance spans (which sampled sequence each token came from): attribution for the
+    # hosted service's own accounting; what a pass computes does not depend on them. Accepted
+    # (bounded) and not kept.
+    model_input_spans: list[dict[str, Any]] | None = Field(None, max_length=4096)
+    loss_fn_input_spans: list[dict[str, Any]] | None = Field(None, max_length=4096)
 
     def raw(self) -> RawDatum:
         tokens = [t for chunk in self.model_input.chunks for t in chunk.tokens]
@@ -136,6 +150,15 @@ class ForwardBackwardRequest(_Body):
     model_id: str = Field(max_length=256)
     seq_id: int = Field(ge=1, le=2**31 - 1)
     forward_backward_input: ForwardBackwardInput
+
+
+class ForwardRequest(_Body):
+    """POST /forward as tinker's ForwardRequest names it (`forward_input`). Quilt SDKs before 0.2
+    sent `forward_backward_input` here, which is still read when `forward_input` is absent."""
+
+    model_id: str = Field(max_length=256)
+    seq_id: int = Field(ge=1, le=2**31 - 1)
+    forward_input: ForwardBackwardInput
 
 
 class AdamParams(_Body):
@@ -274,9 +297,11 @@ class CreateSamplingSessionRequest(_Body):
     base_model: str | None = Field(None, max_length=256)
 
     @model_validator(mode="after")
-    def _one_target(self) -> CreateSamplingSessionRequest:
-        if (self.model_path is None) == (self.base_model is None):
-            raise ValueError("give exactly one of model_path or base_model")
+    def _a_target(self) -> CreateSamplingSessionRequest:
+        # Both may come (the tinker SDK sends both for a checkpoint): the weights decide, and a
+        # base_model that is not theirs is refused (api.routes.sampling).
+        if self.model_path is None and self.base_model is None:
+            raise ValueError("give model_path (sampler weights) or base_model")
         return self
 
 

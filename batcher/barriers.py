@@ -10,18 +10,28 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from batcher.backend import LoraBackend
 from batcher.exports import Exports
 from batcher.snapshots import SnapshotStore
+from checkpoints import encryption
 from checkpoints import records as checkpoint_records
 from checkpoints.layout import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
 from checkpoints.storage import LocalStore
 from core import faults, ids, records
 from core.errors import Conflict, QuiltError, ServerError, UserError
 from core.settings import get_core_settings
-from core.work import CreateModel, LoadWeights, OptimStep, Rejected, SaveWeights, WorkItem, WorkKind
+from core.work import (
+    CreateModel,
+    LoadWeights,
+    OptimStep,
+    Rejected,
+    SaveWeights,
+    WorkItem,
+    WorkKind,
+)
 
 log = logging.getLogger("quilt.trainer")
 
@@ -144,6 +154,8 @@ class Barriers:
 
         def write() -> int:  # a save is answered only once it is in the store
             size = write_files()
+            if work.age_recipients:  # encrypted before it is published: no plain copy ever leaves here
+                size = encryption.encrypt_directory(Path(self.store.local_dir(work.storage_path)), work.age_recipients)
             self.store.publish(work.storage_path)
             return size
 

@@ -33,6 +33,7 @@ META_FILE = "quilt_state.json"
 TRAINING_KIND = "weights"
 SAMPLER_KIND = "sampler_weights"
 EXTERNAL_KIND = "external_weights"  # the adapter alone, exported for download (save_weights_external)
+ENCRYPTED_SUFFIX = ".age"  # an export encrypted to its owner holds <file>.age for each file (checkpoints.encryption)
 
 
 def new_version_dir(checkpoint_dir: Path, tenant_id: str, model_id: str, kind: str, name: str) -> str:
@@ -71,7 +72,7 @@ def adapter_files(directory: Path) -> list[Path]:
     size). Plain files only: nothing reached through a link is ever sent. FileNotFoundError when
     the config or the weights are missing: a directory half deleted is not an adapter."""
     files = sorted(p for p in directory.iterdir() if p.is_file() and not p.is_symlink() and p.name != OPTIMIZER_FILE)
-    missing = {ADAPTER_CONFIG, ADAPTER_WEIGHTS} - {p.name for p in files}
+    missing = {ADAPTER_CONFIG, ADAPTER_WEIGHTS} - {p.name.removesuffix(ENCRYPTED_SUFFIX) for p in files}
     if missing:
         raise FileNotFoundError(f"{directory} has no {', '.join(sorted(missing))}")
     return files

@@ -181,14 +181,19 @@ class SaveWeights:
     sliding: bool = False  # every use restarts the clock (anonymous sampler snapshots)
     sampling_session_id: str | None = None  # the anonymous form's sampler, echoed in the result
     user_metadata: dict[str, str] | None = None  # the client's, recorded with the checkpoint
+    # An export encrypted to these age recipients (checkpoints.encryption); empty: plain files.
+    age_recipients: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["age_recipients"] = list(self.age_recipients)
+        return out
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> SaveWeights:
         return cls(str(obj["name"]), str(obj["storage_path"]), bool(obj["overwrite"]), obj.get("ttl_s"),
-                   bool(obj.get("sliding", False)), obj.get("sampling_session_id"), obj.get("user_metadata"))
+                   bool(obj.get("sliding", False)), obj.get("sampling_session_id"), obj.get("user_metadata"),
+                   tuple(str(r) for r in obj.get("age_recipients") or ()))
 
 
 @dataclass(frozen=True)

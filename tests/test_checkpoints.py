@@ -17,7 +17,7 @@ def test_load_restores_the_saved_model(stack, tenant):
         return wait_future(client, client.post(path, json=body).json()["request_id"])
 
     def forward():
-        return call("/forward", {"forward_backward_input": {"data": [datum(TOKENS)], "loss_fn": "cross_entropy"}})
+        return call("/forward", {"forward_input": {"data": [datum(TOKENS)], "loss_fn": "cross_entropy"}})
 
     call("/forward_backward", {"forward_backward_input": {"data": [datum(TOKENS)], "loss_fn": "cross_entropy"}})
     call("/optim_step", {"adam_params": ADAM})

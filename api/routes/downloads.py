@@ -33,7 +33,7 @@ from api.deps import Pool, Settings, Who
 from api.input_guard import GuardedRoute
 from api.routes.runs import split_checkpoint_id
 from bases import catalog
-from checkpoints import adapter_merge, storage
+from checkpoints import adapter_merge, encryption, storage
 from checkpoints.layout import adapter_files
 from core import db
 from core.errors import InvalidInput, NotFound
@@ -136,6 +136,9 @@ async def merge_members(pool, ckpt: dict) -> list[adapter_merge.Member]:
     if base is None or not Path(base.path).is_dir():
         raise NotFound("this checkpoint's base model is not served here any more; it cannot be merged",
                        field="checkpoint_id")
+    if encryption.is_encrypted(await _adapter_files(ckpt)):
+        raise InvalidInput("this export is encrypted to its recipients: only they can read it, so it cannot be merged "
+                           "here; merge it where you decrypt it", field="checkpoint_id")
     directory = await checkpoint_directory(ckpt)
     try:
         with _while_its_files_last(ckpt):

@@ -58,6 +58,15 @@ def _sampler_path(path: str) -> tuple[str, str]:
     return run, name
 
 
+def _weights_base(base_name: str, base_model: str | None, model_path: str) -> str:
+    """The base of sampler weights `model_path` (`base_name`), which a `base_model` named beside
+    them must be: the weights decide what is sampled, and a contradiction is the client's mistake."""
+    if base_model is not None and base_model != base_name:
+        raise InvalidInput(f"base_model {base_model!r} is not the base of {model_path} ({base_name!r}); name "
+                           f"{base_name!r} or leave base_model out", field="base_model")
+    return base_name
+
+
 async def _sampleable(conn, name: str) -> catalog.BaseModel:
     base = await catalog.get_model(conn, name)
     if base is None or not base.sampleable:
@@ -121,7 +130,9 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, request: 
 
 @router.post("/create_sampling_session")
 async def create_sampling_session(body: CreateSamplingSessionRequest, who: Who, pool: Pool) -> dict:
-    """A sampler on your published weights (`model_path`) or on a base model (`base_model`)."""
+    """A sampler on your published weights (`model_path`) or on a base model (`base_model`). Both
+    may be given, as the tinker SDK sends them: the weights decide, and `base_model` must then be
+    their base (400 naming it otherwise)."""
     sid = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
     async with pool.connection() as conn:
         session = await scoped.get_session(conn, who, body.session_id)
@@ -131,7 +142,9 @@ async def create_sampling_session(body: CreateSamplingSessionRequest, who: Who, 
         if body.model_path is not None:
             run, name = _sampler_path(body.model_path)
             await scoped.get_checkpoint(conn, who, run, SAMPLER_KIND, name)
-            base_name, model_id = await scoped.model_base(conn, who.tenant_id, run), run
+            base_name = _weights_base(await scoped.model_base(conn, who.tenant_id, run), body.base_model,
+                                      body.model_path)
+            model_id = run
         else:
             base_name = (await _sampleable(conn, body.base_model)).name
         await records.insert_sampling_session(conn, who, sid, session_id=body.session_id,
@@ -181,9 +194,11 @@ async def resolve(conn, who, *, sampling_session_id: str | None = None, model_pa
         raise NotFound(f"sampler weights {path} not found: not published yet (a save still running), deleted, "
                        f"or expired (anonymous snapshots expire {get_core_settings().anon_sampler_ttl_s} s "
                        f"after their last use)", field="model_path") from None
+    base = await _sampleable(conn, await scoped.model_base(conn, who.tenant_id, run))
+    if model_path is not None:
+        _weights_base(base.name, base_model, model_path)
     if retention.due_to_slide(ckpt["expires_at"], ckpt["sliding_ttl_s"], datetime.now(UTC)):
         await records.slide_checkpoint(conn, ckpt["id"])
-    base = await _sampleable(conn, await scoped.model_base(conn, who.tenant_id, run))
     return base, AdapterRef(key=ckpt["storage_path"], path=ckpt["storage_path"], model_id=run, name=name)
 
 

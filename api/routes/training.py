@@ -14,6 +14,7 @@ from api.input_guard import GuardedRoute
 from api.schemas import (
     CreateModelRequest,
     ForwardBackwardRequest,
+    ForwardRequest,
     LoadWeightsRequest,
     ModelRef,
     OptimStepRequest,
@@ -21,6 +22,7 @@ from api.schemas import (
     SaveWeightsRequest,
 )
 from bases import architectures, catalog
+from checkpoints import encryption
 from checkpoints.layout import EXTERNAL_KIND, TRAINING_KIND, new_version_dir
 from core import db, health, ids
 from core.errors import InvalidInput, NotFound
@@ -122,11 +124,15 @@ async def _parse_forward(request: Request, *, forward_only: bool) -> tinker_prot
         parsed = tinker_proto.decode_forward_backward(await request.body())
         return dataclasses.replace(parsed, forward_only=parsed.forward_only or forward_only)
     raw = await request.json()  # parsed and checked by the route's guard (api.input_guard)
+    # /forward takes tinker's ForwardRequest (`forward_input`); a Quilt SDK before 0.2 sent
+    # `forward_backward_input` there, read when `forward_input` is absent.
+    tinker_forward = forward_only and not (isinstance(raw, dict) and "forward_backward_input" in raw
+                                           and "forward_input" not in raw)
     try:
-        body = ForwardBackwardRequest.model_validate(raw)
+        body = (ForwardRequest if tinker_forward else ForwardBackwardRequest).model_validate(raw)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(), body=raw) from None
-    fb = body.forward_backward_input
+    fb = body.forward_input if tinker_forward else body.forward_backward_input
     return tinker_proto.ForwardBackwardProto(body.model_id, body.seq_id, fb.loss_fn, fb.loss_fn_config or {},
                                              forward_only, [d.raw() for d in fb.data])
 
@@ -150,17 +156,23 @@ async def _forward(request: Request, who, pool, redis, settings, callers, *, for
 
 
 # The forward routes read their body themselves (JSON or protobuf), so FastAPI does not know its
-# models: the JSON schema's definitions are added to the document's components (api.app).
-_FORWARD_SCHEMA = ForwardBackwardRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-SCHEMA_COMPONENTS = _FORWARD_SCHEMA.pop("$defs")
-_FORWARD_BODY = {"requestBody": {"content": {
-    "application/json": {"schema": _FORWARD_SCHEMA},
-    tinker_proto.PROTOBUF: {"schema": {"type": "string", "format": "binary",
-                                       "description": "tinker_public.ForwardBackwardRequest"}},
-}}}
+# models: the JSON schemas' definitions are added to the document's components (api.app).
+def _body(model) -> tuple[dict, dict]:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs")
+    return {"requestBody": {"content": {
+        "application/json": {"schema": schema},
+        tinker_proto.PROTOBUF: {"schema": {"type": "string", "format": "binary",
+                                           "description": "tinker_public.ForwardBackwardRequest"}},
+    }}}, defs
 
 
-@router.post("/forward_backward", openapi_extra=_FORWARD_BODY)
+_FORWARD_BACKWARD_BODY, _FB_DEFS = _body(ForwardBackwardRequest)
+_FORWARD_BODY, _F_DEFS = _body(ForwardRequest)
+SCHEMA_COMPONENTS = {**_FB_DEFS, **_F_DEFS}
+
+
+@router.post("/forward_backward", openapi_extra=_FORWARD_BACKWARD_BODY)
 async def forward_backward(request: Request, who: Who, pool: Pool, redis: RedisDep, settings: Settings,
                            callers: Callers) -> dict:
     """Forward and backward pass; gradients accumulate until the next optim_step (a future).
@@ -202,15 +214,15 @@ async def save_weights_external(body: SaveWeightsExternalRequest, request: Reque
     """Export the adapter alone (a PEFT directory: adapter_config.json, adapter_model.safetensors)
     as `tinker://{model_id}/external_weights/{name}` (a future); fetch its files with
     `GET training_runs/{run}/checkpoints/external_weights/{name}/external_weights_urls`. Saving a
-    name again replaces it."""
+    name again replaces it. With `age_encryption_recipients` (x25519 `age1...` keys or ssh public
+    keys, at most 10) every file is encrypted to them with age and served as `<file>.age`: only
+    their identities can read it, so the server cannot merge it (tinker-cookbook's
+    `weights.download` decrypts it)."""
     seq_gaps.claim(request, body.model_id, body.seq_id)
-    if body.age_encryption_recipients:
-        raise InvalidInput("age_encryption_recipients: encrypted exports are not supported by this server; leave it "
-                           "out (downloads are served over this API's own connection)",
-                           field="age_encryption_recipients")
     work = SaveWeights(name=body.path, overwrite=True, ttl_s=body.ttl_seconds,
                        storage_path=new_version_dir(get_core_settings().checkpoint_dir, who.tenant_id, body.model_id,
-                                                    EXTERNAL_KIND, body.path))
+                                                    EXTERNAL_KIND, body.path),
+                       age_recipients=encryption.check_recipients(body.age_encryption_recipients or []))
     return await _queue_on_model(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id,
                                  kind=WorkKind.SAVE_WEIGHTS_EXTERNAL, body=work)
 

@@ -21,7 +21,13 @@ from ._transport import HTTPTransport
 from .errors import APIStatusError
 from .futures import APIFuture, require
 from .sampling import SamplingClient
-from .types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResult, TrainStepResult
+from .types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    OptimStepResult,
+    TrainStepResult,
+)
 
 __all__ = ["TrainingClient"]
 
@@ -43,8 +49,9 @@ def _forward_payload(
                 f"data[{i}] is a {type(datum).__name__}, not a quilt.Datum "
                 "(build one with quilt.Datum(...) or quilt.datum_for_next_token(tokens))"
             )
+    # tinker's names: ForwardRequest's `forward_input`, ForwardBackwardRequest's `forward_backward_input`.
     return {
-        "forward_backward_input": {
+        "forward_input" if kind == "forward" else "forward_backward_input": {
             "data": [datum.to_json() for datum in datums],
             "loss_fn": loss_fn,
             "loss_fn_config": dict(loss_fn_config) if loss_fn_config is not None else None,

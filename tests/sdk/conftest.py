@@ -68,7 +68,7 @@ class FakeServer:
     def fb_result(self, body: dict[str, Any]) -> dict[str, Any]:
         """A cross_entropy-shaped result with one logprobs tensor per datum."""
         outputs = []
-        for datum in body["forward_backward_input"]["data"]:
+        for datum in (body.get("forward_input") or body["forward_backward_input"])["data"]:
             n = len(datum["loss_fn_inputs"]["target_tokens"]["data"])
             outputs.append({"logprobs": {"data": [-0.5] * n, "dtype": "float32", "shape": [n]}})
         return {

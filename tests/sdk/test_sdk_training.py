@@ -37,7 +37,7 @@ def test_forward_backward_body(server, tc):
 def test_forward_uses_its_own_route_and_type(server, tc, batch):
     out = tc.forward(batch).result()
     body = server.bodies("forward")[0]
-    assert body["type"] == "forward" and body["forward_backward_input"]["loss_fn_config"] is None
+    assert body["type"] == "forward" and body["forward_input"]["loss_fn_config"] is None  # tinker's ForwardRequest
     assert out.loss == 1.5
 
 

@@ -27,7 +27,14 @@ sampling runs at most ``max_staleness`` policy versions ahead of training.
 
 from .env import OUTCOMES, Env, GroupBuilder, Outcome, Prompt, StepResult
 from .grpo import Episode, GroupPlan, Turn, episode_datums, group_advantages, plan_group
-from .pipeline import RLConfig, StepLog, may_start_group, run_grpo, summarize, train_grpo
+from .pipeline import (
+    RLConfig,
+    StepLog,
+    may_start_group,
+    run_grpo,
+    summarize,
+    train_grpo,
+)
 from .rollouts import EpisodeBudget, SampledGroup, rollout_group
 
 __all__ = [
