@@ -104,7 +104,9 @@ class TrainerWorker:
         self.consumer.ensure_group()
         self.consumer.heartbeat()
         self.membership.clear_fence()
-        restored = [m for m in placement.claim_own(self._db(), self.base_model, self.shard) if self._restore(m)]
+        # Without snapshots nothing can come back: nothing is claimed, and every live model is lost.
+        restored = [m for m in placement.claim_own(self._db(), self.base_model, self.shard) if self._restore(m)] \
+            if self.snapshots is not None else []
         lost = records.mark_models_lost(self._db(), self.base_model, keep=restored, shard=self.shard)
         if restored:
             log.info("%d models restored from their snapshots", len(restored))
