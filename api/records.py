@@ -136,8 +136,6 @@ async def request_status(conn: AsyncConnection, request_id: str) -> str | None:
     return row["status"] if row else None
 
 
-
-
 async def touch_session(conn: AsyncConnection, session_id: str) -> None:
     """A session's heartbeat."""
     await conn.execute("UPDATE sessions SET last_heartbeat_at = now() WHERE id = %s", (session_id,))

@@ -18,6 +18,6 @@ if [ "$quick" = 0 ] || [ ! -x .venv/bin/python ]; then
 fi
 export HF_HUB_OFFLINE=1
 if [ "$quick" = 1 ]; then
-  exec .venv/bin/python -m pytest -q -m "not stack and not engine" ${args[@]+"${args[@]}"}
+  args=(-m "not stack and not engine" ${args[@]+"${args[@]}"})
 fi
 exec .venv/bin/python -m pytest -q ${args[@]+"${args[@]}"}

@@ -136,10 +136,12 @@ async def merge_members(pool, ckpt: dict) -> list[adapter_merge.Member]:
     if base is None or not Path(base.path).is_dir():
         raise NotFound("this checkpoint's base model is not served here any more; it cannot be merged",
                        field="checkpoint_id")
-    if encryption.is_encrypted(await _adapter_files(ckpt)):
+    directory = await checkpoint_directory(ckpt)
+    with _while_its_files_last(ckpt):
+        encrypted = encryption.is_encrypted(adapter_files(directory))
+    if encrypted:
         raise InvalidInput("this export is encrypted to its recipients: only they can read it, so it cannot be merged "
                            "here; merge it where you decrypt it", field="checkpoint_id")
-    directory = await checkpoint_directory(ckpt)
     try:
         with _while_its_files_last(ckpt):
             return await run_in_threadpool(adapter_merge.merged_members, Path(base.path), directory)
