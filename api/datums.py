@@ -14,7 +14,7 @@ from typing import Any
 
 from core import numbers
 from core.errors import InvalidInput
-from core.loss_spec import INT_INPUTS, parse_loss_config, spec_of
+from core.loss_spec import INT_INPUTS, MAX_TARGET_WIDTH, WIDE_INPUTS, parse_loss_config, spec_of
 from core.work import Datum, PassWork
 
 # Per-token clip thresholds: the range their config counterparts must lie in.
@@ -57,22 +57,52 @@ def _check_tokens(field: str, tokens: list, vocab: int) -> list[int]:
     return [int(t) for t in tokens]
 
 
-def _flat_values(field: str, tensor: RawTensor, n_tokens: int) -> list:
-    if tensor.shape is not None:
-        if len(tensor.shape) != 1:
-            raise InvalidInput(
-                f"{field}: only 1-D per-token tensors are supported (shape {tensor.shape}); "
-                f"expected shape [{n_tokens}]",
-                field=field,
-            )
-        if tensor.shape[0] != len(tensor.data):
-            raise InvalidInput(f"{field}: shape {tensor.shape} does not match {len(tensor.data)} values", field=field)
-    if len(tensor.data) != n_tokens:
+def _width(field: str, key: str, tensor: RawTensor, n_tokens: int, loss_fn: str) -> int:
+    """The values per position the tensor's shape declares: 1 for `[n]` (or no shape), K for
+    `[n, K]` (top-K targets of cross_entropy only)."""
+    shape = tensor.shape
+    if shape is None or len(shape) == 1:
+        if shape is not None and shape[0] != len(tensor.data):
+            raise InvalidInput(f"{field}: shape {shape} does not match {len(tensor.data)} values", field=field)
+        return 1
+    if len(shape) != 2 or key not in WIDE_INPUTS or loss_fn != "cross_entropy":
+        wide = " or [n, K] (target_tokens and weights of cross_entropy)" if loss_fn == "cross_entropy" else ""
+        raise InvalidInput(f"{field}: shape {shape} is not accepted; expected [{n_tokens}]{wide}", field=field)
+    rows, width = shape
+    if rows != n_tokens:
+        raise InvalidInput(f"{field}: shape {shape} has {rows} rows but model_input has {n_tokens} tokens; "
+                           "they must be equal", field=field)
+    if not isinstance(width, int) or not 1 <= width <= MAX_TARGET_WIDTH:
+        raise InvalidInput(f"{field}: {width!r} targets per position; the limit is {MAX_TARGET_WIDTH}", field=field)
+    if rows * width != len(tensor.data):
+        raise InvalidInput(f"{field}: shape {shape} does not match {len(tensor.data)} values", field=field)
+    return width
+
+
+def _flat_values(field: str, tensor: RawTensor, n_tokens: int, width: int) -> list:
+    if len(tensor.data) != n_tokens * width:
         raise InvalidInput(
             f"{field}: has {len(tensor.data)} values but model_input has {n_tokens} tokens; they must be equal",
             field=field,
         )
     return tensor.data
+
+
+def _common_width(where: str, widths: dict[str, int]) -> int:
+    """One datum's targets per position: `target_tokens` and `weights` agree, and top-K targets
+    come with their weights."""
+    width = widths.get("target_tokens", 1)
+    if widths.get("weights", width) != width:
+        raise InvalidInput(f"{where}.loss_fn_inputs.weights: has {widths['weights']} values per position but "
+                           f"target_tokens has {width}; they must have the same shape",
+                           field=f"{where}.loss_fn_inputs.weights")
+    if width > 1 and "weights" not in widths:
+        raise InvalidInput(f"{where}.loss_fn_inputs.weights: top-K target_tokens (shape [n, {width}]) need weights "
+                           "of the same shape", field=f"{where}.loss_fn_inputs.weights")
+    if width > 1 and "logprobs" in widths:
+        raise InvalidInput(f"{where}.loss_fn_inputs.logprobs: sampler logprobs are per sampled token and do not go "
+                           f"with top-K target_tokens (shape [n, {width}])", field=f"{where}.loss_fn_inputs.logprobs")
+    return width
 
 
 def _check_floats(field: str, key: str, values: list) -> tuple[float, ...]:
@@ -142,15 +172,22 @@ def normalise(data: list[RawDatum], loss_fn: str, limits: Limits) -> tuple[tuple
                 f"{where}.loss_fn_inputs: {sorted(unknown)} not accepted by {loss_fn}; allowed: {sorted(spec.allowed_inputs)}",
                 field=f"{where}.loss_fn_inputs",
             )
+        widths = {key: _width(f"{where}.loss_fn_inputs.{key}", key, tensor, n, loss_fn)
+                  for key, tensor in datum.inputs.items()}
+        width = _common_width(where, widths)
+        if out and width != out[0].width:
+            field = f"{where}.loss_fn_inputs.target_tokens"
+            raise InvalidInput(f"{field}: {width} targets per position, but data[0] has {out[0].width}; every datum "
+                               "of a request must have the same", field=field)
         inputs: dict[str, tuple] = {}
         for key, tensor in datum.inputs.items():
             field = f"{where}.loss_fn_inputs.{key}"
-            values = _flat_values(field, tensor, n)
+            values = _flat_values(field, tensor, n, widths[key])
             if key in INT_INPUTS:
                 inputs[key] = tuple(_check_tokens(field, values, limits.vocab_size))
             else:
                 inputs[key] = _check_floats(field, key, values)
-        out.append(Datum(tuple(tokens), inputs, datum.policy_version))
+        out.append(Datum(tuple(tokens), inputs, datum.policy_version, width))
     total = input_tokens(data)
     if total > limits.max_tokens:
         raise InvalidInput(

@@ -17,6 +17,7 @@ import numpy as np
 from api.datums import RawDatum, RawTensor
 from api.input_guard import check_text
 from core.errors import InvalidInput
+from core.loss_spec import MAX_TARGET_WIDTH
 
 PROTOBUF = "application/x-protobuf"
 
@@ -47,18 +48,63 @@ def _np_dtype(pb, dtype: int, field: str):
     raise InvalidInput(f"{field}: tensor dtype {dtype} is not supported (float32, int64, int32)", field=field)
 
 
-def _tensor(pb, t, field: str) -> RawTensor:
+class _SparseBudget:
+    """The cells a request's sparse tensors may expand to, in all."""
+
+    def __init__(self, cells: int) -> None:
+        self.left = cells
+
+    def take(self, cells: int, field: str) -> None:
+        self.left -= cells
+        if self.left < 0:
+            raise InvalidInput(f"{field}: the request's sparse tensors expand past what the body limit allows "
+                               "dense; split the request", field=field)
+
+
+def _tensor(pb, t, field: str, rows: int, budget: _SparseBudget) -> RawTensor:
+    """A dense tensor, or a 2-D sparse CSR one (the SDK sends top-K targets that way when smaller)
+    made dense. `rows` is the datum's token count: a sparse tensor's shape is checked against it,
+    MAX_TARGET_WIDTH and the budget before anything is allocated."""
     np_dtype, name = _np_dtype(pb, t.dtype, field)
-    if t.WhichOneof("encoding") != "dense":
-        raise InvalidInput(f"{field}: sparse tensors are 2-D; only 1-D per-token inputs are supported", field=field)
+    if t.WhichOneof("encoding") == "sparse_csr":
+        return RawTensor(_dense_from_csr(t, np_dtype, field, rows, budget).tolist(), name, list(t.shape))
     if len(t.dense) % np_dtype.itemsize:
         raise InvalidInput(f"{field}: {len(t.dense)} bytes is not a whole number of {name} values", field=field)
     values = np.frombuffer(t.dense, dtype=np_dtype)
     return RawTensor(values.tolist(), name, list(t.shape) or None)
 
 
-def decode_forward_backward(body: bytes) -> ForwardBackwardProto:
-    """A ForwardBackwardRequest (already decompressed, within the body limit: api.body_limit)."""
+def _int64s(raw: bytes, field: str) -> np.ndarray:
+    if len(raw) % 8:
+        raise InvalidInput(f"{field}: {len(raw)} bytes is not a whole number of int64 indices", field=field)
+    return np.frombuffer(raw, dtype="<i8")
+
+
+def _dense_from_csr(t, np_dtype, field: str, rows: int, budget: _SparseBudget) -> np.ndarray:
+    shape = list(t.shape)
+    if len(shape) != 2 or shape[0] != rows or not 1 <= shape[1] <= MAX_TARGET_WIDTH:
+        raise InvalidInput(f"{field}: a sparse tensor must have shape [{rows}, K] with K in [1, {MAX_TARGET_WIDTH}] "
+                           f"(the datum's tokens, top-K targets), got {shape}", field=field)
+    budget.take(rows * shape[1], field)
+    csr = t.sparse_csr
+    crow = _int64s(csr.crow_indices, f"{field}.crow_indices")
+    cols = _int64s(csr.col_indices, f"{field}.col_indices")
+    if len(csr.values) % np_dtype.itemsize:
+        raise InvalidInput(f"{field}.values: {len(csr.values)} bytes is not a whole number of values", field=field)
+    values = np.frombuffer(csr.values, dtype=np_dtype)
+    nnz = len(values)
+    if (len(crow) != rows + 1 or crow[0] != 0 or crow[-1] != nnz or np.any(np.diff(crow) < 0)
+            or len(cols) != nnz or np.any(cols < 0) or np.any(cols >= shape[1])):
+        raise InvalidInput(f"{field}: sparse CSR indices do not describe a [{rows}, {shape[1]}] tensor with "
+                           f"{nnz} values", field=field)
+    dense = np.zeros((rows, shape[1]), dtype=np_dtype)
+    dense[np.repeat(np.arange(rows), np.diff(crow)), cols] = values
+    return dense.ravel()
+
+
+def decode_forward_backward(body: bytes, *, max_sparse_values: int) -> ForwardBackwardProto:
+    """A ForwardBackwardRequest (already decompressed, within the body limit: api.body_limit).
+    Its sparse tensors may expand to `max_sparse_values` values in all."""
     pb = _pb()
     msg = pb.ForwardBackwardRequest()
     try:
@@ -75,6 +121,7 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardProto:
             raise InvalidInput(f"loss_fn_config.{key}: text values are not supported", field=f"loss_fn_config.{key}")
         config[key] = value.number
     data = []
+    budget = _SparseBudget(max_sparse_values)
     for i, d in enumerate(msg.data):
         tokens: list[int] = []
         for chunk in d.model_input:
@@ -90,7 +137,8 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardProto:
             tokens += np.frombuffer(raw, dtype="<i4").tolist()
         for k in d.loss_fn_inputs:
             check_text(k, f"data[{i}].loss_fn_inputs")
-        inputs = {k: _tensor(pb, t, f"data[{i}].loss_fn_inputs.{k}") for k, t in d.loss_fn_inputs.items()}
+        inputs = {k: _tensor(pb, t, f"data[{i}].loss_fn_inputs.{k}", len(tokens), budget)
+                  for k, t in d.loss_fn_inputs.items()}
         data.append(RawDatum(tokens, inputs))
     return ForwardBackwardProto(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only, data)
 
@@ -109,6 +157,8 @@ def encode_forward_backward_output(result: dict) -> bytes:
         tensor.data = b"".join(a.tobytes() for a in arrays)
         tensor.offsets = offsets.tobytes()
         tensor.dtype = pb.DTYPE_FLOAT32
+        # [n, K] outputs of top-K targets (every datum of a request has the same K: api.datums).
+        tensor.trailing_shape.extend(outputs[0][key].get("shape", [0])[1:])
     for name, value in result.get("metrics", {}).items():
         out.metrics[name] = float(value)
     return out.SerializeToString()

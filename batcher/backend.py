@@ -32,7 +32,7 @@ from batcher import losses
 from batcher.multilora import MultiLoraModel
 from checkpoints.layout import ADAPTER_WEIGHTS, OPTIMIZER_FILE, TrainerMeta
 from core.errors import Conflict, InvalidInput, QuiltError, ServerError, UserError
-from core.loss_spec import LossConfig
+from core.loss_spec import INT_INPUTS, WIDE_INPUTS, LossConfig
 from core.work import AdamParams, LoraShape, PassWork
 
 log = logging.getLogger("quilt.trainer.backend")
@@ -88,6 +88,7 @@ class _Row:
     inputs: Mapping[str, tuple]
     adapter: str
     policy_version: int | None  # the version this datum was sampled with, if it says
+    width: int = 1  # targets per position (top-K distillation: K)
 
 
 class LoraBackend:
@@ -207,7 +208,7 @@ class LoraBackend:
             adapter = self.adapters[req.model_id]
             # The trainer's policy version is the model's optimizer step count.
             configs[i] = dataclasses.replace(req.work.loss_config, current_policy_version=adapter.steps)
-            rows += [_Row(i, j, d.tokens, d.inputs, adapter.name, d.policy_version)
+            rows += [_Row(i, j, d.tokens, d.inputs, adapter.name, d.policy_version, d.width)
                      for j, d in enumerate(req.work.data)]
         self.ensure_resident({requests[i].model_id for i in configs})
         started = time.perf_counter()
@@ -282,32 +283,36 @@ class LoraBackend:
             else:
                 segments.append((row.adapter, b, b + 1))
         T = max(len(r.tokens) for r in chunk)
+        K = max(r.width for r in chunk)
         input_ids_B_T = torch.zeros((len(chunk), T), dtype=torch.long)
-        targets_B_T = torch.zeros((len(chunk), T), dtype=torch.long)
+        targets_B_T_K = torch.zeros((len(chunk), T, K), dtype=torch.long)
         for b, row in enumerate(chunk):
             n = len(row.tokens)
             input_ids_B_T[b, :n] = torch.tensor(row.tokens)
-            targets_B_T[b, :n] = torch.tensor(row.inputs["target_tokens"], dtype=torch.long)
+            targets_B_T_K[b, :n, :row.width] = torch.tensor(row.inputs["target_tokens"], dtype=torch.long).view(n, -1)
         input_ids_B_T = input_ids_B_T.to(self.device)
-        targets_B_T = targets_B_T.to(self.device)
+        targets_B_T_K = targets_B_T_K.to(self.device)
         # Right padding needs no attention mask: causal attention never lets a real position see a later pad.
         with torch.set_grad_enabled(needs_grad):
             logits_B_T_V = self.lora.forward(input_ids_B_T, segments)
             if logits_B_T_V.dtype in (torch.float16, torch.bfloat16):  # log-softmax in at least float32
                 logits_B_T_V = logits_B_T_V.float()
-            logprobs_B_T = -F.cross_entropy(
-                logits_B_T_V.flatten(0, 1), targets_B_T.flatten(), reduction="none"
-            ).view(len(chunk), T)
+            if K == 1:
+                logprobs_B_T_K = -F.cross_entropy(
+                    logits_B_T_V.flatten(0, 1), targets_B_T_K.flatten(), reduction="none"
+                ).view(len(chunk), T, 1)
+            else:  # top-K targets: K logits per position, never a (B, T, V) log-softmax
+                logprobs_B_T_K = (logits_B_T_V.gather(-1, targets_B_T_K)
+                                  - torch.logsumexp(logits_B_T_V, dim=-1, keepdim=True))
             chunk_losses = []
             for b, row in enumerate(chunk):
                 req = requests[row.request_index]
                 n = len(row.tokens)
-                inputs = {k: torch.tensor(v, dtype=torch.long if k == "target_tokens" else torch.float32)
-                          for k, v in row.inputs.items()}
+                inputs = {k: _input_tensor(k, v, n, row.width) for k, v in row.inputs.items()}
                 config = configs[row.request_index]
                 sampled_at = row.policy_version if row.policy_version is not None else config.policy_version
-                datum = losses.compute_loss(req.work.loss_fn, logprobs_B_T[b, :n], inputs, config,
-                                            policy_version=sampled_at)
+                lp = logprobs_B_T_K[b, :n, :row.width] if row.width > 1 else logprobs_B_T_K[b, :n, 0]
+                datum = losses.compute_loss(req.work.loss_fn, lp, inputs, config, policy_version=sampled_at)
                 per_datum[row.request_index][row.datum_index] = datum
                 chunk_losses.append(datum.loss)
             # One host sync per micro-batch: a datum whose loss overflowed adds no gradient.
@@ -430,11 +435,17 @@ class LoraBackend:
                           base_model_name_or_path=self.base_path)
 
 
+def _input_tensor(key: str, values: tuple, n: int, width: int) -> torch.Tensor:
+    """A datum's loss input as the loss reads it: (n,), or (n, K) for top-K targets and weights."""
+    t = torch.tensor(values, dtype=torch.long if key in INT_INPUTS else torch.float32)
+    return t.view(n, width) if width > 1 and key in WIDE_INPUTS else t
+
+
 def _forward_backward_output(per_datum: list[losses.DatumLoss]) -> dict:
     outputs = []
     for d in per_datum:
         outputs.append({
-            key: {"data": t.detach().float().cpu().tolist(), "dtype": "float32", "shape": list(t.shape)}
+            key: {"data": t.detach().float().cpu().flatten().tolist(), "dtype": "float32", "shape": list(t.shape)}
             for key, t in d.outputs.items()
         })
     return {"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": outputs,

@@ -11,6 +11,7 @@ Notation: `lp` = trainer logprobs (`target_logprobs_T`), `slp` = sampler logprob
 | loss_fn               | per-token loss                                        |
 |-----------------------|-------------------------------------------------------|
 | `cross_entropy`       | `−lp·w` (`w` = input `weights`, default 1)            |
+|                       | top-K targets: `lp`, `w` of shape `(N, K)`, summed    |
 | `importance_sampling` | `−ratio·A`                                            |
 | `ppo`                 | `−min(ratio·A, clip(ratio, lo, hi)·A)`                |
 | `cispo`               | `−sg(clip(ratio, lo, hi))·lp·A`                       |
@@ -166,7 +167,8 @@ def compute_loss(
     `policy_version` is the policy version the datum was sampled with (None = unknown).
     """
     spec_of(loss_fn)
-    if target_logprobs_T.dim() != 1:
+    # (N, K) only for top-K targets of cross_entropy, whose inputs are then (N, K) too.
+    if target_logprobs_T.dim() != 1 and not (target_logprobs_T.dim() == 2 and loss_fn == "cross_entropy"):
         raise ValueError(f"target_logprobs_T must be 1-D, got shape {tuple(target_logprobs_T.shape)}")
     dtype = torch.promote_types(target_logprobs_T.dtype, torch.float32)
     lp_T = target_logprobs_T.to(dtype)

@@ -15,6 +15,13 @@ from core.errors import InvalidInput
 # Input keys whose wire dtype is integer (Tinker's table); every other known key is float32.
 INT_INPUTS = frozenset({"target_tokens"})
 
+# Top-K distillation: `cross_entropy` takes `target_tokens` and `weights` of shape (N, K), K candidate
+# ids per position (tinker's soft targets, e.g. a teacher's top-K renormalised). The inputs that may
+# be 2-D, and the widest K accepted (the sampler's top-K logprobs go to 20 by default; a K past this
+# bound costs the trainer memory for nothing a teacher would give).
+WIDE_INPUTS = frozenset({"target_tokens", "weights"})
+MAX_TARGET_WIDTH = 128
+
 
 @dataclass(frozen=True)
 class LossSpec:

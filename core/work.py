@@ -109,16 +109,22 @@ class Datum:
     tokens: tuple[int, ...]
     inputs: Mapping[str, tuple[float, ...] | tuple[int, ...]]
     policy_version: int | None = None  # the sampler's policy version, for staleness accounting
+    # Targets per position: 1, or K for top-K distillation, where `target_tokens` and `weights` hold
+    # len(tokens) * K values, row-major (core.loss_spec.WIDE_INPUTS).
+    width: int = 1
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"tokens": list(self.tokens), "inputs": {k: list(v) for k, v in self.inputs.items()}}
         if self.policy_version is not None:
             out["policy_version"] = self.policy_version
+        if self.width != 1:
+            out["width"] = self.width
         return out
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Datum:
-        return cls(tuple(obj["tokens"]), {k: tuple(v) for k, v in obj["inputs"].items()}, obj.get("policy_version"))
+        return cls(tuple(obj["tokens"]), {k: tuple(v) for k, v in obj["inputs"].items()}, obj.get("policy_version"),
+                   obj.get("width", 1))
 
 
 @dataclass(frozen=True)

@@ -57,9 +57,13 @@ def test_unknown_loss_and_foreign_inputs():
     assert "advantages" in err([extra]).message
 
 
-def test_two_dimensional_inputs_are_refused_clearly():
-    two_d = RawDatum([1, 2], {"target_tokens": RawTensor([1, 2, 3, 4], "int64", [2, 2])})
-    assert "1-D" in err([two_d]).message
+def test_two_dimensional_inputs_of_an_rl_loss_are_refused_clearly():
+    # cross_entropy takes (N, K) top-K targets: tests/test_topk_targets.py
+    two_d = _rl([1, 2])
+    two_d.inputs["advantages"] = RawTensor([1.0] * 4, "float32", [2, 2])
+    with pytest.raises(InvalidInput) as exc:
+        normalise([two_d], "importance_sampling", LIMITS)
+    assert "expected [2]" in exc.value.message and exc.value.field == "data[0].loss_fn_inputs.advantages"
 
 
 def _rl(tokens, **extra) -> RawDatum:

@@ -118,10 +118,12 @@ async def get_info(body: ModelRef, who: Who, pool: Pool, redis: RedisDep, caller
     }
 
 
-async def _parse_forward(request: Request, *, forward_only: bool) -> tinker_proto.ForwardBackwardProto:
+async def _parse_forward(request: Request, settings, *, forward_only: bool) -> tinker_proto.ForwardBackwardProto:
     """The same request from either encoding: JSON (Quilt SDK) or protobuf (tinker SDK)."""
     if tinker_proto.PROTOBUF in request.headers.get("content-type", ""):
-        parsed = tinker_proto.decode_forward_backward(await request.body())
+        # Sparse tensors expand to at most what the largest dense body could carry.
+        parsed = tinker_proto.decode_forward_backward(await request.body(),
+                                                      max_sparse_values=settings.max_body_bytes // 4)
         return dataclasses.replace(parsed, forward_only=parsed.forward_only or forward_only)
     raw = await request.json()  # parsed and checked by the route's guard (api.input_guard)
     # /forward takes tinker's ForwardRequest (`forward_input`); a Quilt SDK before 0.2 sent
@@ -138,7 +140,7 @@ async def _parse_forward(request: Request, *, forward_only: bool) -> tinker_prot
 
 
 async def _forward(request: Request, who, pool, redis, settings, callers, *, forward_only: bool) -> dict:
-    req = await _parse_forward(request, forward_only=forward_only)
+    req = await _parse_forward(request, settings, forward_only=forward_only)
     seq_gaps.claim(request, req.model_id, req.seq_id)
     if not 1 <= req.seq_id <= INT32_MAX:
         raise InvalidInput(f"seq_id must be in [1, {INT32_MAX}], got {req.seq_id}", field="seq_id")
