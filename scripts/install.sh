@@ -30,6 +30,11 @@ else
   done
 fi
 
+# tinker-cookbook for the recipe suite (tests/cookbook/): its wheel pins a tml-renderers the registry
+# lacks, so it goes in without dependencies and requirements/cookbook.txt lists the ones it needs.
+"${PIP[@]}" install --quiet -r <(grep -v '^tinker-cookbook' requirements/cookbook.txt)
+"${PIP[@]}" install --quiet --no-deps "$(grep -E '^tinker-cookbook==' requirements/cookbook.txt)"
+
 # An older tinker SDK beside the current one, for the suite's pinned-SDK run (tests/test_tinker_sdk_pinned.py).
 PIN=$(grep -E '^tinker==' requirements/tinker-pinned.txt)
 PIN_DIR=.venv/sdk-pins/${PIN/==/-}
