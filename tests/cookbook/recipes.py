@@ -26,9 +26,9 @@ BAND = (256, 352)
 INSTRUCTION = [11, 87, 140, 201, 33]
 
 
-def common(batch_size: int) -> ChatDatasetBuilderCommonConfig:
+def common(batch_size: int, max_length: int = 256, train_on_what=None) -> ChatDatasetBuilderCommonConfig:
     return ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=TINY, renderer_name=RENDERER,
-                                          max_length=256, batch_size=batch_size)
+                                          max_length=max_length, batch_size=batch_size, train_on_what=train_on_what)
 
 
 def write_jsonl(path: Path, rows: list) -> str:
