@@ -114,6 +114,12 @@ class Ticket:
         return self.item.n_tokens > 0 or self.new_model is not None
 
     @property
+    def stores(self) -> bool:
+        """Whether the call saves a checkpoint (refused while the tenant is suspended)."""
+        return self.item.kind in (WorkKind.SAVE_WEIGHTS, WorkKind.SAVE_WEIGHTS_FOR_SAMPLER,
+                                  WorkKind.SAVE_WEIGHTS_EXTERNAL)
+
+    @property
     def tokens(self) -> int:
         """What the call takes from its tenant's tokens-per-minute bucket."""
         return self.item.n_tokens if self.rate_tokens is None else self.rate_tokens
@@ -142,7 +148,7 @@ def facts(who: Principal, ticket: Ticket) -> rule.Facts:
     quota = seq.quota if seq and seq.quota is not None else (None, None)
     return rule.Facts(
         who, ticket.row_kind or str(item.kind), tokens=ticket.tokens, billable=ticket.billable,
-        check_quota=ticket.check_quota, known_wait_s=rate_limit.SHORTFALLS.certain_wait(who, ticket.tokens),
+        stores=ticket.stores, check_quota=ticket.check_quota, known_wait_s=rate_limit.SHORTFALLS.certain_wait(who, ticket.tokens),
         model_id=item.model_id or None, seq_id=seq.seq_id if seq else None,
         model_status=seq.model_status if seq else None, holder=holder, new_model=ticket.new_model is not None,
         inflight=quota[0], budgeted=quota[1])

@@ -52,6 +52,7 @@ class Facts:
     kind: str  # the request row's kind
     tokens: int = 0  # what the call takes from the tokens-per-minute bucket
     billable: bool = False  # meters tokens or creates a model: budgets and suspensions apply
+    stores: bool = False  # saves a checkpoint: suspensions apply (budgets do not: paid-for work may be kept)
     check_quota: bool = True  # False for placeholders of refused calls: they hold no new work
     known_wait_s: float | None = None  # a wait this process already knows the bucket needs
     model_id: str | None = None
@@ -145,13 +146,23 @@ def before_reads(f: Facts) -> QuiltError | None:
     """What refuses a call whatever the database holds (rule 3): a suspension (billable calls
     only), tokens its bucket can never hold, or tokens this process knows it cannot hold yet."""
     who = f.who
-    if f.billable and who.suspended_kind:
-        return accounts.suspension_refusal(who.suspended_kind, who.suspended_reason or "", who.tenant_name)
+    if f.billable or f.stores:
+        refusal = suspension_refusal(who)
+        if refusal is not None:
+            return refusal
     if f.tokens > who.tokens_per_minute:
         return InvalidInput(f"this call needs {f.tokens} tokens, more than your tokens_per_minute limit of "
                             f"{who.tokens_per_minute} allows at once; split it into smaller calls",
                             field="tokens_per_minute")
     return None if f.known_wait_s is None else rate_refusal(who, f.tokens, f.known_wait_s)
+
+
+def suspension_refusal(who: Principal) -> QuiltError | None:
+    """What refuses a suspended tenant's new work and new stored things (sessions, models,
+    checkpoints); reads, downloads and deletes are never refused for it."""
+    if not who.suspended_kind:
+        return None
+    return accounts.suspension_refusal(who.suspended_kind, who.suspended_reason or "", who.tenant_name)
 
 
 def rate_refusal(who: Principal, tokens: int, wait_s: float) -> QuotaExceeded:

@@ -8,8 +8,9 @@ import gc
 import logging
 
 from fastapi import FastAPI
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from api import caller_cache, dashboard, errors
+from api import caller_cache, dashboard, errors, links
 from api.body_limit import BodyLimitMiddleware
 from api.caller_cache import CallerCache
 from api.routes import (
@@ -91,4 +92,7 @@ def create_app() -> FastAPI:
     _add_schema_components(app, training.SCHEMA_COMPONENTS)
     app.add_middleware(SpendHeaderMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(links.PublicHostMiddleware)
+    # Outermost: the client's address and scheme, from the configured proxies' headers only.
+    app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=links.trusted_proxies())
     return app

@@ -53,8 +53,29 @@ _BEARER = HTTPBearer(auto_error=False, description="the same key as a bearer tok
 
 async def _principal(request: Request, x_api_key: Annotated[str | None, Security(_KEY_HEADER)],
                      bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)]) -> Principal:
+    who = getattr(request.state, "who", None)
+    if who is not None:  # authenticated before the body was read (api.input_guard.GuardedRoute)
+        return who
     if x_api_key is None and bearer is not None:
         x_api_key = bearer.credentials.strip()  # OpenAI clients (api.routes.openai_compat)
+    return await authenticate_request(request, x_api_key)
+
+
+def _key_of(request: Request) -> str | None:
+    """The key as `_principal` reads it: X-API-Key, else a bearer token."""
+    key = request.headers.get("x-api-key")
+    if key is None:
+        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer":
+            key = credentials.strip()
+    return key
+
+
+async def authenticate_request(request: Request, x_api_key: str | None = None) -> Principal:
+    """The caller behind the request's key (read from its headers when not given): a 401 for none or
+    a wrong one, before any store is asked for a missing key. Sets `request.state.who`."""
+    if x_api_key is None:
+        x_api_key = _key_of(request)
     if not x_api_key:  # refused before a pooled connection is taken: an anonymous flood holds none
         raise missing_key()
     # From the app's state, not as dependencies: each dependency costs a cheap call a solving pass.
@@ -76,6 +97,17 @@ async def _principal(request: Request, x_api_key: Annotated[str | None, Security
     request.state.spend = (spent, time.monotonic())  # api.spend_header: reused if the answer comes soon
     request.state.who = who  # error handlers need the caller too (api.seq_gaps)
     return who
+
+
+def needs_key(dependant) -> bool:
+    """Whether a route's dependencies (at any depth) include the API-key caller."""
+    stack = [dependant]
+    while stack:
+        d = stack.pop()
+        if d.call is _principal:
+            return True
+        stack.extend(d.dependencies)
+    return False
 
 
 Who = Annotated[Principal, Depends(_principal)]

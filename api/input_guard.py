@@ -96,8 +96,29 @@ def check_value(value, where: str = "") -> None:
                 stack.append((child, _join(path, key), depth + 1))
 
 
+# Objects, arrays and strings are the costly part of a parse (a Python list is 56 bytes and more
+# for the 2 bytes of `[]`, a short string about 50 for 4): a body may hold one of each per
+# NODE_BYTES of its size, counted before anything is built (a training body holds one per few
+# hundred bytes), so a parse costs memory linear in the body with a small constant
+# (tests/test_auth_first.py measures it).
+NODE_BYTES = 16
+MIN_NODES = 256
+
+
+def _check_nodes(body: bytes) -> None:
+    # Brackets and quotes inside strings count too: the bound errs towards refusing, never building.
+    limit = max(MIN_NODES, len(body) // NODE_BYTES)
+    containers = body.count(b"[") + body.count(b"{")
+    strings = body.count(b'"') // 2
+    for count, what in ((containers, "objects and arrays"), (strings, "strings")):
+        if count > limit:
+            raise InvalidInput(f"body: {count} {what} exceed the limit of {limit} for a body of {len(body)} bytes "
+                               f"(one per {NODE_BYTES} bytes)", field="body")
+
+
 def parse_json(body: bytes):
     """A request body as JSON, checked whole (see the module docstring)."""
+    _check_nodes(body)
     try:
         value = json.loads(body, parse_float=_parse_float, parse_constant=_NotFinite)
     except RecursionError:
@@ -118,7 +139,7 @@ def _is_json(content_type: str) -> bool:
 class GuardedRequest(Request):
     """A request whose JSON body was parsed and checked by `GuardedRoute` before FastAPI reads it."""
 
-    async def check(self) -> None:
+    async def check(self, *, parse_body: bool = True) -> None:
         for name, value in self.path_params.items():
             if isinstance(value, str):
                 check_text(value, name)
@@ -126,6 +147,8 @@ class GuardedRequest(Request):
             for name, value in self.query_params.multi_items():
                 check_text(name, "query")
                 check_text(value, name)
+        if not parse_body:
+            return
         content_type = self.headers.get("content-type", "")
         if _is_json(content_type):
             body = await self.body()
@@ -144,14 +167,31 @@ class GuardedRequest(Request):
 
 
 class GuardedRoute(APIRoute):
-    """The route class of every router in the app (a test holds it to that)."""
+    """The route class of every router in the app (a test holds it to that). A route that takes an
+    API key authenticates its caller before anything of the request is read: an anonymous or
+    wrongly keyed call is a 401 whatever its body holds, and costs no parse."""
+
+    checks_body = True
 
     def get_route_handler(self):
+        from api.deps import authenticate_request, needs_key
+
         handler = super().get_route_handler()
+        keyed = needs_key(self.dependant)
+        parse_body = self.checks_body
 
         async def handle(request: Request):
             guarded = GuardedRequest(request.scope, request.receive)
-            await guarded.check()
+            if keyed:
+                await authenticate_request(guarded)
+            await guarded.check(parse_body=parse_body)
             return await handler(guarded)
 
         return handle
+
+
+class SignedBodyRoute(GuardedRoute):
+    """A route whose body is its own credential (Stripe's webhook): the handler verifies the body's
+    signature over the raw bytes before anything parses it; path and query are still checked."""
+
+    checks_body = False

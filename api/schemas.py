@@ -3,9 +3,11 @@ fields over time); `type` literals are accepted but not required."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -16,7 +18,7 @@ from pydantic import (
 
 from api.datums import RawDatum, RawTensor
 from checkpoints import retention
-from core.ids import CHECKPOINT_NAME_RE
+from core.ids import check_name
 from core.numbers import INT32_MAX, INT64_MAX
 from core.queue import MAX_CLONE
 from core.work import SEED_MAX
@@ -26,6 +28,21 @@ EPISODE_ID_PATTERN = r"^[A-Za-z0-9._:/-]{1,128}$"
 CheckpointMetadata = dict[Annotated[str, StringConstraints(max_length=128)],
                           Annotated[str, StringConstraints(max_length=1024)]]
 CHECKPOINT_METADATA_ENTRIES = 64
+# A session's or a model's user_metadata: free-form JSON, bounded as stored (its JSON text) so that
+# no tenant fills rows, caches and listings with it.
+USER_METADATA_BYTES = 16 * 1024
+
+
+def _bounded_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is not None:
+        size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+        if size > USER_METADATA_BYTES:
+            raise ValueError(f"is {size} bytes as JSON; the limit is {USER_METADATA_BYTES}")
+    return value
+
+
+UserMetadata = Annotated[dict[str, Any], AfterValidator(_bounded_metadata)]
+Tag = Annotated[str, StringConstraints(max_length=128)]
 
 
 class _Body(BaseModel):
@@ -33,14 +50,12 @@ class _Body(BaseModel):
 
 
 def _check_name(value: str | None) -> str | None:
-    if value is not None and not CHECKPOINT_NAME_RE.fullmatch(value):
-        raise ValueError("checkpoint name must be 1-128 characters of letters, digits, '.', '_' or '-'")
-    return value
+    return value if value is None else check_name(value, "checkpoint name")
 
 
 class CreateSessionRequest(_Body):
-    tags: list[str] = Field(default_factory=list, max_length=64)
-    user_metadata: dict[str, Any] = Field(default_factory=dict)
+    tags: list[Tag] = Field(default_factory=list, max_length=64)
+    user_metadata: UserMetadata = Field(default_factory=dict)
     sdk_version: str | None = Field(None, max_length=64)
     display_name: str | None = Field(None, max_length=256)
     # The tinker SDK sends TINKER_PROJECT_ID here. A Quilt tenant has no projects: refused, not dropped.
@@ -89,7 +104,7 @@ class CreateModelRequest(_Body):
     base_model: str = Field(max_length=256)
     lora_config: LoraConfig
     optimizer_config: dict[str, Any] | None = None
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata | None = None
 
     _optimizer = field_validator("optimizer_config")(_adamw_only)
 
@@ -230,7 +245,7 @@ class LoadWeightsRequest(_Body):
     model_seq_id: int | None = Field(None, ge=0, le=1_000_000)
     path: str = Field(max_length=1024)
     optimizer: bool = False
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata | None = None
     base_model: str | None = Field(None, max_length=256, description="if given, the checkpoint's own base")
     optimizer_config: dict[str, Any] | None = None
     weights_access_token: str | None = Field(None, max_length=4096)

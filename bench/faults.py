@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from core import embedded
+from core import embedded, health, redis_client
 from stack import leftovers
 from stack.ephemeral import TINY, RunningStack, ephemeral_stack, new_tenant
 
@@ -46,7 +46,7 @@ RECOVERY_LIMIT_S = 600.0  # a stack that is not back by then has failed the run
 # ----------------------------------------------------------------------------------- faults
 
 PROCESS = {"trainer": f"trainer:{TINY}", "gen": f"gen:{TINY}", "celery": "celery", "api": "api"}
-BEACON = {"trainer": f"trainer:{TINY}", "gen": f"gen:{TINY}"}  # healthz components that carry their pid
+BEACON = {"trainer": health.trainer_key(TINY), "gen": health.gen_key(TINY)}  # beacons that carry their pid
 SEGMENTS: set[str] = set()  # /dev/shm segments of killed generation workers' engines
 
 
@@ -80,7 +80,10 @@ def recovered(stack: RunningStack, fault: str, killed: int | None) -> bool:
         return False
     if now == killed:
         return False
-    return fault not in BEACON or r.json()["components"][BEACON[fault]].get("pid") == now
+    if fault not in BEACON:
+        return True
+    raw = redis_client.sync_client(stack.redis_url).get(BEACON[fault])  # healthz says up/down only
+    return raw is not None and json.loads(raw).get("pid") == now
 
 
 # ----------------------------------------------------------------------------------- tenants

@@ -6,7 +6,18 @@ import re
 import secrets
 import uuid
 
-CHECKPOINT_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")  # use fullmatch: `$` would let a trailing newline in
+# Tenant and checkpoint names: they go into paths, URLs and forms, so one pattern for both, with no
+# '/', '?', '%' or space, and a first character that is a letter or a digit (so never '.' or '..').
+# Use fullmatch: `$` would let a trailing newline in.
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+NAME_RULE = "1-128 characters of letters, digits, '.', '_' or '-', starting with a letter or a digit"
+
+
+def check_name(value: str, what: str) -> str:
+    """`value` if it is a valid name; ValueError saying the rule otherwise."""
+    if not NAME_RE.fullmatch(value):
+        raise ValueError(f"{what} must be {NAME_RULE}")
+    return value
 
 
 def new_tenant_id() -> str:

@@ -103,17 +103,30 @@ class ApiSettings(BaseSettings):
     signup: Literal["invite", "open"] = Field(
         "invite", description="dashboard sign-up: 'invite' (only with an owner's invitation; the self-hosting "
                               "default) or 'open' (anyone may create a tenant)")
+    public_url: str = Field("", pattern=r"^(https?://[A-Za-z0-9.\[\]:-]+(/[A-Za-z0-9._~/-]*)?)?$",
+                            description="the address users reach the API at (https://quilt.example.com): every link "
+                                        "and redirect (reset, invitation, signed download, Stripe return) is built "
+                                        "from it, requests naming another Host are refused (health probes excepted), "
+                                        "and with https cookies are Secure and responses carry HSTS; empty (embedded "
+                                        "mode): links follow the request's Host")
+    trusted_proxies: str = Field("", max_length=4096,
+                                 description="comma-separated addresses (or networks) of the proxies whose "
+                                             "X-Forwarded-For and X-Forwarded-Proto are believed; empty: none are")
     smtp_url: str = Field("", description="smtp://user:password@host:port for invitation and password-reset mail; "
                                           "empty: the links are written to the API's log")
     mail_from: str = Field("quilt@localhost", max_length=254, description="From: of that mail")
     login_window_s: int = Field(900, ge=1, le=86_400, description="the window in which failed dashboard logins "
                                                                 "are counted (tenancy.login_limit)")
     login_failures_per_account: int = Field(10, ge=1, le=1_000_000,
-                                            description="failed logins (and reset requests) for one email per "
-                                                        "window before it is braked (429)")
+                                            description="login attempts for one email from one client address "
+                                                        "per window before that pair is braked (429); also reset "
+                                                        "requests per email, counted apart")
     login_failures_per_address: int = Field(100, ge=1, le=1_000_000,
-                                            description="failed logins (and reset requests) from one client "
-                                                        "address per window before it is braked (429)")
+                                            description="login attempts from one client address per window before "
+                                                        "it is braked (429); also reset requests and sign-ups per "
+                                                        "address, each counted apart")
+    argon2_concurrency: int = Field(2, ge=1, le=64, description="Argon2 password hashes and checks running at once "
+                                                                "in an API process, off its event loop")
     access_log: bool = Field(False, description="uvicorn's line per request; off: errors are logged with their "
                              "request id anyway (api.errors), and the lines cost a cheap call 6% of its CPU")
     loop_lag_probe_s: float = Field(0.01, ge=0, le=10, description="how often each API process asks its event "
@@ -123,6 +136,9 @@ class ApiSettings(BaseSettings):
     max_datums_per_request: int = Field(1024, ge=1, description="datums in one forward_backward")
     max_tokens_per_request: int = Field(262_144, ge=1, description="model-input tokens in one request")
     long_poll_seconds: float = Field(30.0, gt=0, le=40, description="retrieve_future hold; SDK times out at 45")
+    long_polls_per_tenant: int = Field(64, ge=1, le=256, description="long-polls one tenant may hold open at once "
+                                                                     "in one API process (each holds one of its 256 "
+                                                                     "Redis connections); past it, 429")
     future_ttl_seconds: int = Field(24 * 3600, ge=60, description="how long results stay retrievable")
     caller_cache_seconds: float = Field(
         60.0, ge=0, le=3600, description="longest an API process keeps a key's principal, a tenant's spend or a "

@@ -138,7 +138,7 @@ def _children(db_url: str, redis_url: str, host: str, port: int, api_replicas: i
     children = [
         Child("api" if i == 0 else f"api-{i}",
               [py, "-m", "uvicorn", "--factory", "api.app:create_app", "--host", host, "--port", str(port + i),
-               "--timeout-graceful-shutdown", "5", "--workers", str(get_api_settings().workers)],
+               "--timeout-graceful-shutdown", "5", "--no-proxy-headers", "--workers", str(get_api_settings().workers)],
               env, logs / ("api.log" if i == 0 else f"api-{i}.log"))
         for i in range(api_replicas)
     ] + [

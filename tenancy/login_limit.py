@@ -1,72 +1,111 @@
-"""Brakes on guessing: failed dashboard logins counted in Redis, shared by every API replica.
+"""Brakes on guessing and flooding: attempts counted in Redis, shared by every API replica.
 
-Each failure (a wrong password for an address, a wrong API key) adds one to two counters in fixed
-windows of QUILT_LOGIN_WINDOW_S: one per account (the email, hashed), one per client address.
-Once either holds its limit (QUILT_LOGIN_FAILURES_PER_ACCOUNT, _PER_ADDRESS) further attempts are
-refused with 429 and the seconds until the window ends, before any password is verified: a
-guesser learns nothing and costs no Argon2 time. A successful login clears its account's counter.
-Password-reset requests count against the same account and address, so the form cannot be used
-to flood someone's inbox. The address is the connection's peer: behind a proxy, the proxy's
-(configure the proxy to limit per client, or run uvicorn with --proxy-headers).
+Each brake is a set of counters in fixed windows of QUILT_LOGIN_WINDOW_S, taken atomically (one
+Lua script) *before* the attempt is checked: when any counter would pass its limit the attempt is
+refused with 429 and the seconds until that window ends, no password is verified, and nothing is
+counted. So concurrent guesses cannot all slip past a limit, and a braked guesser costs no Argon2
+time.
+
+- `login`: per client address (QUILT_LOGIN_FAILURES_PER_ADDRESS) and per (account, address)
+  (QUILT_LOGIN_FAILURES_PER_ACCOUNT). A stranger's wrong passwords brake the stranger's address and
+  pair, never the owner logging in from elsewhere. A success gives its attempt back and clears
+  its pair.
+- `reset` (password-reset requests) and `signup` (sign-up and invitation acceptance): counters of
+  their own, per address and per account (an inbox is not flooded, accounts are not minted in
+  bulk), so they never count as failed logins and never lock anyone out of their account.
+
+The address is the client's: the connection's peer, or the X-Forwarded-For of a proxy listed in
+QUILT_TRUSTED_PROXIES (api.links). Behind an unlisted proxy every client shares the proxy's address.
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Literal
 
 from redis.asyncio import Redis
 
 from core.errors import QuotaExceeded
 from core.settings import get_api_settings
 
+Kind = Literal["login", "reset", "signup"]
 
-def _key(kind: str, value: str) -> str:
-    return f"quilt:login:{kind}:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+def _key(kind: str, *parts: str) -> str:
+    digest = hashlib.sha256("\x00".join(parts).encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return f"quilt:brake:{kind}:{digest}"
 
 
 def address_key(address: str) -> str:
-    return _key("address", address)
+    """The login counter of a client address (tests clear it)."""
+    return _key("login-address", address)
 
 
-def _keys(account: str | None, address: str) -> list[tuple[str, int, str]]:
-    """(counter, its limit, whom it names) for the address and, given one, the account."""
+def _counters(kind: Kind, account: str | None, address: str) -> list[tuple[str, int, str]]:
+    """(counter, its limit, whom it names)."""
     s = get_api_settings()
-    out = [(address_key(address), s.login_failures_per_address, "this address")]
+    if kind == "login":
+        out = [(address_key(address), s.login_failures_per_address, "this address")]
+        if account:
+            out.append((_key("login-pair", account, address), s.login_failures_per_account,
+                        "this account from this address"))
+        return out
+    out = [(_key(f"{kind}-address", address), s.login_failures_per_address, "this address")]
     if account:
-        out.append((_key("account", account), s.login_failures_per_account, "this account"))
+        out.append((_key(f"{kind}-account", account), s.login_failures_per_account, "this account"))
     return out
 
 
-async def check(redis: Redis, *, account: str | None, address: str) -> None:
-    """Raise 429 (QuotaExceeded, with Retry-After) while the account or the address is braked."""
-    keys = _keys(account, address)
-    pipe = redis.pipeline()
-    for key, _, _ in keys:
-        pipe.get(key)
-        pipe.ttl(key)
-    replies = await pipe.execute()
-    for i, (_, limit, what) in enumerate(keys):
-        count, ttl = int(replies[2 * i] or 0), int(replies[2 * i + 1])
-        if count >= limit:
-            wait = max(ttl, 1)
-            raise QuotaExceeded(f"too many failed attempts from {what}; try again in {wait} s", field="login",
-                                retry_after_s=float(wait))
-
-
-# A window starts with its first failure (EXPIRE NX would say it, but the embedded Redis predates it).
-_COUNT = """
-for _, key in ipairs(KEYS) do
-  if redis.call('INCR', key) == 1 then redis.call('EXPIRE', key, ARGV[1]) end
+# Every counter is incremented (a window starts with its first count); if one passes its limit, all
+# are given back and the longest wait among those past is returned (0: taken).
+_TAKE = """
+local wait = 0
+for i, key in ipairs(KEYS) do
+  local n = redis.call('INCR', key)
+  if n == 1 then redis.call('EXPIRE', key, ARGV[1]) end
+  if n > tonumber(ARGV[i + 1]) then
+    local ttl = redis.call('TTL', key)
+    if ttl < 1 then ttl = 1 end
+    if ttl > wait then wait = ttl end
+  end
 end
+if wait > 0 then
+  for _, key in ipairs(KEYS) do redis.call('DECR', key) end
+end
+return wait
+"""
+
+
+async def take(redis: Redis, kind: Kind, *, account: str | None, address: str) -> None:
+    """Count an attempt, or raise 429 (QuotaExceeded, with Retry-After) counting nothing when one of
+    its brakes is full."""
+    counters = _counters(kind, account, address)
+    limits = [limit for _, limit, _ in counters]
+    wait = int(await redis.eval(_TAKE, len(counters), *[key for key, _, _ in counters],
+                                get_api_settings().login_window_s, *limits))
+    if wait:
+        noun = {"login": "failed attempts", "reset": "reset requests", "signup": "sign-ups"}[kind]
+        whom = await _full(redis, counters)
+        raise QuotaExceeded(f"too many {noun} from {whom}; try again in {wait} s", field="login",
+                            retry_after_s=float(wait))
+
+
+async def _full(redis: Redis, counters: list[tuple[str, int, str]]) -> str:
+    counts = await redis.mget([key for key, _, _ in counters])
+    for (_, limit, whom), count in zip(counters, counts):
+        if int(count or 0) >= limit:
+            return whom
+    return counters[0][2]
+
+
+_GIVE_BACK = """
+if redis.call('GET', KEYS[1]) and tonumber(redis.call('GET', KEYS[1])) > 0 then redis.call('DECR', KEYS[1]) end
+if KEYS[2] then redis.call('DEL', KEYS[2]) end
 return 0
 """
 
 
-async def failed(redis: Redis, *, account: str | None, address: str) -> None:
-    """Count a failure (or a reset request) against the account and the address."""
-    keys = [key for key, _, _ in _keys(account, address)]
-    await redis.eval(_COUNT, len(keys), *keys, get_api_settings().login_window_s)
-
-
-async def succeeded(redis: Redis, *, account: str) -> None:
-    await redis.delete(_key("account", account))
+async def succeeded(redis: Redis, *, account: str | None, address: str) -> None:
+    """A login that worked: its attempt is given back to the address and its pair is cleared."""
+    keys = [key for key, _, _ in _counters("login", account, address)]
+    await redis.eval(_GIVE_BACK, len(keys), *keys)

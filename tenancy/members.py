@@ -10,6 +10,7 @@ the link is mailed when `QUILT_SMTP_URL` is set and written to the API's log oth
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import re
@@ -24,6 +25,7 @@ from argon2.exceptions import InvalidHashError, VerifyMismatchError
 
 from core import ids
 from core.errors import Conflict, Forbidden, InvalidInput, NotFound, Unauthenticated
+from core.settings import get_api_settings
 from tenancy.tenants import create_tenant_async
 
 log = logging.getLogger("quilt.members")
@@ -57,6 +59,20 @@ def _verify(stored: str, password: str) -> bool:
         return _hasher.verify(stored, password)
     except (VerifyMismatchError, InvalidHashError):
         return False
+
+
+_argon2_slots: asyncio.Semaphore | None = None
+
+
+async def argon2(fn, *args):
+    """`fn(*args)` (a hash or a check, tens of milliseconds of CPU) in a thread, at most
+    QUILT_ARGON2_CONCURRENCY at once: the event loop never runs one, and a burst of logins queues
+    here instead of taking every thread."""
+    global _argon2_slots
+    if _argon2_slots is None:
+        _argon2_slots = asyncio.Semaphore(get_api_settings().argon2_concurrency)
+    async with _argon2_slots:
+        return await asyncio.to_thread(fn, *args)
 
 
 def _token_hash(token: str) -> bytes:
@@ -95,7 +111,7 @@ async def log_in(conn: psycopg.AsyncConnection, email: str, password: str) -> di
     """The member with this email and password (Unauthenticated otherwise, the same for both)."""
     row = await (await conn.execute("SELECT id, tenant_id, email, role, password_hash FROM members "
                                     "WHERE lower(email) = %s AND removed_at IS NULL", (email,))).fetchone()
-    ok = _verify(row["password_hash"] if row else _DUMMY_HASH, password)
+    ok = await argon2(_verify, row["password_hash"] if row else _DUMMY_HASH, password)
     if row is None or not ok:
         raise Unauthenticated("wrong email or password", field="password")
     return row
@@ -150,14 +166,17 @@ async def start_reset(conn: psycopg.AsyncConnection, email: str) -> str | None:
     return await new_token(conn, "reset", row["tenant_id"], email, None, "self")
 
 
-async def finish_reset(conn: psycopg.AsyncConnection, token: str, password_hash: str) -> str:
-    """Set the new password of the reset token's account (once); returns its email."""
+async def finish_reset(conn: psycopg.AsyncConnection, token: str, password_hash: str) -> list[str]:
+    """Set the new password of the reset token's account (once), and spend the address's other
+    reset links; returns the ids of the accounts whose sessions must end."""
     row = await _use_token(conn, token, "reset")
     if row is None:
         raise Forbidden("this reset link is unknown, used or expired; ask for a new one", field="token")
-    await conn.execute("UPDATE members SET password_hash = %s WHERE lower(email) = %s AND removed_at IS NULL",
-                       (password_hash, row["email"]))
-    return row["email"]
+    await conn.execute("UPDATE member_tokens SET used_at = now() WHERE purpose = 'reset' AND lower(email) = %s "
+                       "AND used_at IS NULL", (row["email"],))
+    cur = await conn.execute("UPDATE members SET password_hash = %s WHERE lower(email) = %s AND removed_at IS NULL "
+                             "RETURNING id", (password_hash, row["email"]))
+    return [r["id"] for r in await cur.fetchall()]
 
 
 def deliver(smtp_url: str, sender: str, to: str, subject: str, link: str) -> None:

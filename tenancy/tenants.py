@@ -33,6 +33,10 @@ _CREATE = (f"INSERT INTO tenants ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s
 
 
 def _create_params(name: str, role: str, plan_weight: float) -> tuple:
+    try:
+        ids.check_name(name, "a tenant name")
+    except ValueError as exc:
+        raise InvalidInput(f"tenant: {exc}", field="tenant") from None
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}")
     quotas = get_tenancy_settings()

@@ -84,7 +84,7 @@ def second_api(stack, log_dir: Path, **env: str) -> Iterator[str]:
     log_path = log_dir / f"api-{port}.log"
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "api.app:create_app", "--host",
-                             "127.0.0.1", "--port", str(port)], cwd=ROOT, env=full_env, stdout=log,
+                             "127.0.0.1", "--port", str(port), "--no-proxy-headers"], cwd=ROOT, env=full_env, stdout=log,
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -98,14 +98,19 @@ def test_suspension_refuses_new_work_keeps_the_rest_and_lifts_at_once(stack):
         assert refused.status_code == 403 and refused.json()["field"] == "tenant.suspended", refused.text
         assert "invoice 42 is 30 days overdue" in refused.json()["error"]
         assert v.post("/get_info", json={"model_id": model_id}).status_code == 200  # nothing is taken away
+        # Nothing new is stored either: no session, no checkpoint (saves meter no tokens).
+        assert v.post("/create_session", json={}).status_code == 403
+        save = v.post("/save_weights", json={"model_id": model_id, "seq_id": 2, "path": "kept"})
+        assert save.status_code == 403 and save.json()["field"] == "tenant.suspended", save.text
+        assert v.get(f"/training_runs/{model_id}/checkpoints").status_code == 200  # reads still work
         other_model = new_model(x, rank=4)  # another tenant is untouched
         assert _train_call(x, other_model, 1).status_code == 200
 
         o.post(f"/quilt/tenants/{victim.name}/suspend", json={"reason": "card declined", "kind": "payment"})
-        assert _train_call(v, model_id, 2).status_code == 402
+        assert _train_call(v, model_id, 3).status_code == 402
 
         assert o.post(f"/quilt/tenants/{victim.name}/restore").json()["was_suspended"] is True
-        admitted = _train_call(v, model_id, 3)  # refused calls keep their seq_ids (api.seq_gaps)
+        admitted = _train_call(v, model_id, 4)  # refused calls keep their seq_ids (api.seq_gaps)
         assert admitted.status_code == 200, admitted.text
         assert "error" not in wait_future(v, admitted.json()["request_id"])
 
@@ -164,8 +169,8 @@ def test_the_cli_suspends_grants_and_records_it(stack):
 
     assert "suspended" in quilt("tenants", "suspend", t.name, "--reason", "abuse report 7")
     with stack.http(t.key) as c:
-        model_id_refused = c.post("/create_session", json={})
-        assert model_id_refused.status_code == 200  # sessions are free: not new billable work
+        refused = c.post("/create_session", json={})
+        assert refused.status_code == 403 and "abuse report 7" in refused.json()["error"]
         quilt("tenants", "restore", t.name)
         quilt("credits", "grant", t.name, "--usd", "2.5", "--reason", "apology", "--paid")
         assert c.get("/quilt/credits").json()["balance_usd"] == "2.500000"

@@ -59,6 +59,9 @@ def _outcome(d: rule.Decision):
     ({"who": replace(WHO, suspended_kind="payment", suspended_reason="card declined")}, "402 tenant.suspended"),
     ({"who": replace(WHO, suspended_kind="operator", suspended_reason="abuse")}, "403 tenant.suspended"),
     ({"who": replace(WHO, suspended_kind="operator"), "billable": False, "tokens": 0}, "admit"),  # an optim_step
+    # a checkpoint save meters nothing, yet a suspended tenant stores nothing new
+    ({"who": replace(WHO, suspended_kind="operator"), "billable": False, "stores": True, "tokens": 0},
+     "403 tenant.suspended"),
     ({"tokens": 1001}, "400 tokens_per_minute"),
     ({"tokens": 1000}, "admit"),
     ({"known_wait_s": 2.5}, "429 tokens_per_minute"),

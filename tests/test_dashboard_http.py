@@ -10,7 +10,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 from dashutil import csrf_of, login, operator_key, run_url
-from stackutil import datum, fb_body, new_model, wait_future
+from stackutil import datum, fb_body, new_model, second_api, wait_future
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +55,18 @@ def test_login_sets_an_httponly_samesite_cookie_scoped_to_the_dashboard(stack, t
     assert tenant.key not in cookie
 
 
-def test_cookie_is_secure_behind_https(stack, tenant):
-    # uvicorn trusts X-Forwarded-Proto from 127.0.0.1, as from a TLS-terminating proxy.
-    client = httpx.Client(base_url=stack.base_url, headers={"X-Forwarded-Proto": "https"})
+def test_forwarded_https_counts_only_from_a_trusted_proxy(stack, tenant, tmp_path):
+    # The session stack trusts no proxy: a client's own X-Forwarded-Proto changes nothing.
+    claimed = httpx.get(stack.base_url + "/dashboard/login", headers={"X-Forwarded-Proto": "https"})
+    (login_cookie,) = _set_cookie_headers(claimed, "quilt_login_csrf")
+    assert "secure" not in login_cookie.lower()
+    with second_api(stack, tmp_path, QUILT_TRUSTED_PROXIES="127.0.0.1") as url:
+        _secure_cookies_behind_https(url, tenant)
+
+
+def _secure_cookies_behind_https(url: str, tenant) -> None:
+    # 127.0.0.1 is a trusted proxy here, as a TLS-terminating proxy would be.
+    client = httpx.Client(base_url=url, headers={"X-Forwarded-Proto": "https"})
     form = client.get("/dashboard/login")
     (login_cookie,) = _set_cookie_headers(form, "quilt_login_csrf")
     assert "secure" in login_cookie.lower()

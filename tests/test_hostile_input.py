@@ -121,10 +121,14 @@ def test_a_loss_that_overflows_fails_its_future_as_user_and_the_model_goes_on(cl
 
 def test_json_nested_deeper_than_the_limit_is_refused(client):
     model_id = new_model(client)
-    deep = "[" * 5000 + "]" * 5000
+    deep = "[" * 5000 + "]" * 5000  # refused before the parse: more arrays than such a body may hold
     text = json.dumps(fb_body(model_id, 1, [datum([1, 2, 3])])).replace(
         '"cross_entropy"', '"cross_entropy", "loss_fn_config": {"x": %s}' % deep)
-    _user_400(_raw(client, "/forward_backward", text), "body", str(MAX_DEPTH))
+    _user_400(_raw(client, "/forward_backward", text), "body", "objects and arrays")
+    deep = "[" * 100 + "]" * 100  # within that bound: refused by its depth
+    text = json.dumps(fb_body(model_id, 1, [datum([1, 2, 3])])).replace(
+        '"cross_entropy"', '"cross_entropy", "loss_fn_config": {"x": %s}' % deep)
+    _user_400(_raw(client, "/forward_backward", text), "loss_fn_config.x", str(MAX_DEPTH))
     _user_400(_raw(client, "/create_session", '{"user_metadata": {"a": %s}}' % ("[" * (MAX_DEPTH + 1) + "]" *
                                                                                  (MAX_DEPTH + 1))),
               "user_metadata.a", str(MAX_DEPTH))

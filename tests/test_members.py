@@ -116,15 +116,21 @@ def test_an_invited_member_joins_logs_in_and_has_a_members_rights(stack, tenant)
 
 
 def test_a_password_reset_link_is_logged_and_works_once(stack, tenant):
+    """A reset ends the account's sessions and spends its other reset links."""
     email = f"reset-{time.time_ns()}@team.example"
     with contextlib.closing(login(stack, tenant.key)) as owner:
-        _join(stack, _invite(owner, email, role="owner")).close()
+        session = _join(stack, _invite(owner, email, role="owner"))
+    pattern = rf"for {re.escape(email)}: \S+/dashboard/reset\?token=(\S+)"
     client, token = _form_client(stack.base_url, "/dashboard/forgot")
-    for address in (email, "nobody@team.example"):  # the same answer for an unknown address
+    earlier = None
+    for address in (email, "nobody@team.example", email):  # the same answer for an unknown address
         r = client.post("/dashboard/forgot", data={"email": address,
                                                    "csrf_token": _csrf(client)})
         assert r.status_code == 200 and "forgot-sent" in r.text
-    reset = _logged_token(stack, rf"for {re.escape(email)}: \S+/dashboard/reset\?token=(\S+)")
+        if earlier is None:
+            earlier = _logged_token(stack, pattern)
+    reset = _logged_token(stack, pattern)
+    assert reset != earlier
     client, token = _form_client(stack.base_url, f"/dashboard/reset?token={reset}")
     short = client.post("/dashboard/reset", data={"token": reset, "password": "short", "csrf_token": _csrf(client)})
     assert short.status_code == 400 and "password" in short.text
@@ -132,6 +138,11 @@ def test_a_password_reset_link_is_logged_and_works_once(stack, tenant):
     assert done.status_code == 303
     again = client.post("/dashboard/reset", data={"token": reset, "password": "another long one!", "csrf_token": _csrf(client)})
     assert again.status_code == 403
+    other = client.post("/dashboard/reset", data={"token": earlier, "password": "another long one!",
+                                                  "csrf_token": _csrf(client)})
+    assert other.status_code == 403  # the address's other link is spent too
+    assert session.get("/dashboard/runs").status_code == 303  # the session from before the reset ended
+    session.close()
     assert _password_login(stack.base_url, email, "a new long password").status_code == 303
     assert _password_login(stack.base_url, email, PASSWORD).status_code == 401
 
@@ -180,9 +191,9 @@ def test_an_owner_cannot_touch_another_tenants_members(stack):
 
 
 def test_failed_logins_are_braked_per_account_then_cleared_by_a_success(stack, tenant):
-    """Ten wrong passwords for one address brake it: the eleventh attempt answers 429 with
-    Retry-After whatever the password (no Argon2 spent on it), while other accounts log in from
-    the same client. A success before the limit clears the count."""
+    """Ten wrong passwords for one account from one address brake that pair: the eleventh attempt
+    answers 429 with Retry-After whatever the password (no Argon2 spent on it), while other accounts
+    log in from the same client. A success before the limit clears the count."""
     email = f"brake-{time.time_ns()}@team.example"
     with contextlib.closing(login(stack, tenant.key)) as owner:
         _join(stack, _invite(owner, email)).close()
@@ -193,7 +204,7 @@ def test_failed_logins_are_braked_per_account_then_cleared_by_a_success(stack, t
         assert _password_login(stack.base_url, email, "a wrong guess").status_code == 401
     braked = _password_login(stack.base_url, email, PASSWORD)
     assert braked.status_code == 429 and 0 < int(braked.headers["Retry-After"]) <= 900
-    assert "too many failed attempts from this account" in braked.text
+    assert "too many failed attempts from this account from this address" in braked.text
     # Another account from the same client is not braked by it.
     other = f"brake-other-{time.time_ns()}@team.example"
     with contextlib.closing(login(stack, tenant.key)) as owner:
@@ -201,22 +212,77 @@ def test_failed_logins_are_braked_per_account_then_cleared_by_a_success(stack, t
     assert _password_login(stack.base_url, other, PASSWORD).status_code == 303
 
 
-def test_a_client_address_is_braked_across_accounts_keys_and_reset_requests(stack, r, tmp_path):
-    r.delete(login_limit.address_key("127.0.0.1"))  # the suite's own failures from this address so far
+def test_a_client_address_is_braked_across_accounts_and_keys_but_not_by_reset_requests(stack, r, tmp_path):
+    for key in r.scan_iter("quilt:brake:*"):  # the suite's own attempts from this address so far
+        r.delete(key)
     with second_api(stack, tmp_path, QUILT_LOGIN_FAILURES_PER_ADDRESS="5") as url:
-        for i in range(3):
+        for _ in range(4):  # reset requests are counted apart: they never brake a login
+            client, token = _form_client(url, "/dashboard/forgot")
+            assert client.post("/dashboard/forgot", data={"email": "x@team.example", "csrf_token": token}) \
+                .status_code == 200
+        for i in range(4):
             assert _password_login(url, f"nobody-{i}@team.example", "guess").status_code == 401
         client, token = _form_client(url, "/dashboard/login")
         assert client.post("/dashboard/login", data={"api_key": "tml-not-a-key", "csrf_token": token}).status_code \
             == 401
-        client, token = _form_client(url, "/dashboard/forgot")
-        assert client.post("/dashboard/forgot", data={"email": "x@team.example", "csrf_token": token}).status_code \
-            == 200
-        # Five failures from this address: a password, a key and a reset request are all refused now.
+        # Five failed attempts from this address: a password and a key are refused now.
         assert _password_login(url, "someone@team.example", PASSWORD).status_code == 429
         client, token = _form_client(url, "/dashboard/login")
         refused = client.post("/dashboard/login", data={"api_key": "tml-not-a-key", "csrf_token": token})
         assert refused.status_code == 429 and "Retry-After" in refused.headers
+        # Reset requests have a brake of their own, per address.
         client, token = _form_client(url, "/dashboard/forgot")
-        flood = client.post("/dashboard/forgot", data={"email": "x@team.example", "csrf_token": token})
+        assert client.post("/dashboard/forgot", data={"email": "x@team.example", "csrf_token": token}).status_code \
+            == 200
+        client, token = _form_client(url, "/dashboard/forgot")
+        flood = client.post("/dashboard/forgot", data={"email": "y@team.example", "csrf_token": token})
         assert flood.status_code == 429 and "Retry-After" in flood.headers
+
+
+def test_reset_requests_never_lock_the_owner_out(stack, tenant):
+    email = f"reset-flood-{time.time_ns()}@team.example"
+    with contextlib.closing(login(stack, tenant.key)) as owner:
+        _join(stack, _invite(owner, email)).close()
+    for _ in range(10):  # the per-account reset brake's limit (QUILT_LOGIN_FAILURES_PER_ACCOUNT)
+        client, token = _form_client(stack.base_url, "/dashboard/forgot")
+        assert client.post("/dashboard/forgot", data={"email": email, "csrf_token": token}).status_code == 200
+    client, token = _form_client(stack.base_url, "/dashboard/forgot")
+    assert client.post("/dashboard/forgot", data={"email": email, "csrf_token": token}).status_code == 429
+    assert _password_login(stack.base_url, email, PASSWORD).status_code == 303
+
+
+def test_concurrent_wrong_passwords_cannot_slip_past_the_limit(stack, tenant):
+    """The brake is taken before the password is checked, atomically: of 25 concurrent guesses
+    against a limit of 10, at most 10 are verified (401); the rest are 429."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    email = f"race-{time.time_ns()}@team.example"
+    with contextlib.closing(login(stack, tenant.key)) as owner:
+        _join(stack, _invite(owner, email)).close()
+    forms = [_form_client(stack.base_url, "/dashboard/login") for _ in range(25)]
+    with ThreadPoolExecutor(25) as pool:
+        codes = list(pool.map(lambda form: form[0].post("/dashboard/login/password", data={
+            "email": email, "password": "a wrong guess", "csrf_token": form[1]}).status_code, forms))
+    assert codes.count(401) <= 10 and codes.count(401) + codes.count(429) == 25, codes
+
+
+def test_a_strangers_guesses_do_not_brake_the_owner_at_another_address(stack):
+    import asyncio
+
+    from core import redis_client
+    from core.errors import QuotaExceeded
+
+    account = f"owner-{time.time_ns()}@team.example"
+
+    async def go():
+        redis = redis_client.async_client(stack.redis_url)
+        try:
+            for _ in range(10):
+                await login_limit.take(redis, "login", account=account, address="203.0.113.9")
+            with pytest.raises(QuotaExceeded):
+                await login_limit.take(redis, "login", account=account, address="203.0.113.9")
+            await login_limit.take(redis, "login", account=account, address="198.51.100.7")  # the owner
+            await login_limit.succeeded(redis, account=account, address="198.51.100.7")
+        finally:
+            await redis.aclose()
+    asyncio.run(go())

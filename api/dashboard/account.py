@@ -12,6 +12,7 @@ from fastapi import APIRouter, Form, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import RedirectResponse
 
+from api import links
 from api.caller_cache import changing
 from api.dashboard.deps import (
     Changing,
@@ -96,10 +97,9 @@ async def billing_card(request: Request, viewer: Changing, pool: Pool):
                                          (viewer.who.tenant_id,))).fetchone()
     if not settings.stripe_enabled or acct is None:
         raise NotFound("this tenant has no Stripe customer yet", field="billing")
-    base = str(request.base_url).rstrip("/")
     url = await run_in_threadpool(StripeGateway(settings).setup_checkout, customer_id=acct["stripe_customer_id"],
-                                  success_url=f"{base}/dashboard/billing?card=saved",
-                                  cancel_url=f"{base}/dashboard/billing")
+                                  success_url=links.link(request, "/dashboard/billing?card=saved"),
+                                  cancel_url=links.link(request, "/dashboard/billing"))
     return RedirectResponse(url, status_code=303)
 
 

@@ -12,16 +12,12 @@ from fastapi.responses import RedirectResponse
 
 from api.dashboard import sessions
 from api.dashboard.deps import LoggedIn, OwnerChanging, page_context
+from api import links
 from api.dashboard.pages import braked_login, client_address, login_page, safe_next
 from api.dashboard.render import PageRoute, page
 from api.deps import Pool, RedisDep
 from billing.customers import request_customer
-from core.errors import (
-    Forbidden,
-    InvalidInput,
-    QuiltError,
-    Unauthenticated,
-)
+from core.errors import Forbidden, InvalidInput, QuiltError
 from core.settings import get_api_settings
 from tenancy import accounts, login_limit, members
 
@@ -52,8 +48,6 @@ async def _start_session(request: Request, redis, member_id: str, target: str = 
     return response
 
 
-def _link(request: Request, path: str) -> str:
-    return f"{str(request.base_url).rstrip('/')}{path}"
 
 
 # ------------------------------------------------------------------------------ sign-up and log in
@@ -74,10 +68,11 @@ async def signup(request: Request, pool: Pool, redis: RedisDep,
                  tenant: Annotated[str, Form(max_length=64)] = "",
                  invite: Annotated[str, Form(max_length=100)] = "",
                  csrf_token: Annotated[str, Form(max_length=200)] = ""):
-    """Create the account and log in."""
+    """Create the account and log in. Braked per client address (tenancy.login_limit)."""
     _check_csrf(request, csrf_token)
     try:
-        password_hash = await run_in_threadpool(members.hash_password, password)
+        await login_limit.take(redis, "signup", account=None, address=client_address(request))
+        password_hash = await members.argon2(members.hash_password, password)
         async with pool.connection() as conn:
             if invite:
                 member = await members.accept_invite(conn, invite, password_hash)
@@ -112,11 +107,9 @@ async def login_password(request: Request, pool: Pool, redis: RedisDep,
     async with pool.connection() as conn:
         try:
             member = await members.log_in(conn, account, password)
-        except QuiltError as exc:
-            if isinstance(exc, Unauthenticated):
-                await login_limit.failed(redis, account=account, address=address)
+        except QuiltError as exc:  # the attempt stays counted
             return login_page(request, safe_next(next), error=exc.message, status_code=exc.status_code)
-    await login_limit.succeeded(redis, account=account)
+    await login_limit.succeeded(redis, account=account, address=address)
     return await _start_session(request, redis, member["id"], safe_next(next))
 
 
@@ -130,17 +123,17 @@ async def forgot_form(request: Request):
 async def forgot(request: Request, pool: Pool, redis: RedisDep, email: Annotated[str, Form(max_length=254)] = "",
                  csrf_token: Annotated[str, Form(max_length=200)] = ""):
     """Send the link (or log it without a mail server); the answer is the same whether or not the address has an account.
-    Each request counts against the address and the client like a failed login (no inbox flooding)."""
+    Requests are braked per address and per account (no inbox flooding), apart from logins: they
+    never lock an account's owner out."""
     _check_csrf(request, csrf_token)
     account, address = email.strip().lower(), client_address(request)
-    await login_limit.check(redis, account=account, address=address)
-    await login_limit.failed(redis, account=account, address=address)
+    await login_limit.take(redis, "reset", account=account, address=address)
     async with pool.connection() as conn:
         token = await members.start_reset(conn, account)
     if token:
         settings = get_api_settings()
         await run_in_threadpool(members.deliver, settings.smtp_url, settings.mail_from, account,
-                                "Reset your Quilt password", _link(request, f"/dashboard/reset?token={token}"))
+                                "Reset your Quilt password", links.link(request, f"/dashboard/reset?token={token}"))
     return _form_page(request, "forgot.html", sent=True)
 
 
@@ -151,17 +144,20 @@ async def reset_form(request: Request, token: str = Query("", max_length=100)):
 
 
 @router.post("/reset")
-async def reset(request: Request, pool: Pool, token: Annotated[str, Form(max_length=100)] = "",
+async def reset(request: Request, pool: Pool, redis: RedisDep, token: Annotated[str, Form(max_length=100)] = "",
                 password: Annotated[str, Form(max_length=members.MAX_PASSWORD)] = "",
                 csrf_token: Annotated[str, Form(max_length=200)] = ""):
-    """Set the new password (once per link), then log in with it."""
+    """Set the new password (once per link), then log in with it. Every session of the account ends
+    and its other reset links stop working."""
     _check_csrf(request, csrf_token)
     try:
-        password_hash = await run_in_threadpool(members.hash_password, password)
+        password_hash = await members.argon2(members.hash_password, password)
         async with pool.connection() as conn:
-            await members.finish_reset(conn, token, password_hash)
+            accounts_reset = await members.finish_reset(conn, token, password_hash)
     except QuiltError as exc:
         return _form_page(request, "reset.html", status_code=exc.status_code, token=token, error=exc.message)
+    for account_id in accounts_reset:
+        await sessions.end_account(redis, account_id)
     return RedirectResponse("/dashboard/login?reset=done", status_code=303)
 
 
@@ -185,7 +181,7 @@ async def invite(request: Request, viewer: OwnerChanging, pool: Pool, email: Ann
         await accounts.record_async(conn, viewer.who.tenant_id, viewer.who.actor, "member.invited", email=address,
                                     role=role)
         rows = await members.list_members(conn, viewer.who.tenant_id)
-    link = _link(request, f"/dashboard/signup?invite={token}")
+    link = links.link(request, f"/dashboard/signup?invite={token}")
     settings = get_api_settings()
     await run_in_threadpool(members.deliver, settings.smtp_url, settings.mail_from, address,
                             f"You are invited to {viewer.who.tenant_name} on Quilt", link)

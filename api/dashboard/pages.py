@@ -58,10 +58,10 @@ def client_address(request: Request) -> str:
 
 
 async def braked_login(request: Request, redis, next_path: str, *, account: str | None, address: str):
-    """The login page answering 429 (with Retry-After) while tenancy.login_limit brakes this
-    account or address; None when the attempt may go on."""
+    """Count a login attempt (tenancy.login_limit), or the login page answering 429 (with
+    Retry-After) while this address or this account from it is braked; None when it may go on."""
     try:
-        await login_limit.check(redis, account=account, address=address)
+        await login_limit.take(redis, "login", account=account, address=address)
     except QuotaExceeded as exc:
         return login_page(request, next_path, error=exc.message, status_code=429, retry_after_s=exc.retry_after_s)
     return None
@@ -94,9 +94,9 @@ async def login(request: Request, pool: Pool, redis: RedisDep,
     async with pool.connection() as conn:
         try:
             who, _spent = await authenticate(conn, api_key.strip())
-        except Unauthenticated as exc:
-            await login_limit.failed(redis, account=None, address=address)
+        except Unauthenticated as exc:  # the attempt stays counted
             return login_page(request, safe_next(next), error=exc.message, status_code=401)
+    await login_limit.succeeded(redis, account=None, address=address)
     token, _ = await sessions.create(redis, who.key_id)
     response = RedirectResponse(safe_next(next), status_code=303)
     sessions.set_cookie(response, request, sessions.COOKIE, token)

@@ -11,8 +11,8 @@ CSRF: each session carries its own random token; every state-changing request mu
 which has no session yet, uses a double-submit cookie instead.
 
 Cookies: HttpOnly (scripts never see the token), SameSite=Lax (not sent on cross-site POSTs),
-Secure when the request came over HTTPS (directly or through a proxy uvicorn trusts), and scoped to
-`/dashboard` so API calls never carry them.
+Secure when QUILT_PUBLIC_URL is https or the request came over HTTPS (directly or through a proxy in
+QUILT_TRUSTED_PROXIES: api.links), and scoped to `/dashboard` so API calls never carry them.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 
 from fastapi import Request, Response
 from redis.asyncio import Redis
+
+from api import links
 
 COOKIE = "quilt_session"
 LOGIN_CSRF_COOKIE = "quilt_login_csrf"
@@ -65,11 +67,21 @@ async def load(redis: Redis, token: str | None) -> DashSession | None:
     if raw is None:
         return None
     session = DashSession(**json.loads(raw))
-    if time.time() - session.created_at > MAX_AGE_S:
+    ended = await redis.get(_ended_key(session.account_id)) if session.account_id else None
+    if time.time() - session.created_at > MAX_AGE_S or (ended is not None and session.created_at <= float(ended)):
         await redis.delete(key)
         return None
     await redis.expire(key, IDLE_TTL_S)
     return session
+
+
+def _ended_key(account_id: str) -> str:
+    return "quilt:dash:account-sessions-ended:" + account_id
+
+
+async def end_account(redis: Redis, account_id: str) -> None:
+    """End every session of a member account begun until now (after a password reset)."""
+    await redis.set(_ended_key(account_id), repr(time.time()), ex=MAX_AGE_S)
 
 
 async def end(redis: Redis, token: str | None) -> None:
@@ -90,10 +102,8 @@ def new_csrf_token() -> str:
 
 
 def set_cookie(response: Response, request: Request, name: str, value: str) -> None:
-    response.set_cookie(name, value, path=COOKIE_PATH, httponly=True, samesite="lax",
-                        secure=request.url.scheme == "https")
+    response.set_cookie(name, value, path=COOKIE_PATH, httponly=True, samesite="lax", secure=links.secure(request))
 
 
 def clear_cookie(response: Response, request: Request, name: str) -> None:
-    response.delete_cookie(name, path=COOKIE_PATH, httponly=True, samesite="lax",
-                           secure=request.url.scheme == "https")
+    response.delete_cookie(name, path=COOKIE_PATH, httponly=True, samesite="lax", secure=links.secure(request))

@@ -27,7 +27,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import RedirectResponse, StreamingResponse
 
-from api import signed_urls
+from api import links, signed_urls
 from api.dashboard import adapter_archive
 from api.deps import Pool, Settings, Who
 from api.input_guard import GuardedRoute
@@ -97,7 +97,7 @@ async def _checkpoint(pool, who, run_id: str, checkpoint_id: str) -> dict:
 
 
 def _url(request: Request, key: bytes, grant: signed_urls.Grant, filename: str) -> str:
-    return f"{str(request.base_url).rstrip('/')}/api/v1/downloads/{signed_urls.sign(key, grant)}/{filename}"
+    return links.link(request, f"/api/v1/downloads/{signed_urls.sign(key, grant)}/{filename}")
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/archive")

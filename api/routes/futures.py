@@ -3,12 +3,13 @@ all of a sampling session's requests (the tinker SDK's session poller)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from api import tinker_proto
+from api import long_polls, tinker_proto
 from api.deps import Pool, RedisDep, Settings, Who
 from api.input_guard import GuardedRoute
 from api.schemas import RetrieveFutureRequest, RetrieveFuturesRequest
@@ -42,7 +43,9 @@ async def retrieve_future(body: RetrieveFutureRequest, request: Request, who: Wh
     if outcome is None or outcome.tenant_id != who.tenant_id:
         async with db.autocommit(pool) as conn:
             row = await scoped.get_request(conn, who, body.request_id)  # 404 unless it is yours
-        outcome = outcome or await queue.wait(redis, body.request_id, settings.long_poll_seconds)
+        if outcome is None:
+            async with long_polls.held(who.tenant_id, settings.long_polls_per_tenant):
+                outcome = await queue.wait(redis, body.request_id, settings.long_poll_seconds)
         if outcome is None:
             if row["status"] in ("done", "failed"):
                 raise FutureExpired(f"the result of {body.request_id!r} has expired", field="request_id")
@@ -72,6 +75,8 @@ async def retrieve_futures(body: RetrieveFuturesRequest, who: Who, pool: Pool, r
     if body.retrieved_request_ids:  # read for good: their results need not wait out their lifetime
         await queue.forget_samples(redis, who.tenant_id, body.retrieved_request_ids)
     hold = settings.long_poll_seconds if body.timeout is None else min(body.timeout, settings.long_poll_seconds)
-    completions, cursor = await queue.session_completions(redis, target.sampling_session_id,
-                                                          target.cloned_sampler_id, body.prev_cursor, hold)
+    waiting = long_polls.held(who.tenant_id, settings.long_polls_per_tenant) if hold > 0 else contextlib.nullcontext()
+    async with waiting:
+        completions, cursor = await queue.session_completions(redis, target.sampling_session_id,
+                                                              target.cloned_sampler_id, body.prev_cursor, hold)
     return {"completions": completions, "cursor": cursor}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query
 
-from api import records
+from api import admission_rule, records
 from api.deps import Pool, Who
 from api.input_guard import GuardedRoute
 from api.routes.runs import metadata_text
@@ -27,7 +27,11 @@ class SessionFinished(UserError):
 
 @router.post("/create_session")
 async def create_session(body: CreateSessionRequest, who: Who, pool: Pool) -> dict:
-    """Open a session; models and samplers are created inside one."""
+    """Open a session; models and samplers are created inside one. Refused (402/403) while the
+    tenant is suspended."""
+    refusal = admission_rule.suspension_refusal(who)
+    if refusal is not None:
+        raise refusal
     session_id = ids.new_session_id()
     async with db.autocommit(pool) as conn:
         await records.insert_session(conn, who, session_id, tags=body.tags, user_metadata=body.user_metadata,

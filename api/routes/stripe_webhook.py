@@ -7,13 +7,13 @@ from fastapi.concurrency import run_in_threadpool
 
 from api.caller_cache import changing
 from api.deps import Callers, Pool
-from api.input_guard import GuardedRoute
+from api.input_guard import SignedBodyRoute, check_value
 from billing import payments
 from billing.stripe_api import StripeGateway
 from core.errors import NotFound
 from core.settings import get_billing_settings
 
-router = APIRouter(route_class=GuardedRoute, tags=["billing"])
+router = APIRouter(route_class=SignedBodyRoute, tags=["billing"])
 
 
 @router.post("/stripe/webhook")
@@ -26,6 +26,7 @@ async def stripe_webhook(request: Request, pool: Pool, callers: Callers,
         raise NotFound("Stripe webhooks are not configured on this server (QUILT_STRIPE_WEBHOOK_SECRET)",
                        field="path")
     event = payments.verify(await request.body(), stripe_signature, settings.stripe_webhook_secret.get_secret_value())
+    check_value(event)  # verified, so Stripe's: still text Postgres must be able to store
     async with changing(pool, callers) as conn:  # it may suspend or restore a tenant
         outcome = await payments.handle(conn, event, lambda: StripeGateway(settings), settings.payment_grace_s,
                                         run_in_threadpool)

@@ -1,0 +1,73 @@
+"""Every tenant bounded: free-form fields have size limits, refused with a 400 naming the field and
+the limit."""
+
+from __future__ import annotations
+
+import pytest
+from stackutil import TINY
+
+from api.schemas import USER_METADATA_BYTES
+
+
+@pytest.mark.parametrize(("route", "body", "field"), [
+    ("/create_session", {"user_metadata": {"note": "x" * (4 << 20)}}, "user_metadata"),
+    ("/create_session", {"user_metadata": {f"k{i}": "v" * 100 for i in range(200)}}, "user_metadata"),
+    ("/create_session", {"tags": ["t" * 129]}, "tags[0]"),
+    ("/create_session", {"tags": ["t"] * 65}, "tags"),
+    ("/create_session", {"display_name": "d" * 257}, "display_name"),
+    ("/create_model", {"session_id": "s", "model_seq_id": 0, "base_model": TINY, "lora_config": {"rank": 4},
+                       "user_metadata": {"note": "x" * (USER_METADATA_BYTES + 1)}}, "user_metadata"),
+])
+def test_free_form_fields_past_their_limit_are_a_400_naming_them(stack, tenant, route, body, field):
+    with stack.http(tenant.key) as client:
+        r = client.post(route, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["field"] == field, r.text
+    if field == "user_metadata":
+        assert str(USER_METADATA_BYTES) in r.json()["detail"]
+
+
+def test_metadata_within_the_limit_is_kept(stack, tenant):
+    metadata = {"run": "a" * (USER_METADATA_BYTES - 100)}
+    with stack.http(tenant.key) as client:
+        r = client.post("/create_session", json={"user_metadata": metadata})
+        assert r.status_code == 200, r.text
+        session = client.get(f"/sessions/{r.json()['session_id']}").json()
+    assert session["user_metadata"] == metadata
+
+
+def test_one_tenants_long_polls_are_bounded_per_process_and_others_still_answer(stack, tmp_path):
+    """Past QUILT_LONG_POLLS_PER_TENANT open polls, that tenant's next is a 429 with Retry-After;
+    another tenant's poll on the same API process is answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from stackutil import new_model, second_api
+
+    hog, other = stack.create_tenant("hog"), stack.create_tenant("other")
+
+    def pending_request(tenant) -> str:
+        """A request that cannot finish yet: seq_id 2 waits for a seq_id 1 that never comes."""
+        with stack.http(tenant.key) as c:
+            model_id = new_model(c, rank=4)
+            r = c.post("/forward", json={"model_id": model_id, "seq_id": 2, "forward_input": {
+                "data": [{"model_input": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+                          "loss_fn_inputs": {"target_tokens": {"data": [2, 3, 4], "dtype": "int64"}}}],
+                "loss_fn": "cross_entropy"}})
+            assert r.status_code == 200, r.text
+            return r.json()["request_id"]
+
+    waits = [(hog.key, pending_request(hog))] * 3 + [(other.key, pending_request(other))]
+    with second_api(stack, tmp_path, QUILT_LONG_POLLS_PER_TENANT="2", QUILT_LONG_POLL_SECONDS="3") as url:
+        def poll(wait) -> httpx.Response:
+            key, request_id = wait
+            return httpx.post(url + "/api/v1/retrieve_future", json={"request_id": request_id},
+                              headers={"X-API-Key": key}, timeout=30)
+
+        with ThreadPoolExecutor(len(waits)) as pool:
+            answers = list(pool.map(poll, waits))
+    codes = sorted(r.status_code for r in answers[:3])
+    assert codes == [200, 200, 429], codes
+    refused = next(r for r in answers[:3] if r.status_code == 429)
+    assert refused.json()["field"] == "long_polls" and "Retry-After" in refused.headers
+    assert answers[3].status_code == 200 and answers[3].json()["type"] == "try_again"  # the other tenant waited
