@@ -100,7 +100,7 @@ def test_another_tenants_session_is_404_and_bad_polls_are_400(stack):
         ({"target": {**target, "cloned_sampler_id": MAX_CLONE + 1}}, "cloned_sampler_id"),
         ({"target": {**target, "cloned_sampler_id": -1}}, "cloned_sampler_id"),
         ({"target": {"sampling_session_id": "x" * 257}}, "sampling_session_id"),
-        ({"target": target, "retrieved_request_ids": ["r"] * 10_001}, "retrieved_request_ids"),
+        ({"target": target, "retrieved_request_ids": [f"req-{i:028d}" for i in range(10_001)]}, "retrieved_request_ids"),
         ({}, "target"),
     ]:
         r = mine.post("/retrieve_futures", json=body)

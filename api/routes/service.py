@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import APIRouter, Response
@@ -15,6 +16,13 @@ from scaleout import in_service
 
 router = APIRouter(route_class=GuardedRoute, tags=["service"])
 log = logging.getLogger("quilt.api")
+
+
+def _aggregates(raw: str | bytes | None) -> dict:
+    # healthz needs no key, so it shows only a beacon's scalar counters (examples/rl_multitenant.py
+    # reads them): per-tenant breakdowns (dicts and lists keyed by tenant) are for the operator page.
+    beacon = json.loads(raw) if raw else {}
+    return {k: v for k, v in beacon.items() if not isinstance(v, (dict, list))}
 
 
 @router.get("/livez")
@@ -58,20 +66,20 @@ async def _redis(redis) -> dict:
 
 async def _workers(redis, components: dict, kind: str, keys: dict[str, str], serving: list[str]) -> None:
     """A component per worker in service (down when its beacon lapsed); one a scaler took out of
-    service shows only while it still beats, as leaving, not down. Up or down only: healthz needs no
-    key, so what a beacon carries (load, pids, tenants) is for the operator page and /metrics."""
+    service shows only while it still beats, as leaving, not down."""
     for name, key in keys.items():
-        beating = await redis.exists(key)
+        raw = await redis.get(key)
         if name in serving:
-            components[f"{kind}:{name}"] = {"ok": bool(beating)}
-        elif beating:
-            components[f"{kind}:{name}"] = {"ok": True, "leaving": True}
+            components[f"{kind}:{name}"] = {"ok": raw is not None, **_aggregates(raw)}
+        elif raw is not None:
+            components[f"{kind}:{name}"] = {"ok": True, "leaving": True, **_aggregates(raw)}
 
 
 @router.get("/healthz")
 async def healthz(pool: Pool, redis: RedisDep, response: Response) -> dict:
-    """Each component up or down (no key needed, so nothing else): postgres, redis, each trainer
-    shard and generation replica per base model, celery. 503 when one is down."""
+    """Each component up or down, with the workers' scalar counters (no key needed: no store error
+    text, no per-tenant figures): postgres, redis, each trainer shard and generation replica per
+    base model, celery. 503 when one is down."""
     components: dict[str, dict] = {}
     components["postgres"], bases = await _postgres(pool)
     components["redis"] = await _redis(redis)
@@ -85,7 +93,8 @@ async def healthz(pool: Pool, redis: RedisDep, response: Response) -> dict:
                 if base.sampleable:  # one component per generation replica in service
                     keys = health.gen_keys(base.name, get_core_settings().gen_replicas)
                     await _workers(redis, components, "gen", keys, record.gen_names(list(keys)))
-            components["celery"] = {"ok": bool(await redis.exists(health.CELERY_KEY))}
+            raw = await redis.get(health.CELERY_KEY)
+            components["celery"] = {"ok": raw is not None, **_aggregates(raw)}
         except Exception:  # health must report, not raise
             log.warning("health: redis failed mid-report", exc_info=True)
             components["redis"] = {"ok": False}

@@ -82,7 +82,7 @@ class SecretDatasetBuilder(RLDatasetBuilder):
         return SecretDataset(self.batches, groups=4, group_size=4), None
 
 
-def test_tool_use_environment_calls_the_tool_and_learns_to_answer(cookbook, tmp_path):
+def test_tool_use_environment_runs_the_tools_the_policy_calls(cookbook, tmp_path):
     renderer = renderers.get_renderer(RENDERER, get_tokenizer(TINY))
     # The lesson ends at the call: what follows the tool's answer is left to the RL run.
     lessons = [{"messages": [*_prefix(renderer), {"role": "user", "content": q},
