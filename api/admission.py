@@ -148,7 +148,8 @@ def facts(who: Principal, ticket: Ticket) -> rule.Facts:
     quota = seq.quota if seq and seq.quota is not None else (None, None)
     return rule.Facts(
         who, ticket.row_kind or str(item.kind), tokens=ticket.tokens, billable=ticket.billable,
-        stores=ticket.stores, check_quota=ticket.check_quota, known_wait_s=rate_limit.SHORTFALLS.certain_wait(who, ticket.tokens),
+        stores=ticket.stores, check_quota=ticket.check_quota,
+        known_wait_s=rate_limit.SHORTFALLS.certain_wait(who, ticket.tokens),
         model_id=item.model_id or None, seq_id=seq.seq_id if seq else None,
         model_status=seq.model_status if seq else None, holder=holder, new_model=ticket.new_model is not None,
         inflight=quota[0], budgeted=quota[1])

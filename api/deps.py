@@ -53,16 +53,15 @@ _BEARER = HTTPBearer(auto_error=False, description="the same key as a bearer tok
 
 async def _principal(request: Request, x_api_key: Annotated[str | None, Security(_KEY_HEADER)],
                      bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)]) -> Principal:
+    # The two security parameters declare the schemes in the OpenAPI document; the key itself is
+    # read once, by `authenticate_request`, which every keyed route runs before its body is read
+    # (api.input_guard.GuardedRoute).
     who = getattr(request.state, "who", None)
-    if who is not None:  # authenticated before the body was read (api.input_guard.GuardedRoute)
-        return who
-    if x_api_key is None and bearer is not None:
-        x_api_key = bearer.credentials.strip()  # OpenAI clients (api.routes.openai_compat)
-    return await authenticate_request(request, x_api_key)
+    return who if who is not None else await authenticate_request(request)
 
 
 def _key_of(request: Request) -> str | None:
-    """The key as `_principal` reads it: X-API-Key, else a bearer token."""
+    """The key: X-API-Key, else a bearer token (OpenAI clients, api.routes.openai_compat)."""
     key = request.headers.get("x-api-key")
     if key is None:
         scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
@@ -71,11 +70,10 @@ def _key_of(request: Request) -> str | None:
     return key
 
 
-async def authenticate_request(request: Request, x_api_key: str | None = None) -> Principal:
-    """The caller behind the request's key (read from its headers when not given): a 401 for none or
-    a wrong one, before any store is asked for a missing key. Sets `request.state.who`."""
-    if x_api_key is None:
-        x_api_key = _key_of(request)
+async def authenticate_request(request: Request) -> Principal:
+    """The caller behind the request's key: a 401 for none or a wrong one, before any store is asked
+    for a missing key. Sets `request.state.who`."""
+    x_api_key = _key_of(request)
     if not x_api_key:  # refused before a pooled connection is taken: an anonymous flood holds none
         raise missing_key()
     # From the app's state, not as dependencies: each dependency costs a cheap call a solving pass.

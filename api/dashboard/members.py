@@ -10,9 +10,9 @@ from fastapi import APIRouter, Form, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import RedirectResponse
 
+from api import links
 from api.dashboard import sessions
 from api.dashboard.deps import LoggedIn, OwnerChanging, page_context
-from api import links
 from api.dashboard.pages import braked_login, client_address, login_page, safe_next
 from api.dashboard.render import PageRoute, page
 from api.deps import Pool, RedisDep
@@ -46,8 +46,6 @@ async def _start_session(request: Request, redis, member_id: str, target: str = 
     sessions.set_cookie(response, request, sessions.COOKIE, token)
     sessions.clear_cookie(response, request, sessions.LOGIN_CSRF_COOKIE)
     return response
-
-
 
 
 # ------------------------------------------------------------------------------ sign-up and log in
