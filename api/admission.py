@@ -17,6 +17,12 @@ to check, an unusable model), nothing is written and `admit` judges the row read
 other call. A call that writes more rows (a new model with its first request, a sampler with its
 publication) hands `admit` a transaction (`pool.connection()`), which it commits.
 
+Quotas are counted and spent atomically: the count a quota reads (live models, requests in
+flight) and the insert it allows run under the tenant's quota lock (`records.quota_lock`, an
+advisory lock per tenant), so concurrent calls of one tenant take turns there and a burst cannot
+all see the last free place (12 concurrent create_model with room for 2 admitted 3 before). Other
+tenants never wait on it; it costs a call two short statements.
+
 `admit` judges the call by `api.admission_rule.decide`, the one statement of every refusal (the
 model's state, the seq_id's holder: a retried call gets the existing future, whose entry is
 appended now if it never was, since the API may have died between its commit and the append; a
@@ -42,6 +48,7 @@ sampling sequence ids exceed int32, so a Redis key held for the future's lifetim
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass, replace
@@ -165,6 +172,8 @@ async def _judge(conn: AsyncConnection, who: Principal, f: rule.Facts) -> rule.A
             return decision
         if decision.what == "live_models":
             f = replace(f, live_models=await scoped.count_live_models(conn, who))
+        elif decision.what == "stored_bytes":
+            f = replace(f, stored_bytes=await scoped.checkpoint_bytes(conn, who))
         elif decision.what == "quota":
             inflight, budgeted = await scoped.inflight_and_budgeted(conn, who)
             f = replace(f, inflight=inflight, budgeted=budgeted)
@@ -179,10 +188,11 @@ async def admit_call(conn: AsyncConnection, redis: Redis, who: Principal, item: 
     row can refuse it, else `admit` judges that row. Returns the request id, as `admit`."""
     ticket = Ticket(item, "", SeqSlot(item.model_id, item.seq_id))
     call = facts(who, ticket)
-    model = await records.insert_call(
-        conn, who, item.request_id, model_id=item.model_id, seq_id=item.seq_id, kind=str(item.kind),
-        n_tokens=item.n_tokens, billable=call.billable, unusable=list(rule.UNUSABLE),
-        admissible=rule.before_reads(call) is None)
+    async with records.quota_lock(conn, who.tenant_id):  # its in-flight count and its insert, in turn
+        model = await records.insert_call(
+            conn, who, item.request_id, model_id=item.model_id, seq_id=item.seq_id, kind=str(item.kind),
+            n_tokens=item.n_tokens, billable=call.billable, unusable=list(rule.UNUSABLE),
+            admissible=rule.before_reads(call) is None and not call.stores)
     ticket = Ticket(item, model["base_model"], SeqSlot.of(model, item.seq_id))
     if not model["inserted"]:
         return await admit(conn, redis, who, ticket)
@@ -210,28 +220,31 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
                 # written once whichever of the two gets there first.
                 item = replace(item, request_id=existing.decode())
     try:
-        decision = await _judge(conn, who, call)
-        if isinstance(decision, rule.Resume):
-            return await _resume(conn, redis, who, ticket, decision.request_id, decision.status)
-        if ticket.new_model is not None:
-            shard = await _new_model_shard(conn, redis, ticket)
-            if shard is not None:
-                ticket = replace(ticket, slot=replace(slot, shard=shard))
-            await records.insert_training_model(conn, who, item.model_id, ticket.new_model, shard)
-        inserted = await records.insert_request(
-            conn, who, item.request_id, model_id=item.model_id or None,
-            seq_id=item.seq_id if isinstance(slot, SeqSlot) else None, kind=call.kind, n_tokens=item.n_tokens,
-            touch_model=isinstance(slot, SeqSlot) and ticket.new_model is None)
-        if not inserted:  # a concurrent duplicate won the insert
-            await conn.rollback()
-            if isinstance(slot, SeqSlot):
-                holder_id, holder_kind = await records.seq_holder(conn, slot.model_id, slot.seq_id)
-                if holder_id is None:
-                    return item.request_id
-                decision = await _judge(conn, who, replace(call, holder=rule.Holder(holder_id, holder_kind)))
-                return decision.request_id
-            return await _resume(conn, redis, who, replace(ticket, item=item), item.request_id, "queued")
-        await conn.commit()
+        # The quota reads and the insert they allow, under the tenant's quota lock: a burst of calls
+        # cannot all see the last free place (a placeholder, held to no quota, takes no lock).
+        async with records.quota_lock(conn, who.tenant_id) if call.check_quota else contextlib.nullcontext():
+            decision = await _judge(conn, who, call)
+            if isinstance(decision, rule.Resume):
+                return await _resume(conn, redis, who, ticket, decision.request_id, decision.status)
+            if ticket.new_model is not None:
+                shard = await _new_model_shard(conn, redis, ticket)
+                if shard is not None:
+                    ticket = replace(ticket, slot=replace(slot, shard=shard))
+                await records.insert_training_model(conn, who, item.model_id, ticket.new_model, shard)
+            inserted = await records.insert_request(
+                conn, who, item.request_id, model_id=item.model_id or None,
+                seq_id=item.seq_id if isinstance(slot, SeqSlot) else None, kind=call.kind, n_tokens=item.n_tokens,
+                touch_model=isinstance(slot, SeqSlot) and ticket.new_model is None)
+            if not inserted:  # a concurrent duplicate won the insert
+                await conn.rollback()
+                if isinstance(slot, SeqSlot):
+                    holder_id, holder_kind = await records.seq_holder(conn, slot.model_id, slot.seq_id)
+                    if holder_id is None:
+                        return item.request_id
+                    decision = await _judge(conn, who, replace(call, holder=rule.Holder(holder_id, holder_kind)))
+                    return decision.request_id
+                return await _resume(conn, redis, who, replace(ticket, item=item), item.request_id, "queued")
+            await conn.commit()
         faults.crash_point("api.after_commit")
     except BaseException:
         if took_slot:

@@ -9,7 +9,8 @@
    suspended tenant (billable calls only: 402 for payment, 403 by an operator), tokens its
    tokens-per-minute bucket can never hold (400: split the call), tokens this process knows the
    bucket cannot hold yet (429, tenancy.rate_limit.Shortfalls);
-4. the live-models quota (a new model, 403) and the in-flight quota (429);
+4. the live-models quota (a new model, 403), the checkpoint-bytes quota (a save, 403) and the
+   in-flight quota (429);
 5. the monthly budgets (billable calls, 402, billing.budgets).
 
 A fact not read yet (None) that a rule needs comes back as `Read(what)`: the caller reads it and
@@ -61,6 +62,7 @@ class Facts:
     holder: Holder | None = None
     new_model: bool = False
     live_models: int | None = None  # the tenant's live models (read for a new model)
+    stored_bytes: int | None = None  # the bytes of the tenant's live checkpoints (read for a save)
     inflight: int | None = None  # the tenant's requests in flight
     budgeted: bool | None = None  # whether a monthly budget bounds the tenant or the key
     budgets: tuple[BudgetState, ...] | None = None  # their states, read when `budgeted`
@@ -87,8 +89,8 @@ class Refuse:
 
 @dataclass(frozen=True)
 class Read:
-    """A fact a rule needs is not read yet: 'live_models', 'quota' (inflight and budgeted) or
-    'budgets'."""
+    """A fact a rule needs is not read yet: 'live_models', 'stored_bytes', 'quota' (inflight and
+    budgeted) or 'budgets'."""
 
     what: str
 
@@ -120,6 +122,14 @@ def decide(f: Facts) -> Decision:
             return Refuse(Forbidden(f"{f.live_models} live models reach your limit of {who.max_models}; finish "
                                     "sessions you no longer use or ask an operator to raise max_models",
                                     field="max_models"))
+    if f.stores:
+        if f.stored_bytes is None:
+            return Read("stored_bytes")
+        if f.stored_bytes >= who.max_checkpoint_bytes:
+            return Refuse(Forbidden(f"your live checkpoints hold {f.stored_bytes:,} bytes, your limit of "
+                                    f"{who.max_checkpoint_bytes:,}; delete checkpoints you no longer need (or "
+                                    "give them a TTL) or ask an operator to raise max_checkpoint_bytes",
+                                    field="max_checkpoint_bytes"))
     if f.inflight is None or f.budgeted is None:
         return Read("quota")
     if f.inflight >= who.max_inflight_requests:

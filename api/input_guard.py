@@ -21,7 +21,8 @@ import re
 from fastapi.routing import APIRoute
 from starlette.requests import Request
 
-from core.errors import InvalidInput
+from core.errors import Forbidden, InvalidInput
+from tenancy import roles
 
 MAX_DEPTH = 32  # levels of JSON objects and arrays; no request shape needs more than a handful
 
@@ -179,11 +180,15 @@ class GuardedRoute(APIRoute):
         handler = super().get_route_handler()
         keyed = needs_key(self.dependant)
         parse_body = self.checks_body
+        path = self.path_format
 
         async def handle(request: Request):
             guarded = GuardedRequest(request.scope, request.receive)
             if keyed:
-                await authenticate_request(guarded)
+                who = await authenticate_request(guarded)
+                if not roles.may_call(who.member_role, request.method, path):
+                    raise Forbidden(f"this API key is {who.member_role}: it may read, not {request.method} {path}",
+                                    field="X-API-Key")
             await guarded.check(parse_body=parse_body)
             return await handler(guarded)
 

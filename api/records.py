@@ -4,12 +4,15 @@ through tenancy.scoped; routes hold no SQL of their own."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from psycopg import AsyncConnection
+from psycopg.pq import TransactionStatus
 from psycopg.types.json import Jsonb
 
+from core.errors import QuotaExceeded
 from tenancy import scoped
 from tenancy.auth import Principal
 
@@ -25,13 +28,39 @@ class NewModel:
     user_metadata: dict
 
 
+@asynccontextmanager
+async def quota_lock(conn: AsyncConnection, tenant_id: str) -> AsyncIterator[None]:
+    """Hold the tenant's quota lock (a session-level advisory lock, so it also works on an
+    autocommit connection) around a count and the insert it allows: concurrent calls of one tenant
+    take turns, and no two of them can both see the last free place. Other tenants never wait on it.
+    The lock is given back even when the block fails; a failed transaction is rolled back first so
+    the unlock can run."""
+    await conn.execute("SELECT pg_advisory_lock(hashtextextended('quilt-quota:' || %s, 0))", (tenant_id,))
+    try:
+        yield
+    finally:
+        if not (conn.closed or conn.broken):
+            if conn.info.transaction_status == TransactionStatus.INERROR:
+                await conn.rollback()
+            await conn.execute("SELECT pg_advisory_unlock(hashtextextended('quilt-quota:' || %s, 0))", (tenant_id,))
+
+
 async def insert_session(conn: AsyncConnection, who: Principal, session_id: str, *, tags: list, user_metadata: dict,
-                         sdk_version: str | None, display_name: str | None) -> None:
-    await conn.execute(
-        "INSERT INTO sessions (id, tenant_id, api_key_id, tags, user_metadata, sdk_version, display_name) "
-        "VALUES (%s, %s, %s, %s, %s, %s, %s)",
-        (session_id, who.tenant_id, who.key_id, Jsonb(tags), Jsonb(user_metadata), sdk_version, display_name),
-    )
+                         sdk_version: str | None, display_name: str | None, max_live: int, live_s: int) -> None:
+    """Record a session, unless the tenant already has `max_live` live ones (unfinished, with a
+    heartbeat in the last `live_s` seconds): 429 naming the limit. Counted and written under the
+    tenant's quota lock, so a burst of creations cannot pass the limit."""
+    async with quota_lock(conn, who.tenant_id):
+        cur = await conn.execute(
+            "INSERT INTO sessions (id, tenant_id, api_key_id, tags, user_metadata, sdk_version, display_name) "
+            "SELECT %s, %s, %s, %s, %s, %s, %s WHERE (SELECT count(*) FROM sessions WHERE tenant_id = %s "
+            "AND finished_at IS NULL AND last_heartbeat_at > now() - make_interval(secs => %s)) < %s RETURNING id",
+            (session_id, who.tenant_id, who.key_id, Jsonb(tags), Jsonb(user_metadata), sdk_version, display_name,
+             who.tenant_id, live_s, max_live))
+        if await cur.fetchone() is None:
+            raise QuotaExceeded(f"sessions: your tenant has {max_live} live sessions, the most it may hold; finish "
+                                f"one (or let it lapse: {live_s} s without a heartbeat)", field="session_id",
+                                retry_after_s=60)
 
 
 async def insert_sampling_session(conn: AsyncConnection, who: Principal, sampler_id: str, *, session_id: str,

@@ -192,6 +192,13 @@ async def clear_budget_async(conn, tenant_id: str, api_key_id: str | None = None
     return (await conn.execute(_CLEAR, (tenant_id, api_key_id))).rowcount > 0
 
 
+async def budget_limit_async(conn, tenant_id: str, api_key_id: str | None = None) -> int | None:
+    """The monthly limit of a tenant or one of its keys, in micro-USD (None: no limit)."""
+    row = await (await conn.execute("SELECT monthly_limit_micro_usd AS m FROM budgets WHERE tenant_id = %s "
+                                    "AND api_key_id IS NOT DISTINCT FROM %s", (tenant_id, api_key_id))).fetchone()
+    return None if row is None else row["m"]
+
+
 def list_budgets_sync(conn: psycopg.Connection, tenant_id: str) -> list[dict]:
     """[{api_key_id, prefix, monthly_limit_micro_usd, spent_micro_usd}] for this UTC month."""
     with conn.cursor(row_factory=dict_row) as cur:

@@ -139,6 +139,11 @@ class ApiSettings(BaseSettings):
     long_polls_per_tenant: int = Field(64, ge=1, le=256, description="long-polls one tenant may hold open at once "
                                                                      "in one API process (each holds one of its 256 "
                                                                      "Redis connections); past it, 429")
+    max_live_sessions_per_tenant: int = Field(1000, ge=1, le=1_000_000,
+                                              description="sessions one tenant may hold live at once (unfinished, "
+                                                          "heartbeat within QUILT_SESSION_LIVE_S); past it, 429")
+    session_live_s: int = Field(900, ge=60, le=30 * 86_400,
+                                description="a session without a heartbeat this long no longer counts as live")
     future_ttl_seconds: int = Field(24 * 3600, ge=60, description="how long results stay retrievable")
     caller_cache_seconds: float = Field(
         60.0, ge=0, le=3600, description="longest an API process keeps a key's principal, a tenant's spend or a "
@@ -273,6 +278,8 @@ class TenancySettings(BaseSettings):
     max_models: int = Field(64, ge=1, description="live training models per tenant")
     max_inflight_requests: int = Field(256, ge=1, description="unfinished requests per tenant")
     tokens_per_minute: int = Field(2_000_000, ge=1, description="rate limit on submitted tokens")
+    max_checkpoint_bytes: int = Field(100 * 2**30, ge=1, le=2**63 - 1,
+                                      description="bytes of live checkpoints per tenant; past them saves are refused")
 
 
 class SecuritySettings(BaseSettings):

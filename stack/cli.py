@@ -194,9 +194,9 @@ def cmd_keys_create(args) -> int:
 
     with db.connect(_prepared(args)) as conn:
         tenant = get_tenant_by_name(conn, args.tenant)
-        secret, key = create_key(conn, tenant.id, name=args.name)
-        accounts.record(conn, tenant.id, "cli", "key.created", prefix=key.prefix, name=key.name)
-    print(f"API key {key.prefix}... for {tenant.name}, shown once:")
+        secret, key = create_key(conn, tenant.id, name=args.name, role=args.role)
+        accounts.record(conn, tenant.id, "cli", "key.created", prefix=key.prefix, name=key.name, role=key.role)
+    print(f"{key.role} API key {key.prefix}... for {tenant.name}, shown once:")
     print(secret)
     return 0
 
@@ -209,7 +209,7 @@ def cmd_keys_list(args) -> int:
     with db.connect(_prepared(args)) as conn:
         for k in list_keys(conn, get_tenant_by_name(conn, args.tenant).id):
             state = f"revoked {k.revoked_at:%Y-%m-%d %H:%M}" if k.revoked_at else "active"
-            print(f"{k.prefix}...\t{k.name or '-'}\tcreated {k.created_at:%Y-%m-%d %H:%M}\t{state}")
+            print(f"{k.prefix}...\t{k.name or '-'}\t{k.role}\tcreated {k.created_at:%Y-%m-%d %H:%M}\t{state}")
     return 0
 
 
@@ -357,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     _data_dir_option(p)
     p.add_argument("tenant")
     p.add_argument("--name", default="")
+    p.add_argument("--role", default="owner", choices=("owner", "member", "read_only"),
+                   help="what the key may do (tenancy.roles); owner by default")
     p.set_defaults(func=cmd_keys_create)
     p = keys.add_parser("list", help="list a tenant's keys by prefix")
     _data_dir_option(p)

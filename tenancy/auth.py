@@ -27,11 +27,14 @@ class Principal:
     suspended_reason: str | None = None
     key_prefix: str = ""
     account_email: str | None = None  # a dashboard session of a member account (tenancy.members), not a key
-    member_role: str = "owner"  # an API key acts for its tenant as an owner does
+    member_role: str = "owner"  # the key's or the account's role in its tenant (tenancy.roles)
+    member_id: str | None = None  # the account calling, or the one that made the calling key
+    max_checkpoint_bytes: int = 100 * 2**30  # bytes of live checkpoints (a save is refused past them)
 
     @property
     def is_operator(self) -> bool:
-        return self.role == "operator"
+        """Operator power: an owner of an operator tenant, never its members or read-only keys."""
+        return self.role == "operator" and self.member_role == "owner"
 
     @property
     def is_owner(self) -> bool:
@@ -44,8 +47,10 @@ class Principal:
 
 
 _TENANT_COLUMNS = ("t.id AS tenant_id, t.name AS tenant_name, t.role, t.plan_weight, t.max_models, "
-                   "t.max_inflight_requests, t.tokens_per_minute, t.suspended_kind, t.suspended_reason")
-_COLUMNS = f"k.id AS key_id, k.prefix AS key_prefix, k.revoked_at, {_TENANT_COLUMNS}"
+                   "t.max_inflight_requests, t.tokens_per_minute, t.max_checkpoint_bytes, t.suspended_kind, "
+                   "t.suspended_reason")
+_COLUMNS = (f"k.id AS key_id, k.prefix AS key_prefix, k.revoked_at, k.role AS member_role, k.member_id, "
+            f"{_TENANT_COLUMNS}")
 _FROM = " FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE "
 _PRINCIPAL = f"SELECT {_COLUMNS}{_FROM}"
 _PRINCIPAL_AND_SPEND = f"SELECT {_COLUMNS}, {MONTH_TO_DATE_OF_T} AS spent{_FROM}"
@@ -86,7 +91,8 @@ async def principal_for_key_id(conn: AsyncConnection, key_id: str) -> Principal:
     return await _principal(conn, "k.id = %s", key_id)
 
 
-_ACCOUNT = (f"SELECT '' AS key_id, '' AS key_prefix, a.email AS account_email, a.role AS member_role, {_TENANT_COLUMNS} "
+_ACCOUNT = (f"SELECT '' AS key_id, '' AS key_prefix, a.email AS account_email, a.role AS member_role, "
+            f"a.id AS member_id, {_TENANT_COLUMNS} "
             "FROM members a JOIN tenants t ON t.id = a.tenant_id WHERE a.id = %s AND a.removed_at IS NULL")
 
 

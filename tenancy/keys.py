@@ -30,19 +30,24 @@ class KeyInfo:
     name: str
     created_at: datetime
     revoked_at: datetime | None
+    role: str = "owner"  # tenancy.roles
+    member_id: str | None = None  # the member account that made it (None: the CLI or a key)
+    created_by: str = "cli"  # the maker as the audit log names it
 
 
-_RETURNING = "RETURNING id, tenant_id, prefix, name, created_at, revoked_at"
-_CREATE = f"INSERT INTO api_keys (id, tenant_id, prefix, key_hash, name) VALUES (%s, %s, %s, %s, %s) {_RETURNING}"
-_LIST = ("SELECT id, tenant_id, prefix, name, created_at, revoked_at FROM api_keys "
-         "WHERE tenant_id = %s ORDER BY created_at")
+_FIELDS = "id, tenant_id, prefix, name, created_at, revoked_at, role, member_id, created_by"
+_RETURNING = f"RETURNING {_FIELDS}"
+_CREATE = ("INSERT INTO api_keys (id, tenant_id, prefix, key_hash, name, role, member_id, created_by) "
+           f"VALUES (%s, %s, %s, %s, %s, %s, %s, %s) {_RETURNING}")
+_LIST = f"SELECT {_FIELDS} FROM api_keys WHERE tenant_id = %s ORDER BY created_at"
 _REVOKE = ("UPDATE api_keys SET revoked_at = now() WHERE prefix = %s AND revoked_at IS NULL "
            f"AND (%s::text IS NULL OR tenant_id = %s) {_RETURNING}")
 
 
-def _new_secret(tenant_id: str, name: str) -> tuple[str, tuple]:
+def _new_secret(tenant_id: str, name: str, role: str, member_id: str | None, created_by: str) -> tuple[str, tuple]:
     secret = ids.new_api_key()
-    return secret, (ids.new_key_id(), tenant_id, secret[:PREFIX_LEN], hash_key(secret), name)
+    return secret, (ids.new_key_id(), tenant_id, secret[:PREFIX_LEN], hash_key(secret), name, role, member_id,
+                    created_by)
 
 
 def _revoked(rows: list[dict], prefix: str) -> KeyInfo:
@@ -51,9 +56,10 @@ def _revoked(rows: list[dict], prefix: str) -> KeyInfo:
     return KeyInfo(**rows[0])
 
 
-def create_key(conn: psycopg.Connection, tenant_id: str, name: str = "") -> tuple[str, KeyInfo]:
-    """Create a key for a tenant; returns (the secret, shown once; its record)."""
-    secret, params = _new_secret(tenant_id, name)
+def create_key(conn: psycopg.Connection, tenant_id: str, name: str = "", role: str = "owner") -> tuple[str, KeyInfo]:
+    """Create a key for a tenant (the CLI's: an owner's unless `role` says less); returns (the
+    secret, shown once; its record)."""
+    secret, params = _new_secret(tenant_id, name, role, None, "cli")
     return secret, KeyInfo(**conn.execute(_CREATE, params).fetchone())
 
 
@@ -66,11 +72,13 @@ def revoke_key(conn: psycopg.Connection, prefix: str, tenant_id: str | None = No
     return _revoked(conn.execute(_REVOKE, (prefix, tenant_id, tenant_id)).fetchall(), prefix)
 
 
-# The same three for the API's async connections (the dashboard's key page).
+# The API's async connections (the dashboard's key page).
 
-async def create_key_async(conn: psycopg.AsyncConnection, tenant_id: str, name: str = "") -> tuple[str, KeyInfo]:
-    """Async form of `create_key`."""
-    secret, params = _new_secret(tenant_id, name)
+async def create_key_async(conn: psycopg.AsyncConnection, tenant_id: str, name: str, *, role: str,
+                           member_id: str | None, created_by: str) -> tuple[str, KeyInfo]:
+    """A key made by a caller (the dashboard): `role` already capped at the caller's
+    (tenancy.roles.key_role), `member_id` the account it answers to."""
+    secret, params = _new_secret(tenant_id, name, role, member_id, created_by)
     cur = await conn.execute(_CREATE, params)
     return secret, KeyInfo(**await cur.fetchone())
 
@@ -81,7 +89,21 @@ async def list_keys_async(conn: psycopg.AsyncConnection, tenant_id: str) -> list
     return [KeyInfo(**r) for r in await cur.fetchall()]
 
 
+async def key_by_prefix_async(conn: psycopg.AsyncConnection, prefix: str, tenant_id: str) -> KeyInfo:
+    """The active key of this tenant with this prefix (NotFound otherwise, another tenant's too)."""
+    cur = await conn.execute(f"SELECT {_FIELDS} FROM api_keys WHERE prefix = %s AND tenant_id = %s "
+                             "AND revoked_at IS NULL", (prefix, tenant_id))
+    return _revoked(await cur.fetchall(), prefix)
+
+
 async def revoke_key_async(conn: psycopg.AsyncConnection, prefix: str, tenant_id: str) -> KeyInfo:
     """Async form of `revoke_key`, always within one tenant (another tenant's key is 404)."""
     cur = await conn.execute(_REVOKE, (prefix, tenant_id, tenant_id))
     return _revoked(await cur.fetchall(), prefix)
+
+
+async def revoke_member_keys(conn: psycopg.AsyncConnection, member_id: str) -> list[str]:
+    """Revoke every active key a member account made (their removal); returns the prefixes."""
+    cur = await conn.execute("UPDATE api_keys SET revoked_at = now() WHERE member_id = %s AND revoked_at IS NULL "
+                             "RETURNING prefix", (member_id,))
+    return [r["prefix"] for r in await cur.fetchall()]

@@ -13,6 +13,8 @@ time.
 - `reset` (password-reset requests) and `signup` (sign-up and invitation acceptance): counters of
   their own, per address and per account (an inbox is not flooded, accounts are not minted in
   bulk), so they never count as failed logins and never lock anyone out of their account.
+- `invite` (invitations sent): per inviter and per address, each at the per-address limit, so a
+  stolen owner session cannot mail-bomb strangers.
 
 The address is the client's: the connection's peer, or the X-Forwarded-For of a proxy listed in
 QUILT_TRUSTED_PROXIES (api.links). Behind an unlisted proxy every client shares the proxy's address.
@@ -28,7 +30,7 @@ from redis.asyncio import Redis
 from core.errors import QuotaExceeded
 from core.settings import get_api_settings
 
-Kind = Literal["login", "reset", "signup"]
+Kind = Literal["login", "reset", "signup", "invite"]
 
 
 def _key(kind: str, *parts: str) -> str:
@@ -52,7 +54,9 @@ def _counters(kind: Kind, account: str | None, address: str) -> list[tuple[str, 
         return out
     out = [(_key(f"{kind}-address", address), s.login_failures_per_address, "this address")]
     if account:
-        out.append((_key(f"{kind}-account", account), s.login_failures_per_account, "this account"))
+        # An owner onboarding a team sends more invitations than anyone asks for resets.
+        per_account = s.login_failures_per_address if kind == "invite" else s.login_failures_per_account
+        out.append((_key(f"{kind}-account", account), per_account, "this account"))
     return out
 
 

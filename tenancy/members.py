@@ -1,6 +1,7 @@
 """Dashboard accounts: people who log in with an email and a password, each a member of one tenant
-as `owner` (sets budgets, invites and removes members) or `member` (creates and revokes keys, sees
-runs, spend and billing). Logging in with an API key keeps working and acts as an owner.
+as `owner` (sets budgets, invites and removes members, replaces the card), `member` (trains,
+samples, makes keys up to its role) or `read_only` (tenancy.roles). Logging in with an API key
+keeps working and acts with the key's role.
 
 Passwords are hashed with Argon2id (argon2-cffi's defaults). Sign-up is by invitation unless the
 operator opens it (`QUILT_SIGNUP=open`: anyone may create a tenant and become its owner).
@@ -26,11 +27,11 @@ from argon2.exceptions import InvalidHashError, VerifyMismatchError
 from core import ids
 from core.errors import Conflict, Forbidden, InvalidInput, NotFound, Unauthenticated
 from core.settings import get_api_settings
+from tenancy.keys import revoke_member_keys
 from tenancy.tenants import create_tenant_async
 
 log = logging.getLogger("quilt.members")
 
-ROLES = ("owner", "member")
 MIN_PASSWORD, MAX_PASSWORD = 10, 200
 INVITE_TTL_S, RESET_TTL_S = 7 * 86_400, 3_600
 _EMAIL = re.compile(r"^[^@\s]{1,64}@[^@\s]+\.[^@\s]+$")
@@ -124,7 +125,8 @@ async def list_members(conn: psycopg.AsyncConnection, tenant_id: str) -> list[di
 
 
 async def remove(conn: psycopg.AsyncConnection, tenant_id: str, member_id: str) -> dict:
-    """Remove a member of this tenant (never its last owner); their sessions end at their next request."""
+    """Remove a member of this tenant (never its last owner) and revoke the keys they made; the
+    caller ends their dashboard sessions."""
     row = await (await conn.execute(
         "UPDATE members SET removed_at = now() WHERE id = %s AND tenant_id = %s AND removed_at IS NULL "
         "RETURNING email, role", (member_id, tenant_id))).fetchone()
@@ -134,6 +136,25 @@ async def remove(conn: psycopg.AsyncConnection, tenant_id: str, member_id: str) 
                                        "AND removed_at IS NULL", (tenant_id,))).fetchone()
     if row["role"] == "owner" and owners["n"] == 0:
         raise Conflict("a tenant keeps at least one owner; make someone else owner first", field="member_id")
+    return {**row, "revoked_keys": await revoke_member_keys(conn, member_id)}
+
+
+async def list_invitations(conn: psycopg.AsyncConnection, tenant_id: str) -> list[dict]:
+    """The tenant's invitations still open (unused, unexpired), oldest first."""
+    cur = await conn.execute("SELECT id, email, role, created_by, expires_at FROM member_tokens WHERE tenant_id = %s "
+                             "AND purpose = 'invite' AND used_at IS NULL AND expires_at > now() ORDER BY id",
+                             (tenant_id,))
+    return await cur.fetchall()
+
+
+async def revoke_invitation(conn: psycopg.AsyncConnection, tenant_id: str, invitation_id: int) -> dict:
+    """Spend an open invitation of this tenant so its link stops working (NotFound otherwise)."""
+    cur = await conn.execute("UPDATE member_tokens SET used_at = now() WHERE id = %s AND tenant_id = %s "
+                             "AND purpose = 'invite' AND used_at IS NULL AND expires_at > now() RETURNING email",
+                             (invitation_id, tenant_id))
+    row = await cur.fetchone()
+    if row is None:
+        raise NotFound("no open invitation of your tenant with this id", field="invitation_id")
     return row
 
 

@@ -197,6 +197,13 @@ async def list_checkpoints(conn: AsyncConnection, who: Principal, *, model_id: s
     return rows, (rows[0]["total"] if rows else 0)
 
 
+async def checkpoint_bytes(conn: AsyncConnection, who: Principal) -> int:
+    """The bytes of the caller's tenant's live checkpoints (its max_checkpoint_bytes quota)."""
+    cur = await conn.execute(f"SELECT COALESCE(sum(size_bytes), 0)::bigint AS n FROM checkpoints "
+                             f"WHERE tenant_id = %s AND {retention.LIVE}", (who.tenant_id,))
+    return (await cur.fetchone())["n"]
+
+
 async def checkpoint_storage(conn: AsyncConnection, who: Principal) -> list[dict]:
     """Your live checkpoints' count and bytes by the key that created their session (`key_prefix`,
     `key_name`; None where the session records no key), most bytes first."""

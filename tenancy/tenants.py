@@ -23,12 +23,13 @@ class Tenant:
     max_models: int
     max_inflight_requests: int
     tokens_per_minute: int
+    max_checkpoint_bytes: int
 
 
-_COLUMNS = "id, name, role, plan_weight, max_models, max_inflight_requests, tokens_per_minute"
+_COLUMNS = "id, name, role, plan_weight, max_models, max_inflight_requests, tokens_per_minute, max_checkpoint_bytes"
 
 
-_CREATE = (f"INSERT INTO tenants ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+_CREATE = (f"INSERT INTO tenants ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
            f"ON CONFLICT (name) DO NOTHING RETURNING {_COLUMNS}")
 
 
@@ -41,7 +42,7 @@ def _create_params(name: str, role: str, plan_weight: float) -> tuple:
         raise ValueError(f"role must be one of {ROLES}")
     quotas = get_tenancy_settings()
     return (ids.new_tenant_id(), name, role, plan_weight, quotas.max_models, quotas.max_inflight_requests,
-            quotas.tokens_per_minute)
+            quotas.tokens_per_minute, quotas.max_checkpoint_bytes)
 
 
 def _created(row: dict | None, name: str) -> Tenant:
@@ -95,7 +96,7 @@ def set_quota(conn: psycopg.Connection, name: str, *, tokens_per_minute: int | N
     return Tenant(**row)
 
 
-PLAN_FIELDS = ("tokens_per_minute", "max_inflight_requests", "max_models", "plan_weight")
+PLAN_FIELDS = ("tokens_per_minute", "max_inflight_requests", "max_models", "plan_weight", "max_checkpoint_bytes")
 
 
 async def set_plan_async(conn, tenant_id: str, changes: dict) -> dict:

@@ -21,7 +21,8 @@ from core.loss_spec import LossConfig
 from core.work import AdamParams, OptimStep, PassWork, WorkItem, WorkKind
 from tenancy.auth import Principal
 
-WHO = Principal("t1", "acme", "tenant", "k1", 1.0, max_models=2, max_inflight_requests=3, tokens_per_minute=1000)
+WHO = Principal("t1", "acme", "tenant", "k1", 1.0, max_models=2, max_inflight_requests=3, tokens_per_minute=1000,
+                max_checkpoint_bytes=100)
 SPENT = BudgetState("tenant", 100, 90, 20)  # 110 of 100 committed: exhausted
 ROOM = BudgetState("key", 100, 10, 0, "k1", "qk_ab")
 CALL = rule.Facts(WHO, "forward_backward", tokens=100, billable=True, model_id="m", seq_id=4,
@@ -75,6 +76,10 @@ def _outcome(d: rule.Decision):
     ({"new_model": True, "model_status": None, "live_models": 2}, "403 max_models"),
     ({"new_model": True, "model_status": None, "live_models": 2,
       "who": replace(WHO, suspended_kind="operator")}, "403 tenant.suspended"),  # the suspension says why first
+    ({"stores": True, "billable": False, "tokens": 0}, "read stored_bytes"),
+    ({"stores": True, "billable": False, "tokens": 0, "stored_bytes": 99}, "admit"),
+    ({"stores": True, "billable": False, "tokens": 0, "stored_bytes": 100}, "403 max_checkpoint_bytes"),
+    ({"stores": True, "billable": False, "tokens": 0, "stored_bytes": 100, "check_quota": False}, "admit"),
     # 5. budgets, billable calls only
     ({"budgeted": True}, "read budgets"),
     ({"budgeted": True, "billable": False, "tokens": 0}, "admit"),

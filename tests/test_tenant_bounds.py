@@ -71,3 +71,30 @@ def test_one_tenants_long_polls_are_bounded_per_process_and_others_still_answer(
     refused = next(r for r in answers[:3] if r.status_code == 429)
     assert refused.json()["field"] == "long_polls" and "Retry-After" in refused.headers
     assert answers[3].status_code == 200 and answers[3].json()["type"] == "try_again"  # the other tenant waited
+
+
+def test_checkpoint_bytes_are_a_plan_quota_shown_in_usage_and_refusing_saves(stack, tenant):
+    """max_checkpoint_bytes (issue 46 item 5): once a tenant's live checkpoints reach it, a save is a
+    403 naming the field; reads, downloads and deletes keep working, and deleting frees the room."""
+    from dashutil import operator_key
+    from stackutil import new_model, wait_future
+
+    with stack.http(operator_key(stack)) as operator:
+        r = operator.put(f"/quilt/tenants/{tenant.name}/plan", json={"max_checkpoint_bytes": 1})
+        assert r.status_code == 200 and r.json()["max_checkpoint_bytes"] == 1, r.text
+        assert operator.put(f"/quilt/tenants/{tenant.name}/plan",
+                            json={"max_checkpoint_bytes": 2**63}).status_code == 400
+    with stack.http(tenant.key) as client:
+        model_id = new_model(client)
+        first = client.post("/save_weights", json={"model_id": model_id, "seq_id": 1, "path": "first"})
+        assert first.status_code == 200, first.text  # nothing stored yet: under the quota
+        assert "error" not in wait_future(client, first.json()["request_id"])
+        usage = client.get("/quilt/usage").json()
+        assert usage["max_checkpoint_bytes"] == 1 and usage["checkpoint_bytes"] > 1
+        refused = client.post("/save_weights", json={"model_id": model_id, "seq_id": 2, "path": "second"})
+        assert refused.status_code == 403 and refused.json()["field"] == "max_checkpoint_bytes", refused.text
+        assert client.get(f"/training_runs/{model_id}/checkpoints").status_code == 200
+        assert client.delete(f"/training_runs/{model_id}/checkpoints/weights/first").status_code == 204
+        assert client.get("/quilt/usage").json()["checkpoint_bytes"] == 0
+        again = client.post("/save_weights", json={"model_id": model_id, "seq_id": 3, "path": "second"})
+        assert again.status_code == 200, again.text

@@ -18,6 +18,7 @@ from api.dashboard.deps import (
     Changing,
     LoggedIn,
     OperatorChanging,
+    OwnerChanging,
     OperatorOnly,
     page_context,
 )
@@ -28,7 +29,7 @@ from billing import budgets
 from billing.stripe_api import StripeGateway
 from core.errors import InvalidInput, NotFound
 from core.settings import get_billing_settings
-from tenancy import keys
+from tenancy import keys, scoped
 
 router = APIRouter(prefix="/dashboard", route_class=PageRoute, include_in_schema=False)
 
@@ -41,9 +42,10 @@ async def account_page(request: Request, viewer: LoggedIn, pool: Pool, saved: st
         credit = await account.credits_json(conn, viewer.who.tenant_id)
         audit = await account.audit_json(conn, viewer.who, None, limit=50)
         key_rows = [k for k in await keys.list_keys_async(conn, viewer.who.tenant_id) if k.revoked_at is None]
+        stored = await scoped.checkpoint_bytes(conn, viewer.who)
     return page(request, "account.html", page_context(viewer, "account", budgets=states, month=month,
                                                       credit=credit, audit=audit["entries"], keys=key_rows,
-                                                      saved=saved))
+                                                      saved=saved, stored=stored))
 
 
 @router.post("/account/budget")
@@ -89,8 +91,8 @@ def _checkout_origin(settings) -> str:
 
 
 @router.post("/billing/card")
-async def billing_card(request: Request, viewer: Changing, pool: Pool):
-    """Start Stripe Checkout (setup mode) to add or replace the card invoices are charged to."""
+async def billing_card(request: Request, viewer: OwnerChanging, pool: Pool):
+    """(Owners.) Start Stripe Checkout (setup mode) to add or replace the card invoices are charged to."""
     settings = get_billing_settings()
     async with pool.connection() as conn:
         acct = await (await conn.execute("SELECT stripe_customer_id FROM billing_accounts WHERE tenant_id = %s",

@@ -15,7 +15,8 @@ from api.dashboard import sessions
 from api.dashboard.deps import LoggedIn, OwnerChanging, page_context
 from api.dashboard.pages import braked_login, client_address, login_page, safe_next
 from api.dashboard.render import PageRoute, page
-from api.deps import Pool, RedisDep
+from api.caller_cache import changing
+from api.deps import Callers, Pool, RedisDep
 from billing.customers import request_customer
 from core.errors import Forbidden, InvalidInput, QuiltError
 from core.settings import get_api_settings
@@ -163,34 +164,55 @@ async def reset(request: Request, pool: Pool, redis: RedisDep, token: Annotated[
 
 @router.get("/members")
 async def members_page(request: Request, viewer: LoggedIn, pool: Pool):
-    """Who can log in to this tenant, and (owners) invitations."""
+    """Who can log in to this tenant, and (owners) the invitations still open."""
+    return await _members_page(request, viewer, pool)
+
+
+async def _members_page(request: Request, viewer, pool, **extra):
     async with pool.connection() as conn:
         rows = await members.list_members(conn, viewer.who.tenant_id)
-    return page(request, "members.html", page_context(viewer, "members", members=rows))
+        invitations = await members.list_invitations(conn, viewer.who.tenant_id) if viewer.who.is_owner else []
+    return page(request, "members.html", page_context(viewer, "members", members=rows, invitations=invitations,
+                                                      **extra))
 
 
 @router.post("/members/invite")
-async def invite(request: Request, viewer: OwnerChanging, pool: Pool, email: Annotated[str, Form(max_length=254)] = "",
-                 role: Annotated[Literal["owner", "member"], Form()] = "member"):
-    """Invite someone: the link is mailed (or logged) and shown here once."""
+async def invite(request: Request, viewer: OwnerChanging, pool: Pool, redis: RedisDep,
+                 email: Annotated[str, Form(max_length=254)] = "",
+                 role: Annotated[Literal["owner", "member", "read_only"], Form()] = "member"):
+    """Invite someone: the link is mailed (or logged) and shown here once. Braked per inviter and
+    per client address (tenancy.login_limit): an owner's session cannot mail-bomb strangers."""
     address = members.check_email(email)
+    await login_limit.take(redis, "invite", account=viewer.who.actor, address=client_address(request))
     async with pool.connection() as conn:
         token = await members.new_token(conn, "invite", viewer.who.tenant_id, address, role, viewer.who.actor)
         await accounts.record_async(conn, viewer.who.tenant_id, viewer.who.actor, "member.invited", email=address,
                                     role=role)
-        rows = await members.list_members(conn, viewer.who.tenant_id)
     link = links.link(request, f"/dashboard/signup?invite={token}")
     settings = get_api_settings()
     await run_in_threadpool(members.deliver, settings.smtp_url, settings.mail_from, address,
                             f"You are invited to {viewer.who.tenant_name} on Quilt", link)
-    return page(request, "members.html", page_context(viewer, "members", members=rows, invite_link=link,
-                                                      invited=address))
+    return await _members_page(request, viewer, pool, invite_link=link, invited=address)
+
+
+@router.post("/members/invitations/revoke")
+async def revoke_invitation(viewer: OwnerChanging, pool: Pool,
+                            invitation_id: Annotated[int, Form(ge=1, le=2**63 - 1)] = 0):
+    """Revoke an open invitation: its link stops working."""
+    async with pool.connection() as conn:
+        gone = await members.revoke_invitation(conn, viewer.who.tenant_id, invitation_id)
+        await accounts.record_async(conn, viewer.who.tenant_id, viewer.who.actor, "member.invitation_revoked",
+                                    email=gone["email"])
+    return RedirectResponse("/dashboard/members", status_code=303)
 
 
 @router.post("/members/remove")
-async def remove(viewer: OwnerChanging, pool: Pool, member_id: Annotated[str, Form(max_length=64)] = ""):
-    """Remove a member; their sessions end at their next request."""
-    async with pool.connection() as conn:
+async def remove(viewer: OwnerChanging, pool: Pool, redis: RedisDep, callers: Callers,
+                 member_id: Annotated[str, Form(max_length=64)] = ""):
+    """Remove a member: the keys they made are revoked and their dashboard sessions end now."""
+    async with changing(pool, callers) as conn:
         gone = await members.remove(conn, viewer.who.tenant_id, member_id)
-        await accounts.record_async(conn, viewer.who.tenant_id, viewer.who.actor, "member.removed", email=gone["email"])
+        await accounts.record_async(conn, viewer.who.tenant_id, viewer.who.actor, "member.removed", email=gone["email"],
+                                    revoked_keys=gone["revoked_keys"])
+    await sessions.end_account(redis, member_id)
     return RedirectResponse("/dashboard/members", status_code=303)

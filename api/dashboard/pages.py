@@ -22,7 +22,7 @@ from api.routes.downloads import adapter_download, merge_members
 from bases import catalog
 from checkpoints.layout import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
 from core.errors import Forbidden, NotFound, QuotaExceeded, Unauthenticated
-from tenancy import accounts, keys, login_limit, scoped
+from tenancy import accounts, keys, login_limit, roles, scoped
 from tenancy.auth import authenticate
 
 router = APIRouter(prefix="/dashboard", route_class=PageRoute, include_in_schema=False)
@@ -194,7 +194,8 @@ async def spend(request: Request, viewer: LoggedIn, pool: Pool, since: date | No
 async def _keys_page(request: Request, viewer: Viewer, pool, **extra):
     async with pool.connection() as conn:
         rows = await keys.list_keys_async(conn, viewer.who.tenant_id)
-    return page(request, "keys.html", page_context(viewer, "keys", keys=rows, **extra))
+    key_roles = [r for r in roles.ROLES if roles.at_most(r, viewer.who.member_role)]
+    return page(request, "keys.html", page_context(viewer, "keys", keys=rows, key_roles=key_roles, **extra))
 
 
 @router.get("/keys")
@@ -205,22 +206,32 @@ async def keys_page(request: Request, viewer: LoggedIn, pool: Pool, revoked: str
 
 @router.post("/keys")
 async def create_key(request: Request, viewer: Changing, pool: Pool,
-                     name: Annotated[str, Form(max_length=100)] = ""):
-    """Create a key; its secret is in this response only (not in a redirect URL, not in the session)."""
+                     name: Annotated[str, Form(max_length=100)] = "",
+                     role: Annotated[str, Form(max_length=20)] = ""):
+    """Create a key holding at most the viewer's role (by default, that role); its secret is in this
+    response only (not in a redirect URL, not in the session). It answers to the viewer's account:
+    removing them revokes it."""
+    who = viewer.who
+    key_role = roles.key_role(role or who.member_role, who.member_role)
     async with pool.connection() as conn:
-        secret, info = await keys.create_key_async(conn, viewer.who.tenant_id, name.strip())
-        await accounts.record_async(conn, viewer.who.tenant_id, viewer.who.actor,
-                                    "key.created", prefix=info.prefix, name=info.name)
+        secret, info = await keys.create_key_async(conn, who.tenant_id, name.strip(), role=key_role,
+                                                   member_id=who.member_id, created_by=who.actor)
+        await accounts.record_async(conn, who.tenant_id, who.actor, "key.created", prefix=info.prefix, name=info.name,
+                                    role=key_role)
     return await _keys_page(request, viewer, pool, new_secret=secret, new_key=info)
 
 
 @router.post("/keys/revoke")
 async def revoke_key(viewer: Changing, pool: Pool, callers: Callers, prefix: Annotated[str, Form(max_length=40)] = ""):
-    """Revoke one of your keys by prefix. Revoking the key this session logged in with ends it."""
+    """Revoke a key by prefix: owners any of the tenant's, others those their account made.
+    Revoking the key this session logged in with ends it."""
+    who = viewer.who
     async with changing(pool, callers) as conn:
-        revoked = await keys.revoke_key_async(conn, prefix, viewer.who.tenant_id)
-        await accounts.record_async(conn, viewer.who.tenant_id, viewer.who.actor,
-                                    "key.revoked", prefix=revoked.prefix)
+        key = await keys.key_by_prefix_async(conn, prefix, who.tenant_id)
+        if not roles.may_revoke(who.member_role, who.member_id, key.member_id):
+            raise Forbidden("only an owner may revoke a key someone else made", field="prefix")
+        revoked = await keys.revoke_key_async(conn, prefix, who.tenant_id)
+        await accounts.record_async(conn, who.tenant_id, who.actor, "key.revoked", prefix=revoked.prefix)
     return RedirectResponse("/dashboard/keys?" + urlencode({"revoked": prefix}), status_code=303)
 
 

@@ -21,7 +21,7 @@ from api.routes.billing import budget_json
 from billing import budgets, credits
 from billing.pricing import parse_usd, usd
 from core.errors import Forbidden, InvalidInput, NotFound
-from tenancy import accounts, scoped, tenants
+from tenancy import accounts, roles, scoped, tenants
 from tenancy.auth import Principal
 
 router = APIRouter(route_class=GuardedRoute, prefix="/quilt", tags=["account"])
@@ -52,6 +52,8 @@ class PlanRequest(BaseModel):
     tokens_per_minute: int | None = Field(None, ge=1, le=2**31 - 1)
     max_inflight_requests: int | None = Field(None, ge=1, le=2**31 - 1)
     max_models: int | None = Field(None, ge=1, le=2**31 - 1)
+    max_checkpoint_bytes: int | None = Field(None, ge=1, le=2**63 - 1,
+                                             description="bytes of live checkpoints the tenant may keep")
     plan_weight: float | None = Field(None, gt=0, le=1000, allow_inf_nan=False,
                                       description="the tenant's fair-share weight in the trainer (re-read every 30 s)")
 
@@ -110,13 +112,15 @@ async def put_budget(body: BudgetRequest, who: Who, pool: Pool) -> dict:
 
 async def change_budget(conn, who: Principal, monthly_usd: str | None, api_key_prefix: str | None) -> None:
     """Set (or with None, clear) one budget of the caller's tenant, and record it (the API and the
-    dashboard's account page)."""
-    if not who.is_owner:
-        raise Forbidden("only an owner of this tenant may change its budgets", field="role")
+    dashboard's account page). Owners change any; a key may lower its own (tenancy.roles)."""
     limit = None if monthly_usd is None else _micro_usd(monthly_usd, "monthly_usd", most=MAX_BUDGET_USD)
     key_id = None
     if api_key_prefix is not None:
         key_id = await scoped.key_id(conn, who, api_key_prefix.removesuffix("..."))
+    own_key = key_id is not None and key_id == who.key_id
+    current = await budgets.budget_limit_async(conn, who.tenant_id, key_id) if own_key else None
+    if why := roles.budget_refusal(who.member_role, own_key, current, limit):
+        raise Forbidden(why, field="role" if not own_key else "monthly_usd")
     actor = who.actor
     scope = {"api_key_prefix": api_key_prefix} if key_id else {}
     if limit is None:

@@ -17,6 +17,7 @@ from billing import budgets, price_book, usage
 from billing.budgets import BudgetState
 from billing.pricing import UNITS, Price, Units, estimate, usd
 from core.errors import InvalidInput, NotFound
+from tenancy import scoped
 
 router = APIRouter(route_class=GuardedRoute, prefix="/quilt", tags=["billing"])
 
@@ -65,7 +66,8 @@ def budget_json(s: BudgetState) -> dict:
 @router.get("/usage")
 async def get_usage(who: Who, pool: Pool, since: date | None = None, until: date | None = None) -> dict:
     """Spend between `since` (default: the 1st of this UTC month) and `until` (exclusive; default:
-    tomorrow), by day, by base model and by unit, plus this month's budgets."""
+    tomorrow), by day, by base model and by unit, plus this month's budgets and the bytes of live
+    checkpoints beside their quota (`max_checkpoint_bytes`: saves are refused once they are reached)."""
     today = datetime.now(UTC).date()
     since = since or today.replace(day=1)
     until = until or today + timedelta(days=1)
@@ -77,6 +79,7 @@ async def get_usage(who: Who, pool: Pool, since: date | None = None, until: date
         summary = await usage.report(conn, who.tenant_id, since, until)
         states, month = await budgets.budget_states(conn, who.tenant_id, who.key_id, all_keys=True)
         month_to_date = await budgets.month_to_date(conn, who.tenant_id)
+        stored = await scoped.checkpoint_bytes(conn, who)
     return {
         "tenant_id": who.tenant_id,
         "tenant_name": who.tenant_name,
@@ -85,6 +88,8 @@ async def get_usage(who: Who, pool: Pool, since: date | None = None, until: date
         "month_to_date_usd": usd(month_to_date),
         "budgets": [budget_json(s) for s in states],
         "budget_month": month or today.strftime("%Y-%m"),
+        "checkpoint_bytes": stored,
+        "max_checkpoint_bytes": who.max_checkpoint_bytes,
     }
 
 

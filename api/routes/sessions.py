@@ -16,6 +16,7 @@ from api.schemas import (
 from core import db, ids
 from core.errors import UserError
 from core.numbers import INT32_MAX
+from core.settings import get_api_settings
 from tenancy import scoped
 
 router = APIRouter(route_class=GuardedRoute, tags=["sessions"])
@@ -28,14 +29,16 @@ class SessionFinished(UserError):
 @router.post("/create_session")
 async def create_session(body: CreateSessionRequest, who: Who, pool: Pool) -> dict:
     """Open a session; models and samplers are created inside one. Refused (402/403) while the
-    tenant is suspended."""
+    tenant is suspended, and (429) while it holds QUILT_MAX_LIVE_SESSIONS_PER_TENANT live ones."""
     refusal = admission_rule.suspension_refusal(who)
     if refusal is not None:
         raise refusal
     session_id = ids.new_session_id()
+    settings = get_api_settings()
     async with db.autocommit(pool) as conn:
         await records.insert_session(conn, who, session_id, tags=body.tags, user_metadata=body.user_metadata,
-                                     sdk_version=body.sdk_version, display_name=body.display_name)
+                                     sdk_version=body.sdk_version, display_name=body.display_name,
+                                     max_live=settings.max_live_sessions_per_tenant, live_s=settings.session_live_s)
     return {"session_id": session_id, "type": "create_session"}
 
 
