@@ -6,7 +6,9 @@ float32 and stored in the base's dtype. Everything else of the base (config, tok
 config, the safetensors index) is sent as it is.
 
 Why not PEFT's `merge_and_unload`: it needs the whole base in memory, and then a second copy to
-save it. A merged weight has the shape and dtype of the base's, so every merged .safetensors file
+save it. Here only the adapter's low-rank factors stay in memory; each weight's dense delta is
+computed when that weight is written and dropped after it (bench/merge_memory.py measures the
+peak). A merged weight has the shape and dtype of the base's, so every merged .safetensors file
 has the same header and the same size as the base's: it is written tensor by tensor in one pass,
 one tensor in memory at a time, and its size is known before the first byte (a tar member, or a
 Content-Length). The API streams it as a download (api.routes.downloads); `quilt export --merge`
@@ -27,6 +29,7 @@ from typing import Callable
 from checkpoints.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 CHUNK = 1 << 20
+MERGEABLE_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -52,25 +55,47 @@ def _scaling(config: dict, module: str) -> float:
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
 
-def lora_deltas(adapter_dir: Path) -> dict[str, object]:
-    """Base weight name -> the float32 delta scaling * B @ A that the adapter adds to it."""
-    import torch
+@dataclass(frozen=True)
+class Factors:
+    """The low-rank factors of one wrapped weight's delta: scaling * B @ A. Kept as they are (a few
+    MB for a whole adapter) until that weight is written, so a merge holds one dense delta at a
+    time: all of them at once are an fp32 copy of every wrapped weight (about 30 GB for an 8B base)."""
+
+    b: object  # torch.Tensor (out, r)
+    a: object  # torch.Tensor (r, in)
+    scaling: float
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.b.shape[0], self.a.shape[1]
+
+    def delta(self):
+        """The dense float32 delta, computed now."""
+        import torch
+
+        return (self.b.to(torch.float32) @ self.a.to(torch.float32)) * self.scaling
+
+
+def lora_factors(adapter_dir: Path) -> dict[str, Factors]:
+    """Base weight name -> the factors of the delta the adapter adds to it."""
     from safetensors.torch import load_file
 
     config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{adapter_dir} holds a {config.get('peft_type')} adapter; only LoRA can be merged")
     tensors = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
-    deltas: dict[str, object] = {}
+    factors: dict[str, Factors] = {}
     for key, a in tensors.items():
         if not key.endswith(".lora_A.weight"):
             if not key.endswith(".lora_B.weight"):
                 raise ValueError(f"adapter tensor {key!r} is not a LoRA A/B matrix; it cannot be merged")
             continue
         module = key.removesuffix(".lora_A.weight").removeprefix(_PEFT_PREFIX)
-        b = tensors[key.replace(".lora_A.", ".lora_B.")]
-        deltas[module + ".weight"] = (b.to(torch.float32) @ a.to(torch.float32)) * _scaling(config, module)
-    return deltas
+        b = tensors.get(key.replace(".lora_A.", ".lora_B."))
+        if b is None or b.ndim != 2 or a.ndim != 2 or b.shape[1] != a.shape[0]:
+            raise ValueError(f"adapter tensor {key!r} has no matching lora_B of rank {a.shape[0]}")
+        factors[module + ".weight"] = Factors(b, a, _scaling(config, module))
+    return factors
 
 
 def _header(path: Path) -> tuple[int, dict]:
@@ -79,23 +104,29 @@ def _header(path: Path) -> tuple[int, dict]:
         return 8 + n, json.loads(f.read(n))
 
 
-def _merged_shard(path: Path, deltas: dict, data_start: int, header: dict) -> Iterator[bytes]:
-    """The base shard's bytes with each wrapped weight replaced by its merged value, same layout."""
+def _merged_shard(path: Path, deltas: dict[str, Factors], data_start: int, header: dict) -> Iterator[bytes]:
+    """The base shard's bytes with each wrapped weight replaced by its merged value, same layout;
+    one weight's dense delta in memory at a time."""
     import torch
-    from safetensors import safe_open
 
     order = sorted(((v["data_offsets"][0], v["data_offsets"][1], k) for k, v in header.items()
                     if k != "__metadata__"))
-    with path.open("rb") as raw, safe_open(str(path), framework="pt") as st:
+    # Read with plain reads, not safetensors' mmap: a mapped shard's pages would stay resident (and
+    # count against the API pod's memory) until the whole shard is sent.
+    with path.open("rb") as raw:
         yield raw.read(data_start)
         at = 0
         for start, end, name in order:
             if start != at:
                 raise ValueError(f"{path.name}: tensor data is not contiguous at {name!r}; cannot stream a merge")
             if name in deltas:
-                weight = st.get_tensor(name)
-                merged = (weight.to(torch.float32) + deltas[name]).to(weight.dtype).contiguous()
+                raw.seek(data_start + start)
+                dtype = getattr(torch, MERGEABLE_DTYPES[header[name]["dtype"]])
+                weight = torch.frombuffer(bytearray(raw.read(end - start)), dtype=dtype).view(header[name]["shape"])
+                merged = weight.to(torch.float32).add_(deltas[name].delta()).to(dtype).contiguous()
+                del weight
                 data = merged.view(torch.uint8).numpy().tobytes() if merged.numel() else b""
+                del merged
                 if len(data) != end - start:
                     raise ValueError(f"{path.name}: merged {name!r} has {len(data)} bytes, expected {end - start}")
                 raw.seek(data_start + end)
@@ -123,7 +154,7 @@ def _file_chunks(path: Path) -> Callable[[], Iterator[bytes]]:
 def merged_members(base_dir: Path, adapter_dir: Path) -> list[Member]:
     """The merged model's files. Checked before anything is sent: every wrapped weight exists in
     the base with the delta's shape, so a download never stops halfway over a mismatch."""
-    deltas = lora_deltas(adapter_dir)
+    deltas = lora_factors(adapter_dir)
     files = sorted(p for p in base_dir.iterdir() if p.is_file() and not p.name.startswith("."))
     shards = [p for p in files if p.suffix == ".safetensors"]
     if not shards:
@@ -141,6 +172,9 @@ def merged_members(base_dir: Path, adapter_dir: Path) -> list[Member]:
             if tuple(header[k]["shape"]) != tuple(d.shape):
                 raise ValueError(f"adapter delta for {k!r} has shape {tuple(d.shape)}, the base's weight "
                                  f"{tuple(header[k]['shape'])}")
+            if header[k]["dtype"] not in MERGEABLE_DTYPES:
+                raise ValueError(f"the base's weight {k!r} is {header[k]['dtype']}; only floating weights "
+                                 f"({', '.join(MERGEABLE_DTYPES)}) can be merged")
         found |= mine.keys()
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
         members.append(Member(p.name, data_start + end,

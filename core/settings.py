@@ -148,12 +148,21 @@ class ApiSettings(BaseSettings):
     caller_cache_seconds: float = Field(
         60.0, ge=0, le=3600, description="longest an API process keeps a key's principal, a tenant's spend or a "
                                          "base in memory; changes drop them at once (api.caller_cache); 0 = off")
+    merged_downloads_at_once: int = Field(2, ge=1, le=64, description="merged-model downloads one API process "
+                                                                      "streams at once (each holds about one weight "
+                                                                      "in float32); past it, 429")
     download_url_ttl_s: int = Field(900, ge=60, le=7 * 24 * 3600,
                                     description="signed checkpoint download URLs (archive, external weights) expire "
                                                 "this long after they are made")
     download_signing_key: SecretStr | None = Field(
-        None, description="HMAC key of signed download URLs, shared by every API process; unset = one made once "
-                          "and kept in Postgres (server_secrets)")
+        None, description="HMAC key of signed download URLs, shared by every API process; unset = keys made and "
+                          "rotated in Postgres (server_secrets, api.signed_urls)")
+    download_signing_key_previous: SecretStr | None = Field(
+        None, description="with QUILT_DOWNLOAD_SIGNING_KEY: the key before it, still accepted (an operator's "
+                          "rotation); unset: links signed with any other key fail")
+    download_key_rotation_s: int = Field(86_400, ge=60, le=365 * 86_400,
+                                         description="a new download signing key is made this often (never more "
+                                                     "often than QUILT_DOWNLOAD_URL_TTL_S); the two newest are valid")
 
 
 class TrainerSettings(BaseSettings):

@@ -225,6 +225,26 @@ def cmd_keys_revoke(args) -> int:
     return 0
 
 
+def cmd_downloads_rotate_key(args) -> int:
+    import asyncio
+
+    import psycopg
+    from psycopg.rows import dict_row
+
+    from api import signed_urls
+
+    async def rotate() -> int:
+        async with await psycopg.AsyncConnection.connect(_prepared(args), row_factory=dict_row) as conn:
+            return await signed_urls.rotate(conn, retire=args.retire)
+
+    generation = asyncio.run(rotate())
+    kept = "every other key retired: every download link out there stops working" if args.retire else \
+        "links signed with the previous key keep working until they expire"
+    print(f"download signing key generation {generation} made; {kept} (API processes pick it up within "
+          f"{signed_urls.KEYS_REREAD_S:.0f} s)")
+    return 0
+
+
 def cmd_tenants_suspend(args) -> int:
     from core import db
     from tenancy import accounts
@@ -368,6 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
     _data_dir_option(p)
     p.add_argument("prefix")
     p.set_defaults(func=cmd_keys_revoke)
+
+    downloads = sub.add_parser("downloads", help="signed download links").add_subparsers(dest="action", required=True)
+    p = downloads.add_parser("rotate-key", help="make a new download signing key now (keys also rotate on their own)")
+    _data_dir_option(p)
+    p.add_argument("--retire", action="store_true", help="retire every other key: every link out there stops working")
+    p.set_defaults(func=cmd_downloads_rotate_key)
 
     from billing.cli import add_commands as add_billing_commands
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from psycopg import AsyncConnection
 
 from checkpoints import retention
-from core.errors import Conflict, NotFound
+from core.errors import Conflict, Forbidden, NotFound
 from core.queue import MAX_CLONE
 from tenancy.auth import Principal
 
@@ -110,11 +110,22 @@ async def get_checkpoint(conn: AsyncConnection, who: Principal, model_id: str, k
     )
 
 
-async def live_checkpoint(conn: AsyncConnection, tenant_id: str, checkpoint_id: int) -> dict | None:
-    """A live checkpoint of tenant `tenant_id` by its row id (a signed URL names both), or None."""
-    cur = await conn.execute(f"SELECT * FROM checkpoints WHERE id = %s AND tenant_id = %s AND {retention.LIVE}",
-                             (checkpoint_id, tenant_id))
-    return await cur.fetchone()
+async def download_checkpoint(conn: AsyncConnection, tenant_id: str, checkpoint_id: int, api_key_id: str) -> dict:
+    """The checkpoint a signed URL names, if the link still holds: the checkpoint lives, the key that
+    minted it (`api_key_id`, "" for none) is not revoked, and no operator has suspended the tenant
+    (a payment suspension keeps downloads working). NotFound or Forbidden saying which otherwise."""
+    cur = await conn.execute(
+        "SELECT c.*, t.suspended_kind, k.id AS minted_by, k.revoked_at AS minted_by_revoked_at FROM checkpoints c "
+        "JOIN tenants t ON t.id = c.tenant_id LEFT JOIN api_keys k ON k.id = %s AND k.tenant_id = c.tenant_id "
+        f"WHERE c.id = %s AND c.tenant_id = %s AND {retention.LIVE}", (api_key_id, checkpoint_id, tenant_id))
+    row = await cur.fetchone()
+    if row is None:
+        raise NotFound("the checkpoint of this download link was deleted or has expired", field="token")
+    if api_key_id and (row["minted_by"] is None or row["minted_by_revoked_at"] is not None):
+        raise NotFound("the API key that made this download link was revoked; ask for a new link", field="token")
+    if row["suspended_kind"] == "operator":
+        raise Forbidden("this tenant is suspended by an operator: its download links do not work", field="token")
+    return row
 
 
 async def model_base(conn: AsyncConnection, tenant_id: str, model_id: str) -> str:

@@ -118,19 +118,20 @@ def test_download_links_are_bound_to_tenant_checkpoint_and_time(stack, exported)
 
     url = urls.urls["adapter_config.json"]
     token = url.split("/downloads/")[1].split("/")[0]
-    payload, sig = token.split(".")
+    generation, payload, sig = token.split(".")
     anyone = httpx.Client(timeout=60)
     assert anyone.get(url).status_code == 200
     # Altered: another file, another checkpoint, another tenant in the payload; a forged signature.
     with db.connect(stack.database_url) as conn:
-        key = bytes(conn.execute("SELECT value FROM server_secrets").fetchone()["value"])
+        key = _keys(conn)
         ckpt_id = conn.execute("SELECT id FROM checkpoints WHERE model_id = %s AND kind = 'external_weights'",
                                (model_id,)).fetchone()["id"]
     grant = signed_urls.verify(key, token)
     assert (grant.tenant_id, grant.checkpoint_id) == (owner.tenant_id, ckpt_id)
     base = url.split("/downloads/")[0] + "/downloads/"
-    forged = signed_urls.sign(b"not the key", grant)
-    for bad in (f"{payload}.{sig[:-2]}AA", forged, "garbage", f"{payload}.", "a.b.c", "\u00e9.x"):
+    forged = signed_urls.sign(signed_urls.SigningKeys(key.current, {key.current: b"not the key"}), grant)
+    for bad in (f"{generation}.{payload}.{sig[:-2]}AA", forged, "garbage", f"{generation}.{payload}.", "a.b.c",
+                "\u00e9.x", f"{payload}.{sig}", f"99.{payload}.{sig}", f"-1.{payload}.{sig}", "9" * 40 + ".a.b"):
         r = anyone.get(base + bad + "/adapter_config.json")
         assert r.status_code == 404 and r.json()["field"] == "token", (bad, r.text)
     other_file = signed_urls.Grant(grant.tenant_id, grant.checkpoint_id, "optimizer.pt", grant.expires)
@@ -140,6 +141,87 @@ def test_download_links_are_bound_to_tenant_checkpoint_and_time(stack, exported)
     expired = signed_urls.Grant(grant.tenant_id, grant.checkpoint_id, grant.file, int(time.time()) - 1)
     r = anyone.get(base + signed_urls.sign(key, expired) + "/x")
     assert r.status_code == 404 and "expired" in r.json()["error"]
+
+
+def _keys(conn) -> signed_urls.SigningKeys:
+    rows = conn.execute("SELECT substr(name, 22)::int AS g, value FROM server_secrets "
+                        "WHERE name LIKE 'download_signing_key:%' ORDER BY 1 DESC").fetchall()
+    return signed_urls.SigningKeys(rows[0]["g"], {r["g"]: bytes(r["value"]) for r in rows[:2]})
+
+
+def test_signing_keys_verify_their_own_links_and_the_previous_generations():
+    grant = signed_urls.Grant("t", 7, signed_urls.ARCHIVE, int(time.time()) + 60, "key-1")
+    old = signed_urls.SigningKeys(1, {1: b"k1"})
+    rotated = signed_urls.SigningKeys(2, {2: b"k2", 1: b"k1"})
+    retired = signed_urls.SigningKeys(3, {3: b"k3"})
+    token = signed_urls.sign(old, grant)
+    assert signed_urls.verify(rotated, token) == grant
+    assert signed_urls.verify(rotated, signed_urls.sign(rotated, grant)) == grant
+    with pytest.raises(Exception, match="not valid"):
+        signed_urls.verify(retired, token)
+    operator = signed_urls.configured_keys("new", "old")
+    assert signed_urls.verify(operator, signed_urls.sign(signed_urls.configured_keys("old", None), grant)) == grant
+    with pytest.raises(Exception, match="not valid"):
+        signed_urls.verify(signed_urls.configured_keys("new", None),
+                           signed_urls.sign(signed_urls.configured_keys("old", None), grant))
+
+
+def test_links_stop_with_their_key_an_operator_suspension_or_a_retired_signing_key(stack, tmp_path):
+    """A link is bound to the API key that minted it (revoking the key stops it), stops while an
+    operator suspends its tenant (a payment suspension keeps downloads working), and stops when
+    its signing key is retired (`quilt downloads rotate-key --retire`)."""
+    from stackutil import second_api
+
+    from tenancy import accounts
+    from tenancy.keys import create_key, revoke_key
+
+    tenant = stack.create_tenant("dl-stops")
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
+        tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))
+        path = tc.save_weights_external("kept").result().path
+    with db.connect(stack.database_url) as conn:
+        second, _ = create_key(conn, tenant.tenant_id, name="minter")
+    url = rest_client(stack, second).get_external_weights_urls(path).result().urls["adapter_config.json"]
+    kept = rest_client(stack, tenant.key).get_external_weights_urls(path).result().urls["adapter_config.json"]
+    assert httpx.get(url, timeout=60).status_code == 200
+    with db.connect(stack.database_url) as conn:
+        revoke_key(conn, second[:12])
+    r = httpx.get(url, timeout=60)
+    assert r.status_code == 404 and "revoked" in r.json()["error"]
+
+    for kind, status in (("payment", 200), ("operator", 403)):
+        with db.connect(stack.database_url) as conn:
+            accounts.suspend(conn, tenant.tenant_id, kind, "test", "test")
+        assert httpx.get(kept, timeout=60).status_code == status, kind
+        with db.connect(stack.database_url) as conn:
+            accounts.restore(conn, tenant.tenant_id, "test")
+    assert httpx.get(kept, timeout=60).status_code == 200
+
+    env = {"QUILT_DOWNLOAD_URL_TTL_S": "900"}
+    with second_api(stack, tmp_path, **env) as fresh:  # a process that reads the keys now
+        assert httpx.get(kept.replace(stack.base_url, fresh), timeout=60).status_code == 200
+    subprocess_rotate(stack, retire=False)
+    with second_api(stack, tmp_path, **env) as fresh:  # the previous generation still verifies
+        assert httpx.get(kept.replace(stack.base_url, fresh), timeout=60).status_code == 200
+    subprocess_rotate(stack, retire=True)
+    with second_api(stack, tmp_path, **env) as fresh:
+        r = httpx.get(kept.replace(stack.base_url, fresh), timeout=60)
+        assert r.status_code == 404 and "not valid" in r.json()["error"]
+        new = httpx.get(f"{fresh}/api/v1/training_runs/{tc.model_id}/checkpoints/external_weights/kept/archive",
+                        headers={"X-API-Key": tenant.key}, timeout=60, follow_redirects=True)
+        assert new.status_code == 200
+
+
+def subprocess_rotate(stack, *, retire: bool) -> None:
+    """`quilt downloads rotate-key` against the session stack's Postgres."""
+    import psycopg
+    from psycopg.rows import dict_row
+
+    async def rotate():
+        async with await psycopg.AsyncConnection.connect(stack.database_url, row_factory=dict_row) as conn:
+            await signed_urls.rotate(conn, retire=retire)
+
+    asyncio.run(rotate())
 
 
 def test_a_deleted_checkpoint_stops_its_links(stack, tenant):

@@ -5,6 +5,7 @@ the dashboard offers the same download."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -144,3 +145,50 @@ def test_the_dashboard_offers_the_merged_model(stack, trained):
     with tarfile.open(fileobj=io.BytesIO(r.content), mode="r:") as tar:
         names = {m.name.split("/")[-1] for m in tar.getmembers()}
     assert {"config.json", "model.safetensors"} <= names
+
+
+def test_merged_downloads_at_once_are_bounded_and_give_their_place_back():
+    """Each running merge holds about one weight in float32: past QUILT_MERGED_DOWNLOADS_AT_ONCE
+    (2) a third is a 429 with Retry-After; a finished, failed or abandoned one frees its place."""
+    import gc
+
+    from api.dashboard import adapter_archive
+    from checkpoints.adapter_merge import Member
+    from core.errors import QuotaExceeded
+
+    def drain(response) -> bytes:
+        async def read() -> bytes:
+            return b"".join([chunk async for chunk in response.body_iterator])
+        return asyncio.run(read())
+
+    members = [Member("x", 3, lambda: iter([b"abc"]))]
+    first = adapter_archive.merged_response("m", "n", members)
+    second = adapter_archive.merged_response("m", "n", members)
+    with pytest.raises(QuotaExceeded) as refused:
+        adapter_archive.merged_response("m", "n", members)
+    assert refused.value.field == "merged" and refused.value.retry_after_s == 60
+    assert len(drain(first)) == 10240  # sent whole: its place is back
+    del second  # never sent (the client left before the first byte)
+    gc.collect()
+    assert adapter_archive._merges_running == 0
+    third = adapter_archive.merged_response("m", "n", [Member("x", 5, lambda: iter([b"abc"]))])
+    with pytest.raises(OSError):  # a member shorter than its header said
+        drain(third)
+    assert adapter_archive._merges_running == 0
+
+
+def test_a_merge_keeps_only_the_low_rank_factors(tmp_path):
+    """What a merge holds before it writes: each wrapped weight's B and A, not its dense delta."""
+    import torch
+    from safetensors.torch import save_file
+
+    from checkpoints import adapter_merge
+
+    save_file({"base_model.model.layer.q.lora_A.weight": torch.ones(4, 1024),
+               "base_model.model.layer.q.lora_B.weight": torch.ones(2048, 4)},
+              str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
+    factors = adapter_merge.lora_factors(tmp_path)
+    f = factors["layer.q.weight"]
+    assert f.shape == (2048, 1024) and f.a.numel() + f.b.numel() == 4 * (1024 + 2048)
+    assert torch.equal(f.delta(), torch.full((2048, 1024), 8.0))  # scaling 8/4 times rank 4 of ones

@@ -12,6 +12,7 @@ import mimetypes
 import os
 import re
 import tarfile
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ from pathlib import Path
 from fastapi.responses import StreamingResponse
 
 from checkpoints.adapter_merge import Member
+from core.errors import QuotaExceeded
+from core.settings import get_api_settings
 from checkpoints.layout import adapter_files
 
 CHUNK = 1 << 20
@@ -49,11 +52,53 @@ def file_response(path: Path) -> StreamingResponse:
     return response
 
 
+_merges_running = 0
+_merges_lock = threading.Lock()
+
+
 def merged_response(model_id: str, name: str, members: list[Member]) -> StreamingResponse:
-    """A download of the merged model (checkpoints.adapter_merge) as `<model>-<name>-merged.tar`."""
+    """A download of the merged model (checkpoints.adapter_merge) as `<model>-<name>-merged.tar`.
+    Its chunks are made in Starlette's thread pool (a sync iterator), off the event loop; each
+    running merge holds about one weight's float32 copies, so at most QUILT_MERGED_DOWNLOADS_AT_ONCE
+    run in one API process (429 with Retry-After past it)."""
+    global _merges_running
+    with _merges_lock:
+        if _merges_running >= get_api_settings().merged_downloads_at_once:
+            raise QuotaExceeded(f"{_merges_running} merged downloads are running on this server, the most at once; "
+                                "try again in a minute (or download the adapter and merge it yourself)",
+                                field="merged", retry_after_s=60)
+        _merges_running += 1
     filename = archive_name(model_id, name, "-merged.tar")
-    return _download(stream_tar(members, top=filename.removesuffix(".tar"), gzip=False), filename,
+    return _download(_Counted(stream_tar(members, top=filename.removesuffix(".tar"), gzip=False)), filename,
                      "application/x-tar")
+
+
+class _Counted:
+    """The merge's chunks, giving its place back once: when they end or fail, or when the response
+    is dropped unsent or half sent (the client left) and this is collected."""
+
+    def __init__(self, chunks: Iterator[bytes]):
+        self._chunks, self._held = chunks, True
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> bytes:
+        try:
+            return next(self._chunks)
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        global _merges_running
+        with _merges_lock:
+            if self._held:
+                self._held = False
+                _merges_running -= 1
+
+    def __del__(self):
+        self._release()
 
 
 def _download(chunks: Iterator[bytes], filename: str, media_type: str) -> StreamingResponse:

@@ -42,14 +42,20 @@ from tenancy import scoped
 router = APIRouter(route_class=GuardedRoute, tags=["downloads"])
 
 
-async def _key(request: Request, pool, settings) -> bytes:
-    key = getattr(request.app.state, "download_signing_key", None)
-    if key is None:
-        configured = settings.download_signing_key.get_secret_value() if settings.download_signing_key else None
-        async with db.autocommit(pool) as conn:
-            key = await signed_urls.signing_key(conn, configured)
-        request.app.state.download_signing_key = key
-    return key
+async def _key(request: Request, pool, settings) -> signed_urls.SigningKeys:
+    """The signing keys, re-read (and rotated when due) once they are KEYS_REREAD_S old."""
+    keys = getattr(request.app.state, "download_signing_keys", None)
+    if keys is None or keys.stale:
+        if settings.download_signing_key is not None:
+            previous = settings.download_signing_key_previous
+            keys = signed_urls.configured_keys(settings.download_signing_key.get_secret_value(),
+                                               previous.get_secret_value() if previous else None)
+        else:
+            async with db.autocommit(pool) as conn:
+                keys = await signed_urls.signing_keys(
+                    conn, max(settings.download_key_rotation_s, settings.download_url_ttl_s))
+        request.app.state.download_signing_keys = keys
+    return keys
 
 
 def _gone(ckpt: dict) -> NotFound:
@@ -96,7 +102,7 @@ async def _checkpoint(pool, who, run_id: str, checkpoint_id: str) -> dict:
         return await scoped.get_checkpoint(conn, who, run_id, kind, name)
 
 
-def _url(request: Request, key: bytes, grant: signed_urls.Grant, filename: str) -> str:
+def _url(request: Request, key: signed_urls.SigningKeys, grant: signed_urls.Grant, filename: str) -> str:
     return links.link(request, f"/api/v1/downloads/{signed_urls.sign(key, grant)}/{filename}")
 
 
@@ -107,7 +113,7 @@ async def checkpoint_archive(run_id: str, checkpoint_id: str, request: Request, 
     ckpt = await _checkpoint(pool, who, run_id, checkpoint_id)
     await _adapter_files(ckpt)  # refuse now, not when the link is followed
     expires = int(time.time()) + settings.download_url_ttl_s
-    grant = signed_urls.Grant(who.tenant_id, ckpt["id"], signed_urls.ARCHIVE, expires)
+    grant = signed_urls.Grant(who.tenant_id, ckpt["id"], signed_urls.ARCHIVE, expires, who.key_id)
     url = _url(request, await _key(request, pool, settings), grant, adapter_archive.archive_name(run_id, ckpt["name"]))
     return RedirectResponse(url, status_code=302, headers={"Expires": email.utils.formatdate(expires, usegmt=True),
                                                            "Cache-Control": "no-store"})
@@ -122,7 +128,7 @@ async def merged_model(run_id: str, checkpoint_id: str, request: Request, who: W
     ckpt = await _checkpoint(pool, who, run_id, checkpoint_id)
     await merge_members(pool, ckpt)  # refuse now, not halfway through the download
     expires = int(time.time()) + settings.download_url_ttl_s
-    grant = signed_urls.Grant(who.tenant_id, ckpt["id"], signed_urls.MERGED, expires)
+    grant = signed_urls.Grant(who.tenant_id, ckpt["id"], signed_urls.MERGED, expires, who.key_id)
     url = _url(request, await _key(request, pool, settings), grant,
                adapter_archive.archive_name(run_id, ckpt["name"], "-merged.tar"))
     return RedirectResponse(url, status_code=302, headers={"Expires": email.utils.formatdate(expires, usegmt=True),
@@ -157,19 +163,18 @@ async def external_weights_urls(run_id: str, checkpoint_id: str, request: Reques
     files = await _adapter_files(ckpt)
     expires = int(time.time()) + settings.download_url_ttl_s
     key = await _key(request, pool, settings)
-    urls = {p.name: _url(request, key, signed_urls.Grant(who.tenant_id, ckpt["id"], p.name, expires), p.name)
+    urls = {p.name: _url(request, key, signed_urls.Grant(who.tenant_id, ckpt["id"], p.name, expires, who.key_id), p.name)
             for p in files}
     return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
 
 
 @router.get("/downloads/{token}/{filename}", include_in_schema=False)
 async def download(token: str, filename: str, request: Request, pool: Pool, settings: Settings):
-    """The file (or archive) a signed URL names, while it is unexpired and its checkpoint lives."""
+    """The file (or archive) a signed URL names, while it is unexpired, its checkpoint lives, the
+    key that minted it is not revoked and its tenant is not suspended by an operator."""
     grant = signed_urls.verify(await _key(request, pool, settings), token)
     async with db.autocommit(pool) as conn:
-        ckpt = await scoped.live_checkpoint(conn, grant.tenant_id, grant.checkpoint_id)
-    if ckpt is None:
-        raise NotFound("the checkpoint of this download link was deleted or has expired", field="token")
+        ckpt = await scoped.download_checkpoint(conn, grant.tenant_id, grant.checkpoint_id, grant.api_key_id)
     if grant.file == signed_urls.MERGED:
         return adapter_archive.merged_response(ckpt["model_id"], ckpt["name"], await merge_members(pool, ckpt))
     if grant.file == signed_urls.ARCHIVE:
