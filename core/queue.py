@@ -93,6 +93,13 @@ def delta_key(request_id: str) -> str:
     return f"quilt:deltas:{request_id}"
 
 
+async def request_cancel(redis, request_id: str, ttl_s: int) -> None:
+    """Ask the generation pool to abort a sampling request (cancel_future; an OpenAI caller who
+    left): its future fails with a `cancelled` user error and its tokens stop being spent."""
+    await redis.set(cancel_key(request_id), b"1", ex=ttl_s)
+    await redis.publish(CANCEL_CHANNEL, request_id)
+
+
 def future_key(request_id: str) -> str:
     return f"quilt:future:{request_id}"
 

@@ -187,3 +187,64 @@ def test_a_stream_sampled_again_from_the_start_skips_what_it_sent():
     assert other.add([5], 0) == "" and other.diverged  # an unseeded re-run: what was sent is void
     assert other.add([6], 1) == ""
     assert _Decoder(_Letters()).add([7, 8]) == "hi"  # entries written before offsets: appended
+
+
+def test_text_past_the_context_is_refused_before_tokenizing(stack, published):
+    """MAX_CHARS_PER_TOKEN characters per context token at most: a longer prompt is a 400 naming
+    the field and the bound, answered without tokenizing it."""
+    from api.routes.openai_compat import MAX_CHARS_PER_TOKEN
+    from bases import catalog
+
+    owner, _ = published
+    with db.connect(stack.database_url) as conn:
+        context = catalog.get_model_sync(conn, TINY).max_context_length
+    client = _client(stack, owner.key)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=TINY, prompt="a" * (MAX_CHARS_PER_TOKEN * context + 1), max_tokens=2)
+    answer = refused.value.response.json()
+    assert answer["field"] == "prompt" and f"{MAX_CHARS_PER_TOKEN * context:,}" in answer["error"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=TINY, max_tokens=2, messages=[
+            {"role": "user", "content": "b" * (MAX_CHARS_PER_TOKEN * context // 2 + 1)}] * 2)
+    assert refused.value.response.json()["field"] == "messages"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_caller_who_leaves_stops_its_sampling(stack, published, stream):
+    """The caller gives up before the answer: its sampling request is cancelled (its future fails
+    `cancelled`) instead of running to max_tokens for nobody."""
+    import time
+
+    import httpx
+
+    from bases import catalog
+
+    owner = stack.create_tenant(f"oa-left-{int(stream)}")
+    with db.connect(stack.database_url) as conn:
+        context = catalog.get_model_sync(conn, TINY).max_context_length
+    body = {"model": TINY, "prompt": [5, 6], "max_tokens": context - 4, "temperature": 1.0, "stream": stream,
+            "stop": [], "seed": 1}
+    started = time.monotonic()
+    with httpx.Client(timeout=httpx.Timeout(60, read=2)) as client:
+        if stream:  # read the first chunk, then hang up
+            with client.stream("POST", f"{stack.base_url}/v1/completions", json=body,
+                               headers={"Authorization": f"Bearer {owner.key}"}) as r:
+                assert r.status_code == 200
+                next(r.iter_bytes())
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                client.post(f"{stack.base_url}/v1/completions", json=body,
+                            headers={"Authorization": f"Bearer {owner.key}"})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with db.connect(stack.database_url) as conn:
+            row = conn.execute("SELECT id, status FROM requests WHERE tenant_id = %s AND kind = 'sample'",
+                               (owner.tenant_id,)).fetchone()
+        if row and row["status"] in ("done", "failed"):
+            break
+        time.sleep(0.5)
+    assert row["status"] == "failed", row
+    with stack.http(owner.key) as api:
+        future = api.post("/retrieve_future", json={"request_id": row["id"]}).json()
+    assert "cancel" in json.dumps(future), future
+    assert time.monotonic() - started < 60

@@ -9,6 +9,12 @@ isolation are the same, and another tenant's weights are a 404. Text goes throug
 tokenizer here; chat messages through its chat template (or the catalogue's renderer,
 api.chat_render).
 
+Text is bounded before it is tokenized (MAX_CHARS_PER_TOKEN characters per token of the base's
+context), tokenized in a thread with no database connection held, and a caller who leaves stops
+the work: a non-streamed wait notices within WAIT_SLICE_S, a stream at once, and the request is
+cancelled (its tokens stop being sampled). A non-streamed wait counts as one of the tenant's
+long-polls (api.long_polls).
+
 `stream: true` answers Server-Sent Events in OpenAI's chunk format as tokens are sampled: the
 generation worker publishes each engine step's new tokens (core.queue.delta_key) and this route
 decodes them into text chunks (holding back a partial UTF-8 character), then the finish reasons
@@ -23,17 +29,18 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter
+import anyio
+from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from api import admission, chat_render
+from api import admission, chat_render, long_polls
 from api.deps import Pool, RedisDep, Settings, Who
 from api.input_guard import GuardedRoute
 from api.routes.sampling import check_group, group_limits, resolve
 from bases import catalog
-from core import ids, queue
+from core import db, ids, queue
 from core.errors import InvalidInput, NotFound, QuiltError, ServerError
 from core.numbers import INT32_MAX
 from core.settings import get_gen_pool_settings
@@ -43,6 +50,10 @@ from gen_pool import params
 router = APIRouter(prefix="/v1", route_class=GuardedRoute, tags=["openai"])
 
 Text = Annotated[str, Field(max_length=1_000_000)]
+# A prompt longer than this many characters per token of the base's context cannot fit it (tokens
+# of real tokenizers average 3 to 5 characters, runs of spaces reach 16 or so): refused unread.
+MAX_CHARS_PER_TOKEN = 32
+WAIT_SLICE_S = 2.0  # a non-streamed wait checks this often whether its caller is still there
 
 
 class _Common(BaseModel):
@@ -125,29 +136,37 @@ class _Admitted:
     n: int
 
 
-async def _admit(who, pool, redis, body: _Common, prompt_of) -> _Admitted:
-    """Admit one group for `body` (asample's admission)."""
+async def _admit(who, pool, redis, body: _Common, prompt_of, text_chars: int) -> _Admitted:
+    """Admit one group for `body` (asample's admission). `text_chars`: the characters the prompt's
+    text holds, bounded before anything is tokenized."""
     _refuse_unsupported(body)
     scored = isinstance(body, CompletionRequest) and body.echo
     topk = (body.logprobs or 0) if scored else 0
     check_group(n=body.n, n_field="n", topk=topk, topk_field="logprobs")
     gen = get_gen_pool_settings()
-    async with pool.connection() as conn:
+    async with db.autocommit(pool) as conn:
         base, adapter = await _target(conn, who, body.model)
-        tokenizer = await run_in_threadpool(_tokenizer, base.path)
-        limits = group_limits(base)
-        prompt = params.check_prompt(await run_in_threadpool(prompt_of, tokenizer, base), limits)
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
-        # OpenAI's default is 16; 0 (with echo) scores the prompt: one token is sampled and dropped.
-        max_tokens = 16 if max_tokens is None else max(max_tokens, 1)
-        spec = params.normalise({"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-                                 "seed": body.seed, "stop": stop}, len(prompt), limits)
-        now = time.time()
-        work = SampleWork(prompt=tuple(prompt), n=body.n, spec=spec, adapter=adapter, submitted_at=now,
-                          deadline_at=now + gen.default_deadline_s, stream=body.stream,
-                          prompt_logprobs=scored, prompt_topk=topk)
-        item = WorkItem(ids.new_request_id(), who.tenant_id, "", 0, WorkKind.SAMPLE, len(prompt) * body.n, work)
+    field = "messages" if isinstance(body, ChatRequest) else "prompt"
+    most = MAX_CHARS_PER_TOKEN * base.max_context_length
+    if text_chars > most:
+        raise InvalidInput(f"{field}: {text_chars:,} characters cannot fit {base.name}'s context of "
+                           f"{base.max_context_length:,} tokens; send at most {most:,}", field=field)
+    # In a thread, holding no connection: a long prompt's tokenizing keeps no other caller waiting.
+    tokenizer = await run_in_threadpool(_tokenizer, base.path)
+    limits = group_limits(base)
+    prompt = params.check_prompt(await run_in_threadpool(prompt_of, tokenizer, base), limits)
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    # OpenAI's default is 16; 0 (with echo) scores the prompt: one token is sampled and dropped.
+    max_tokens = 16 if max_tokens is None else max(max_tokens, 1)
+    spec = params.normalise({"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+                             "seed": body.seed, "stop": stop}, len(prompt), limits)
+    now = time.time()
+    work = SampleWork(prompt=tuple(prompt), n=body.n, spec=spec, adapter=adapter, submitted_at=now,
+                      deadline_at=now + gen.default_deadline_s, stream=body.stream,
+                      prompt_logprobs=scored, prompt_topk=topk)
+    item = WorkItem(ids.new_request_id(), who.tenant_id, "", 0, WorkKind.SAMPLE, len(prompt) * body.n, work)
+    async with pool.connection() as conn:
         request_id = await admission.admit(conn, redis, who, admission.Ticket(
             item, base.name, None, rate_tokens=body.n * (len(prompt) + spec.max_tokens)))
     return _Admitted(base, prompt, request_id, body.n)
@@ -159,13 +178,28 @@ def _failure(outcome: queue.Outcome) -> QuiltError:
     return cls(err.get("error", "sampling failed"), request_id=outcome.request_id)
 
 
-async def _result(redis, settings, admitted: _Admitted) -> dict:
+class _CallerLeft(Exception):
+    """The caller of a non-streamed completion closed its connection while it waited."""
+
+
+async def _result(request: Request, who, redis, settings, admitted: _Admitted) -> dict:
+    """The group's result. Waits in slices, as one of the tenant's long-polls; a caller who leaves
+    meanwhile has its request cancelled (_CallerLeft)."""
     outcome = None
-    while outcome is None:
-        outcome = await queue.wait(redis, admitted.request_id, settings.long_poll_seconds)
+    async with long_polls.held(who.tenant_id, settings.long_polls_per_tenant):
+        while outcome is None:
+            outcome = await queue.wait(redis, admitted.request_id, WAIT_SLICE_S)
+            if outcome is None and await request.is_disconnected():
+                await queue.request_cancel(redis, admitted.request_id, settings.future_ttl_seconds)
+                raise _CallerLeft
     if not outcome.ok:
         raise _failure(outcome)
     return outcome.result
+
+
+def _left() -> Response:
+    """What a handler returns once its caller has gone: nobody reads it (499, as proxies log it)."""
+    return Response(status_code=499)
 
 
 class _Decoder:
@@ -213,19 +247,24 @@ async def _stream(redis, settings, admitted: _Admitted, chunk_of) -> StreamingRe
     async def events():
         decoders = [_Decoder(tokenizer) for _ in range(admitted.n)]
         last, outcome = "0-0", None
-        while True:
-            reply = await redis.xread({key: last}, count=256, block=200)
-            for _stream_key, entries in reply or ():
-                for entry_id, fields in entries:
-                    last = entry_id
-                    i, offset = int(fields[b"i"]), fields.get(b"o")
-                    text = await run_in_threadpool(decoders[i].add, json.loads(fields[b"t"]),
-                                                   None if offset is None else int(offset))
-                    if text:
-                        yield event(chunk_of(i, text, None))
-            if outcome is not None:
-                break
-            outcome = await queue.ready(redis, admitted.request_id)  # once done, read what is left, then end
+        try:
+            while True:
+                reply = await redis.xread({key: last}, count=256, block=200)
+                for _stream_key, entries in reply or ():
+                    for entry_id, fields in entries:
+                        last = entry_id
+                        i, offset = int(fields[b"i"]), fields.get(b"o")
+                        text = await run_in_threadpool(decoders[i].add, json.loads(fields[b"t"]),
+                                                       None if offset is None else int(offset))
+                        if text:
+                            yield event(chunk_of(i, text, None))
+                if outcome is not None:
+                    break
+                outcome = await queue.ready(redis, admitted.request_id)  # once done, read what is left, then end
+        finally:
+            if outcome is None:  # the caller left mid-stream: stop sampling for nobody
+                with anyio.CancelScope(shield=True):  # Starlette cancels the stream's scope when its caller leaves
+                    await queue.request_cancel(redis, admitted.request_id, settings.future_ttl_seconds)
         if not outcome.ok:
             err = _failure(outcome)
             yield event({"error": {"message": err.message, "type": err.category, "request_id": err.request_id}})
@@ -258,18 +297,22 @@ def _texts(base: catalog.BaseModel, result: dict) -> list[tuple[str, str]]:
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, who: Who, pool: Pool, redis: RedisDep, settings: Settings):
+async def completions(body: CompletionRequest, request: Request, who: Who, pool: Pool, redis: RedisDep,
+                      settings: Settings):
     """OpenAI text completion: `n` continuations of `prompt` (text or token ids)."""
     def prompt_of(tokenizer, _base):
         return body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt)
 
-    admitted = await _admit(who, pool, redis, body, prompt_of)
+    admitted = await _admit(who, pool, redis, body, prompt_of, 0 if isinstance(body.prompt, list) else len(body.prompt))
     head = {"id": f"cmpl-{admitted.request_id}", "created": int(time.time()), "model": body.model,
             "object": "text_completion"}
     if body.stream:
         return await _stream(redis, settings, admitted, lambda i, text, reason: {**head, "choices": [
             {"index": i, "text": text, "finish_reason": reason, "logprobs": None}]})
-    result = await _result(redis, settings, admitted)
+    try:
+        result = await _result(request, who, redis, settings, admitted)
+    except _CallerLeft:
+        return _left()
     if body.echo or body.logprobs is not None:
         choices = await run_in_threadpool(_scored_choices, admitted, result, body)
     else:
@@ -315,7 +358,8 @@ def _message_text(message: ChatMessage) -> str:
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatRequest, who: Who, pool: Pool, redis: RedisDep, settings: Settings):
+async def chat_completions(body: ChatRequest, request: Request, who: Who, pool: Pool, redis: RedisDep,
+                           settings: Settings):
     """OpenAI chat completion: `n` assistant replies to `messages`, in the base's chat format."""
     messages = [("system" if m.role == "developer" else m.role, _message_text(m)) for m in body.messages]
 
@@ -325,14 +369,17 @@ async def chat_completions(body: ChatRequest, who: Who, pool: Pool, redis: Redis
                                                  add_generation_prompt=True, tokenize=True, return_dict=False)
         return tokenizer.encode(chat_render.render(messages, base.renderer), add_special_tokens=False)
 
-    admitted = await _admit(who, pool, redis, body, prompt_of)
+    admitted = await _admit(who, pool, redis, body, prompt_of, sum(len(t) for _, t in messages))
     head = {"id": f"chatcmpl-{admitted.request_id}", "created": int(time.time()), "model": body.model}
     if body.stream:
         return await _stream(redis, settings, admitted, lambda i, text, reason: {
             **head, "object": "chat.completion.chunk", "choices": [
                 {"index": i, "delta": {"role": "assistant", "content": text} if text else {},
                  "finish_reason": reason}]})
-    result = await _result(redis, settings, admitted)
+    try:
+        result = await _result(request, who, redis, settings, admitted)
+    except _CallerLeft:
+        return _left()
     texts = await run_in_threadpool(_texts, admitted.base, result)
     return JSONResponse({**head, "object": "chat.completion", "usage": _usage(admitted.prompt, result), "choices": [
         {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason}

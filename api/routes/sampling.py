@@ -284,6 +284,5 @@ async def cancel_future(body: CancelFutureRequest, who: Who, pool: Pool, redis: 
         raise InvalidInput(f"only sampling requests can be cancelled; {body.request_id!r} is a {row['kind']}",
                            field="request_id")
     if row["status"] not in ("done", "failed"):
-        await redis.set(queue.cancel_key(body.request_id), b"1", ex=settings.future_ttl_seconds)
-        await redis.publish(queue.CANCEL_CHANNEL, body.request_id)
+        await queue.request_cancel(redis, body.request_id, settings.future_ttl_seconds)
     return {"type": "cancel_future", "request_id": body.request_id}
