@@ -269,17 +269,26 @@ async def _append(conn: AsyncConnection, redis: Redis, who: Principal, ticket: T
     try:
         wait_s = await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds,
                                      await _stream(conn, redis, ticket, item), bucket)
+    except queue.ResultBytesFull:  # the tenant's stored results are past their bound (core.result_bytes)
+        await _unadmit(conn, redis, ticket, item)
+        raise
     except Exception:
         log.exception("could not enqueue %s; it stays queued for the client's retry", item.request_id)
         raise
     if wait_s is None:
         return item.request_id
     rate_limit.SHORTFALLS.refused(who, ticket.tokens, wait_s)
+    await _unadmit(conn, redis, ticket, item)
+    raise rule.rate_refusal(who, ticket.tokens, wait_s)
+
+
+async def _unadmit(conn: AsyncConnection, redis: Redis, ticket: Ticket, item: WorkItem) -> None:
+    """Undo the admission of a call whose entry was refused: its row goes (freeing its seq_id) and
+    its sampling slot too, so the client's retry is admitted afresh."""
     await records.delete_refused(conn, item.request_id)
     await conn.commit()
     if isinstance(ticket.slot, RedisSlot) and await redis.get(ticket.slot.key) == item.request_id.encode():
         await redis.delete(ticket.slot.key)
-    raise rule.rate_refusal(who, ticket.tokens, wait_s)
 
 
 async def _stream(conn: AsyncConnection, redis: Redis, ticket: Ticket, item: WorkItem) -> str | None:

@@ -31,7 +31,7 @@ from api.routes import (
 )
 from api.spend_header import SpendHeaderMiddleware
 from core import db, loop_lag, redis_client
-from core.settings import get_api_settings, get_core_settings
+from core.settings import get_api_settings, get_core_settings, get_security_settings
 
 
 @contextlib.asynccontextmanager
@@ -76,6 +76,7 @@ def _add_schema_components(app: FastAPI, components: dict) -> None:
 def create_app() -> FastAPI:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = get_api_settings()
+    get_security_settings()  # production refuses to start on the embedded QUILT_SECRET_KEY
     # However uvicorn was started (quilt up, a container's command line): QUILT_ACCESS_LOG decides.
     logging.getLogger("uvicorn.access").disabled = not settings.access_log
     app = FastAPI(title="Quilt", version="0.1.0", lifespan=_lifespan)

@@ -12,8 +12,8 @@ expires, when its checkpoint is deleted or expires, when the key that minted it 
 an operator suspends its tenant (a payment suspension keeps downloads working), and when its
 signing key is retired.
 
-Signing keys rotate: a new generation is made (in Postgres, server_secrets, shared by every API
-replica) once the newest is QUILT_DOWNLOAD_KEY_ROTATION_S old, and the two newest are valid, so a
+Signing keys rotate: a new generation is made (a random value in Postgres, server_secrets, shared
+by every API replica, keyed with QUILT_SECRET_KEY so the database alone cannot sign) once the newest is QUILT_DOWNLOAD_KEY_ROTATION_S old, and the two newest are valid, so a
 link (which lives at most QUILT_DOWNLOAD_URL_TTL_S, never longer than a rotation) always outlives
 its key's turn. `quilt downloads rotate-key --retire` makes a new one and retires every other:
 every link out there stops working (within a minute, as API processes re-read the keys). With
@@ -110,14 +110,20 @@ def configured_keys(current: str, previous: str | None) -> SigningKeys:
     return SigningKeys(number(current), keys)
 
 
-async def signing_keys(conn, rotation_s: int) -> SigningKeys:
+def derive(secret: bytes, stored: bytes) -> bytes:
+    """A generation's signing key: its random value from Postgres keyed with QUILT_SECRET_KEY, so a
+    copy of the database alone cannot sign a link."""
+    return hmac.new(secret, b"quilt-download-key\x00" + stored, hashlib.sha256).digest()
+
+
+async def signing_keys(conn, rotation_s: int, secret: bytes) -> SigningKeys:
     """The keys kept in Postgres: the two newest generations, after making a new one when the
     newest is `rotation_s` old (or there is none). Whichever process gets there first makes it."""
     rows = await _generations(conn)
     if not rows or rows[0]["age_s"] >= rotation_s:
         await _insert_generation(conn, (rows[0]["generation"] + 1) if rows else 1)
         rows = await _generations(conn)
-    return SigningKeys(rows[0]["generation"], {r["generation"]: bytes(r["value"]) for r in rows[:2]})
+    return SigningKeys(rows[0]["generation"], {r["generation"]: derive(secret, bytes(r["value"])) for r in rows[:2]})
 
 
 async def rotate(conn, *, retire: bool) -> int:

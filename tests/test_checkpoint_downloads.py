@@ -146,7 +146,9 @@ def test_download_links_are_bound_to_tenant_checkpoint_and_time(stack, exported)
 def _keys(conn) -> signed_urls.SigningKeys:
     rows = conn.execute("SELECT substr(name, 22)::int AS g, value FROM server_secrets "
                         "WHERE name LIKE 'download_signing_key:%' ORDER BY 1 DESC").fetchall()
-    return signed_urls.SigningKeys(rows[0]["g"], {r["g"]: bytes(r["value"]) for r in rows[:2]})
+    secret = b"embedded-insecure-secret"  # the test stack's QUILT_SECRET_KEY
+    return signed_urls.SigningKeys(rows[0]["g"], {r["g"]: signed_urls.derive(secret, bytes(r["value"]))
+                                                  for r in rows[:2]})
 
 
 def test_signing_keys_verify_their_own_links_and_the_previous_generations():
@@ -284,3 +286,37 @@ def test_an_archive_begun_before_a_delete_is_sent_whole(tmp_path):
     with tarfile.open(fileobj=io.BytesIO(body), mode="r:gz") as tar:
         got = {m.name.rsplit("/", 1)[-1]: tar.extractfile(m).read() for m in tar if m.isfile()}
     assert got == {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": bytes(range(256)) * 4096}
+
+
+def test_the_databases_values_alone_sign_no_link(stack, tenant):
+    """A link's key is the stored value keyed with QUILT_SECRET_KEY: signing with the raw value
+    from a copy of the database is refused."""
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
+        tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))
+        path = tc.save_weights_external("dumped").result().path
+    url = rest_client(stack, tenant.key).get_external_weights_urls(path).result().urls["adapter_config.json"]
+    token = url.split("/downloads/")[1].split("/")[0]
+    payload = json.loads(signed_urls._unb64(token.split(".")[1]))
+    grant = signed_urls.Grant(payload[0], payload[1], payload[2], payload[3], payload[4])
+    with db.connect(stack.database_url) as conn:
+        raw = {r["g"]: bytes(r["value"]) for r in conn.execute(
+            "SELECT substr(name, 22)::int AS g, value FROM server_secrets WHERE name LIKE 'download_signing_key:%'")}
+    base = url.split("/downloads/")[0] + "/downloads/"
+    for generation, value in raw.items():
+        forged = signed_urls.sign(signed_urls.SigningKeys(generation, {generation: value}), grant)
+        assert httpx.get(base + forged + "/x", timeout=60).status_code == 404
+    assert httpx.get(url, timeout=60).status_code == 200
+
+
+def test_production_refuses_the_embedded_secret_key(monkeypatch):
+    from pydantic import ValidationError
+
+    from core.settings import SecuritySettings
+
+    monkeypatch.setenv("QUILT_ENVIRONMENT", "production")
+    monkeypatch.delenv("QUILT_SECRET_KEY", raising=False)
+    with pytest.raises(ValidationError, match="QUILT_SECRET_KEY"):
+        SecuritySettings()
+    monkeypatch.setenv("QUILT_SECRET_KEY", "a" * 64)
+    settings = SecuritySettings()
+    assert "a" * 64 not in repr(settings)  # a SecretStr: never printed

@@ -24,6 +24,9 @@ KUBERNETES = "1.33.0"  # a current release (kubernetes-validate knows up to its 
 def render(overlay: str) -> list[dict]:
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl is needed to render deploy/k8s (kubectl kustomize)"
+    credentials = K8S / "overlays" / overlay / "credentials.sh"
+    if credentials.exists():  # an overlay that makes its own credentials, as its users run it first
+        subprocess.run(["sh", str(credentials)], check=True, capture_output=True, timeout=60)
     out = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     return [d for d in yaml.safe_load_all(out) if d]
@@ -130,3 +133,36 @@ def test_the_scaler_may_only_read_and_set_the_worker_statefulsets_replicas(objec
     assert {("StatefulSet", "quilt-gen"), ("StatefulSet", "quilt-trainer")} <= set(by)
     config = by[("ConfigMap", "quilt-config")]["data"]
     assert config["QUILT_SCALER_ACT"] == "false"  # off unless an operator turns it on
+
+
+def test_nobody_but_the_api_and_quilts_processes_is_reached(objects):
+    """NetworkPolicies: ingress denied to every pod of the namespace but the API's port; in the CPU
+    overlay the in-cluster stores take connections from Quilt's processes only."""
+    overlay, objs = objects
+    policies = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "NetworkPolicy"}
+    deny = policies["quilt-default-deny-ingress"]
+    assert deny["podSelector"] == {} and deny["policyTypes"] == ["Ingress"] and "ingress" not in deny
+    api = policies["quilt-api-ingress"]
+    assert api["podSelector"]["matchLabels"] == {"app.kubernetes.io/component": "api"}
+    assert api["ingress"] == [{"ports": [{"port": 8000, "protocol": "TCP"}]}]
+    components = {pod_o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+                  for pod_o, _ in _pods(objs)}
+    if overlay == "cpu":
+        stores = policies["quilt-stores-ingress"]
+        allowed = set(stores["ingress"][0]["from"][0]["podSelector"]["matchExpressions"][0]["values"])
+        assert allowed == components - {"postgres", "redis"}, allowed
+
+
+def test_the_cpu_overlay_ships_no_credentials_and_redis_asks_for_one():
+    """Its passwords and secret key are made at random by credentials.sh (git ignores the file),
+    never written in the manifests; Redis starts with --requirepass."""
+    text = "\n".join(p.read_text() for p in (K8S / "overlays" / "cpu").glob("*.yaml"))
+    assert "quilt:quilt@" not in text and "change-me" not in text and "POSTGRES_PASSWORD, value:" not in text
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in render("cpu")}
+    secret = objs[("Secret", "quilt-secrets")]["data"]
+    assert {"POSTGRES_PASSWORD", "REDIS_PASSWORD", "QUILT_DATABASE_URL", "QUILT_REDIS_URL", "QUILT_SECRET_KEY"} <= set(secret)
+    redis = objs[("StatefulSet", "quilt-redis")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--requirepass" in redis["command"][-1]
+    ignored = subprocess.run(["git", "check-ignore", "deploy/k8s/overlays/cpu/credentials.env"], cwd=ROOT,
+                             capture_output=True, text=True)
+    assert ignored.returncode == 0

@@ -98,3 +98,36 @@ def test_checkpoint_bytes_are_a_plan_quota_shown_in_usage_and_refusing_saves(sta
         assert client.get("/quilt/usage").json()["checkpoint_bytes"] == 0
         again = client.post("/save_weights", json={"model_id": model_id, "seq_id": 3, "path": "second"})
         assert again.status_code == 200, again.text
+
+
+def test_stored_result_bytes_are_bounded_per_tenant(stack, r):
+    """core.result_bytes: each stored future adds its size to its tenant's hourly counter; past
+    QUILT_TENANT_MAX_RESULT_BYTES a flag refuses that tenant's new work with a 429 naming
+    `result_bytes` (nothing appended, the row gone, so a retry is admitted once the flag clears),
+    and other tenants are untouched."""
+    from stackutil import new_model
+
+    from core import result_bytes
+
+    full, other = stack.create_tenant("rbytes-full"), stack.create_tenant("rbytes-other")
+    with stack.http(full.key) as client:
+        model_id = new_model(client)
+    counted = int(r.get(result_bytes.keys(full.tenant_id, 3600)[0]) or 0)
+    assert counted > 0  # create_model's future was counted as it was stored
+    # A worker storing a 1 KiB result under a cap of 100 bytes sets the flag.
+    total = result_bytes.note(r, full.tenant_id, 1024, 3600, cap=100)
+    assert total >= 1024 and int(r.get(result_bytes.over_key(full.tenant_id))) == total
+    assert 0 < r.ttl(result_bytes.over_key(full.tenant_id)) <= result_bytes.OVER_FLAG_S
+    with stack.http(full.key) as client:
+        refused = client.post("/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {
+            "learning_rate": 0.01}})
+        assert refused.status_code == 429 and refused.json()["field"] == "result_bytes", refused.text
+        assert "retry-after" in refused.headers
+    with stack.http(other.key) as client:
+        assert client.post("/create_session", json={}).status_code == 200
+        assert new_model(client)
+    r.delete(result_bytes.over_key(full.tenant_id))  # it expires on its own within a minute
+    with stack.http(full.key) as client:
+        again = client.post("/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {
+            "learning_rate": 0.01}})
+        assert again.status_code == 200, again.text  # the refused call left no row holding seq_id 1

@@ -131,7 +131,7 @@ async def forgot(request: Request, pool: Pool, redis: RedisDep, email: Annotated
         token = await members.start_reset(conn, account)
     if token:
         settings = get_api_settings()
-        await run_in_threadpool(members.deliver, settings.smtp_url, settings.mail_from, account,
+        await run_in_threadpool(members.deliver, settings.smtp_url.get_secret_value(), settings.mail_from, account,
                                 "Reset your Quilt password", links.link(request, f"/dashboard/reset?token={token}"))
     return _form_page(request, "forgot.html", sent=True)
 
@@ -190,7 +190,7 @@ async def invite(request: Request, viewer: OwnerChanging, pool: Pool, redis: Red
                                     role=role)
     link = links.link(request, f"/dashboard/signup?invite={token}")
     settings = get_api_settings()
-    await run_in_threadpool(members.deliver, settings.smtp_url, settings.mail_from, address,
+    await run_in_threadpool(members.deliver, settings.smtp_url.get_secret_value(), settings.mail_from, address,
                             f"You are invited to {viewer.who.tenant_name} on Quilt", link)
     return await _members_page(request, viewer, pool, invite_link=link, invited=address)
 

@@ -36,6 +36,7 @@ from bases import catalog
 from checkpoints import adapter_merge, encryption, storage
 from checkpoints.layout import adapter_files
 from core import db
+from core.settings import get_security_settings
 from core.errors import InvalidInput, NotFound
 from tenancy import scoped
 
@@ -53,7 +54,8 @@ async def _key(request: Request, pool, settings) -> signed_urls.SigningKeys:
         else:
             async with db.autocommit(pool) as conn:
                 keys = await signed_urls.signing_keys(
-                    conn, max(settings.download_key_rotation_s, settings.download_url_ttl_s))
+                    conn, max(settings.download_key_rotation_s, settings.download_url_ttl_s),
+                    get_security_settings().secret_key.get_secret_value().encode())
         request.app.state.download_signing_keys = keys
     return keys
 
