@@ -253,6 +253,10 @@ class GenPoolSettings(BaseSettings):
                                 description="feedback levels for episodes; 1 = off")
     episode_aging_s: float = Field(10.0, ge=0, le=86_400,
                                    description="a waiting episode call rises one level per this many seconds; 0 = never")
+    share_caches_across_tenants: bool = Field(
+        False, description="let tenants share vLLM's prefix cache and suffix decoding's tree of past responses (a "
+                           "little faster on shared prompts; a tenant can then time another's prompts and outputs). "
+                           "Off: the prefix cache is salted per tenant and drafts come from the request's own text")
     suffix_speculation: bool = Field(False, description="suffix decoding while few sequences run (gen_pool.speculation; "
                                                         "GPU, needs arctic-inference from the gpu extra)")
     speculation_below: float = Field(0.25, gt=0, le=1, description="speculate while running sequences are at most "

@@ -72,6 +72,11 @@ def configure_environment(settings: GenPoolSettings) -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
 
 
+def cache_salt(tenant_id: str) -> str:
+    """The prefix-cache salt of a tenant's prompts (vLLM keys cached blocks by it)."""
+    return f"quilt-tenant:{tenant_id}"
+
+
 @dataclass(frozen=True)
 class SeqRequest:
     """One sequence for the engine (a group of n is n of these)."""
@@ -84,6 +89,7 @@ class SeqRequest:
     prompt_logprobs: bool = False  # score the prompt (this sequence carries the group's prefill)
     prompt_topk: int = 0  # with prompt_logprobs: also the k most likely tokens at each position
     on_tokens: Callable[[tuple[int, ...]], None] | None = None  # streamed: called with each step's new tokens
+    tenant_id: str = ""  # whose prefix-cache blocks it may reuse (cache_salt), unless caches are shared
 
 
 TopK = tuple[tuple[int, float], ...]
@@ -169,7 +175,8 @@ class GenEngine:
             kw["gpu_memory_utilization"] = settings.gpu_memory_share
         if settings.suffix_speculation:
             kw["speculative_config"] = speculative_config(settings.concurrency_target, settings.speculation_below,
-                                                          settings.speculative_tokens)
+                                                          settings.speculative_tokens,
+                                                          shared=settings.share_caches_across_tenants)
         args = AsyncEngineArgs(
             model=str(model_path), tokenizer=str(model_path), seed=settings.seed,
             dtype=resolve_dtype(settings.dtype, "cpu" if current_platform.is_cpu() else "cuda"),
@@ -269,10 +276,19 @@ class GenEngine:
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
 
-    async def generate(self, req: SeqRequest) -> SeqResult:
-        """Run one sequence to its end. Cancelling the calling task aborts it in the engine."""
+    def _prompt(self, req: SeqRequest):
+        """The engine's prompt: with caches scoped per tenant (the default), salted with the tenant,
+        so its prefix-cache blocks are reused by its own requests only and no tenant can time
+        whether another already sent a prompt."""
         from vllm.inputs import TokensPrompt
 
+        prompt = TokensPrompt(prompt_token_ids=list(req.prompt))
+        if not self.settings.share_caches_across_tenants and req.tenant_id:
+            prompt["cache_salt"] = cache_salt(req.tenant_id)
+        return prompt
+
+    async def generate(self, req: SeqRequest) -> SeqResult:
+        """Run one sequence to its end. Cancelling the calling task aborts it in the engine."""
         lora = self._lora_for(req.adapter)
         params = self.vllm_params(req)
         exclusive = req.prompt_logprobs and self.settings.serialise_prompt_logprobs
@@ -285,8 +301,7 @@ class GenEngine:
         prompt_lps = prompt_topk = None
         reason = "abort"
         try:
-            stream = self.llm.generate(TokensPrompt(prompt_token_ids=list(req.prompt)), params, req.engine_id,
-                                       lora_request=lora)
+            stream = self.llm.generate(self._prompt(req), params, req.engine_id, lora_request=lora)
             async for out in stream:
                 if out.prompt_logprobs is not None and prompt_lps is None:
                     prompt_lps = _prompt_logprobs(req.prompt, out.prompt_logprobs)

@@ -269,7 +269,7 @@ class Scheduler:
         req = SeqRequest(engine_id=f"{g.request_id}:{index}", prompt=g.prompt, spec=spec,
                          seed=g.spec.sample_seed(index), adapter=g.adapter,
                          prompt_logprobs=(g.prompt_logprobs or g.prompt_topk > 0) and index == 0,
-                         prompt_topk=g.prompt_topk,
+                         prompt_topk=g.prompt_topk, tenant_id=g.tenant_id,
                          on_tokens=None if g.on_tokens is None else _with_offsets(functools.partial(g.on_tokens,
                                                                                                      index)))
         try:

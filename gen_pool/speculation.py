@@ -30,12 +30,17 @@ def speculating(running: int, target: int, below: float) -> bool:
     return running <= threshold_batch(target, below)
 
 
-def speculative_config(target: int, below: float, tokens: int) -> dict:
+def speculative_config(target: int, below: float, tokens: int, *, shared: bool = False) -> dict:
     """vLLM's speculative_config for suffix decoding, `tokens` drafted per step up to the
-    threshold batch, none above it."""
+    threshold batch, none above it. Unless `shared` (QUILT_GEN_SHARE_CACHES_ACROSS_TENANTS), no
+    global tree of past responses: drafts come from the request's own prompt and output only, so
+    one tenant's acceptance rate (its speed) says nothing of what others sampled."""
     low = threshold_batch(target, below)
     schedule = [(1, low, tokens)]
     if low < target:
         schedule.append((low + 1, target, 0))
-    return {"method": "suffix", "num_speculative_tokens": tokens, "suffix_decoding_max_tree_depth": max(tokens, 24),
-            "num_speculative_tokens_per_batch_size": schedule}
+    config = {"method": "suffix", "num_speculative_tokens": tokens, "suffix_decoding_max_tree_depth": max(tokens, 24),
+              "num_speculative_tokens_per_batch_size": schedule}
+    if not shared:
+        config["suffix_decoding_max_cached_requests"] = 0
+    return config

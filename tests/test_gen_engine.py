@@ -185,3 +185,37 @@ def test_stop_token_is_included_and_seed_reproduces(pool):
     assert out.stop_reason == "stop"
     assert out.tokens == first.tokens[: first.tokens.index(stop_tok) + 1]
     assert run_all(pool, [req(None, seed=5, max_tokens=16)])[0].tokens == first.tokens
+
+
+def test_the_prefix_cache_is_scoped_per_tenant(pool):
+    """cache_salt per tenant (QUILT_GEN_SHARE_CACHES_ACROSS_TENANTS off): a prompt one tenant sent
+    is found in the prefix cache by that tenant's next request only; another tenant's identical
+    prompt computes every block again, so its speed tells it nothing of the first's prompts."""
+    import dataclasses
+
+    from vllm import SamplingParams
+
+    engine, loop = pool["engine"], pool["loop"]
+    prompt = tuple(range(20, 20 + 600))
+
+    def cached(tenant: str) -> int:
+        r = dataclasses.replace(req(prompt=prompt, max_tokens=1), tenant_id=tenant)
+
+        async def go():
+            final = None
+            async for out in engine.llm.generate(engine._prompt(r), SamplingParams(max_tokens=1), r.engine_id):
+                final = out
+            return final.num_cached_tokens or 0
+
+        return loop.run(go())
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0  # its own prompt again: the blocks are reused
+    assert cached("tenant-b") == 0  # the same tokens from another tenant: nothing reused
+    shared = engine.settings.model_copy(update={"share_caches_across_tenants": True})
+    engine.settings, kept = shared, engine.settings
+    try:
+        cached("tenant-c")
+        assert cached("tenant-d") > 0  # the operator's setting shares them again
+    finally:
+        engine.settings = kept

@@ -24,3 +24,10 @@ def test_the_engine_gets_the_same_switch_as_its_batch_size_schedule():
     # Speculating up to the whole target: one range, no "off" range to add.
     assert speculative_config(16, 1.0, 4)["num_speculative_tokens_per_batch_size"] == [(1, 16, 4)]
     assert threshold_batch(3, 0.1) == 1
+
+
+def test_drafts_come_from_the_requests_own_text_unless_caches_are_shared():
+    """Suffix decoding's global tree of past responses would let one tenant's speed tell what
+    others sampled: off (0 cached requests) unless QUILT_GEN_SHARE_CACHES_ACROSS_TENANTS."""
+    assert speculative_config(32, 0.25, 8)["suffix_decoding_max_cached_requests"] == 0
+    assert "suffix_decoding_max_cached_requests" not in speculative_config(32, 0.25, 8, shared=True)
