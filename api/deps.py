@@ -60,7 +60,7 @@ async def _principal(request: Request, x_api_key: Annotated[str | None, Security
     return who if who is not None else await authenticate_request(request)
 
 
-def _key_of(request: Request) -> str | None:
+def key_of(request: Request) -> str | None:
     """The key: X-API-Key, else a bearer token (OpenAI clients, api.routes.openai_compat)."""
     key = request.headers.get("x-api-key")
     if key is None:
@@ -73,7 +73,7 @@ def _key_of(request: Request) -> str | None:
 async def authenticate_request(request: Request) -> Principal:
     """The caller behind the request's key: a 401 for none or a wrong one, before any store is asked
     for a missing key. Sets `request.state.who`."""
-    x_api_key = _key_of(request)
+    x_api_key = key_of(request)
     if not x_api_key:  # refused before a pooled connection is taken: an anonymous flood holds none
         raise missing_key()
     # From the app's state, not as dependencies: each dependency costs a cheap call a solving pass.

@@ -13,10 +13,11 @@ an operator suspends its tenant (a payment suspension keeps downloads working), 
 signing key is retired.
 
 Signing keys rotate: a new generation is made (a random value in Postgres, server_secrets, shared
-by every API replica, keyed with QUILT_SECRET_KEY so the database alone cannot sign) once the newest is QUILT_DOWNLOAD_KEY_ROTATION_S old, and the two newest are valid, so a
-link (which lives at most QUILT_DOWNLOAD_URL_TTL_S, never longer than a rotation) always outlives
-its key's turn. `quilt downloads rotate-key --retire` makes a new one and retires every other:
-every link out there stops working (within a minute, as API processes re-read the keys). With
+by every API replica, keyed with QUILT_SECRET_KEY so the database alone cannot sign) once the
+newest is QUILT_DOWNLOAD_KEY_ROTATION_S old, and the two newest are valid, so a link (which lives
+at most QUILT_DOWNLOAD_URL_TTL_S, never longer than a rotation) always outlives its key's turn.
+`quilt downloads rotate-key --retire` makes a new one and retires every other: every link out
+there stops working (within a minute, as API processes re-read the keys). With
 QUILT_DOWNLOAD_SIGNING_KEY set, that key signs (and QUILT_DOWNLOAD_SIGNING_KEY_PREVIOUS, if set,
 still verifies): rotation is then the operator's, by changing the two.
 """

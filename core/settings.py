@@ -113,7 +113,8 @@ class ApiSettings(BaseSettings):
     trusted_proxies: str = Field("", max_length=4096,
                                  description="comma-separated addresses (or networks) of the proxies whose "
                                              "X-Forwarded-For and X-Forwarded-Proto are believed; empty: none are")
-    smtp_url: SecretStr = Field(SecretStr(""), description="smtp://user:password@host:port for invitation and password-reset mail; "
+    smtp_url: SecretStr = Field(SecretStr(""),
+                                description="smtp://user:password@host:port for invitation and password-reset mail; "
                                           "empty: the links are written to the API's log")
     mail_from: str = Field("quilt@localhost", max_length=254, description="From: of that mail")
     login_window_s: int = Field(900, ge=1, le=86_400, description="the window in which failed dashboard logins "
@@ -324,7 +325,8 @@ class BillingSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=_PREFIX, extra="ignore")
 
-    stripe_api_key: SecretStr = Field(SecretStr(""), description="Stripe secret key (sk_live_... / sk_test_...); empty = no live Stripe")
+    stripe_api_key: SecretStr = Field(SecretStr(""),
+                                      description="Stripe secret key (sk_live_... / sk_test_...); empty = no live Stripe")
     stripe_api_base: str = Field("", description="base URL replacing api.stripe.com (and the meter-events host)")
     stripe_meter_prefix: str = Field("quilt", pattern=r"^[a-z][a-z0-9_]{0,40}$",
                                      description="meter event names are '<prefix>_cost_micro_usd', ...")

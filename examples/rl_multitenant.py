@@ -36,7 +36,7 @@ TRAINER_FIELDS = ("rounds", "fused_rounds", "tenants_fused", "models_fused", "to
 GEN_FIELDS = ("slot_s", "capacity_s", "active_s", "mixed_s", "tokens", "groups")
 
 
-def server_counters(base_url: str, wait_s: float = 15.0) -> dict[str, dict[str, float]]:
+def server_counters(base_url: str, key: str, wait_s: float = 15.0) -> dict[str, dict[str, float]]:
     """The trainer's and the generation pool's cumulative counters for the base model, as of now.
 
     Workers publish their figures every couple of seconds (each carries its own `at`), so this
@@ -45,7 +45,8 @@ def server_counters(base_url: str, wait_s: float = 15.0) -> dict[str, dict[str, 
     asked = time.time()
     deadline = time.monotonic() + wait_s
     while True:
-        health = httpx.get(f"{base_url}/api/v1/healthz", timeout=30).json()["components"]
+        # healthz shows the workers' counters to a keyed caller (anonymous: up or down only).
+        health = httpx.get(f"{base_url}/api/v1/healthz", headers={"X-API-Key": key}, timeout=30).json()["components"]
         trainer = health.get(f"trainer:{BASE_MODEL}", {})
         gen = health.get(f"gen:{BASE_MODEL}", {})
         if min(float(trainer.get("at") or 0), float(gen.get("at") or 0)) >= asked or time.monotonic() > deadline:
@@ -96,11 +97,11 @@ def main() -> None:
     base_url = os.environ.get("QUILT_BASE_URL", "http://127.0.0.1:8000").rstrip("/")
 
     keys = tenant_keys(args.tenants)
-    before = server_counters(base_url)
+    before = server_counters(base_url, keys[0])
     started = time.monotonic()
     logs = asyncio.run(run_all(keys, base_url, args))
     seconds = time.monotonic() - started
-    used = delta(server_counters(base_url), before)
+    used = delta(server_counters(base_url, keys[0]), before)
 
     trainer, gen = used["trainer"], used["gen"]
     tenants_per_round = trainer["tenants_fused"] / trainer["fused_rounds"] if trainer["fused_rounds"] else 0.0

@@ -160,7 +160,8 @@ def test_the_cpu_overlay_ships_no_credentials_and_redis_asks_for_one():
     assert "quilt:quilt@" not in text and "change-me" not in text and "POSTGRES_PASSWORD, value:" not in text
     objs = {(o["kind"], o["metadata"]["name"]): o for o in render("cpu")}
     secret = objs[("Secret", "quilt-secrets")]["data"]
-    assert {"POSTGRES_PASSWORD", "REDIS_PASSWORD", "QUILT_DATABASE_URL", "QUILT_REDIS_URL", "QUILT_SECRET_KEY"} <= set(secret)
+    assert {"POSTGRES_PASSWORD", "REDIS_PASSWORD", "QUILT_DATABASE_URL", "QUILT_REDIS_URL",
+            "QUILT_SECRET_KEY"} <= set(secret)
     redis = objs[("StatefulSet", "quilt-redis")]["spec"]["template"]["spec"]["containers"][0]
     assert "--requirepass" in redis["command"][-1]
     ignored = subprocess.run(["git", "check-ignore", "deploy/k8s/overlays/cpu/credentials.env"], cwd=ROOT,

@@ -12,8 +12,10 @@ import redis
 from stackutil import TINY, datum, fb_body, new_model, wait_future
 
 
-def _trainer(stack) -> dict:
-    return httpx.get(stack.base_url + "/api/v1/healthz").json()["components"][f"trainer:{TINY}"]
+def _trainer(stack, key: str) -> dict:
+    """The trainer's counters: healthz shows them to a keyed caller only."""
+    return httpx.get(stack.base_url + "/api/v1/healthz", headers={"X-API-Key": key}).json()["components"][
+        f"trainer:{TINY}"]
 
 
 def _metric(stack, name: str) -> float:
@@ -24,10 +26,11 @@ def _metric(stack, name: str) -> float:
 
 
 def test_two_tenants_share_one_round_and_it_is_reported(stack):
-    clients = [stack.http(stack.create_tenant(p).key) for p in ("s1", "s2")]
+    tenants = [stack.create_tenant(p) for p in ("s1", "s2")]
+    clients = [stack.http(t.key) for t in tenants]
     models = [new_model(c) for c in clients]
     before = _metric(stack, "quilt_trainer_tenants_fused")
-    pid = _trainer(stack)["pid"]
+    pid = _trainer(stack, tenants[0].key)["pid"]
     # Hold the trainer so both requests are queued when it next plans a round.
     os.kill(pid, signal.SIGSTOP)
     try:

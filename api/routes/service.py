@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import logging
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
-from api.deps import Pool, RedisDep, Who
+from api.deps import Pool, RedisDep, Who, key_of, authenticate_request
 from api.input_guard import GuardedRoute
 from bases import catalog
 from core import db, health
@@ -18,9 +18,12 @@ router = APIRouter(route_class=GuardedRoute, tags=["service"])
 log = logging.getLogger("quilt.api")
 
 
-def _aggregates(raw: str | bytes | None) -> dict:
-    # healthz needs no key, so it shows only a beacon's scalar counters (examples/rl_multitenant.py
-    # reads them): per-tenant breakdowns (dicts and lists keyed by tenant) are for the operator page.
+def _aggregates(raw: str | bytes | None, keyed: bool) -> dict:
+    # Anonymous: up or down only. With a key: a beacon's pool-wide scalar counters too
+    # (examples/rl_multitenant.py reads them); per-tenant breakdowns (dicts and lists keyed by
+    # tenant) are for the operator page.
+    if not keyed:
+        return {}
     beacon = json.loads(raw) if raw else {}
     return {k: v for k, v in beacon.items() if not isinstance(v, (dict, list))}
 
@@ -64,22 +67,26 @@ async def _redis(redis) -> dict:
         return {"ok": False}
 
 
-async def _workers(redis, components: dict, kind: str, keys: dict[str, str], serving: list[str]) -> None:
+async def _workers(redis, components: dict, kind: str, keys: dict[str, str], serving: list[str], keyed: bool) -> None:
     """A component per worker in service (down when its beacon lapsed); one a scaler took out of
     service shows only while it still beats, as leaving, not down."""
     for name, key in keys.items():
         raw = await redis.get(key)
         if name in serving:
-            components[f"{kind}:{name}"] = {"ok": raw is not None, **_aggregates(raw)}
+            components[f"{kind}:{name}"] = {"ok": raw is not None, **_aggregates(raw, keyed)}
         elif raw is not None:
-            components[f"{kind}:{name}"] = {"ok": True, "leaving": True, **_aggregates(raw)}
+            components[f"{kind}:{name}"] = {"ok": True, "leaving": True, **_aggregates(raw, keyed)}
 
 
 @router.get("/healthz")
-async def healthz(pool: Pool, redis: RedisDep, response: Response) -> dict:
-    """Each component up or down, with the workers' scalar counters (no key needed: no store error
-    text, no per-tenant figures): postgres, redis, each trainer shard and generation replica per
-    base model, celery. 503 when one is down."""
+async def healthz(request: Request, pool: Pool, redis: RedisDep, response: Response) -> dict:
+    """Each component up or down: postgres, redis, each trainer shard and generation replica per
+    base model, celery; 503 when one is down. No key needed, and then that is all it says (no
+    store error text, no figures); with a valid key, also the workers' pool-wide scalar counters
+    (a wrong key is a 401)."""
+    keyed = bool(key_of(request))
+    if keyed:
+        await authenticate_request(request)
     components: dict[str, dict] = {}
     components["postgres"], bases = await _postgres(pool)
     components["redis"] = await _redis(redis)
@@ -89,12 +96,12 @@ async def healthz(pool: Pool, redis: RedisDep, response: Response) -> dict:
                 record = await in_service.read_async(redis, base.name)
                 if base.trainable:  # one component per trainer shard in service
                     keys = health.trainer_keys(base.name, get_core_settings().trainer_shards)
-                    await _workers(redis, components, "trainer", keys, record.trainer_names(list(keys)))
+                    await _workers(redis, components, "trainer", keys, record.trainer_names(list(keys)), keyed)
                 if base.sampleable:  # one component per generation replica in service
                     keys = health.gen_keys(base.name, get_core_settings().gen_replicas)
-                    await _workers(redis, components, "gen", keys, record.gen_names(list(keys)))
+                    await _workers(redis, components, "gen", keys, record.gen_names(list(keys)), keyed)
             raw = await redis.get(health.CELERY_KEY)
-            components["celery"] = {"ok": raw is not None, **_aggregates(raw)}
+            components["celery"] = {"ok": raw is not None, **_aggregates(raw, keyed)}
         except Exception:  # health must report, not raise
             log.warning("health: redis failed mid-report", exc_info=True)
             components["redis"] = {"ok": False}
