@@ -115,7 +115,7 @@ class ApiSettings(BaseSettings):
                                              "X-Forwarded-For and X-Forwarded-Proto are believed; empty: none are")
     smtp_url: SecretStr = Field(SecretStr(""),
                                 description="smtp://user:password@host:port for invitation and password-reset mail; "
-                                          "empty: the links are written to the API's log")
+                                            "empty: the links are written to the API's log")
     mail_from: str = Field("quilt@localhost", max_length=254, description="From: of that mail")
     login_window_s: int = Field(900, ge=1, le=86_400, description="the window in which failed dashboard logins "
                                                                 "are counted (tenancy.login_limit)")
