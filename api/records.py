@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import anyio
 from psycopg import AsyncConnection
 from psycopg.pq import TransactionStatus
 from psycopg.types.json import Jsonb
@@ -33,16 +34,32 @@ async def quota_lock(conn: AsyncConnection, tenant_id: str) -> AsyncIterator[Non
     """Hold the tenant's quota lock (a session-level advisory lock, so it also works on an
     autocommit connection) around a count and the insert it allows: concurrent calls of one tenant
     take turns, and no two of them can both see the last free place. Other tenants never wait on it.
-    The lock is given back even when the block fails; a failed transaction is rolled back first so
-    the unlock can run."""
-    await conn.execute("SELECT pg_advisory_lock(hashtextextended('quilt-quota:' || %s, 0))", (tenant_id,))
+    The lock is given back even when the block fails or is cancelled (a failed transaction is
+    rolled back first so the unlock can run); should taking or giving it back fail halfway, the
+    connection is closed instead, which frees it in Postgres and drops it from the pool, so a lock
+    never outlives its caller on a pooled connection."""
+    try:
+        await conn.execute("SELECT pg_advisory_lock(hashtextextended('quilt-quota:' || %s, 0))", (tenant_id,))
+    except BaseException:
+        await _drop(conn)
+        raise
     try:
         yield
     finally:
-        if not (conn.closed or conn.broken):
-            if conn.info.transaction_status == TransactionStatus.INERROR:
-                await conn.rollback()
-            await conn.execute("SELECT pg_advisory_unlock(hashtextextended('quilt-quota:' || %s, 0))", (tenant_id,))
+        with anyio.CancelScope(shield=True):  # a caller cancelled meanwhile still gives the lock back
+            try:
+                if conn.info.transaction_status == TransactionStatus.INERROR:
+                    await conn.rollback()
+                await conn.execute("SELECT pg_advisory_unlock(hashtextextended('quilt-quota:' || %s, 0))",
+                                   (tenant_id,))
+            except Exception:
+                await _drop(conn)
+
+
+async def _drop(conn: AsyncConnection) -> None:
+    with anyio.CancelScope(shield=True):
+        if not conn.closed:
+            await conn.close()
 
 
 async def insert_session(conn: AsyncConnection, who: Principal, session_id: str, *, tags: list, user_metadata: dict,
