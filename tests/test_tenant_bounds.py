@@ -131,3 +131,23 @@ def test_stored_result_bytes_are_bounded_per_tenant(stack, r):
         again = client.post("/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {
             "learning_rate": 0.01}})
         assert again.status_code == 200, again.text  # the refused call left no row holding seq_id 1
+
+
+def test_the_operator_page_sets_a_tenants_checkpoint_storage(stack, tenant):
+    import re
+
+    from dashutil import csrf_of, login, operator_key
+
+    from core import db
+
+    with login(stack, operator_key(stack)) as operator:
+        page = operator.get("/dashboard/tenants").text
+        assert re.search(rf'id="tenant-{tenant.name}".*?name="checkpoint_gib" value="100"', page, re.S)
+        form = {"csrf_token": csrf_of(page), "tokens_per_minute": 1000, "max_inflight_requests": 8, "max_models": 4,
+                "plan_weight": 1, "checkpoint_gib": 0.5}
+        assert operator.post(f"/dashboard/tenants/{tenant.name}/plan", data=form).status_code == 303
+        assert operator.post(f"/dashboard/tenants/{tenant.name}/plan",
+                             data={**form, "checkpoint_gib": "nan"}).status_code == 400
+    with db.connect(stack.database_url) as conn:
+        row = conn.execute("SELECT max_checkpoint_bytes FROM tenants WHERE id = %s", (tenant.tenant_id,)).fetchone()
+    assert row["max_checkpoint_bytes"] == 2**29

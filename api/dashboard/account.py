@@ -111,7 +111,8 @@ async def tenants_page(request: Request, viewer: OperatorOnly, pool: Pool):
     async with pool.connection() as conn:
         rows = await (await conn.execute(
             "SELECT t.id, t.name, t.role, t.plan_weight, t.max_models, t.max_inflight_requests, "
-            "t.tokens_per_minute, t.suspended_kind, t.suspended_reason, t.suspended_at FROM tenants t "
+            "t.tokens_per_minute, t.max_checkpoint_bytes, t.suspended_kind, t.suspended_reason, t.suspended_at "
+            "FROM tenants t "
             "ORDER BY t.created_at")).fetchall()
         audit = await account.audit_json(conn, viewer.who, None, limit=50)
     return page(request, "tenants.html", page_context(viewer, "tenants", tenants=rows, audit=audit["entries"]))
@@ -146,12 +147,15 @@ async def tenant_plan(name: str, viewer: OperatorChanging, pool: Pool, callers: 
                       tokens_per_minute: Annotated[int, Form(ge=1, le=2**31 - 1)],
                       max_inflight_requests: Annotated[int, Form(ge=1, le=2**31 - 1)],
                       max_models: Annotated[int, Form(ge=1, le=2**31 - 1)],
-                      plan_weight: Annotated[float, Form(gt=0, le=1000, allow_inf_nan=False)]):
-    """A tenant's quotas and fair-share weight."""
+                      plan_weight: Annotated[float, Form(gt=0, le=1000, allow_inf_nan=False)],
+                      checkpoint_gib: Annotated[float | None, Form(gt=0, le=2**32, allow_inf_nan=False)] = None):
+    """A tenant's quotas and fair-share weight (its checkpoint storage in GiB)."""
+    changes = {"tokens_per_minute": tokens_per_minute, "max_inflight_requests": max_inflight_requests,
+               "max_models": max_models, "plan_weight": plan_weight}
+    if checkpoint_gib is not None:
+        changes["max_checkpoint_bytes"] = max(1, round(checkpoint_gib * 2**30))
     async with changing(pool, callers) as conn:
-        await account.set_plan(conn, viewer.who, name, {
-            "tokens_per_minute": tokens_per_minute, "max_inflight_requests": max_inflight_requests,
-            "max_models": max_models, "plan_weight": plan_weight})
+        await account.set_plan(conn, viewer.who, name, changes)
     return _back(name)
 
 
