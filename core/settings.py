@@ -394,11 +394,11 @@ def get_gen_pool_settings() -> GenPoolSettings:
 
 
 @functools.cache
-@functools.cache
 def get_security_settings() -> SecuritySettings:
     return SecuritySettings()
 
 
+@functools.cache
 def get_tenancy_settings() -> TenancySettings:
     return TenancySettings()
 
@@ -416,6 +416,6 @@ def get_scaler_settings() -> ScalerSettings:
 def clear_settings_cache() -> None:
     """Forget cached settings (the launcher and tests change the environment)."""
     for factory in (get_core_settings, get_api_settings, get_trainer_settings, get_gen_pool_settings,
-                    get_tenancy_settings,
+                    get_tenancy_settings, get_security_settings,
                     get_billing_settings, get_scaler_settings):
         factory.cache_clear()
