@@ -134,13 +134,14 @@ def test_stored_result_bytes_are_bounded_per_tenant(stack, r):
 
 
 def test_the_operator_page_sets_a_tenants_checkpoint_storage(stack, tenant):
+    import contextlib
     import re
 
     from dashutil import csrf_of, login, operator_key
 
     from core import db
 
-    with login(stack, operator_key(stack)) as operator:
+    with contextlib.closing(login(stack, operator_key(stack))) as operator:
         page = operator.get("/dashboard/tenants").text
         assert re.search(rf'id="tenant-{tenant.name}".*?name="checkpoint_gib" value="100"', page, re.S)
         form = {"csrf_token": csrf_of(page), "tokens_per_minute": 1000, "max_inflight_requests": 8, "max_models": 4,
