@@ -202,10 +202,10 @@ def test_links_stop_with_their_key_an_operator_suspension_or_a_retired_signing_k
     env = {"QUILT_DOWNLOAD_URL_TTL_S": "900"}
     with second_api(stack, tmp_path, **env) as fresh:  # a process that reads the keys now
         assert httpx.get(kept.replace(stack.base_url, fresh), timeout=60).status_code == 200
-    subprocess_rotate(stack, retire=False)
+    _rotate(stack, retire=False)
     with second_api(stack, tmp_path, **env) as fresh:  # the previous generation still verifies
         assert httpx.get(kept.replace(stack.base_url, fresh), timeout=60).status_code == 200
-    subprocess_rotate(stack, retire=True)
+    _rotate(stack, retire=True)
     with second_api(stack, tmp_path, **env) as fresh:
         r = httpx.get(kept.replace(stack.base_url, fresh), timeout=60)
         assert r.status_code == 404 and "not valid" in r.json()["error"]
@@ -214,8 +214,9 @@ def test_links_stop_with_their_key_an_operator_suspension_or_a_retired_signing_k
         assert new.status_code == 200
 
 
-def subprocess_rotate(stack, *, retire: bool) -> None:
-    """`quilt downloads rotate-key` against the session stack's Postgres."""
+def _rotate(stack, *, retire: bool) -> None:
+    """What `quilt downloads rotate-key [--retire]` does (api.signed_urls.rotate), on the session
+    stack's Postgres."""
     import psycopg
     from psycopg.rows import dict_row
 
