@@ -23,9 +23,17 @@ environments of one GRPO group; :func:`train_grpo` does the rest::
 Groups are sampled with ``sample(n)`` (one generation-pool group each), advantages are
 group-relative, zero-advantage groups and infrastructure failures are filtered and counted, and
 sampling runs at most ``max_staleness`` policy versions ahead of training.
+
+At scale: environments run in process, in a process pool or on Ray actors (``executor``), start
+warm from a pool and by fork (``warm_groups``, :class:`Forkable`), are bounded per call and per
+episode (:class:`EpisodeBudget`), may be scored by a remote reward function (``reward``), and
+environments written for verifiers, OpenEnv, SkyRL-Gym, Gymnasium or tinker-cookbook run through
+:mod:`quilt.rl.adapters` unchanged.
 """
 
-from .env import OUTCOMES, Env, GroupBuilder, Outcome, Prompt, StepResult
+from .bounds import CAUSES, EpisodeBudget, breach_outcome
+from .env import OUTCOMES, Env, Forkable, GroupBuilder, Outcome, Prompt, StepResult, can_fork
+from .executors import InProcess, ProcessPool, RayActors, make_executor
 from .grpo import Episode, GroupPlan, Turn, episode_datums, group_advantages, plan_group
 from .pipeline import (
     RLConfig,
@@ -35,11 +43,30 @@ from .pipeline import (
     summarize,
     train_grpo,
 )
-from .rollouts import EpisodeBudget, SampledGroup, rollout_group
+from .rewards import HTTPReward, LocalReward, RayReward, RewardFn, RewardItem
+from .rollouts import SampledGroup, rollout_group
+from .starts import StartedGroup, WarmPool, pool_target, start_group
 
 __all__ = [
+    "CAUSES",
     "OUTCOMES",
     "Env",
+    "Forkable",
+    "HTTPReward",
+    "InProcess",
+    "LocalReward",
+    "ProcessPool",
+    "RayActors",
+    "RayReward",
+    "RewardFn",
+    "RewardItem",
+    "StartedGroup",
+    "WarmPool",
+    "breach_outcome",
+    "can_fork",
+    "make_executor",
+    "pool_target",
+    "start_group",
     "EpisodeBudget",
     "Episode",
     "GroupBuilder",

@@ -10,6 +10,11 @@ Every step also says how it ended, as an :data:`Outcome`. The distinction matter
 ``model_failure`` (wrong answer, bad format, ran out of budget) is a real, low reward to learn from,
 while an ``infra_failure`` (a grader that crashed, a tool that timed out) says nothing about the
 model and must not push its policy around, so those episodes are left out of training and counted.
+
+Starting is the expensive part of many environments (a sandbox to boot, a repository to clone), so
+constructing an environment must be cheap and the start belongs in ``reset()``. An environment that
+can copy itself implements :class:`Forkable`: a group then resets one environment and forks it
+``n - 1`` times instead of starting ``n`` cold (see :mod:`quilt.rl.starts`).
 """
 
 from __future__ import annotations
@@ -17,11 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Union, runtime_checkable
+from typing import Any, Literal, Protocol, Union, runtime_checkable
 
 from ..types import ModelInput
 
-__all__ = ["OUTCOMES", "Env", "GroupBuilder", "Outcome", "Prompt", "StepResult"]
+__all__ = ["OUTCOMES", "Env", "Forkable", "GroupBuilder", "Outcome", "Prompt", "StepResult", "can_fork"]
 
 Outcome = Literal["success", "model_failure", "infra_failure", "unknown"]
 
@@ -45,6 +50,9 @@ class StepResult:
         episode_hint: multi-turn only, optional: ``"promote"`` when the next turn likely ends the
             episode (say the tool returned the answer), ``"demote"`` when it likely starts a long
             detour (say a retry loop); the pool moves the episode one priority level accordingly.
+        info: anything a reward function needs besides the tokens (the reference answer, say);
+            passed to :class:`quilt.rl.rewards.RewardFn` with the finished episode (the last step's
+            keys win). Keep it picklable and JSON-friendly: it may cross to a remote grader.
     """
 
     reward: float
@@ -53,6 +61,7 @@ class StepResult:
     next_prompt: Prompt | None = None
     metrics: Mapping[str, float] = field(default_factory=dict)
     episode_hint: Literal["promote", "demote"] | None = None
+    info: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
@@ -78,7 +87,30 @@ class Env(Protocol):
         ...
 
 
+@runtime_checkable
+class Forkable(Protocol):
+    """An environment that can copy its state: ``snapshot()`` records it (after ``reset``),
+    ``fork(snapshot)`` makes a new environment in that state, as if it had been reset too. A fork
+    must cost much less than a cold start (a copy-on-write sandbox, a container checkpoint, a deep
+    copy of a Python object) or there is nothing to gain."""
+
+    async def snapshot(self) -> Any:
+        """Record the current (just reset) state."""
+        ...
+
+    async def fork(self, snapshot: Any) -> Env:
+        """A new environment in the state ``snapshot`` recorded."""
+        ...
+
+
+def can_fork(env: object) -> bool:
+    """Whether ``env`` implements :class:`Forkable` (both methods callable)."""
+    return callable(getattr(env, "snapshot", None)) and callable(getattr(env, "fork", None))
+
+
 #: Makes the ``n`` environments of one GRPO group: the same task (same first prompt), ``n`` attempts.
 #: Called as ``make_group(index, n)`` (the group's running index and its size); a plain function
-#: or a coroutine function.
+#: or a coroutine function. Called again as ``make_group(index, 1)`` to replace an environment whose
+#: start failed, so a builder should pick the task from ``index``, not at random. With a process or Ray
+#: executor it runs on the workers: it must then be picklable (cloudpickle: closures are fine).
 GroupBuilder = Callable[[int, int], Union[Sequence[Env], Awaitable[Sequence[Env]]]]

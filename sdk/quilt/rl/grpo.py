@@ -45,6 +45,7 @@ class Episode:
     outcome: str
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    cause: str | None = None  # why it ended early (quilt.rl.bounds.CAUSES), None when it finished
 
     @property
     def sampled_tokens(self) -> int:

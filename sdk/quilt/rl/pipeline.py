@@ -17,7 +17,12 @@ Weights are updated in flight: after each optimizer step the new weights are pub
 group started afterwards samples them, while groups already running finish on the version they began
 with (the generation pool keeps both). Every step logs time-to-trainable-batch, staleness, the
 trainer's mismatch KL, the mean reward, the fraction of zero-advantage groups and the infra-failure
-rate; ``log_to_server`` also records them with the run, for the dashboard.
+rate, and where the time went (environment starts, steps and rewards against sampling and training);
+``log_to_server`` also records them with the run, for the dashboard.
+
+Environments run where ``executor`` says (:mod:`quilt.rl.executors`); with ``warm_groups`` a pool
+starts the next groups ahead of demand, and forkable environments start a group from one reset
+(:mod:`quilt.rl.starts`).
 """
 
 from __future__ import annotations
@@ -30,14 +35,18 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ..sampling import SamplingClient, SamplingParams
 from ..training import TrainingClient
 from ..types import AdamParams, Datum
+from .bounds import EpisodeBudget
 from .env import GroupBuilder
+from .executors import Executor, make_executor
 from .grpo import episode_datums, plan_group
-from .rollouts import EpisodeBudget, SampledGroup, rollout_group
+from .rewards import RewardFn
+from .rollouts import SampledGroup, rollout_group
+from .starts import StartedGroup, WarmPool
 
 __all__ = ["RLConfig", "StepLog", "may_start_group", "run_grpo", "train_grpo"]
 
@@ -67,6 +76,14 @@ class RLConfig:
             lengthens the longest tenth's by about half (staler, more often dropped at the bound);
             in a synchronous run it lengthens the batch, whose slowest group it delays
             (bench/genpool_episodes.py).
+        executor: where environments run: ``"inprocess"``, ``"processes"``, ``"ray"`` or an executor
+            object (:mod:`quilt.rl.executors`); None reads ``QUILT_RL_EXECUTOR`` (default in process).
+            An executor named by a string is closed with the run; an object is left to its owner.
+        warm_groups: groups a warm pool keeps starting or ready ahead of demand: 0 starts each group
+            when it is needed, an integer keeps that many, ``"auto"`` sizes the pool from the measured
+            start time and the rate groups are asked for (at least ``concurrency``).
+        fork: start a group of forkable environments from one reset and ``group_size - 1`` forks.
+        reward: a reward function called once per group (:mod:`quilt.rl.rewards`): local, Ray, HTTP.
     """
 
     group_size: int = 8
@@ -81,6 +98,10 @@ class RLConfig:
     max_concurrent_groups: int | None = None
     log_to_server: bool = True
     episode_priority: bool = False
+    executor: str | Executor | None = None
+    warm_groups: int | Literal["auto"] = 0
+    fork: bool = True
+    reward: RewardFn | None = None
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -91,6 +112,11 @@ class RLConfig:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.max_concurrent_groups is not None and self.max_concurrent_groups < 1:
             raise ValueError(f"max_concurrent_groups must be >= 1, got {self.max_concurrent_groups}")
+        if self.warm_groups != "auto" and (isinstance(self.warm_groups, bool) or not isinstance(self.warm_groups, int)
+                                           or not 0 <= self.warm_groups <= 4096):
+            raise ValueError(f"warm_groups must be 'auto' or an integer within [0, 4096], got {self.warm_groups!r}")
+        if self.reward is not None and not callable(getattr(self.reward, "score", None)):
+            raise ValueError("reward must have an async score(items) method (quilt.rl.rewards)")
 
     @property
     def concurrency(self) -> int:
@@ -105,11 +131,18 @@ class StepLog:
     staleness is that minus the version that sampled each trained episode.
 
     Where the time went: ``env_s`` and ``sample_s`` are the batch's groups' wall time waiting on
-    environments and on sampling (summed over groups); ``train_s`` the step's forward_backward and
-    optim_step. ``env_wait_share`` is env_s / (env_s + sample_s), the share of rollout time spent
-    waiting on environments rather than the pool; ``trainer_env_wait_share`` is the share of the
-    trainer's cycle (waiting for the batch, then training) spent waiting on environments, the
-    batch wait apportioned by ``env_wait_share``.
+    environments and on sampling (summed over groups), ``env_s`` split into ``env_start_s`` (waiting
+    for environments to start), ``env_step_s`` (their steps) and ``reward_s`` (the reward
+    function); ``train_s`` the step's forward_backward and optim_step. ``env_wait_share`` is env_s /
+    (env_s + sample_s), the share of rollout time spent waiting on environments rather than the
+    pool; ``trainer_env_wait_share`` is the share of the trainer's cycle (waiting for the batch,
+    then training) spent waiting on environments, the batch wait apportioned by ``env_wait_share``;
+    ``env_wait_gpu_s`` is that wait in seconds: the trainer time (per trainer GPU) the step lost to
+    environments.
+
+    ``infra_causes`` counts the episodes that ended early per cause (:mod:`quilt.rl.bounds`),
+    ``retries`` the calls tried again per cause; ``cold_starts``, ``forks`` and ``warm_groups``
+    say how the batch's groups started (resets, forks, groups a warm pool had ready).
     """
 
     step: int
@@ -134,6 +167,14 @@ class StepLog:
     env_s: float = 0.0
     sample_s: float = 0.0
     train_s: float = 0.0
+    env_start_s: float = 0.0
+    env_step_s: float = 0.0
+    reward_s: float = 0.0
+    infra_causes: dict[str, int] = field(default_factory=dict)
+    retries: dict[str, int] = field(default_factory=dict)
+    cold_starts: int = 0
+    forks: int = 0
+    warm_groups: int = 0
 
     @property
     def env_wait_share(self) -> float:
@@ -144,6 +185,10 @@ class StepLog:
     def trainer_env_wait_share(self) -> float:
         cycle = self.time_to_batch_s + self.train_s
         return self.time_to_batch_s * self.env_wait_share / cycle if cycle > 0 else 0.0
+
+    @property
+    def env_wait_gpu_s(self) -> float:
+        return self.time_to_batch_s * self.env_wait_share
 
     def line(self) -> str:
         """A one-line human summary."""
@@ -156,7 +201,8 @@ class StepLog:
 
 # What the run's page plots beside the trainer's loss (one curve each).
 _SERVER_METRICS = ("reward_mean", "zero_advantage_fraction", "infra_failure_rate", "staleness_mean",
-                   "mismatch_kl", "time_to_batch_s", "dropped_stale", "env_wait_share", "trainer_env_wait_share")
+                   "mismatch_kl", "time_to_batch_s", "dropped_stale", "env_wait_share", "trainer_env_wait_share",
+                   "env_start_s", "env_step_s", "reward_s", "sample_s", "train_s", "env_wait_gpu_s")
 
 
 def may_start_group(*, consuming_step: int, queued: int, groups_per_batch: int, sampler_version: int,
@@ -187,6 +233,11 @@ class _Pipeline:
         self.sampler_version = 0
         self.error: BaseException | None = None
         self.stopping = False
+        self.executor = make_executor(config.executor)
+        self._owns_executor = config.executor is None or isinstance(config.executor, str)
+        self.pool: WarmPool | None = None
+        if config.warm_groups:
+            self.pool = WarmPool(self._start, config.warm_groups, burst=config.concurrency)
         self._batch_taken = False  # the trainer holds step `version`'s batch and has not published yet
 
     # -- producers ----------------------------------------------------------------------
@@ -211,15 +262,10 @@ class _Pipeline:
                 index, sampler = self.next_index, self.sampler
                 self.next_index += 1
             try:
-                envs = self.make_group(index, self.config.group_size)
-                if inspect.isawaitable(envs):
-                    envs = await envs
-                envs = list(envs)
-                if len(envs) != self.config.group_size:
-                    raise ValueError(f"make_group({index}, {self.config.group_size}) returned {len(envs)} envs")
+                started = await (self.pool.take(index) if self.pool is not None else self._start(index))
                 assert sampler is not None
-                group = await rollout_group(index, sampler, envs, self.config.sampling, self.config.budget,
-                                            episode_priority=self.config.episode_priority)
+                group = await rollout_group(index, sampler, started, self.config.sampling, self.config.budget,
+                                            episode_priority=self.config.episode_priority, reward=self.config.reward)
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # a user error (bad env builder, bad params): stop the run
@@ -232,6 +278,10 @@ class _Pipeline:
                 self.in_flight -= 1
                 self.ready.append(group)
                 self.cond.notify_all()
+
+    def _start(self, index: int) -> Awaitable[StartedGroup]:
+        return self.executor.start_group(self.make_group, index, self.config.group_size, self.config.budget,
+                                         fork=self.config.fork)
 
     # -- trainer ------------------------------------------------------------------------
 
@@ -289,6 +339,10 @@ class _Pipeline:
             for task in producers:
                 task.cancel()
             await asyncio.gather(*producers, return_exceptions=True)
+            if self.pool is not None:
+                await self.pool.aclose()
+            if self._owns_executor:
+                await self.executor.aclose()
         return logs
 
     async def _train(self, step: int, batch: list[SampledGroup], dropped: int, ttb: float) -> StepLog:
@@ -299,7 +353,11 @@ class _Pipeline:
         lags: list[int] = []
         env_metrics: dict[str, list[float]] = {}
         statuses: Counter[str] = Counter()
+        causes: Counter[str] = Counter()
+        retries: Counter[str] = Counter()
         for group in batch:
+            retries.update(group.retries)
+            causes.update(e.cause for e in group.episodes if e.cause is not None)
             plan = plan_group(group.episodes, normalize=cfg.normalize_advantages)
             statuses[plan.status] += 1
             for episode, advantage, ok in zip(group.episodes, plan.advantages, plan.trainable):
@@ -334,7 +392,10 @@ class _Pipeline:
             outcomes=dict(outcomes), env_metrics={k: statistics.fmean(v) for k, v in env_metrics.items()},
             loss_per_token=metrics["loss:sum"] / weighted if datums and weighted and "loss:sum" in metrics else None,
             env_s=sum(g.env_s for g in batch), sample_s=sum(g.sample_s for g in batch),
-            train_s=time.monotonic() - train_started,
+            train_s=time.monotonic() - train_started, env_start_s=sum(g.start_s for g in batch),
+            env_step_s=sum(g.step_s for g in batch), reward_s=sum(g.reward_s for g in batch),
+            infra_causes=dict(causes), retries=dict(retries), cold_starts=sum(g.cold for g in batch),
+            forks=sum(g.forks for g in batch), warm_groups=sum(g.warm for g in batch),
         )
 
     async def _report(self, entry: StepLog) -> None:
