@@ -379,6 +379,7 @@ def test_an_http_reward_is_one_post_per_group():
 # -- the process pool ---------------------------------------------------------------------
 
 
+@pytest.mark.stack  # other processes: not in the fast tier
 def test_process_workers_hold_the_environments_and_replace_a_crashed_one():
     async def main():
         pool = rl.ProcessPool(workers=2)
@@ -411,6 +412,7 @@ def test_process_workers_hold_the_environments_and_replace_a_crashed_one():
     run(main())
 
 
+@pytest.mark.stack  # other processes: not in the fast tier
 def test_the_pipeline_runs_on_process_workers_with_a_warm_pool_and_forks():
     trainer = FakeTrainer(random.Random(1))
     config = rl.RLConfig(group_size=4, groups_per_batch=3, max_staleness=1, log_to_server=False,
@@ -426,6 +428,7 @@ def test_the_pipeline_runs_on_process_workers_with_a_warm_pool_and_forks():
     assert Forking.resets == 0  # every environment lived on a worker
 
 
+@pytest.mark.stack  # other processes: not in the fast tier
 def test_a_builder_error_on_a_worker_stops_the_run():
     def broken(index, n):
         raise KeyError("no such task")

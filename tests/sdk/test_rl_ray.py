@@ -15,6 +15,8 @@ from test_rl_envs import Forking, crashing_group, forking_group
 
 ray = pytest.importorskip("ray", reason="the Ray executor's tests need ray (the test extra installs it)")
 
+pytestmark = pytest.mark.stack  # a local Ray: other processes, not in the fast tier
+
 PARAMS = quilt.SamplingParams(max_tokens=3)
 
 
