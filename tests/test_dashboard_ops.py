@@ -68,10 +68,13 @@ def test_shares_of_nothing_are_zero():
 
 
 def test_env_waits_order_by_rollout_share_and_keep_missing_values():
-    rows = [{"tenant": "a", "steps": 3, "rollout": 0.2, "trainer": 0.1},
-            {"tenant": "b", "steps": 1, "rollout": 0.7, "trainer": None}]
+    rows = [{"tenant": "a", "steps": 3, "rollout": 0.2, "trainer": 0.1, "start_s": 6.01234, "step_s": 1.5,
+             "reward_s": None, "sample_s": 2.0, "train_s": 0.5, "lost_s": 4.25},
+            {"tenant": "b", "steps": 1, "rollout": 0.7, "trainer": None}]  # steps from before the seconds
     assert ops.env_waits(rows) == {"tenants": ["b", "a"], "rollout": [0.7, 0.2], "trainer": [None, 0.1],
-                                   "steps": [1, 3]}
+                                   "steps": [1, 3], "start_s": [None, 6.012], "step_s": [None, 1.5],
+                                   "reward_s": [None, None], "sample_s": [None, 2.0], "train_s": [None, 0.5],
+                                   "lost_s": [None, 4.25]}
 
 
 def test_capacity_reads_generation_and_trainer_busy():

@@ -114,23 +114,65 @@ def test_time_waiting_on_environments_reaches_the_run_and_operator_pages(stack):
                    make_group=lambda i, n: [SlowTool() for _ in range(n)])
     for entry in logs:
         assert entry.env_s >= 2 * 0.05 * entry.groups  # two tool calls per group, 50 ms each
+        assert entry.env_step_s >= 2 * 0.05 * entry.groups and entry.env_start_s >= 0 and entry.reward_s == 0
+        assert entry.env_s == pytest.approx(entry.env_start_s + entry.env_step_s + entry.reward_s)
         assert entry.sample_s > 0 and 0 < entry.env_wait_share < 1
         assert 0 < entry.trainer_env_wait_share < entry.env_wait_share
+        assert entry.env_wait_gpu_s == pytest.approx(entry.time_to_batch_s * entry.env_wait_share)
     owner = stack.http(tenant.key)
     rows = owner.get(f"/quilt/models/{tc.model_id}/metrics").json()["metrics"]
     shares = [r["metrics"]["env_wait_share"] for r in rows if "env_wait_share" in r["metrics"]]
     assert len(shares) == 2 and all(0 < s < 1 for s in shares)
+    steps = [r["metrics"] for r in rows if "env_step_s" in r["metrics"]]  # the run page's seconds plot
+    assert len(steps) == 2 and all(m["env_step_s"] > 0 and m["train_s"] > 0 and "env_wait_gpu_s" in m for m in steps)
     operator = login(stack, operator_key(stack))
     ops = operator.get("/dashboard/data/ops", params={"minutes": 5}).json()
     waits = ops["env_waits"]
     i = waits["tenants"].index(tenant.name)
     assert waits["steps"][i] == 2 and 0 < waits["rollout"][i] < 1 and 0 < waits["trainer"][i] < 1
+    assert waits["step_s"][i] == pytest.approx(sum(e.env_step_s for e in logs), abs=0.01)
+    assert waits["train_s"][i] > 0 and waits["sample_s"][i] > 0 and waits["lost_s"][i] > 0
     # Every call carried its group's episode id: the pool tracks them (the beacon is 2 s behind).
     deadline = time.monotonic() + 10
     while (ops["bases"][0]["gen"].get("episodes_tracked") or 0) < 2 * 2 and time.monotonic() < deadline:
         time.sleep(0.5)
         ops = operator.get("/dashboard/data/ops", params={"minutes": 5}).json()
     assert ops["bases"][0]["gen"]["episodes_tracked"] >= 2 * 2
+
+
+class SlowStart(InBand):
+    """Starts in 0.3 s (a sandbox booting) and forks in no time; module level, so process workers
+    import it by name."""
+
+    async def reset(self):
+        await asyncio.sleep(0.3)
+        return await super().reset()
+
+    async def snapshot(self):
+        return None
+
+    async def fork(self, snapshot):
+        return SlowStart()
+
+
+def slow_start_group(index, n):
+    return [SlowStart() for _ in range(n)]
+
+
+def test_environments_on_process_workers_with_a_warm_pool_and_forks_train(stack):
+    tenant = stack.create_tenant("rl-workers")
+    pool = rl.ProcessPool(workers=2)
+    try:
+        _, logs = run(stack, tenant, config(max_staleness=0, executor=pool, warm_groups="auto"), steps=3,
+                      make_group=slow_start_group)
+    finally:
+        asyncio.run(pool.aclose())
+    assert all(entry.outcomes.get("infra_failure", 0) == 0 and entry.datums > 0 or entry.zero_advantage_fraction == 1
+               for entry in logs)
+    assert [entry.cold_starts for entry in logs] == [2, 2, 2] and [entry.forks for entry in logs] == [6, 6, 6]
+    # The pool starts the next batch's groups while this one trains: after the first, they are ready.
+    assert sum(entry.warm_groups for entry in logs[1:]) >= 2
+    assert logs[-1].env_start_s < logs[0].env_start_s
 
 
 @pytest.mark.timeout(900)

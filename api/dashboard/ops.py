@@ -117,15 +117,24 @@ def shares(rows: list[dict]) -> dict:
             "train_tokens": totals["train"], "sample_tokens": totals["sample"], "cost_micro_usd": totals["cost"]}
 
 
+# quilt.rl's seconds per step, summed per tenant over the window (the operator page's bars).
+ENV_SECONDS = ("start_s", "step_s", "reward_s", "sample_s", "train_s", "lost_s")
+
+
 def env_waits(rows: list[dict]) -> dict:
     """Per tenant, the mean over its RL steps in the window of the share of rollout time spent
     waiting on environments and of the trainer's cycle spent so (quilt.rl's `env_wait_share`,
-    `trainer_env_wait_share`), most waiting first."""
+    `trainer_env_wait_share`), and the seconds its steps spent on environment starts, steps and
+    rewards, sampling and training, and the trainer seconds lost waiting on environments
+    (`env_wait_gpu_s`), summed; most waiting first."""
     ordered = sorted(rows, key=lambda r: (-(r["rollout"] or 0.0), r["tenant"]))[:MAX_TENANTS_SHOWN]
-    return {"tenants": [r["tenant"] for r in ordered],
-            "rollout": [None if r["rollout"] is None else round(r["rollout"], 4) for r in ordered],
-            "trainer": [None if r["trainer"] is None else round(r["trainer"], 4) for r in ordered],
-            "steps": [int(r["steps"]) for r in ordered]}
+    out = {"tenants": [r["tenant"] for r in ordered],
+           "rollout": [None if r["rollout"] is None else round(r["rollout"], 4) for r in ordered],
+           "trainer": [None if r["trainer"] is None else round(r["trainer"], 4) for r in ordered],
+           "steps": [int(r["steps"]) for r in ordered]}
+    for key in ENV_SECONDS:
+        out[key] = [None if r.get(key) is None else round(r[key], 3) for r in ordered]
+    return out
 
 
 def queue_health(base: dict, staleness_mean: float, devices: tuple[int, int]) -> capacity_plan.QueueHealth | None:
@@ -206,7 +215,19 @@ _ENV_WAITS = """
 SELECT t.name AS tenant, count(*) AS steps,
        avg((m.metrics->>'env_wait_share')::float8) AS rollout,
        avg((m.metrics->>'trainer_env_wait_share')::float8)
-           FILTER (WHERE jsonb_typeof(m.metrics->'trainer_env_wait_share') = 'number') AS trainer
+           FILTER (WHERE jsonb_typeof(m.metrics->'trainer_env_wait_share') = 'number') AS trainer,
+       sum((m.metrics->>'env_start_s')::float8) FILTER (WHERE jsonb_typeof(m.metrics->'env_start_s') = 'number')
+           AS start_s,
+       sum((m.metrics->>'env_step_s')::float8) FILTER (WHERE jsonb_typeof(m.metrics->'env_step_s') = 'number')
+           AS step_s,
+       sum((m.metrics->>'reward_s')::float8) FILTER (WHERE jsonb_typeof(m.metrics->'reward_s') = 'number')
+           AS reward_s,
+       sum((m.metrics->>'sample_s')::float8) FILTER (WHERE jsonb_typeof(m.metrics->'sample_s') = 'number')
+           AS sample_s,
+       sum((m.metrics->>'train_s')::float8) FILTER (WHERE jsonb_typeof(m.metrics->'train_s') = 'number')
+           AS train_s,
+       sum((m.metrics->>'env_wait_gpu_s')::float8) FILTER (WHERE jsonb_typeof(m.metrics->'env_wait_gpu_s') = 'number')
+           AS lost_s
 FROM run_metrics m JOIN tenants t ON t.id = m.tenant_id
 WHERE m.source = 'client' AND m.created_at >= now() - make_interval(secs => %(window)s)
   AND jsonb_typeof(m.metrics->'env_wait_share') = 'number'

@@ -5,6 +5,7 @@ included). Ray's executor and reward are in test_rl_ray.py; the stack runs in te
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import random
@@ -436,3 +437,29 @@ def test_a_builder_error_on_a_worker_stops_the_run():
     config = rl.RLConfig(group_size=2, groups_per_batch=1, log_to_server=False, executor="processes")
     with pytest.raises(RuntimeError, match="no such task"):
         run(rl.run_grpo(FakeTrainer(random.Random(0)), broken, config, steps=1))
+
+
+def test_the_public_surface_of_quilt_rl_is_documented():
+    from quilt.rl import adapters
+
+    for module in (rl, adapters):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                assert inspect.getdoc(obj), name
+                for attr, member in vars(obj).items():
+                    if (inspect.isfunction(member) or isinstance(member, property)) and not attr.startswith("_"):
+                        assert inspect.getdoc(member), f"{name}.{attr}"
+
+
+@pytest.mark.stack  # other processes: not in the fast tier
+def test_one_process_pool_serves_runs_one_after_another():
+    pool = rl.ProcessPool(workers=1)
+    config = rl.RLConfig(group_size=2, groups_per_batch=2, max_staleness=0, log_to_server=False, executor=pool)
+    try:
+        for seed in (1, 2):  # each train_grpo runs in an event loop of its own
+            logs = rl.train_grpo(FakeTrainer(random.Random(seed)), counted_group, config, steps=2)
+            assert all(entry.outcomes.get("infra_failure", 0) == 0 for entry in logs)
+    finally:
+        run(pool.aclose())
+    assert pool.replaced == 0

@@ -213,6 +213,11 @@
   const OFF_POLICY = ["staleness:mean", "staleness:max", "mismatch_kl:mean", "logprob_diff_abs:mean"];
   // quilt.rl's per-step shares of time waiting on environments: one plot, not one each.
   const ENV_WAIT = ["env_wait_share", "trainer_env_wait_share"];
+  // ... and where each step's time went, in seconds: one plot too.
+  const ENV_TIME = {
+    env_start_s: "environment start", env_step_s: "environment steps", reward_s: "reward calls",
+    sample_s: "sampling", train_s: "training", env_wait_gpu_s: "trainer seconds lost to environments",
+  };
 
   function clientPlotElement(container, name) {
     const id = "client-plot-" + name.replace(/[^A-Za-z0-9_-]/g, "_");
@@ -239,7 +244,7 @@
       yLabel: "loss" });
 
     const container = document.getElementById("client-plots");
-    const names = metricNames(rows, "client").filter((n) => !ENV_WAIT.includes(n));
+    const names = metricNames(rows, "client").filter((n) => !ENV_WAIT.includes(n) && !(n in ENV_TIME));
     // reward_mean first: it is the curve RL users look for
     names.sort((a, b) => (a === "reward_mean" ? -1 : b === "reward_mean" ? 1 : a.localeCompare(b)));
     for (const name of names) {
@@ -256,6 +261,13 @@
         { label: n === "env_wait_share" ? "share of rollout time" : "share of trainer time" },
         seriesByStep(rows, "client", n))));
       plot(envPlot, Object.assign(merged, { yLabel: "share", yRange: [0, 1] }));
+    }
+    const times = Object.keys(ENV_TIME).filter((n) => metricNames(rows, "client").includes(n));
+    const timePlot = document.getElementById("envtime-plot");
+    timePlot.hidden = times.length === 0;
+    if (times.length) {
+      const merged = mergeOnSteps(times.map((n) => Object.assign({ label: ENV_TIME[n] }, seriesByStep(rows, "client", n))));
+      plot(timePlot, Object.assign(merged, { yLabel: "seconds per step" }));
     }
 
     const present = OFF_POLICY.filter((n) => metricNames(rows, "trainer").includes(n));
@@ -393,6 +405,11 @@
     barPlot(document.getElementById("envwait-plot"), ew.tenants, [
       { label: "share of rollout time", values: ew.rollout }, { label: "share of trainer time", values: ew.trainer }],
       { yLabel: "share", yRange: [0, 1], xLabel: "tenant" });
+    barPlot(document.getElementById("envtime-plot"), ew.tenants, [
+      { label: "environment start", values: ew.start_s }, { label: "environment steps", values: ew.step_s },
+      { label: "reward calls", values: ew.reward_s }, { label: "sampling", values: ew.sample_s },
+      { label: "training", values: ew.train_s }, { label: "trainer seconds lost to environments", values: ew.lost_s }],
+      { yLabel: "seconds in the window", xLabel: "tenant" });
     setText("ops-window", `last ${Math.round(data.window_s / 60)} min, ${data.bin_s} s bins`);
   }
 

@@ -97,6 +97,7 @@ class EpisodeBudget:
 
     @property
     def start_timeout_s(self) -> float:
+        """The time limit of a start: ``reset_timeout_s``, or ``step_timeout_s`` when unset."""
         return self.reset_timeout_s if self.reset_timeout_s is not None else self.step_timeout_s
 
 

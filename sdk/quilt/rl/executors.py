@@ -56,9 +56,11 @@ class InProcess:
 
     async def start_group(self, builder: GroupBuilder, index: int, n: int, budget: EpisodeBudget, *,
                           fork: bool = True) -> StartedGroup:
+        """Start group ``index`` in this process (:func:`quilt.rl.start_group`)."""
         return await start_group(builder, index, n, budget, fork=fork)
 
     async def aclose(self) -> None:
+        """Nothing to stop."""
         return None
 
 
@@ -229,7 +231,12 @@ class ProcessPool:
         self.replaced = 0
 
     def _pick(self) -> _ProcessWorker:
+        loop = asyncio.get_running_loop()
         for i, worker in enumerate(self._slots):
+            if worker is not None and worker.alive and worker.loop is not loop:
+                # A pool used by another run (train_grpo makes a loop per run): its answers go here now;
+                # calls of the old loop died with it.
+                worker.loop, worker.pending = loop, {}
             if worker is None or not worker.alive:
                 if worker is not None:
                     self.replaced += 1
@@ -261,9 +268,11 @@ class ProcessPool:
 
     async def start_group(self, builder: GroupBuilder, index: int, n: int, budget: EpisodeBudget, *,
                           fork: bool = True) -> StartedGroup:
+        """Start group ``index`` on the least-loaded worker process (another if that one dies)."""
         return await _start_remote(self._pick, self._register, self._release, builder, index, n, budget, fork)
 
     async def aclose(self) -> None:
+        """Stop the worker processes (their environments are closed)."""
         for worker in self._slots:
             if worker is not None:
                 await asyncio.to_thread(worker.stop)
@@ -375,9 +384,11 @@ class RayActors:
 
     async def start_group(self, builder: GroupBuilder, index: int, n: int, budget: EpisodeBudget, *,
                           fork: bool = True) -> StartedGroup:
+        """Start group ``index`` on the least-loaded actor (another if that one dies)."""
         return await _start_remote(self._pick, self._register, self._release, builder, index, n, budget, fork)
 
     async def aclose(self) -> None:
+        """Kill the actors (a Ray cluster started by ``ray.init`` keeps running)."""
         import ray
 
         for worker in self._slots:

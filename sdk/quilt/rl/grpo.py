@@ -49,6 +49,7 @@ class Episode:
 
     @property
     def sampled_tokens(self) -> int:
+        """Tokens sampled over all turns."""
         return sum(len(t.tokens) for t in self.turns)
 
     @property

@@ -120,6 +120,7 @@ class RLConfig:
 
     @property
     def concurrency(self) -> int:
+        """Groups sampling at once: ``max_concurrent_groups`` or ``groups_per_batch * (max_staleness + 1)``."""
         return self.max_concurrent_groups or self.groups_per_batch * (self.max_staleness + 1)
 
 
@@ -178,16 +179,19 @@ class StepLog:
 
     @property
     def env_wait_share(self) -> float:
+        """env_s / (env_s + sample_s): the share of rollout time spent on environments."""
         waited = self.env_s + self.sample_s
         return self.env_s / waited if waited > 0 else 0.0
 
     @property
     def trainer_env_wait_share(self) -> float:
+        """The share of the trainer's cycle (batch wait, then training) spent waiting on environments."""
         cycle = self.time_to_batch_s + self.train_s
         return self.time_to_batch_s * self.env_wait_share / cycle if cycle > 0 else 0.0
 
     @property
     def env_wait_gpu_s(self) -> float:
+        """Seconds of the trainer's batch wait attributed to environments (per trainer GPU)."""
         return self.time_to_batch_s * self.env_wait_share
 
     def line(self) -> str:

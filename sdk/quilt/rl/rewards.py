@@ -44,6 +44,7 @@ class RewardItem:
     info: Mapping[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict:
+        """The item as plain JSON-friendly data (what a Ray task or an HTTP grader receives)."""
         return {**asdict(self), "info": dict(self.info)}
 
 
@@ -95,6 +96,7 @@ class LocalReward:
         self.fn = fn
 
     async def score(self, items: Sequence[RewardItem]) -> Sequence[Any]:
+        """Call the function with the group's items."""
         if inspect.iscoroutinefunction(self.fn):
             return await self.fn(list(items))
         return await asyncio.to_thread(self.fn, list(items))
@@ -113,6 +115,7 @@ class RayReward:
         self._task = None
 
     async def score(self, items: Sequence[RewardItem]) -> Sequence[Any]:
+        """Run the function as one Ray task for the group's items."""
         import ray
 
         if self._task is None:
@@ -130,12 +133,15 @@ class HTTPReward:
                  decode: Callable[[list[int]], str] | None = None) -> None:
         self.url, self.headers, self.decode = url, dict(headers or {}), decode
         self._client = None
+        self._loop = None  # a client belongs to one event loop; train_grpo makes a new one per run
 
     async def score(self, items: Sequence[RewardItem]) -> Sequence[Any]:
+        """POST the group's items; the answer's rewards, unchecked (the rollout checks them)."""
         import httpx
 
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=None, headers=self.headers)
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:
+            self._client, self._loop = httpx.AsyncClient(timeout=None, headers=self.headers), loop
         body = []
         for item in items:
             entry = item.to_json()
@@ -147,6 +153,7 @@ class HTTPReward:
         return response.json()
 
     async def aclose(self) -> None:
+        """Close the HTTP client (a run closes nothing it was given)."""
         if self._client is not None:
             await self._client.aclose()
             self._client = None

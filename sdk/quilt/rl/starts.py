@@ -203,6 +203,7 @@ class WarmPool:
 
     @property
     def target(self) -> int:
+        """The depth the pool keeps now (fixed, or :func:`pool_target` over what it measured)."""
         if self._target != "auto":
             return min(self._target, self._cap)
         rate = None

@@ -35,6 +35,7 @@ class CookbookEnv:
         self.total = 0.0
 
     async def reset(self) -> list[int]:
+        """Start the episode; the first prompt's token ids."""
         first = await self.env.initial_observation()
         if not isinstance(first, tuple):  # InitialObservationOverflow: the prompt is past its budget
             raise ValueError(f"the cookbook environment's first prompt overflowed: {first!r}")
@@ -42,6 +43,7 @@ class CookbookEnv:
         return _ints(observation)
 
     async def step(self, tokens: list[int]) -> StepResult:
+        """Hand the model's reply to the environment; its reward and what comes next."""
         result = await self.env.step(list(tokens))
         reward = float(result.reward)
         self.total += reward

@@ -36,12 +36,14 @@ class GymnasiumTextEnv:
             self.snapshot, self.fork = self._snapshot, self._fork
 
     async def reset(self) -> list[int]:
+        """Start the episode; the first prompt's token ids."""
         observation, _info = await asyncio.to_thread(self.env.reset, seed=self.seed)
         self.messages = ([{"role": "system", "content": self.system}] if self.system else [])
         self.messages.append({"role": "user", "content": _text(observation)})
         return self.codec.prompt(self.messages)
 
     async def step(self, tokens: list[int]) -> StepResult:
+        """Hand the model's reply to the environment; its reward and what comes next."""
         action = self.codec.text(tokens)
         observation, reward, terminated, truncated, info = await asyncio.to_thread(self.env.step, action)
         reward = float(reward)
@@ -64,6 +66,7 @@ class GymnasiumTextEnv:
         return twin
 
     def close(self) -> None:
+        """Close the wrapped environment."""
         self.env.close()
 
 

@@ -43,12 +43,14 @@ class OpenEnvEnv:
         return result.observation, float(result.reward or 0.0), bool(result.done)
 
     async def reset(self) -> list[int]:
+        """Start the episode; the first prompt's token ids."""
         obs, _, _ = await self._call("reset", seed=self.seed)
         self.messages = ([{"role": "system", "content": self.system}] if self.system else [])
         self.messages.append({"role": "user", "content": self.render(obs)})
         return self.codec.prompt(self.messages)
 
     async def step(self, tokens: list[int]) -> StepResult:
+        """Hand the model's reply to the environment; its reward and what comes next."""
         text = self.codec.text(tokens)
         obs, reward, done = await self._call("step", self.action(text))
         self.total += reward
@@ -60,6 +62,7 @@ class OpenEnvEnv:
         return StepResult(reward=reward, done=False, next_prompt=self.codec.prompt(self.messages), metrics=metrics)
 
     async def close(self) -> None:
+        """Close the wrapped environment or client."""
         close = getattr(self.env, "close", None)
         if close is not None:
             result = close()

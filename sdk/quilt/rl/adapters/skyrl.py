@@ -29,11 +29,13 @@ class SkyRLGymEnv:
         self.total = 0.0
 
     async def reset(self) -> list[int]:
+        """Start the episode; the first prompt's token ids."""
         messages, _metadata = await asyncio.to_thread(self.env.init, [dict(m) for m in self.prompt])
         self.messages = [dict(m) for m in messages]
         return self.codec.prompt(self.messages)
 
     async def step(self, tokens: list[int]) -> StepResult:
+        """Hand the model's reply to the environment; its reward and what comes next."""
         action = self.codec.text(tokens)
         out = await asyncio.to_thread(self.env.step, action)
         reward = float(out["reward"])
@@ -48,6 +50,7 @@ class SkyRLGymEnv:
         return StepResult(reward=reward, done=False, next_prompt=self.codec.prompt(self.messages), metrics=metrics)
 
     def close(self) -> None:
+        """Close the wrapped environment."""
         self.env.close()
 
 

@@ -36,6 +36,7 @@ class VerifiersEnv:
         self.prompt_messages: list = []
 
     async def reset(self) -> list[int]:
+        """Start the episode; the first prompt's token ids."""
         from verifiers.types import RolloutInput
 
         fields = {k: self.row[k] for k in ("prompt", "example_id", "task", "answer", "info") if k in self.row}
@@ -49,6 +50,7 @@ class VerifiersEnv:
         return self.codec.prompt(self.prompt_messages)
 
     async def step(self, tokens: list[int]) -> StepResult:
+        """Hand the model's reply to the environment; its reward and what comes next."""
         from verifiers.types import TrajectoryStep
 
         text = self.codec.text(tokens)
