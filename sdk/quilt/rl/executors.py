@@ -89,30 +89,6 @@ def _remote_group(worker: Any, index: int, answer: dict, release: Callable) -> S
                         retries=Counter(answer["retries"]), release=free)
 
 
-async def _start_remote(pick: Callable[[], Any], register: Callable, release: Callable, builder: GroupBuilder,
-                        index: int, n: int, budget: EpisodeBudget, fork: bool) -> StartedGroup:
-    """Start a group on a picked worker; a worker lost meanwhile is retried on another."""
-    lost: Counter = Counter()
-    for attempt in range(budget.max_infra_retries + 1):
-        worker = pick()
-        try:
-            key = await register(worker, builder)
-            answer = await worker.call("start_group", key, index, n, budget, fork)
-        except WorkerLost as exc:
-            if attempt == budget.max_infra_retries:
-                error = f"reset: {exc}"
-                return StartedGroup(index, [Started(None, None, error, "worker_lost") for _ in range(n)],
-                                    retries=lost)
-            log.warning("group %d: %s; starting it on another worker", index, exc)
-            lost["worker_lost"] += 1
-            continue
-        group = _remote_group(worker, index, answer, release)
-        group.retries.update(lost)
-        worker.envs += sum(m.env is not None for m in group.members)
-        return group
-    raise AssertionError("unreachable")
-
-
 class EnvWorkerError(RuntimeError):
     """A worker's answer to a call that is not an environment's (the builder raised, say)."""
 
@@ -169,6 +145,10 @@ class _ProcessWorker:
                 future.set_exception(why)
         self.pending.clear()
 
+    @property
+    def load(self) -> int:
+        return self.envs + len(self.pending)
+
     def _send(self, message) -> None:
         with self._lock:
             self.conn.send(message)
@@ -214,7 +194,74 @@ class _ProcessWorker:
             pass
 
 
-class ProcessPool:
+class _Workers:
+    """What the process pool and the Ray executor share: slots of workers replaced when they die,
+    builders registered once per worker, groups started on the least-loaded worker and released
+    to it. Subclasses say how a worker is made (``_spawn``) and how a builder travels (``_payload``)."""
+
+    def __init__(self, size: int) -> None:
+        self._slots: list[Any] = [None] * size
+        self._builders: dict[int, tuple[str, Any, GroupBuilder]] = {}
+        self.replaced = 0
+
+    def _spawn(self) -> Any:
+        raise NotImplementedError
+
+    def _payload(self, builder: GroupBuilder) -> Any:
+        raise NotImplementedError
+
+    def _pick(self) -> Any:
+        for i, worker in enumerate(self._slots):
+            if worker is None or not worker.alive:
+                if worker is not None:
+                    self.replaced += 1
+                    log.warning("replacing environment worker %d", i)
+                self._slots[i] = self._spawn()
+        return min(self._slots, key=lambda w: w.load)
+
+    async def _register(self, worker: Any, builder: GroupBuilder) -> str:
+        entry = self._builders.get(id(builder))
+        if entry is None or entry[2] is not builder:
+            entry = (f"b{len(self._builders) + 1}", self._payload(builder), builder)
+            self._builders[id(builder)] = entry
+        key, payload, _ = entry
+        if key not in worker.registered:
+            await worker.call("register", key, payload)
+            worker.registered.add(key)
+        return key
+
+    async def _release(self, worker: Any, ids: list[int]) -> None:
+        worker.envs -= len(ids)
+        if worker.alive and ids:
+            try:
+                await worker.call("close", ids)
+            except (WorkerLost, EnvWorkerError):  # gone with its worker, or already closed
+                pass
+
+    async def start_group(self, builder: GroupBuilder, index: int, n: int, budget: EpisodeBudget, *,
+                          fork: bool = True) -> StartedGroup:
+        """Start group ``index`` on the least-loaded worker; a worker lost meanwhile is retried on another."""
+        lost: Counter = Counter()
+        for attempt in range(budget.max_infra_retries + 1):
+            worker = self._pick()
+            try:
+                key = await self._register(worker, builder)
+                answer = await worker.call("start_group", key, index, n, budget, fork)
+            except WorkerLost as exc:
+                if attempt == budget.max_infra_retries:
+                    return StartedGroup(index, [Started(None, None, f"reset: {exc}", "worker_lost") for _ in range(n)],
+                                        retries=lost)
+                log.warning("group %d: %s; starting it on another worker", index, exc)
+                lost["worker_lost"] += 1
+                continue
+            group = _remote_group(worker, index, answer, self._release)
+            group.retries.update(lost)
+            worker.envs += sum(m.env is not None for m in group.members)
+            return group
+        raise AssertionError("unreachable")
+
+
+class ProcessPool(_Workers):
     """Environments in ``workers`` local processes (started on first use, replaced when they die).
 
     The builder is pickled once per worker (cloudpickle when installed, so closures work; the
@@ -225,51 +272,25 @@ class ProcessPool:
         self.workers = workers or max(1, min(8, os.cpu_count() or 1))
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        super().__init__(self.workers)
         self._context = multiprocessing.get_context(start_method)
-        self._slots: list[_ProcessWorker | None] = [None] * self.workers
-        self._builders: dict[int, tuple[str, bytes, GroupBuilder]] = {}
-        self.replaced = 0
+
+    def _spawn(self) -> _ProcessWorker:
+        return _ProcessWorker(self._context)
+
+    def _payload(self, builder: GroupBuilder) -> bytes:
+        from ._host import dumps
+
+        return dumps(builder)
 
     def _pick(self) -> _ProcessWorker:
         loop = asyncio.get_running_loop()
-        for i, worker in enumerate(self._slots):
+        for worker in self._slots:
             if worker is not None and worker.alive and worker.loop is not loop:
                 # A pool used by another run (train_grpo makes a loop per run): its answers go here now;
                 # calls of the old loop died with it.
                 worker.loop, worker.pending = loop, {}
-            if worker is None or not worker.alive:
-                if worker is not None:
-                    self.replaced += 1
-                    log.warning("replacing environment worker %s", worker.process.pid)
-                self._slots[i] = _ProcessWorker(self._context)
-        return min(self._slots, key=lambda w: (w.envs + len(w.pending)))
-
-    async def _register(self, worker: _ProcessWorker, builder: GroupBuilder) -> str:
-        from ._host import dumps
-
-        entry = self._builders.get(id(builder))
-        if entry is None or entry[2] is not builder:
-            entry = (f"b{len(self._builders) + 1}", dumps(builder), builder)
-            self._builders[id(builder)] = entry
-        key, payload, _ = entry
-        if key not in worker.registered:
-            await worker.call("register", key, payload)
-            worker.registered.add(key)
-        return key
-
-    @staticmethod
-    async def _release(worker: _ProcessWorker, ids: list[int]) -> None:
-        worker.envs -= len(ids)
-        if worker.alive and ids:
-            try:
-                await worker.call("close", ids)
-            except (WorkerLost, EnvWorkerError):  # gone with its worker, or already closed
-                pass
-
-    async def start_group(self, builder: GroupBuilder, index: int, n: int, budget: EpisodeBudget, *,
-                          fork: bool = True) -> StartedGroup:
-        """Start group ``index`` on the least-loaded worker process (another if that one dies)."""
-        return await _start_remote(self._pick, self._register, self._release, builder, index, n, budget, fork)
+        return super()._pick()
 
     async def aclose(self) -> None:
         """Stop the worker processes (their environments are closed)."""
@@ -288,6 +309,10 @@ class _RayWorker:
         self.envs = 0
         self.inflight = 0
         self.alive = True
+
+    @property
+    def load(self) -> int:
+        return self.envs + self.inflight
 
     async def call(self, op: str, *args: Any) -> Any:
         import ray.exceptions
@@ -325,7 +350,7 @@ def _ray_host_class():
     return QuiltEnvHost
 
 
-class RayActors:
+class RayActors(_Workers):
     """Environments on ``actors`` Ray actors.
 
     Connects to ``address`` (a Ray cluster, ``"auto"`` inside one) or starts a local Ray when none
@@ -337,55 +362,25 @@ class RayActors:
                  init_options: dict | None = None) -> None:
         if actors < 1:
             raise ValueError(f"actors must be >= 1, got {actors}")
+        super().__init__(actors)
         self.actors, self.address = actors, address
         self.actor_options = {"num_cpus": 0.1, **(actor_options or {})}
         self.init_options = init_options or {}
-        self._slots: list[_RayWorker | None] = [None] * actors
-        self._builders: dict[int, tuple[str, Any, GroupBuilder]] = {}
         self._cls = None
-        self.replaced = 0
 
-    def _pick(self) -> _RayWorker:
+    def _spawn(self) -> _RayWorker:
         import ray
 
         if not ray.is_initialized():
             ray.init(address=self.address, include_dashboard=False, log_to_driver=False, **self.init_options)
         if self._cls is None:
             self._cls = _ray_host_class()
-        for i, worker in enumerate(self._slots):
-            if worker is None or not worker.alive:
-                if worker is not None:
-                    self.replaced += 1
-                    log.warning("replacing environment actor %d", i)
-                self._slots[i] = _RayWorker(self._cls.options(**self.actor_options).remote())
-        return min(self._slots, key=lambda w: (w.envs + w.inflight))
+        return _RayWorker(self._cls.options(**self.actor_options).remote())
 
-    async def _register(self, worker: _RayWorker, builder: GroupBuilder) -> str:
+    def _payload(self, builder: GroupBuilder) -> Any:
         import ray
 
-        entry = self._builders.get(id(builder))
-        if entry is None or entry[2] is not builder:
-            entry = (f"b{len(self._builders) + 1}", ray.put(builder), builder)
-            self._builders[id(builder)] = entry
-        key, ref, _ = entry
-        if key not in worker.registered:
-            await worker.call("register", key, ref)
-            worker.registered.add(key)
-        return key
-
-    @staticmethod
-    async def _release(worker: _RayWorker, ids: list[int]) -> None:
-        worker.envs -= len(ids)
-        if worker.alive and ids:
-            try:
-                await worker.call("close", ids)
-            except (WorkerLost, EnvWorkerError):
-                pass
-
-    async def start_group(self, builder: GroupBuilder, index: int, n: int, budget: EpisodeBudget, *,
-                          fork: bool = True) -> StartedGroup:
-        """Start group ``index`` on the least-loaded actor (another if that one dies)."""
-        return await _start_remote(self._pick, self._register, self._release, builder, index, n, budget, fork)
+        return ray.put(builder)  # once in the object store, whatever the number of actors
 
     async def aclose(self) -> None:
         """Kill the actors (a Ray cluster started by ``ray.init`` keeps running)."""
