@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
+import time
 
 import pytest
 import quilt
@@ -220,6 +221,8 @@ def _openenv_classes():
     class ShoutEnv(Environment):
         """An OpenEnv environment whose rubric rewards replies in capitals, over two turns."""
 
+        SUPPORTS_CONCURRENT_SESSIONS = True  # no state shared between instances
+
         def __init__(self):
             super().__init__()
             self._state = State(episode_id="e", step_count=0)
@@ -240,11 +243,11 @@ def _openenv_classes():
         def state(self):
             return self._state
 
-    return SayAction, ShoutEnv
+    return SayAction, ShoutEnv, HeardObservation
 
 
 def test_an_openenv_environment_with_its_rubric():
-    say, shout = _openenv_classes()
+    say, shout, _ = _openenv_classes()
     builder = adapters.openenv_group_builder(lambda i: shout(), codec, action=lambda text: say(message=text),
                                              render=lambda obs: obs.prompt)
     group, sampler = rollout(builder, 0, 2, ["HEY THERE", "hey there"], rl.EpisodeBudget(max_turns=4))
@@ -252,6 +255,41 @@ def test_an_openenv_environment_with_its_rubric():
     assert (loud.reward, len(loud.turns), loud.outcome) == (2.0, 2, "success")
     assert (quiet.reward, quiet.outcome) == (0.0, "model_failure")
     assert loud.metrics["letters"] == 16 and "user: Louder!" in sampler.prompts[-1]
+
+
+def test_an_openenv_environment_served_over_its_websocket_protocol():
+    """The same environment behind OpenEnv's own server (as in a container or a Space), each episode
+    a GenericEnvClient session: actions and observations cross as JSON."""
+    import socket
+    import threading
+
+    import uvicorn
+    from openenv.core.env_server.http_server import create_fastapi_app
+    from openenv.core.generic_client import GenericEnvClient
+
+    say, shout, heard = _openenv_classes()
+    app = create_fastapi_app(shout, say, heard, max_concurrent_envs=8)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        builder = adapters.openenv_group_builder(lambda i: GenericEnvClient(base_url=f"http://127.0.0.1:{port}"),
+                                                 codec, action=lambda text: {"message": text},
+                                                 render=lambda obs: obs["prompt"])
+        group, sampler = rollout(builder, 0, 2, ["HEY THERE", "hey there"], rl.EpisodeBudget(max_turns=4))
+        loud, quiet = group.episodes
+        assert (loud.reward, len(loud.turns), loud.outcome) == (2.0, 2, "success")
+        assert (quiet.reward, quiet.outcome) == (0.0, "model_failure")
+        assert "user: Louder!" in sampler.prompts[-1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 # -- verifiers ----------------------------------------------------------------------------
