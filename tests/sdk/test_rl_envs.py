@@ -463,3 +463,28 @@ def test_one_process_pool_serves_runs_one_after_another():
     finally:
         run(pool.aclose())
     assert pool.replaced == 0
+
+
+def test_each_steps_causes_are_recorded_with_the_run():
+    class Recording(FakeTrainer):
+        def __init__(self, rng):
+            super().__init__(rng)
+            self.logged: list[dict] = []
+
+        async def log_metrics_async(self, metrics, step=None):
+            self.logged.append(dict(metrics))
+
+    class Broken(Counted):
+        async def step(self, tokens):
+            raise ConnectionError("tool server gone")
+
+    def make_group(index, n):
+        return [Broken(index) if i == 0 else Counted(index) for i in range(n)]
+
+    trainer = Recording(random.Random(3))
+    config = rl.RLConfig(group_size=3, groups_per_batch=2, max_staleness=0)
+    logs = run(rl.run_grpo(trainer, make_group, config, steps=2))
+    assert all(entry.infra_causes == {"step_error": 2} for entry in logs)
+    assert [m["infra/step_error"] for m in trainer.logged] == [2.0, 2.0]
+    assert all({"env_start_s", "env_step_s", "reward_s", "sample_s", "train_s", "env_wait_gpu_s"} <= set(m)
+               for m in trainer.logged)

@@ -411,6 +411,8 @@ class _Pipeline:
         if self.config.log_to_server and hasattr(self.tc, "log_metrics_async"):
             numbers = {k: float(getattr(entry, k)) for k in _SERVER_METRICS if getattr(entry, k) is not None}
             numbers.update({f"env/{k}": v for k, v in entry.env_metrics.items()})
+            # Episodes that ended early, per cause: one curve each on the run page, only when it happened.
+            numbers.update({f"infra/{cause}": float(n) for cause, n in entry.infra_causes.items()})
             try:
                 await self.tc.log_metrics_async(numbers, step=entry.policy_version)
             except Exception as exc:  # the dashboard's copy must never stop training
