@@ -488,3 +488,22 @@ def test_each_steps_causes_are_recorded_with_the_run():
     assert [m["infra/step_error"] for m in trainer.logged] == [2.0, 2.0]
     assert all({"env_start_s", "env_step_s", "reward_s", "sample_s", "train_s", "env_wait_gpu_s"} <= set(m)
                for m in trainer.logged)
+
+
+def test_an_environment_that_will_not_close_does_not_hold_its_group(monkeypatch):
+    from quilt.rl import starts
+
+    monkeypatch.setattr(starts, "CLOSE_TIMEOUT_S", 0.2)
+    closed = []
+
+    class Stuck(Counted):
+        async def close(self):
+            await asyncio.sleep(60)
+
+    class Plain(Counted):
+        def close(self):  # a plain close runs in a thread
+            closed.append(self.task)
+
+    began = time.monotonic()
+    group = run(rl.rollout_group(0, FakeSampler(0, random.Random(0)), [Stuck(0), Stuck(0), Plain(5)], PARAMS))
+    assert time.monotonic() - began < 2.0 and len(group.episodes) == 3 and closed == [5]

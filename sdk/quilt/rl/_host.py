@@ -60,10 +60,8 @@ class EnvHost:
         return await env.step(tokens)
 
     async def close(self, env_ids: list[int]) -> None:
-        for env_id in env_ids:
-            env = self.envs.pop(env_id, None)
-            if env is not None:
-                await close_env(env)
+        envs = [self.envs.pop(env_id, None) for env_id in env_ids]
+        await asyncio.gather(*(close_env(env) for env in envs if env is not None))
 
     def count(self) -> int:
         return len(self.envs)

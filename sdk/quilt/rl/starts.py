@@ -67,17 +67,26 @@ def _ints(prompt: Prompt) -> list[int]:
     return prompt.to_ints() if isinstance(prompt, ModelInput) else [int(t) for t in prompt]
 
 
+#: How long a ``close()`` may take before the rollout stops waiting for it (it is not the model's
+#: business, and a group must never hang on an environment that will not close).
+CLOSE_TIMEOUT_S = 30.0
+
+
 async def close_env(env: object) -> None:
-    """Call an environment's ``close()`` if it has one (sync or async); never raises."""
+    """Call an environment's ``close()`` if it has one (a plain one in a thread), within
+    :data:`CLOSE_TIMEOUT_S`; never raises."""
     close = getattr(env, "close", None)
     if not callable(close):
         return
     try:
-        result = close()
-        if inspect.isawaitable(result):
-            await result
+        if inspect.iscoroutinefunction(close):
+            await asyncio.wait_for(close(), CLOSE_TIMEOUT_S)
+        else:
+            await asyncio.wait_for(asyncio.to_thread(close), CLOSE_TIMEOUT_S)
+    except asyncio.CancelledError:
+        raise
     except Exception as exc:  # a failing close must not fail the rollout that is already done
-        log.debug("closing %s failed: %s", type(env).__name__, exc)
+        log.warning("closing %s failed: %s", type(env).__name__, exc or type(exc).__name__)
 
 
 async def build(builder: GroupBuilder, index: int, n: int) -> list[Env]:
@@ -136,8 +145,8 @@ async def start_group(builder: GroupBuilder, index: int, n: int, budget: Episode
         results = await asyncio.gather(*(_reset(env, builder, index, budget, retries) for env in envs))
         return StartedGroup(index, [m for m, _ in results], start_s=time.monotonic() - began,
                             cold=sum(c for _, c in results), retries=retries)
-    for spare in envs[1:]:  # built cheap, never started: the forks take their places
-        await close_env(spare)
+    # Built cheap, never started: the forks take their places.
+    await asyncio.gather(*(close_env(spare) for spare in envs[1:]))
     first, cold = await _reset(envs[0], builder, index, budget, retries)
     if first.env is None:
         members = [first] + [Started(None, None, first.error, first.cause) for _ in range(n - 1)]
@@ -259,6 +268,4 @@ async def release_group(group: StartedGroup) -> None:
         except Exception as exc:
             log.debug("releasing group %d failed: %s", group.index, exc)
         return
-    for member in group.members:
-        if member.env is not None:
-            await close_env(member.env)
+    await asyncio.gather(*(close_env(m.env) for m in group.members if m.env is not None))
