@@ -175,6 +175,49 @@ def test_environments_on_process_workers_with_a_warm_pool_and_forks_train(stack)
     assert logs[-1].env_start_s < logs[0].env_start_s
 
 
+def _letters_env():
+    """A verifiers environment: any prompt, scored by its rubric on the share of the reply's letters
+    that are "e" (the random tiny model's replies vary in it, so groups have advantages)."""
+    import verifiers as vf
+    from datasets import Dataset
+
+    def share_of_e(completion, **kwargs) -> float:
+        text = completion[-1]["content"] if completion else ""
+        return text.count("e") / len(text) if text else 0.0
+
+    rows = [{"question": q, "answer": ""} for q in ("Write a line.", "Say something.", "Reply.", "Speak.")]
+    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=[share_of_e], weights=[1.0]))
+
+
+def test_a_verifiers_environment_trains_through_the_stack(stack):
+    """The adapter's tokens are the base's own (its tokenizer, made on the worker), sampled by the pool
+    and trained on by the trainer; the rubric's reward reaches the step log."""
+    from bases.catalog import get_model_sync
+    from core import db
+    from quilt.rl import adapters
+
+    with db.connect(stack.database_url) as conn:
+        path = get_model_sync(conn, TINY).path
+
+    def codec():
+        from transformers import AutoTokenizer
+
+        return adapters.ChatCodec(AutoTokenizer.from_pretrained(path))
+
+    tenant = stack.create_tenant("rl-verifiers")
+    pool = rl.ProcessPool(workers=1)
+    try:
+        _, logs = run(stack, tenant, config(max_staleness=0, sampling=quilt.SamplingParams(max_tokens=12),
+                                            executor=pool), steps=2,
+                      make_group=adapters.verifiers_group_builder(_letters_env, codec))
+    finally:
+        asyncio.run(pool.aclose())
+    for entry in logs:
+        assert entry.outcomes.get("infra_failure", 0) == 0 and entry.episodes == 8
+        assert 0 < entry.reward_mean < 1 and "share_of_e" in entry.env_metrics
+    assert sum(entry.datums for entry in logs) > 0
+
+
 @pytest.mark.timeout(900)
 def test_rl_example_reward_rises(stack):
     tenant = stack.create_tenant("rl-example")
