@@ -157,7 +157,8 @@ def test_operators_get_the_health_numbers(stack):
     data = client.get("/dashboard/data/ops", params={"minutes": 5}).json()
     assert data["window_s"] == 300 and data["bases"][0]["base_model"] == "quilt/tiny-qwen3"
     assert {"queues", "trainer", "gen", "busy", "fused", "rates", "capacity"} <= set(data["bases"][0])
-    assert set(data["env_waits"]) == {"tenants", "rollout", "trainer", "steps"}
+    assert set(data["env_waits"]) == {"tenants", "rollout", "trainer", "steps", "start_s", "step_s", "reward_s",
+                                      "sample_s", "train_s", "lost_s"}
     assert client.get("/dashboard/data/ops", params={"minutes": 0}).status_code == 400
 
 
