@@ -44,10 +44,12 @@ class ScriptedSampler:
     def __init__(self, replies: list[str]) -> None:
         self.replies = replies
         self.prompts: list[str] = []
+        self.stops: list = []
 
     async def sample_async(self, prompt, n, params, deadline_s=None):
         text = tokenizer().decode(prompt)
         self.prompts.append(text)
+        self.stops.append(params.stop)
         said = [r for r in self.replies if f"assistant: {r}\n" in text]
 
         async def result():
@@ -379,6 +381,7 @@ def test_a_cookbook_environment_and_group_builder():
     group, sampler = rollout(builder, 0, 2, ["x", "yy"])
     assert [e.reward for e in group.episodes] == [1.0, 0.0]
     assert group.episodes[0].turns[0].prompt == [1, 2, token]
+    assert sampler.stops == [[0]]  # the environment's stop condition, as the cookbook applies it
     with pytest.raises(ValueError, match="group_size is 3"):
         asyncio.run(rl.start_group(builder, 0, 3, rl.EpisodeBudget()))
 

@@ -507,3 +507,32 @@ def test_an_environment_that_will_not_close_does_not_hold_its_group(monkeypatch)
     began = time.monotonic()
     group = run(rl.rollout_group(0, FakeSampler(0, random.Random(0)), [Stuck(0), Stuck(0), Plain(5)], PARAMS))
     assert time.monotonic() - began < 2.0 and len(group.episodes) == 3 and closed == [5]
+
+
+def test_an_observation_sets_its_turns_stop_condition():
+    class Recording(FakeSampler):
+        def __init__(self):
+            super().__init__(0, random.Random(0))
+            self.stops = []
+
+        async def sample_async(self, prompt, n, params, **kwargs):
+            self.stops.append((n, params.stop))
+            return await super().sample_async(prompt, n, params, **kwargs)
+
+    class Tool(Counted):
+        async def reset(self):
+            await super().reset()
+            return rl.Observation([self.task, 1], stop=["</call>"])
+
+        async def step(self, tokens):
+            if self.state[-1] == 1:  # the call was made: the answer ends at the model's own end
+                self.state.append(2)
+                return rl.StepResult(reward=0.0, done=False, next_prompt=rl.Observation([self.task, 2]))
+            return rl.StepResult(reward=1.0)
+
+    sampler = Recording()
+    group = run(rl.rollout_group(0, sampler, [Tool(3), Tool(3)], quilt.SamplingParams(max_tokens=3, stop=["\n"]),
+                                 rl.EpisodeBudget(max_turns=3)))
+    assert sampler.stops == [(2, ["</call>"]), (2, ["\n"])] and all(len(e.turns) == 2 for e in group.episodes)
+    with pytest.raises(ValueError, match="stop condition"):
+        rl.prompt_stop(rl.Observation([1], stop=["a", 1]))

@@ -32,7 +32,19 @@ environments written for verifiers, OpenEnv, SkyRL-Gym, Gymnasium or tinker-cook
 """
 
 from .bounds import CAUSES, EpisodeBudget, breach_outcome
-from .env import OUTCOMES, Env, Forkable, GroupBuilder, Outcome, Prompt, StepResult, can_fork
+from .env import (
+    OUTCOMES,
+    Env,
+    Forkable,
+    GroupBuilder,
+    Observation,
+    Outcome,
+    Prompt,
+    StepResult,
+    can_fork,
+    prompt_ids,
+    prompt_stop,
+)
 from .executors import InProcess, ProcessPool, RayActors, make_executor
 from .grpo import Episode, GroupPlan, Turn, episode_datums, group_advantages, plan_group
 from .pipeline import (
@@ -53,6 +65,7 @@ __all__ = [
     "Env",
     "Forkable",
     "HTTPReward",
+    "Observation",
     "InProcess",
     "LocalReward",
     "ProcessPool",
@@ -66,6 +79,8 @@ __all__ = [
     "can_fork",
     "make_executor",
     "pool_target",
+    "prompt_ids",
+    "prompt_stop",
     "start_group",
     "EpisodeBudget",
     "Episode",

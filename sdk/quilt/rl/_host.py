@@ -49,7 +49,7 @@ class EnvHost:
             if m.env is not None:
                 env_id = next(self._ids)
                 self.envs[env_id] = m.env
-            members.append((env_id, m.prompt, m.error, m.cause))
+            members.append((env_id, m.prompt, m.error, m.cause, m.stop))
         return {"members": members, "start_s": group.start_s, "cold": group.cold, "forks": group.forks,
                 "retries": dict(group.retries)}
 

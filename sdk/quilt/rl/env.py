@@ -26,7 +26,8 @@ from typing import Any, Literal, Protocol, Union, runtime_checkable
 
 from ..types import ModelInput
 
-__all__ = ["OUTCOMES", "Env", "Forkable", "GroupBuilder", "Outcome", "Prompt", "StepResult", "can_fork"]
+__all__ = ["OUTCOMES", "Env", "Forkable", "GroupBuilder", "Observation", "Outcome", "Prompt", "StepResult", "can_fork",
+           "prompt_ids", "prompt_stop"]
 
 Outcome = Literal["success", "model_failure", "infra_failure", "unknown"]
 
@@ -35,6 +36,37 @@ Outcome = Literal["success", "model_failure", "infra_failure", "unknown"]
 OUTCOMES: tuple[str, ...] = ("success", "model_failure", "infra_failure", "unknown")
 
 Prompt = Union[Sequence[int], ModelInput]
+#: Stop sequences of a turn: a string, strings, or token ids (as ``SamplingParams.stop``).
+Stop = Union[str, Sequence[str], Sequence[int]]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """A prompt with the stop condition of the turn it starts, for environments whose turns end on
+    their own markers (a tool call's closing tag, a renderer's end of message). ``reset()`` and
+    ``StepResult.next_prompt`` may answer one instead of a bare prompt; ``stop`` then replaces the
+    run's ``sampling.stop`` for that turn (None keeps the run's)."""
+
+    prompt: Prompt
+    stop: Stop | None = None
+
+
+def prompt_ids(prompt: Prompt | Observation) -> list[int]:
+    """The token ids of a prompt (or an observation's prompt)."""
+    if isinstance(prompt, Observation):
+        prompt = prompt.prompt
+    return prompt.to_ints() if isinstance(prompt, ModelInput) else [int(t) for t in prompt]
+
+
+def prompt_stop(prompt: Prompt | Observation) -> str | tuple | None:
+    """An observation's stop condition, hashable (a string or a tuple), or None."""
+    stop = prompt.stop if isinstance(prompt, Observation) else None
+    if stop is None or isinstance(stop, str):
+        return stop
+    stop = tuple(stop)
+    if not (all(isinstance(s, str) for s in stop) or all(isinstance(s, int) and not isinstance(s, bool) for s in stop)):
+        raise ValueError("a stop condition is a string, strings, or token ids")
+    return stop
 
 
 @dataclass(frozen=True)
@@ -58,7 +90,7 @@ class StepResult:
     reward: float
     done: bool = True
     outcome: Outcome = "success"
-    next_prompt: Prompt | None = None
+    next_prompt: Prompt | Observation | None = None
     metrics: Mapping[str, float] = field(default_factory=dict)
     episode_hint: Literal["promote", "demote"] | None = None
     info: Mapping[str, Any] = field(default_factory=dict)
@@ -78,8 +110,8 @@ class StepResult:
 class Env(Protocol):
     """One episode of a task (see the module docstring)."""
 
-    async def reset(self) -> Prompt:
-        """Start the episode; return the first prompt's token ids."""
+    async def reset(self) -> Prompt | Observation:
+        """Start the episode; return the first prompt's token ids (or an :class:`Observation`)."""
         ...
 
     async def step(self, tokens: list[int]) -> StepResult:

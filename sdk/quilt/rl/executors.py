@@ -78,8 +78,8 @@ class _RemoteEnv:
 
 
 def _remote_group(worker: Any, index: int, answer: dict, release: Callable) -> StartedGroup:
-    members = [Started(None if env_id is None else _RemoteEnv(worker, env_id), prompt, error, cause)
-               for env_id, prompt, error, cause in answer["members"]]
+    members = [Started(None if env_id is None else _RemoteEnv(worker, env_id), prompt, error, cause, stop)
+               for env_id, prompt, error, cause, stop in answer["members"]]
     ids = [env_id for env_id, *_ in answer["members"] if env_id is not None]
 
     async def free() -> None:

@@ -34,9 +34,8 @@ from ..errors import (
     UserRequestError,
 )
 from ..sampling import SamplingClient, SamplingParams
-from ..types import ModelInput
 from .bounds import EpisodeBudget, bounded_call, breach_outcome
-from .env import Env, Prompt, StepResult
+from .env import Env, StepResult, prompt_ids, prompt_stop
 from .grpo import Episode, Turn
 from .rewards import RewardFn, RewardItem, parse_scores
 from .starts import StartedGroup, release_group, start_envs
@@ -83,6 +82,7 @@ class _Live:
     env: Env | None
     prompt: list[int] | None = None
     first_prompt: list[int] | None = None
+    stop: str | tuple | None = None  # this turn's stop condition, when the environment gave one
     turns: list[Turn] = field(default_factory=list)
     reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
@@ -94,10 +94,6 @@ class _Live:
     def end(self, outcome: str, error: str | None = None, cause: str | None = None) -> None:
         self.finished = Episode(turns=self.turns, reward=self.reward, outcome=outcome, error=error,
                                 metrics=self.metrics, cause=cause)
-
-
-def _ints(prompt: Prompt) -> list[int]:
-    return prompt.to_ints() if isinstance(prompt, ModelInput) else [int(t) for t in prompt]
 
 
 async def rollout_group(index: int, sampler: SamplingClient, envs: Sequence[Env] | StartedGroup, params: SamplingParams,
@@ -120,7 +116,7 @@ async def rollout_group(index: int, sampler: SamplingClient, envs: Sequence[Env]
     episode_id = f"rl-{uuid.uuid4().hex[:20]}/{index}" if episode_priority else None
     live = []
     for member in group.members:
-        episode = _Live(member.env, member.prompt, member.prompt)
+        episode = _Live(member.env, member.prompt, member.prompt, member.stop)
         if member.env is None or member.prompt is None:
             episode.end("infra_failure", member.error, member.cause)
         live.append(episode)
@@ -131,11 +127,12 @@ async def rollout_group(index: int, sampler: SamplingClient, envs: Sequence[Env]
             active = [e for e in live if e.finished is None]
             if not active:
                 break
-            by_prompt: dict[tuple[int, ...], list[_Live]] = {}
+            # Episodes reading the same prompt (to the same stop) share one sample(n) request.
+            by_prompt: dict[tuple, list[_Live]] = {}
             for e in active:
-                by_prompt.setdefault(tuple(e.prompt or ()), []).append(e)
+                by_prompt.setdefault((tuple(e.prompt or ()), e.stop), []).append(e)
             turns = asyncio.gather(*(_sample_turn(sampler, list(prompt), members, params, budget, versions, clock,
-                                                  episode_id, retries) for prompt, members in by_prompt.items()))
+                                                  episode_id, retries) for (prompt, _), members in by_prompt.items()))
             if deadline is None:
                 await turns
                 continue
@@ -233,6 +230,9 @@ async def _sample_turn(sampler: SamplingClient, prompt: list[int], members: list
                        budget: EpisodeBudget, versions: list[int], clock: _Clock, episode_id: str | None,
                        retries: Counter) -> None:
     turn_params = params
+    if members[0].stop is not None:
+        stop = members[0].stop
+        turn_params = dataclasses.replace(params, stop=stop if isinstance(stop, str) else list(stop))
     if budget.max_episode_tokens is not None:
         left = min(budget.max_episode_tokens - sum(len(t.tokens) for t in m.turns) for m in members)
         if left < 1:
@@ -240,7 +240,7 @@ async def _sample_turn(sampler: SamplingClient, prompt: list[int], members: list
                 m.end("model_failure", f"episode token budget {budget.max_episode_tokens} spent", "max_tokens")
             return
         if params.max_tokens is None or params.max_tokens > left:
-            turn_params = dataclasses.replace(params, max_tokens=left)
+            turn_params = dataclasses.replace(turn_params, max_tokens=left)
     hints = {m.hint for m in members} - {None}
     hint = None if episode_id is None else "promote" if "promote" in hints else "demote" if hints else None
     for m in members:
@@ -302,7 +302,7 @@ async def _sample_turn(sampler: SamplingClient, prompt: list[int], members: list
             m.end("model_failure", f"episode did not finish within {budget.max_turns} turns", "max_turns")
         else:
             try:
-                m.prompt = _ints(result.next_prompt)
+                m.prompt, m.stop = prompt_ids(result.next_prompt), prompt_stop(result.next_prompt)
             except (TypeError, ValueError) as exc:
                 m.end("infra_failure", f"step's next_prompt is not token ids: {exc}", "step_error")
                 continue

@@ -24,9 +24,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..types import ModelInput
 from .bounds import EpisodeBudget, bounded_call
-from .env import Env, GroupBuilder, Prompt, can_fork
+from .env import Env, GroupBuilder, can_fork, prompt_ids, prompt_stop
 
 __all__ = ["Started", "StartedGroup", "WarmPool", "close_env", "pool_target", "start_envs", "start_group"]
 
@@ -41,6 +40,7 @@ class Started:
     prompt: list[int] | None
     error: str | None = None
     cause: str | None = None
+    stop: str | tuple | None = None  # the first turn's stop condition (quilt.rl.Observation)
 
 
 @dataclass
@@ -61,10 +61,6 @@ class StartedGroup:
     retries: Counter = field(default_factory=Counter)
     # Frees the members' environments (remote ones live on a worker until closed).
     release: Callable[[], Awaitable[None]] | None = None
-
-
-def _ints(prompt: Prompt) -> list[int]:
-    return prompt.to_ints() if isinstance(prompt, ModelInput) else [int(t) for t in prompt]
 
 
 #: How long a ``close()`` may take before the rollout stops waiting for it (it is not the model's
@@ -110,7 +106,7 @@ async def _reset(env: Env, builder: GroupBuilder | None, index: int, budget: Epi
         prompt, error, cause = await bounded_call(env.reset(), budget.start_timeout_s, "reset")
         if error is None:
             try:
-                return Started(env, _ints(prompt)), colds
+                return Started(env, prompt_ids(prompt), stop=prompt_stop(prompt)), colds
             except (TypeError, ValueError) as exc:  # not token ids: the env's bug, as if it had raised
                 error, cause = f"reset returned {type(prompt).__name__}, not token ids: {exc}", "reset_error"
         await close_env(env)
@@ -163,7 +159,7 @@ async def start_group(builder: GroupBuilder, index: int, n: int, budget: Episode
     members, made = [first], 0
     for env, error, cause in forks:
         if error is None:
-            members.append(Started(env, list(first.prompt or ())))
+            members.append(Started(env, list(first.prompt or ()), stop=first.stop))
             made += 1
             continue
         retries[cause] += 1  # a failed fork is replaced by a cold start

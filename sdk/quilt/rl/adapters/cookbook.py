@@ -5,8 +5,8 @@ cookbook's ``StepResult`` (reward, ``episode_done``, next observation, metrics).
 A cookbook ``EnvGroupBuilder`` makes a group's environments (``make_envs()``);
 :func:`cookbook_group_builder` runs a list of them (or an ``RLDataset``'s batches) as quilt.rl
 groups. Its ``compute_group_rewards`` (pairwise preference recipes) is not called: the step
-rewards are the episode's. The stop condition the environment gives is kept on the adapter
-(``stop_condition``): put it in ``RLConfig.sampling.stop`` when it matters.
+rewards are the episode's. The stop condition the environment gives for each turn is the turn's
+(an :class:`quilt.rl.Observation`), as the cookbook's own rollouts apply it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..env import StepResult
+from ..env import Observation, StepResult
 from ._text import numeric
 
 __all__ = ["CookbookEnv", "cookbook_group_builder"]
@@ -26,21 +26,25 @@ def _ints(observation: Any) -> list[int]:
     return [int(t) for t in observation]
 
 
+def _stop(condition: Any) -> Any:
+    # The cookbook's StopCondition: a list of strings or of token ids; empty means the model's own end.
+    return list(condition) if condition else None
+
+
 class CookbookEnv:
     """One episode of a tinker-cookbook ``Env`` as a :class:`quilt.rl.Env`."""
 
     def __init__(self, env: Any) -> None:
         self.env = env
-        self.stop_condition: Any = None
         self.total = 0.0
 
-    async def reset(self) -> list[int]:
+    async def reset(self) -> Observation:
         """Start the episode; the first prompt's token ids."""
         first = await self.env.initial_observation()
         if not isinstance(first, tuple):  # InitialObservationOverflow: the prompt is past its budget
             raise ValueError(f"the cookbook environment's first prompt overflowed: {first!r}")
-        observation, self.stop_condition = first
-        return _ints(observation)
+        observation, stop = first
+        return Observation(_ints(observation), _stop(stop))
 
     async def step(self, tokens: list[int]) -> StepResult:
         """Hand the model's reply to the environment; its reward and what comes next."""
@@ -51,8 +55,8 @@ class CookbookEnv:
         if result.episode_done:
             return StepResult(reward=reward, done=True, outcome="success" if self.total > 0 else "model_failure",
                               metrics=metrics)
-        self.stop_condition = result.next_stop_condition
-        return StepResult(reward=reward, done=False, next_prompt=_ints(result.next_observation), metrics=metrics)
+        return StepResult(reward=reward, done=False, metrics=metrics,
+                          next_prompt=Observation(_ints(result.next_observation), _stop(result.next_stop_condition)))
 
 
 def cookbook_group_builder(builders: Sequence[Any] | Callable[[int], Any]):
