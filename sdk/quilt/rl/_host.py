@@ -63,9 +63,6 @@ class EnvHost:
         envs = [self.envs.pop(env_id, None) for env_id in env_ids]
         await asyncio.gather(*(close_env(env) for env in envs if env is not None))
 
-    def count(self) -> int:
-        return len(self.envs)
-
 
 def serve(conn) -> None:
     """A process-pool worker's main: read calls from ``conn``, run each as a task, answer

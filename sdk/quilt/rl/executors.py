@@ -344,9 +344,6 @@ def _ray_host_class():
     class QuiltEnvHost(EnvHost):
         """EnvHost as an async Ray actor (its methods run concurrently on the actor's event loop)."""
 
-        def pid(self) -> int:
-            return os.getpid()
-
     return QuiltEnvHost
 
 
