@@ -117,8 +117,10 @@ def shares(rows: list[dict]) -> dict:
             "train_tokens": totals["train"], "sample_tokens": totals["sample"], "cost_micro_usd": totals["cost"]}
 
 
-# quilt.rl's seconds per step, summed per tenant over the window (the operator page's bars).
-ENV_SECONDS = ("start_s", "step_s", "reward_s", "sample_s", "train_s", "lost_s")
+# quilt.rl's seconds per step, summed per tenant over the window (the operator page's bars):
+# the page's name -> the metric quilt.rl logs.
+ENV_SECONDS = {"start_s": "env_start_s", "step_s": "env_step_s", "reward_s": "reward_s", "sample_s": "sample_s",
+               "train_s": "train_s", "lost_s": "env_wait_gpu_s"}
 
 
 def env_waits(rows: list[dict]) -> dict:
@@ -216,23 +218,14 @@ SELECT t.name AS tenant, count(*) AS steps,
        avg((m.metrics->>'env_wait_share')::float8) AS rollout,
        avg((m.metrics->>'trainer_env_wait_share')::float8)
            FILTER (WHERE jsonb_typeof(m.metrics->'trainer_env_wait_share') = 'number') AS trainer,
-       sum((m.metrics->>'env_start_s')::float8) FILTER (WHERE jsonb_typeof(m.metrics->'env_start_s') = 'number')
-           AS start_s,
-       sum((m.metrics->>'env_step_s')::float8) FILTER (WHERE jsonb_typeof(m.metrics->'env_step_s') = 'number')
-           AS step_s,
-       sum((m.metrics->>'reward_s')::float8) FILTER (WHERE jsonb_typeof(m.metrics->'reward_s') = 'number')
-           AS reward_s,
-       sum((m.metrics->>'sample_s')::float8) FILTER (WHERE jsonb_typeof(m.metrics->'sample_s') = 'number')
-           AS sample_s,
-       sum((m.metrics->>'train_s')::float8) FILTER (WHERE jsonb_typeof(m.metrics->'train_s') = 'number')
-           AS train_s,
-       sum((m.metrics->>'env_wait_gpu_s')::float8) FILTER (WHERE jsonb_typeof(m.metrics->'env_wait_gpu_s') = 'number')
-           AS lost_s
+       {seconds}
 FROM run_metrics m JOIN tenants t ON t.id = m.tenant_id
 WHERE m.source = 'client' AND m.created_at >= now() - make_interval(secs => %(window)s)
   AND jsonb_typeof(m.metrics->'env_wait_share') = 'number'
 GROUP BY t.name
-"""
+""".format(seconds=",\n       ".join(
+    f"sum((m.metrics->>'{metric}')::float8) FILTER (WHERE jsonb_typeof(m.metrics->'{metric}') = 'number') AS {name}"
+    for name, metric in ENV_SECONDS.items()))
 
 
 def _json(raw) -> dict | None:

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["ChatCodec", "numeric"]
+__all__ = ["ChatCodec", "ended", "numeric"]
 
 
 class ChatCodec:
@@ -60,3 +60,8 @@ def numeric(values: Mapping[str, Any] | None) -> dict[str, float]:
         if isinstance(value, (int, float)) and math.isfinite(value):
             out[str(key)] = float(value)
     return out
+
+
+def ended(total_reward: float) -> str:
+    """The outcome of an episode a foreign environment ended: ``success`` when it earned anything."""
+    return "success" if total_reward > 0 else "model_failure"

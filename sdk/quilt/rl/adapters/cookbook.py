@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..env import Observation, StepResult
-from ._text import numeric
+from ._text import ended, numeric
 
 __all__ = ["CookbookEnv", "cookbook_group_builder"]
 
@@ -53,7 +53,7 @@ class CookbookEnv:
         self.total += reward
         metrics = numeric(result.metrics)
         if result.episode_done:
-            return StepResult(reward=reward, done=True, outcome="success" if self.total > 0 else "model_failure",
+            return StepResult(reward=reward, done=True, outcome=ended(self.total),
                               metrics=metrics)
         return StepResult(reward=reward, done=False, metrics=metrics,
                           next_prompt=Observation(_ints(result.next_observation), _stop(result.next_stop_condition)))

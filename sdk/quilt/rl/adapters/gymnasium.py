@@ -19,7 +19,7 @@ from typing import Any
 
 from ..env import StepResult
 from ._lazy import PerProcess
-from ._text import ChatCodec, numeric
+from ._text import ChatCodec, ended, numeric
 
 __all__ = ["GymnasiumTextEnv", "gymnasium_group_builder"]
 
@@ -51,8 +51,7 @@ class GymnasiumTextEnv:
         self.messages += [{"role": "assistant", "content": action}, {"role": "user", "content": _text(observation)}]
         metrics = numeric(info)
         if terminated or truncated:
-            finished = terminated or not truncated
-            outcome = "success" if finished and self.total > 0 else "model_failure"
+            outcome = "model_failure" if truncated and not terminated else ended(self.total)
             return StepResult(reward=reward, done=True, outcome=outcome, metrics=metrics, info=metrics)
         return StepResult(reward=reward, done=False, next_prompt=self.codec.prompt(self.messages), metrics=metrics)
 

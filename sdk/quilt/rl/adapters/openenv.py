@@ -15,7 +15,7 @@ from typing import Any
 
 from ..env import StepResult
 from ._lazy import PerProcess
-from ._text import ChatCodec, numeric
+from ._text import ChatCodec, ended, numeric
 
 __all__ = ["OpenEnvEnv", "openenv_group_builder"]
 
@@ -56,7 +56,7 @@ class OpenEnvEnv:
         self.total += reward
         metrics = numeric(getattr(obs, "metadata", None))
         if done:
-            return StepResult(reward=reward, done=True, outcome="success" if self.total > 0 else "model_failure",
+            return StepResult(reward=reward, done=True, outcome=ended(self.total),
                               metrics=metrics)
         self.messages += [{"role": "assistant", "content": text}, {"role": "user", "content": self.render(obs)}]
         return StepResult(reward=reward, done=False, next_prompt=self.codec.prompt(self.messages), metrics=metrics)

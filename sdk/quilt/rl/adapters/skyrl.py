@@ -15,7 +15,7 @@ from typing import Any
 
 from ..env import StepResult
 from ._lazy import PerProcess
-from ._text import ChatCodec, numeric
+from ._text import ChatCodec, ended, numeric
 
 __all__ = ["SkyRLGymEnv", "skyrl_group_builder"]
 
@@ -45,7 +45,7 @@ class SkyRLGymEnv:
         metrics = numeric(out.get("metadata"))
         if out["done"]:
             metrics.update(numeric(self.env.get_metrics()))
-            return StepResult(reward=reward, done=True, outcome="success" if self.total > 0 else "model_failure",
+            return StepResult(reward=reward, done=True, outcome=ended(self.total),
                               metrics=metrics)
         return StepResult(reward=reward, done=False, next_prompt=self.codec.prompt(self.messages), metrics=metrics)
 
