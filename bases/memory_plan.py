@@ -23,6 +23,8 @@ from core.errors import InvalidInput
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ADAPTER_STATE_COPIES = 4  # weights, gradients, AdamW exp_avg and exp_avg_sq, all float32
+# ... and on a half-precision base one more copy of the weights in that dtype, which the slabs
+# compute with (batcher.multilora).
 RESERVE_FRACTION = 0.08  # CUDA context, allocator fragmentation, workspace
 MAX_RESIDENT_ADAPTERS = 256
 MIN_TOKEN_BUDGET = 512
@@ -135,8 +137,9 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     # of the norms and attention (about 8 hidden-wide and 3 MLP-wide vectors in the base dtype);
     # the logits and their log-softmax are float32.
     activation = layers * (8 * h + 2 * shape.heads * shape.head_dim + 3 * inter) * width + 2 * vocab * 4
+    compute_copy = width if width < 4 else 0
     adapter = architectures.lora_parameters(config, inputs.adapter_rank, list(arch.targets(tied=False))) \
-        * 4 * ADAPTER_STATE_COPIES
+        * (4 * ADAPTER_STATE_COPIES + compute_copy)
     left = trainer_bytes - base_bytes
     if left <= 0:
         problems.append(f"device: the trainer's share ({trainer_bytes / GiB:.1f} GiB) cannot hold the base weights "

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from bases import architectures
-from batcher import losses
-from batcher.multilora import MultiLoraModel
+from batcher import head, layout, losses, packed_attention
+from batcher.multilora import MultiLoraModel, Route
+from batcher.transfer import Bundle
 from checkpoints.layout import ADAPTER_WEIGHTS, OPTIMIZER_FILE, TrainerMeta
 from core.errors import Conflict, InvalidInput, QuiltError, ServerError, UserError
 from core.loss_spec import INT_INPUTS, WIDE_INPUTS, LossConfig
@@ -45,9 +45,9 @@ class Adapter:
     """One training model's trainable state."""
 
     model_id: str
-    name: str  # the PEFT adapter name (a slot label; model ids contain characters PEFT keys cannot)
+    name: str  # the adapter's name in the slabs (model ids contain characters PEFT keys cannot)
     lora_config: dict
-    params: list[torch.nn.Parameter]
+    params: list[torch.Tensor]  # [A, B] per targeted layer: views of its slab rows while resident
     optimizer: torch.optim.AdamW
     steps: int = 0  # optimizer steps taken: the model's policy version
     last_used: float = field(default_factory=time.monotonic)
@@ -91,15 +91,36 @@ class _Row:
     width: int = 1  # targets per position (top-K distillation: K)
 
 
+@dataclass
+class _Batch:
+    """One micro-batch, planned on the host."""
+
+    layout: layout.Layout
+    rows: list[_Row]  # in layout order: the loss plan's datums
+    plan: losses.LossPlan
+    bundle: Bundle
+    routes: dict[tuple[str, int], Route]  # the token grid's
+    head_ranges: list[tuple[int, int]]
+    head_routes: list[dict[tuple[str, int], Route]]  # each head chunk's (lm_head only)
+    trains: bool
+    packed_rows: packed_attention.Rows | None  # the packed layout's rows (None: padded rows)
+
+
+class _Gate:
+    keep: torch.Tensor | None = None
+
+
 class LoraBackend:
     def __init__(self, base_path: str | Path, *, device: str = "cpu", max_tokens_per_pass: int = 16384,
-                 offload_device: str = "cpu", dtype: torch.dtype = torch.float32, max_resident: int = 0):
+                 offload_device: str = "cpu", dtype: torch.dtype = torch.float32, max_resident: int = 0,
+                 pack_width: int = 4096, head_chunk_tokens: int = 0, model: torch.nn.Module | None = None):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
         self.offload_device = torch.device(offload_device)
         self.max_tokens_per_pass = max_tokens_per_pass
+        self.pack_width = pack_width  # tokens per packed stream (its attention mask is width x width)
         self.max_resident = max_resident  # adapters on the compute device at once; 0 = no limit
         self.last_pass: PassStats | None = None
         # Which modules can carry LoRA is the architecture's (bases.architectures); a model's own
@@ -109,11 +130,23 @@ class LoraBackend:
         kw = {}
         if arch.moe and dtype == torch.float64:
             kw["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel (float64 is for tests)
-        base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=dtype, **kw)
+        # `model`: a base already built from this config.json (benchmarks make random ones on the device).
+        base = model if model is not None else AutoModelForCausalLM.from_pretrained(str(base_path), dtype=dtype, **kw)
         base.requires_grad_(False)
         self.base_path = str(base_path)
         self.base = base.to(self.device).eval()
         self.lora = MultiLoraModel(self.base, arch.targets(tied=architectures.is_tied(self.config)))
+        self.lora.max_slots = max_resident
+        self.decoder = self.base.get_decoder()
+        self.head = self.base.get_output_embeddings()
+        text = self.config.get("text_config", self.config)
+        self.softcap = text.get("final_logit_softcapping")
+        # Grouped GEMM on a GPU wants 16-byte strides: token counts in multiples of 8.
+        self.align = 8 if self.device.type == "cuda" else 1
+        self.head_chunk_tokens = head_chunk_tokens or head.chunk_tokens_for(self.head.weight.shape[0]
+                                                                            if hasattr(self.head, "weight")
+                                                                            else self.head.base.weight.shape[0],
+                                                                            align=self.align)
         self.adapters: dict[str, Adapter] = {}
         self._next_slot = 0
 
@@ -132,7 +165,7 @@ class LoraBackend:
             name, rank=lora.rank, alpha=LORA_ALPHA, targets=architectures.lora_targets(self.config, lora_config),
             seed=lora.seed if lora.seed is not None else int.from_bytes(os.urandom(4), "little"),
         )
-        self.adapters[model_id] = Adapter(model_id, name, lora_config, params, torch.optim.AdamW(params))
+        self.adapters[model_id] = Adapter(model_id, name, lora_config, params, self._optimizer(params))
 
     def delete(self, model_id: str) -> None:
         adapter = self.adapters.pop(model_id, None)
@@ -141,19 +174,30 @@ class LoraBackend:
 
     # ------------------------------------------------------------------ residency
 
-    def _move(self, adapter: Adapter, device: torch.device) -> None:
-        """Move an adapter's weights, gradients and optimizer moments together."""
-        for p in adapter.params:
-            p.data = p.data.to(device)
-            if p.grad is not None:
-                p.grad = p.grad.to(device)
+    def _optimizer(self, params: list[torch.Tensor]) -> torch.optim.AdamW:
+        # One fused kernel per step on a GPU; the same arithmetic as the for-loop form.
+        return torch.optim.AdamW(params, fused=True) if self.device.type == "cuda" else torch.optim.AdamW(params)
+
+    def _park(self, adapter: Adapter) -> None:
+        """Rows out of the slabs to the offload device, optimizer moments with them."""
+        self.lora.park(adapter.name, self.offload_device)
+        self._move_state(adapter, self.offload_device)
+        adapter.resident = False
+
+    def _unpark(self, adapter: Adapter) -> None:
+        self.lora.restore(adapter.name)
+        self._move_state(adapter, self.device)
+        adapter.resident = True
+
+    @staticmethod
+    def _move_state(adapter: Adapter, device: torch.device) -> None:
         for state in adapter.optimizer.state.values():
             for key, value in state.items():
                 if torch.is_tensor(value) and key != "step":
                     state[key] = value.to(device)
 
     def ensure_resident(self, model_ids) -> None:
-        """Bring these models' adapters to the compute device; when that makes more resident than
+        """Bring these models' adapters into the slabs; when that makes more resident than
         `max_resident` (from the memory plan), park the least recently used others first."""
         wanted = set(model_ids)
         now = time.monotonic()
@@ -163,23 +207,20 @@ class LoraBackend:
             others = sorted((a for a in self.adapters.values() if a.resident and a.model_id not in wanted),
                             key=lambda a: a.last_used)
             for adapter in others[:max(0, len(others) + len(wanted) - self.max_resident)]:
-                self._move(adapter, self.offload_device)
-                adapter.resident = False
+                self._park(adapter)
         for model_id in wanted:
             adapter = self.adapters[model_id]
             if not adapter.resident:
-                self._move(adapter, self.device)
-                adapter.resident = True
+                self._unpark(adapter)
 
     def offload_idle(self, idle_s: float, *, now: float | None = None) -> int:
-        """Park adapters unused for `idle_s` on the offload device; returns how many moved.
-        On a CPU-only worker both devices are the CPU: only the bookkeeping changes."""
+        """Park adapters unused for `idle_s` on the offload device; returns how many moved. Their
+        slots are freed either way (on a CPU-only worker both devices are the CPU)."""
         now = time.monotonic() if now is None else now
         moved = 0
         for adapter in self.adapters.values():
             if adapter.resident and now - adapter.last_used >= idle_s:
-                self._move(adapter, self.offload_device)
-                adapter.resident = False
+                self._park(adapter)
                 moved += 1
         return moved
 
@@ -197,7 +238,38 @@ class LoraBackend:
         """Run many models' forward/forward_backward requests through one pass over the base.
 
         Returns one result (Tinker ForwardBackwardOutput JSON) or one error per request, in order.
+        The pass is planned on the host (`_plan`), runs on the device without reading anything back
+        (`_compute`), and its results come back in one copy at the end.
         """
+        outcomes, configs, rows = self._admit(requests)
+        self.ensure_resident({requests[i].model_id for i in configs})
+        started = time.perf_counter()
+        try:
+            batches = self._plan(rows, requests, configs)
+            values = self._compute(batches, len(requests)).cpu()  # the pass's one read-back
+        except Exception as exc:
+            log.exception("fused pass failed")
+            for i in configs:
+                outcomes[i] = ServerError(f"trainer pass failed: {type(exc).__name__}: {exc}")
+            return outcomes
+        self._finish(batches, values, requests, configs, outcomes)
+        self.last_pass = PassStats(
+            models=len({requests[i].model_id for i in configs}), rows=len(rows),
+            tokens=sum(len(r.tokens) for r in rows), padded_tokens=sum(b.layout.tokens for b in batches),
+            micro_batches=len(batches), seconds=time.perf_counter() - started,
+        )
+        return outcomes
+
+    def planned_pass(self, requests: list[PassRequest]) -> Callable[[], torch.Tensor]:
+        """A pass's host half done now; the function returned runs only its device half (forward,
+        losses, backward), without finishing the requests: what synchronisation checks watch."""
+        _, configs, rows = self._admit(requests)
+        self.ensure_resident({requests[i].model_id for i in configs})
+        batches = self._plan(rows, requests, configs)
+        return lambda: self._compute(batches, len(requests))
+
+    def _admit(self, requests: list[PassRequest]) -> tuple[list, dict[int, LossConfig], list[_Row]]:
+        """Each request's rows, or its error when its model is not here."""
         outcomes: list[dict | QuiltError | None] = [None] * len(requests)
         configs: dict[int, LossConfig] = {}
         rows: list[_Row] = []
@@ -210,52 +282,172 @@ class LoraBackend:
             configs[i] = dataclasses.replace(req.work.loss_config, current_policy_version=adapter.steps)
             rows += [_Row(i, j, d.tokens, d.inputs, adapter.name, d.policy_version, d.width)
                      for j, d in enumerate(req.work.data)]
-        self.ensure_resident({requests[i].model_id for i in configs})
-        started = time.perf_counter()
-        chunks = self._micro_batches(rows)
+        return outcomes, configs, rows
 
-        # Rows run sorted by length; results are keyed by datum so each request gets them in its own order.
+    def _plan(self, rows: list[_Row], requests: list[PassRequest], configs: dict[int, LossConfig]) -> list[_Batch]:
+        """Lay the rows out in micro-batches and build, per micro-batch, everything its device work
+        reads, in one bundle: token grid, positions, targets, loss inputs, routes."""
+        lengths = [len(r.tokens) for r in rows]
+        pack = layout.can_pack(self.config, max(lengths, default=0))
+        batches = []
+        for lay in layout.micro_batches(lengths, [self.lora.order(r.adapter) for r in rows],
+                                        budget=self.max_tokens_per_pass,
+                                        pack=pack, pack_width=self.pack_width, align=self.align):
+            batch_rows = [rows[i] for i in lay.rows]
+            bundle = Bundle()
+            K = max(r.width for r in batch_rows)
+            ids = torch.zeros(lay.tokens, dtype=torch.long)
+            targets = torch.zeros(lay.tokens, K, dtype=torch.long)
+            positions = torch.zeros(lay.tokens, dtype=torch.long)
+            at = []
+            for row, start in zip(batch_rows, lay.starts):
+                n = len(row.tokens)
+                ids[start:start + n] = torch.tensor(row.tokens)
+                targets[start:start + n, :row.width] = torch.tensor(row.inputs["target_tokens"]).view(n, -1)
+                positions[start:start + n] = torch.arange(n)
+                at.append(torch.arange(start, start + n))
+            shape = (lay.streams, lay.width)
+            bundle.add("ids", ids.view(shape), torch.long)
+            bundle.add("positions", positions.view(shape), torch.long)
+            rows_of = None
+            if lay.packed:
+                cu = packed_attention.boundaries(list(lay.starts), [len(r.tokens) for r in batch_rows], lay.streams,
+                                                 lay.width)
+                bundle.add("cu_seqlens", cu, torch.int32)
+                rows_of = packed_attention.Rows(
+                    tuple((start // lay.width, start % lay.width, start % lay.width + len(r.tokens))
+                          for r, start in zip(batch_rows, lay.starts)),
+                    lay.width, max_len=max(b - a for a, b in zip(cu, cu[1:])))
+            bundle.add("targets", targets, torch.long)
+            bundle.add("at", torch.cat(at), torch.long)
+            specs = []
+            for row in batch_rows:
+                config = configs[row.request_index]
+                sampled_at = row.policy_version if row.policy_version is not None else config.policy_version
+                inputs = {k: _input_tensor(k, v, len(row.tokens), row.width) for k, v in row.inputs.items()
+                          if k != "target_tokens"}
+                specs.append(losses.DatumSpec(requests[row.request_index].work.loss_fn, inputs, len(row.tokens),
+                                              row.width, config, sampled_at))
+            plan = losses.LossPlan.build(specs, K)
+            for name, t in plan.tensors.items():
+                bundle.add(f"loss.{name}", t, t.dtype)
+            bundle.add("request_of_datum", [r.request_index for r in batch_rows], torch.long)
+            bundle.add("trains", [not req.forward_only for req in requests], torch.bool)
+            runs = layout.segments(lay, lengths, [r.adapter for r in rows])
+            routes = self._routes(bundle, "grid", self.lora.routes(runs))
+            head_ranges = layout.chunks(lay.tokens, self.head_chunk_tokens)
+            head_routes = [self._routes(bundle, f"head{i}", self.lora.routes(layout.window(runs, s, e), ("lm_head",)))
+                           for i, (s, e) in enumerate(head_ranges)]
+            batches.append(_Batch(lay, batch_rows, plan, bundle, routes, head_ranges, head_routes,
+                                  any(not requests[r.request_index].forward_only for r in batch_rows), rows_of))
+        return batches
+
+    @staticmethod
+    def _routes(bundle: Bundle, prefix: str, host: dict) -> dict[tuple[str, int], Route]:
+        routes = {}
+        for (kind, rank), runs in host.items():
+            key = f"{prefix}.{kind}.{rank}"
+            bundle.add(f"{key}.offsets", [e for _, _, e in runs], torch.int32)
+            bundle.add(f"{key}.slots", [slot for slot, _, _ in runs], torch.long)
+            routes[(kind, rank)] = Route(runs)
+        return routes
+
+    def _compute(self, batches: list[_Batch], n_requests: int) -> torch.Tensor:
+        """Every micro-batch's forward (and backward), all on the device; returns one tensor of what
+        the host needs, per micro-batch: per-datum loss, mismatch sums and whether each request kept
+        its gradient, then every position's logprobs and elementwise loss."""
+        self.lora.refresh()
+        poisoned = torch.zeros(n_requests, dtype=torch.bool, device=self.device)
+        out = []
+        for batch in batches:
+            t = batch.bundle.to(self.device)
+            for prefix, routes in (("grid", batch.routes),
+                                   *((f"head{i}", r) for i, r in enumerate(batch.head_routes))):
+                for (kind, rank), route in routes.items():
+                    key = f"{prefix}.{kind}.{rank}"
+                    route.offsets, route.slots = t[f"{key}.offsets"], t[f"{key}.slots"]
+            loss_t = {k[5:]: v for k, v in t.items() if k.startswith("loss.")}
+            try:
+                with torch.set_grad_enabled(batch.trains):
+                    lp, result, poisoned = self._batch(batch, t, loss_t, poisoned)
+            finally:
+                self.lora.context.routes = None
+            out.append(torch.cat([result.loss.detach().double(), result.kl, result.abs_diff,
+                                  result.keep_requests.double(), lp.detach().double().flatten(),
+                                  result.elementwise.double().flatten()]))
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+
+    def _batch(self, batch: _Batch, t: dict, loss_t: dict, poisoned: torch.Tensor):
+        self.lora.context.routes = batch.routes
+        if batch.packed_rows is not None:
+            # Each row attends to itself only (packed_attention), its positions counted from 0.
+            batch.packed_rows.cu_seqlens = t["cu_seqlens"]
+            with packed_attention.packed(self.base, batch.packed_rows):
+                hidden = self.decoder(input_ids=t["ids"], position_ids=t["positions"],
+                                      use_cache=False).last_hidden_state
+        else:  # right padding needs no mask: causal attention never lets a real position see a later pad
+            hidden = self.decoder(input_ids=t["ids"], use_cache=False).last_hidden_state
+
+        def use_routes(i: int) -> None:
+            self.lora.context.routes = batch.head_routes[i]
+
+        lp_grid = head.target_logprobs(self.head, hidden.reshape(-1, hidden.shape[-1]), t["targets"],
+                                       batch.head_ranges, use_routes, softcap=self.softcap)
+        lp = lp_grid.index_select(0, t["at"])
+        gate = _Gate()
+        if batch.trains:
+            lp = losses.GradGate.apply(lp, gate)
+        result = losses.pass_losses(lp, batch.plan, loss_t)
+        # A request with a datum whose loss is not finite keeps none of its gradient from here on;
+        # decided on the device, so nothing waits for the host.
+        bad = torch.zeros_like(poisoned).index_put_((t["request_of_datum"],), ~torch.isfinite(result.loss),
+                                                    accumulate=True)
+        keep_requests = t["trains"] & ~(bad | poisoned)
+        result.keep_requests = keep_requests
+        keep_datums = keep_requests.index_select(0, t["request_of_datum"])
+        if batch.trains:
+            gate.keep = keep_datums.index_select(0, loss_t["datum"])
+            torch.where(keep_datums, result.loss, 0.0).sum().backward()
+        return lp, result, poisoned | bad
+
+    def _finish(self, batches: list[_Batch], values: torch.Tensor, requests: list[PassRequest],
+                configs: dict[int, LossConfig], outcomes: list) -> None:
+        """Results, errors and gradients from the values the pass read back."""
         per_datum: dict[int, dict[int, losses.DatumLoss]] = {i: {} for i in configs}
-        not_finite: dict[int, list[int]] = {}  # request -> datums whose loss overflowed (no gradient)
-        backpropagated: set[int] = set()  # requests with gradients already accumulated
-        try:
-            for chunk in chunks:
-                self._run_chunk(chunk, requests, configs, per_datum, not_finite, backpropagated)
-        except Exception as exc:
-            log.exception("fused pass failed")
-            for i in configs:
-                outcomes[i] = ServerError(f"trainer pass failed: {type(exc).__name__}: {exc}")
-            return outcomes
-
+        not_finite: dict[int, list[int]] = {}
+        kept: set[int] = set()  # requests whose gradient some micro-batch accumulated
+        at = 0
+        for batch in batches:
+            D, R = len(batch.rows), len(requests)
+            M, K = batch.plan.tensors["datum"].shape[0], batch.plan.width
+            loss, kl, abs_diff = (values[at + j * D:at + (j + 1) * D].tolist() for j in range(3))
+            keep = values[at + 3 * D:at + 3 * D + R].tolist()
+            at += 3 * D + R
+            lp = values[at:at + M * K].view(M, K).float()
+            elementwise = values[at + M * K:at + 2 * M * K].view(M, K).float()
+            at += 2 * M * K
+            present = {row.request_index for row in batch.rows}
+            kept |= {i for i in present if keep[i]}
+            offset = 0
+            for row, datum in zip(batch.rows, batch.plan.metrics(loss, kl, abs_diff)):
+                n = len(row.tokens)
+                sl = slice(offset, offset + n)
+                offset += n
+                shape = (n, row.width) if row.width > 1 else (n,)
+                outputs = {"logprobs": lp[sl, :row.width].reshape(shape),
+                           "elementwise_loss": elementwise[sl, :row.width].reshape(shape)}
+                datum.outputs = outputs
+                per_datum[row.request_index][row.datum_index] = datum
+                if not math.isfinite(datum.metrics["loss:sum"]):
+                    not_finite.setdefault(row.request_index, []).append(row.datum_index)
         for i in configs:
             if i in not_finite:
-                outcomes[i] = self._not_finite(requests[i], sorted(not_finite[i]), i in backpropagated)
+                outcomes[i] = self._not_finite(requests[i], sorted(not_finite[i]), i in kept)
             else:
                 outcomes[i] = _forward_backward_output([per_datum[i][j] for j in sorted(per_datum[i])])
-        self.last_pass = PassStats(
-            models=len({requests[i].model_id for i in configs}), rows=len(rows),
-            tokens=sum(len(r.tokens) for r in rows),
-            padded_tokens=sum(len(c) * max(len(r.tokens) for r in c) for c in chunks),
-            micro_batches=len(chunks), seconds=time.perf_counter() - started,
-        )
-        return outcomes
-
-    def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
-        """Split rows so each pass holds at most `max_tokens_per_pass` padded tokens; gradients of
-        successive chunks accumulate, so the split changes nothing numerically beyond rounding."""
-        chunks: list[list[_Row]] = []
-        current: list[_Row] = []
-        longest = 0
-        for row in sorted(rows, key=lambda r: len(r.tokens)):
-            longest_if_added = max(longest, len(row.tokens))
-            if current and longest_if_added * (len(current) + 1) > self.max_tokens_per_pass:
-                chunks.append(current)
-                current, longest_if_added = [], len(row.tokens)
-            current.append(row)
-            longest = longest_if_added
-        if current:
-            chunks.append(current)
-        return chunks
+        discarded = {requests[i].model_id for i in not_finite if i in kept}
+        for model_id in {requests[i].model_id for i in kept} - discarded:
+            self.lora.set_grads(self.adapters[model_id].name)
 
     def _not_finite(self, req: PassRequest, datums: list[int], backpropagated: bool) -> UserError:
         """A request whose loss overflowed: it fails, and none of its gradient is kept."""
@@ -265,67 +457,13 @@ class LoraBackend:
         if backpropagated:
             # Its other datums ran in an earlier micro-batch: that partial gradient cannot be told
             # apart from the model's earlier ones, so all accumulated gradients go.
-            for p in self.adapters[req.model_id].params:
-                p.grad = None
+            self.lora.set_grads(self.adapters[req.model_id].name)  # this pass's rows too
+            self.lora.clear_grads(self.adapters[req.model_id].name)
             msg += "; the model's gradients accumulated since its last optim_step were discarded, send those " \
                    "forward_backward calls again"
         elif not req.forward_only:
             msg += "; no gradient of this request was accumulated"
         return UserError(msg, field="forward_backward_input.data")
-
-    def _run_chunk(self, chunk: list[_Row], requests, configs, per_datum, not_finite, backpropagated) -> None:
-        needs_grad = any(not requests[r.request_index].forward_only for r in chunk)
-        chunk = sorted(chunk, key=lambda r: r.adapter)  # each adapter's rows contiguous: one slice each
-        segments: list[tuple[str, int, int]] = []
-        for b, row in enumerate(chunk):
-            if segments and segments[-1][0] == row.adapter:
-                segments[-1] = (row.adapter, segments[-1][1], b + 1)
-            else:
-                segments.append((row.adapter, b, b + 1))
-        T = max(len(r.tokens) for r in chunk)
-        K = max(r.width for r in chunk)
-        input_ids_B_T = torch.zeros((len(chunk), T), dtype=torch.long)
-        targets_B_T_K = torch.zeros((len(chunk), T, K), dtype=torch.long)
-        for b, row in enumerate(chunk):
-            n = len(row.tokens)
-            input_ids_B_T[b, :n] = torch.tensor(row.tokens)
-            targets_B_T_K[b, :n, :row.width] = torch.tensor(row.inputs["target_tokens"], dtype=torch.long).view(n, -1)
-        input_ids_B_T = input_ids_B_T.to(self.device)
-        targets_B_T_K = targets_B_T_K.to(self.device)
-        # Right padding needs no attention mask: causal attention never lets a real position see a later pad.
-        with torch.set_grad_enabled(needs_grad):
-            logits_B_T_V = self.lora.forward(input_ids_B_T, segments)
-            if logits_B_T_V.dtype in (torch.float16, torch.bfloat16):  # log-softmax in at least float32
-                logits_B_T_V = logits_B_T_V.float()
-            if K == 1:
-                logprobs_B_T_K = -F.cross_entropy(
-                    logits_B_T_V.flatten(0, 1), targets_B_T_K.flatten(), reduction="none"
-                ).view(len(chunk), T, 1)
-            else:  # top-K targets: K logits per position, never a (B, T, V) log-softmax
-                logprobs_B_T_K = (logits_B_T_V.gather(-1, targets_B_T_K)
-                                  - torch.logsumexp(logits_B_T_V, dim=-1, keepdim=True))
-            chunk_losses = []
-            for b, row in enumerate(chunk):
-                req = requests[row.request_index]
-                n = len(row.tokens)
-                inputs = {k: _input_tensor(k, v, n, row.width) for k, v in row.inputs.items()}
-                config = configs[row.request_index]
-                sampled_at = row.policy_version if row.policy_version is not None else config.policy_version
-                lp = logprobs_B_T_K[b, :n, :row.width] if row.width > 1 else logprobs_B_T_K[b, :n, 0]
-                datum = losses.compute_loss(req.work.loss_fn, lp, inputs, config, policy_version=sampled_at)
-                per_datum[row.request_index][row.datum_index] = datum
-                chunk_losses.append(datum.loss)
-            # One host sync per micro-batch: a datum whose loss overflowed adds no gradient.
-            finite = torch.isfinite(torch.stack([loss.detach() for loss in chunk_losses])).tolist()
-            for row, ok in zip(chunk, finite):
-                if not ok:
-                    not_finite.setdefault(row.request_index, []).append(row.datum_index)
-            # A request with any overflowed datum keeps none of its gradient from here on.
-            kept = [(row, loss) for row, loss in zip(chunk, chunk_losses)
-                    if row.request_index not in not_finite and not requests[row.request_index].forward_only]
-            if needs_grad and kept:
-                sum(loss for _, loss in kept).backward()
-                backpropagated.update(row.request_index for row, _ in kept)
 
     # ------------------------------------------------------------------ barriers
 
@@ -342,12 +480,13 @@ class LoraBackend:
         norm = torch.nn.utils.clip_grad_norm_(adapter.params, max_norm=clip if clip > 0 else math.inf)
         if not math.isfinite(float(norm)):
             # Finite losses can still give gradients past float32; a step would make the weights NaN.
-            adapter.optimizer.zero_grad(set_to_none=True)
+            self.lora.clear_grads(adapter.name)
             raise UserError("the accumulated gradients are not finite (they overflowed float32): make the "
                             "weights or advantages smaller; the gradients were discarded and the weights are "
                             "unchanged", field="adam_params")
         adapter.optimizer.step()
-        adapter.optimizer.zero_grad(set_to_none=True)
+        self.lora.clear_grads(adapter.name)
+        self.lora.changed(adapter.name)
         adapter.steps += 1
         return {"metrics": {"grad_norm:mean": float(norm), "learning_rate:mean": adam.learning_rate,
                             "step:max": float(adapter.steps)}}
@@ -373,8 +512,9 @@ class LoraBackend:
         dest = Path(directory)
         if dest.exists() and not overwrite:
             raise Conflict(f"checkpoint {dest.name!r} already exists; pass overwrite=True to replace it", field="path")
-        # detach(): tensors of their own over today's storage, whatever later rebinds the parameters (parking).
-        state = {k: v.detach() for k, v in self.adapter_state(model_id).items()}
+        # Copies: a resident adapter's tensors are views of slab rows, which parking this adapter would
+        # hand to another while the writer still reads them.
+        state = {k: v.detach().clone() for k, v in self.adapter_state(model_id).items()}
         config = self._peft_config(adapter)
         optimizer = adapter.optimizer.state_dict() if with_optimizer else None
         meta = TrainerMeta(dict(adapter.lora_config), adapter.steps)
@@ -419,9 +559,8 @@ class LoraBackend:
             self.lora.load_state_dict(adapter.name, state)
         except ValueError as exc:
             raise InvalidInput(f"checkpoint does not fit this model: {exc}", field="path") from None
-        for p in adapter.params:
-            p.grad = None
-        adapter.optimizer = torch.optim.AdamW(adapter.params)
+        self.lora.clear_grads(adapter.name)
+        adapter.optimizer = self._optimizer(adapter.params)
         if optimizer:
             adapter.optimizer.load_state_dict(torch.load(src / OPTIMIZER_FILE, weights_only=True))
         adapter.steps = meta.steps

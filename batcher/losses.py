@@ -1,9 +1,11 @@
 """Tinker's built-in loss functions, per datum, in pure torch (no I/O, no model).
 
-The trainer runs the model, gathers for each datum `target_logprobs_T` (shape `(N,)`,
-`log p_θ(target_tokens[t] | prefix)`, with grad) and calls `compute_loss` once per datum. Losses are
-per token and summed over tokens and datums; nothing is ever divided by a token count (users scale
-through `weights` / `advantages`, Tinker semantics).
+The trainer runs the model, gathers every datum's `target_logprobs` (`log p_θ(target_tokens[t] |
+prefix)`, with grad) into one (tokens, K) tensor and computes every datum's loss in one vectorised
+call (`LossPlan` on the host, `pass_losses` on the device): no per-datum loop, nothing read back
+until the pass ends. `compute_loss` is the same computation for one datum. Losses are per token and
+summed over tokens and datums; nothing is ever divided by a token count (users scale through
+`weights` / `advantages`, Tinker semantics).
 
 Notation: `lp` = trainer logprobs (`target_logprobs_T`), `slp` = sampler logprobs (input
 `logprobs`), `A` = input `advantages`, `ratio = exp(lp − slp)`, `sg` = stop-gradient.
@@ -43,22 +45,26 @@ Conventions chosen here (Tinker does not publish them):
   `mismatch_kl:mean`, `logprob_diff_abs:mean` (token-weighted over masked tokens); with versions
   `staleness:mean` (datum-weighted), `staleness:max`; with `max_staleness` also `dropped_stale:sum`.
 
+A datum whose loss is not finite, or which is dropped, must not poison the gradient of its
+neighbours: its logprobs pass through `GradGate`, whose backward lets through only the gradient of
+datums that are kept (a select, so an infinite local derivative times zero never becomes NaN).
+
 Inputs are checked once, at the API (`api.datums.normalise`, `core.loss_spec.parse_loss_config`):
 this module trusts them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from core.loss_spec import LossConfig, spec_of
+from core.loss_spec import LOSS_FUNCTIONS, LossConfig, spec_of
 
-__all__ = ["DatumLoss", "compute_loss", "reduce_metrics"]
+__all__ = ["DatumLoss", "GradGate", "LossPlan", "compute_loss", "pass_losses", "reduce_metrics"]
 
 
 @dataclass
@@ -71,87 +77,206 @@ class DatumLoss:
     metric_weights: dict[str, float] = field(default_factory=dict)
 
 
-def _truncated_ratio_T(lp_T: Tensor, slp_T: Tensor, cap: float | None) -> Tensor:
-    """`exp(lp − slp)`, or with a cap: value `min(ratio, cap)`, gradient `min(ratio, cap)·∇lp`."""
-    if cap is None:
-        return torch.exp(lp_T - slp_T)
-    weight_T = torch.clamp(torch.exp(lp_T.detach() - slp_T), max=cap)
-    return weight_T * torch.exp(lp_T - lp_T.detach())
+@dataclass(frozen=True)
+class DatumSpec:
+    """One datum as the loss sees it on the host: its inputs as tensors ((n,), or (n, K) for top-K
+    weights), `n` target positions of `width` targets each."""
+
+    loss_fn: str
+    inputs: Mapping[str, Tensor]
+    n: int
+    width: int
+    config: LossConfig
+    policy_version: int | None = None
+
+    @property
+    def lag(self) -> int | None:
+        current = self.config.current_policy_version
+        return None if self.policy_version is None or current is None else current - self.policy_version
+
+    @property
+    def dropped(self) -> bool:
+        return self.lag is not None and self.config.max_staleness is not None and self.lag > self.config.max_staleness
 
 
-def _thresholds_T(x: Mapping[str, Tensor], config: LossConfig, like_T: Tensor) -> tuple[Tensor, Tensor]:
-    lo_T = x.get("clip_low_threshold")
-    hi_T = x.get("clip_high_threshold")
-    if lo_T is None:
-        lo_T = torch.full_like(like_T, config.clip_low_threshold)
-    if hi_T is None:
-        hi_T = torch.full_like(like_T, config.clip_high_threshold)
-    return lo_T, hi_T
+@dataclass
+class LossPlan:
+    """Everything `pass_losses` needs besides the logprobs, built on the host: per target position
+    (datums one after another) its datum, inputs, thresholds, cap and beta; per loss function the
+    positions it computes. `tensors` go to the device in the pass's one transfer."""
+
+    datums: list[DatumSpec]
+    tensors: dict[str, Tensor]
+    fns: tuple[str, ...]
+    width: int
+    has_logprobs: list[bool]
+    mismatch_tokens: list[int]
+
+    @classmethod
+    def build(cls, datums: Sequence[DatumSpec], width: int | None = None) -> LossPlan:
+        width = width or max((d.width for d in datums), default=1)
+        cols: dict[str, list[Tensor]] = {k: [] for k in ("weights", "logprobs", "advantages", "lo", "hi", "cap",
+                                                          "beta")}
+        datum_of, keep, mismatch, fn_of = [], [], [], []
+        has_logprobs, mismatch_tokens = [], []
+        for d_index, d in enumerate(datums):
+            n, x, c = d.n, d.inputs, d.config
+            weights = torch.zeros(n, width, dtype=torch.float64)
+            if "weights" in x:
+                weights[:, :d.width] = x["weights"].double().view(n, d.width)
+            else:
+                weights[:, 0] = 1.0
+            cols["weights"].append(weights)
+            slp = x["logprobs"].double() if "logprobs" in x else torch.zeros(n, dtype=torch.float64)
+            adv = x["advantages"].double() if "advantages" in x else torch.zeros(n, dtype=torch.float64)
+            cols["logprobs"].append(slp)
+            cols["advantages"].append(adv)
+            for key, name, default in (("clip_low_threshold", "lo", c.clip_low_threshold),
+                                       ("clip_high_threshold", "hi", c.clip_high_threshold)):
+                cols[name].append(x[key].double() if key in x else torch.full((n,), default, dtype=torch.float64))
+            cap = c.is_weight_cap if c.is_weight_cap is not None else float("inf")
+            cols["cap"].append(torch.full((n,), cap, dtype=torch.float64))
+            cols["beta"].append(torch.full((n,), c.beta, dtype=torch.float64))
+            datum_of.append(torch.full((n,), d_index, dtype=torch.int64))
+            keep.append(torch.full((n,), not d.dropped, dtype=torch.bool))
+            fn_of += [LOSS_FUNCTIONS_INDEX[d.loss_fn]] * n
+            # Mismatch mask: where weights are non-zero when given, else where the sampler's logprob
+            # or the advantage is (the cookbook pads prompt positions with zeros).
+            has_logprobs.append("logprobs" in x)
+            if "logprobs" not in x:
+                mask = torch.zeros(n, dtype=torch.bool)
+            elif "weights" in x:
+                mask = x["weights"].view(n, d.width)[:, 0] != 0
+            else:
+                mask = (x["logprobs"] != 0) | (x["advantages"] != 0 if "advantages" in x else False)
+            mismatch.append(mask)
+            mismatch_tokens.append(int(mask.sum()))
+        tensors = {k: torch.cat(v) if v else torch.zeros(0, dtype=torch.float64) for k, v in cols.items()}
+        if not datums:
+            tensors["weights"] = torch.zeros(0, width, dtype=torch.float64)
+        tensors["datum"] = torch.cat(datum_of) if datum_of else torch.zeros(0, dtype=torch.int64)
+        tensors["keep"] = torch.cat(keep) if keep else torch.zeros(0, dtype=torch.bool)
+        tensors["mismatch"] = torch.cat(mismatch) if mismatch else torch.zeros(0, dtype=torch.bool)
+        fn_tensor = torch.tensor(fn_of, dtype=torch.int64)
+        fns = tuple(sorted({d.loss_fn for d in datums}))
+        for fn in fns:
+            tensors[f"at_{fn}"] = (fn_tensor == LOSS_FUNCTIONS_INDEX[fn]).nonzero().flatten()
+        return cls(list(datums), tensors, fns, width, has_logprobs, mismatch_tokens)
+
+    def metrics(self, loss_D: Sequence[float], kl_D: Sequence[float], abs_D: Sequence[float]) -> list[DatumLoss]:
+        """Per-datum metrics from the pass's per-datum sums (read back once, at the end)."""
+        out = []
+        for i, d in enumerate(self.datums):
+            metrics: dict[str, float] = {}
+            weights: dict[str, float] = {}
+            if d.lag is not None:
+                metrics["staleness:mean"] = float(d.lag)
+                weights["staleness:mean"] = 1.0
+                metrics["staleness:max"] = float(d.lag)
+                if d.config.max_staleness is not None:
+                    metrics["dropped_stale:sum"] = 1.0 if d.dropped else 0.0
+            metrics["loss:sum"] = float(loss_D[i])
+            n = self.mismatch_tokens[i]
+            if self.has_logprobs[i] and n:
+                metrics["mismatch_kl:mean"] = kl_D[i] / n
+                metrics["logprob_diff_abs:mean"] = abs_D[i] / n
+                weights["mismatch_kl:mean"] = weights["logprob_diff_abs:mean"] = float(n)
+            out.append(DatumLoss(loss=torch.tensor(float(loss_D[i])), outputs={}, metrics=metrics,
+                                 metric_weights=weights))
+        return out
 
 
-def _cross_entropy_T(lp_T: Tensor, x: Mapping[str, Tensor], config: LossConfig) -> Tensor:
-    weights_T = x.get("weights")
-    return -lp_T if weights_T is None else -lp_T * weights_T
+LOSS_FUNCTIONS_INDEX = {name: i for i, name in enumerate(LOSS_FUNCTIONS)}
 
 
-def _importance_sampling_T(lp_T: Tensor, x: Mapping[str, Tensor], config: LossConfig) -> Tensor:
-    ratio_T = _truncated_ratio_T(lp_T, x["logprobs"], config.is_weight_cap)
-    return -ratio_T * x["advantages"]
+def _truncated_ratio(lp: Tensor, slp: Tensor, cap: Tensor) -> Tensor:
+    """Value `min(ratio, cap)`, gradient `min(ratio, cap)·∇lp` (cap = inf: the plain ratio, whose
+    value and gradient this equals exactly)."""
+    weight = torch.minimum(torch.exp(lp.detach() - slp), cap)
+    return weight * torch.exp(lp - lp.detach())
 
 
-def _ppo_T(lp_T: Tensor, x: Mapping[str, Tensor], config: LossConfig) -> Tensor:
-    ratio_T = _truncated_ratio_T(lp_T, x["logprobs"], config.is_weight_cap)
-    lo_T, hi_T = _thresholds_T(x, config, ratio_T)
-    advantages_T = x["advantages"]
-    unclipped_T = ratio_T * advantages_T
-    clipped_T = torch.clamp(ratio_T, min=lo_T, max=hi_T) * advantages_T
-    return -torch.minimum(unclipped_T, clipped_T)
+def _cross_entropy(lp_K: Tensor, x: Mapping[str, Tensor]) -> Tensor:
+    return -lp_K * x["weights"]
 
 
-def _cispo_T(lp_T: Tensor, x: Mapping[str, Tensor], config: LossConfig) -> Tensor:
-    ratio_T = _truncated_ratio_T(lp_T.detach(), x["logprobs"], config.is_weight_cap)
-    lo_T, hi_T = _thresholds_T(x, config, ratio_T)
-    coefficient_T = torch.clamp(ratio_T, min=lo_T, max=hi_T)  # detached: sg(clip(ratio))
-    return -coefficient_T * lp_T * x["advantages"]
+def _importance_sampling(lp: Tensor, x: Mapping[str, Tensor]) -> Tensor:
+    return -_truncated_ratio(lp, x["logprobs"], x["cap"]) * x["advantages"]
 
 
-def _dro_T(lp_T: Tensor, x: Mapping[str, Tensor], config: LossConfig) -> Tensor:
-    penalty_T = 0.5 * config.beta * (lp_T - x["logprobs"]) ** 2
-    return -(lp_T * x["advantages"] - penalty_T)
+def _ppo(lp: Tensor, x: Mapping[str, Tensor]) -> Tensor:
+    ratio = _truncated_ratio(lp, x["logprobs"], x["cap"])
+    advantages = x["advantages"]
+    clipped = torch.minimum(torch.maximum(ratio, x["lo"]), x["hi"]) * advantages
+    return -torch.minimum(ratio * advantages, clipped)
 
 
-_ELEMENTWISE: Mapping[str, Callable[[Tensor, Mapping[str, Tensor], LossConfig], Tensor]] = {
-    "cross_entropy": _cross_entropy_T,
-    "importance_sampling": _importance_sampling_T,
-    "ppo": _ppo_T,
-    "cispo": _cispo_T,
-    "dro": _dro_T,
-}
+def _cispo(lp: Tensor, x: Mapping[str, Tensor]) -> Tensor:
+    ratio = _truncated_ratio(lp.detach(), x["logprobs"], x["cap"])
+    coefficient = torch.minimum(torch.maximum(ratio, x["lo"]), x["hi"])  # detached: sg(clip(ratio))
+    return -coefficient * lp * x["advantages"]
 
 
-def _mismatch_mask_T(x: Mapping[str, Tensor]) -> Tensor:
-    weights_T = x.get("weights")
-    if weights_T is not None:
-        return weights_T != 0
-    mask_T = x["logprobs"] != 0
-    advantages_T = x.get("advantages")
-    return mask_T if advantages_T is None else mask_T | (advantages_T != 0)
+def _dro(lp: Tensor, x: Mapping[str, Tensor]) -> Tensor:
+    penalty = 0.5 * x["beta"] * (lp - x["logprobs"]) ** 2
+    return -(lp * x["advantages"] - penalty)
 
 
-def _mismatch_metrics(
-    lp_T: Tensor, x: Mapping[str, Tensor]
-) -> tuple[dict[str, float], dict[str, float]]:
-    mask_T = _mismatch_mask_T(x)
-    n_tokens = int(mask_T.sum())
-    if n_tokens == 0:
-        return {}, {}
-    diff_M = (lp_T.detach().double() - x["logprobs"].double())[mask_T]
-    k3_M = torch.expm1(diff_M) - diff_M  # r − 1 − log r, r = p/q: estimates KL(q‖p)
-    metrics = {
-        "mismatch_kl:mean": float(k3_M.mean()),
-        "logprob_diff_abs:mean": float(diff_M.abs().mean()),
-    }
-    return metrics, {key: float(n_tokens) for key in metrics}
+_ELEMENTWISE = {"importance_sampling": _importance_sampling, "ppo": _ppo, "cispo": _cispo, "dro": _dro}
+
+
+@dataclass
+class PassLosses:
+    """Device tensors of one `pass_losses` call."""
+
+    loss: Tensor  # (D,), differentiable
+    elementwise: Tensor  # (M, K), detached
+    kl: Tensor  # (D,) float64: Σ k3 over each datum's mismatch tokens
+    abs_diff: Tensor  # (D,) float64: Σ |lp − slp| over the same tokens
+
+
+def pass_losses(lp_M_K: Tensor, plan: LossPlan, t: Mapping[str, Tensor]) -> PassLosses:
+    """Every datum's loss at once. `lp_M_K`: the target logprobs of every datum's positions, datums
+    one after another (K = the plan's width); `t`: the plan's tensors, on lp's device. Nothing here
+    reads a value back to the host."""
+    dtype = torch.promote_types(lp_M_K.dtype, torch.float32)
+    lp_M_K = lp_M_K.to(dtype)
+    x = {k: v.to(dtype) if v.is_floating_point() else v for k, v in t.items()}
+    elementwise = lp_M_K.new_zeros(lp_M_K.shape)
+    for fn in plan.fns:
+        at = x[f"at_{fn}"]
+        xs = {k: v.index_select(0, at) for k, v in x.items() if k in ("weights", "logprobs", "advantages", "lo",
+                                                                        "hi", "cap", "beta")}
+        lp = lp_M_K.index_select(0, at)
+        if fn == "cross_entropy":
+            part = _cross_entropy(lp, xs)
+        else:
+            part = torch.nn.functional.pad(_ELEMENTWISE[fn](lp[:, 0], xs).unsqueeze(1), (0, lp.shape[1] - 1))
+        elementwise = elementwise.index_copy(0, at, part)
+    elementwise = torch.where(x["keep"].unsqueeze(1), elementwise, 0.0)
+    D = len(plan.datums)
+    loss = lp_M_K.new_zeros(D).index_add(0, x["datum"], elementwise.sum(1))
+    diff = lp_M_K[:, 0].detach().double() - x["logprobs"].double()
+    k3 = torch.where(x["mismatch"], torch.expm1(diff) - diff, 0.0)
+    kl = torch.zeros(D, dtype=torch.float64, device=lp_M_K.device).index_add(0, x["datum"], k3)
+    abs_diff = torch.zeros(D, dtype=torch.float64, device=lp_M_K.device).index_add(
+        0, x["datum"], torch.where(x["mismatch"], diff.abs(), 0.0))
+    return PassLosses(loss, elementwise.detach(), kl, abs_diff)
+
+
+class GradGate(torch.autograd.Function):
+    """Identity forward; backward passes the gradient only where `gate.keep` (a (M,) bool tensor set
+    after the losses are known, before backward) is true, by selection."""
+
+    @staticmethod
+    def forward(ctx, x, gate):
+        ctx.gate = gate
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        keep = ctx.gate.keep.view(-1, *([1] * (grad.dim() - 1)))
+        return torch.where(keep, grad, 0.0), None
 
 
 def compute_loss(
@@ -162,52 +287,23 @@ def compute_loss(
     *,
     policy_version: int | None = None,
 ) -> DatumLoss:
-    """One datum's loss, outputs and metrics. `inputs` must have passed `api.datums.normalise`.
-
-    `policy_version` is the policy version the datum was sampled with (None = unknown).
-    """
+    """One datum's loss, outputs and metrics (the pass's computation, for one datum). `inputs` must
+    have passed `api.datums.normalise`; `policy_version` is the version the datum was sampled with."""
     spec_of(loss_fn)
     # (N, K) only for top-K targets of cross_entropy, whose inputs are then (N, K) too.
     if target_logprobs_T.dim() != 1 and not (target_logprobs_T.dim() == 2 and loss_fn == "cross_entropy"):
         raise ValueError(f"target_logprobs_T must be 1-D, got shape {tuple(target_logprobs_T.shape)}")
-    dtype = torch.promote_types(target_logprobs_T.dtype, torch.float32)
-    lp_T = target_logprobs_T.to(dtype)
-    x = {
-        key: torch.as_tensor(value).to(device=lp_T.device, dtype=dtype)
-        for key, value in inputs.items()
-        if key != "target_tokens"
-    }
-
-    metrics: dict[str, float] = {}
-    metric_weights: dict[str, float] = {}
-    dropped = False
-    if policy_version is not None and config.current_policy_version is not None:
-        lag = config.current_policy_version - policy_version
-        metrics["staleness:mean"] = float(lag)
-        metric_weights["staleness:mean"] = 1.0
-        metrics["staleness:max"] = float(lag)
-        if config.max_staleness is not None:
-            dropped = lag > config.max_staleness
-            metrics["dropped_stale:sum"] = 1.0 if dropped else 0.0
-
-    if dropped:
-        elementwise_loss_T = torch.zeros_like(lp_T)
-        loss = lp_T[:0].sum()  # zero, and still part of the graph (gradient zero)
-    else:
-        elementwise_loss_T = _ELEMENTWISE[loss_fn](lp_T, x, config)
-        loss = elementwise_loss_T.sum()
-    metrics["loss:sum"] = float(loss.detach())
-
-    if "logprobs" in x:
-        mismatch, weights = _mismatch_metrics(lp_T, x)
-        metrics.update(mismatch)
-        metric_weights.update(weights)
-
-    outputs = {
-        "logprobs": target_logprobs_T.detach(),
-        "elementwise_loss": elementwise_loss_T.detach(),
-    }
-    return DatumLoss(loss=loss, outputs=outputs, metrics=metrics, metric_weights=metric_weights)
+    n = target_logprobs_T.shape[0]
+    width = target_logprobs_T.shape[1] if target_logprobs_T.dim() == 2 else 1
+    x = {k: torch.as_tensor(v) for k, v in inputs.items() if k != "target_tokens"}
+    plan = LossPlan.build([DatumSpec(loss_fn, x, n, width, config, policy_version)])
+    lp_M_K = target_logprobs_T.view(n, width)
+    out = pass_losses(lp_M_K, plan, {k: v.to(lp_M_K.device) for k, v in plan.tensors.items()})
+    kl, abs_diff = out.kl.tolist(), out.abs_diff.tolist()
+    [datum] = plan.metrics([float(out.loss[0].detach())], kl, abs_diff)
+    elementwise = out.elementwise if width > 1 else out.elementwise[:, 0]
+    outputs = {"logprobs": target_logprobs_T.detach(), "elementwise_loss": elementwise}
+    return DatumLoss(loss=out.loss[0], outputs=outputs, metrics=datum.metrics, metric_weights=datum.metric_weights)
 
 
 def reduce_metrics(per_datum: list[DatumLoss]) -> dict[str, float]:

@@ -1,14 +1,22 @@
-"""A grouped multi-LoRA layer: many adapters on one frozen base, each row of a batch routed to its
-own adapter, in one forward and one backward.
+"""Many LoRA adapters on one frozen base, in per-module slabs, each token routed to its own adapter.
 
-Rows are ordered so each adapter's rows are contiguous (`Routing.segments`); a wrapped Linear then
-computes `base(x)` once and, for all segments together, one shrink and one expand added into it
-(`SegmentedLora`: batched matmuls with one weight per segment when segments are the same size, per-row
-gathered weights otherwise), so the cost of a pass barely grows with the number of adapters in it.
-Every adapter gets exactly the gradient of a separate pass (summed in another order). It replaced
-one pair of matmuls per adapter per layer, which made each extra adapter cost its own small
-kernels: on this CPU that path ran at 0.87 of the one-adapter ceiling at 8 tenants and 0.72 at 16
-(bench/trainer_fusion.py measures the fused pass against that ceiling; now 0.98 and 0.98).
+Every wrapped Linear keeps, per rank class, one slab of all resident adapters' weights: `A[slots,
+rank, in]` and `B[slots, out, rank]` (the float32 masters; float64 in tests), their gradients beside
+them (`gA`, `gB`), and on a bfloat16 GPU base a bfloat16 copy for compute, refreshed after optimizer
+steps. An adapter is a slot: its parameters are views of its rows, so AdamW, clipping, saving and
+loading work on them as on any tensor, while a pass reads the whole slab at once. The last row of a
+slab is always zero: padding tokens and adapters that do not target a module are routed there.
+
+A pass is laid out as runs of flat tokens, one per adapter and stream (`batcher.layout`); a layer's
+route for a pass (`Route`) says which slot each run uses. One shrink and one expand cover every run:
+batched matmuls with one weight per run when the runs are equally long (the usual fused step of one
+small batch per tenant: Punica's SGMV shape, nothing to group), a grouped GEMM over the runs' token
+offsets otherwise where the build has one for the dtype (`torch._grouped_mm`: float32 and bfloat16,
+CPU and Hopper GPUs), a loop over runs where it has not (float64).
+Gradients of the slabs are written by the backward itself into `gA`/`gB` (the pattern of Megatron's
+`main_grad`): autograd never sees a per-adapter parameter, so a pass's graph has one node per
+layer whatever the number of adapters. Each adapter gets exactly the gradient of a separate pass
+(summed in another order).
 
 Adapters are stored and exported in PEFT's format (`base_model.model.<module>.lora_A.weight`,
 `adapter_config.json`), which is what vLLM loads and what `peft` reads back.
@@ -16,248 +24,448 @@ Adapters are stored and exported in PEFT's format (`base_model.model.<module>.lo
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+_GROUPED = getattr(torch, "_grouped_mm", None)
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_gemm(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the grouped-GEMM path serves this dtype on this device (Hopper and later on CUDA)."""
+    if _GROUPED is None or dtype not in _GROUPED_DTYPES:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (9, 0)
+    return device.type == "cpu"
+
+
+def _can_group(slab: _Slab, x2: torch.Tensor) -> bool:
+    """Grouped GEMM for this layer and pass: the build has it for the dtype, and every stride the
+    kernel reads is a multiple of 16 bytes (rank, widths and token count; a rank-4 bfloat16 slab is
+    not)."""
+    if not grouped_gemm(x2.dtype, x2.device):
+        return False
+    per = 16 // x2.element_size()
+    return all(n % per == 0 for n in (slab.A.shape[1], slab.A.shape[2], slab.B.shape[1], x2.shape[0]))
+
+
+def compute_dtype(base_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The adapters' compute dtype: a half-precision GPU base's own (tensor cores, no conversion of
+    the activations); float32 at least everywhere else."""
+    if device.type == "cuda" and base_dtype in (torch.bfloat16, torch.float16):
+        return base_dtype
+    return torch.promote_types(base_dtype, torch.float32)
+
 
 @dataclass
-class Routing:
-    """Which rows of the current batch belong to which adapter: (adapter, start, end), contiguous
-    and covering the whole batch in order."""
+class Route:
+    """One layer kind's routing for a pass: runs of flat tokens [start, end) and their slots (the
+    slab's zero row for padding and non-targeting adapters). `offsets` and `slots` are the device
+    copies (run ends, int32; slots, int64) the grouped path reads; `runs` is the host copy."""
 
-    segments: list[tuple[str, int, int]] = field(default_factory=list)
-
-
-@dataclass
-class LoraWeights:
-    A_r_in: nn.Parameter
-    B_out_r: nn.Parameter
-    scale: float
-
-
-class MultiLoraLinear(nn.Module):
-    """Wraps a frozen Linear; holds any number of adapters' A/B for it."""
-
-    def __init__(self, base: nn.Linear, routing: Routing):
-        super().__init__()
-        self.base = base
-        self.routing = routing
-        self.adapters: dict[str, LoraWeights] = {}  # not registered: the base's parameters stay the base's
-
-    def add(self, name: str, rank: int, alpha: float, generator: torch.Generator) -> list[nn.Parameter]:
-        w = self.base.weight
-        # Adapters are at least float32 whatever the base's dtype (bf16 on GPU): their updates are
-        # small against their values, and AdamW's moments follow the parameters' dtype.
-        dtype = torch.promote_types(w.dtype, torch.float32)
-        A = torch.empty(rank, self.base.in_features, dtype=dtype)
-        # PEFT's default initialisation: Kaiming-uniform A, zero B, so a new adapter changes nothing.
-        bound = math.sqrt(6.0 / ((1 + 5) * self.base.in_features))
-        A.uniform_(-bound, bound, generator=generator)
-        weights = LoraWeights(nn.Parameter(A.to(w.device)),
-                              nn.Parameter(torch.zeros(self.base.out_features, rank, dtype=dtype, device=w.device)),
-                              alpha / rank)
-        self.adapters[name] = weights
-        return [weights.A_r_in, weights.B_out_r]
-
-    def forward(self, x_B_T_in: torch.Tensor) -> torch.Tensor:
-        y = self.base(x_B_T_in)
-        segments = self.routing.segments
-        present = [self.adapters.get(name) for name, _, _ in segments]
-        if not any(present):
-            return y
-        # One shrink and one expand for the whole batch, however many adapters it holds, added
-        # into the base's output in place (SegmentedLora): one adapter takes the same path, so the
-        # fused pass and a lone adapter's differ only by what routing costs.
-        some = next(w for w in present if w is not None)
-        params: list[torch.Tensor | None] = []
-        for w in present:
-            params += [w.A_r_in, w.B_out_r] if w is not None else [None, None]
-        routed = _Segments.of(segments, present, self.base)
-        return SegmentedLora.apply(y, x_B_T_in.to(some.A_r_in.dtype), routed, *params)
-
-
-@dataclass(frozen=True)
-class _Segments:
-    """What SegmentedLora needs to know of a pass's segments besides the weights themselves."""
-
-    rows: tuple[int, ...]           # rows per segment, in batch order
-    ranks: tuple[int, ...]          # each segment's adapter rank (0: no adapter on this layer)
-    scales: tuple[float, ...]       # each segment's alpha / rank (0.0: no adapter)
-    in_features: int
-    out_features: int
-
-    @classmethod
-    def of(cls, segments, present: list[LoraWeights | None], base: nn.Linear) -> _Segments:
-        ranks = tuple(w.A_r_in.shape[0] if w is not None else 0 for w in present)
-        return cls(tuple(e - s for _, s, e in segments), ranks,
-                   tuple(w.scale if w is not None else 0.0 for w in present), base.in_features, base.out_features)
-
-    @property
-    def rank(self) -> int:
-        """The largest rank: the stacked weights are zero-padded to it."""
-        return max(self.ranks)
+    runs: tuple[tuple[int, int, int], ...]  # (slot, start, end)
+    offsets: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
 
     @property
     def equal(self) -> bool:
-        """Every segment has as many rows: the batch is a (segments, rows x tokens, in) stack as it is."""
-        return len(set(self.rows)) == 1
+        """Every run as long as the others: the tokens are a (runs, length) stack as they lie."""
+        return len({e - s for _, s, e in self.runs}) == 1
+
+    @property
+    def block(self) -> int | None:
+        """The first slot when the runs' slots are consecutive rows (a slice of the slab), else None."""
+        first = self.runs[0][0]
+        return first if all(slot == first + i for i, (slot, _, _) in enumerate(self.runs)) else None
 
 
-class SegmentedLora(torch.autograd.Function):
-    """`y[b] += x[b] @ A[a(b)].T @ B[a(b)].T * scale[a(b)]` for every row b, with a(b) its adapter,
-    in one shrink and one expand for the whole batch, into the base's output `y` in place.
+def _accumulate(grads: torch.Tensor, route: Route, per_run: torch.Tensor) -> None:
+    """Add each run's gradient into its slot's row: a slice add when the slots are consecutive (the
+    usual case: rows ordered by slot), index_add otherwise (a slot in several runs, gaps)."""
+    first = route.block
+    if first is not None:
+        grads[first:first + per_run.shape[0]].add_(per_run.to(grads.dtype))
+    else:
+        grads.index_add_(0, route.slots, per_run.to(grads.dtype))
 
-    The adapters' A and B are stacked once per layer and pass (zero-padded to the largest rank:
-    zero rows and columns add exactly nothing), inside this function, so autograd sees one node per
-    layer whatever the number of adapters, and each adapter's gradient comes back as a slice of the
-    stacked one. When every segment has as many rows (the usual fused step: one small batch per
-    tenant) the batch already is a stack of segments, and the shrink and expand are batched matmuls
-    with one weight per segment (Punica's SGMV shape, nothing gathered). Otherwise each row's
-    weights are gathered from the stack (BGMV's shape) and gradients summed per adapter with
-    index_add. Each adapter gets exactly the gradient of a separate pass, summed in another order.
 
-    The expand accumulates into `y` (baddbmm) rather than into a tensor of its own: at the
-    vocabulary-wide lm_head a fresh output the size of the logits, and the pass to add it, cost
-    more than the matmul (the base's backward never reads `y`, so changing it is safe)."""
+@dataclass
+class PassContext:
+    """What the wrapped layers read during a pass: a route per (target name, rank)."""
+
+    routes: dict[tuple[str, int], Route] | None = None
+
+
+@dataclass
+class _Slab:
+    A: torch.Tensor  # [slots + 1, rank, in], master dtype
+    B: torch.Tensor  # [slots + 1, out, rank]
+    gA: torch.Tensor
+    gB: torch.Tensor
+    A_c: torch.Tensor  # compute copies (the masters themselves unless the compute dtype differs)
+    B_c: torch.Tensor
+    trigger: torch.Tensor  # the autograd leaf that makes backward reach this layer
+    scale: float
+
+    @property
+    def zero_slot(self) -> int:
+        return self.A.shape[0] - 1
+
+
+def _new_slab(capacity: int, rank: int, layer: nn.Linear, master: torch.dtype, compute: torch.dtype,
+              scale: float) -> _Slab:
+    dev = layer.weight.device
+    shape_a, shape_b = (capacity + 1, rank, layer.in_features), (capacity + 1, layer.out_features, rank)
+    A, B = torch.zeros(shape_a, dtype=master, device=dev), torch.zeros(shape_b, dtype=master, device=dev)
+    copies = (A, B) if compute == master else (A.to(compute), B.to(compute))
+    return _Slab(A, B, torch.zeros_like(A), torch.zeros_like(B), *copies,
+                 torch.zeros((), device=dev, requires_grad=True), scale)
+
+
+class MultiLoraLinear(nn.Module):
+    """Wraps a frozen Linear; holds the slabs of every rank class for it."""
+
+    def __init__(self, base: nn.Linear, name: str, context: PassContext):
+        super().__init__()
+        self.base = base
+        self.kind = name  # the target name (q_proj, ..., lm_head): routes are per kind
+        self.context = context
+        self.slabs: dict[int, _Slab] = {}  # not registered: the base's parameters stay the base's
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        routes = self.context.routes
+        if not routes:
+            return y
+        for rank, slab in self.slabs.items():
+            route = routes.get((self.kind, rank))
+            if route is not None:
+                y = SlabLora.apply(y, x, route, slab, slab.trigger)
+        return y
+
+
+class SlabLora(torch.autograd.Function):
+    """`y[t] += scale * x[t] @ A[s(t)].T @ B[s(t)].T` for every token t, s(t) its run's slot, into
+    the base's output `y` in place; the backward adds each slot's gradient into the slab's `gA`/`gB`
+    rows and returns only the input's.
+
+    The scale applies to the rank-sized intermediate. The base's backward never reads `y`, so adding
+    into it is safe, and at the vocabulary-wide lm_head it saves an output-sized temporary."""
 
     @staticmethod
-    def forward(ctx, y_B_T_out, x_B_T_in, routed: _Segments, *params):
-        R = routed.rank
-        A_S_R_in = torch.stack([_padded(a, R, 0, (R, routed.in_features), x_B_T_in) for a in params[0::2]])
-        B_S_out_R = torch.stack([_padded(b, R, 1, (routed.out_features, R), x_B_T_in) for b in params[1::2]])
-        scale_S = torch.tensor(routed.scales, dtype=x_B_T_in.dtype, device=x_B_T_in.device)
-        B, T, _ = x_B_T_in.shape
-        S = len(routed.rows)
-        if routed.equal:
-            row_adapter_B = None
-            xa = torch.bmm(x_B_T_in.reshape(S, -1, routed.in_features), A_S_R_in.transpose(1, 2))
-            xa.mul_(scale_S.view(S, 1, 1))
-            B_x_out_R = B_S_out_R
+    def forward(ctx, y, x, route: Route, slab: _Slab, trigger):
+        compute = slab.A_c.dtype
+        x2 = x.reshape(-1, x.shape[-1]).to(compute)
+        y2 = y.view(-1, y.shape[-1])
+        mode = "equal" if route.equal else "grouped" if _can_group(slab, x2) else "loop"
+        A_g = B_g = None
+        if mode != "loop":
+            A_g, B_g = slab.A_c.index_select(0, route.slots), slab.B_c.index_select(0, route.slots)
+        if mode == "equal":
+            G = len(route.runs)
+            xa = torch.bmm(x2.view(G, -1, x2.shape[1]), A_g.transpose(1, 2)).mul_(slab.scale)
+            if y2.dtype == compute:
+                y2.view(G, -1, y2.shape[1]).baddbmm_(xa, B_g.transpose(1, 2))
+            else:
+                y2.add_(torch.bmm(xa, B_g.transpose(1, 2)).view_as(y2).to(y2.dtype))
+            xa = xa.view(-1, xa.shape[2])
+        elif mode == "grouped":
+            xa = _GROUPED(x2, A_g.transpose(1, 2), offs=route.offsets).mul_(slab.scale)
+            y2.add_(_GROUPED(xa, B_g.transpose(1, 2), offs=route.offsets).to(y.dtype))
         else:
-            row_adapter_B = torch.repeat_interleave(
-                torch.arange(S, device=x_B_T_in.device), torch.tensor(routed.rows, device=x_B_T_in.device))
-            xa = torch.bmm(x_B_T_in, A_S_R_in.index_select(0, row_adapter_B).transpose(1, 2))
-            xa.mul_(scale_S.index_select(0, row_adapter_B).view(B, 1, 1))
-            B_x_out_R = B_S_out_R.index_select(0, row_adapter_B)
-        if y_B_T_out.dtype == xa.dtype and y_B_T_out.is_contiguous():
-            y_B_T_out.view(xa.shape[0], -1, routed.out_features).baddbmm_(xa, B_x_out_R.transpose(1, 2))
-        else:  # a bf16 base: the adapters' product is computed in their float32 and rounded once
-            y_B_T_out.add_(torch.bmm(xa, B_x_out_R.transpose(1, 2)).view(B, T, -1).to(y_B_T_out.dtype))
-        ctx.mark_dirty(y_B_T_out)
-        ctx.routed = routed
-        ctx.save_for_backward(x_B_T_in, A_S_R_in, B_S_out_R, scale_S, xa, row_adapter_B)
-        return y_B_T_out
+            xa = x2.new_zeros((x2.shape[0], slab.A_c.shape[1]))
+            for slot, s, e in route.runs:
+                if slot == slab.zero_slot:
+                    continue
+                torch.mm(x2[s:e], slab.A_c[slot].T, out=xa[s:e]).mul_(slab.scale)
+                if y2.dtype == compute:
+                    y2[s:e].addmm_(xa[s:e], slab.B_c[slot].T)
+                else:
+                    y2[s:e].add_((xa[s:e] @ slab.B_c[slot].T).to(y2.dtype))
+        ctx.mark_dirty(y)
+        ctx.route, ctx.slab, ctx.mode, ctx.x_shape = route, slab, mode, x.shape
+        ctx.save_for_backward(x2, xa, A_g, B_g)
+        return y
 
     @staticmethod
-    def backward(ctx, grad_B_T_out):
-        x_B_T_in, A_S_R_in, B_S_out_R, scale_S, xa, row_adapter_B = ctx.saved_tensors
-        routed: _Segments = ctx.routed
-        S = len(routed.rows)
-        B, T, _ = x_B_T_in.shape
-        grad = grad_B_T_out.to(xa.dtype)
+    def backward(ctx, grad_y):
+        x2, xa, A_g, B_g = ctx.saved_tensors
+        route, slab = ctx.route, ctx.slab
+        g = grad_y.reshape(-1, grad_y.shape[-1]).to(xa.dtype).contiguous()  # (a sum's gradient is expanded)
         want_x = ctx.needs_input_grad[1]
-        want_w = any(ctx.needs_input_grad[3:])
-        grad_x = grad_A = grad_B = None
-        if row_adapter_B is None:  # equal segments: one weight per segment, nothing to gather
-            g_S_N_out = grad.reshape(S, -1, routed.out_features)
-            grad_xa = torch.bmm(g_S_N_out, B_S_out_R).mul_(scale_S.view(S, 1, 1))
+        grad_x = None
+        if ctx.mode == "equal":
+            G = len(route.runs)
+            g3, x3, xa3 = g.view(G, -1, g.shape[1]), x2.view(G, -1, x2.shape[1]), xa.view(G, -1, xa.shape[1])
+            grad_xa = torch.bmm(g3, B_g).mul_(slab.scale)
             if want_x:
-                grad_x = torch.bmm(grad_xa, A_S_R_in).view(B, T, routed.in_features)
-            if want_w:
-                grad_A = torch.bmm(grad_xa.transpose(1, 2), x_B_T_in.reshape(S, -1, routed.in_features))
-                grad_B = _outer(g_S_N_out, xa)
+                grad_x = torch.bmm(grad_xa, A_g)
+            _accumulate(slab.gA, route, torch.bmm(grad_xa.transpose(1, 2), x3))
+            # (xa.T @ g).T: the output-wide operand read in its own layout, not copied transposed
+            _accumulate(slab.gB, route, torch.bmm(xa3.transpose(1, 2), g3).transpose(1, 2))
+        elif ctx.mode == "grouped":
+            grad_xa = _GROUPED(g, B_g, offs=route.offsets).mul_(slab.scale)
+            if want_x:
+                grad_x = _GROUPED(grad_xa, A_g, offs=route.offsets)
+            _accumulate(slab.gA, route, _GROUPED(grad_xa.T, x2, offs=route.offsets))
+            _accumulate(slab.gB, route, _GROUPED(g.T, xa, offs=route.offsets))
         else:
-            grad_xa = torch.bmm(grad, B_S_out_R.index_select(0, row_adapter_B))
-            grad_xa.mul_(scale_S.index_select(0, row_adapter_B).view(B, 1, 1))
-            if want_x:
-                grad_x = torch.bmm(grad_xa, A_S_R_in.index_select(0, row_adapter_B))
-            if want_w:
-                grad_A = torch.zeros_like(A_S_R_in).index_add_(
-                    0, row_adapter_B, torch.bmm(grad_xa.transpose(1, 2), x_B_T_in))
-                grad_B = torch.zeros_like(B_S_out_R).index_add_(
-                    0, row_adapter_B, _outer(grad, xa))
-        grads: list[torch.Tensor | None] = []
-        for s, r in enumerate(routed.ranks):
-            wanted = want_w and r and ctx.needs_input_grad[3 + 2 * s]
-            grads += [grad_A[s, :r] if wanted else None, grad_B[s, :, :r] if wanted else None]
-        return (grad_B_T_out, grad_x, None, *grads)
+            grad_x = torch.zeros_like(x2) if want_x else None
+            for slot, s, e in route.runs:
+                if slot == slab.zero_slot:
+                    continue
+                grad_xa = (g[s:e] @ slab.B_c[slot]).mul_(slab.scale)
+                if want_x:
+                    torch.mm(grad_xa, slab.A_c[slot], out=grad_x[s:e])
+                slab.gA[slot].addmm_(grad_xa.T.to(slab.gA.dtype), x2[s:e].to(slab.gA.dtype))
+                slab.gB[slot].addmm_(g[s:e].T.to(slab.gB.dtype), xa[s:e].to(slab.gB.dtype))
+        if grad_x is not None:
+            grad_x = grad_x.view(ctx.x_shape).to(grad_y.dtype)
+        return grad_y, grad_x, None, None, None
 
 
-def _outer(grad_X_N_out: torch.Tensor, xa_X_N_R: torch.Tensor) -> torch.Tensor:
-    """B's gradient, `grad.T @ xa` per batch entry, as `(xa.T @ grad).T`: the output-wide operand is
-    then read in its own layout. Handed transposed, a single-entry bmm copied it first: 60 against
-    23 ms at the lm_head of a 4,096-token pass here."""
-    return torch.bmm(xa_X_N_R.transpose(1, 2), grad_X_N_out).transpose(1, 2)
+@dataclass
+class _RankClass:
+    """The slots of one rank: which adapter holds which row of every slab of this rank."""
+
+    rank: int
+    scale: float
+    capacity: int = 0
+    slot_of: dict[str, int] = field(default_factory=dict)
+    free: list[int] = field(default_factory=list)
+    dirty: bool = False  # masters changed since the compute copies were refreshed
 
 
-def _padded(w: torch.Tensor | None, rank: int, dim: int, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
-    """An adapter's A (dim 0) or B (dim 1) zero-padded to `rank` along its rank dimension; zeros of
-    `shape` for a segment without an adapter on this layer."""
-    if w is None:
-        return torch.zeros(shape, dtype=like.dtype, device=like.device)
-    pad = rank - w.shape[dim]
-    if not pad:
-        return w
-    return torch.nn.functional.pad(w, (0, 0, 0, pad) if dim == 0 else (0, pad))
+@dataclass
+class _AdapterSlots:
+    rank: int
+    kinds: frozenset[str]  # target names it trains
+    params: list[torch.Tensor]  # [A, B] per targeted layer, in model order: views of its slot rows when resident
+    layers: list[str]  # the layer path of each params pair
 
 
 class MultiLoraModel:
-    """A causal LM whose target Linears are wrapped for routed multi-LoRA."""
+    """A causal LM whose target Linears are wrapped for slab multi-LoRA."""
 
     def __init__(self, model: nn.Module, target_names: tuple[str, ...]):
         self.model = model
-        self.routing = Routing()
+        self.context = PassContext()
         self.layers: dict[str, MultiLoraLinear] = {}
         for path, module in list(model.named_modules()):
             if isinstance(module, nn.Linear) and path.rsplit(".", 1)[-1] in target_names:
                 parent_path, _, attr = path.rpartition(".")
                 parent = model.get_submodule(parent_path) if parent_path else model
-                wrapped = MultiLoraLinear(module, self.routing)
+                wrapped = MultiLoraLinear(module, attr, self.context)
                 setattr(parent, attr, wrapped)
                 self.layers[path] = wrapped
+        weight = next(iter(self.layers.values())).base.weight if self.layers else None
+        self.device = weight.device if weight is not None else torch.device("cpu")
+        self.master_dtype = torch.promote_types(weight.dtype, torch.float32) if weight is not None else torch.float32
+        self.compute_dtype = compute_dtype(weight.dtype, self.device) if weight is not None else torch.float32
+        self.classes: dict[int, _RankClass] = {}
+        self.adapters: dict[str, _AdapterSlots] = {}
+        self.max_slots = 0  # slabs grow by doubling up to this many slots (the memory plan's residents); 0: no cap
 
-    def add_adapter(self, name: str, *, rank: int, alpha: float, targets: list[str], seed: int) -> list[nn.Parameter]:
+    # ------------------------------------------------------------------ slots
+
+    def add_adapter(self, name: str, *, rank: int, alpha: float, targets: list[str], seed: int) -> list[torch.Tensor]:
+        """A new adapter in a free slot of its rank's slabs: PEFT's initialisation (Kaiming-uniform A,
+        zero B, so it changes nothing yet). Returns its parameters, [A, B] per targeted layer."""
         g = torch.Generator().manual_seed(seed)
-        params: list[nn.Parameter] = []
+        cls = self.classes.get(rank)
+        if cls is None:
+            cls = self.classes[rank] = _RankClass(rank, alpha / rank)
+        elif cls.scale != alpha / rank:
+            raise ValueError(f"rank {rank} already has alpha {cls.scale * rank}, not {alpha}")
+        params, layers = [], []
         for path, layer in self.layers.items():
-            if path.rsplit(".", 1)[-1] in targets:
-                params += layer.add(name, rank, alpha, g)
+            if layer.kind in targets:
+                A = torch.empty(rank, layer.base.in_features, dtype=self.master_dtype)
+                bound = math.sqrt(6.0 / ((1 + 5) * layer.base.in_features))
+                A.uniform_(-bound, bound, generator=g)
+                params += [A.to(self.device), torch.zeros(layer.base.out_features, rank, dtype=self.master_dtype,
+                                                          device=self.device)]
+                layers.append(path)
+        self.adapters[name] = _AdapterSlots(rank, frozenset(targets), params, layers)
+        self.restore(name)
         return params
 
     def remove_adapter(self, name: str) -> None:
-        for layer in self.layers.values():
-            layer.adapters.pop(name, None)
+        if name in self.adapters:
+            self._release(name)
+            del self.adapters[name]
 
-    def forward(self, input_ids_B_T: torch.Tensor, segments: list[tuple[str, int, int]]) -> torch.Tensor:
-        if sum(e - s for _, s, e in segments) != input_ids_B_T.shape[0]:
-            raise ValueError("segments must cover every row of the batch, in order")
-        self.routing.segments = segments
-        try:
-            return self.model(input_ids=input_ids_B_T).logits
-        finally:
-            self.routing.segments = []
+    def order(self, name: str) -> tuple[int, int]:
+        """Where a resident adapter's rows lie: passes lay rows out in this order, so each layer's
+        runs take consecutive slots."""
+        rank = self.adapters[name].rank
+        return rank, self.classes[rank].slot_of[name]
+
+    def resident(self, name: str) -> bool:
+        return name in self.classes[self.adapters[name].rank].slot_of
+
+    def park(self, name: str, device: torch.device) -> None:
+        """Copy an adapter's rows (and gradients) out of the slabs to `device` and free its slot."""
+        ad = self.adapters[name]
+        if not self.resident(name):
+            return
+        for p in ad.params:
+            p.data = p.data.to(device, copy=True)
+            if p.grad is not None:
+                p.grad = p.grad.to(device, copy=True)
+        self._release(name)
+
+    def restore(self, name: str) -> None:
+        """Put a parked (or new) adapter into a free slot; its parameters become views of the rows."""
+        ad = self.adapters[name]
+        cls = self.classes[ad.rank]
+        if name in cls.slot_of:
+            return
+        if not cls.free:
+            self._grow(cls)
+        slot = cls.free.pop(0)
+        cls.slot_of[name] = slot
+        for path, A, B in zip(ad.layers, ad.params[0::2], ad.params[1::2]):
+            slab = self.layers[path].slabs[ad.rank]
+            slab.A[slot].copy_(A.data)
+            slab.B[slot].copy_(B.data)
+            grads = A.grad, B.grad
+            A.data, B.data = slab.A[slot], slab.B[slot]
+            if grads[0] is not None:
+                slab.gA[slot].copy_(grads[0])
+                slab.gB[slot].copy_(grads[1])
+                A.grad, B.grad = slab.gA[slot], slab.gB[slot]
+        cls.dirty = True
+
+    def _release(self, name: str) -> None:
+        ad = self.adapters[name]
+        cls = self.classes[ad.rank]
+        slot = cls.slot_of.pop(name, None)
+        if slot is None:
+            return
+        for layer in self.layers.values():
+            slab = layer.slabs[ad.rank]
+            for t in (slab.A, slab.B, slab.gA, slab.gB):
+                t[slot].zero_()
+        cls.free.append(slot)
+        cls.free.sort()
+        cls.dirty = True
+        if not cls.slot_of:  # nothing of this rank resident: its slabs' memory goes back
+            for layer in self.layers.values():
+                del layer.slabs[cls.rank]
+            cls.capacity, cls.free = 0, []
+
+    def _grow(self, cls: _RankClass) -> None:
+        """Twice the slots (at least one more; no more than `max_slots` unless a pass needs them) in
+        every slab of the rank; resident adapters rebind to the new rows."""
+        old = cls.capacity
+        cls.capacity = max(1, 2 * old)
+        if self.max_slots:
+            cls.capacity = max(old + 1, min(cls.capacity, self.max_slots))
+        for layer in self.layers.values():
+            slab = _new_slab(cls.capacity, cls.rank, layer.base, self.master_dtype, self.compute_dtype, cls.scale)
+            if old:
+                previous = layer.slabs[cls.rank]
+                for new, was in ((slab.A, previous.A), (slab.B, previous.B), (slab.gA, previous.gA),
+                                 (slab.gB, previous.gB)):
+                    new[:old].copy_(was[:old])
+            layer.slabs[cls.rank] = slab
+        cls.free += range(old, cls.capacity)
+        for name, slot in cls.slot_of.items():
+            ad = self.adapters[name]
+            for path, A, B in zip(ad.layers, ad.params[0::2], ad.params[1::2]):
+                slab = self.layers[path].slabs[cls.rank]
+                A.data, B.data = slab.A[slot], slab.B[slot]
+                if A.grad is not None:
+                    A.grad, B.grad = slab.gA[slot], slab.gB[slot]
+        cls.dirty = True
+
+    def set_grads(self, name: str) -> None:
+        """Expose a resident adapter's accumulated gradient rows as its parameters' `.grad`."""
+        ad = self.adapters[name]
+        slot = self.classes[ad.rank].slot_of[name]
+        for path, A, B in zip(ad.layers, ad.params[0::2], ad.params[1::2]):
+            slab = self.layers[path].slabs[ad.rank]
+            if A.grad is None:
+                A.grad, B.grad = slab.gA[slot], slab.gB[slot]
+
+    def clear_grads(self, name: str) -> None:
+        """Drop an adapter's gradients: rows zeroed (the next pass accumulates from zero), `.grad` None."""
+        for p in self.adapters[name].params:
+            if p.grad is not None:
+                p.grad.zero_()
+                p.grad = None
+
+    def changed(self, name: str) -> None:
+        """An adapter's masters changed (a step, a load): compute copies refresh before the next pass."""
+        self.classes[self.adapters[name].rank].dirty = True
+
+    # ------------------------------------------------------------------ a pass
+
+    def routes(self, runs: list[tuple[str | None, int, int]], kinds: tuple[str, ...] | None = None
+               ) -> dict[tuple[str, int], tuple[tuple[int, int, int], ...]]:
+        """Host-side routes of a pass for these runs of tokens: (kind, rank) -> (slot, start, end)
+        runs, only where some adapter of that rank trains that kind. Every adapter must be resident."""
+        kinds = kinds or tuple(sorted({layer.kind for layer in self.layers.values()}))
+        present = {a for a, _, _ in runs if a is not None}
+        out = {}
+        for rank, cls in self.classes.items():
+            mine = [a for a in present if self.adapters[a].rank == rank]
+            if not mine:
+                continue
+            zero = cls.capacity
+            for kind in kinds:
+                if not any(kind in self.adapters[a].kinds for a in mine):
+                    continue
+                merged: list[tuple[int, int, int]] = []
+                for a, s, e in runs:
+                    slot = zero
+                    if a is not None and self.adapters[a].rank == rank and kind in self.adapters[a].kinds:
+                        slot = cls.slot_of[a]
+                    if merged and merged[-1][0] == slot and merged[-1][2] == s:
+                        merged[-1] = (slot, merged[-1][1], e)
+                    else:
+                        merged.append((slot, s, e))
+                out[(kind, rank)] = tuple(merged)
+        return out
+
+    def refresh(self) -> None:
+        """Compute copies of the classes whose masters changed (bfloat16 GPU bases only)."""
+        for rank, cls in self.classes.items():
+            if cls.dirty and self.compute_dtype != self.master_dtype:
+                for layer in self.layers.values():
+                    slab = layer.slabs[rank]
+                    slab.A_c.copy_(slab.A)
+                    slab.B_c.copy_(slab.B)
+            cls.dirty = False
+
+    # ------------------------------------------------------------------ PEFT format
 
     def state_dict(self, name: str) -> dict[str, torch.Tensor]:
-        """One adapter's tensors under PEFT's saved key names."""
+        """One adapter's tensors under PEFT's saved key names (views of its rows while resident)."""
+        ad = self.adapters[name]
         out = {}
-        for path, layer in self.layers.items():
-            w = layer.adapters.get(name)
-            if w is not None:
-                out[f"base_model.model.{path}.lora_A.weight"] = w.A_r_in
-                out[f"base_model.model.{path}.lora_B.weight"] = w.B_out_r
+        for path, A, B in zip(ad.layers, ad.params[0::2], ad.params[1::2]):
+            out[f"base_model.model.{path}.lora_A.weight"] = A
+            out[f"base_model.model.{path}.lora_B.weight"] = B
         return out
 
     def load_state_dict(self, name: str, state: dict[str, torch.Tensor]) -> None:
-        """Copy PEFT-format tensors into an existing adapter of the same shape (KeyError/ValueError otherwise)."""
+        """Copy PEFT-format tensors into an existing adapter of the same shape (ValueError otherwise)."""
         ours = self.state_dict(name)
         if ours.keys() != state.keys():
             missing, extra = sorted(ours.keys() - state.keys()), sorted(state.keys() - ours.keys())
             raise ValueError(f"checkpoint tensors do not match the model: missing {missing[:2]}, extra {extra[:2]}")
+        for key, param in ours.items():
+            if param.shape != state[key].shape:
+                raise ValueError(f"{key}: checkpoint shape {tuple(state[key].shape)} != {tuple(param.shape)}")
         with torch.no_grad():
             for key, param in ours.items():
-                if param.shape != state[key].shape:
-                    raise ValueError(f"{key}: checkpoint shape {tuple(state[key].shape)} != {tuple(param.shape)}")
                 param.copy_(state[key])
+        self.changed(name)

@@ -11,7 +11,7 @@
                    the other known way to fuse; Quilt uses the grouped layer of batcher.multilora
                    because this column loses to it.
    2b. The same with tenants bringing different numbers of sequences (1 and 3; 1, 1, 1 and 5),
-       where the layer gathers each row's weights instead of treating the batch as equal segments.
+       where a layer's runs differ in length and take the grouped GEMM instead of batched matmuls.
 3. A grid over per-tenant batch sizes at 8 tenants: fusion pays where one tenant's batch leaves the
    hardware under-used and stops paying where one batch already saturates it.
 
@@ -108,8 +108,7 @@ def run_pass(be: LoraBackend, work: list[tuple[str, list[Datum]]]) -> None:
                         for i, (m, data) in enumerate(work)])
     assert all(isinstance(o, dict) for o in outs), outs
     for adapter in be.adapters.values():  # gradients would accumulate; the bench measures passes only
-        for p in adapter.params:
-            p.grad = None
+        be.lora.clear_grads(adapter.name)
 
 
 class PeftMixed:
@@ -236,7 +235,7 @@ def main() -> None:
         del peft
 
         # 2b. tenants bringing different row counts: the layer gathers per-row weights instead
-        print(f"\n2b. tenants with different batch sizes ({ROW}-token sequences; the gathered path)")
+        print(f"\n2b. tenants with different batch sizes ({ROW}-token sequences; the grouped path)")
         print(f"{'tenants':>8} {'sequences each':>24} {'fused/seq':>10} {'fused/ceil':>11}")
         mixed = {}
         for sizes in ([1, 3] * 4, [1, 1, 1, 5] * 4):

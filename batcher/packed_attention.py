@@ -1,0 +1,105 @@
+"""Attention over packed streams: every row of a stream attends only to its own earlier tokens.
+
+Registered with transformers as the attention implementation `quilt_packed` (set on the base for the
+duration of a packed pass), so every supported architecture's attention layers call it with their
+own queries, keys and values after RoPE and norms. transformers builds no mask for an implementation
+it has no mask function for, so nothing in mask building reads a tensor back to the host either.
+
+On a GPU: one `torch.nn.attention.varlen.varlen_attn` call over the whole pass, the rows given by
+cumulative offsets (padding runs are rows of their own, whose outputs nothing reads). On the CPU: one
+causal SDPA call per row, on exactly that row's tokens, so a row's attention is the same whatever
+else shares its stream (the exactness the fused-equals-alone tests hold the trainer to); padding
+positions get zeros.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+NAME = "quilt_packed"
+log = logging.getLogger("quilt.trainer.attention")
+
+
+@dataclass
+class Rows:
+    """A packed pass's rows: host spans (stream, start, end) in flat-token order, and for the GPU
+    kernel the device copy of every row's (padding runs included) cumulative offsets."""
+
+    spans: tuple[tuple[int, int, int], ...]
+    width: int
+    cu_seqlens: torch.Tensor | None = None
+    max_len: int = 0
+
+
+_current: Rows | None = None
+_varlen = True  # until the build's kernel refuses a call (then every pass takes the per-row path)
+
+
+def boundaries(starts: list[int], lengths: list[int], streams: int, width: int) -> list[int]:
+    """Cumulative offsets of every run of a packed grid: rows, and padding between and after them."""
+    points = {0, streams * width} | {b * width for b in range(streams)}
+    for s, n in zip(starts, lengths):
+        points |= {s, s + n}
+    return sorted(points)
+
+
+def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+               **kwargs):
+    rows = _current
+    if rows is None:
+        raise RuntimeError("quilt_packed attention outside a packed pass")
+    B, H, L, D = query.shape
+    gqa = key.shape[1] != H
+    global _varlen
+    if query.is_cuda and rows.cu_seqlens is not None and _varlen:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+
+            flat = [t.transpose(1, 2).reshape(B * L, t.shape[1], D) for t in (query, key, value)]
+            out = varlen_attn(*flat, rows.cu_seqlens, rows.cu_seqlens, rows.max_len, rows.max_len, scale=scaling,
+                              window_size=(-1, 0), enable_gqa=gqa)
+            return out.view(B, L, H, D), None
+        except (ImportError, RuntimeError, TypeError, NotImplementedError) as exc:
+            _varlen = False
+            log.warning("varlen attention unavailable (%s: %s); packed rows take one SDPA call each",
+                        type(exc).__name__, exc)
+    pieces, at = [], 0
+    for b, s, e in rows.spans:
+        flat_start = b * L + s
+        if flat_start > at:
+            pieces.append(query.new_zeros(flat_start - at, H, D))
+        pieces.append(F.scaled_dot_product_attention(
+            query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e], is_causal=True, scale=scaling,
+            enable_gqa=gqa)[0].transpose(0, 1))
+        at = b * L + e
+    if at < B * L:
+        pieces.append(query.new_zeros(B * L - at, H, D))
+    return torch.cat(pieces).view(B, L, H, D), None
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, _attention)
+
+
+@contextlib.contextmanager
+def packed(model: torch.nn.Module, rows: Rows) -> Iterator[None]:
+    """Run `model`'s attention as packed rows for the duration (the forward, not the backward: the
+    backward of SDPA and varlen needs nothing from here)."""
+    global _current
+    register()
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = NAME
+    _current = rows
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = previous
+        _current = None
