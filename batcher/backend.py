@@ -242,13 +242,18 @@ class LoraBackend:
         (`_compute`), and its results come back in one copy at the end.
         """
         outcomes, configs, rows = self._admit(requests)
-        self.ensure_resident({requests[i].model_id for i in configs})
+        models = {requests[i].model_id for i in configs}
+        self.ensure_resident(models)
+        # Models without pending gradients: a failed pass must leave their gradient rows at zero.
+        fresh = [self.adapters[m].name for m in models if not self.lora.pending(self.adapters[m].name)]
         started = time.perf_counter()
         try:
             batches = self._plan(rows, requests, configs)
             values = self._compute(batches, len(requests)).cpu()  # the pass's one read-back
         except Exception as exc:
             log.exception("fused pass failed")
+            for name in fresh:
+                self.lora.discard_grads(name)
             for i in configs:
                 outcomes[i] = ServerError(f"trainer pass failed: {type(exc).__name__}: {exc}")
             return outcomes
@@ -400,8 +405,8 @@ class LoraBackend:
         result = losses.pass_losses(lp, batch.plan, loss_t)
         # A request with a datum whose loss is not finite keeps none of its gradient from here on;
         # decided on the device, so nothing waits for the host.
-        bad = torch.zeros_like(poisoned).index_put_((t["request_of_datum"],), ~torch.isfinite(result.loss),
-                                                    accumulate=True)
+        bad = torch.zeros(poisoned.shape, dtype=torch.int32, device=poisoned.device).index_add_(
+            0, t["request_of_datum"], (~torch.isfinite(result.loss)).int()) > 0
         keep_requests = t["trains"] & ~(bad | poisoned)
         result.keep_requests = keep_requests
         keep_datums = keep_requests.index_select(0, t["request_of_datum"])
@@ -457,8 +462,7 @@ class LoraBackend:
         if backpropagated:
             # Its other datums ran in an earlier micro-batch: that partial gradient cannot be told
             # apart from the model's earlier ones, so all accumulated gradients go.
-            self.lora.set_grads(self.adapters[req.model_id].name)  # this pass's rows too
-            self.lora.clear_grads(self.adapters[req.model_id].name)
+            self.lora.discard_grads(self.adapters[req.model_id].name)
             msg += "; the model's gradients accumulated since its last optim_step were discarded, send those " \
                    "forward_backward calls again"
         elif not req.forward_only:

@@ -395,6 +395,15 @@ class MultiLoraModel:
             if A.grad is None:
                 A.grad, B.grad = slab.gA[slot], slab.gB[slot]
 
+    def pending(self, name: str) -> bool:
+        """Whether the adapter has accumulated gradients (exposed as `.grad`)."""
+        return any(p.grad is not None for p in self.adapters[name].params)
+
+    def discard_grads(self, name: str) -> None:
+        """Drop every gradient of a resident adapter, this pass's unexposed rows included."""
+        self.set_grads(name)
+        self.clear_grads(name)
+
     def clear_grads(self, name: str) -> None:
         """Drop an adapter's gradients: rows zeroed (the next pass accumulates from zero), `.grad` None."""
         for p in self.adapters[name].params:

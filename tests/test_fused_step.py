@@ -331,3 +331,30 @@ def test_an_overflowing_request_leaves_its_neighbours_gradients_exact(base_path)
     for p, q in zip(be.adapters["m"].params, alone.adapters["m"].params):
         assert torch.isfinite(p.grad).all()
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_a_pass_that_fails_half_way_leaves_no_partial_gradient(base_path, monkeypatch):
+    """The second micro-batch fails after the first has backpropagated: the requests get a server
+    error, and the next pass's gradients are exactly a clean trainer's."""
+    data = [_datum(3, 12), _datum(40, 20)]
+    be, clean = (LoraBackend(base_path, dtype=torch.float64, max_tokens_per_pass=20) for _ in range(2))
+    for b in (be, clean):
+        b.create("m", LoraShape(rank=4, seed=0))
+    batch = LoraBackend._batch
+    calls = []
+
+    def failing(self, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return batch(self, *args)
+
+    monkeypatch.setattr(LoraBackend, "_batch", failing)
+    [out] = be.run_pass([_req("m", data)])
+    assert "out of memory" in out.message and len(calls) == 2
+    assert all(p.grad is None for p in be.adapters["m"].params)
+    monkeypatch.setattr(LoraBackend, "_batch", batch)
+    for b in (be, clean):
+        b.run_pass([_req("m", data)])
+    for p, q in zip(be.adapters["m"].params, clean.adapters["m"].params):
+        assert torch.equal(p.grad, q.grad)
