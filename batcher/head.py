@@ -47,8 +47,9 @@ def target_logprobs(head: torch.nn.Module, hidden_N_H: torch.Tensor, targets_N_K
     parts = []
     for i, (s, e) in enumerate(ranges):
         if torch.is_grad_enabled():
+            # (nothing random in a chunk: no RNG state to keep, which would read the device's)
             parts.append(checkpoint(_chunk, head, softcap, use_routes, i, hidden_N_H[s:e], targets_N_K[s:e],
-                                    use_reentrant=False))
+                                    use_reentrant=False, preserve_rng_state=False))
         else:
             parts.append(_chunk(head, softcap, use_routes, i, hidden_N_H[s:e], targets_N_K[s:e]))
     return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -59,12 +59,7 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     global _varlen
     if query.is_cuda and rows.cu_seqlens is not None and _varlen:
         try:
-            from torch.nn.attention.varlen import varlen_attn
-
-            flat = [t.transpose(1, 2).reshape(B * L, t.shape[1], D) for t in (query, key, value)]
-            out = varlen_attn(*flat, rows.cu_seqlens, rows.cu_seqlens, rows.max_len, rows.max_len, scale=scaling,
-                              window_size=(-1, 0), enable_gqa=gqa)
-            return out.view(B, L, H, D), None
+            return _varlen_attention(query, key, value, rows, scaling), None
         except (ImportError, RuntimeError, TypeError, NotImplementedError) as exc:
             _varlen = False
             log.warning("varlen attention unavailable (%s: %s); packed rows take one SDPA call each",
@@ -81,6 +76,30 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     if at < B * L:
         pieces.append(query.new_zeros(B * L - at, H, D))
     return torch.cat(pieces).view(B, L, H, D), None
+
+
+def _varlen_attention(query, key, value, rows: Rows, scaling: float | None) -> torch.Tensor:
+    """One varlen kernel over every row of the pass (its keyword names differ across torch releases:
+    `window_size=(-1, 0)` or `is_causal=True` for causal; keys and values repeated where it has no
+    `enable_gqa`)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    B, H, L, D = query.shape
+    accepts = inspect.signature(varlen_attn).parameters
+    if key.shape[1] != H and "enable_gqa" not in accepts:
+        key, value = (t.repeat_interleave(H // t.shape[1], dim=1) for t in (key, value))
+    kw = {"scale": scaling}
+    if key.shape[1] != H:
+        kw["enable_gqa"] = True
+    if "window_size" in accepts:
+        kw["window_size"] = (-1, 0)
+    else:
+        kw["is_causal"] = True
+    flat = [t.transpose(1, 2).reshape(B * L, t.shape[1], D) for t in (query, key, value)]
+    out = varlen_attn(*flat, rows.cu_seqlens, rows.cu_seqlens, rows.max_len, rows.max_len, **kw)
+    return out.view(B, L, H, D)
 
 
 def register() -> None:

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU measurements, in one command, under 10 minutes on one GPU: the fusion benchmark on a
-# 1.7 B-parameter Qwen3 shape in bfloat16, the fill benchmark, and publish-to-first-token on a
-# random-weight Qwen3-8B shape, and suffix speculation on and off at low and high load
-# (bench/suffix_speculation.py --engine; arctic-inference from the gpu extra). Prints each benchmark's table and JSON line, then one JSON line of
-# all of them. On a machine without a CUDA GPU it says so and exits 0 (nothing to measure).
+# The GPU measurements, in one command, under 8 minutes on one GPU without vLLM (the device image):
+# the fused step (bench/fused_step.py) on a random Qwen3-8B shape over tenants 1/8/16/64 x tokens
+# 64/256/512 and on the 1.64 B shape at 64 tokens, each with its profile of one 8 x 64 pass, its
+# host-synchronisation check and its fused-against-alone check. Where vLLM is installed (the gpu
+# extra) also the fill benchmark, publish-to-first-token on the 8B shape and suffix speculation on
+# and off (arctic-inference). Prints each benchmark's table and JSON line, then one JSON line of all
+# of them. On a machine without a CUDA GPU it says so and exits 0 (nothing to measure).
 #
 #   bash bench/gpu_suite.sh            (after QUILT_ENGINE=gpu bash scripts/install.sh)
 set -uo pipefail
@@ -34,7 +36,8 @@ skip() {  # name, why: a benchmark this machine cannot run, said in its JSON lin
   printf '{"skipped": "%s"}\n' "$2" > "$WORK/$1.json"
 }
 
-run fusion 150 "$PY" bench/trainer_fusion.py --quick --device cuda --dtype bfloat16 --hidden 4096 --layers 8
+run fused_8b 300 "$PY" bench/fused_step.py --device cuda --dtype bfloat16 --shape 8b --reps 3
+run fused_1_6b 120 "$PY" bench/fused_step.py --device cuda --dtype bfloat16 --shape 1.6b --tokens 64 --reps 5
 # The other three drive vLLM's CUDA engine. A machine that has the GPU but not the gpu extra (an
 # image without vLLM and no registry to fetch it from) still measures the trainer.
 if "$PY" -c 'import vllm' 2>/dev/null; then
@@ -50,5 +53,5 @@ echo
 import json, sys
 from pathlib import Path
 work = Path(sys.argv[1])
-print(json.dumps({"gpu": True, **{n: json.loads((work / f"{n}.json").read_text()) for n in ("fusion", "fill", "first_token", "suffix")}}))
+print(json.dumps({"gpu": True, **{n: json.loads((work / f"{n}.json").read_text()) for n in ("fused_8b", "fused_1_6b", "fill", "first_token", "suffix")}}))
 PY

@@ -1,0 +1,245 @@
+"""The fused step at the device's pace: tokens/s and MFU of Quilt's fused pass over a grid of tenants
+and tokens per tenant, against one adapter over the same rows and against one tenant at a time.
+
+For each (tenants N, tokens T), every tenant brings one sequence of T tokens, measured interleaved:
+  fused       one forward/backward for all N adapters (the trainer's pass),
+  one-adapter one adapter over all N sequences (no routing: what fusion can at best reach),
+  sequential  one pass per tenant, one after another (what a single-tenant trainer does).
+Ratios are medians of each repetition's own ratio. MFU counts 4·P·T per trained token (forward
+2PT, backward to the activations 2PT; the frozen base's weight gradients are never computed; P the
+parameters of the matmuls, attention's own FLOPs left out, which understates MFU at 512 tokens by a
+few percent) against the spec (989 TFLOP/s bf16 dense for an H200/H100 SXM) and against a large
+matmul measured in the same run.
+
+Then: one pass of 8 x 64 tokens profiled (kernel launches, the device's busy fraction, the top
+kernels), the pass checked for host synchronisation (`torch.cuda.set_sync_debug_mode("error")`),
+and the fused logprobs checked against the tenants' passes alone.
+
+Which regime favours fusion: small per-tenant batches on a large device (64 tokens on an 8B base
+leaves an H200 mostly idle); which does not: per-tenant batches that already fill it (512+ tokens),
+where fusion only adds routing. The sequential baseline runs eagerly, like the fused pass: neither
+is captured in a CUDA graph (not built; see docs/concepts/trainer.md).
+
+    python bench/fused_step.py --shape tiny                                  (CPU smoke run)
+    python bench/fused_step.py --device cuda --dtype bfloat16 --shape 8b     (bench/gpu_suite.sh)
+
+Ends with one JSON line of headline figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from batcher.backend import LoraBackend, PassRequest
+from core.loss_spec import LossConfig
+from core.work import Datum, LoraShape, PassWork
+
+SPEC_TFLOPS = {"bfloat16": 989.0, "float32": 67.0}  # H200/H100 SXM dense spec sheet (float32: no tensor cores)
+SHAPES = {  # Qwen3 shapes: hidden, layers, heads, kv heads, head dim, MLP width, vocabulary
+    "tiny": (256, 4, 4, 2, 64, 768, 4096),
+    "1.6b": (4096, 8, 64, 32, 64, 12288, 8192),  # bench/trainer_fusion.py's GPU shape (1.64 B parameters)
+    "8b": (4096, 36, 32, 8, 128, 12288, 151936),  # Qwen3-8B
+}
+
+
+def build(shape: str, device: torch.device, dtype: torch.dtype, directory: Path) -> tuple[torch.nn.Module, int]:
+    """A random-weight Qwen3 of the shape, made on the device (no weights file): (model, matmul params)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    hidden, layers, heads, kv, head_dim, mlp, vocab = SHAPES[shape]
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv, head_dim=head_dim, intermediate_size=mlp,
+                         max_position_embeddings=8192, tie_word_embeddings=False)
+    config.save_pretrained(directory)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(dtype)
+    embed = model.get_input_embeddings().weight.numel()
+    return model.eval(), sum(p.numel() for p in model.parameters()) - embed
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 1.0) -> float:
+    n = 8192 if device.type == "cuda" else 1024
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    torch.mm(a, b)
+    sync(device)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        count += 1
+    sync(device)
+    return 2 * n**3 * count / (time.perf_counter() - start)
+
+
+def datum(seed: int, n: int, vocab: int) -> Datum:
+    g = torch.Generator().manual_seed(seed)
+    toks = tuple(torch.randint(0, vocab, (n + 1,), generator=g).tolist())
+    return Datum(toks[:-1], {"target_tokens": toks[1:], "weights": (1.0,) * n})
+
+
+def requests(work: list[tuple[str, list[Datum]]], forward_only: bool = False) -> list[PassRequest]:
+    return [PassRequest(f"r{i}", m, PassWork("cross_entropy", LossConfig(), tuple(d)), forward_only)
+            for i, (m, d) in enumerate(work)]
+
+
+def run(be: LoraBackend, work: list[tuple[str, list[Datum]]]) -> None:
+    outs = be.run_pass(requests(work))
+    assert all(isinstance(o, dict) for o in outs), outs
+    for model_id, _ in work:  # gradients would accumulate; the bench measures passes
+        be.lora.clear_grads(be.adapters[model_id].name)
+
+
+def timed(device: torch.device, fn) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def measure(be: LoraBackend, device, n: int, tokens: int, reps: int, vocab: int, sequential: bool) -> dict:
+    work = [(f"t{i}", [datum(1000 * i + tokens, tokens, vocab)]) for i in range(n)]
+    modes = {"fused": lambda: run(be, work),
+             "one_adapter": lambda: run(be, [("t0", [d for _, ds in work for d in ds])])}
+    if sequential:
+        modes["sequential"] = lambda: [run(be, [w]) for w in work]
+    for fn in modes.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in modes}
+    for _ in range(reps):
+        for k, fn in modes.items():
+            times[k].append(timed(device, fn))
+    ratio = {k: statistics.median(f / t for f, t in zip(times["fused"], v)) for k, v in times.items()}
+    return {"seconds": {k: statistics.median(v) for k, v in times.items()},
+            "fused_over": {k: 1 / r for k, r in ratio.items() if k != "fused"}}
+
+
+def profile(be: LoraBackend, device, vocab: int) -> dict:
+    """One 8 x 64 pass under torch.profiler: kernels launched, the device's busy fraction, top kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    work = [(f"t{i}", [datum(7 + i, 64, vocab)]) for i in range(8)]
+    run(be, work)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        wall = timed(device, lambda: run(be, work))
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.device_time for e in kernels) if kernels else 0.0
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.device_time)
+    top = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)[:8]
+    return {"wall_ms": wall * 1e3, "kernels": len(kernels), "busy_ms": busy_us / 1e3,
+            "busy_fraction": busy_us / 1e6 / wall if wall else 0.0,
+            "top": [{"kernel": k[:90], "ms": round(t / 1e3, 3), "count": c} for t, c, k in top]}
+
+
+def sync_check(be: LoraBackend, device, vocab: int) -> str:
+    """'none' when a whole pass's device work (forward, losses, backward) never waits for the device."""
+    if device.type != "cuda":
+        return "not checked (no CUDA device)"
+    reqs = requests([(f"t{i}", [datum(50 + i, 40 + 8 * i, vocab), datum(60 + i, 24, vocab)]) for i in range(4)])
+    be.run_pass(reqs)  # first calls may initialise (and synchronise) once
+    device_work = be.planned_pass(reqs)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        device_work()
+        return "none"
+    except RuntimeError as exc:
+        return f"synchronised: {str(exc).splitlines()[0][:160]}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        for r in reqs:
+            be.lora.clear_grads(be.adapters[r.model_id].name)
+
+
+def agreement(be: LoraBackend, vocab: int) -> float:
+    """Largest |fused - alone| logprob over 4 tenants' sequences of different lengths."""
+    work = [(f"t{i}", [datum(90 + i, 17 + 13 * i, vocab)]) for i in range(4)]
+    fused = be.run_pass(requests(work, forward_only=True))
+    worst = 0.0
+    for (m, d), f in zip(work, fused):
+        [alone] = be.run_pass(requests([(m, d)], forward_only=True))
+        a, b = (o["loss_fn_outputs"][0]["logprobs"]["data"] for o in (f, alone))
+        worst = max(worst, max(abs(x - y) for x, y in zip(a, b)))
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--tenants", default="1,8,16,64")
+    parser.add_argument("--tokens", default="64,256,512", help="tokens per tenant")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--budget", type=int, default=4096, help="tokens per micro-batch (activation memory)")
+    parser.add_argument("--sequential-up-to", type=int, default=64, help="skip the sequential column above this")
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    tenants = [int(x) for x in args.tenants.split(",")]
+    tokens = [int(x) for x in args.tokens.split(",")]
+    vocab = SHAPES[args.shape][-1]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
+        model, params = build(args.shape, device, dtype, Path(tmp))
+        be = LoraBackend(tmp, device=args.device, dtype=dtype, max_tokens_per_pass=args.budget, model=model)
+        for i in range(max(tenants)):
+            be.create(f"t{i}", LoraShape(rank=args.rank, seed=i))
+        peak = matmul_peak(device, dtype)
+        spec = SPEC_TFLOPS[args.dtype] * 1e12 if device.type == "cuda" else peak
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        print(f"{name}: random Qwen3 '{args.shape}', {params / 1e6:,.0f} M matmul parameters, {args.dtype}, "
+              f"LoRA rank {args.rank} on every projection and lm_head; built in {time.perf_counter() - started:.0f} s")
+        print(f"matmul peak measured now: {peak / 1e12:.1f} TFLOP/s; spec used for MFU: {spec / 1e12:.0f} TFLOP/s\n")
+        print(f"{'tenants':>7} {'tokens':>6} {'fused tok/s':>12} {'MFU spec':>9} {'MFU peak':>9} "
+              f"{'fused/1-adapter':>16} {'fused/seq':>10} {'pass ms':>8}")
+        grid = {}
+        for n in tenants:
+            for t in tokens:
+                m = measure(be, device, n, t, args.reps, vocab, n <= args.sequential_up_to)
+                s = m["seconds"]["fused"]
+                flops = 4 * params * n * t / s
+                row = {"tokens_per_s": n * t / s, "mfu_spec": flops / spec, "mfu_peak": flops / peak,
+                       "fused_over_one_adapter": m["fused_over"]["one_adapter"],
+                       "fused_over_sequential": m["fused_over"].get("sequential"), "pass_ms": s * 1e3}
+                grid[f"{n}x{t}"] = row
+                seq = f"{row['fused_over_sequential']:.2f}" if row["fused_over_sequential"] else "-"
+                print(f"{n:>7} {t:>6} {row['tokens_per_s']:>12.0f} {row['mfu_spec']:>9.1%} {row['mfu_peak']:>9.1%} "
+                      f"{row['fused_over_one_adapter']:>16.2f} {seq:>10} {row['pass_ms']:>8.1f}")
+        prof = profile(be, device, vocab)
+        print(f"\none 8 x 64 pass: {prof['wall_ms']:.1f} ms wall, {prof['kernels']} kernels, device busy "
+              f"{prof['busy_ms']:.1f} ms ({prof['busy_fraction']:.0%})")
+        for k in prof["top"]:
+            print(f"  {k['ms']:>8.3f} ms  x{k['count']:<5} {k['kernel']}")
+        syncs = sync_check(be, device, vocab)
+        worst = agreement(be, vocab)
+        print(f"host synchronisation inside a pass: {syncs}")
+        print(f"fused vs alone, largest logprob difference: {worst:.2e}")
+
+    print(json.dumps({
+        "device": name, "shape": args.shape, "dtype": args.dtype, "params": params,
+        "peak_tflops": round(peak / 1e12, 1),
+        "grid": {k: {kk: round(vv, 4) if isinstance(vv, float) else vv for kk, vv in v.items()}
+                 for k, v in grid.items()},
+        "profile_8x64": {k: v for k, v in prof.items() if k != "top"}, "syncs": syncs, "fused_vs_alone": worst,
+    }))
+
+
+if __name__ == "__main__":
+    main()
