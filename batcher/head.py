@@ -5,7 +5,8 @@ Each chunk computes its logits (the unembedding and its LoRA), the log-softmax's
 targets' logits, and keeps none of them: under autograd a chunk is checkpointed, so its logits are
 recomputed in the backward, one chunk at a time. Peak memory is one chunk's logits (`chunk_tokens`
 from `chunk_tokens_for`) instead of the pass's; the price is one more unembedding matmul per chunk in
-the backward. The arithmetic is the one-shot computation's, chunk by chunk (exact on the CPU).
+the backward, paid only when a pass has more than one chunk (a pass within one chunk's budget keeps
+its logits, as before). The arithmetic is the one-shot computation's, chunk by chunk (exact on the CPU).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-CHUNK_BYTES = 1 << 28  # float32 logits per chunk: 256 MiB (441 tokens of a 152k vocabulary)
+CHUNK_BYTES = 1 << 28  # float32 logits per chunk: 256 MiB (about 440 tokens of a 152k vocabulary)
 
 
 def chunk_tokens_for(vocab: int, *, align: int = 1, budget_bytes: int = CHUNK_BYTES) -> int:
@@ -45,8 +46,10 @@ def target_logprobs(head: torch.nn.Module, hidden_N_H: torch.Tensor, targets_N_K
     """(N, K) logprobs of the targets, chunk `i` covering tokens `ranges[i]`; `use_routes(i)` sets the
     head's multi-LoRA routes for chunk i (called again when the backward recomputes it)."""
     parts = []
+    # One chunk is within the budget as it is: its logits may stay for the backward, no recompute.
+    recompute = torch.is_grad_enabled() and len(ranges) > 1
     for i, (s, e) in enumerate(ranges):
-        if torch.is_grad_enabled():
+        if recompute:
             # (nothing random in a chunk: no RNG state to keep, which would read the device's)
             parts.append(checkpoint(_chunk, head, softcap, use_routes, i, hidden_N_H[s:e], targets_N_K[s:e],
                                     use_reentrant=False, preserve_rng_state=False))

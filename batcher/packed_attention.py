@@ -6,10 +6,10 @@ own queries, keys and values after RoPE and norms. transformers builds no mask f
 it has no mask function for, so nothing in mask building reads a tensor back to the host either.
 
 On a GPU: one `torch.nn.attention.varlen.varlen_attn` call over the whole pass, the rows given by
-cumulative offsets (padding runs are rows of their own, whose outputs nothing reads). On the CPU: one
-causal SDPA call per row, on exactly that row's tokens, so a row's attention is the same whatever
-else shares its stream (the exactness the fused-equals-alone tests hold the trainer to); padding
-positions get zeros.
+cumulative offsets (padding runs are rows of their own, whose outputs nothing reads). On the CPU:
+causal SDPA on exactly each row's tokens (rows of one length stacked into one call), so a row's
+attention is the same whatever else shares its stream (the exactness the fused-equals-alone tests
+hold the trainer to); padding positions get zeros.
 """
 
 from __future__ import annotations
@@ -64,14 +64,23 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
             _varlen = False
             log.warning("varlen attention unavailable (%s: %s); packed rows take one SDPA call each",
                         type(exc).__name__, exc)
+    # Rows of one length share a call: stacked, they are a batch of equal causal rows.
+    by_length: dict[int, list[int]] = {}
+    for i, (_, s, e) in enumerate(rows.spans):
+        by_length.setdefault(e - s, []).append(i)
+    outputs: list[torch.Tensor | None] = [None] * len(rows.spans)
+    for same in by_length.values():
+        q, k, v = (torch.stack([t[rows.spans[i][0], :, rows.spans[i][1]:rows.spans[i][2]] for i in same])
+                   for t in (query, key, value))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        for j, i in enumerate(same):
+            outputs[i] = out[j].transpose(0, 1)
     pieces, at = [], 0
-    for b, s, e in rows.spans:
+    for (b, s, e), out in zip(rows.spans, outputs):
         flat_start = b * L + s
         if flat_start > at:
             pieces.append(query.new_zeros(flat_start - at, H, D))
-        pieces.append(F.scaled_dot_product_attention(
-            query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e], is_causal=True, scale=scaling,
-            enable_gqa=gqa)[0].transpose(0, 1))
+        pieces.append(out)
         at = b * L + e
     if at < B * L:
         pieces.append(query.new_zeros(B * L - at, H, D))
