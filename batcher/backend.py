@@ -505,10 +505,11 @@ class LoraBackend:
         return self.export(model_id, directory, overwrite=overwrite, with_optimizer=with_optimizer)()
 
     def export(self, model_id: str, directory: str, *, overwrite: bool, with_optimizer: bool = True) -> Callable[[], int]:
-        """`save`, in two halves: this call takes what will be written (references, no copy) and
-        checks the target; the function it returns writes it, from any thread. Until that has
-        returned, nothing may change the adapter's weights or optimizer state in place: no
-        optim_step and no load of this model (batcher.exports keeps to that)."""
+        """`save`, in two halves: this call takes what will be written (the weights copied on the
+        device, the optimizer state by reference) and checks the target; the function it returns
+        writes it, from any thread. Until that has returned, nothing may change the adapter's
+        optimizer state in place: no optim_step and no load of this model (batcher.exports keeps
+        to that)."""
         from safetensors.torch import save_file
 
         self.ensure_resident([model_id])
