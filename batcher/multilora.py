@@ -368,7 +368,12 @@ class MultiLoraModel:
         cls.capacity = max(1, 2 * old)
         if self.max_slots:
             cls.capacity = max(old + 1, min(cls.capacity, self.max_slots))
-        for layer in self.layers.values():
+        # Layer by layer, rebinding as it goes, so only one layer's old slab is alive beside its new
+        # one (all at once, a large base's growth would briefly need both sets of slabs).
+        views = {name: dict(zip(self.adapters[name].layers, zip(self.adapters[name].params[0::2],
+                                                               self.adapters[name].params[1::2])))
+                 for name in cls.slot_of}
+        for path, layer in self.layers.items():
             slab = _new_slab(cls.capacity, cls.rank, layer.base, self.master_dtype, self.compute_dtype, cls.scale)
             if old:
                 previous = layer.slabs[cls.rank]
@@ -376,14 +381,15 @@ class MultiLoraModel:
                                  (slab.gB, previous.gB)):
                     new[:old].copy_(was[:old])
             layer.slabs[cls.rank] = slab
-        cls.free += range(old, cls.capacity)
-        for name, slot in cls.slot_of.items():
-            ad = self.adapters[name]
-            for path, A, B in zip(ad.layers, ad.params[0::2], ad.params[1::2]):
-                slab = self.layers[path].slabs[cls.rank]
+            for name, slot in cls.slot_of.items():
+                pair = views[name].get(path)
+                if pair is None:
+                    continue
+                A, B = pair
                 A.data, B.data = slab.A[slot], slab.B[slot]
                 if A.grad is not None:
                     A.grad, B.grad = slab.gA[slot], slab.gB[slot]
+        cls.free += range(old, cls.capacity)
         cls.dirty = True
 
     def set_grads(self, name: str) -> None:

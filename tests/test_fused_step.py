@@ -358,3 +358,22 @@ def test_a_pass_that_fails_half_way_leaves_no_partial_gradient(base_path, monkey
         b.run_pass([_req("m", data)])
     for p, q in zip(be.adapters["m"].params, clean.adapters["m"].params):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_a_half_precision_compute_copy_follows_every_step(base_path):
+    """The bfloat16 copies a GPU base computes with (forced here on the CPU): refreshed from the
+    float32 masters after each optimizer step, a load and a restore, and never trained themselves."""
+    be = LoraBackend(base_path)
+    be.lora.compute_dtype = torch.bfloat16
+    be.create("m", LoraShape(rank=8, seed=0))
+    slab = be.lora.layers["model.layers.1.mlp.up_proj"].slabs[8]
+    assert slab.A_c.dtype == torch.bfloat16 and slab.A.dtype == torch.float32
+    for step in range(2):
+        out = be.run_pass([_req("m", [_datum(5 + step, 16)])])[0]
+        assert isinstance(out, dict)
+        assert be.adapters["m"].params[1].grad.dtype == torch.float32
+        be.optim_step("m", AdamParams(**ADAM))
+        assert be.lora.classes[8].dirty
+        be.run_pass([_req("m", [_datum(9, 4)], forward_only=True)])
+        assert torch.equal(slab.A_c, slab.A.to(torch.bfloat16)) and torch.equal(slab.B_c, slab.B.to(torch.bfloat16))
+    assert slab.B.abs().sum() > 0
