@@ -143,10 +143,11 @@ class LoraBackend:
         self.softcap = text.get("final_logit_softcapping")
         # Grouped GEMM on a GPU wants 16-byte strides: token counts in multiples of 8.
         self.align = 8 if self.device.type == "cuda" else 1
-        self.head_chunk_tokens = head_chunk_tokens or head.chunk_tokens_for(self.head.weight.shape[0]
-                                                                            if hasattr(self.head, "weight")
-                                                                            else self.head.base.weight.shape[0],
-                                                                            align=self.align)
+        self.head_chunk_tokens = head_chunk_tokens or head.chunk_tokens_for(text["vocab_size"], align=self.align)
+        # The decoder's layer kinds, and the head's (none when it carries no LoRA), whose routes are
+        # made per chunk (head_routes).
+        self.head_kinds = (self.head.kind,) if hasattr(self.head, "kind") else ()
+        self.decoder_kinds = tuple(sorted({layer.kind for layer in self.lora.layers.values()} - set(self.head_kinds)))
         self.adapters: dict[str, Adapter] = {}
         self._next_slot = 0
 
@@ -339,9 +340,10 @@ class LoraBackend:
             bundle.add("request_of_datum", [r.request_index for r in batch_rows], torch.long)
             bundle.add("trains", [not req.forward_only for req in requests], torch.bool)
             runs = layout.segments(lay, lengths, [r.adapter for r in rows])
-            routes = self._routes(bundle, "grid", self.lora.routes(runs))
+            routes = self._routes(bundle, "grid", self.lora.routes(runs, self.decoder_kinds))
             head_ranges = layout.chunks(lay.tokens, self.head_chunk_tokens)
-            head_routes = [self._routes(bundle, f"head{i}", self.lora.routes(layout.window(runs, s, e), ("lm_head",)))
+            head_routes = [self._routes(bundle, f"head{i}",
+                                        self.lora.routes(layout.window(runs, s, e), self.head_kinds))
                            for i, (s, e) in enumerate(head_ranges)]
             batches.append(_Batch(lay, batch_rows, plan, bundle, routes, head_ranges, head_routes,
                                   any(not requests[r.request_index].forward_only for r in batch_rows), rows_of))

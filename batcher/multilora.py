@@ -73,12 +73,12 @@ class Route:
     offsets: torch.Tensor | None = None
     slots: torch.Tensor | None = None
 
-    @property
+    @functools.cached_property
     def equal(self) -> bool:
         """Every run as long as the others: the tokens are a (runs, length) stack as they lie."""
         return len({e - s for _, s, e in self.runs}) == 1
 
-    @property
+    @functools.cached_property
     def block(self) -> int | None:
         """The first slot when the runs' slots are consecutive rows (a slice of the slab), else None."""
         first = self.runs[0][0]
@@ -349,17 +349,18 @@ class MultiLoraModel:
         slot = cls.slot_of.pop(name, None)
         if slot is None:
             return
+        cls.dirty = True
+        if not cls.slot_of:  # nothing of this rank resident: its slabs' memory goes back
+            for layer in self.layers.values():
+                del layer.slabs[cls.rank]
+            cls.capacity, cls.free = 0, []
+            return
         for layer in self.layers.values():
             slab = layer.slabs[ad.rank]
             for t in (slab.A, slab.B, slab.gA, slab.gB):
                 t[slot].zero_()
         cls.free.append(slot)
         cls.free.sort()
-        cls.dirty = True
-        if not cls.slot_of:  # nothing of this rank resident: its slabs' memory goes back
-            for layer in self.layers.values():
-                del layer.slabs[cls.rank]
-            cls.capacity, cls.free = 0, []
 
     def _grow(self, cls: _RankClass) -> None:
         """Twice the slots (at least one more; no more than `max_slots` unless a pass needs them) in
@@ -423,11 +424,11 @@ class MultiLoraModel:
 
     # ------------------------------------------------------------------ a pass
 
-    def routes(self, runs: list[tuple[str | None, int, int]], kinds: tuple[str, ...] | None = None
+    def routes(self, runs: list[tuple[str | None, int, int]], kinds: tuple[str, ...]
                ) -> dict[tuple[str, int], tuple[tuple[int, int, int], ...]]:
-        """Host-side routes of a pass for these runs of tokens: (kind, rank) -> (slot, start, end)
-        runs, only where some adapter of that rank trains that kind. Every adapter must be resident."""
-        kinds = kinds or tuple(sorted({layer.kind for layer in self.layers.values()}))
+        """Host-side routes of a pass for these runs of tokens and layer kinds: (kind, rank) ->
+        (slot, start, end) runs, only where some adapter of that rank trains that kind. Every
+        adapter must be resident."""
         present = {a for a, _, _ in runs if a is not None}
         out = {}
         for rank, cls in self.classes.items():

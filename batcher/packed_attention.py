@@ -15,6 +15,8 @@ hold the trainer to); padding positions get zeros.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -87,16 +89,21 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     return torch.cat(pieces).view(B, L, H, D), None
 
 
+@functools.cache
+def _varlen_keywords() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def _varlen_attention(query, key, value, rows: Rows, scaling: float | None) -> torch.Tensor:
     """One varlen kernel over every row of the pass (its keyword names differ across torch releases:
     `window_size=(-1, 0)` or `is_causal=True` for causal; keys and values repeated where it has no
     `enable_gqa`)."""
-    import inspect
-
     from torch.nn.attention.varlen import varlen_attn
 
     B, H, L, D = query.shape
-    accepts = inspect.signature(varlen_attn).parameters
+    accepts = _varlen_keywords()
     if key.shape[1] != H and "enable_gqa" not in accepts:
         key, value = (t.repeat_interleave(H // t.shape[1], dim=1) for t in (key, value))
     kw = {"scale": scaling}
@@ -111,6 +118,7 @@ def _varlen_attention(query, key, value, rows: Rows, scaling: float | None) -> t
     return out.view(B, L, H, D)
 
 
+@functools.cache
 def register() -> None:
     from transformers import AttentionInterface
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from batcher.layout import round_up
+
 _ALIGN = 16  # bytes: every view starts where any dtype (and grouped GEMM) may start
 
 
@@ -27,7 +29,7 @@ class Bundle:
         offsets, total = {}, 0
         for name, t in self._parts.items():
             offsets[name] = total
-            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+            total += round_up(t.numel() * t.element_size(), _ALIGN)
         pin = device.type == "cuda"
         buffer = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=pin)
         for name, t in self._parts.items():
