@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 from bases import architectures
+from batcher import gang as gang_mod
 from batcher import head, layout, losses, packed_attention
-from batcher.multilora import MultiLoraModel, Route
+from batcher.multilora import MultiLoraModel, Route, gather
 from batcher.transfer import Bundle
 from checkpoints.layout import ADAPTER_WEIGHTS, OPTIMIZER_FILE, TrainerMeta
 from core.errors import Conflict, InvalidInput, QuiltError, ServerError, UserError
@@ -113,11 +114,16 @@ class _Gate:
 class LoraBackend:
     def __init__(self, base_path: str | Path, *, device: str = "cpu", max_tokens_per_pass: int = 16384,
                  offload_device: str = "cpu", dtype: torch.dtype = torch.float32, max_resident: int = 0,
-                 pack_width: int = 4096, head_chunk_tokens: int = 0, model: torch.nn.Module | None = None):
+                 pack_width: int = 4096, head_chunk_tokens: int = 0, model: torch.nn.Module | None = None,
+                 gang: gang_mod.Member | None = None):
+        """`gang`: this process's place in a trainer gang (`batcher.gang`): the base is loaded split
+        over the gang's ranks, and every call must be made on every rank in the same order."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
 
-        self.device = torch.device(device)
+        split = gang is not None and gang.size > 1
+        self.gang_size = gang.size if gang is not None else 1
+        self.device = torch.device(gang_mod.rank_device(device) if split else device)
         self.offload_device = torch.device(offload_device)
         self.max_tokens_per_pass = max_tokens_per_pass
         self.pack_width = pack_width  # tokens per packed stream (its attention mask is width x width)
@@ -130,12 +136,22 @@ class LoraBackend:
         kw = {}
         if arch.moe and dtype == torch.float64:
             kw["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel (float64 is for tests)
+        if split:
+            problems = gang_mod.check_shape(gang.shape, self.config)
+            if problems:
+                raise ValueError("this base cannot be split so: " + "; ".join(problems))
         # `model`: a base already built from this config.json (benchmarks make random ones on the device).
-        base = model if model is not None else AutoModelForCausalLM.from_pretrained(str(base_path), dtype=dtype, **kw)
+        if model is not None:
+            base = model
+        elif split:
+            base = gang_mod.load_base(str(base_path), gang.shape, str(self.device), dtype=dtype, **kw)
+        else:
+            base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=dtype, **kw)
         base.requires_grad_(False)
         self.base_path = str(base_path)
-        self.base = base.to(self.device).eval()
-        self.lora = MultiLoraModel(self.base, arch.targets(tied=architectures.is_tied(self.config)))
+        self.base = (base if split else base.to(self.device)).eval()
+        targets = arch.targets(tied=architectures.is_tied(self.config))
+        self.lora = MultiLoraModel(self.base, targets, gang_mod.splits(self.base, targets) if split else None)
         self.lora.max_slots = max_resident
         self.decoder = self.base.get_decoder()
         self.head = self.base.get_output_embeddings()
@@ -230,8 +246,29 @@ class LoraBackend:
         return {"resident": resident, "offloaded": len(self.adapters) - resident}
 
     def adapter_state(self, model_id: str) -> dict[str, torch.Tensor]:
-        """The adapter's weights under PEFT's saved key names."""
-        return self.lora.state_dict(self.adapters[model_id].name)
+        """A copy of the adapter's whole weights under PEFT's saved key names (gathered over a gang)."""
+        return self.lora.full_state_dict(self.adapters[model_id].name)
+
+    def optimizer_state(self, model_id: str) -> dict:
+        """The adapter's AdamW state dict with whole moments (gathered over a gang: the shares of a
+        split layer's A or B are joined as the weights are), so a gang of any size can load it."""
+        adapter = self.adapters[model_id]
+        state = adapter.optimizer.state_dict()
+        shares = self.lora.shares(adapter.name)
+        if not any(axis is not None for _, axis in shares):
+            return state
+        return {**state, "state": {i: {k: gather(shares[i][0], v, shares[i][1]) if k != "step" else v
+                                       for k, v in entry.items()}
+                                   for i, entry in state["state"].items()}}
+
+    def _load_optimizer_state(self, adapter: Adapter, state: dict) -> None:
+        shares = self.lora.shares(adapter.name)
+        if any(axis is not None for _, axis in shares):
+            state = {**state, "state": {
+                int(i): {k: shares[int(i)][0].local(v, shares[int(i)][1]).clone()
+                         if k != "step" and shares[int(i)][1] is not None else v for k, v in entry.items()}
+                for i, entry in state["state"].items()}}
+        adapter.optimizer.load_state_dict(state)
 
     # ------------------------------------------------------------------ fused pass
 
@@ -252,6 +289,8 @@ class LoraBackend:
             batches = self._plan(rows, requests, configs)
             values = self._compute(batches, len(requests)).cpu()  # the pass's one read-back
         except Exception as exc:
+            if self.gang_size > 1:
+                raise  # the ranks may have parted mid-pass: the gang restarts (batcher.gang.GangBroken)
             log.exception("fused pass failed")
             for name in fresh:
                 self.lora.discard_grads(name)
@@ -483,7 +522,7 @@ class LoraBackend:
             group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
                          weight_decay=adam.weight_decay)
         clip = adam.grad_clip_norm
-        norm = torch.nn.utils.clip_grad_norm_(adapter.params, max_norm=clip if clip > 0 else math.inf)
+        norm = self._clip(adapter, clip if clip > 0 else math.inf)
         if not math.isfinite(float(norm)):
             # Finite losses can still give gradients past float32; a step would make the weights NaN.
             self.lora.clear_grads(adapter.name)
@@ -496,6 +535,25 @@ class LoraBackend:
         adapter.steps += 1
         return {"metrics": {"grad_norm:mean": float(norm), "learning_rate:mean": adam.learning_rate,
                             "step:max": float(adapter.steps)}}
+
+    def _clip(self, adapter: Adapter, max_norm: float) -> torch.Tensor:
+        """`clip_grad_norm_` over the adapter's whole gradient: under a split base the shares' squared
+        norms are summed over the gang in one scalar all-reduce (whole tensors count once)."""
+        shares = self.lora.shares(adapter.name)
+        split = next((sp for sp, axis in shares if axis is not None), None)
+        if split is None:
+            return torch.nn.utils.clip_grad_norm_(adapter.params, max_norm=max_norm)
+        grads = [p.grad for p in adapter.params]
+        parts = [g.pow(2).sum() for g, (_, axis) in zip(grads, shares) if axis is not None]
+        wholes = [g.pow(2).sum() for g, (_, axis) in zip(grads, shares) if axis is None]
+        sq = torch.stack(parts).sum()
+        split.all_reduce(sq)
+        total = (sq + torch.stack(wholes).sum() if wholes else sq).sqrt()
+        # torch's own rule: scale by max_norm / (norm + 1e-6), never up
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return total
 
     def policy_version(self, model_id: str) -> int:
         """The model's policy version: how many optimizer steps its weights have taken."""
@@ -521,9 +579,9 @@ class LoraBackend:
             raise Conflict(f"checkpoint {dest.name!r} already exists; pass overwrite=True to replace it", field="path")
         # Copies: a resident adapter's tensors are views of slab rows, which parking this adapter would
         # hand to another while the writer still reads them.
-        state = {k: v.detach().clone() for k, v in self.adapter_state(model_id).items()}
+        state = self.adapter_state(model_id)
         config = self._peft_config(adapter)
-        optimizer = adapter.optimizer.state_dict() if with_optimizer else None
+        optimizer = self.optimizer_state(model_id) if with_optimizer else None
         meta = TrainerMeta(dict(adapter.lora_config), adapter.steps)
 
         def write() -> int:
@@ -569,7 +627,7 @@ class LoraBackend:
         self.lora.clear_grads(adapter.name)
         adapter.optimizer = self._optimizer(adapter.params)
         if optimizer:
-            adapter.optimizer.load_state_dict(torch.load(src / OPTIMIZER_FILE, weights_only=True))
+            self._load_optimizer_state(adapter, torch.load(src / OPTIMIZER_FILE, weights_only=True))
         adapter.steps = meta.steps
 
     def _peft_config(self, adapter: Adapter):

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from bases import catalog, memory_plan
-from batcher import heap
+from batcher import gang, heap
 from batcher.backend import LoraBackend
 from batcher.snapshots import SnapshotStore
 from batcher.worker import TrainerWorker
@@ -44,7 +44,7 @@ def check_memory(base: catalog.BaseModel, settings: TrainerSettings) -> memory_p
                                   configured_memory=settings.gpu_memory, token_budget=settings.token_budget,
                                   max_lora_rank=settings.max_rank, max_loras=gen.max_loras,
                                   gen_memory_share=gen.gpu_memory_share, max_context=base.max_context_length,
-                                  shares_device=settings.shares_device)
+                                  shares_device=settings.shares_device, ranks=settings.ranks)
     if plan.trainer_problems:
         raise SystemExit(f"base {base.name!r} does not fit this trainer: " + "; ".join(plan.trainer_problems))
     log.info("memory plan for %s: %s", base.name, ", ".join(f"{k.strip()}={v}" for k, v in plan.rows()[:8]))
@@ -61,6 +61,20 @@ def main() -> None:
     plan = check_memory(base, settings)
     token_budget = settings.token_budget or plan.token_budget
     dtype = getattr(torch, memory_plan.resolve_dtype(settings.dtype, settings.device))
+    member = gang.join(gang.GangShape(settings.ranks, settings.parallel), settings.device) \
+        if settings.ranks > 1 else None
+    backend = LoraBackend(base.path, device=settings.device, max_tokens_per_pass=token_budget,
+                          offload_device=settings.offload_device, dtype=dtype,
+                          max_resident=settings.max_resident_adapters or plan.resident_adapters, gang=member)
+    if member is not None and not member.leader:
+        # Rank 0 ends the gang: it finishes its loop on SIGTERM, then tells the others (gang.follow).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        gang.follow(backend, member)
+        gang.leave()
+        return
+    if member is not None:
+        backend = gang.GangBackend(backend, member)
     shards = get_core_settings().trainer_shards
     # A shard is named by its worker's ordinal: `shard-i` under quilt up, pod quilt-trainer-i on a cluster.
     shard = queue.shard_of(settings.consumer_name, shards) if shards > 1 else None
@@ -68,9 +82,7 @@ def main() -> None:
         log.warning("%d trainer shards with snapshots on this machine's disk only: a shard on another machine "
                     "cannot restore this one's models; set QUILT_TRAINER_SNAPSHOTS_IN_STORE=true", shards)
     worker = TrainerWorker(
-        settings, base_model=base.name, backend=LoraBackend(
-            base.path, device=settings.device, max_tokens_per_pass=token_budget, offload_device=settings.offload_device,
-            dtype=dtype, max_resident=settings.max_resident_adapters or plan.resident_adapters),
+        settings, base_model=base.name, backend=backend,
         redis=redis_client.sync_client(), db_url=db_url, result_ttl_s=get_api_settings().future_ttl_seconds,
         token_budget=token_budget, snapshots=snapshot_store(settings) if settings.snapshots else None,
         shard=shard, shards=shards)
@@ -81,6 +93,9 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     worker.run_forever()
+    if member is not None:
+        backend.close()
+        gang.leave()
     log.info("trainer stopped")
 
 

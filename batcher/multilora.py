@@ -18,6 +18,12 @@ Gradients of the slabs are written by the backward itself into `gA`/`gB` (the pa
 layer whatever the number of adapters. Each adapter gets exactly the gradient of a separate pass
 (summed in another order).
 
+Under a tensor-parallel base (a trainer gang, `batcher.gang`) each layer's LoRA is split as vLLM
+splits it (`Split`): a column-parallel layer keeps A whole and holds its share of B's output rows, a
+row-parallel layer holds its share of A's input columns and keeps B whole. Two small all-reduces
+(tokens x rank each) make that exact: the shrink of a row-parallel layer in the forward, the
+shrink's gradient of a column-parallel layer in the backward. Exports gather the shares.
+
 Adapters are stored and exported in PEFT's format (`base_model.model.<module>.lora_A.weight`,
 `adapter_config.json`), which is what vLLM loads and what `peft` reads back.
 """
@@ -29,6 +35,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 _GROUPED = getattr(torch, "_grouped_mm", None)
@@ -95,6 +102,45 @@ def _accumulate(grads: torch.Tensor, route: Route, per_run: torch.Tensor) -> Non
         grads.index_add_(0, route.slots, per_run.to(grads.dtype))
 
 
+@dataclass(frozen=True)
+class Split:
+    """A layer's share of a tensor-parallel base, and so of its LoRA: "out" (column parallel: the
+    output rows `[index * n / count, (index + 1) * n / count)` of the weight and of B) or "in" (row
+    parallel: those input columns of the weight and of A)."""
+
+    dim: str  # "out" | "in"
+    index: int
+    count: int
+    group: object = None  # the tensor-parallel process group
+
+    def part(self, n: int) -> slice:
+        size = n // self.count
+        return slice(self.index * size, (self.index + 1) * size)
+
+    def axis(self, which: str) -> int | None:
+        """The axis along which the layer's `which` ("A" [rank, in] or "B" [out, rank]) is split."""
+        if which == "A":
+            return 1 if self.dim == "in" else None
+        return 0 if self.dim == "out" else None
+
+    def local(self, full: torch.Tensor, axis: int | None) -> torch.Tensor:
+        """This rank's share of a whole tensor."""
+        if axis is None:
+            return full
+        return full.narrow(axis, self.part(full.shape[axis]).start, full.shape[axis] // self.count)
+
+    def gather(self, part: torch.Tensor, axis: int | None) -> torch.Tensor:
+        """The whole tensor from every rank's share (a collective: every rank of the group calls it)."""
+        if axis is None:
+            return part
+        parts = [torch.empty_like(part) for _ in range(self.count)]
+        dist.all_gather(parts, part.contiguous(), group=self.group)
+        return torch.cat(parts, dim=axis)
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        dist.all_reduce(t, group=self.group)
+
+
 @dataclass
 class PassContext:
     """What the wrapped layers read during a pass: a route per (target name, rank)."""
@@ -118,9 +164,9 @@ class _Slab:
         return self.A.shape[0] - 1
 
 
-def _new_slab(capacity: int, rank: int, layer: nn.Linear, master: torch.dtype, compute: torch.dtype,
+def _new_slab(capacity: int, rank: int, layer: MultiLoraLinear, master: torch.dtype, compute: torch.dtype,
               scale: float) -> _Slab:
-    dev = layer.weight.device
+    dev = layer.base.weight.device
     shape_a, shape_b = (capacity + 1, rank, layer.in_features), (capacity + 1, layer.out_features, rank)
     A, B = torch.zeros(shape_a, dtype=master, device=dev), torch.zeros(shape_b, dtype=master, device=dev)
     copies = (A, B) if compute == master else (A.to(compute), B.to(compute))
@@ -131,22 +177,31 @@ def _new_slab(capacity: int, rank: int, layer: nn.Linear, master: torch.dtype, c
 class MultiLoraLinear(nn.Module):
     """Wraps a frozen Linear; holds the slabs of every rank class for it."""
 
-    def __init__(self, base: nn.Linear, name: str, context: PassContext):
+    def __init__(self, base: nn.Linear, name: str, context: PassContext, split: Split | None = None):
         super().__init__()
         self.base = base
         self.kind = name  # the target name (q_proj, ..., lm_head): routes are per kind
         self.context = context
+        self.split = split
+        # This rank's sizes (a tensor-parallel base's layer keeps its whole sizes in in/out_features).
+        self.in_features = base.in_features // split.count if split and split.dim == "in" else base.in_features
+        self.out_features = base.out_features // split.count if split and split.dim == "out" else base.out_features
         self.slabs: dict[int, _Slab] = {}  # not registered: the base's parameters stay the base's
+        # A distributed base layer's output is a view its DTensor made (`to_local`), which autograd
+        # does not let a custom Function change in place: the LoRA adds into a copy of it.
+        self.copy_output = type(base.weight).__name__ == "DTensor"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         routes = self.context.routes
         if not routes:
             return y
+        if self.copy_output and torch.is_grad_enabled():
+            y = y.clone()
         for rank, slab in self.slabs.items():
             route = routes.get((self.kind, rank))
             if route is not None:
-                y = SlabLora.apply(y, x, route, slab, slab.trigger)
+                y = SlabLora.apply(y, x, route, slab, self.split, slab.trigger)
         return y
 
 
@@ -156,10 +211,12 @@ class SlabLora(torch.autograd.Function):
     rows and returns only the input's.
 
     The scale applies to the rank-sized intermediate. The base's backward never reads `y`, so adding
-    into it is safe, and at the vocabulary-wide lm_head it saves an output-sized temporary."""
+    into it is safe, and at the vocabulary-wide lm_head it saves an output-sized temporary. Under a
+    split (tensor parallel) the shrink is summed over the group between shrink and expand ("in"),
+    or its gradient is, before the gradients of A and of the input are taken ("out")."""
 
     @staticmethod
-    def forward(ctx, y, x, route: Route, slab: _Slab, trigger):
+    def forward(ctx, y, x, route: Route, slab: _Slab, split: Split | None, trigger):
         compute = slab.A_c.dtype
         x2 = x.reshape(-1, x.shape[-1]).to(compute)
         y2 = y.view(-1, y.shape[-1])
@@ -167,43 +224,55 @@ class SlabLora(torch.autograd.Function):
         A_g = B_g = None
         if mode != "loop":
             A_g, B_g = slab.A_c.index_select(0, route.slots), slab.B_c.index_select(0, route.slots)
+        # shrink
         if mode == "equal":
             G = len(route.runs)
             xa = torch.bmm(x2.view(G, -1, x2.shape[1]), A_g.transpose(1, 2)).mul_(slab.scale)
+        elif mode == "grouped":
+            xa = _GROUPED(x2, A_g.transpose(1, 2), offs=route.offsets).mul_(slab.scale)
+        else:
+            xa = x2.new_zeros((x2.shape[0], slab.A_c.shape[1]))
+            for slot, s, e in route.runs:
+                if slot != slab.zero_slot:
+                    torch.mm(x2[s:e], slab.A_c[slot].T, out=xa[s:e]).mul_(slab.scale)
+        if split is not None and split.dim == "in":
+            split.all_reduce(xa)
+        # expand
+        if mode == "equal":
             if y2.dtype == compute:
                 y2.view(G, -1, y2.shape[1]).baddbmm_(xa, B_g.transpose(1, 2))
             else:
                 y2.add_(torch.bmm(xa, B_g.transpose(1, 2)).view_as(y2).to(y2.dtype))
             xa = xa.view(-1, xa.shape[2])
         elif mode == "grouped":
-            xa = _GROUPED(x2, A_g.transpose(1, 2), offs=route.offsets).mul_(slab.scale)
             y2.add_(_GROUPED(xa, B_g.transpose(1, 2), offs=route.offsets).to(y.dtype))
         else:
-            xa = x2.new_zeros((x2.shape[0], slab.A_c.shape[1]))
             for slot, s, e in route.runs:
                 if slot == slab.zero_slot:
                     continue
-                torch.mm(x2[s:e], slab.A_c[slot].T, out=xa[s:e]).mul_(slab.scale)
                 if y2.dtype == compute:
                     y2[s:e].addmm_(xa[s:e], slab.B_c[slot].T)
                 else:
                     y2[s:e].add_((xa[s:e] @ slab.B_c[slot].T).to(y2.dtype))
         ctx.mark_dirty(y)
-        ctx.route, ctx.slab, ctx.mode, ctx.x_shape = route, slab, mode, x.shape
+        ctx.route, ctx.slab, ctx.split, ctx.mode, ctx.x_shape = route, slab, split, mode, x.shape
         ctx.save_for_backward(x2, xa, A_g, B_g)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x2, xa, A_g, B_g = ctx.saved_tensors
-        route, slab = ctx.route, ctx.slab
+        route, slab, split = ctx.route, ctx.slab, ctx.split
         g = grad_y.reshape(-1, grad_y.shape[-1]).to(xa.dtype).contiguous()  # (a sum's gradient is expanded)
         want_x = ctx.needs_input_grad[1]
         grad_x = None
+        reduce = split is not None and split.dim == "out"
         if ctx.mode == "equal":
             G = len(route.runs)
             g3, x3, xa3 = g.view(G, -1, g.shape[1]), x2.view(G, -1, x2.shape[1]), xa.view(G, -1, xa.shape[1])
             grad_xa = torch.bmm(g3, B_g).mul_(slab.scale)
+            if reduce:
+                split.all_reduce(grad_xa)
             if want_x:
                 grad_x = torch.bmm(grad_xa, A_g)
             _accumulate(slab.gA, route, torch.bmm(grad_xa.transpose(1, 2), x3))
@@ -211,23 +280,30 @@ class SlabLora(torch.autograd.Function):
             _accumulate(slab.gB, route, torch.bmm(xa3.transpose(1, 2), g3).transpose(1, 2))
         elif ctx.mode == "grouped":
             grad_xa = _GROUPED(g, B_g, offs=route.offsets).mul_(slab.scale)
+            if reduce:
+                split.all_reduce(grad_xa)
             if want_x:
                 grad_x = _GROUPED(grad_xa, A_g, offs=route.offsets)
             _accumulate(slab.gA, route, _GROUPED(grad_xa.T, x2, offs=route.offsets))
             _accumulate(slab.gB, route, _GROUPED(g.T, xa, offs=route.offsets))
         else:
+            grad_xa = torch.zeros_like(xa)
+            for slot, s, e in route.runs:
+                if slot != slab.zero_slot:
+                    torch.mm(g[s:e], slab.B_c[slot], out=grad_xa[s:e]).mul_(slab.scale)
+            if reduce:
+                split.all_reduce(grad_xa)
             grad_x = torch.zeros_like(x2) if want_x else None
             for slot, s, e in route.runs:
                 if slot == slab.zero_slot:
                     continue
-                grad_xa = (g[s:e] @ slab.B_c[slot]).mul_(slab.scale)
                 if want_x:
-                    torch.mm(grad_xa, slab.A_c[slot], out=grad_x[s:e])
-                slab.gA[slot].addmm_(grad_xa.T.to(slab.gA.dtype), x2[s:e].to(slab.gA.dtype))
+                    torch.mm(grad_xa[s:e], slab.A_c[slot], out=grad_x[s:e])
+                slab.gA[slot].addmm_(grad_xa[s:e].T.to(slab.gA.dtype), x2[s:e].to(slab.gA.dtype))
                 slab.gB[slot].addmm_(g[s:e].T.to(slab.gB.dtype), xa[s:e].to(slab.gB.dtype))
         if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape).to(grad_y.dtype)
-        return grad_y, grad_x, None, None, None
+        return grad_y, grad_x, None, None, None, None
 
 
 @dataclass
@@ -253,15 +329,17 @@ class _AdapterSlots:
 class MultiLoraModel:
     """A causal LM whose target Linears are wrapped for slab multi-LoRA."""
 
-    def __init__(self, model: nn.Module, target_names: tuple[str, ...]):
+    def __init__(self, model: nn.Module, target_names: tuple[str, ...], splits: dict[str, Split] | None = None):
+        """`splits`: the tensor-parallel share of each split layer, by path (`batcher.gang.splits`)."""
         self.model = model
         self.context = PassContext()
         self.layers: dict[str, MultiLoraLinear] = {}
+        splits = splits or {}
         for path, module in list(model.named_modules()):
             if isinstance(module, nn.Linear) and path.rsplit(".", 1)[-1] in target_names:
                 parent_path, _, attr = path.rpartition(".")
                 parent = model.get_submodule(parent_path) if parent_path else model
-                wrapped = MultiLoraLinear(module, attr, self.context)
+                wrapped = MultiLoraLinear(module, attr, self.context, splits.get(path))
                 setattr(parent, attr, wrapped)
                 self.layers[path] = wrapped
         weight = next(iter(self.layers.values())).base.weight if self.layers else None
@@ -286,10 +364,13 @@ class MultiLoraModel:
         params, layers = [], []
         for path, layer in self.layers.items():
             if layer.kind in targets:
+                # Drawn whole on every rank of a gang, so each share is the single trainer's.
                 A = torch.empty(rank, layer.base.in_features, dtype=self.master_dtype)
                 bound = math.sqrt(6.0 / ((1 + 5) * layer.base.in_features))
                 A.uniform_(-bound, bound, generator=g)
-                params += [A.to(self.device), torch.zeros(layer.base.out_features, rank, dtype=self.master_dtype,
+                if layer.split is not None:
+                    A = layer.split.local(A, layer.split.axis("A")).clone()
+                params += [A.to(self.device), torch.zeros(layer.out_features, rank, dtype=self.master_dtype,
                                                           device=self.device)]
                 layers.append(path)
         self.adapters[name] = _AdapterSlots(rank, frozenset(targets), params, layers)
@@ -375,7 +456,7 @@ class MultiLoraModel:
                                                                self.adapters[name].params[1::2])))
                  for name in cls.slot_of}
         for path, layer in self.layers.items():
-            slab = _new_slab(cls.capacity, cls.rank, layer.base, self.master_dtype, self.compute_dtype, cls.scale)
+            slab = _new_slab(cls.capacity, cls.rank, layer, self.master_dtype, self.compute_dtype, cls.scale)
             if old:
                 previous = layer.slabs[cls.rank]
                 for new, was in ((slab.A, previous.A), (slab.B, previous.B), (slab.gA, previous.gA),
@@ -464,7 +545,8 @@ class MultiLoraModel:
     # ------------------------------------------------------------------ PEFT format
 
     def state_dict(self, name: str) -> dict[str, torch.Tensor]:
-        """One adapter's tensors under PEFT's saved key names (views of its rows while resident)."""
+        """One adapter's tensors under PEFT's saved key names (views of its rows while resident;
+        this rank's shares under a split base)."""
         ad = self.adapters[name]
         out = {}
         for path, A, B in zip(ad.layers, ad.params[0::2], ad.params[1::2]):
@@ -472,16 +554,41 @@ class MultiLoraModel:
             out[f"base_model.model.{path}.lora_B.weight"] = B
         return out
 
+    def shares(self, name: str) -> list[tuple[Split | None, int | None]]:
+        """Per parameter of an adapter ([A, B] per layer): its layer's split and the split axis."""
+        out = []
+        for path in self.adapters[name].layers:
+            split = self.layers[path].split
+            out += [(split, split.axis("A") if split else None), (split, split.axis("B") if split else None)]
+        return out
+
+    def full_state_dict(self, name: str) -> dict[str, torch.Tensor]:
+        """`state_dict` as whole, independent copies: shares gathered over the gang (a collective:
+        every rank calls it), what PEFT, vLLM and a gang of any size read."""
+        return {key: gather(split, t.detach(), axis)
+                for (key, t), (split, axis) in zip(self.state_dict(name).items(), self.shares(name))}
+
     def load_state_dict(self, name: str, state: dict[str, torch.Tensor]) -> None:
-        """Copy PEFT-format tensors into an existing adapter of the same shape (ValueError otherwise)."""
+        """Copy whole PEFT-format tensors into an existing adapter of the same shape (ValueError
+        otherwise); under a split base each rank keeps its share."""
         ours = self.state_dict(name)
         if ours.keys() != state.keys():
             missing, extra = sorted(ours.keys() - state.keys()), sorted(state.keys() - ours.keys())
             raise ValueError(f"checkpoint tensors do not match the model: missing {missing[:2]}, extra {extra[:2]}")
-        for key, param in ours.items():
-            if param.shape != state[key].shape:
-                raise ValueError(f"{key}: checkpoint shape {tuple(state[key].shape)} != {tuple(param.shape)}")
+        local = {}
+        for (key, param), (split, axis) in zip(ours.items(), self.shares(name)):
+            whole = list(param.shape)
+            if axis is not None:
+                whole[axis] *= split.count
+            if list(state[key].shape) != whole:
+                raise ValueError(f"{key}: checkpoint shape {tuple(state[key].shape)} != {tuple(whole)}")
+            local[key] = split.local(state[key], axis) if split else state[key]
         with torch.no_grad():
             for key, param in ours.items():
-                param.copy_(state[key])
+                param.copy_(local[key])
         self.changed(name)
+
+
+def gather(split: Split | None, t: torch.Tensor, axis: int | None) -> torch.Tensor:
+    """A whole, independent copy of a tensor that may be a rank's share."""
+    return split.gather(t, axis) if split is not None and axis is not None else t.clone()

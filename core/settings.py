@@ -211,6 +211,16 @@ class TrainerSettings(BaseSettings):
     seq_gap_deadline_s: float = Field(300.0, gt=0, le=86_400,
                                       description="how long requests wait for a missing earlier seq_id of their "
                                                   "model before they fail (and stop counting as in flight)")
+    ranks: int = Field(1, ge=1, le=1024,
+                       description="processes (GPUs) of one trainer, a gang started together by "
+                                   "torch.distributed.run (`quilt up --trainer-ranks N`); each holds a part of the "
+                                   "base (batcher.gang)")
+    parallel: Literal["tp", "ep", "fsdp"] = Field(
+        "tp", description="how a gang splits the base: tp (tensor parallel), ep (MoE: experts split, attention "
+                          "tensor parallel), fsdp (every weight sharded, gathered layer by layer)")
+    gang_restarts: int = Field(3, ge=0, le=1000,
+                               description="times torch.distributed.run restarts a gang whose rank died before "
+                                           "it gives up (then quilt up restarts it as any worker)")
 
 
 class GenPoolSettings(BaseSettings):
@@ -232,6 +242,14 @@ class GenPoolSettings(BaseSettings):
     max_loras: int = Field(8, ge=2, le=256,
                            description="adapters in one batch (accelerator slots); one is the base's identity adapter")
     max_cpu_loras: int = Field(64, ge=2, le=100_000, description="adapters kept loaded in host memory (LRU)")
+    tensor_parallel: int = Field(1, ge=1, le=64, description="vLLM's tensor-parallel size: GPUs the engine splits "
+                                                             "each layer over (a base bigger than one GPU)")
+    pipeline_parallel: int = Field(1, ge=1, le=64, description="vLLM's pipeline-parallel size: GPUs (or nodes) "
+                                                               "the layers are divided between")
+    expert_parallel: bool = Field(False, description="MoE bases: vLLM splits the experts over the tensor-parallel "
+                                                     "GPUs instead of splitting each expert")
+    fully_sharded_loras: bool = Field(False, description="vLLM shards the LoRA computation over the tensor-parallel "
+                                                         "GPUs too (faster at high rank or many GPUs)")
     max_lora_rank: int = Field(64, description=f"largest adapter rank served; one of {VLLM_LORA_RANKS}")
     kv_cache_gib: int = Field(1, ge=1, le=4096, description="KV cache size in GiB (CPU: VLLM_CPU_KVCACHE_SPACE)")
     max_model_len: int | None = Field(None, ge=16, description="longest prompt+completion; None = the model's")

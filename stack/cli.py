@@ -28,7 +28,7 @@ def cmd_up(args) -> int:
     from stack.launcher import up
 
     return up(data_dir=args.data_dir, host=args.host, port=args.port, api_replicas=args.api_replicas,
-              gen_replicas=args.gen_replicas, trainer_shards=args.trainer_shards)
+              gen_replicas=args.gen_replicas, trainer_shards=args.trainer_shards, trainer_ranks=args.trainer_ranks)
 
 
 def cmd_migrate(args) -> int:
@@ -50,7 +50,8 @@ def cmd_models_create_tiny(args) -> int:
 
 def _serving(args) -> dict:
     """Per-base worker settings given on the command line (stack.launcher.serving_env reads them)."""
-    keys = ("device", "gen_device", "gen_memory_share", "max_lora_rank", "max_loras")
+    keys = ("device", "gen_device", "gen_memory_share", "max_lora_rank", "max_loras", "trainer_ranks",
+            "trainer_parallel", "tensor_parallel", "pipeline_parallel", "expert_parallel", "fully_sharded_loras")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -111,10 +112,17 @@ def cmd_models_list(args) -> int:
 
 
 def cmd_models_plan(args) -> int:
+    import dataclasses
     import json
 
     from bases import catalog
-    from bases.memory_plan import PlanInputs, parse_bytes, plan_memory, resolve_dtype
+    from bases.memory_plan import (
+        PlanInputs,
+        fewest_ranks,
+        parse_bytes,
+        plan_memory,
+        resolve_dtype,
+    )
     from core import db
     from core.errors import NotFound
     from core.settings import get_gen_pool_settings, get_trainer_settings
@@ -133,15 +141,29 @@ def cmd_models_plan(args) -> int:
         max_lora_rank=serving.get("max_lora_rank", get_trainer_settings().max_rank),
         max_loras=serving.get("max_loras", gen.max_loras),
         max_context=min(args.max_context or base.max_context_length, base.max_context_length))
+    trainer_n, sampler_n = fewest_ranks(base.config, inputs)
+    # What is asked here, else what the catalogue says, else the fewest that fit.
+    configured = serving.get("tensor_parallel", 1) * serving.get("pipeline_parallel", 1)
+    ranks = {"trainer_ranks": args.trainer_ranks or serving.get("trainer_ranks") or trainer_n or 1,
+             "sampler_ranks": args.sampler_ranks or (configured if configured > 1 else sampler_n or 1)}
+    if max(ranks.values()) > 1:  # a base this big: each worker on GPUs of its own
+        inputs = dataclasses.replace(inputs, shared_device=False, **ranks)
     plan = plan_memory(base.config, inputs)
     print(f"{base.name} ({base.architecture}, {_params(base.num_parameters)} parameters) on {args.gpu_memory}, "
           f"{inputs.dtype}, {'one device shared' if inputs.shared_device else 'one device each'}")
+    def need(n: int | None) -> str:
+        return f"{n} GPU{'s' if n > 1 else ''}" if n else "more GPUs than its heads can be split over"
+
+    print(f"  GPUs needed: the trainer {need(trainer_n)} (quilt up --trainer-ranks {trainer_n or '?'}), the sampler "
+          f"{need(sampler_n)} (tensor parallel {sampler_n or '?'}); planned below with {inputs.trainer_ranks} and "
+          f"{inputs.sampler_ranks}")
     width = max(len(k) for k, _ in plan.rows())
     for k, v in plan.rows():
         print(f"  {k.ljust(width)}  {v}")
     for p in plan.problems:
         print(f"does not fit: {p}")
-    print(json.dumps({"model": base.name, "fits": not plan.problems, "token_budget": plan.token_budget,
+    print(json.dumps({"model": base.name, "fits": not plan.problems, "trainer_gpus": trainer_n,
+                      "sampler_gpus": sampler_n, "token_budget": plan.token_budget,
                       "resident_adapters": plan.resident_adapters, "kv_tokens": plan.kv_tokens,
                       "max_sequences": plan.max_sequences}))
     return 0 if not plan.problems else 2
@@ -292,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-shards", type=_positive, default=int(os.environ.get("QUILT_TRAINER_SHARDS", "1")),
                    metavar="N", help="trainer workers per base model, each holding the training models placed on "
                                      "it (`quilt trainers`)")
+    p.add_argument("--trainer-ranks", type=_positive, default=int(os.environ.get("QUILT_TRAINER_RANKS", "1")),
+                   metavar="R", help="processes (GPUs) per trainer, started together by torch.distributed.run, "
+                                     "each holding a part of the base (QUILT_TRAINER_PARALLEL: tp, ep or fsdp)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("migrate", help="apply schema migrations")
@@ -326,6 +351,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-memory-share", type=float, help="fraction of the GPU vLLM takes")
     p.add_argument("--max-lora-rank", type=int, help="largest LoRA rank trained and served")
     p.add_argument("--max-loras", type=int, help="adapters in one sampling batch")
+    p.add_argument("--trainer-ranks", type=int, help="GPUs of this base's trainer gang (batcher.gang; "
+                                                     "`quilt models plan` says how many it needs)")
+    p.add_argument("--trainer-parallel", choices=("tp", "ep", "fsdp"), help="how the gang splits the base")
+    p.add_argument("--tensor-parallel", type=int, help="vLLM tensor-parallel size of this base's sampler")
+    p.add_argument("--pipeline-parallel", type=int, help="vLLM pipeline-parallel size of this base's sampler")
+    p.add_argument("--expert-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="MoE: vLLM splits the experts over its GPUs")
+    p.add_argument("--fully-sharded-loras", action=argparse.BooleanOptionalAction, default=None,
+                   help="vLLM shards the LoRA computation over its GPUs too")
     p.set_defaults(func=cmd_models_add)
     p = models.add_parser("remove", help="stop serving a base (refused while models of it are live)")
     _data_dir_option(p)
@@ -342,6 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-budget", type=int, help="trainer tokens per pass (default: derived)")
     p.add_argument("--resident-adapters", type=int, help="adapters kept on the device (default: derived)")
     p.add_argument("--max-context", type=int, help="sampler sequence length to plan for (default: the model's)")
+    p.add_argument("--trainer-ranks", type=_positive, help="plan the trainer as a gang of this many GPUs "
+                                                          "(default: the fewest it fits on)")
+    p.add_argument("--sampler-ranks", type=_positive, help="plan the sampler with this tensor-parallel size "
+                                                          "(default: the fewest GPUs it fits on)")
     p.set_defaults(func=cmd_models_plan)
 
     tenants = sub.add_parser("tenants", help="tenants").add_subparsers(dest="action", required=True)

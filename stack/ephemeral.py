@@ -64,13 +64,14 @@ def healthy(base_url: str) -> bool:
 def ephemeral_stack(env: dict[str, str] | None = None, startup_s: float = 600, *,
                     keep_logs: Path | None = None, setup: Sequence[Sequence[str]] = (),
                     parent: Path = Path("/tmp"), api_replicas: int = 1,
-                    gen_replicas: int = 1, trainer_shards: int = 1) -> Iterator[RunningStack]:
+                    gen_replicas: int = 1, trainer_shards: int = 1, trainer_ranks: int = 1) -> Iterator[RunningStack]:
     """`env` is added to this process's environment for the stack; `keep_logs` receives a copy of
     the stack's logs when it stops (for a post-mortem); `setup` are `quilt` commands (argument
     lists) run in the data directory before `quilt up`, e.g. to add or remove base models;
     `parent` is where the data directory is made (a short path: Postgres' socket lives in it);
     `api_replicas` is `quilt up --api-replicas` (the block starts once all of them answer),
-    `gen_replicas` its `--gen-replicas`, `trainer_shards` its `--trainer-shards`."""
+    `gen_replicas` its `--gen-replicas`, `trainer_shards` its `--trainer-shards`, `trainer_ranks` its
+    `--trainer-ranks`."""
     data_dir = Path(tempfile.mkdtemp(prefix="qt-", dir=parent))
     full_env = {**os.environ, **(env or {}), "QUILT_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1"}
     full_env.pop("QUILT_DATABASE_URL", None)
@@ -84,7 +85,8 @@ def ephemeral_stack(env: dict[str, str] | None = None, startup_s: float = 600, *
     with open(data_dir / "up.out", "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "stack.cli", "up", "--port", str(free_port(api_replicas)),
                                  "--api-replicas", str(api_replicas), "--gen-replicas", str(gen_replicas),
-                                 "--trainer-shards", str(trainer_shards)], cwd=ROOT,
+                                 "--trainer-shards", str(trainer_shards), "--trainer-ranks", str(trainer_ranks)],
+                                cwd=ROOT,
                                 env=full_env, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + startup_s

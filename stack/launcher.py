@@ -25,7 +25,7 @@ import psutil
 import migrations
 from bases import catalog
 from core import db, embedded, queue
-from core.settings import clear_settings_cache, get_api_settings, get_core_settings
+from core.settings import clear_settings_cache, get_api_settings, get_core_settings, get_trainer_settings
 from stack import leftovers, priority
 
 log = logging.getLogger("quilt.launcher")
@@ -109,9 +109,12 @@ def ensure_tiny_model(conn, *, architecture: str = "qwen3", sampleable: bool = T
 
 
 # Per-base settings in the catalogue (`quilt models add --device ...`) -> the workers' own settings.
-_TRAINER_SERVING = {"device": "QUILT_TRAINER_DEVICE", "max_lora_rank": "QUILT_TRAINER_MAX_RANK"}
+_TRAINER_SERVING = {"device": "QUILT_TRAINER_DEVICE", "max_lora_rank": "QUILT_TRAINER_MAX_RANK",
+                    "trainer_ranks": "QUILT_TRAINER_RANKS", "trainer_parallel": "QUILT_TRAINER_PARALLEL"}
 _GEN_SERVING = {"gen_memory_share": "QUILT_GEN_GPU_MEMORY_SHARE", "max_lora_rank": "QUILT_GEN_MAX_LORA_RANK",
-                "max_loras": "QUILT_GEN_MAX_LORAS"}
+                "max_loras": "QUILT_GEN_MAX_LORAS", "tensor_parallel": "QUILT_GEN_TENSOR_PARALLEL",
+                "pipeline_parallel": "QUILT_GEN_PIPELINE_PARALLEL", "expert_parallel": "QUILT_GEN_EXPERT_PARALLEL",
+                "fully_sharded_loras": "QUILT_GEN_FULLY_SHARDED_LORAS"}
 
 
 def serving_env(base: catalog.BaseModel, env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
@@ -125,14 +128,24 @@ def serving_env(base: catalog.BaseModel, env: dict[str, str]) -> tuple[dict[str,
     return trainer, gen
 
 
+def trainer_command(py: str, ranks: int) -> list[str]:
+    """The trainer's command: `python -m batcher.main`, or with `ranks` above 1 a gang of that many
+    started by torch.distributed.run, which restarts all of them when one dies (batcher.gang)."""
+    if ranks == 1:
+        return [py, "-m", "batcher.main"]
+    return [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+            "--max-restarts", str(get_trainer_settings().gang_restarts), "-m", "batcher.main"]
+
+
 def _children(db_url: str, redis_url: str, host: str, port: int, api_replicas: int = 1,
-              gen_replicas: int = 1, trainer_shards: int = 1) -> list[Child]:
+              gen_replicas: int = 1, trainer_shards: int = 1, trainer_ranks: int = 1) -> list[Child]:
     settings = get_core_settings()
     logs = settings.data_dir / "logs"
     # Every process must agree on the replica and shard counts: the API routes into their streams.
     env = {**os.environ, "QUILT_DATABASE_URL": db_url, "QUILT_REDIS_URL": redis_url,
            "QUILT_DATA_DIR": str(settings.data_dir), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-           "QUILT_GEN_REPLICAS": str(gen_replicas), "QUILT_TRAINER_SHARDS": str(trainer_shards)}
+           "QUILT_GEN_REPLICAS": str(gen_replicas), "QUILT_TRAINER_SHARDS": str(trainer_shards),
+           "QUILT_TRAINER_RANKS": str(trainer_ranks)}
     py = sys.executable
     # API replicas share nothing but Postgres and Redis; replica i answers on port + i.
     children = [
@@ -150,12 +163,13 @@ def _children(db_url: str, redis_url: str, host: str, port: int, api_replicas: i
         models = catalog.list_models_sync(conn)
     for i, base in enumerate(models):
         trainer_env, gen_env = serving_env(base, env)
+        trainer = trainer_command(py, int(trainer_env["QUILT_TRAINER_RANKS"]))  # the base's own gang size wins
         if base.trainable and trainer_shards == 1:
-            children.append(Child(f"trainer:{base.name}", [py, "-m", "batcher.main"],
+            children.append(Child(f"trainer:{base.name}", trainer,
                                   {**trainer_env, "QUILT_TRAINER_BASE_MODEL": base.name,
                                    "QUILT_TRAINER_CONSUMER_NAME": f"trainer-{i}"}, logs / f"trainer-{i}.log"))
         elif base.trainable:  # or shards, each holding the models placed on it (scaleout.placement)
-            children += [Child(f"trainer:{base.name}@{name}", [py, "-m", "batcher.main"],
+            children += [Child(f"trainer:{base.name}@{name}", trainer,
                                {**trainer_env, "QUILT_TRAINER_BASE_MODEL": base.name,
                                 "QUILT_TRAINER_CONSUMER_NAME": name}, logs / f"trainer-{i}-{name}.log")
                          for name in queue.shard_names(trainer_shards)]
@@ -191,10 +205,11 @@ def _stop(children: list[Child]) -> None:
 
 
 def up(*, data_dir: Path | None, host: str, port: int, api_replicas: int = 1, gen_replicas: int = 1,
-       trainer_shards: int = 1) -> int:
+       trainer_shards: int = 1, trainer_ranks: int = 1) -> int:
     """Run the embedded stack until interrupted; returns the exit code. `api_replicas` API
     processes answer on `port`, `port + 1`, ...; `gen_replicas` generation workers serve each
-    sampleable base; `trainer_shards` trainer workers each trainable base."""
+    sampleable base; `trainer_shards` trainer workers each trainable base, each a gang of
+    `trainer_ranks` processes (batcher.gang)."""
     stop_requested = False
 
     def _on_signal(signum, frame):
@@ -211,7 +226,7 @@ def up(*, data_dir: Path | None, host: str, port: int, api_replicas: int = 1, ge
     reaper = subprocess.Popen([sys.executable, "-m", "stack.reaper", str(os.getpid()), str(directory)],
                               start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     db_url, redis_url = prepare(data_dir)
-    children = _children(db_url, redis_url, host, port, api_replicas, gen_replicas, trainer_shards)
+    children = _children(db_url, redis_url, host, port, api_replicas, gen_replicas, trainer_shards, trainer_ranks)
     _record(directory, [])
     for child in children:
         child.start()

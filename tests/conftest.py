@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
-from stackutil import ROOT, SHARED_STACK_ENV
+from stackutil import ROOT, SHARED_STACK_ENV, Stack, TenantHandle
 
 from core import redis_client
 from stack.ephemeral import ephemeral_stack
@@ -19,43 +16,6 @@ from stack.ephemeral import ephemeral_stack
 STARTUP_TIMEOUT_S = 240
 
 
-@dataclass(frozen=True)
-class TenantHandle:
-    name: str
-    tenant_id: str
-    key: str
-
-
-@dataclass
-class Stack:
-    base_url: str
-    data_dir: Path
-    database_url: str
-    redis_url: str
-    log_dir: Path
-
-    def create_tenant(self, prefix: str = "t") -> TenantHandle:
-        from core import db
-        from tenancy.keys import create_key
-        from tenancy.tenants import create_tenant
-
-        name = f"{prefix}-{uuid.uuid4().hex[:8]}"
-        with db.connect(self.database_url) as conn:
-            tenant = create_tenant(conn, name)
-            secret, _ = create_key(conn, tenant.id)
-        return TenantHandle(name, tenant.id, secret)
-
-    def http(self, key: str | None) -> httpx.Client:
-        headers = {"X-API-Key": key} if key else {}
-        return httpx.Client(base_url=self.base_url + "/api/v1", headers=headers, timeout=60)
-
-    def sdk(self, key: str):
-        import quilt
-
-        return quilt.Client(api_key=key, base_url=self.base_url)
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.log_dir.glob("*.log")))
 
 
 @pytest.fixture(scope="session")

@@ -57,3 +57,23 @@ def assert_equals_reference(storage: str, base_path: str) -> None:
         for name in ("exp_avg", "exp_avg_sq"):
             assert relative(saved_opt["state"][i][name], state[name]) <= RELATIVE, (i, name)
         assert float(saved_opt["state"][i]["step"]) == float(state["step"]) == len(SEQS)
+
+
+def assert_recovered(database_url: str, model_id: str, checkpoint: str) -> None:
+    """After a crash and recovery of the run above (seq 1, 3, 5 forward_backward; 2, 4, 6 optim_step,
+    then a save named `checkpoint`): every forward_backward billed exactly once, replayed or not, and
+    the checkpoint equals the uninterrupted run."""
+    from stackutil import TINY
+
+    from bases import catalog
+    from core import db
+
+    with db.connect(database_url) as conn:
+        base_path = catalog.get_model_sync(conn, TINY).path
+        storage = conn.execute("SELECT storage_path FROM checkpoints WHERE model_id = %s AND name = %s",
+                               (model_id, checkpoint)).fetchone()["storage_path"]
+        billed = conn.execute("SELECT r.seq_id, count(u.id) AS n FROM requests r LEFT JOIN usage_ledger u "
+                              "ON u.request_id = r.id WHERE r.model_id = %s AND r.kind = 'forward_backward' "
+                              "GROUP BY r.seq_id ORDER BY r.seq_id", (model_id,)).fetchall()
+    assert [(b["seq_id"], b["n"]) for b in billed] == [(1, 1), (3, 1), (5, 1)]  # each once, replay or not
+    assert_equals_reference(storage, base_path)

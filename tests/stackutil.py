@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -18,6 +20,46 @@ TINY = "quilt/tiny-qwen3"
 # A run inside another test's run (tests/test_tinker_sdk_pinned.py) uses that run's stack (conftest).
 SHARED_STACK_ENV = "QUILT_TEST_SHARED_STACK"
 ROOT = Path(__file__).resolve().parents[1]
+
+
+
+@dataclass(frozen=True)
+class TenantHandle:
+    name: str
+    tenant_id: str
+    key: str
+
+
+@dataclass
+class Stack:
+    base_url: str
+    data_dir: Path
+    database_url: str
+    redis_url: str
+    log_dir: Path
+
+    def create_tenant(self, prefix: str = "t") -> TenantHandle:
+        from core import db
+        from tenancy.keys import create_key
+        from tenancy.tenants import create_tenant
+
+        name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        with db.connect(self.database_url) as conn:
+            tenant = create_tenant(conn, name)
+            secret, _ = create_key(conn, tenant.id)
+        return TenantHandle(name, tenant.id, secret)
+
+    def http(self, key: str | None) -> httpx.Client:
+        headers = {"X-API-Key": key} if key else {}
+        return httpx.Client(base_url=self.base_url + "/api/v1", headers=headers, timeout=60)
+
+    def sdk(self, key: str):
+        import quilt
+
+        return quilt.Client(api_key=key, base_url=self.base_url)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.log_dir.glob("*.log")))
 
 
 def base_sampler(http: httpx.Client) -> str:

@@ -28,10 +28,9 @@ import psycopg
 import pytest
 import quilt
 from billing_workload import wait_recorded
-from durable_reference import ADAM, SEQS, assert_equals_reference
+from durable_reference import ADAM, SEQS, assert_recovered
 from stackutil import ROOT, TINY, datum, fb_body, new_model, wait_future
 
-from bases import catalog
 from core import db, health, queue, redis_client
 from scaleout import placement
 from stack.ephemeral import ephemeral_stack, new_tenant
@@ -279,15 +278,7 @@ def test_a_dead_shards_models_resume_on_the_other_at_their_last_step(replicas_st
            in (s.data_dir / "up.out").read_text(), timeout_s=60)
     _until("the restarted shard's beacon", lambda: (b := _beacon(r, home)) and b["pid"] != pid, timeout_s=120)
 
-    with db.connect(s.database_url) as conn:
-        base_path = catalog.get_model_sync(conn, TINY).path
-        storage = conn.execute("SELECT storage_path FROM checkpoints WHERE model_id = %s AND name = 'after-move'",
-                               (model_id,)).fetchone()["storage_path"]
-        billed = conn.execute("SELECT r.seq_id, count(u.id) AS n FROM requests r LEFT JOIN usage_ledger u "
-                              "ON u.request_id = r.id WHERE r.model_id = %s AND r.kind = 'forward_backward' "
-                              "GROUP BY r.seq_id ORDER BY r.seq_id", (model_id,)).fetchall()
-    assert [(b["seq_id"], b["n"]) for b in billed] == [(1, 1), (3, 1), (5, 1)]  # each once, replay or not
-    assert_equals_reference(storage, base_path)
+    assert_recovered(s.database_url, model_id, "after-move")
     # Every model the frozen shard held now lives on the other, idle ones included (restored
     # without waiting for a call); nothing of them is left on it.
     # (its first beacons carry no figures until its loop has run once)

@@ -1,0 +1,267 @@
+"""A trainer gang: one trainer shard as N ranks on torch.distributed, for bases bigger than one GPU.
+
+The ranks are started together by `torch.distributed.run` (`quilt up --trainer-ranks N`, or a pod
+of N GPUs); each loads only its part of the base through transformers' own parallel plans
+(`DistributedConfig`: the tensor-parallel plan the architecture ships, its expert-parallel plan on
+MoE bases, or FSDP2), and its share of every LoRA layer (`batcher.multilora.Split`, laid out as vLLM
+lays LoRA out under tensor parallelism).
+
+Rank 0 runs today's trainer loop (stream, fair share, futures, snapshots, settle). Its backend is a
+`GangBackend`: every call that changes tensors (a pass, a step, a create, a load, an export) is
+first handed to the other ranks, which make the same call on their own backend (`follow`), so all
+ranks run the same collectives in the same order. A rank with no work of its own still joins every
+pass. A rank that dies takes the gang with it: `torch.distributed.run` stops the others and starts
+the gang again (its `--max-restarts`), and rank 0 restores and replays as a single trainer does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from batcher.multilora import Split
+from core.errors import QuiltError
+
+log = logging.getLogger("quilt.trainer.gang")
+
+Parallel = Literal["tp", "ep", "fsdp"]
+
+# A follower waits on rank 0 for as long as the trainer idles; only a dead rank should end the wait
+# (torch.distributed.run notices that and restarts the gang), never a quiet hour.
+_IDLE_TIMEOUT = datetime.timedelta(days=7)
+
+# The tensor-parallel styles (transformers' plan names) whose LoRA splits, and how. The other
+# styles a plan may give a LoRA-targeted layer gather the output ("colwise_gather_output" on
+# lm_head): such a layer's LoRA is whole on every rank.
+_SPLIT_OF_STYLE = {"colwise": "out", "rowwise": "in"}
+_WHOLE_STYLES = frozenset({"colwise_gather_output", "colwise_rep", "rowwise_rep", "embedding_rowwise"})
+
+
+@dataclass(frozen=True)
+class GangShape:
+    """How many ranks, and how they split the base: "tp" (tensor parallel over all ranks), "ep"
+    (MoE: experts split over the ranks, attention tensor parallel), "fsdp" (every weight sharded,
+    gathered layer by layer; the ranks compute the same tokens)."""
+
+    ranks: int = 1
+    parallel: Parallel = "tp"
+
+    def __post_init__(self):
+        if self.ranks < 1:
+            raise ValueError(f"trainer ranks must be at least 1, not {self.ranks}")
+        if self.parallel not in ("tp", "ep", "fsdp"):
+            raise ValueError(f"trainer parallel must be tp, ep or fsdp, not {self.parallel!r}")
+
+
+def load_base(path: str, shape: GangShape, device: str, **kw) -> nn.Module:
+    """This rank's part of the base.
+
+    "tp" and "ep" load through transformers' `DistributedConfig` with the plans the architecture
+    ships; "ep" takes the masked form of its expert plan (router masked to this rank's experts, the
+    experts' outputs all-reduced over the tensor-parallel group), since the token-dispatch form
+    brings FSDP's root module with it. "fsdp" is torch's `fully_shard` on each decoder layer and on
+    the decoder (the trainer calls the decoder and the unembedding apart, so transformers' own FSDP
+    plan, whose root is the whole causal LM, does not fit); the unembedding stays whole per rank."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    if shape.parallel == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = AutoModelForCausalLM.from_pretrained(path, **kw)
+        mesh = init_device_mesh(torch.device(device).type, (shape.ranks,), mesh_dim_names=("fsdp",))
+        decoder = model.get_decoder()
+        for layer in decoder.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(decoder, mesh=mesh)
+        return model.to(device)
+    if shape.parallel == "ep":
+        config = DistributedConfig(tp_size=shape.ranks, ep_size=shape.ranks, ep_plan={
+            "model.layers.*.mlp.gate": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"})
+    else:
+        config = DistributedConfig(tp_size=shape.ranks)
+    return AutoModelForCausalLM.from_pretrained(path, distributed_config=config, **kw)
+
+
+def check_shape(shape: GangShape, config: dict) -> list[str]:
+    """What makes a gang of this shape unable to split this base (an empty list: it can)."""
+    if shape.ranks == 1:
+        return []
+    text = config.get("text_config", config)
+    problems = []
+    if shape.parallel in ("tp", "ep"):
+        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            value = text.get(key)
+            if value and value % shape.ranks:
+                problems.append(f"{key}={value} is not divisible by {shape.ranks} tensor-parallel ranks")
+    if shape.parallel == "ep":
+        experts = text.get("num_experts") or text.get("n_routed_experts") or text.get("num_local_experts")
+        if not experts:
+            problems.append("expert parallel needs a mixture-of-experts base")
+        elif experts % shape.ranks:
+            problems.append(f"{experts} experts are not divisible by {shape.ranks} expert-parallel ranks")
+    return problems
+
+
+@dataclass(frozen=True)
+class Member:
+    """This process's place in its gang."""
+
+    rank: int
+    size: int
+    shape: GangShape
+    control: object  # a gloo group for rank 0's calls (on GPUs the passes' collectives use NCCL)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+
+def join(shape: GangShape, device: str) -> Member:
+    """Join the gang `torch.distributed.run` started this process in (its RANK, WORLD_SIZE and
+    MASTER_* variables); on GPUs each rank takes the GPU of its LOCAL_RANK."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != shape.ranks:
+        raise SystemExit(f"QUILT_TRAINER_RANKS={shape.ranks} but this process was started as one of {world} ranks; "
+                         "start the trainer with torch.distributed.run --nproc-per-node "
+                         f"{shape.ranks} (quilt up --trainer-ranks {shape.ranks} does)")
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=_IDLE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+    return Member(dist.get_rank(), dist.get_world_size(), shape, control)
+
+
+def rank_device(device: str) -> str:
+    """A gang rank's compute device: its own GPU on a GPU machine."""
+    if device.startswith("cuda") and dist.is_initialized():
+        return f"cuda:{torch.cuda.current_device()}"
+    return device
+
+
+def splits(model: nn.Module, targets: tuple[str, ...]) -> dict[str, Split]:
+    """Each LoRA-targeted Linear's share under the base's tensor-parallel plan, by module path.
+
+    A layer the plan does not split (or only FSDP shards) has no entry: its LoRA is whole on every
+    rank. A plan style this module does not know for a targeted layer is refused rather than guessed."""
+    from torch.distributed.tensor import DTensor
+    from transformers.distributed.tensor_parallel import replace_layer_number_by_wildcard
+
+    plan = getattr(model, "tp_plan", None) or {}
+    out = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or path.rsplit(".", 1)[-1] not in targets:
+            continue
+        weight = module.weight
+        if not isinstance(weight, DTensor) or "tp" not in (weight.device_mesh.mesh_dim_names or ()):
+            continue
+        mesh = weight.device_mesh
+        if mesh.size(mesh.mesh_dim_names.index("tp")) == 1:
+            continue
+        style = plan.get(replace_layer_number_by_wildcard(path))
+        if style in _WHOLE_STYLES:
+            continue
+        if style not in _SPLIT_OF_STYLE:
+            raise ValueError(f"{path}: tensor-parallel style {style!r} has no LoRA layout here "
+                             f"(known: {sorted(_SPLIT_OF_STYLE)} split, {sorted(_WHOLE_STYLES)} whole)")
+        out[path] = Split(_SPLIT_OF_STYLE[style], mesh.get_local_rank("tp"), mesh.size(mesh.mesh_dim_names.index("tp")),
+                          mesh.get_group("tp"))
+    return out
+
+
+# ---------------------------------------------------------------------- rank 0 and the others
+
+# The backend calls that change tensors or run collectives: every rank makes them, in rank 0's order.
+# (has, policy_version, residency, last_pass and adapters only read rank 0's own state.)
+COLLECTIVE_CALLS = frozenset({"create", "delete", "run_pass", "optim_step", "load", "export", "save",
+                              "offload_idle", "ensure_resident", "adapter_state", "optimizer_state"})
+
+
+class GangBroken(BaseException):
+    """A call failed on rank 0 for a reason of the server's (a rank died in a collective, a device
+    fault): the ranks may have parted mid-call, and only a restart of the whole gang, which restores
+    and replays, brings them back into step. A BaseException, so that no handler of one request's
+    failure catches it: it ends the process, and torch.distributed.run restarts the gang."""
+
+
+class GangBackend:
+    """Rank 0's backend in a gang: the local `LoraBackend`, with each collective call handed to the
+    other ranks first (`torch.distributed.broadcast_object_list` on the control group)."""
+
+    def __init__(self, backend, member: Member):
+        self.backend = backend
+        self.member = member
+
+    def __getattr__(self, name):
+        attr = getattr(self.backend, name)
+        if name not in COLLECTIVE_CALLS:
+            return attr
+
+        def call(*args, **kwargs):
+            args, kwargs = _decided(name, args, kwargs)
+            try:
+                self._send((name, args, kwargs))
+                return getattr(self.backend, name)(*args, **kwargs)
+            except QuiltError:
+                raise  # the caller's mistake, met alike by every rank: the gang is still in step
+            except Exception as exc:
+                raise GangBroken(f"{name} failed on rank 0: {type(exc).__name__}: {exc}") from exc
+
+        return call
+
+    def _send(self, message) -> None:
+        dist.broadcast_object_list([message], src=0, group=self.member.control)
+
+    def close(self) -> None:
+        """Tell the other ranks the trainer is stopping (they return from `follow`)."""
+        self._send(None)
+
+
+def _decided(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Make the choices a call would leave to each rank (a random seed, the clock) on rank 0."""
+    if name == "create":
+        model_id, lora = args
+        if lora.seed is None:
+            lora = dataclasses.replace(lora, seed=int.from_bytes(os.urandom(4), "little"))
+        return (model_id, lora), kwargs
+    if name == "offload_idle" and kwargs.get("now") is None:
+        import time
+
+        kwargs = {**kwargs, "now": time.monotonic()}
+    return args, kwargs
+
+
+def follow(backend, member: Member) -> None:
+    """A rank other than 0: make rank 0's calls on this rank's backend until it stops.
+
+    Writes are rank 0's: an export or save here only takes part in gathering the shares. A call that
+    fails for the caller's reason fails alike on rank 0, where it is reported; any other failure ends
+    this rank, and with it the gang (`GangBroken`)."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=member.control)
+        if box[0] is None:
+            return
+        name, args, kwargs = box[0]
+        if name == "save":
+            name = "export"
+        try:
+            getattr(backend, name)(*args, **kwargs)
+        except QuiltError:
+            log.info("rank %d: %s refused, as on rank 0", member.rank, name)
+
+
+def leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

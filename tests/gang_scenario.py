@@ -1,0 +1,84 @@
+"""Four tenants x three steps on one backend: the trainer gang tests run it on a single process and
+on a gang (`python -m torch.distributed.run --nproc-per-node 2 tests/gang_scenario.py BASE PARALLEL OUT`),
+whose rank 0 saves what it saw for the test to compare."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from batcher import gang
+from batcher.backend import LoraBackend, PassRequest
+from core.loss_spec import LossConfig
+from core.work import AdamParams, Datum, LoraShape, PassWork
+
+ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.01, "grad_clip_norm": 1.0}
+
+
+def _datum(start: int, n: int) -> Datum:
+    toks = tuple(range(start, start + n + 1))
+    return Datum(toks[:-1], {"target_tokens": toks[1:], "weights": (1.0,) * n}, None)
+
+
+def _is_datum(start: int, n: int) -> Datum:
+    toks = tuple(range(start, start + n + 1))
+    return Datum(toks[:-1], {"target_tokens": toks[1:], "logprobs": tuple(-1.0 - 0.01 * i for i in range(n)),
+                             "advantages": tuple(0.5 - 0.1 * (i % 7) for i in range(n))}, None)
+
+
+def specs(moe: bool) -> dict:
+    """Different ranks, module groups, losses, learning rates and clipping (no MLP LoRA on MoE)."""
+    mlp = {"train_mlp": False} if moe else {}
+    return {
+        "t1": ({"rank": 4, "seed": 11, **mlp}, {**ADAM, "grad_clip_norm": 0.0}, "cross_entropy", [_datum(3, 12)]),
+        "t2": ({"rank": 8, "seed": 12, "train_mlp": False}, {**ADAM, "learning_rate": 3e-3}, "importance_sampling",
+               [_is_datum(20, 7), _is_datum(90, 20)]),
+        "t3": ({"rank": 16, "seed": 13, "train_unembed": False, **mlp}, {**ADAM, "learning_rate": 2e-2,
+                                                                        "grad_clip_norm": 0.5},
+               "cross_entropy", [_datum(200, 16)]),
+        "t4": ({"rank": 8, "seed": 14, "train_attn": False, "train_mlp": not moe}, {**ADAM, "weight_decay": 0.1},
+               "cross_entropy", [_datum(400, 5), _datum(500, 9), _datum(600, 3)]),
+    }
+
+
+def run(backend, moe: bool) -> dict:
+    """The scenario: three fused rounds of four tenants, an AdamW step each. Returns every datum's
+    loss outputs, then each adapter's whole weights and AdamW moments."""
+    plan = specs(moe)
+    for model_id, (lora, _, _, _) in plan.items():
+        backend.create(model_id, LoraShape(**lora))
+    outputs = []
+    for _ in range(3):
+        outs = backend.run_pass([PassRequest(m, m, PassWork(loss, LossConfig(), tuple(data)), False)
+                                 for m, (_, _, loss, data) in plan.items()])
+        assert all(isinstance(o, dict) for o in outs), outs
+        outputs.append([o["loss_fn_outputs"] for o in outs])
+        for model_id, (_, adam, _, _) in plan.items():
+            backend.optim_step(model_id, AdamParams(**adam))
+    adapters = {m: backend.adapter_state(m) for m in plan}
+    moments = {m: backend.optimizer_state(m)["state"] for m in plan}
+    return {"outputs": outputs, "adapters": adapters, "moments": moments}
+
+
+def main() -> None:
+    base, parallel, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    member = gang.join(gang.GangShape(2, parallel), "cpu")
+    backend = LoraBackend(base, dtype=torch.float64, gang=member)
+    moe = "moe" in backend.config.get("model_type", "")
+    if member.leader:
+        leader = gang.GangBackend(backend, member)
+        result = run(leader, moe)
+        leader.close()
+        # how much of the base this rank holds (a DTensor's local share, a plain tensor whole)
+        result["held"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                             for p in backend.base.parameters())
+        torch.save(result, out)
+    else:
+        gang.follow(backend, member)
+    gang.leave()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""A trainer gang (batcher.gang) against the single-process trainer: 2-rank gangs on gloo, started by
+torch.distributed.run as `quilt up --trainer-ranks 2` starts them, train four tenants for three
+steps in float64 and must match one process to 1e-9: every adapter, every AdamW moment, every
+datum's loss outputs. Tensor parallel and FSDP on the tiny Qwen3, expert parallel on the tiny
+Qwen3-MoE. Rank 0 drives the other rank through the same protocol the trainer loop uses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gang_scenario import run
+
+from batcher import gang
+from batcher.backend import LoraBackend
+from stack.tiny_model import TinyModelSpec, build_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.stack  # several real processes
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gang")
+    return {arch: build_tiny_model(root / arch, spec=TinyModelSpec(architecture=arch)).path
+            for arch in ("qwen3", "qwen3_moe")}
+
+
+def _gang(base: Path, parallel: str, out: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "sdk"), str(ROOT / "tests")]),
+           "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(ROOT / "tests" / "gang_scenario.py"), str(base), parallel, str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("arch,parallel", [("qwen3", "tp"), ("qwen3_moe", "ep"), ("qwen3", "fsdp")])
+def test_a_two_rank_gang_trains_as_one_process_does(bases, tmp_path, arch, parallel):
+    got = _gang(bases[arch], parallel, tmp_path / "gang.pt")
+    alone = LoraBackend(bases[arch], dtype=torch.float64)
+    expected = run(alone, moe=arch == "qwen3_moe")
+
+    # Each rank held only its part of the base.
+    assert got["held"] < 0.75 * sum(p.numel() for p in alone.base.parameters()), got["held"]
+    for model_id, state in expected["adapters"].items():
+        assert got["adapters"][model_id].keys() == state.keys()
+        for key, tensor in state.items():
+            torch.testing.assert_close(got["adapters"][model_id][key], tensor, rtol=1e-9, atol=1e-12,
+                                       msg=f"{model_id} {key}")
+    for model_id, moments in expected["moments"].items():
+        for i, entry in moments.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(got["moments"][model_id][i][key], entry[key], rtol=1e-9, atol=1e-15,
+                                           msg=f"{model_id} {i} {key}")
+            assert float(got["moments"][model_id][i]["step"]) == float(entry["step"]) == 3
+    for step_got, step_expected in zip(got["outputs"], expected["outputs"], strict=True):
+        for request_got, request_expected in zip(step_got, step_expected, strict=True):
+            for datum_got, datum_expected in zip(request_got, request_expected, strict=True):
+                for key, value in datum_expected.items():
+                    torch.testing.assert_close(torch.tensor(datum_got[key]["data"]), torch.tensor(value["data"]),
+                                               rtol=1e-9, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize("shape,config,problem", [
+    (gang.GangShape(2, "tp"), {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 768}, None),
+    (gang.GangShape(4, "tp"), {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 768},
+     "num_key_value_heads=2 is not divisible by 4"),
+    (gang.GangShape(2, "ep"), {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 768},
+     "expert parallel needs a mixture-of-experts base"),
+    (gang.GangShape(2, "ep"), {"num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 3},
+     "3 experts are not divisible by 2"),
+    (gang.GangShape(8, "fsdp"), {"num_attention_heads": 4, "num_key_value_heads": 2}, None),
+    (gang.GangShape(1, "tp"), {"num_attention_heads": 3}, None),
+])
+def test_which_bases_a_gang_shape_can_split(shape, config, problem):
+    problems = gang.check_shape(shape, config)
+    if problem is None:
+        assert problems == []
+    else:
+        assert any(problem in p for p in problems), problems
+
+
+@pytest.mark.parametrize("ranks,parallel", [(0, "tp"), (2, "pp")])
+def test_a_gang_shape_refuses_what_it_cannot_be(ranks, parallel):
+    with pytest.raises(ValueError):
+        gang.GangShape(ranks, parallel)
