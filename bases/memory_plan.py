@@ -65,6 +65,8 @@ class PlanInputs:
     max_lora_rank: int = 64  # vLLM reserves every LoRA slot at this rank
     max_loras: int = 8  # sampler adapter slots
     max_context: int = 8192  # the sampler's longest sequence
+    trainer_ranks: int = 1  # GPUs of the trainer gang (tensor parallel: each holds 1/N of the layers)
+    sampler_ranks: int = 1  # vLLM's tensor-parallel size (each GPU holds 1/N of the weights and KV heads)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class MemoryPlan:
     resident_adapters: int
     trainer_free_bytes: int  # after everything above (negative: does not fit)
     gen_bytes: int
+    sampler_base_bytes: int  # the sampler's share of the weights (per GPU)
     lora_slot_bytes: int
     kv_bytes_per_token: int
     kv_cache_bytes: int
@@ -99,7 +102,8 @@ class MemoryPlan:
     def rows(self) -> list[tuple[str, str]]:
         g = lambda b: f"{b / GiB:,.2f} GiB"
         return [
-            ("trainer memory", g(self.trainer_bytes)),
+            ("trainer memory" + (f" per rank ({self.inputs.trainer_ranks} ranks)" if self.inputs.trainer_ranks > 1
+                                 else ""), g(self.trainer_bytes)),
             ("  base weights", g(self.base_bytes)),
             ("  activations per token", f"{self.activation_bytes_per_token / 2**20:,.2f} MiB"),
             ("  token budget per pass", f"{self.token_budget:,}"),
@@ -108,8 +112,9 @@ class MemoryPlan:
              f"{self.adapter_bytes / 2**20:,.1f} MiB"),
             ("  resident adapters", f"{self.resident_adapters:,}"),
             ("  left over", g(self.trainer_free_bytes)),
-            ("sampler memory", g(self.gen_bytes)),
-            ("  base weights", g(self.base_bytes)),
+            ("sampler memory" + (f" per GPU (tensor parallel {self.inputs.sampler_ranks})"
+                                 if self.inputs.sampler_ranks > 1 else ""), g(self.gen_bytes)),
+            ("  base weights", g(self.sampler_base_bytes)),
             ("  LoRA slots", g(self.lora_slot_bytes)),
             ("  KV cache", g(self.kv_cache_bytes)),
             ("  KV per token", f"{self.kv_bytes_per_token / 2**10:,.1f} KiB"),
@@ -131,12 +136,17 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     usable = int(inputs.device_bytes * (1 - RESERVE_FRACTION))
     gen_bytes = int(usable * inputs.gen_memory_share) if inputs.shared_device else usable
     trainer_bytes = usable - gen_bytes if inputs.shared_device else usable
-    base_bytes = total * width
+    # A trainer gang splits the decoder layers over its ranks and keeps the embeddings and the
+    # unembedding whole on each (batcher.gang); vLLM splits everything.
+    whole = vocab * h * (1 if shape.tied else 2)
+    base_bytes = ((total - whole) // inputs.trainer_ranks + whole) * width
+    sampler_base = total * width // inputs.sampler_ranks
 
     # A frozen-base LoRA backward keeps, per token and layer, the inputs of every wrapped Linear and
-    # of the norms and attention (about 8 hidden-wide and 3 MLP-wide vectors in the base dtype);
-    # the logits and their log-softmax are float32.
-    activation = layers * (8 * h + 2 * shape.heads * shape.head_dim + 3 * inter) * width + 2 * vocab * 4
+    # of the norms and attention (about 8 hidden-wide and 3 MLP-wide vectors in the base dtype; the
+    # head- and MLP-wide ones split over a gang's ranks); the logits and their log-softmax are float32.
+    split_width = (2 * shape.heads * shape.head_dim + 3 * inter) // inputs.trainer_ranks
+    activation = layers * (8 * h + split_width) * width + 2 * vocab * 4
     compute_copy = width if width < 4 else 0
     adapter = architectures.lora_parameters(config, inputs.adapter_rank, list(arch.targets(tied=False))) \
         * (4 * ADAPTER_STATE_COPIES + compute_copy)
@@ -160,12 +170,14 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     elif left > 0 and resident < 1:
         problems.append("token_budget: no adapter fits beside the activations; lower QUILT_TRAINER_TOKEN_BUDGET")
 
-    kv_per_token = layers * shape.kv_width * width
+    # vLLM splits the KV heads over its GPUs (past their count, each GPU keeps one head's copy)
+    kv_per_token = layers * shape.kv_width * width // min(inputs.sampler_ranks, shape.kv_heads)
     lora_slots = inputs.max_loras * architectures.lora_parameters(
         config, inputs.max_lora_rank, list(arch.targets(tied=False))) * width
     # vLLM's own activation peak at its batch: about one max_context prefill's worth
-    gen_activation = inputs.max_context * (4 * h + 2 * inter) * width + inputs.max_context * vocab * 4 // 16
-    kv_cache = gen_bytes - base_bytes - lora_slots - gen_activation
+    gen_activation = inputs.max_context * (4 * h + 2 * inter // inputs.sampler_ranks) * width \
+        + inputs.max_context * vocab * 4 // 16
+    kv_cache = gen_bytes - sampler_base - lora_slots - gen_activation
     kv_tokens = max(0, kv_cache // kv_per_token)
     sequences = kv_tokens // max(1, inputs.max_context)
     if sequences < 1:
@@ -174,7 +186,29 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
                         f"one sequence of {inputs.max_context:,} tokens; raise gen_memory_share, lower max_loras or "
                         "max_context, or use a larger device")
     return MemoryPlan(inputs, trainer_bytes, base_bytes, activation, adapter, budget, resident, free, gen_bytes,
-                      lora_slots, kv_per_token, max(kv_cache, 0), kv_tokens, sequences, tuple(problems), tuple(sampler))
+                      sampler_base, lora_slots, kv_per_token, max(kv_cache, 0), kv_tokens, sequences, tuple(problems),
+                      tuple(sampler))
+
+
+RANK_CHOICES = (1, 2, 4, 8, 16, 32, 64)  # GPUs per node are powers of two; past 8 a gang spans nodes
+
+
+def fewest_ranks(config: Mapping, inputs: PlanInputs) -> tuple[int | None, int | None]:
+    """(trainer ranks, sampler tensor-parallel size): the fewest GPUs of `inputs.device_bytes` each
+    on which the trainer gang and the sampler fit, planned on separate devices (a base this big
+    gives each worker its own GPUs); None where even 64 do not. Heads must divide evenly over a
+    trainer gang; vLLM also needs its attention heads divisible by its size."""
+    import dataclasses
+
+    shape = architectures.Shape.of(config)
+    separate = dataclasses.replace(inputs, shared_device=False)
+    trainer = next((n for n in RANK_CHOICES if shape.heads % n == 0 and shape.kv_heads % n == 0
+                    and not plan_memory(config, dataclasses.replace(separate, trainer_ranks=n)).trainer_problems),
+                   None)
+    sampler = next((n for n in RANK_CHOICES if shape.heads % n == 0
+                    and not plan_memory(config, dataclasses.replace(separate, sampler_ranks=n)).sampler_problems),
+                   None)
+    return trainer, sampler
 
 
 def device_bytes(device: str, configured: str = "") -> int:
@@ -194,16 +228,16 @@ def device_bytes(device: str, configured: str = "") -> int:
 
 def for_worker(config: Mapping, *, device: str, dtype: str, configured_memory: str = "", token_budget: int = 0,
                max_lora_rank: int = 64, max_loras: int = 8, gen_memory_share: float = 0.5,
-               max_context: int = 8192, shares_device: bool = True) -> MemoryPlan:
-    """The plan a trainer checks at start. On a GPU it shares the device with vLLM unless told
-    otherwise; on the CPU vLLM's KV cache is its own setting, so the trainer plans with the host's
-    available memory."""
+               max_context: int = 8192, shares_device: bool = True, ranks: int = 1) -> MemoryPlan:
+    """The plan a trainer checks at start (one rank's, in a gang of `ranks`). On a GPU it shares the
+    device with vLLM unless told otherwise; on the CPU vLLM's KV cache is its own setting, so the
+    trainer plans with the host's available memory."""
     shared = shares_device and not device.startswith("cpu")
     return plan_memory(config, PlanInputs(
         device_bytes=device_bytes(device, configured_memory), dtype=resolve_dtype(dtype, device),
         shared_device=shared, gen_memory_share=gen_memory_share,
         token_budget=token_budget or None, max_lora_rank=max_lora_rank, max_loras=max_loras,
-        max_context=max_context))
+        max_context=max_context, trainer_ranks=ranks))
 
 
 def sampler_problems(config: Mapping, *, accelerator: bool, dtype: str, gen_memory_share: float,

@@ -109,6 +109,10 @@ def _check_serving(serving: dict) -> None:
     loras = serving.get("max_loras")
     if loras is not None and not 2 <= loras <= 256:
         raise InvalidInput(f"--max-loras must be in [2, 256], got {loras}", field="max_loras")
+    for key in ("trainer_ranks", "tensor_parallel", "pipeline_parallel"):
+        value = serving.get(key)
+        if value is not None and not 1 <= value <= 64:
+            raise InvalidInput(f"--{key.replace('_', '-')} must be in [1, 64], got {value}", field=key)
     for key in ("device", "gen_device"):
         value = serving.get(key)
         if value is not None and (not value or len(value) > 32 or not value.replace(":", "").replace(",", "").isalnum()):

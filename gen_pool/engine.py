@@ -173,6 +173,9 @@ class GenEngine:
         kw = {}
         if not current_platform.is_cpu():
             kw["gpu_memory_utilization"] = settings.gpu_memory_share
+        if settings.tensor_parallel > 1 or settings.pipeline_parallel > 1:
+            kw.update(tensor_parallel_size=settings.tensor_parallel, pipeline_parallel_size=settings.pipeline_parallel,
+                      enable_expert_parallel=settings.expert_parallel, fully_sharded_loras=settings.fully_sharded_loras)
         if settings.suffix_speculation:
             kw["speculative_config"] = speculative_config(settings.concurrency_target, settings.speculation_below,
                                                           settings.speculative_tokens,

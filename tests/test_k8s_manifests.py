@@ -43,6 +43,22 @@ def _pods(objs):
             yield o, o["spec"]["template"]["spec"]
 
 
+def test_the_gang_overlay_gives_each_gang_pod_the_gpus_its_ranks_use():
+    objs = render("gpu-gang")
+    config = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "quilt-config")["data"]
+    ranks, tensor_parallel = int(config["QUILT_TRAINER_RANKS"]), int(config["QUILT_GEN_TENSOR_PARALLEL"])
+    sets = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "StatefulSet"}
+    trainer = sets["quilt-trainer"]["template"]["spec"]["containers"][0]
+    assert trainer["command"][:3] == ["python", "-m", "torch.distributed.run"]
+    assert trainer["command"][trainer["command"].index("--nproc-per-node") + 1] == str(ranks)
+    assert trainer["resources"]["limits"]["nvidia.com/gpu"] == str(ranks)
+    gen = sets["quilt-gen"]["template"]["spec"]["containers"][0]
+    assert gen["resources"]["limits"]["nvidia.com/gpu"] == str(tensor_parallel)
+    for spec in (sets["quilt-trainer"], sets["quilt-gen"]):
+        mounts = {m["mountPath"] for m in spec["template"]["spec"]["containers"][0]["volumeMounts"]}
+        assert "/dev/shm" in mounts
+
+
 def test_every_object_is_valid_kubernetes(objects):
     _, objs = objects
     assert len(objs) >= 12
@@ -70,8 +86,9 @@ def test_every_container_has_resources_and_the_long_running_ones_probes(objects)
     assert beat["replicas"] == 1 and beat["strategy"]["type"] == "Recreate"
     assert {o["kind"] for o in objs} >= {"PodDisruptionBudget", "Job", "ConfigMap", "PersistentVolumeClaim"}
     images = {c["image"] for _, pod in _pods(objs) for c in pod["containers"]} - {"postgres:16", "redis:7"}
-    assert images == {f"quilt:{overlay}"}, images
-    assert f"-t quilt:{overlay}" in (ROOT / "deploy" / "Dockerfile").read_text()
+    image = overlay.split("-", 1)[0]  # an overlay over another (gpu-gang over gpu) runs that one's image
+    assert images == {f"quilt:{image}"}, images
+    assert f"-t quilt:{image}" in (ROOT / "deploy" / "Dockerfile").read_text()
 
 
 def test_the_gpu_overlay_puts_workers_on_gpus_and_scales_the_api():

@@ -3,6 +3,7 @@ size-based prices, without services: every refusal names its field and the fix."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -159,6 +160,45 @@ def test_memory_plan_fits_an_8b_on_80_gib_and_refuses_it_on_16():
     starved = memory_plan.plan_memory(QWEN3_8B, memory_plan.PlanInputs(device_bytes=80 * memory_plan.GiB,
                                                                        gen_memory_share=0.2))
     assert any(p.startswith("gen_memory_share") for p in starved.problems), starved.problems
+
+
+# Published shapes of two bases no single GPU trains.
+LLAMA_70B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
+             "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+             "tie_word_embeddings": False}
+QWEN3_235B_A22B = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+                   "moe_intermediate_size": 1536, "num_hidden_layers": 94, "num_attention_heads": 64,
+                   "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+                   "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("config,gib,trainer,sampler", [
+    (QWEN3_8B, 80, 1, 1),
+    (LLAMA_70B, 141, 2, 2),
+    (LLAMA_70B, 80, 4, 4),
+    (QWEN3_235B_A22B, 141, 4, 4),
+    # Eight ranks would split its 4 KV heads in halves: no tensor-parallel gang trains it on 80 GB.
+    (QWEN3_235B_A22B, 80, None, 8),
+])
+def test_the_plan_says_how_many_gpus_a_base_needs(config, gib, trainer, sampler):
+    inputs = memory_plan.PlanInputs(device_bytes=gib * memory_plan.GiB)
+    assert memory_plan.fewest_ranks(config, inputs) == (trainer, sampler)
+    if trainer:
+        plan = memory_plan.plan_memory(config, dataclasses.replace(inputs, shared_device=False, trainer_ranks=trainer,
+                                                                   sampler_ranks=sampler))
+        assert not plan.problems, plan.problems
+        # one rank fewer does not fit (unless one is all it takes)
+        if trainer > 1:
+            fewer = memory_plan.plan_memory(config, dataclasses.replace(inputs, shared_device=False,
+                                                                        trainer_ranks=trainer // 2))
+            assert fewer.trainer_problems
+
+
+def test_a_gang_rank_holds_its_share_of_the_layers_and_all_of_the_embeddings():
+    one = memory_plan.plan_memory(LLAMA_70B, memory_plan.PlanInputs(device_bytes=141 * memory_plan.GiB))
+    two = memory_plan.plan_memory(LLAMA_70B, memory_plan.PlanInputs(device_bytes=141 * memory_plan.GiB, trainer_ranks=2))
+    embeddings = 2 * 128256 * 8192 * 2
+    assert two.base_bytes == (one.base_bytes - embeddings) // 2 + embeddings
 
 
 def test_sizes_parse_and_nonsense_is_refused():
