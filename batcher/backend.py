@@ -606,29 +606,27 @@ class LoraBackend:
     def load(self, model_id: str, directory: str, *, optimizer: bool) -> None:
         """Load a checkpoint into an existing model with the same LoRA shape; clears gradients.
         Without `optimizer`, the optimizer starts fresh (Tinker's load_state semantics)."""
-        from safetensors.torch import load_file
+        self.load_saved(model_id, read_saved(directory, optimizer=optimizer))
 
+    def load_saved(self, model_id: str, saved: Saved) -> None:
+        """`load`, from a checkpoint already read (a gang's rank 0 reads it and hands it to the
+        others, so no rank but 0 needs the files)."""
         self.ensure_resident([model_id])
         adapter = self.adapters[model_id]
-        src = Path(directory)
-        meta = TrainerMeta.read(src)
-        saved, ours = meta.lora_config, adapter.lora_config
+        ours = adapter.lora_config
         for key in ("rank", "train_attn", "train_mlp", "train_unembed"):
-            if saved.get(key, True) != ours.get(key, True):
-                raise InvalidInput(
-                    f"checkpoint has lora_config.{key}={saved.get(key)!r} but this model has {ours.get(key)!r}",
-                    field="path",
-                )
-        state = load_file(str(src / ADAPTER_WEIGHTS), device=str(self.device))
+            if saved.meta.lora_config.get(key, True) != ours.get(key, True):
+                raise InvalidInput(f"checkpoint has lora_config.{key}={saved.meta.lora_config.get(key)!r} but this "
+                                   f"model has {ours.get(key)!r}", field="path")
         try:
-            self.lora.load_state_dict(adapter.name, state)
+            self.lora.load_state_dict(adapter.name, saved.weights)
         except ValueError as exc:
             raise InvalidInput(f"checkpoint does not fit this model: {exc}", field="path") from None
         self.lora.clear_grads(adapter.name)
         adapter.optimizer = self._optimizer(adapter.params)
-        if optimizer:
-            self._load_optimizer_state(adapter, torch.load(src / OPTIMIZER_FILE, weights_only=True))
-        adapter.steps = meta.steps
+        if saved.optimizer is not None:
+            self._load_optimizer_state(adapter, saved.optimizer)
+        adapter.steps = saved.meta.steps
 
     def _peft_config(self, adapter: Adapter):
         """The adapter_config.json that PEFT and vLLM read."""
@@ -637,6 +635,24 @@ class LoraBackend:
         return LoraConfig(r=int(adapter.lora_config["rank"]), lora_alpha=LORA_ALPHA, lora_dropout=0.0,
                           target_modules=architectures.lora_targets(self.config, adapter.lora_config), bias="none", task_type="CAUSAL_LM",
                           base_model_name_or_path=self.base_path)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A checkpoint directory read into host memory: whole PEFT weights, AdamW state if asked for."""
+
+    meta: TrainerMeta
+    weights: dict[str, torch.Tensor]
+    optimizer: dict | None
+
+
+def read_saved(directory: str, *, optimizer: bool) -> Saved:
+    from safetensors.torch import load_file
+
+    src = Path(directory)
+    meta = TrainerMeta.read(src)
+    return Saved(meta, load_file(str(src / ADAPTER_WEIGHTS)),
+                 torch.load(src / OPTIMIZER_FILE, weights_only=True) if optimizer else None)
 
 
 def _input_tensor(key: str, values: tuple, n: int, width: int) -> torch.Tensor:

@@ -194,7 +194,7 @@ def splits(model: nn.Module, targets: tuple[str, ...]) -> dict[str, Split]:
 
 # The backend calls that change tensors or run collectives: every rank makes them, in rank 0's order.
 # (has, policy_version, residency, last_pass and adapters only read rank 0's own state.)
-COLLECTIVE_CALLS = frozenset({"create", "delete", "run_pass", "optim_step", "load", "export", "save",
+COLLECTIVE_CALLS = frozenset({"create", "delete", "run_pass", "optim_step", "load_saved", "export", "save",
                               "offload_idle", "ensure_resident", "adapter_state", "optimizer_state"})
 
 
@@ -217,18 +217,23 @@ class GangBackend:
         attr = getattr(self.backend, name)
         if name not in COLLECTIVE_CALLS:
             return attr
+        return lambda *args, **kwargs: self._call(name, args, kwargs)
 
-        def call(*args, **kwargs):
-            args, kwargs = _decided(name, args, kwargs)
-            try:
-                self._send((name, args, kwargs))
-                return getattr(self.backend, name)(*args, **kwargs)
-            except QuiltError:
-                raise  # the caller's mistake, met alike by every rank: the gang is still in step
-            except Exception as exc:
-                raise GangBroken(f"{name} failed on rank 0: {type(exc).__name__}: {exc}") from exc
+    def load(self, model_id: str, directory: str, *, optimizer: bool) -> None:
+        """Read the checkpoint here (only rank 0 needs the files), then load it on every rank."""
+        from batcher.backend import read_saved
 
-        return call
+        self._call("load_saved", (model_id, read_saved(directory, optimizer=optimizer)), {})
+
+    def _call(self, name: str, args: tuple, kwargs: dict):
+        args, kwargs = _decided(name, args, kwargs)
+        try:
+            self._send((name, args, kwargs))
+            return getattr(self.backend, name)(*args, **kwargs)
+        except QuiltError:
+            raise  # the caller's mistake, met alike by every rank: the gang is still in step
+        except Exception as exc:
+            raise GangBroken(f"{name} failed on rank 0: {type(exc).__name__}: {exc}") from exc
 
     def _send(self, message) -> None:
         dist.broadcast_object_list([message], src=0, group=self.member.control)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 _GROUPED = getattr(torch, "_grouped_mm", None)
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -189,7 +190,7 @@ class MultiLoraLinear(nn.Module):
         self.slabs: dict[int, _Slab] = {}  # not registered: the base's parameters stay the base's
         # A distributed base layer's output is a view its DTensor made (`to_local`), which autograd
         # does not let a custom Function change in place: the LoRA adds into a copy of it.
-        self.copy_output = type(base.weight).__name__ == "DTensor"
+        self.copy_output = isinstance(base.weight, DTensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)

@@ -41,6 +41,12 @@ skip() {  # name, why: a benchmark this machine cannot run, said in its JSON lin
 run fused_8b 300 "$PY" bench/fused_step.py --device cuda --dtype bfloat16 --shape 8b --reps 3 --rank 16 \
   --sequential-up-to 16
 run fused_1_6b 120 "$PY" bench/fused_step.py --device cuda --dtype bfloat16 --shape 1.6b --tokens 64 --reps 5
+# A trainer gang against one GPU: only where there are two to split the base over.
+if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  run gang 240 "$PY" bench/gang_step.py --device cuda --ranks 2 --hidden 4096 --layers 8 --tenants 8 --tokens 512
+else
+  skip gang "one GPU: a gang needs two"
+fi
 # The other three drive vLLM's CUDA engine. A machine that has the GPU but not the gpu extra (an
 # image without vLLM and no registry to fetch it from) still measures the trainer.
 if "$PY" -c 'import vllm' 2>/dev/null; then
@@ -56,5 +62,5 @@ echo
 import json, sys
 from pathlib import Path
 work = Path(sys.argv[1])
-print(json.dumps({"gpu": True, **{n: json.loads((work / f"{n}.json").read_text()) for n in ("fused_8b", "fused_1_6b", "fill", "first_token", "suffix")}}))
+print(json.dumps({"gpu": True, **{n: json.loads((work / f"{n}.json").read_text()) for n in ("fused_8b", "fused_1_6b", "gang", "fill", "first_token", "suffix")}}))
 PY

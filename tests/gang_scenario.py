@@ -1,6 +1,6 @@
 """Four tenants x three steps on one backend: the trainer gang tests run it on a single process and
 on a gang (`python -m torch.distributed.run --nproc-per-node 2 tests/gang_scenario.py BASE PARALLEL OUT`),
-whose rank 0 saves what it saw for the test to compare."""
+whose rank 0 saves what it saw for the test to compare (and alone reads and writes checkpoints)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from bases import architectures
 from batcher import gang
 from batcher.backend import LoraBackend, PassRequest
 from core.loss_spec import LossConfig
@@ -28,25 +29,31 @@ def _is_datum(start: int, n: int) -> Datum:
                              "advantages": tuple(0.5 - 0.1 * (i % 7) for i in range(n))}, None)
 
 
-def specs(moe: bool) -> dict:
-    """Different ranks, module groups, losses, learning rates and clipping (no MLP LoRA on MoE)."""
-    mlp = {"train_mlp": False} if moe else {}
+def specs(config: dict) -> dict:
+    """Different ranks, module groups, losses, learning rates and clipping, within what the base
+    can carry (no MLP LoRA on MoE, no lm_head LoRA where vLLM or tied embeddings refuse it)."""
+    can = architectures.supported_switches(config)
+    mlp = {} if can["train_mlp"] else {"train_mlp": False}
+    head = {} if can["train_unembed"] else {"train_unembed": False}
     return {
-        "t1": ({"rank": 4, "seed": 11, **mlp}, {**ADAM, "grad_clip_norm": 0.0}, "cross_entropy", [_datum(3, 12)]),
-        "t2": ({"rank": 8, "seed": 12, "train_mlp": False}, {**ADAM, "learning_rate": 3e-3}, "importance_sampling",
-               [_is_datum(20, 7), _is_datum(90, 20)]),
+        "t1": ({"rank": 4, "seed": 11, **mlp, **head}, {**ADAM, "grad_clip_norm": 0.0}, "cross_entropy",
+               [_datum(3, 12)]),
+        "t2": ({"rank": 8, "seed": 12, "train_mlp": False, **head}, {**ADAM, "learning_rate": 3e-3},
+               "importance_sampling", [_is_datum(20, 7), _is_datum(90, 20)]),
         "t3": ({"rank": 16, "seed": 13, "train_unembed": False, **mlp}, {**ADAM, "learning_rate": 2e-2,
                                                                         "grad_clip_norm": 0.5},
                "cross_entropy", [_datum(200, 16)]),
-        "t4": ({"rank": 8, "seed": 14, "train_attn": False, "train_mlp": not moe}, {**ADAM, "weight_decay": 0.1},
+        "t4": ({"rank": 8, "seed": 14, "train_attn": False, "train_mlp": can["train_mlp"],
+                "train_unembed": can["train_unembed"]}, {**ADAM, "weight_decay": 0.1},
                "cross_entropy", [_datum(400, 5), _datum(500, 9), _datum(600, 3)]),
     }
 
 
-def run(backend, moe: bool) -> dict:
-    """The scenario: three fused rounds of four tenants, an AdamW step each. Returns every datum's
-    loss outputs, then each adapter's whole weights and AdamW moments."""
-    plan = specs(moe)
+def run(backend, workdir: Path) -> dict:
+    """The scenario: three fused rounds of four tenants, an AdamW step each, then t1 saved and
+    loaded into a new model "t1-copy". Returns every datum's loss outputs, then each adapter's whole
+    weights and AdamW moments."""
+    plan = specs(backend.config)
     for model_id, (lora, _, _, _) in plan.items():
         backend.create(model_id, LoraShape(**lora))
     outputs = []
@@ -57,8 +64,12 @@ def run(backend, moe: bool) -> dict:
         outputs.append([o["loss_fn_outputs"] for o in outs])
         for model_id, (_, adam, _, _) in plan.items():
             backend.optim_step(model_id, AdamParams(**adam))
-    adapters = {m: backend.adapter_state(m) for m in plan}
-    moments = {m: backend.optimizer_state(m)["state"] for m in plan}
+    backend.save("t1", str(workdir / "t1"), overwrite=True)
+    backend.create("t1-copy", LoraShape(**plan["t1"][0]))
+    backend.load("t1-copy", str(workdir / "t1"), optimizer=True)
+    models = [*plan, "t1-copy"]
+    adapters = {m: backend.adapter_state(m) for m in models}
+    moments = {m: backend.optimizer_state(m)["state"] for m in models}
     return {"outputs": outputs, "adapters": adapters, "moments": moments}
 
 
@@ -66,10 +77,9 @@ def main() -> None:
     base, parallel, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     member = gang.join(gang.GangShape(2, parallel), "cpu")
     backend = LoraBackend(base, dtype=torch.float64, gang=member)
-    moe = "moe" in backend.config.get("model_type", "")
     if member.leader:
         leader = gang.GangBackend(backend, member)
-        result = run(leader, moe)
+        result = run(leader, out.parent)
         leader.close()
         # how much of the base this rank holds (a DTensor's local share, a plain tensor whole)
         result["held"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
