@@ -245,3 +245,23 @@ def test_per_base_settings_reach_that_bases_workers():
     assert (gen["CUDA_VISIBLE_DEVICES"], gen["QUILT_GEN_GPU_MEMORY_SHARE"], gen["QUILT_GEN_MAX_LORAS"],
             gen["QUILT_GEN_MAX_LORA_RANK"]) == ("2", "0.4", "4", "32")
     assert trainer["KEEP"] == gen["KEEP"] == "1" and "QUILT_GEN_MAX_LORAS" not in trainer
+
+
+def test_a_bases_gang_and_vllm_parallelism_reach_its_workers_and_its_trainer_command():
+    from bases.catalog import BaseModel
+    from stack.launcher import serving_env, trainer_command
+
+    base = BaseModel("b", "/m", 10, 10, serving={"trainer_ranks": 4, "trainer_parallel": "ep", "tensor_parallel": 4,
+                                                 "pipeline_parallel": 2, "expert_parallel": True,
+                                                 "fully_sharded_loras": True})
+    trainer, gen = serving_env(base, {"QUILT_TRAINER_RANKS": "1"})
+    assert (trainer["QUILT_TRAINER_RANKS"], trainer["QUILT_TRAINER_PARALLEL"]) == ("4", "ep")
+    assert (gen["QUILT_GEN_TENSOR_PARALLEL"], gen["QUILT_GEN_PIPELINE_PARALLEL"], gen["QUILT_GEN_EXPERT_PARALLEL"],
+            gen["QUILT_GEN_FULLY_SHARDED_LORAS"]) == ("4", "2", "True", "True")
+    assert trainer_command("py", 1) == ["py", "-m", "batcher.main"]
+    gang = trainer_command("py", int(trainer["QUILT_TRAINER_RANKS"]))
+    assert gang[:3] == ["py", "-m", "torch.distributed.run"] and gang[gang.index("--nproc-per-node") + 1] == "4"
+    assert gang[-2:] == ["-m", "batcher.main"]
+    with pytest.raises(InvalidInput) as exc:
+        model_sources._check_serving({"tensor_parallel": 0})
+    assert exc.value.field == "tensor_parallel" and "[1, 64]" in exc.value.message

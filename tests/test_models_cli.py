@@ -64,8 +64,15 @@ def test_add_list_plan_remove(env, tmp_path):
 
     fits = quilt(env, "models", "plan", "acme/llama-mini", "--gpu-memory", "80GiB")
     assert _plan_json(fits)["fits"] is True and "KV cache" in fits
+    assert (_plan_json(fits)["trainer_gpus"], _plan_json(fits)["sampler_gpus"]) == (1, 1)
+    assert "GPUs needed: the trainer 1 GPU" in fits
     tight = quilt(env, "models", "plan", "acme/llama-mini", "--gpu-memory", "8MiB", expect=2)
     assert "does not fit: device" in tight and _plan_json(tight)["fits"] is False
+    assert _plan_json(tight)["trainer_gpus"] is None and "more GPUs than its heads can be split over" in tight
+    # A gang of the size asked is what the plan is made for.
+    ganged = quilt(env, "models", "plan", "acme/llama-mini", "--gpu-memory", "80GiB", "--trainer-ranks", "2",
+                   "--sampler-ranks", "2")
+    assert "trainer memory per rank (2 ranks)" in ganged and "per GPU (tensor parallel 2)" in ganged
     assert "is not in the catalogue" in quilt(env, "models", "plan", "nobody", expect=2)
 
     # The trainer checks the plan before loading: a device that cannot hold the base is refused.
