@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -100,7 +101,10 @@ def check_shape(shape: GangShape, config: dict) -> list[str]:
     text = config.get("text_config", config)
     problems = []
     if shape.parallel in ("tp", "ep"):
-        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        # heads and MLP widths split over the ranks; the vocabulary too (the unembedding's plan
+        # splits it and gathers the logits)
+        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
+                    "vocab_size"):
             value = text.get(key)
             if value and value % shape.ranks:
                 problems.append(f"{key}={value} is not divisible by {shape.ranks} tensor-parallel ranks")
@@ -178,15 +182,15 @@ def splits(model: nn.Module, targets: tuple[str, ...]) -> dict[str, Split]:
             continue
         mesh = weight.device_mesh
         if mesh.size(mesh.mesh_dim_names.index("tp")) == 1:
-            continue
+            continue  # (a tensor-parallel axis of one: nothing is split)
         style = plan.get(replace_layer_number_by_wildcard(path))
         if style in _WHOLE_STYLES:
             continue
         if style not in _SPLIT_OF_STYLE:
             raise ValueError(f"{path}: tensor-parallel style {style!r} has no LoRA layout here "
                              f"(known: {sorted(_SPLIT_OF_STYLE)} split, {sorted(_WHOLE_STYLES)} whole)")
-        out[path] = Split(_SPLIT_OF_STYLE[style], mesh.get_local_rank("tp"), mesh.size(mesh.mesh_dim_names.index("tp")),
-                          mesh.get_group("tp"))
+        tp = mesh.mesh_dim_names.index("tp")
+        out[path] = Split(_SPLIT_OF_STYLE[style], mesh.get_local_rank(tp), mesh.size(tp), mesh.get_group(tp))
     return out
 
 
@@ -251,8 +255,6 @@ def _decided(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             lora = dataclasses.replace(lora, seed=int.from_bytes(os.urandom(4), "little"))
         return (model_id, lora), kwargs
     if name == "offload_idle" and kwargs.get("now") is None:
-        import time
-
         kwargs = {**kwargs, "now": time.monotonic()}
     return args, kwargs
 

@@ -196,7 +196,8 @@ def test_the_plan_says_how_many_gpus_a_base_needs(config, gib, trainer, sampler)
 
 def test_a_gang_rank_holds_its_share_of_the_layers_and_all_of_the_embeddings():
     one = memory_plan.plan_memory(LLAMA_70B, memory_plan.PlanInputs(device_bytes=141 * memory_plan.GiB))
-    two = memory_plan.plan_memory(LLAMA_70B, memory_plan.PlanInputs(device_bytes=141 * memory_plan.GiB, trainer_ranks=2))
+    two = memory_plan.plan_memory(LLAMA_70B, memory_plan.PlanInputs(device_bytes=141 * memory_plan.GiB,
+                                                                    trainer_ranks=2))
     embeddings = 2 * 128256 * 8192 * 2
     assert two.base_bytes == (one.base_bytes - embeddings) // 2 + embeddings
 

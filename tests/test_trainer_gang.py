@@ -82,6 +82,10 @@ def test_a_two_rank_gang_trains_as_one_process_does(bases, tmp_path, arch, paral
     (gang.GangShape(2, "ep"), {"num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 3},
      "3 experts are not divisible by 2"),
     (gang.GangShape(8, "fsdp"), {"num_attention_heads": 4, "num_key_value_heads": 2}, None),
+    (gang.GangShape(2, "tp"), {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 151655},
+     "vocab_size=151655 is not divisible by 2"),
+    (gang.GangShape(4, "ep"), {"num_attention_heads": 8, "num_key_value_heads": 4, "num_experts": 8,
+                               "moe_intermediate_size": 6}, "moe_intermediate_size=6 is not divisible by 4"),
     (gang.GangShape(1, "tp"), {"num_attention_heads": 3}, None),
 ])
 def test_which_bases_a_gang_shape_can_split(shape, config, problem):
