@@ -14,6 +14,7 @@ layer, plus float32 logits), with a fixed reserve for the framework. Where a set
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -198,8 +199,6 @@ def fewest_ranks(config: Mapping, inputs: PlanInputs) -> tuple[int | None, int |
     on which the trainer gang and the sampler fit, planned on separate devices (a base this big
     gives each worker its own GPUs); None where even 64 do not. Heads must divide evenly over a
     trainer gang; vLLM also needs its attention heads divisible by its size."""
-    import dataclasses
-
     shape = architectures.Shape.of(config)
     separate = dataclasses.replace(inputs, shared_device=False)
     trainer = next((n for n in RANK_CHOICES if shape.heads % n == 0 and shape.kv_heads % n == 0

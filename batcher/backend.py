@@ -121,8 +121,8 @@ class LoraBackend:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
 
-        split = gang is not None and gang.size > 1
         self.gang_size = gang.size if gang is not None else 1
+        split = self.gang_size > 1
         self.device = torch.device(gang_mod.rank_device(device) if split else device)
         self.offload_device = torch.device(offload_device)
         self.max_tokens_per_pass = max_tokens_per_pass

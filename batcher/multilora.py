@@ -114,10 +114,6 @@ class Split:
     count: int
     group: object = None  # the tensor-parallel process group
 
-    def part(self, n: int) -> slice:
-        size = n // self.count
-        return slice(self.index * size, (self.index + 1) * size)
-
     def axis(self, which: str) -> int | None:
         """The axis along which the layer's `which` ("A" [rank, in] or "B" [out, rank]) is split."""
         if which == "A":
@@ -128,7 +124,8 @@ class Split:
         """This rank's share of a whole tensor."""
         if axis is None:
             return full
-        return full.narrow(axis, self.part(full.shape[axis]).start, full.shape[axis] // self.count)
+        size = full.shape[axis] // self.count
+        return full.narrow(axis, self.index * size, size)
 
     def gather(self, part: torch.Tensor, axis: int | None) -> torch.Tensor:
         """The whole tensor from every rank's share (a collective: every rank of the group calls it)."""

@@ -1,7 +1,8 @@
 """The uninterrupted run that a crashed-and-recovered one must equal (tests of durable training).
 
 Three steps of one rank-8 adapter (seed 0) on fixed data, run in-process on the same base. A
-saved checkpoint of the recovered run is compared with it per tensor, to RELATIVE."""
+saved checkpoint of the recovered run is compared with it per tensor, to RELATIVE. The tests make
+the same run over HTTP: `calls_before` the crash, `calls_after` it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from stackutil import ADAM as BASE_ADAM
+from stackutil import datum, fb_body
 
 from batcher.backend import LoraBackend
 from checkpoints.layout import ADAPTER_WEIGHTS, OPTIMIZER_FILE
@@ -39,6 +41,23 @@ def reference(base_path: str) -> tuple[dict, dict]:
         be.run_pass([PassRequest("r", "ref", PassWork("cross_entropy", LossConfig(), (_datum(tokens),)), False)])
         be.optim_step("ref", AdamParams(**ADAM))
     return be.adapter_state("ref"), be.adapters["ref"].optimizer.state_dict()
+
+
+def calls_before(model_id: str) -> list[tuple[str, dict]]:
+    """(route, body) of the run's calls before the crash: seq 1 forward_backward, 2 optim_step, 3
+    forward_backward, whose gradients then live only in the trainer's memory."""
+    return [("/forward_backward", fb_body(model_id, 1, [datum(SEQS[0])])),
+            ("/optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": ADAM}),
+            ("/forward_backward", fb_body(model_id, 3, [datum(SEQS[1])]))]
+
+
+def calls_after(model_id: str, checkpoint: str) -> list[tuple[str, dict]]:
+    """(route, body) of the calls after it: seq 4 optim_step, 5 forward_backward, 6 optim_step, 7
+    save_weights named `checkpoint` (what `assert_recovered` reads)."""
+    return [("/optim_step", {"model_id": model_id, "seq_id": 4, "adam_params": ADAM}),
+            ("/forward_backward", fb_body(model_id, 5, [datum(SEQS[2])])),
+            ("/optim_step", {"model_id": model_id, "seq_id": 6, "adam_params": ADAM}),
+            ("/save_weights", {"model_id": model_id, "seq_id": 7, "path": checkpoint})]
 
 
 def relative(got: torch.Tensor, expected: torch.Tensor) -> float:

@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from durable_reference import ADAM, SEQS, assert_recovered
+from durable_reference import SEQS, assert_recovered, calls_after, calls_before
 from stackutil import TINY, datum, fb_body, new_model, wait_future
 
 from core import db, queue, redis_client
@@ -43,19 +43,12 @@ def test_a_killed_trainer_resumes_every_model_at_its_last_step(stack, tenant):
     client = stack.http(tenant.key)
     model_id = new_model(client, rank=8, seed=0)
     bystander = new_model(client, rank=4, seed=1, model_seq_id=1)  # idle: it must survive too
-    steps = []
-    for seq, body in ((1, fb_body(model_id, 1, [datum(SEQS[0])])),
-                      (2, {"model_id": model_id, "seq_id": 2, "adam_params": ADAM}),
-                      (3, fb_body(model_id, 3, [datum(SEQS[1])]))):
-        r = client.post("/optim_step" if seq == 2 else "/forward_backward", json=body)
-        steps.append(wait_future(client, r.json()["request_id"]))
+    for route, body in calls_before(model_id):
+        wait_future(client, client.post(route, json=body).json()["request_id"])
     # seq 3's gradients exist only in the trainer's memory now, and its answer has been given.
     _kill_trainer(stack)
     watcher = concurrent.futures.ThreadPoolExecutor(1).submit(_statuses_until_ready, stack, tenant.key, model_id)
-    submitted = [client.post("/optim_step", json={"model_id": model_id, "seq_id": 4, "adam_params": ADAM}),
-                 client.post("/forward_backward", json=fb_body(model_id, 5, [datum(SEQS[2])])),
-                 client.post("/optim_step", json={"model_id": model_id, "seq_id": 6, "adam_params": ADAM}),
-                 client.post("/save_weights", json={"model_id": model_id, "seq_id": 7, "path": "after-crash"})]
+    submitted = [client.post(route, json=body) for route, body in calls_after(model_id, "after-crash")]
     results = [wait_future(client, r.json()["request_id"], timeout_s=300) for r in submitted]
     assert all("error" not in r for r in results), results
     # As get_info tells it: recovering from the trainer's death (its heartbeat gone) until the

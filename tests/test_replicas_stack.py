@@ -28,7 +28,7 @@ import psycopg
 import pytest
 import quilt
 from billing_workload import wait_recorded
-from durable_reference import ADAM, SEQS, assert_recovered
+from durable_reference import ADAM, SEQS, assert_recovered, calls_after, calls_before
 from stackutil import ROOT, TINY, datum, fb_body, new_model, wait_future
 
 from core import db, health, queue, redis_client
@@ -241,11 +241,8 @@ def test_a_dead_shards_models_resume_on_the_other_at_their_last_step(replicas_st
     other_api = httpx.Client(base_url=s.api_urls[1] + "/api/v1", headers={"X-API-Key": key}, timeout=60)
     model_id = new_model(client, rank=8, seed=0)
     home = _placed(s, [model_id])[model_id]
-    for seq, body in ((1, fb_body(model_id, 1, [datum(SEQS[0])])),
-                      (2, {"model_id": model_id, "seq_id": 2, "adam_params": ADAM}),
-                      (3, fb_body(model_id, 3, [datum(SEQS[1])]))):
-        res = client.post("/optim_step" if seq == 2 else "/forward_backward", json=body)
-        assert "error" not in wait_future(client, res.json()["request_id"])
+    for route, body in calls_before(model_id):
+        assert "error" not in wait_future(client, client.post(route, json=body).json()["request_id"])
     # seq 3's gradients live only in the frozen shard's memory; its answer has been given. As a
     # frozen process may be caught inside a transaction, a session under the shard's name holds
     # the model's row locked: re-placing the model must end it, not wait on it.
@@ -255,10 +252,8 @@ def test_a_dead_shards_models_resume_on_the_other_at_their_last_step(replicas_st
     os.kill(pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
-        submitted = [other_api.post("/optim_step", json={"model_id": model_id, "seq_id": 4, "adam_params": ADAM}),
-                     client.post("/forward_backward", json=fb_body(model_id, 5, [datum(SEQS[2])])),
-                     other_api.post("/optim_step", json={"model_id": model_id, "seq_id": 6, "adam_params": ADAM}),
-                     client.post("/save_weights", json={"model_id": model_id, "seq_id": 7, "path": "after-move"})]
+        submitted = [api.post(route, json=body) for api, (route, body)  # the two API replicas in turn
+                     in zip((other_api, client, other_api, client), calls_after(model_id, "after-move"))]
         results = [wait_future(client, res.json()["request_id"], timeout_s=300) for res in submitted]
         moved_after_s = time.monotonic() - started
         assert all("error" not in res for res in results), results

@@ -11,8 +11,8 @@ import signal
 
 import psutil
 import pytest
-from durable_reference import ADAM, SEQS, assert_recovered
-from stackutil import TINY, Stack, datum, fb_body, new_model, wait_future
+from durable_reference import assert_recovered, calls_after, calls_before
+from stackutil import TINY, Stack, new_model, wait_future
 
 from stack.ephemeral import ephemeral_stack
 
@@ -86,18 +86,12 @@ def test_a_killed_rank_loses_no_acknowledged_step(gang_stack):
     key = gang_stack.create_tenant().key
     client = gang_stack.http(key)
     model_id = new_model(client, rank=8, seed=0)
-    for seq, body in ((1, fb_body(model_id, 1, [datum(SEQS[0])])),
-                      (2, {"model_id": model_id, "seq_id": 2, "adam_params": ADAM}),
-                      (3, fb_body(model_id, 3, [datum(SEQS[1])]))):
-        r = client.post("/optim_step" if seq == 2 else "/forward_backward", json=body)
-        assert "error" not in wait_future(client, r.json()["request_id"])
+    for route, body in calls_before(model_id):
+        assert "error" not in wait_future(client, client.post(route, json=body).json()["request_id"])
     # seq 3's gradients live only in the gang's memory now, and its answer has been given.
     before = _ranks(gang_stack)
     os.kill(before[1].pid, signal.SIGKILL)
-    submitted = [client.post("/optim_step", json={"model_id": model_id, "seq_id": 4, "adam_params": ADAM}),
-                 client.post("/forward_backward", json=fb_body(model_id, 5, [datum(SEQS[2])])),
-                 client.post("/optim_step", json={"model_id": model_id, "seq_id": 6, "adam_params": ADAM}),
-                 client.post("/save_weights", json={"model_id": model_id, "seq_id": 7, "path": "after-kill"})]
+    submitted = [client.post(route, json=body) for route, body in calls_after(model_id, "after-kill")]
     results = [wait_future(client, r.json()["request_id"], timeout_s=300) for r in submitted]
     assert all("error" not in r for r in results), results
     after = _ranks(gang_stack)
