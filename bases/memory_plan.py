@@ -68,6 +68,7 @@ class PlanInputs:
     max_context: int = 8192  # the sampler's longest sequence
     trainer_ranks: int = 1  # GPUs of the trainer gang (tensor parallel: each holds 1/N of the layers)
     sampler_ranks: int = 1  # vLLM's tensor-parallel size (each GPU holds 1/N of the weights and KV heads)
+    expert_lora: bool = True  # MoE bases: adapters (and vLLM's LoRA slots) on every expert, split over the ranks
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class MemoryPlan:
 
 def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     shape = architectures.Shape.of(config)
-    arch, h, layers, vocab = shape.arch, shape.hidden, shape.layers, shape.vocab
+    h, layers, vocab = shape.hidden, shape.layers, shape.vocab
     width = DTYPE_BYTES[inputs.dtype]
     total, _active = architectures.parameter_counts(config)
     inter = shape.active_mlp_width
@@ -149,7 +150,7 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     split_width = (2 * shape.heads * shape.head_dim + 3 * inter) // inputs.trainer_ranks
     activation = layers * (8 * h + split_width) * width + 2 * vocab * 4
     compute_copy = width if width < 4 else 0
-    adapter = architectures.lora_parameters(config, inputs.adapter_rank, list(arch.targets(tied=False))) \
+    adapter = _adapter_parameters(config, inputs.adapter_rank, inputs.expert_lora, inputs.trainer_ranks) \
         * (4 * ADAPTER_STATE_COPIES + compute_copy)
     left = trainer_bytes - base_bytes
     if left <= 0:
@@ -173,8 +174,8 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
 
     # vLLM splits the KV heads over its GPUs (past their count, each GPU keeps one head's copy)
     kv_per_token = layers * shape.kv_width * width // min(inputs.sampler_ranks, shape.kv_heads)
-    lora_slots = inputs.max_loras * architectures.lora_parameters(
-        config, inputs.max_lora_rank, list(arch.targets(tied=False))) * width
+    lora_slots = inputs.max_loras * _adapter_parameters(config, inputs.max_lora_rank, inputs.expert_lora,
+                                                        inputs.sampler_ranks) * width
     # vLLM's own activation peak at its batch: about one max_context prefill's worth
     gen_activation = inputs.max_context * (4 * h + 2 * inter // inputs.sampler_ranks) * width \
         + inputs.max_context * vocab * 4 // 16
@@ -189,6 +190,17 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     return MemoryPlan(inputs, trainer_bytes, base_bytes, activation, adapter, budget, resident, free, gen_bytes,
                       sampler_base, lora_slots, kv_per_token, max(kv_cache, 0), kv_tokens, sequences, tuple(problems),
                       tuple(sampler))
+
+
+def _adapter_parameters(config: Mapping, rank: int, expert_lora: bool, ranks: int) -> int:
+    """One adapter's parameters on one GPU, on every module the base lets LoRA target: the experts'
+    LoRA (MoE bases, unless left out) is split over the GPUs, which hold the experts apart (the
+    trainer gang's expert parallel, vLLM's expert parallel); the rest is planned whole per GPU."""
+    targets = list(architectures.of_config(config).targets(tied=False))
+    dense = [t for t in targets if t not in architectures.EXPERT_MODULES]
+    plain = architectures.lora_parameters(config, rank, dense)
+    experts = architectures.lora_parameters(config, rank, targets) - plain if expert_lora else 0
+    return plain + experts // ranks
 
 
 RANK_CHOICES = (1, 2, 4, 8, 16, 32, 64)  # GPUs per node are powers of two; past 8 a gang spans nodes
@@ -227,7 +239,8 @@ def device_bytes(device: str, configured: str = "") -> int:
 
 def for_worker(config: Mapping, *, device: str, dtype: str, configured_memory: str = "", token_budget: int = 0,
                max_lora_rank: int = 64, max_loras: int = 8, gen_memory_share: float = 0.5,
-               max_context: int = 8192, shares_device: bool = True, ranks: int = 1) -> MemoryPlan:
+               max_context: int = 8192, shares_device: bool = True, ranks: int = 1,
+               expert_lora: bool = True) -> MemoryPlan:
     """The plan a trainer checks at start (one rank's, in a gang of `ranks`). On a GPU it shares the
     device with vLLM unless told otherwise; on the CPU vLLM's KV cache is its own setting, so the
     trainer plans with the host's available memory."""
@@ -236,19 +249,20 @@ def for_worker(config: Mapping, *, device: str, dtype: str, configured_memory: s
         device_bytes=device_bytes(device, configured_memory), dtype=resolve_dtype(dtype, device),
         shared_device=shared, gen_memory_share=gen_memory_share,
         token_budget=token_budget or None, max_lora_rank=max_lora_rank, max_loras=max_loras,
-        max_context=max_context, trainer_ranks=ranks))
+        max_context=max_context, trainer_ranks=ranks, expert_lora=expert_lora))
 
 
 def sampler_problems(config: Mapping, *, accelerator: bool, dtype: str, gen_memory_share: float,
                      kv_cache_bytes: int, max_loras: int, max_lora_rank: int, max_context: int,
-                     device_memory: int = 0) -> list[str]:
+                     device_memory: int = 0, ranks: int = 1, expert_lora: bool = True) -> list[str]:
     """What stops the generation worker's engine from fitting, checked before vLLM loads anything.
     On a GPU it takes gen_memory_share of the device; on the CPU its KV cache is kv_cache_bytes."""
     resolved = resolve_dtype(dtype, "cuda" if accelerator else "cpu")
     if accelerator:
         plan = plan_memory(config, PlanInputs(device_bytes=device_memory, dtype=resolved,
                                               gen_memory_share=gen_memory_share, max_lora_rank=max_lora_rank,
-                                              max_loras=max_loras, max_context=max_context))
+                                              max_loras=max_loras, max_context=max_context, sampler_ranks=ranks,
+                                              expert_lora=expert_lora))
         return list(plan.sampler_problems)
     shape = architectures.Shape.of(config)
     per_token = shape.layers * shape.kv_width * DTYPE_BYTES[resolved]

@@ -76,6 +76,9 @@ def describe(name: str, local_dir: str, source: dict, *, dtype: str = "auto", ma
     directory = Path(local_dir)
     config = _config(directory)
     arch = architectures.of_config(config)
+    if "expert_lora" in (serving or {}) and not arch.moe:
+        raise InvalidInput(f"--expert-lora is a setting of mixture-of-experts bases; {arch.family} has no experts",
+                           field="expert_lora")
     total, active = _parameters(directory, config)
     context = int(config.get("max_position_embeddings") or 0)
     if context < 1:

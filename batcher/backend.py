@@ -115,9 +115,10 @@ class LoraBackend:
     def __init__(self, base_path: str | Path, *, device: str = "cpu", max_tokens_per_pass: int = 16384,
                  offload_device: str = "cpu", dtype: torch.dtype = torch.float32, max_resident: int = 0,
                  pack_width: int = 4096, head_chunk_tokens: int = 0, model: torch.nn.Module | None = None,
-                 gang: gang_mod.Member | None = None):
+                 gang: gang_mod.Member | None = None, expert_lora: bool = True):
         """`gang`: this process's place in a trainer gang (`batcher.gang`): the base is loaded split
-        over the gang's ranks, and every call must be made on every rank in the same order."""
+        over the gang's ranks, and every call must be made on every rank in the same order.
+        `expert_lora`: MoE bases: whether LoRA may go on the experts (the base's serving setting)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
 
@@ -151,6 +152,16 @@ class LoraBackend:
         self.base_path = str(base_path)
         self.base = (base if split else base.to(self.device)).eval()
         targets = arch.targets(tied=architectures.is_tied(self.config))
+        self.expert_lora = expert_lora
+        # Why a model's LoRA may not go on this MoE base's experts ("": it may). A tensor-parallel
+        # gang splits each expert's width, which expert LoRA does not follow (batcher.expert_lora).
+        self.experts_refused = ""
+        if arch.moe and split and gang.shape.parallel == "tp":
+            self.experts_refused = ("this base's trainer gang is tensor parallel, which splits each expert over its "
+                                    "ranks; LoRA on the experts needs an expert-parallel gang (quilt models add "
+                                    "--trainer-parallel ep)")
+        if self.experts_refused or not expert_lora:
+            targets = tuple(t for t in targets if t not in architectures.EXPERT_MODULES)
         self.lora = MultiLoraModel(self.base, targets, gang_mod.splits(self.base, targets) if split else None)
         self.lora.max_slots = max_resident
         self.decoder = self.base.get_decoder()
@@ -178,8 +189,12 @@ class LoraBackend:
         name = f"slot{self._next_slot}"
         self._next_slot += 1
         lora_config = lora.to_json()
+        if self.experts_refused and architectures.trains_experts(self.config, lora_config):
+            raise InvalidInput(f"{self.experts_refused}; create the model with train_mlp=False",
+                               field="lora_config.train_mlp")
+        targets = architectures.lora_targets(self.config, lora_config, expert_lora=self.expert_lora)
         params = self.lora.add_adapter(
-            name, rank=lora.rank, alpha=LORA_ALPHA, targets=architectures.lora_targets(self.config, lora_config),
+            name, rank=lora.rank, alpha=LORA_ALPHA, targets=targets,
             seed=lora.seed if lora.seed is not None else int.from_bytes(os.urandom(4), "little"),
         )
         self.adapters[model_id] = Adapter(model_id, name, lora_config, params, self._optimizer(params))
@@ -633,7 +648,9 @@ class LoraBackend:
         from peft import LoraConfig
 
         return LoraConfig(r=int(adapter.lora_config["rank"]), lora_alpha=LORA_ALPHA, lora_dropout=0.0,
-                          target_modules=architectures.lora_targets(self.config, adapter.lora_config), bias="none", task_type="CAUSAL_LM",
+                          target_modules=architectures.peft_modules(architectures.lora_targets(self.config,
+                                                                                               adapter.lora_config)),
+                          bias="none", task_type="CAUSAL_LM",
                           base_model_name_or_path=self.base_path)
 
 

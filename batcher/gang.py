@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from batcher import expert_lora
 from batcher.multilora import Split
 from core import faults
 from core.errors import QuiltError
@@ -165,7 +166,8 @@ def rank_device(device: str) -> str:
 
 
 def splits(model: nn.Module, targets: tuple[str, ...]) -> dict[str, Split]:
-    """Each LoRA-targeted Linear's share under the base's tensor-parallel plan, by module path.
+    """Each LoRA-targeted Linear's share under the base's tensor-parallel plan, by module path, and
+    each experts module's share of the experts where "experts" is a target (expert parallel).
 
     A layer the plan does not split (or only FSDP shards) has no entry: its LoRA is whole on every
     rank. A plan style this module does not know for a targeted layer is refused rather than guessed."""
@@ -175,6 +177,11 @@ def splits(model: nn.Module, targets: tuple[str, ...]) -> dict[str, Split]:
     plan = getattr(model, "tp_plan", None) or {}
     out = {}
     for path, module in model.named_modules():
+        if "experts" in targets and hasattr(module, "gate_up_proj"):
+            split = expert_lora.split_of(module)
+            if split is not None:
+                out[path] = split
+            continue
         if not isinstance(module, nn.Linear) or path.rsplit(".", 1)[-1] not in targets:
             continue
         weight = module.weight

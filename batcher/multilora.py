@@ -87,6 +87,12 @@ class Route:
         return len({e - s for _, s, e in self.runs}) == 1
 
     @functools.cached_property
+    def token_slots(self) -> torch.Tensor:
+        """Each flat token's slot, on the device (the experts' LoRA groups pairs by it)."""
+        lengths = torch.diff(self.offsets.long(), prepend=self.offsets.new_zeros(1, dtype=torch.long))
+        return torch.repeat_interleave(self.slots, lengths, output_size=self.runs[-1][2])
+
+    @functools.cached_property
     def block(self) -> int | None:
         """The first slot when the runs' slots are consecutive rows (a slice of the slab), else None."""
         first = self.runs[0][0]
@@ -106,16 +112,20 @@ def _accumulate(grads: torch.Tensor, route: Route, per_run: torch.Tensor) -> Non
 @dataclass(frozen=True)
 class Split:
     """A layer's share of a tensor-parallel base, and so of its LoRA: "out" (column parallel: the
-    output rows `[index * n / count, (index + 1) * n / count)` of the weight and of B) or "in" (row
-    parallel: those input columns of the weight and of A)."""
+    output rows `[index * n / count, (index + 1) * n / count)` of the weight and of B), "in" (row
+    parallel: those input columns of the weight and of A) or "experts" (expert parallel: those
+    experts, and their A and B; `batcher.expert_lora`)."""
 
-    dim: str  # "out" | "in"
+    dim: str  # "out" | "in" | "experts"
     index: int
     count: int
     group: object = None  # the tensor-parallel process group
 
     def axis(self, which: str) -> int | None:
-        """The axis along which the layer's `which` ("A" [rank, in] or "B" [out, rank]) is split."""
+        """The axis along which the layer's `which` ("A" [rank, in] or "B" [out, rank]; an experts
+        part's [E, rank, in] and [E, out, rank]) is split."""
+        if self.dim == "experts":
+            return 0
         if which == "A":
             return 1 if self.dim == "in" else None
         return 0 if self.dim == "out" else None
@@ -164,8 +174,8 @@ class _Slab:
 
 def _new_slab(capacity: int, rank: int, layer: MultiLoraLinear, master: torch.dtype, compute: torch.dtype,
               scale: float) -> _Slab:
-    dev = layer.base.weight.device
-    shape_a, shape_b = (capacity + 1, rank, layer.in_features), (capacity + 1, layer.out_features, rank)
+    dev = layer.device
+    shape_a, shape_b = ((capacity + 1, *shape) for shape in layer.shapes(rank))
     A, B = torch.zeros(shape_a, dtype=master, device=dev), torch.zeros(shape_b, dtype=master, device=dev)
     copies = (A, B) if compute == master else (A.to(compute), B.to(compute))
     return _Slab(A, B, torch.zeros_like(A), torch.zeros_like(B), *copies,
@@ -188,6 +198,27 @@ class MultiLoraLinear(nn.Module):
         # A distributed base layer's output is a view its DTensor made (`to_local`), which autograd
         # does not let a custom Function change in place: the LoRA adds into a copy of it.
         self.copy_output = isinstance(base.weight, DTensor)
+        self.device, self.dtype = base.weight.device, base.weight.dtype
+
+    # What MultiLoraModel keeps slabs through (batcher.expert_lora.ExpertPart has the same).
+
+    def shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One adapter's A and B on this rank."""
+        return (rank, self.in_features), (self.out_features, rank)
+
+    def whole_A(self, rank: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+        """PEFT's initialisation of A (Kaiming-uniform, a=sqrt(5)), drawn whole on every rank of a
+        gang, so each share is the single trainer's."""
+        bound = math.sqrt(6.0 / ((1 + 5) * self.base.in_features))
+        return torch.empty(rank, self.base.in_features, dtype=dtype).uniform_(-bound, bound, generator=generator)
+
+    def peft(self, path: str, A: torch.Tensor, B: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Whole factors under PEFT's saved names."""
+        return {f"base_model.model.{path}.lora_A.weight": A, f"base_model.model.{path}.lora_B.weight": B}
+
+    def unpeft(self, path: str, state: dict[str, torch.Tensor], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole factors from PEFT's tensors (KeyError where one is missing)."""
+        return state[f"base_model.model.{path}.lora_A.weight"], state[f"base_model.model.{path}.lora_B.weight"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -328,10 +359,13 @@ class MultiLoraModel:
     """A causal LM whose target Linears are wrapped for slab multi-LoRA."""
 
     def __init__(self, model: nn.Module, target_names: tuple[str, ...], splits: dict[str, Split] | None = None):
-        """`splits`: the tensor-parallel share of each split layer, by path (`batcher.gang.splits`)."""
+        """`splits`: the share of each split layer (and experts module), by path (`batcher.gang.splits`).
+        A target name "experts" puts LoRA on every MoE block's experts (`batcher.expert_lora`)."""
+        from batcher import expert_lora
+
         self.model = model
         self.context = PassContext()
-        self.layers: dict[str, MultiLoraLinear] = {}
+        self.layers: dict[str, MultiLoraLinear | expert_lora.ExpertPart] = {}
         splits = splits or {}
         for path, module in list(model.named_modules()):
             if isinstance(module, nn.Linear) and path.rsplit(".", 1)[-1] in target_names:
@@ -340,10 +374,12 @@ class MultiLoraModel:
                 wrapped = MultiLoraLinear(module, attr, self.context, splits.get(path))
                 setattr(parent, attr, wrapped)
                 self.layers[path] = wrapped
-        weight = next(iter(self.layers.values())).base.weight if self.layers else None
-        self.device = weight.device if weight is not None else torch.device("cpu")
-        self.master_dtype = torch.promote_types(weight.dtype, torch.float32) if weight is not None else torch.float32
-        self.compute_dtype = compute_dtype(weight.dtype, self.device) if weight is not None else torch.float32
+        if "experts" in target_names:
+            self.layers.update(expert_lora.wrap(model, self.context, splits))
+        first = next(iter(self.layers.values()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.master_dtype = torch.promote_types(first.dtype, torch.float32) if first is not None else torch.float32
+        self.compute_dtype = compute_dtype(first.dtype, self.device) if first is not None else torch.float32
         self.classes: dict[int, _RankClass] = {}
         self.adapters: dict[str, _AdapterSlots] = {}
         self.max_slots = 0  # slabs grow by doubling up to this many slots (the memory plan's residents); 0: no cap
@@ -362,13 +398,10 @@ class MultiLoraModel:
         params, layers = [], []
         for path, layer in self.layers.items():
             if layer.kind in targets:
-                # Drawn whole on every rank of a gang, so each share is the single trainer's.
-                A = torch.empty(rank, layer.base.in_features, dtype=self.master_dtype)
-                bound = math.sqrt(6.0 / ((1 + 5) * layer.base.in_features))
-                A.uniform_(-bound, bound, generator=g)
+                A = layer.whole_A(rank, self.master_dtype, g)
                 if layer.split is not None:
                     A = layer.split.local(A, layer.split.axis("A")).clone()
-                params += [A.to(self.device), torch.zeros(layer.out_features, rank, dtype=self.master_dtype,
+                params += [A.to(self.device), torch.zeros(layer.shapes(rank)[1], dtype=self.master_dtype,
                                                           device=self.device)]
                 layers.append(path)
         self.adapters[name] = _AdapterSlots(rank, frozenset(targets), params, layers)
@@ -542,16 +575,6 @@ class MultiLoraModel:
 
     # ------------------------------------------------------------------ PEFT format
 
-    def state_dict(self, name: str) -> dict[str, torch.Tensor]:
-        """One adapter's tensors under PEFT's saved key names (views of its rows while resident;
-        this rank's shares under a split base)."""
-        ad = self.adapters[name]
-        out = {}
-        for path, A, B in zip(ad.layers, ad.params[0::2], ad.params[1::2]):
-            out[f"base_model.model.{path}.lora_A.weight"] = A
-            out[f"base_model.model.{path}.lora_B.weight"] = B
-        return out
-
     def shares(self, name: str) -> list[tuple[Split | None, int | None]]:
         """Per parameter of an adapter ([A, B] per layer): its layer's split and the split axis."""
         out = []
@@ -561,29 +584,43 @@ class MultiLoraModel:
         return out
 
     def full_state_dict(self, name: str) -> dict[str, torch.Tensor]:
-        """`state_dict` as whole, independent copies: shares gathered over the gang (a collective:
-        every rank calls it), what PEFT, vLLM and a gang of any size read."""
-        return {key: gather(split, t.detach(), axis)
-                for (key, t), (split, axis) in zip(self.state_dict(name).items(), self.shares(name))}
+        """One adapter's tensors under PEFT's saved key names, as whole, independent copies: shares
+        gathered over the gang (a collective: every rank calls it), what PEFT, vLLM and a gang of
+        any size read."""
+        ad = self.adapters[name]
+        shares = self.shares(name)
+        out = {}
+        for i, path in enumerate(ad.layers):
+            (split_a, axis_a), (split_b, axis_b) = shares[2 * i], shares[2 * i + 1]
+            out.update(self.layers[path].peft(path, gather(split_a, ad.params[2 * i].detach(), axis_a),
+                                              gather(split_b, ad.params[2 * i + 1].detach(), axis_b)))
+        return out
 
     def load_state_dict(self, name: str, state: dict[str, torch.Tensor]) -> None:
         """Copy whole PEFT-format tensors into an existing adapter of the same shape (ValueError
         otherwise); under a split base each rank keeps its share."""
-        ours = self.state_dict(name)
-        if ours.keys() != state.keys():
-            missing, extra = sorted(ours.keys() - state.keys()), sorted(state.keys() - ours.keys())
-            raise ValueError(f"checkpoint tensors do not match the model: missing {missing[:2]}, extra {extra[:2]}")
-        local = {}
-        for (key, param), (split, axis) in zip(ours.items(), self.shares(name)):
-            whole = list(param.shape)
+        ad = self.adapters[name]
+        try:
+            whole = [t for path in ad.layers for t in self.layers[path].unpeft(path, state, ad.rank)]
+        except KeyError as exc:
+            raise ValueError(f"checkpoint tensors do not match the model: missing {exc.args[0]}") from None
+        known = set()
+        for i, path in enumerate(ad.layers):
+            known |= self.layers[path].peft(path, whole[2 * i], whole[2 * i + 1]).keys()
+        if state.keys() - known:
+            raise ValueError(f"checkpoint tensors do not match the model: extra {sorted(state.keys() - known)[:2]}")
+        local = []
+        for i, (param, t, (split, axis)) in enumerate(zip(ad.params, whole, self.shares(name))):
+            shape = list(param.shape)
             if axis is not None:
-                whole[axis] *= split.count
-            if list(state[key].shape) != whole:
-                raise ValueError(f"{key}: checkpoint shape {tuple(state[key].shape)} != {tuple(whole)}")
-            local[key] = split.local(state[key], axis) if split else state[key]
+                shape[axis] *= split.count
+            if list(t.shape) != shape:
+                raise ValueError(f"{ad.layers[i // 2]} lora_{'AB'[i % 2]}: checkpoint shape {tuple(t.shape)} "
+                                 f"!= {tuple(shape)}")
+            local.append(split.local(t, axis) if split else t)
         with torch.no_grad():
-            for key, param in ours.items():
-                param.copy_(local[key])
+            for param, t in zip(ad.params, local):
+                param.copy_(t)
         self.changed(name)
 
 

@@ -218,6 +218,9 @@ class TrainerSettings(BaseSettings):
     parallel: Literal["tp", "ep", "fsdp"] = Field(
         "tp", description="how a gang splits the base: tp (tensor parallel), ep (MoE: experts split, attention "
                           "tensor parallel), fsdp (every weight sharded, gathered layer by layer)")
+    expert_lora: bool = Field(True, description="MoE bases: LoRA may go on the experts (a model's train_mlp); false "
+                                               "refuses it, which the memory plan then leaves out (quilt models add "
+                                               "--no-expert-lora)")
     gang_restarts: int = Field(3, ge=0, le=1000,
                                description="times torch.distributed.run restarts a gang whose rank died before "
                                            "it gives up (then quilt up restarts it as any worker)")
@@ -250,6 +253,8 @@ class GenPoolSettings(BaseSettings):
                                                      "GPUs instead of splitting each expert")
     fully_sharded_loras: bool = Field(False, description="vLLM shards the LoRA computation over the tensor-parallel "
                                                          "GPUs too (faster at high rank or many GPUs)")
+    expert_lora: bool = Field(True, description="MoE bases on a GPU: the engine applies LoRA to the experts (its "
+                                               "LoRA slots then hold every expert's); false leaves them out")
     max_lora_rank: int = Field(64, description=f"largest adapter rank served; one of {VLLM_LORA_RANKS}")
     kv_cache_gib: int = Field(1, ge=1, le=4096, description="KV cache size in GiB (CPU: VLLM_CPU_KVCACHE_SPACE)")
     max_model_len: int | None = Field(None, ge=16, description="longest prompt+completion; None = the model's")

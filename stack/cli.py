@@ -51,7 +51,8 @@ def cmd_models_create_tiny(args) -> int:
 def _serving(args) -> dict:
     """Per-base worker settings given on the command line (stack.launcher.serving_env reads them)."""
     keys = ("device", "gen_device", "gen_memory_share", "max_lora_rank", "max_loras", "trainer_ranks",
-            "trainer_parallel", "tensor_parallel", "pipeline_parallel", "expert_parallel", "fully_sharded_loras")
+            "trainer_parallel", "tensor_parallel", "pipeline_parallel", "expert_parallel", "fully_sharded_loras",
+            "expert_lora")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -139,7 +140,8 @@ def cmd_models_plan(args) -> int:
         gen_memory_share=serving.get("gen_memory_share", gen.gpu_memory_share),
         token_budget=args.token_budget, resident_adapters=args.resident_adapters,
         max_lora_rank=serving.get("max_lora_rank", get_trainer_settings().max_rank),
-        max_loras=serving.get("max_loras", gen.max_loras),
+        max_loras=serving.get("max_loras", gen.max_loras), adapter_rank=args.adapter_rank,
+        expert_lora=args.expert_lora if args.expert_lora is not None else serving.get("expert_lora", True),
         max_context=min(args.max_context or base.max_context_length, base.max_context_length))
     trainer_n, sampler_n = fewest_ranks(base.config, inputs)
     # What is asked here, else what the catalogue says, else the fewest that fit.
@@ -360,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE: vLLM splits the experts over its GPUs")
     p.add_argument("--fully-sharded-loras", action=argparse.BooleanOptionalAction, default=None,
                    help="vLLM shards the LoRA computation over its GPUs too")
+    p.add_argument("--expert-lora", action=argparse.BooleanOptionalAction, default=None,
+                   help="MoE: LoRA may go on the experts (train_mlp; the default); --no-expert-lora refuses it "
+                        "and leaves it out of the memory plan")
     p.set_defaults(func=cmd_models_add)
     p = models.add_parser("remove", help="stop serving a base (refused while models of it are live)")
     _data_dir_option(p)
@@ -380,6 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "(default: the fewest it fits on)")
     p.add_argument("--sampler-ranks", type=_positive, help="plan the sampler with this tensor-parallel size "
                                                           "(default: the fewest GPUs it fits on)")
+    p.add_argument("--adapter-rank", type=_positive, default=32, help="rank the trainer's resident adapters are "
+                                                                      "planned at (default 32, Tinker's)")
+    p.add_argument("--expert-lora", action=argparse.BooleanOptionalAction, default=None,
+                   help="MoE: plan adapters and LoRA slots with every expert's LoRA (default: the base's setting)")
     p.set_defaults(func=cmd_models_plan)
 
     tenants = sub.add_parser("tenants", help="tenants").add_subparsers(dest="action", required=True)

@@ -110,11 +110,12 @@ def ensure_tiny_model(conn, *, architecture: str = "qwen3", sampleable: bool = T
 
 # Per-base settings in the catalogue (`quilt models add --device ...`) -> the workers' own settings.
 _TRAINER_SERVING = {"device": "QUILT_TRAINER_DEVICE", "max_lora_rank": "QUILT_TRAINER_MAX_RANK",
-                    "trainer_ranks": "QUILT_TRAINER_RANKS", "trainer_parallel": "QUILT_TRAINER_PARALLEL"}
+                    "trainer_ranks": "QUILT_TRAINER_RANKS", "trainer_parallel": "QUILT_TRAINER_PARALLEL",
+                    "expert_lora": "QUILT_TRAINER_EXPERT_LORA"}
 _GEN_SERVING = {"gen_memory_share": "QUILT_GEN_GPU_MEMORY_SHARE", "max_lora_rank": "QUILT_GEN_MAX_LORA_RANK",
                 "max_loras": "QUILT_GEN_MAX_LORAS", "tensor_parallel": "QUILT_GEN_TENSOR_PARALLEL",
                 "pipeline_parallel": "QUILT_GEN_PIPELINE_PARALLEL", "expert_parallel": "QUILT_GEN_EXPERT_PARALLEL",
-                "fully_sharded_loras": "QUILT_GEN_FULLY_SHARDED_LORAS"}
+                "fully_sharded_loras": "QUILT_GEN_FULLY_SHARDED_LORAS", "expert_lora": "QUILT_GEN_EXPERT_LORA"}
 
 
 def serving_env(base: catalog.BaseModel, env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:

@@ -12,6 +12,7 @@ import torch
 from bases import architectures
 from batcher import gang
 from batcher.backend import LoraBackend, PassRequest
+from core.errors import InvalidInput
 from core.loss_spec import LossConfig
 from core.work import AdamParams, Datum, LoraShape, PassWork
 
@@ -29,10 +30,11 @@ def _is_datum(start: int, n: int) -> Datum:
                              "advantages": tuple(0.5 - 0.1 * (i % 7) for i in range(n))}, None)
 
 
-def specs(config: dict) -> dict:
+def specs(config: dict, *, experts: bool = True) -> dict:
     """Different ranks, module groups, losses, learning rates and clipping, within what the base
-    can carry (no MLP LoRA on MoE, no lm_head LoRA where vLLM or tied embeddings refuse it)."""
-    can = architectures.supported_switches(config)
+    can carry (no lm_head LoRA where vLLM or tied embeddings refuse it; no MLP LoRA on a MoE base
+    whose gang splits each expert, `experts=False`)."""
+    can = {**architectures.supported_switches(config), **({} if experts else {"train_mlp": False})}
     mlp = {} if can["train_mlp"] else {"train_mlp": False}
     head = {} if can["train_unembed"] else {"train_unembed": False}
     return {
@@ -49,11 +51,11 @@ def specs(config: dict) -> dict:
     }
 
 
-def run(backend, workdir: Path) -> dict:
+def run(backend, workdir: Path, *, experts: bool = True) -> dict:
     """The scenario: three fused rounds of four tenants, an AdamW step each, then t1 saved and
     loaded into a new model "t1-copy". Returns every datum's loss outputs, then each adapter's whole
     weights and AdamW moments."""
-    plan = specs(backend.config)
+    plan = specs(backend.config, experts=experts)
     for model_id, (lora, _, _, _) in plan.items():
         backend.create(model_id, LoraShape(**lora))
     outputs = []
@@ -79,7 +81,13 @@ def main() -> None:
     backend = LoraBackend(base, dtype=torch.float64, gang=member)
     if member.leader:
         leader = gang.GangBackend(backend, member)
-        result = run(leader, out.parent)
+        if backend.experts_refused:  # a tensor-parallel gang on a MoE base: LoRA on its experts is refused
+            try:
+                leader.create("on-experts", LoraShape(rank=4, seed=1))
+                raise AssertionError("a tensor-parallel gang created LoRA on split experts")
+            except InvalidInput as exc:
+                assert exc.field == "lora_config.train_mlp" and "expert-parallel" in str(exc), exc
+        result = run(leader, out.parent, experts=not backend.experts_refused)
         leader.close()
         # how much of the base this rank holds (a DTensor's local share, a plain tensor whole)
         result["held"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()

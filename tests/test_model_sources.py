@@ -45,6 +45,9 @@ def test_a_valid_directory_is_described_from_its_files(built):
     assert (base.architecture, base.dtype, base.max_context_length, base.source) == ("llama", "bfloat16", 1024, "path")
     assert base.tokenizer_id == base.path == built["llama"]
     assert base.num_parameters == base.active_parameters == architectures.parameter_counts(base.config)[0]
+    with pytest.raises(InvalidInput) as exc:  # a dense base has no experts to keep LoRA off
+        _describe(built["llama"], renderer="chatml", serving={"expert_lora": False})
+    assert exc.value.field == "expert_lora" and "no experts" in exc.value.message
 
 
 @pytest.mark.parametrize("mutate, field, words", [
@@ -172,16 +175,20 @@ QWEN3_235B_A22B = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size
                    "tie_word_embeddings": False}
 
 
-@pytest.mark.parametrize("config,gib,trainer,sampler", [
-    (QWEN3_8B, 80, 1, 1),
-    (LLAMA_70B, 141, 2, 2),
-    (LLAMA_70B, 80, 4, 4),
-    (QWEN3_235B_A22B, 141, 4, 4),
-    # Eight ranks would split its 4 KV heads in halves: no tensor-parallel gang trains it on 80 GB.
-    (QWEN3_235B_A22B, 80, None, 8),
+@pytest.mark.parametrize("config,gib,extra,trainer,sampler", [
+    (QWEN3_8B, 80, {}, 1, 1),
+    (LLAMA_70B, 141, {}, 2, 2),
+    (LLAMA_70B, 80, {}, 4, 4),
+    # LoRA of rank 32 on all 128 experts of 94 layers is 6.5 B parameters (117 GB with its gradient
+    # and AdamW state): over 4 ranks it does not fit beside the base; at rank 8 it does. Eight
+    # ranks would split its 4 KV heads in halves.
+    (QWEN3_235B_A22B, 141, {}, None, 8),
+    (QWEN3_235B_A22B, 141, {"adapter_rank": 8}, 4, 8),
+    (QWEN3_235B_A22B, 141, {"expert_lora": False}, 4, 4),
+    (QWEN3_235B_A22B, 80, {"expert_lora": False}, None, 8),
 ])
-def test_the_plan_says_how_many_gpus_a_base_needs(config, gib, trainer, sampler):
-    inputs = memory_plan.PlanInputs(device_bytes=gib * memory_plan.GiB)
+def test_the_plan_says_how_many_gpus_a_base_needs(config, gib, extra, trainer, sampler):
+    inputs = memory_plan.PlanInputs(device_bytes=gib * memory_plan.GiB, **extra)
     assert memory_plan.fewest_ranks(config, inputs) == (trainer, sampler)
     if trainer:
         plan = memory_plan.plan_memory(config, dataclasses.replace(inputs, shared_device=False, trainer_ranks=trainer,
@@ -254,8 +261,13 @@ def test_a_bases_gang_and_vllm_parallelism_reach_its_workers_and_its_trainer_com
 
     base = BaseModel("b", "/m", 10, 10, serving={"trainer_ranks": 4, "trainer_parallel": "ep", "tensor_parallel": 4,
                                                  "pipeline_parallel": 2, "expert_parallel": True,
-                                                 "fully_sharded_loras": True})
+                                                 "fully_sharded_loras": True, "expert_lora": False})
     trainer, gen = serving_env(base, {"QUILT_TRAINER_RANKS": "1"})
+    assert trainer["QUILT_TRAINER_EXPERT_LORA"] == gen["QUILT_GEN_EXPERT_LORA"] == "False"
+    from core.settings import GenPoolSettings, TrainerSettings
+
+    assert not TrainerSettings(expert_lora=trainer["QUILT_TRAINER_EXPERT_LORA"]).expert_lora
+    assert not GenPoolSettings(expert_lora=gen["QUILT_GEN_EXPERT_LORA"]).expert_lora
     assert (trainer["QUILT_TRAINER_RANKS"], trainer["QUILT_TRAINER_PARALLEL"]) == ("4", "ep")
     assert (gen["QUILT_GEN_TENSOR_PARALLEL"], gen["QUILT_GEN_PIPELINE_PARALLEL"], gen["QUILT_GEN_EXPERT_PARALLEL"],
             gen["QUILT_GEN_FULLY_SHARDED_LORAS"]) == ("4", "2", "True", "True")
@@ -266,3 +278,20 @@ def test_a_bases_gang_and_vllm_parallelism_reach_its_workers_and_its_trainer_com
     with pytest.raises(InvalidInput) as exc:
         model_sources._check_serving({"tensor_parallel": 0})
     assert exc.value.field == "tensor_parallel" and "[1, 64]" in exc.value.message
+
+
+def test_expert_lora_is_planned_on_every_expert_and_split_over_the_ranks():
+    targets = list(architectures.of_config(QWEN3_235B_A22B).targets(tied=False))
+    dense = [t for t in targets if t not in architectures.EXPERT_MODULES]
+    experts = architectures.lora_parameters(QWEN3_235B_A22B, 32, targets) - \
+        architectures.lora_parameters(QWEN3_235B_A22B, 32, dense)
+    assert experts == 94 * 128 * 3 * 32 * (4096 + 1536)  # gate, up and down of each expert
+    per_parameter = 4 * memory_plan.ADAPTER_STATE_COPIES + 2  # fp32 state and a bf16 compute copy
+
+    def adapter(**kw) -> int:
+        return memory_plan.plan_memory(QWEN3_235B_A22B, memory_plan.PlanInputs(
+            device_bytes=141 * memory_plan.GiB, **kw)).adapter_bytes
+
+    without = adapter(expert_lora=False)
+    assert adapter() - without == experts * per_parameter
+    assert adapter(trainer_ranks=4) - without == experts // 4 * per_parameter

@@ -1,6 +1,6 @@
 """A stack serving bases other than the default, added by `quilt models` commands before `quilt up`:
 a Llama (trained and sampled through the official tinker SDK, unchanged) and a Qwen3-MoE (trained
-only; its experts cannot carry LoRA, which the API says before anything is queued)."""
+only, with LoRA on its experts as the SDK's train_mlp=True default asks)."""
 
 from __future__ import annotations
 
@@ -83,12 +83,10 @@ def test_a_llama_trains_and_samples_through_the_official_sdk(bases_stack):
         assert refused.returncode == 2 and "are live" in refused.stderr, refused.stderr[-2000:]
 
 
-def test_a_moe_base_refuses_expert_lora_and_trains_attention(bases_stack):
+def test_a_moe_base_trains_lora_on_its_experts_by_default(bases_stack):
     _, key = new_tenant(bases_stack, "moe")
     with tinker.ServiceClient(base_url=bases_stack.base_url, api_key=key) as service:
-        with pytest.raises(tinker.BadRequestError, match="train_mlp"):
-            service.create_lora_training_client(base_model=MOE, rank=4).result()
-        tc = service.create_lora_training_client(base_model=MOE, rank=4, train_mlp=False).result()
+        tc = service.create_lora_training_client(base_model=MOE, rank=4).result()  # train_mlp=True: the experts
         assert tc.get_info().model_data.arch == "qwen3_moe"
         data = [_sft(s) for s in (40, 80)]
         first = tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]

@@ -58,7 +58,7 @@ async def _new_model(pool, redis, who, *, session_id: str, model_seq_id: int, ba
             names = [m.name for m in await catalog.list_models(conn) if m.trainable]
             raise NotFound(f"base_model {base_model!r} is not served here; choose one of {names}", field="base_model")
         if base.config:  # a LoRA this base cannot carry: 400 now, not a failed future later
-            architectures.lora_targets(base.config, lora.to_json())
+            architectures.lora_targets(base.config, lora.to_json(), expert_lora=base.serving.get("expert_lora", True))
         slot = admission.SeqSlot(model_id, 0, *await records.seq_holder(conn, model_id, 0))
         item = WorkItem(ids.new_request_id(), who.tenant_id, model_id, 0, WorkKind.CREATE_MODEL, 0,
                         CreateModel(lora, load))

@@ -1,0 +1,262 @@
+"""LoRA on a mixture-of-experts block's experts: one adapter per (slot, expert), in slabs.
+
+transformers 5 keeps a MoE block's experts fused: `gate_up_proj` [E, 2I, H] and `down_proj`
+[E, H, I], applied by an "experts implementation" its `ExpertsInterface` picks by name. Quilt
+registers its own, "quilt_lora", which is the grouped forward of transformers' own `grouped_mm`
+implementation with a LoRA added to each expert's gate, up and down projection:
+
+    gate_up[p] = x[p] @ W_gu[e].T + concat(s * x[p] @ A_g[a,e].T @ B_g[a,e].T, ... up ...)
+    out[p]     = act(gate) * up @ W_d[e].T + s * mid[p] @ A_d[a,e].T @ B_d[a,e].T
+
+for every (token, chosen expert) pair p, e its expert and a the slot of the token's adapter. The
+LoRA products are grouped GEMMs over (slot, expert) groups, one weight per group, the slab laid out
+[slots + 1, experts, ...] so that a group's weight is a row of the slab seen flat; pairs are sorted
+once per rank class into that order. Without an adapter on the experts in a pass, the base's own
+implementation runs unchanged.
+
+Each projection is a part (`ExpertPart`) with the interface of `multilora.MultiLoraLinear` that
+`MultiLoraModel` keeps slabs through: an adapter's parameters are [E, r, in] and [E, out, r] views
+of its slot's rows. Gradients reach the slabs' `gA`/`gB` through an autograd leaf that aliases the
+compute copy for one pass (`_Leaf`); its gradient is added in and dropped as soon as it is whole.
+
+Under expert parallelism (a trainer gang's "ep": each rank holds E / ranks experts, the router
+masks the others as the sentinel E_local) each rank holds the LoRA of its own experts
+(`Split("experts")`): every token is on every rank, so an expert's gradient is whole where the
+expert is, and nothing but the block's own output all-reduce is needed. A tensor-parallel gang
+splits each expert's width, which this layout does not follow: it refuses expert LoRA.
+
+Exports name each expert's factors as published MoE checkpoints do
+(`model.layers.L.mlp.experts.{e}.gate_proj.lora_A.weight`), what vLLM's fused-MoE LoRA loads and
+what `checkpoints.adapter_merge` merges into the per-expert weights of the saved base.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from batcher import multilora
+
+IMPLEMENTATION = "quilt_lora"
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class ExpertPart:
+    """One projection of one experts module, as MultiLoraModel keeps it: slabs per rank class of
+    A [slots + 1, E, r, in] and B [slots + 1, E, out, r] (E: this rank's experts)."""
+
+    def __init__(self, experts: nn.Module, proj: str, context: multilora.PassContext,
+                 split: multilora.Split | None):
+        self.kind = "experts"
+        self.proj = proj
+        self.context = context
+        self.split = split
+        weight = experts.down_proj  # (an FSDP-sharded base's at rest: its whole shape is what counts)
+        count, hidden, inter = weight.shape
+        self.experts = count // (split.count if split else 1)  # this rank's
+        self.in_features, self.out_features = (inter, hidden) if proj == "down_proj" else (hidden, inter)
+        self.device, self.dtype = weight.device, weight.dtype
+        self.slabs: dict[int, multilora._Slab] = {}
+
+    def shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (self.experts, rank, self.in_features), (self.experts, self.out_features, rank)
+
+    def whole_A(self, rank: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+        """PEFT's initialisation of every expert's A (Kaiming-uniform, a=sqrt(5)), all experts of
+        the base drawn in order, so any split takes its share of the same draw."""
+        count = self.experts * (self.split.count if self.split else 1)
+        bound = math.sqrt(6.0 / ((1 + 5) * self.in_features))
+        return torch.empty(count, rank, self.in_features, dtype=dtype).uniform_(-bound, bound, generator=generator)
+
+    def peft(self, path: str, A: torch.Tensor, B: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Whole [E, r, in] / [E, out, r] factors under each expert's PEFT names."""
+        block = path.rpartition(".")[0]
+        out = {}
+        for e in range(A.shape[0]):
+            out[f"base_model.model.{block}.{e}.{self.proj}.lora_A.weight"] = A[e]
+            out[f"base_model.model.{block}.{e}.{self.proj}.lora_B.weight"] = B[e]
+        return out
+
+    def unpeft(self, path: str, state: dict[str, torch.Tensor], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole factors from each expert's PEFT tensors (KeyError where one is missing)."""
+        count = self.experts * (self.split.count if self.split else 1)
+        block = path.rpartition(".")[0]
+        pair = []
+        for which in ("A", "B"):
+            tensors = [state[f"base_model.model.{block}.{e}.{self.proj}.lora_{which}.weight"] for e in range(count)]
+            if len({tuple(t.shape) for t in tensors}) != 1:
+                raise ValueError(f"{block}.*.{self.proj} lora_{which}: the experts' tensors differ in shape")
+            pair.append(torch.stack(tensors))
+        return pair[0], pair[1]
+
+
+def wrap(model: nn.Module, context: multilora.PassContext, splits: dict[str, multilora.Split]
+         ) -> dict[str, ExpertPart]:
+    """Every MoE experts module of the model switched to the LoRA implementation; returns its parts
+    by path (`<experts path>.<projection>`)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    parts = {}
+    for path, module in model.named_modules():
+        if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and hasattr(module, "config")):
+            continue
+        if getattr(module, "is_transposed", False) or not getattr(module, "has_gate", True) \
+                or getattr(module, "has_bias", False):
+            raise ValueError(f"{path}: experts laid out transposed, without a gate or with biases have no LoRA here")
+        mine = {proj: ExpertPart(module, proj, context, splits.get(path)) for proj in PROJECTIONS}
+        module._quilt_lora = _Block(mine, context, module.config._experts_implementation)
+        parts.update({f"{path}.{proj}": part for proj, part in mine.items()})
+    if parts:
+        if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+            ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, _experts_forward)
+        for module in model.modules():
+            if hasattr(module, "_quilt_lora"):
+                module.config._experts_implementation = IMPLEMENTATION
+    return parts
+
+
+def split_of(module: nn.Module) -> multilora.Split | None:
+    """The expert-parallel share of an experts module (a gang's "ep": its tensor-parallel axis splits
+    the experts), None where it holds all its experts when it runs (one process, FSDP); ValueError
+    where that axis splits each expert's width ("tp")."""
+    weight = module.down_proj
+    if not isinstance(weight, DTensor) or "tp" not in (weight.device_mesh.mesh_dim_names or ()):
+        return None
+    mesh = weight.device_mesh
+    tp = mesh.mesh_dim_names.index("tp")
+    placement = weight.placements[tp]
+    if mesh.size(tp) == 1 or placement.is_replicate():
+        return None
+    if not placement.is_shard(0):
+        raise ValueError(f"a tensor-parallel gang splits each expert's width ({placement}); expert LoRA needs the "
+                         "experts whole: an expert-parallel gang (--trainer-parallel ep) or one process")
+    return multilora.Split("experts", mesh.get_local_rank(tp), mesh.size(tp), mesh.get_group(tp))
+
+
+class _Block:
+    """What a wrapped experts module reads in its forward."""
+
+    def __init__(self, parts: dict[str, ExpertPart], context: multilora.PassContext, base: str | None):
+        self.parts = parts
+        self.context = context
+        self.base = base or "eager"  # the implementation the base ran with
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _Groups:
+    """Rows sorted by a group key (stable), and the offsets of each group's end: the grouped GEMM's
+    input. Keys >= `count` (the expert-parallel sentinel, where `partial`) sort last and are in no
+    group: their rows come out 0."""
+
+    def __init__(self, keys: torch.Tensor, count: int, *, partial: bool):
+        self.partial = partial
+        self.order = torch.argsort(keys, stable=True)
+        self.sizes = torch.bincount(keys.clamp(max=count), minlength=count + 1)[:count]
+        self.offsets = torch.cumsum(self.sizes, 0, dtype=torch.int32)
+
+    def take(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.index_select(0, self.order)
+
+    def put(self, rows: torch.Tensor) -> torch.Tensor:
+        """Sorted rows back in their original order."""
+        return rows.new_empty(rows.shape).index_copy(0, self.order, rows)
+
+    def mm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`x[rows of g] @ weight[g].T` for every group g, on sorted rows."""
+        per = 16 // x.element_size()
+        if multilora.grouped_gemm(x.dtype, x.device) and all(
+                n % per == 0 for n in (weight.shape[1], weight.shape[2], x.shape[0])):
+            if not self.partial:
+                return multilora._GROUPED(x, weight.transpose(1, 2), offs=self.offsets)
+            # The kernel leaves rows past the last group unwritten, in its output and in the input's
+            # gradient: both are masked (masked_fill's backward zeroes the masked rows' gradient).
+            past = torch.arange(x.shape[0], device=x.device).unsqueeze(1) >= self.offsets[-1]
+            return multilora._GROUPED(x.masked_fill(past, 0), weight.transpose(1, 2), offs=self.offsets
+                                      ).masked_fill(past, 0)
+        # float64 (tests), or widths the kernel cannot take: one matmul per group that has rows
+        sizes = self.sizes.tolist()
+        live = [g for g, n in enumerate(sizes) if n]
+        chosen = weight.index_select(0, torch.tensor(live, device=weight.device)) if live else weight[:0]
+        pieces, start = [], 0
+        for i, g in enumerate(live):
+            pieces.append(x[start:start + sizes[g]] @ chosen[i].T)
+            start += sizes[g]
+        pieces.append(x.new_zeros((x.shape[0] - start, weight.shape[1])))
+        return torch.cat(pieces)
+
+
+class _Leaf:
+    """A slab's compute copy as an autograd leaf for one pass: its gradient is added into the
+    slab's gA / gB once whole, then dropped (the slabs, not autograd, hold gradients)."""
+
+    @staticmethod
+    def of(tensor: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return tensor
+        leaf = tensor.detach().requires_grad_()
+
+        def into_slab(p: torch.Tensor) -> None:
+            grads.add_(p.grad.to(grads.dtype))
+            p.grad = None
+
+        leaf.register_post_accumulate_grad_hook(into_slab)
+        return leaf
+
+
+def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The "quilt_lora" experts implementation (see the module's docstring)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    block: _Block = module._quilt_lora
+    routes = block.context.routes or {}
+    gate = block.parts["gate_proj"]
+    classes = [(rank, route) for (kind, rank), route in routes.items() if kind == "experts" and rank in gate.slabs]
+    if not classes:
+        base = ALL_EXPERTS_FUNCTIONS.get_interface(block.base, type(module).forward.__wrapped__)
+        return base(module, hidden, top_k_index, top_k_weights)
+
+    tokens, top_k = top_k_index.shape
+    experts = gate.experts
+    expert = top_k_index.reshape(-1)
+    token = torch.arange(tokens, device=hidden.device).repeat_interleave(top_k)
+    partial = gate.split is not None  # expert parallel: pairs routed to other ranks' experts come as
+    sentinel = expert >= experts      # the sentinel E_local, are in no group and come out 0
+    x = hidden.index_select(0, token)
+    by_expert = _Groups(expert, experts, partial=partial)
+    w_gate_up, w_down = _local(module.gate_up_proj), _local(module.down_proj)
+
+    lora = []  # per rank class: the (slot, expert) grouping and the three parts' (A, B, scale)
+    for rank, route in classes:
+        if route.runs[-1][2] != tokens:
+            raise RuntimeError(f"experts route covers {route.runs[-1][2]} tokens, the block has {tokens}")
+        key = route.token_slots.index_select(0, token) * experts + expert.clamp(max=experts - 1)
+        key = key.masked_fill(sentinel, (gate.slabs[rank].zero_slot + 1) * experts)
+        factors = {}
+        for proj, part in block.parts.items():
+            slab = part.slabs[rank]
+            A = _Leaf.of(slab.A_c, slab.gA).flatten(0, 1)  # [(slots + 1) * E, r, in]: one weight per group
+            B = _Leaf.of(slab.B_c, slab.gB).flatten(0, 1)
+            factors[proj] = (A, B, slab.scale)
+        lora.append((_Groups(key, (gate.slabs[rank].zero_slot + 1) * experts, partial=partial), factors))
+
+    def delta(groups: _Groups, rows: torch.Tensor, A, B, scale: float) -> torch.Tensor:
+        sorted_rows = groups.take(rows.to(A.dtype))
+        return groups.put(groups.mm(groups.mm(sorted_rows, A) * scale, B))
+
+    gate_up = by_expert.put(by_expert.mm(by_expert.take(x), w_gate_up))
+    for groups, f in lora:
+        gate_up = gate_up + torch.cat([delta(groups, x, *f["gate_proj"]), delta(groups, x, *f["up_proj"])],
+                                      dim=-1).to(gate_up.dtype)
+    mid = module._apply_gate(gate_up)
+    out = by_expert.put(by_expert.mm(by_expert.take(mid), w_down))
+    for groups, f in lora:
+        out = out + delta(groups, mid, *f["down_proj"]).to(out.dtype)
+    out = out * top_k_weights.reshape(-1, 1).to(out.dtype)
+    return out.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
