@@ -395,6 +395,11 @@ class LoraBackend:
             bundle.add("trains", [not req.forward_only for req in requests], torch.bool)
             runs = layout.segments(lay, lengths, [r.adapter for r in rows])
             routes = self._routes(bundle, "grid", self.lora.routes(runs, self.decoder_kinds))
+            for (kind, rank), route in routes.items():
+                if kind in architectures.EXPERT_MODULES:
+                    members, of_run = route.membership(zero=self.lora.classes[rank].capacity)
+                    bundle.add(f"grid.{kind}.{rank}.members", members, torch.long)
+                    bundle.add(f"grid.{kind}.{rank}.member_of_run", of_run, torch.long)
             head_ranges = layout.chunks(lay.tokens, self.head_chunk_tokens)
             head_routes = [self._routes(bundle, f"head{i}",
                                         self.lora.routes(layout.window(runs, s, e), self.head_kinds))
@@ -427,6 +432,7 @@ class LoraBackend:
                 for (kind, rank), route in routes.items():
                     key = f"{prefix}.{kind}.{rank}"
                     route.offsets, route.slots = t[f"{key}.offsets"], t[f"{key}.slots"]
+                    route.members, route.member_of_run = t.get(f"{key}.members"), t.get(f"{key}.member_of_run")
             loss_t = {k[5:]: v for k, v in t.items() if k.startswith("loss.")}
             try:
                 with torch.set_grad_enabled(batch.trains):

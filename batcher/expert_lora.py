@@ -157,8 +157,11 @@ class _Groups:
     def __init__(self, keys: torch.Tensor, count: int, *, partial: bool):
         self.partial = partial
         self.order = torch.argsort(keys, stable=True)
-        self.sizes = torch.bincount(keys.clamp(max=count), minlength=count + 1)[:count]
-        self.offsets = torch.cumsum(self.sizes, 0, dtype=torch.int32)
+        # histc, not bincount: bincount sizes its output from the keys' maximum, read on the host (a
+        # sync); histc leaves out keys past `count - 1`. (Integer keys on CUDA, float ones elsewhere.)
+        counted = keys.int() if keys.is_cuda else keys.float()
+        self.sizes = torch.histc(counted, bins=count, min=0, max=count - 1)
+        self.offsets = torch.cumsum(self.sizes, 0).to(torch.int32)
 
     def take(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.index_select(0, self.order)
@@ -180,7 +183,7 @@ class _Groups:
             return multilora._GROUPED(x.masked_fill(past, 0), weight.transpose(1, 2), offs=self.offsets
                                       ).masked_fill(past, 0)
         # float64 (tests), or widths the kernel cannot take: one matmul per group that has rows
-        sizes = self.sizes.tolist()
+        sizes = [int(n) for n in self.sizes.tolist()]
         live = [g for g, n in enumerate(sizes) if n]
         chosen = weight.index_select(0, torch.tensor(live, device=weight.device)) if live else weight[:0]
         pieces, start = [], 0
@@ -192,17 +195,19 @@ class _Groups:
 
 
 class _Leaf:
-    """A slab's compute copy as an autograd leaf for one pass: its gradient is added into the
-    slab's gA / gB once whole, then dropped (the slabs, not autograd, hold gradients)."""
+    """The rows of a slab's compute copy that a pass uses, as an autograd leaf: its gradient is
+    added into those rows of the slab's gA / gB once whole, then dropped (the slabs, not autograd,
+    hold gradients)."""
 
     @staticmethod
-    def of(tensor: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+    def of(slab: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+        taken = slab.index_select(0, rows)
         if not torch.is_grad_enabled():
-            return tensor
-        leaf = tensor.detach().requires_grad_()
+            return taken
+        leaf = taken.requires_grad_()
 
         def into_slab(p: torch.Tensor) -> None:
-            grads.add_(p.grad.to(grads.dtype))
+            grads.index_add_(0, rows, p.grad.to(grads.dtype))
             p.grad = None
 
         leaf.register_post_accumulate_grad_hook(into_slab)
@@ -232,19 +237,23 @@ def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     by_expert = _Groups(expert, experts, partial=partial)
     w_gate_up, w_down = _local(module.gate_up_proj), _local(module.down_proj)
 
-    lora = []  # per rank class: the (slot, expert) grouping and the three parts' (A, B, scale)
+    lora = []  # per rank class: the (adapter, expert) grouping and the three parts' (A, B, scale)
     for rank, route in classes:
         if route.runs[-1][2] != tokens:
             raise RuntimeError(f"experts route covers {route.runs[-1][2]} tokens, the block has {tokens}")
-        key = route.token_slots.index_select(0, token) * experts + expert.clamp(max=experts - 1)
-        key = key.masked_fill(sentinel, (gate.slabs[rank].zero_slot + 1) * experts)
+        # Groups are (the pass's adapter, expert): tokens of other adapters, and the sentinel, are in none.
+        members = route.members.shape[0]
+        member = route.member_of_token.index_select(0, token)
+        key = (member * experts + expert).masked_fill(sentinel | (member == members), members * experts)
         factors = {}
         for proj, part in block.parts.items():
             slab = part.slabs[rank]
-            A = _Leaf.of(slab.A_c, slab.gA).flatten(0, 1)  # [(slots + 1) * E, r, in]: one weight per group
-            B = _Leaf.of(slab.B_c, slab.gB).flatten(0, 1)
+            A = _Leaf.of(slab.A_c, route.members, slab.gA).flatten(0, 1)  # [members * E, r, in]: one per group
+            B = _Leaf.of(slab.B_c, route.members, slab.gB).flatten(0, 1)
             factors[proj] = (A, B, slab.scale)
-        lora.append((_Groups(key, (gate.slabs[rank].zero_slot + 1) * experts, partial=partial), factors))
+        # (rows in no group need masking only where there are some: tokens of other adapters, or the sentinel)
+        others = partial or any(slot == gate.slabs[rank].zero_slot for slot, _, _ in route.runs)
+        lora.append((_Groups(key, members * experts, partial=others), factors))
 
     def delta(groups: _Groups, rows: torch.Tensor, A, B, scale: float) -> torch.Tensor:
         sorted_rows = groups.take(rows.to(A.dtype))

@@ -80,6 +80,16 @@ class Route:
     runs: tuple[tuple[int, int, int], ...]  # (slot, start, end)
     offsets: torch.Tensor | None = None
     slots: torch.Tensor | None = None
+    # The experts' LoRA (batcher.expert_lora) groups by the pass's own adapters only: their slots
+    # (`members`) and each run's index among them (`member_of_run`; len(members) for the zero row).
+    members: torch.Tensor | None = None
+    member_of_run: torch.Tensor | None = None
+
+    def membership(self, zero: int) -> tuple[list[int], list[int]]:
+        """The host side of `members` and `member_of_run`, given the slab's zero row."""
+        members = sorted({slot for slot, _, _ in self.runs if slot != zero})
+        index = {slot: i for i, slot in enumerate(members)}
+        return members, [index.get(slot, len(members)) for slot, _, _ in self.runs]
 
     @functools.cached_property
     def equal(self) -> bool:
@@ -87,10 +97,10 @@ class Route:
         return len({e - s for _, s, e in self.runs}) == 1
 
     @functools.cached_property
-    def token_slots(self) -> torch.Tensor:
-        """Each flat token's slot, on the device (the experts' LoRA groups pairs by it)."""
+    def member_of_token(self) -> torch.Tensor:
+        """Each flat token's index among `members` (len(members): its adapter has no row here)."""
         lengths = torch.diff(self.offsets.long(), prepend=self.offsets.new_zeros(1, dtype=torch.long))
-        return torch.repeat_interleave(self.slots, lengths, output_size=self.runs[-1][2])
+        return torch.repeat_interleave(self.member_of_run, lengths, output_size=self.runs[-1][2])
 
     @functools.cached_property
     def block(self) -> int | None:

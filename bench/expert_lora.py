@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fused_step import datum, requests, run, sync, timed  # noqa: E402
+from fused_step import datum, run, sync, sync_check, timed  # noqa: E402
 
 from batcher.backend import LoraBackend  # noqa: E402
 from core.work import LoraShape  # noqa: E402
@@ -128,11 +128,13 @@ def main() -> None:
                 print(f"N={n:3d} T={tokens:4d}  fused {row['fused_s'] * 1e3:8.1f} ms   sequential/fused "
                       f"{over['sequential']:.2f}   peft/fused {over['peft']:.2f}   attention-only/fused "
                       f"{over['attention']:.2f}", flush=True)
+        synchronised = sync_check(be, device, vocab)
+        print(f"host synchronisation in a fused pass with expert LoRA: {synchronised}")
         sync(device)
     widest = max(rows, key=lambda r: (r["tenants"], -r["tokens"]))
     single = min(rows, key=lambda r: (r["tenants"], r["tokens"]))
     print(json.dumps({"bench": "expert_lora", "shape": args.shape, "device": args.device, "dtype": args.dtype,
-                      "rank": args.rank, "rows": rows,
+                      "rank": args.rank, "rows": rows, "sync": synchronised,
                       "headline": {"tenants": widest["tenants"], "tokens": widest["tokens"],
                                    "sequential_over_fused": widest["sequential_over_fused"],
                                    "peft_over_fused": widest["peft_over_fused"],

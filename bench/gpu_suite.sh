@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The GPU measurements, in one command, under 8 minutes on one GPU without vLLM (the device image):
+# The GPU measurements, in one command, at most 9 minutes on one GPU without vLLM (the device image):
 # the fused step (bench/fused_step.py) on a random Qwen3-8B shape over tenants 1/8/16/64 x tokens
 # 64/256/512 and on the 1.64 B shape at 64 tokens, each with its profile of one 8 x 64 pass, its
-# host-synchronisation check and its fused-against-alone check. Where vLLM is installed (the gpu
+# host-synchronisation check and its fused-against-alone check; LoRA on a MoE base's experts
+# (bench/expert_lora.py, Qwen3-30B-A3B's layer shape, 8 layers) against one tenant at a time and
+# against PEFT, with its host-synchronisation check. Where vLLM is installed (the gpu
 # extra) also the fill benchmark, publish-to-first-token on the 8B shape and suffix speculation on
 # and off (arctic-inference). Prints each benchmark's table and JSON line, then one JSON line of all
 # of them. On a machine without a CUDA GPU it says so and exits 0 (nothing to measure).
@@ -41,6 +43,8 @@ skip() {  # name, why: a benchmark this machine cannot run, said in its JSON lin
 run fused_8b 300 "$PY" bench/fused_step.py --device cuda --dtype bfloat16 --shape 8b --reps 3 --rank 16 \
   --sequential-up-to 16
 run fused_1_6b 120 "$PY" bench/fused_step.py --device cuda --dtype bfloat16 --shape 1.6b --tokens 64 --reps 5
+run expert_lora 100 "$PY" bench/expert_lora.py --device cuda --dtype bfloat16 --shape 30b-a3b-8l --tenants 1,8 \
+  --tokens 64,256 --reps 3
 # A trainer gang against one GPU: only where there are two to split the base over.
 if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   run gang 240 "$PY" bench/gang_step.py --device cuda --ranks 2 --hidden 4096 --layers 8 --tenants 8 --tokens 512
@@ -62,5 +66,5 @@ echo
 import json, sys
 from pathlib import Path
 work = Path(sys.argv[1])
-print(json.dumps({"gpu": True, **{n: json.loads((work / f"{n}.json").read_text()) for n in ("fused_8b", "fused_1_6b", "gang", "fill", "first_token", "suffix")}}))
+print(json.dumps({"gpu": True, **{n: json.loads((work / f"{n}.json").read_text()) for n in ("fused_8b", "fused_1_6b", "expert_lora", "gang", "fill", "first_token", "suffix")}}))
 PY

@@ -193,3 +193,33 @@ def test_the_grouped_gemm_path_computes_what_the_loop_does(partial):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     if partial:
         assert results[1][0][keys == groups].abs().sum() == 0
+
+
+def test_float32_takes_the_grouped_gemm_path_and_agrees_with_float64(moe, monkeypatch, tmp_path):
+    from batcher import expert_lora, multilora
+
+    if not multilora.grouped_gemm(torch.float32, torch.device("cpu")):
+        pytest.skip("this torch build has no grouped GEMM on the CPU")
+    grouped = []
+    original = expert_lora._Groups.mm
+    monkeypatch.setattr(expert_lora._Groups, "mm", lambda self, x, w: grouped.append(x.dtype) or original(self, x, w))
+    trained = _trained(moe)  # float64, so every B is no longer zero
+    single = LoraBackend(moe, dtype=torch.float32)
+    for model_id, lora in (("experts", {"train_unembed": False}), ("other-rank", {}), ("attention", {"train_mlp": False})):
+        trained.save(model_id, str(tmp_path / model_id), overwrite=False)
+        single.create(model_id, LoraShape(rank=trained.adapters[model_id].lora_config["rank"], seed=0, **lora))
+        single.load(model_id, str(tmp_path / model_id), optimizer=False)
+    results = []
+    for be in (single, trained):  # one pass each, same weights
+        out = _pass(be, ["experts", "other-rank", "attention"])
+        grads = {}
+        for model_id in ("experts", "other-rank"):
+            adapter = be.adapters[model_id]
+            be.lora.set_grads(adapter.name)
+            grads[model_id] = [p.grad.double().clone() for p in adapter.params]
+        results.append(([v for o in out for v in o["loss_fn_outputs"][0]["logprobs"]["data"]], grads))
+    assert torch.float32 in grouped
+    torch.testing.assert_close(torch.tensor(results[0][0]), torch.tensor(results[1][0]), rtol=0, atol=1e-4)
+    for model_id, grads in results[1][1].items():
+        for got, want in zip(results[0][1][model_id], grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()) + 1e-9)
