@@ -28,7 +28,7 @@ import torch
 
 from bases import architectures
 from batcher import gang as gang_mod
-from batcher import head, layout, losses, packed_attention
+from batcher import head, layout, losses, packed_attention, sharded_snapshots
 from batcher.multilora import MultiLoraModel, Route, gather
 from batcher.transfer import Bundle
 from checkpoints.layout import ADAPTER_WEIGHTS, OPTIMIZER_FILE, TrainerMeta
@@ -122,6 +122,7 @@ class LoraBackend:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
 
+        self.gang = gang
         self.gang_size = gang.size if gang is not None else 1
         split = self.gang_size > 1
         self.device = torch.device(gang_mod.rank_device(device) if split else device)
@@ -623,6 +624,24 @@ class LoraBackend:
             return sum(f.stat().st_size for f in dest.iterdir())
 
         return write
+
+    def snapshot(self, model_id: str, directory: str) -> int:
+        """Write the model's durable state (batcher.snapshots) into `directory`; returns bytes written.
+        One process writes a training checkpoint (`save`); a gang writes each rank's shares with
+        torch.distributed.checkpoint (batcher.sharded_snapshots: a collective, nothing gathered)."""
+        if self.gang_size == 1:
+            return self.save(model_id, directory, overwrite=True, with_optimizer=True)
+        self.ensure_resident([model_id])
+        return sharded_snapshots.save(self, model_id, directory)
+
+    def load_snapshot(self, model_id: str, directory: str) -> None:
+        """Load a snapshot of either kind into an existing model of the same LoRA shape (a sharded
+        one written by a gang of any size, resharded here; a collective in a gang)."""
+        self.ensure_resident([model_id])
+        if sharded_snapshots.is_sharded(directory):
+            sharded_snapshots.load(self, model_id, directory)
+        else:
+            self.load(model_id, directory, optimizer=True)
 
     def load(self, model_id: str, directory: str, *, optimizer: bool) -> None:
         """Load a checkpoint into an existing model with the same LoRA shape; clears gradients.

@@ -133,7 +133,8 @@ def split_of(module: nn.Module) -> multilora.Split | None:
     if not placement.is_shard(0):
         raise ValueError(f"a tensor-parallel gang splits each expert's width ({placement}); expert LoRA needs the "
                          "experts whole: an expert-parallel gang (--trainer-parallel ep) or one process")
-    return multilora.Split("experts", mesh.get_local_rank(tp), mesh.size(tp), mesh.get_group(tp))
+    return multilora.Split("experts", mesh.get_local_rank(tp), mesh.size(tp), mesh.get_group(tp),
+                           mesh["tp"] if mesh.ndim > 1 else mesh)
 
 
 class _Block:

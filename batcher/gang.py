@@ -197,8 +197,14 @@ def splits(model: nn.Module, targets: tuple[str, ...]) -> dict[str, Split]:
             raise ValueError(f"{path}: tensor-parallel style {style!r} has no LoRA layout here "
                              f"(known: {sorted(_SPLIT_OF_STYLE)} split, {sorted(_WHOLE_STYLES)} whole)")
         tp = mesh.mesh_dim_names.index("tp")
-        out[path] = Split(_SPLIT_OF_STYLE[style], mesh.get_local_rank(tp), mesh.size(tp), mesh.get_group(tp))
+        out[path] = Split(_SPLIT_OF_STYLE[style], mesh.get_local_rank(tp), mesh.size(tp), mesh.get_group(tp),
+                          tp_mesh(mesh))
     return out
+
+
+def tp_mesh(mesh):
+    """The tensor-parallel axis of a device mesh, as a 1-D mesh."""
+    return mesh["tp"] if mesh.ndim > 1 else mesh
 
 
 # ---------------------------------------------------------------------- rank 0 and the others
@@ -206,7 +212,8 @@ def splits(model: nn.Module, targets: tuple[str, ...]) -> dict[str, Split]:
 # The backend calls that change tensors or run collectives: every rank makes them, in rank 0's order.
 # (has, policy_version, residency, last_pass and adapters only read rank 0's own state.)
 COLLECTIVE_CALLS = frozenset({"create", "delete", "run_pass", "optim_step", "load_saved", "export", "save",
-                              "offload_idle", "ensure_resident", "adapter_state", "optimizer_state"})
+                              "offload_idle", "ensure_resident", "adapter_state", "optimizer_state", "snapshot",
+                              "load_snapshot"})
 
 
 class GangBroken(BaseException):
@@ -235,6 +242,16 @@ class GangBackend:
         from batcher.backend import read_saved
 
         self._call("load_saved", (model_id, read_saved(directory, optimizer=optimizer)), {})
+
+    def load_snapshot(self, model_id: str, directory: str) -> None:
+        """A sharded snapshot is read by every rank, its own shares each (batcher.sharded_snapshots);
+        a single trainer's (a training checkpoint) by rank 0, as `load`."""
+        from batcher import sharded_snapshots
+
+        if sharded_snapshots.is_sharded(directory):
+            self._call("load_snapshot", (model_id, directory), {})
+        else:
+            self.load(model_id, directory, optimizer=True)
 
     def _call(self, name: str, args: tuple, kwargs: dict):
         args, kwargs = _decided(name, args, kwargs)

@@ -130,6 +130,7 @@ class Split:
     index: int
     count: int
     group: object = None  # the tensor-parallel process group
+    mesh: object = None  # its 1-D device mesh (a snapshot's shares are DTensors over it: batcher.sharded_snapshots)
 
     def axis(self, which: str) -> int | None:
         """The axis along which the layer's `which` ("A" [rank, in] or "B" [out, rank]; an experts

@@ -10,8 +10,10 @@ answered are re-run for their effect only: no second result, no second charge, s
 in Redis with append-only persistence (`core.embedded`).
 
 On disk: `<root>/<model_id>/<seq_id, 10 digits>/`, a training checkpoint directory
-(`checkpoints.layout`); each is written beside the others, then older ones are removed, so a
-crash at any point leaves at least one whole snapshot. Where they live is a store
+(`checkpoints.layout`), or for a trainer gang each rank's shares through
+torch.distributed.checkpoint (`batcher.sharded_snapshots`), which a trainer of any size reads;
+each is written beside the others, then older ones are removed, so a crash at any point leaves at
+least one whole snapshot. Where they live is a store
 (`checkpoints.storage.snapshot_store_for`): this machine's disk, or with
 QUILT_TRAINER_SNAPSHOTS_IN_STORE and the S3 checkpoint store also the bucket: a snapshot is
 uploaded before `write` returns (so before the requests it covers are acknowledged), and a trainer
@@ -44,7 +46,7 @@ class SnapshotStore:
         """Snapshot the model's state as of `seq_id` (no gradients pending); returns bytes written."""
         directory = self._dir(model_id)
         path = directory / f"{seq_id:010d}"
-        size = backend.save(model_id, str(path), overwrite=True, with_optimizer=True)
+        size = backend.snapshot(model_id, str(path))
         self.store.publish(str(path))
         for old in self.store.children(directory):
             if old.isdigit() and int(old) < seq_id:
@@ -66,7 +68,7 @@ class SnapshotStore:
         try:
             path = self.store.fetch(str(path))  # from the bucket when this machine has not got it
             backend.create(model_id, LoraShape.from_json(TrainerMeta.read(path).lora_config))
-            backend.load(model_id, str(path), optimizer=True)
+            backend.load_snapshot(model_id, str(path))
         except Exception:
             log.exception("snapshot of %s could not be loaded", model_id)
             backend.delete(model_id)

@@ -11,7 +11,8 @@ Points: `api.after_commit` (request row committed, stream entry not appended); i
 `trainer.after_read` (entries read, not queued), `trainer.after_pass` (a fused pass computed,
 nothing answered), `trainer.after_optim` (an optimizer step applied, not answered),
 `trainer.after_snapshot` (a snapshot written, its entries not acknowledged); in a trainer gang's
-other ranks `gang.rank_in_pass` (rank 0 has begun a pass and waits on this rank); in either worker's
+other ranks `gang.rank_in_pass` (rank 0 has begun a pass and waits on this rank) and
+`gang.rank_in_snapshot` (the gang is writing a snapshot's shares); in either worker's
 finishing `<group>.after_publish` (answered, not settled) and `<group>.after_settle` (settled,
 not acknowledged), group `trainers` or `samplers`.
 """

@@ -53,8 +53,8 @@ def specs(config: dict, *, experts: bool = True) -> dict:
 
 def run(backend, workdir: Path, *, experts: bool = True) -> dict:
     """The scenario: three fused rounds of four tenants, an AdamW step each, then t1 saved and
-    loaded into a new model "t1-copy". Returns every datum's loss outputs, then each adapter's whole
-    weights and AdamW moments."""
+    loaded into a new model "t1-copy", and t3 snapshotted and restored into "t3-restored". Returns
+    every datum's loss outputs, then each adapter's whole weights and AdamW moments."""
     plan = specs(backend.config, experts=experts)
     for model_id, (lora, _, _, _) in plan.items():
         backend.create(model_id, LoraShape(**lora))
@@ -69,7 +69,11 @@ def run(backend, workdir: Path, *, experts: bool = True) -> dict:
     backend.save("t1", str(workdir / "t1"), overwrite=True)
     backend.create("t1-copy", LoraShape(**plan["t1"][0]))
     backend.load("t1-copy", str(workdir / "t1"), optimizer=True)
-    models = [*plan, "t1-copy"]
+    # A snapshot (a gang's: each rank's shares through torch.distributed.checkpoint), restored.
+    backend.snapshot("t3", str(workdir / "t3-snapshot"))
+    backend.create("t3-restored", LoraShape(**plan["t3"][0]))
+    backend.load_snapshot("t3-restored", str(workdir / "t3-snapshot"))
+    models = [*plan, "t1-copy", "t3-restored"]
     adapters = {m: backend.adapter_state(m) for m in models}
     moments = {m: backend.optimizer_state(m)["state"] for m in models}
     return {"outputs": outputs, "adapters": adapters, "moments": moments}

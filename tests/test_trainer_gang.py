@@ -19,6 +19,7 @@ from gang_scenario import run
 
 from batcher import gang
 from batcher.backend import LoraBackend
+from core.work import LoraShape
 from stack.tiny_model import TinyModelSpec, build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,9 +65,23 @@ def test_a_two_rank_gang_trains_as_one_process_does(bases, tmp_path, arch, paral
                 torch.testing.assert_close(got["moments"][model_id][i][key], entry[key], rtol=1e-9, atol=1e-15,
                                            msg=f"{model_id} {i} {key}")
             assert float(got["moments"][model_id][i]["step"]) == float(entry["step"]) == 3
-    # The saved and loaded copy is t1, to the last bit, in the gang as alone.
-    for key, tensor in got["adapters"]["t1"].items():
-        assert torch.equal(got["adapters"]["t1-copy"][key], tensor), key
+    # The saved and loaded copy is t1, and the restored snapshot t3, to the last bit, in the gang as alone.
+    for copy, model_id in (("t1-copy", "t1"), ("t3-restored", "t3")):
+        for key, tensor in got["adapters"][model_id].items():
+            assert torch.equal(got["adapters"][copy][key], tensor), (copy, key)
+    for i, entry in got["moments"]["t3"].items():
+        assert all(torch.equal(got["moments"]["t3-restored"][i][k], entry[k]) for k in ("exp_avg", "exp_avg_sq"))
+    # The gang's snapshot holds each rank's shares (torch.distributed.checkpoint); one process reads it whole.
+    snapshot = tmp_path / "gang" / "t3-snapshot"
+    assert (snapshot / ".metadata").is_file() and len(list(snapshot.glob("*.distcp"))) == 2
+    alone.create("from-gang", LoraShape.from_json(alone.adapters["t3"].lora_config))
+    alone.load_snapshot("from-gang", str(snapshot))
+    for key, tensor in got["adapters"]["t3"].items():
+        assert torch.equal(alone.adapter_state("from-gang")[key], tensor), key
+    assert alone.adapters["from-gang"].steps == 3
+    for i, entry in got["moments"]["t3"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(alone.optimizer_state("from-gang")["state"][i][k], entry[k]), (i, k)
     for step_got, step_expected in zip(got["outputs"], expected["outputs"], strict=True):
         for request_got, request_expected in zip(step_got, step_expected, strict=True):
             for datum_got, datum_expected in zip(request_got, request_expected, strict=True):

@@ -25,8 +25,10 @@ pytestmark = pytest.mark.stack
 
 @pytest.fixture(scope="module")
 def gang_stack():
-    # The fault harness's rank kill: rank 1 dies at its second pass, while rank 0 is in that pass.
-    env = {"QUILT_TRAINER_RANKS": "2", "QUILT_TRAINER_PARALLEL": "tp", "QUILT_CRASH_AT": "gang.rank_in_pass:2"}
+    # The fault harness's rank kills: rank 1 dies at its second pass, while rank 0 is in that pass,
+    # and while the gang writes its third snapshot (whose half-written files no restore may read).
+    env = {"QUILT_TRAINER_RANKS": "2", "QUILT_TRAINER_PARALLEL": "tp",
+           "QUILT_CRASH_AT": "gang.rank_in_pass:2,gang.rank_in_snapshot:3"}
     with ephemeral_stack(env, 600, trainer_ranks=2) as s:
         yield Stack(s.base_url, s.data_dir, s.database_url, s.redis_url, s.log_dir)
 
@@ -48,7 +50,8 @@ def _ranks(stack) -> dict[int, psutil.Process]:
 
 
 def test_the_tinker_sdk_trains_on_a_gang_and_samples_what_it_exported(gang_stack):
-    """Rank 1 dies in the flow's second pass (QUILT_CRASH_AT): the SDK never sees it."""
+    """Rank 1 dies in the flow's second pass and while a snapshot is written (QUILT_CRASH_AT): the SDK
+    never sees it."""
     first = _ranks(gang_stack)
     assert sorted(first) == [0, 1]
     key = gang_stack.create_tenant().key
@@ -78,7 +81,8 @@ def test_the_tinker_sdk_trains_on_a_gang_and_samples_what_it_exported(gang_stack
         assert n == len(datum_.loss_fn_inputs["target_tokens"].tolist())
         scored = tc.forward([datum_], "importance_sampling").result()
         assert scored.metrics["mismatch_kl:mean"] < 1e-4, scored.metrics
-    assert (gang_stack.data_dir / "crash-points" / "gang.rank_in_pass").exists()  # the rank kill happened
+    for point in ("gang.rank_in_pass", "gang.rank_in_snapshot"):  # the rank kills happened
+        assert (gang_stack.data_dir / "crash-points" / point).exists(), point
     assert {p.pid for p in _ranks(gang_stack).values()}.isdisjoint(p.pid for p in first.values())
 
 
@@ -98,3 +102,6 @@ def test_a_killed_rank_loses_no_acknowledged_step(gang_stack):
     assert sorted(after) == [0, 1] and {p.pid for p in after.values()}.isdisjoint(p.pid for p in before.values())
 
     assert_recovered(gang_stack.database_url, model_id, "after-kill")
+    # The gang restored from snapshots each rank wrote its shares of (torch.distributed.checkpoint).
+    snapshots = list((gang_stack.data_dir / "snapshots").glob(f"{model_id.replace('/', '_')}/*/.metadata"))
+    assert snapshots, sorted(p.name for p in (gang_stack.data_dir / "snapshots").iterdir())
