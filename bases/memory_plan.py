@@ -148,6 +148,10 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     # of the norms and attention (about 8 hidden-wide and 3 MLP-wide vectors in the base dtype; the
     # head- and MLP-wide ones split over a gang's ranks); the logits and their log-softmax are float32.
     split_width = (2 * shape.heads * shape.head_dim + 3 * inter) // inputs.trainer_ranks
+    if shape.arch.moe and inputs.expert_lora:
+        # LoRA on the experts keeps more per (token, expert) pair: about 2 hidden- and 2 expert-wide
+        # vectors (measured on the tiny Qwen3-MoE, batcher.expert_lora), each pair on one rank
+        split_width += shape.experts_per_token * (2 * h + 2 * shape.intermediate) // inputs.trainer_ranks
     activation = layers * (8 * h + split_width) * width + 2 * vocab * 4
     compute_copy = width if width < 4 else 0
     adapter = _adapter_parameters(config, inputs.adapter_rank, inputs.expert_lora, inputs.trainer_ranks) \

@@ -150,29 +150,38 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class _Groups:
-    """Rows sorted by a group key (stable), and the offsets of each group's end: the grouped GEMM's
-    input. Keys >= `count` (the expert-parallel sentinel, where `partial`) sort last and are in no
-    group: their rows come out 0."""
+def _histogram(keys: torch.Tensor, count: int) -> torch.Tensor:
+    """How many keys fall in each of 0..count-1 (keys past it are left out). histc, not bincount:
+    bincount sizes its output from the keys' maximum, read on the host (a sync). (Integer keys on
+    CUDA, float ones elsewhere.)"""
+    return torch.histc(keys.int() if keys.is_cuda else keys.float(), bins=count, min=0, max=count - 1)
 
-    def __init__(self, keys: torch.Tensor, count: int, *, partial: bool):
+
+class _Groups:
+    """Rows in group order and the offsets of each group's end: the grouped GEMM's input. `order`
+    sorts rows into it (None: they are in it already). Rows past the last group (the
+    expert-parallel sentinel, where `partial`) come out 0."""
+
+    def __init__(self, sizes: torch.Tensor, *, order: torch.Tensor | None = None, partial: bool):
+        self.sizes = sizes
+        self.offsets = torch.cumsum(sizes, 0).to(torch.int32)
+        self.order = order
         self.partial = partial
-        self.order = torch.argsort(keys, stable=True)
-        # histc, not bincount: bincount sizes its output from the keys' maximum, read on the host (a
-        # sync); histc leaves out keys past `count - 1`. (Integer keys on CUDA, float ones elsewhere.)
-        counted = keys.int() if keys.is_cuda else keys.float()
-        self.sizes = torch.histc(counted, bins=count, min=0, max=count - 1)
-        self.offsets = torch.cumsum(self.sizes, 0).to(torch.int32)
+
+    @classmethod
+    def by_key(cls, keys: torch.Tensor, count: int, *, partial: bool) -> _Groups:
+        """Rows sorted (stably) by a key in 0..count-1; keys >= count sort last, in no group."""
+        return cls(_histogram(keys, count), order=torch.argsort(keys, stable=True), partial=partial)
 
     def take(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows.index_select(0, self.order)
+        return rows if self.order is None else rows.index_select(0, self.order)
 
     def put(self, rows: torch.Tensor) -> torch.Tensor:
-        """Sorted rows back in their original order."""
-        return rows.new_empty(rows.shape).index_copy(0, self.order, rows)
+        """Rows in group order back in their original order."""
+        return rows if self.order is None else rows.new_empty(rows.shape).index_copy(0, self.order, rows)
 
     def mm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """`x[rows of g] @ weight[g].T` for every group g, on sorted rows."""
+        """`x[rows of g] @ weight[g].T` for every group g, on rows in group order."""
         per = 16 // x.element_size()
         if multilora.grouped_gemm(x.dtype, x.device) and all(
                 n % per == 0 for n in (weight.shape[1], weight.shape[2], x.shape[0])):
@@ -234,39 +243,56 @@ def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     token = torch.arange(tokens, device=hidden.device).repeat_interleave(top_k)
     partial = gate.split is not None  # expert parallel: pairs routed to other ranks' experts come as
     sentinel = expert >= experts      # the sentinel E_local, are in no group and come out 0
-    x = hidden.index_select(0, token)
-    by_expert = _Groups(expert, experts, partial=partial)
-    w_gate_up, w_down = _local(module.gate_up_proj), _local(module.down_proj)
-
-    lora = []  # per rank class: the (adapter, expert) grouping and the three parts' (A, B, scale)
-    for rank, route in classes:
+    for _, route in classes:
         if route.runs[-1][2] != tokens:
             raise RuntimeError(f"experts route covers {route.runs[-1][2]} tokens, the block has {tokens}")
-        # Groups are (the pass's adapter, expert): tokens of other adapters, and the sentinel, are in none.
-        members = route.members.shape[0]
-        member = route.member_of_token.index_select(0, token)
-        key = (member * experts + expert).masked_fill(sentinel | (member == members), members * experts)
+
+    # The (token, expert) pairs are sorted once, by (expert, adapter of the first rank class): each
+    # expert's rows are contiguous for the base's grouped GEMM, and each (expert, adapter) group's
+    # for that class's LoRA, on the same rows. Adapters of the pass not on the experts, and tokens of
+    # other classes, form each expert's last group, whose LoRA weights are zero.
+    first = classes[0][1]
+    members = first.members.shape[0]
+    member = first.member_of_token.index_select(0, token)
+    key = (expert * (members + 1) + member).masked_fill(sentinel, experts * (members + 1))
+    pairs = _Groups.by_key(key, experts * (members + 1), partial=partial)
+    by_expert = _Groups(_histogram(expert, experts), partial=partial)
+    x = pairs.take(hidden.index_select(0, token))
+    sorted_token = pairs.take(token)
+
+    lora = []  # per rank class: its grouping of the sorted rows and the three parts' (A, B, scale)
+    for i, (rank, route) in enumerate(classes):
         factors = {}
         for proj, part in block.parts.items():
             slab = part.slabs[rank]
-            A = _Leaf.of(slab.A_c, route.members, slab.gA).flatten(0, 1)  # [members * E, r, in]: one per group
-            B = _Leaf.of(slab.B_c, route.members, slab.gB).flatten(0, 1)
+            A = _Leaf.of(slab.A_c, route.members, slab.gA)  # [members, E, r, in]
+            B = _Leaf.of(slab.B_c, route.members, slab.gB)
+            if i == 0:  # expert-major with a zero row for the others: [E * (members + 1), r, in]
+                A, B = (torch.cat([t, t.new_zeros((1, *t.shape[1:]))]).transpose(0, 1).flatten(0, 1) for t in (A, B))
+            else:
+                A, B = A.flatten(0, 1), B.flatten(0, 1)  # [members * E, r, in]
             factors[proj] = (A, B, slab.scale)
-        # (rows in no group need masking only where there are some: tokens of other adapters, or the sentinel)
-        others = partial or any(slot == gate.slabs[rank].zero_slot for slot, _, _ in route.runs)
-        lora.append((_Groups(key, members * experts, partial=others), factors))
+        if i == 0:
+            groups = _Groups(pairs.sizes, partial=partial)
+        else:  # a further rank class regroups the sorted rows by (its adapter, expert)
+            n = route.members.shape[0]
+            m = route.member_of_token.index_select(0, sorted_token)
+            sorted_expert = pairs.take(expert)
+            k = (m * experts + sorted_expert).masked_fill(pairs.take(sentinel) | (m == n), n * experts)
+            groups = _Groups.by_key(k, n * experts, partial=True)
+        lora.append((groups, factors))
 
     def delta(groups: _Groups, rows: torch.Tensor, A, B, scale: float) -> torch.Tensor:
-        sorted_rows = groups.take(rows.to(A.dtype))
-        return groups.put(groups.mm(groups.mm(sorted_rows, A) * scale, B))
+        return groups.put(groups.mm(groups.mm(groups.take(rows.to(A.dtype)), A) * scale, B))
 
-    gate_up = by_expert.put(by_expert.mm(by_expert.take(x), w_gate_up))
+    w_gate_up, w_down = _local(module.gate_up_proj), _local(module.down_proj)
+    gate_up = by_expert.mm(x, w_gate_up)
     for groups, f in lora:
         gate_up = gate_up + torch.cat([delta(groups, x, *f["gate_proj"]), delta(groups, x, *f["up_proj"])],
                                       dim=-1).to(gate_up.dtype)
     mid = module._apply_gate(gate_up)
-    out = by_expert.put(by_expert.mm(by_expert.take(mid), w_down))
+    out = by_expert.mm(mid, w_down)
     for groups, f in lora:
         out = out + delta(groups, mid, *f["down_proj"]).to(out.dtype)
-    out = out * top_k_weights.reshape(-1, 1).to(out.dtype)
+    out = pairs.put(out) * top_k_weights.reshape(-1, 1).to(out.dtype)
     return out.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)

@@ -185,7 +185,7 @@ def test_the_grouped_gemm_path_computes_what_the_loop_does(partial):
     results = []
     for dtype in (torch.float32, torch.float64):  # grouped GEMM, then the loop (no float64 kernel)
         xs, ws = x.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
-        grouping = expert_lora._Groups(keys, groups, partial=partial)
+        grouping = expert_lora._Groups.by_key(keys, groups, partial=partial)
         out = grouping.put(grouping.mm(grouping.take(xs), ws))
         out.pow(2).sum().backward()
         results.append((out.double(), xs.grad.double(), ws.grad.double()))
@@ -196,16 +196,20 @@ def test_the_grouped_gemm_path_computes_what_the_loop_does(partial):
 
 
 def test_float32_takes_the_grouped_gemm_path_and_agrees_with_float64(moe, monkeypatch, tmp_path):
-    from batcher import expert_lora, multilora
+    from batcher import multilora
 
     if not multilora.grouped_gemm(torch.float32, torch.device("cpu")):
         pytest.skip("this torch build has no grouped GEMM on the CPU")
     grouped = []
-    original = expert_lora._Groups.mm
-    monkeypatch.setattr(expert_lora._Groups, "mm", lambda self, x, w: grouped.append(x.dtype) or original(self, x, w))
+    original = multilora._GROUPED
+    monkeypatch.setattr(multilora, "_GROUPED", lambda *a, **kw: grouped.append(a[1].shape) or original(*a, **kw))
     trained = _trained(moe)  # float64, so every B is no longer zero
     single = LoraBackend(moe, dtype=torch.float32)
-    for model_id, lora in (("experts", {"train_unembed": False}), ("other-rank", {}), ("attention", {"train_mlp": False})):
+    single.create("experts-only", LoraShape(rank=4, seed=5, train_attn=False, train_unembed=False))
+    _pass(single, ["experts-only"])
+    assert grouped, "no grouped GEMM ran"  # (only the experts carry LoRA here: they took the kernel)
+    specs = (("experts", {"train_unembed": False}), ("other-rank", {}), ("attention", {"train_mlp": False}))
+    for model_id, lora in specs:
         trained.save(model_id, str(tmp_path / model_id), overwrite=False)
         single.create(model_id, LoraShape(rank=trained.adapters[model_id].lora_config["rank"], seed=0, **lora))
         single.load(model_id, str(tmp_path / model_id), optimizer=False)
@@ -218,7 +222,6 @@ def test_float32_takes_the_grouped_gemm_path_and_agrees_with_float64(moe, monkey
             be.lora.set_grads(adapter.name)
             grads[model_id] = [p.grad.double().clone() for p in adapter.params]
         results.append(([v for o in out for v in o["loss_fn_outputs"][0]["logprobs"]["data"]], grads))
-    assert torch.float32 in grouped
     torch.testing.assert_close(torch.tensor(results[0][0]), torch.tensor(results[1][0]), rtol=0, atol=1e-4)
     for model_id, grads in results[1][1].items():
         for got, want in zip(results[0][1][model_id], grads, strict=True):
