@@ -9,10 +9,10 @@ implementation with a LoRA added to each expert's gate, up and down projection:
     out[p]     = act(gate) * up @ W_d[e].T + s * mid[p] @ A_d[a,e].T @ B_d[a,e].T
 
 for every (token, chosen expert) pair p, e its expert and a the slot of the token's adapter. The
-LoRA products are grouped GEMMs over (slot, expert) groups, one weight per group, the slab laid out
-[slots + 1, experts, ...] so that a group's weight is a row of the slab seen flat; pairs are sorted
-once per rank class into that order. Without an adapter on the experts in a pass, the base's own
-implementation runs unchanged.
+pairs are sorted once, by (expert, adapter): the base's grouped GEMM (a group per expert) and the
+LoRA's (a group per expert and adapter of the pass, one weight each, taken from the slabs' rows)
+run on the same sorted rows, which go back to token order once at the end. Without an adapter on
+the experts in a pass, the base's own implementation runs unchanged.
 
 Each projection is a part (`ExpertPart`) with the interface of `multilora.MultiLoraLinear` that
 `MultiLoraModel` keeps slabs through: an adapter's parameters are [E, r, in] and [E, out, r] views
@@ -48,11 +48,9 @@ class ExpertPart:
     """One projection of one experts module, as MultiLoraModel keeps it: slabs per rank class of
     A [slots + 1, E, r, in] and B [slots + 1, E, out, r] (E: this rank's experts)."""
 
-    def __init__(self, experts: nn.Module, proj: str, context: multilora.PassContext,
-                 split: multilora.Split | None):
+    def __init__(self, experts: nn.Module, proj: str, split: multilora.Split | None):
         self.kind = "experts"
         self.proj = proj
-        self.context = context
         self.split = split
         weight = experts.down_proj  # (an FSDP-sharded base's at rest: its whole shape is what counts)
         count, hidden, inter = weight.shape
@@ -80,7 +78,7 @@ class ExpertPart:
             out[f"base_model.model.{block}.{e}.{self.proj}.lora_B.weight"] = B[e]
         return out
 
-    def unpeft(self, path: str, state: dict[str, torch.Tensor], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def unpeft(self, path: str, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole factors from each expert's PEFT tensors (KeyError where one is missing)."""
         count = self.experts * (self.split.count if self.split else 1)
         block = path.rpartition(".")[0]
@@ -106,7 +104,7 @@ def wrap(model: nn.Module, context: multilora.PassContext, splits: dict[str, mul
         if getattr(module, "is_transposed", False) or not getattr(module, "has_gate", True) \
                 or getattr(module, "has_bias", False):
             raise ValueError(f"{path}: experts laid out transposed, without a gate or with biases have no LoRA here")
-        mine = {proj: ExpertPart(module, proj, context, splits.get(path)) for proj in PROJECTIONS}
+        mine = {proj: ExpertPart(module, proj, splits.get(path)) for proj in PROJECTIONS}
         module._quilt_lora = _Block(mine, context, module.config._experts_implementation)
         parts.update({f"{path}.{proj}": part for proj, part in mine.items()})
     if parts:
@@ -134,7 +132,7 @@ def split_of(module: nn.Module) -> multilora.Split | None:
         raise ValueError(f"a tensor-parallel gang splits each expert's width ({placement}); expert LoRA needs the "
                          "experts whole: an expert-parallel gang (--trainer-parallel ep) or one process")
     return multilora.Split("experts", mesh.get_local_rank(tp), mesh.size(tp), mesh.get_group(tp),
-                           mesh["tp"] if mesh.ndim > 1 else mesh)
+                           multilora.tp_mesh(mesh))
 
 
 class _Block:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from batcher import expert_lora
+from batcher import expert_lora, multilora
 from batcher.multilora import Split
 from core import faults
 from core.errors import QuiltError
@@ -198,13 +198,8 @@ def splits(model: nn.Module, targets: tuple[str, ...]) -> dict[str, Split]:
                              f"(known: {sorted(_SPLIT_OF_STYLE)} split, {sorted(_WHOLE_STYLES)} whole)")
         tp = mesh.mesh_dim_names.index("tp")
         out[path] = Split(_SPLIT_OF_STYLE[style], mesh.get_local_rank(tp), mesh.size(tp), mesh.get_group(tp),
-                          tp_mesh(mesh))
+                          multilora.tp_mesh(mesh))
     return out
-
-
-def tp_mesh(mesh):
-    """The tensor-parallel axis of a device mesh, as a 1-D mesh."""
-    return mesh["tp"] if mesh.ndim > 1 else mesh
 
 
 # ---------------------------------------------------------------------- rank 0 and the others

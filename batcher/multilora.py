@@ -160,6 +160,11 @@ class Split:
         dist.all_reduce(t, group=self.group)
 
 
+def tp_mesh(mesh):
+    """The tensor-parallel axis of a device mesh, as a 1-D mesh."""
+    return mesh["tp"] if mesh.ndim > 1 else mesh
+
+
 @dataclass
 class PassContext:
     """What the wrapped layers read during a pass: a route per (target name, rank)."""
@@ -227,7 +232,7 @@ class MultiLoraLinear(nn.Module):
         """Whole factors under PEFT's saved names."""
         return {f"base_model.model.{path}.lora_A.weight": A, f"base_model.model.{path}.lora_B.weight": B}
 
-    def unpeft(self, path: str, state: dict[str, torch.Tensor], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def unpeft(self, path: str, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole factors from PEFT's tensors (KeyError where one is missing)."""
         return state[f"base_model.model.{path}.lora_A.weight"], state[f"base_model.model.{path}.lora_B.weight"]
 
@@ -612,7 +617,7 @@ class MultiLoraModel:
         otherwise); under a split base each rank keeps its share."""
         ad = self.adapters[name]
         try:
-            whole = [t for path in ad.layers for t in self.layers[path].unpeft(path, state, ad.rank)]
+            whole = [t for path in ad.layers for t in self.layers[path].unpeft(path, state)]
         except KeyError as exc:
             raise ValueError(f"checkpoint tensors do not match the model: missing {exc.args[0]}") from None
         known = set()
