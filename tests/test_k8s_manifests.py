@@ -59,6 +59,26 @@ def test_the_gang_overlay_gives_each_gang_pod_the_gpus_its_ranks_use():
         assert "/dev/shm" in mounts
 
 
+def test_the_two_node_gang_overlay_starts_its_pods_together_under_one_name():
+    objs = render("gpu-gang-nodes")
+    config = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "quilt-config")["data"]
+    trainer = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "quilt-trainer")["spec"]
+    container = trainer["template"]["spec"]["containers"][0]
+    command = container["command"]
+    nodes, per_node = (int(command[command.index(flag) + 1]) for flag in ("--nnodes", "--nproc-per-node"))
+    assert trainer["replicas"] == nodes and nodes * per_node == int(config["QUILT_TRAINER_RANKS"])
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == str(per_node)
+    assert trainer["podManagementPolicy"] == "Parallel"  # pod 0 is not ready before the whole gang is
+    assert command[command.index("--rdzv-endpoint") + 1].startswith(f"quilt-trainer-0.{trainer['serviceName']}:")
+    names = {e["name"]: e.get("value") for e in container["env"]}
+    assert names["QUILT_TRAINER_CONSUMER_NAME"] == "quilt-trainer-gang"  # every pod's probe judges the gang
+    gang = next(o for o in objs
+                if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "quilt-trainer-gang-ingress")
+    trainers = {"app.kubernetes.io/component": "trainer"}
+    assert gang["spec"]["podSelector"]["matchLabels"] == trainers
+    assert gang["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": trainers}}]}]
+
+
 def test_every_object_is_valid_kubernetes(objects):
     _, objs = objects
     assert len(objs) >= 12

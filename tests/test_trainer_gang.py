@@ -43,6 +43,33 @@ def _gang(base: Path, parallel: str, out: Path) -> dict:
     return torch.load(out, weights_only=False)
 
 
+def test_a_gang_over_two_nodes_trains_as_one_process_does(bases, tmp_path):
+    """Two torch.distributed.run agents, one rank each, meeting through the c10d rendezvous as two
+    machines' agents would (here on one machine; deploy/k8s/overlays/gpu-gang-nodes on a cluster)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "gang").mkdir()
+    out = tmp_path / "gang" / "result.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "sdk"), str(ROOT / "tests")]),
+           "HF_HUB_OFFLINE": "1"}
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+                                "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+                                "two-nodes", str(ROOT / "tests" / "gang_scenario.py"), str(bases["qwen3"]), "tp",
+                                str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]
+    logs = [a.communicate(timeout=600)[0] for a in agents]
+    assert all(a.returncode == 0 for a in agents), "\n".join(log[-3000:] for log in logs)
+    got = torch.load(out, weights_only=False)
+    expected = run(LoraBackend(bases["qwen3"], dtype=torch.float64), tmp_path)
+    for model_id, state in expected["adapters"].items():
+        for key, tensor in state.items():
+            torch.testing.assert_close(got["adapters"][model_id][key], tensor, rtol=1e-9, atol=1e-12,
+                                       msg=f"{model_id} {key}")
+
+
 @pytest.mark.parametrize("arch,parallel", [("qwen3", "tp"), ("qwen3_moe", "ep"), ("qwen3_moe", "fsdp"),
                                            ("qwen3_moe", "tp"), ("llama", "tp"), ("qwen2", "tp"), ("mistral", "tp"),
                                            ("gemma3_text", "tp")])
