@@ -122,7 +122,6 @@ class LoraBackend:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
 
-        self.gang = gang
         self.gang_size = gang.size if gang is not None else 1
         split = self.gang_size > 1
         self.device = torch.device(gang_mod.rank_device(device) if split else device)

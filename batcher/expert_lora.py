@@ -53,8 +53,8 @@ class ExpertPart:
         self.proj = proj
         self.split = split
         weight = experts.down_proj  # (an FSDP-sharded base's at rest: its whole shape is what counts)
-        count, hidden, inter = weight.shape
-        self.experts = count // (split.count if split else 1)  # this rank's
+        self.whole_experts, hidden, inter = weight.shape
+        self.experts = self.whole_experts // (split.count if split else 1)  # this rank's
         self.in_features, self.out_features = (inter, hidden) if proj == "down_proj" else (hidden, inter)
         self.device, self.dtype = weight.device, weight.dtype
         self.slabs: dict[int, multilora._Slab] = {}
@@ -65,9 +65,9 @@ class ExpertPart:
     def whole_A(self, rank: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
         """PEFT's initialisation of every expert's A (Kaiming-uniform, a=sqrt(5)), all experts of
         the base drawn in order, so any split takes its share of the same draw."""
-        count = self.experts * (self.split.count if self.split else 1)
         bound = math.sqrt(6.0 / ((1 + 5) * self.in_features))
-        return torch.empty(count, rank, self.in_features, dtype=dtype).uniform_(-bound, bound, generator=generator)
+        return torch.empty(self.whole_experts, rank, self.in_features, dtype=dtype).uniform_(-bound, bound,
+                                                                                         generator=generator)
 
     def peft(self, path: str, A: torch.Tensor, B: torch.Tensor) -> dict[str, torch.Tensor]:
         """Whole [E, r, in] / [E, out, r] factors under each expert's PEFT names."""
@@ -80,11 +80,11 @@ class ExpertPart:
 
     def unpeft(self, path: str, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole factors from each expert's PEFT tensors (KeyError where one is missing)."""
-        count = self.experts * (self.split.count if self.split else 1)
         block = path.rpartition(".")[0]
         pair = []
         for which in ("A", "B"):
-            tensors = [state[f"base_model.model.{block}.{e}.{self.proj}.lora_{which}.weight"] for e in range(count)]
+            tensors = [state[f"base_model.model.{block}.{e}.{self.proj}.lora_{which}.weight"]
+                       for e in range(self.whole_experts)]
             if len({tuple(t.shape) for t in tensors}) != 1:
                 raise ValueError(f"{block}.*.{self.proj} lora_{which}: the experts' tensors differ in shape")
             pair.append(torch.stack(tensors))
@@ -180,9 +180,7 @@ class _Groups:
 
     def mm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """`x[rows of g] @ weight[g].T` for every group g, on rows in group order."""
-        per = 16 // x.element_size()
-        if multilora.grouped_gemm(x.dtype, x.device) and all(
-                n % per == 0 for n in (weight.shape[1], weight.shape[2], x.shape[0])):
+        if multilora.groupable(x, weight.shape[1], weight.shape[2], x.shape[0]):
             if not self.partial:
                 return multilora._GROUPED(x, weight.transpose(1, 2), offs=self.offsets)
             # The kernel leaves rows past the last group unwritten, in its output and in the input's
@@ -256,7 +254,6 @@ def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     pairs = _Groups.by_key(key, experts * (members + 1), partial=partial)
     by_expert = _Groups(_histogram(expert, experts), partial=partial)
     x = pairs.take(hidden.index_select(0, token))
-    sorted_token = pairs.take(token)
 
     lora = []  # per rank class: its grouping of the sorted rows and the three parts' (A, B, scale)
     for i, (rank, route) in enumerate(classes):
@@ -274,9 +271,8 @@ def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
             groups = _Groups(pairs.sizes, partial=partial)
         else:  # a further rank class regroups the sorted rows by (its adapter, expert)
             n = route.members.shape[0]
-            m = route.member_of_token.index_select(0, sorted_token)
-            sorted_expert = pairs.take(expert)
-            k = (m * experts + sorted_expert).masked_fill(pairs.take(sentinel) | (m == n), n * experts)
+            m = route.member_of_token.index_select(0, pairs.take(token))
+            k = (m * experts + pairs.take(expert)).masked_fill(pairs.take(sentinel) | (m == n), n * experts)
             groups = _Groups.by_key(k, n * experts, partial=True)
         lora.append((groups, factors))
 

@@ -53,14 +53,14 @@ def grouped_gemm(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _can_group(slab: _Slab, x2: torch.Tensor) -> bool:
-    """Grouped GEMM for this layer and pass: the build has it for the dtype, and every stride the
-    kernel reads is a multiple of 16 bytes (rank, widths and token count; a rank-4 bfloat16 slab is
-    not)."""
-    if not grouped_gemm(x2.dtype, x2.device):
+def groupable(x: torch.Tensor, *sizes: int) -> bool:
+    """Grouped GEMM over these rows: the build has it for the dtype, and every stride the kernel
+    reads (the `sizes`: ranks, widths, row counts) is a multiple of 16 bytes (a rank-4 bfloat16 slab
+    is not)."""
+    if not grouped_gemm(x.dtype, x.device):
         return False
-    per = 16 // x2.element_size()
-    return all(n % per == 0 for n in (slab.A.shape[1], slab.A.shape[2], slab.B.shape[1], x2.shape[0]))
+    per = 16 // x.element_size()
+    return all(n % per == 0 for n in sizes)
 
 
 def compute_dtype(base_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -265,7 +265,8 @@ class SlabLora(torch.autograd.Function):
         compute = slab.A_c.dtype
         x2 = x.reshape(-1, x.shape[-1]).to(compute)
         y2 = y.view(-1, y.shape[-1])
-        mode = "equal" if route.equal else "grouped" if _can_group(slab, x2) else "loop"
+        mode = "equal" if route.equal else "grouped" if groupable(
+            x2, slab.A.shape[1], slab.A.shape[2], slab.B.shape[1], x2.shape[0]) else "loop"
         A_g = B_g = None
         if mode != "loop":
             A_g, B_g = slab.A_c.index_select(0, route.slots), slab.B_c.index_select(0, route.slots)

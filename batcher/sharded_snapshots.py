@@ -61,7 +61,7 @@ def _state(lora, adapter, *, moments: bool, fresh: bool) -> dict:
         local = torch.zeros_like(p.data) if fresh else p.detach()
         state[key] = _shared(local, split, axis)
         if moments:
-            held = adapter.optimizer.state.get(p, {})
+            held = None if fresh else adapter.optimizer.state[p]
             for m in MOMENTS:
                 state[f"moments.{key}.{m}"] = _shared(torch.zeros_like(p.data) if fresh else held[m], split, axis)
             state[f"moments.{key}.step"] = torch.zeros((), dtype=torch.float32) if fresh else held["step"].clone()

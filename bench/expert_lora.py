@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fused_step import datum, run, sync, sync_check, timed  # noqa: E402
+from fused_step import datum, interleaved, run, sync, sync_check  # noqa: E402
 
 from batcher.backend import LoraBackend  # noqa: E402
 from core.work import LoraShape  # noqa: E402
@@ -114,12 +114,7 @@ def main() -> None:
                 sequences = [list(d.tokens) + [d.inputs["target_tokens"][-1]] for _, ds in work for d in ds]
                 modes = {"fused": lambda: run(be, work), "sequential": lambda: [run(be, [w]) for w in work],
                          "peft": lambda: peft_step(peft, sequences), "attention": lambda: run(attention, work)}
-                for fn in modes.values():
-                    fn()
-                times: dict[str, list[float]] = {k: [] for k in modes}
-                for _ in range(args.reps):
-                    for k, fn in modes.items():
-                        times[k].append(timed(device, fn))
+                times = interleaved(device, modes, args.reps)
                 over = {k: statistics.median(t / f for f, t in zip(times["fused"], v))
                         for k, v in times.items() if k != "fused"}
                 row = {"tenants": n, "tokens": tokens, "fused_s": statistics.median(times["fused"]),

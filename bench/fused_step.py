@@ -109,18 +109,24 @@ def timed(device: torch.device, fn) -> float:
     return time.perf_counter() - start
 
 
-def measure(be: LoraBackend, device, n: int, tokens: int, reps: int, vocab: int, sequential: bool) -> dict:
-    work = [(f"t{i}", [datum(1000 * i + tokens, tokens, vocab)]) for i in range(n)]
-    modes = {"fused": lambda: run(be, work),
-             "one_adapter": lambda: run(be, [("t0", [d for _, ds in work for d in ds])])}
-    if sequential:
-        modes["sequential"] = lambda: [run(be, [w]) for w in work]
+def interleaved(device, modes: dict, reps: int) -> dict[str, list[float]]:
+    """Each mode once to warm up, then `reps` rounds of every mode in turn: seconds per mode."""
     for fn in modes.values():
         fn()
     times: dict[str, list[float]] = {k: [] for k in modes}
     for _ in range(reps):
         for k, fn in modes.items():
             times[k].append(timed(device, fn))
+    return times
+
+
+def measure(be: LoraBackend, device, n: int, tokens: int, reps: int, vocab: int, sequential: bool) -> dict:
+    work = [(f"t{i}", [datum(1000 * i + tokens, tokens, vocab)]) for i in range(n)]
+    modes = {"fused": lambda: run(be, work),
+             "one_adapter": lambda: run(be, [("t0", [d for _, ds in work for d in ds])])}
+    if sequential:
+        modes["sequential"] = lambda: [run(be, [w]) for w in work]
+    times = interleaved(device, modes, reps)
     ratio = {k: statistics.median(f / t for f, t in zip(times["fused"], v)) for k, v in times.items()}
     return {"seconds": {k: statistics.median(v) for k, v in times.items()},
             "fused_over": {k: 1 / r for k, r in ratio.items() if k != "fused"}}

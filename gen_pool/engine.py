@@ -147,7 +147,8 @@ class ExclusiveGate:
 
 
 class GenEngine:
-    def __init__(self, llm, settings: GenPoolSettings, identity_path: str) -> None:
+    def __init__(self, llm, settings: GenPoolSettings, identity_path: str, experts_refused: str = "") -> None:
+        """`experts_refused`: why this engine applies no LoRA to a MoE base's experts ("": it does)."""
         from vllm.lora.request import LoRARequest
 
         self.llm = llm
@@ -160,9 +161,7 @@ class GenEngine:
         # slots and its CPU cache, so the tail approximates what each holds (for routing).
         self._used = Recent(settings.max_cpu_loras)
         self.adapter_hits = self.adapter_misses = 0  # groups whose adapter was in a slot already, or not
-        from vllm.platforms import current_platform
-
-        self.experts_refused = experts_refused(settings, cpu=current_platform.is_cpu())
+        self.experts_refused = experts_refused
 
     @classmethod
     async def start(cls, model_path: str, settings: GenPoolSettings, workdir: str | Path) -> GenEngine:
@@ -174,6 +173,7 @@ class GenEngine:
         started = time.monotonic()
         identity = identity_adapter(model_path, Path(workdir) / f"identity-{Path(model_path).name}")
         config = json.loads((Path(model_path) / "config.json").read_text())
+        refused = experts_refused(settings, cpu=current_platform.is_cpu())
         kw = {}
         if not current_platform.is_cpu():
             kw["gpu_memory_utilization"] = settings.gpu_memory_share
@@ -189,15 +189,14 @@ class GenEngine:
             dtype=resolve_dtype(settings.dtype, "cpu" if current_platform.is_cpu() else "cuda"),
             # The modules the trainer puts LoRA on, and no others (an adapter naming anything else is
             # refused by vLLM); on the CPU not the MoE experts, which stay plain (gen_pool.vllm_plugin).
-            lora_target_modules=list(architectures.sampler_targets(
-                config, expert_kernel=not experts_refused(settings, cpu=current_platform.is_cpu()))),
+            lora_target_modules=list(architectures.sampler_targets(config, expert_kernel=not refused)),
             max_model_len=settings.max_model_len, max_num_seqs=settings.concurrency_target,
             enable_lora=True, max_loras=settings.max_loras, max_cpu_loras=settings.max_cpu_loras,
             max_lora_rank=settings.max_lora_rank, max_logprobs=settings.max_topk_logprobs,
             disable_log_stats=True, enable_log_requests=False, **kw,
         )
         llm = AsyncLLM.from_engine_args(args)
-        engine = cls(llm, settings, identity)
+        engine = cls(llm, settings, identity, refused)
         ok = False
         try:
             # Not pinned: a pinned adapter holds an accelerator slot that vLLM's scheduler does not
