@@ -69,6 +69,9 @@ class PlanInputs:
     trainer_ranks: int = 1  # GPUs of the trainer gang (tensor parallel: each holds 1/N of the layers)
     sampler_ranks: int = 1  # vLLM's tensor-parallel size (each GPU holds 1/N of the weights and KV heads)
     expert_lora: bool = True  # MoE bases: adapters (and vLLM's LoRA slots) on every expert, split over the ranks
+    # Captured passes (batcher.graphs): the graphs' memory pool holds a pass's activations beside the
+    # eager allocator's (a bucket's first pass runs eagerly), so a pass's tokens have two copies.
+    cuda_graphs: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,8 @@ class MemoryPlan:
             ("  base weights", g(self.base_bytes)),
             ("  activations per token", f"{self.activation_bytes_per_token / 2**20:,.2f} MiB"),
             ("  token budget per pass", f"{self.token_budget:,}"),
-            ("  activations at the budget", g(self.activation_bytes_per_token * self.token_budget)),
+            ("  activations at the budget", g(self.activation_bytes_per_token * self.token_budget
+                                              * (2 if self.inputs.cuda_graphs else 1))),
             (f"  one rank-{self.inputs.adapter_rank} adapter (weights+grad+AdamW, fp32)",
              f"{self.adapter_bytes / 2**20:,.1f} MiB"),
             ("  resident adapters", f"{self.resident_adapters:,}"),
@@ -162,9 +166,10 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
                         f"({base_bytes / GiB:.1f} GiB in {inputs.dtype}); use a larger device, a smaller "
                         "gen_memory_share, or put the sampler on another device")
     budget = inputs.token_budget
+    copies = 2 if inputs.cuda_graphs else 1
     if budget is None:  # half of what is left to activations, the rest to adapters
-        budget = max(MIN_TOKEN_BUDGET, min(65_536, int(max(left, 0) * 0.5 // activation)))
-    act_bytes = activation * budget
+        budget = max(MIN_TOKEN_BUDGET, min(65_536, int(max(left, 0) * 0.5 // (activation * copies))))
+    act_bytes = activation * budget * copies
     resident = inputs.resident_adapters
     if resident is None:
         resident = max(0, min(MAX_RESIDENT_ADAPTERS, int((left - act_bytes) // adapter)))
@@ -244,7 +249,7 @@ def device_bytes(device: str, configured: str = "") -> int:
 def for_worker(config: Mapping, *, device: str, dtype: str, configured_memory: str = "", token_budget: int = 0,
                max_lora_rank: int = 64, max_loras: int = 8, gen_memory_share: float = 0.5,
                max_context: int = 8192, shares_device: bool = True, ranks: int = 1,
-               expert_lora: bool = True) -> MemoryPlan:
+               expert_lora: bool = True, cuda_graphs: bool = False) -> MemoryPlan:
     """The plan a trainer checks at start (one rank's, in a gang of `ranks`). On a GPU it shares the
     device with vLLM unless told otherwise; on the CPU vLLM's KV cache is its own setting, so the
     trainer plans with the host's available memory."""
@@ -253,7 +258,8 @@ def for_worker(config: Mapping, *, device: str, dtype: str, configured_memory: s
         device_bytes=device_bytes(device, configured_memory), dtype=resolve_dtype(dtype, device),
         shared_device=shared, gen_memory_share=gen_memory_share,
         token_budget=token_budget or None, max_lora_rank=max_lora_rank, max_loras=max_loras,
-        max_context=max_context, trainer_ranks=ranks, expert_lora=expert_lora))
+        max_context=max_context, trainer_ranks=ranks, expert_lora=expert_lora,
+        cuda_graphs=cuda_graphs and device.startswith("cuda") and ranks == 1))
 
 
 def sampler_problems(config: Mapping, *, accelerator: bool, dtype: str, gen_memory_share: float,

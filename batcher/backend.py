@@ -28,7 +28,8 @@ import torch
 
 from bases import architectures
 from batcher import gang as gang_mod
-from batcher import head, layout, losses, packed_attention, sharded_snapshots
+from batcher import buckets, head, layout, losses, packed_attention, sharded_snapshots
+from batcher.graphs import Graphs
 from batcher.multilora import MultiLoraModel, Route, gather
 from batcher.transfer import Bundle
 from checkpoints.layout import ADAPTER_WEIGHTS, OPTIMIZER_FILE, TrainerMeta
@@ -105,6 +106,8 @@ class _Batch:
     head_routes: list[dict[tuple[str, int], Route]]  # each head chunk's (lm_head only)
     trains: bool
     packed_rows: packed_attention.Rows | None  # the packed layout's rows (None: padded rows)
+    requests_size: int  # requests the device work is sized for (the pass's, or its bucket's)
+    key: tuple | None = None  # its bucket's graph key (batcher.graphs); None: runs eagerly
 
 
 class _Gate:
@@ -115,10 +118,14 @@ class LoraBackend:
     def __init__(self, base_path: str | Path, *, device: str = "cpu", max_tokens_per_pass: int = 16384,
                  offload_device: str = "cpu", dtype: torch.dtype = torch.float32, max_resident: int = 0,
                  pack_width: int = 4096, head_chunk_tokens: int = 0, model: torch.nn.Module | None = None,
-                 gang: gang_mod.Member | None = None, expert_lora: bool = True):
+                 gang: gang_mod.Member | None = None, expert_lora: bool = True, cuda_graphs: bool = True,
+                 graph_limit: int = 16, emulate_graphs: bool = False):
         """`gang`: this process's place in a trainer gang (`batcher.gang`): the base is loaded split
         over the gang's ranks, and every call must be made on every rank in the same order.
-        `expert_lora`: MoE bases: whether LoRA may go on the experts (the base's serving setting)."""
+        `expert_lora`: MoE bases: whether LoRA may go on the experts (the base's serving setting).
+        `cuda_graphs`: on a CUDA device, micro-batches are padded to buckets and replayed from a
+        captured graph per bucket (`batcher.graphs`), at most `graph_limit` kept; `emulate_graphs`
+        takes that path on any device, replaying by running the captured step again (tests)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
 
@@ -177,6 +184,9 @@ class LoraBackend:
         self.decoder_kinds = tuple(sorted({layer.kind for layer in self.lora.layers.values()} - set(self.head_kinds)))
         self.adapters: dict[str, Adapter] = {}
         self._next_slot = 0
+        self.cuda_graphs = cuda_graphs
+        self.graphs = Graphs(self.device, limit=graph_limit, emulate=emulate_graphs)
+        self.graph_device = "cuda" if emulate_graphs else self.device.type
 
     # ------------------------------------------------------------------ adapters
 
@@ -346,109 +356,163 @@ class LoraBackend:
 
     def _plan(self, rows: list[_Row], requests: list[PassRequest], configs: dict[int, LossConfig]) -> list[_Batch]:
         """Lay the rows out in micro-batches and build, per micro-batch, everything its device work
-        reads, in one bundle: token grid, positions, targets, loss inputs, routes."""
+        reads, in one bundle: token grid, positions, targets, loss inputs, routes. A micro-batch
+        that may replay a captured graph is padded to its bucket (`batcher.buckets`)."""
         lengths = [len(r.tokens) for r in rows]
         pack = layout.can_pack(self.config, max(lengths, default=0))
+        capture = self.cuda_graphs and self.graph_device == "cuda"
+        n_requests = buckets.requests(len(requests)) if capture else len(requests)
         batches = []
         for lay in layout.micro_batches(lengths, [self.lora.order(r.adapter) for r in rows],
                                         budget=self.max_tokens_per_pass,
                                         pack=pack, pack_width=self.pack_width, align=self.align):
-            batch_rows = [rows[i] for i in lay.rows]
-            bundle = Bundle()
-            K = max(r.width for r in batch_rows)
-            ids = torch.zeros(lay.tokens, dtype=torch.long)
-            targets = torch.zeros(lay.tokens, K, dtype=torch.long)
-            positions = torch.zeros(lay.tokens, dtype=torch.long)
-            at = []
-            for row, start in zip(batch_rows, lay.starts):
-                n = len(row.tokens)
-                ids[start:start + n] = torch.tensor(row.tokens)
-                targets[start:start + n, :row.width] = torch.tensor(row.inputs["target_tokens"]).view(n, -1)
-                positions[start:start + n] = torch.arange(n)
-                at.append(torch.arange(start, start + n))
-            shape = (lay.streams, lay.width)
-            bundle.add("ids", ids.view(shape), torch.long)
-            bundle.add("positions", positions.view(shape), torch.long)
-            rows_of = None
-            if lay.packed:
-                cu = packed_attention.boundaries(list(lay.starts), [len(r.tokens) for r in batch_rows], lay.streams,
-                                                 lay.width)
-                bundle.add("cu_seqlens", cu, torch.int32)
-                rows_of = packed_attention.Rows(
-                    tuple((start // lay.width, start % lay.width, start % lay.width + len(r.tokens))
-                          for r, start in zip(batch_rows, lay.starts)),
-                    lay.width, max_len=max(b - a for a, b in zip(cu, cu[1:])))
-            bundle.add("targets", targets, torch.long)
-            bundle.add("at", torch.cat(at), torch.long)
-            specs = []
-            for row in batch_rows:
-                config = configs[row.request_index]
-                sampled_at = row.policy_version if row.policy_version is not None else config.policy_version
-                inputs = {k: _input_tensor(k, v, len(row.tokens), row.width) for k, v in row.inputs.items()
-                          if k != "target_tokens"}
-                specs.append(losses.DatumSpec(requests[row.request_index].work.loss_fn, inputs, len(row.tokens),
-                                              row.width, config, sampled_at))
-            plan = losses.LossPlan.build(specs, K)
-            for name, t in plan.tensors.items():
-                bundle.add(f"loss.{name}", t, t.dtype)
-            bundle.add("request_of_datum", [r.request_index for r in batch_rows], torch.long)
-            bundle.add("trains", [not req.forward_only for req in requests], torch.bool)
-            runs = layout.segments(lay, lengths, [r.adapter for r in rows])
-            routes = self._routes(bundle, "grid", self.lora.routes(runs, self.decoder_kinds))
-            for (kind, rank), route in routes.items():
-                if kind in architectures.EXPERT_MODULES:
-                    members, of_run = route.membership(zero=self.lora.classes[rank].capacity)
-                    bundle.add(f"grid.{kind}.{rank}.members", members, torch.long)
-                    bundle.add(f"grid.{kind}.{rank}.member_of_run", of_run, torch.long)
-            head_ranges = layout.chunks(lay.tokens, self.head_chunk_tokens)
-            head_routes = [self._routes(bundle, f"head{i}",
-                                        self.lora.routes(layout.window(runs, s, e), self.head_kinds))
-                           for i, (s, e) in enumerate(head_ranges)]
-            batches.append(_Batch(lay, batch_rows, plan, bundle, routes, head_ranges, head_routes,
-                                  any(not requests[r.request_index].forward_only for r in batch_rows), rows_of))
+            bucket = self._bucket(lay, rows) if capture else None
+            batches.append(self._plan_batch(bucket or lay, rows, lengths, requests, configs, n_requests,
+                                            static=bucket is not None))
         return batches
 
-    @staticmethod
-    def _routes(bundle: Bundle, prefix: str, host: dict) -> dict[tuple[str, int], Route]:
+    def _bucket(self, lay: layout.Layout, rows: list[_Row]) -> layout.Layout | None:
+        """The micro-batch laid out on its bucket's grid, where it may replay a captured graph
+        (`buckets.refusal`); None where it runs eagerly."""
+        bucket = buckets.layout(lay, align=self.align, cap=self.max_tokens_per_pass)
+        chunks = {e - s for s, e in layout.chunks(bucket.tokens, self.head_chunk_tokens)}
+        experts = any(kind in architectures.EXPERT_MODULES for kind in self.decoder_kinds
+                      if any(kind in self.lora.adapters[rows[i].adapter].kinds for i in lay.rows))
+        why = buckets.refusal(device=self.graph_device, enabled=self.cuda_graphs, gang=self.gang_size,
+                              packed=lay.packed, experts=experts,
+                              grouped=self.lora.grouped_everywhere([bucket.tokens, *chunks]),
+                              varlen=packed_attention.varlen_works() or self.device.type != "cuda")
+        return None if why else bucket
+
+    def _plan_batch(self, lay: layout.Layout, rows: list[_Row], lengths: list[int], requests: list[PassRequest],
+                    configs: dict[int, LossConfig], n_requests: int, static: bool) -> _Batch:
+        batch_rows = [rows[i] for i in lay.rows]
+        bundle = Bundle()
+        K = max(r.width for r in batch_rows)
+        ids = torch.zeros(lay.tokens, dtype=torch.long)
+        targets = torch.zeros(lay.tokens, K, dtype=torch.long)
+        positions = torch.zeros(lay.tokens, dtype=torch.long)
+        at = []
+        for row, start in zip(batch_rows, lay.starts):
+            n = len(row.tokens)
+            ids[start:start + n] = torch.tensor(row.tokens)
+            targets[start:start + n, :row.width] = torch.tensor(row.inputs["target_tokens"]).view(n, -1)
+            positions[start:start + n] = torch.arange(n)
+            at.append(torch.arange(start, start + n))
+        shape = (lay.streams, lay.width)
+        bundle.add("ids", ids.view(shape), torch.long)
+        bundle.add("positions", positions.view(shape), torch.long)
+        rows_of = None
+        if lay.packed:
+            cu = packed_attention.boundaries(list(lay.starts), [len(r.tokens) for r in batch_rows], lay.streams,
+                                             lay.width)
+            max_len = max(b - a for a, b in zip(cu, cu[1:]))
+            if static:  # a fixed count of offsets (empty rows at the end), the stream's width the longest
+                bundle.add("segments", packed_attention.segments_of(cu, lay.tokens), torch.int32)
+                cu = cu + [cu[-1]] * (buckets.boundaries(len(cu)) - len(cu))
+                max_len = lay.width
+            bundle.add("cu_seqlens", cu, torch.int32)
+            rows_of = packed_attention.Rows(
+                tuple((start // lay.width, start % lay.width, start % lay.width + len(r.tokens))
+                      for r, start in zip(batch_rows, lay.starts)),
+                lay.width, max_len=max_len)
+        bundle.add("targets", targets, torch.long)
+        positions_size = lay.tokens + 1 if static else None  # + 1: the loss's padding position
+        at = torch.cat(at)
+        if static:
+            at = torch.cat([at, torch.zeros(positions_size - at.shape[0], dtype=torch.long)])
+        bundle.add("at", at, torch.long)
+        specs = []
+        for row in batch_rows:
+            config = configs[row.request_index]
+            sampled_at = row.policy_version if row.policy_version is not None else config.policy_version
+            inputs = {k: _input_tensor(k, v, len(row.tokens), row.width) for k, v in row.inputs.items()
+                      if k != "target_tokens"}
+            specs.append(losses.DatumSpec(requests[row.request_index].work.loss_fn, inputs, len(row.tokens),
+                                          row.width, config, sampled_at))
+        plan = losses.LossPlan.build(specs, K, pad=(positions_size, buckets.datums(len(specs))) if static else None)
+        for name, t in plan.tensors.items():
+            bundle.add(f"loss.{name}", t, t.dtype)
+        request_of = [r.request_index for r in batch_rows]
+        bundle.add("request_of_datum", request_of + [0] * (plan.size - len(request_of)), torch.long)
+        trains = [not req.forward_only for req in requests]
+        bundle.add("trains", trains + [False] * (n_requests - len(trains)), torch.bool)
+        runs = layout.segments(lay, lengths, [r.adapter for r in rows])
+        grid = self.lora.routes(runs, self.decoder_kinds)
+        head_ranges = layout.chunks(lay.tokens, self.head_chunk_tokens)
+        heads = [self.lora.routes(layout.window(runs, s, e), self.head_kinds) for s, e in head_ranges]
+        count = buckets.runs(max((len(r) for h in (grid, *heads) for r in h.values()), default=1)) if static else 0
+        routes = self._routes(bundle, "grid", grid, count, lay.tokens)
+        for (kind, rank), route in routes.items():
+            if kind in architectures.EXPERT_MODULES:
+                members, of_run = route.membership(zero=self.lora.classes[rank].capacity)
+                bundle.add(f"grid.{kind}.{rank}.members", members, torch.long)
+                bundle.add(f"grid.{kind}.{rank}.member_of_run", of_run, torch.long)
+        head_routes = [self._routes(bundle, f"head{i}", h, count, e - s)
+                       for i, (h, (s, e)) in enumerate(zip(heads, head_ranges))]
+        trains_here = any(not requests[r.request_index].forward_only for r in batch_rows)
+        return _Batch(lay, batch_rows, plan, bundle, routes, head_ranges, head_routes, trains_here, rows_of,
+                      n_requests, (trains_here, bundle.signature()) if static else None)
+
+    def _routes(self, bundle: Bundle, prefix: str, host: dict, count: int, tokens: int) -> dict[tuple[str, int], Route]:
+        """Each route's device copies into the bundle; `count`: a captured pass's runs per route
+        (padded with empty runs in the zero row at the end), 0 for as many as there are."""
         routes = {}
         for (kind, rank), runs in host.items():
+            if count:
+                runs = runs + ((self.lora.classes[rank].capacity, tokens, tokens),) * (count - len(runs))
             key = f"{prefix}.{kind}.{rank}"
             bundle.add(f"{key}.offsets", [e for _, _, e in runs], torch.int32)
             bundle.add(f"{key}.slots", [slot for slot, _, _ in runs], torch.long)
-            routes[(kind, rank)] = Route(runs)
+            routes[(kind, rank)] = Route(runs, static=bool(count))
         return routes
 
     def _compute(self, batches: list[_Batch], n_requests: int) -> torch.Tensor:
         """Every micro-batch's forward (and backward), all on the device; returns one tensor of what
         the host needs, per micro-batch: per-datum loss, mismatch sums and whether each request kept
-        its gradient, then every position's logprobs and elementwise loss."""
+        its gradient, then every position's logprobs and elementwise loss. A micro-batch with a
+        bucket replays its graph (`batcher.graphs`); the others run eagerly."""
         self.lora.refresh()
-        poisoned = torch.zeros(n_requests, dtype=torch.bool, device=self.device)
+        size = batches[0].requests_size if batches else n_requests
+        poisoned = torch.zeros(size, dtype=torch.bool, device=self.device)
         out = []
         for batch in batches:
-            t = batch.bundle.to(self.device)
-            for prefix, routes in (("grid", batch.routes),
-                                   *((f"head{i}", r) for i, r in enumerate(batch.head_routes))):
-                for (kind, rank), route in routes.items():
-                    key = f"{prefix}.{kind}.{rank}"
-                    route.offsets, route.slots = t[f"{key}.offsets"], t[f"{key}.slots"]
-                    route.members, route.member_of_run = t.get(f"{key}.members"), t.get(f"{key}.member_of_run")
-            loss_t = {k[5:]: v for k, v in t.items() if k.startswith("loss.")}
+            if batch.key is None:
+                values, poisoned = self._bind(batch, batch.bundle.to(self.device), poisoned)()
+            else:
+                values, poisoned = self.graphs.run(batch.key, batch.bundle, poisoned, self.lora.generation,
+                                                   lambda t, p, batch=batch: self._bind(batch, t, p))
+            out.append(values)
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+
+    def _bind(self, batch: _Batch, t: dict, poisoned: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """The micro-batch's device work over the device tensors `t` (its bundle, or a bucket's
+        static copy): a step returning its values and the requests poisoned after it."""
+        for prefix, routes in (("grid", batch.routes), *((f"head{i}", r) for i, r in enumerate(batch.head_routes))):
+            for (kind, rank), route in routes.items():
+                key = f"{prefix}.{kind}.{rank}"
+                route.offsets, route.slots = t[f"{key}.offsets"], t[f"{key}.slots"]
+                route.members, route.member_of_run = t.get(f"{key}.members"), t.get(f"{key}.member_of_run")
+        if batch.packed_rows is not None:
+            batch.packed_rows.cu_seqlens, batch.packed_rows.segments = t["cu_seqlens"], t.get("segments")
+        loss_t = {k[5:]: v for k, v in t.items() if k.startswith("loss.")}
+
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
             try:
                 with torch.set_grad_enabled(batch.trains):
-                    lp, result, poisoned = self._batch(batch, t, loss_t, poisoned)
+                    lp, result, after = self._batch(batch, t, loss_t, poisoned)
             finally:
                 self.lora.context.routes = None
-            out.append(torch.cat([result.loss.detach().double(), result.kl, result.abs_diff,
-                                  result.keep_requests.double(), lp.detach().double().flatten(),
-                                  result.elementwise.double().flatten()]))
-        return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+            return torch.cat([result.loss.detach().double(), result.kl, result.abs_diff,
+                              result.keep_requests.double(), lp.detach().double().flatten(),
+                              result.elementwise.double().flatten()]), after
+
+        return step
 
     def _batch(self, batch: _Batch, t: dict, loss_t: dict, poisoned: torch.Tensor):
         self.lora.context.routes = batch.routes
         if batch.packed_rows is not None:
             # Each row attends to itself only (packed_attention), its positions counted from 0.
-            batch.packed_rows.cu_seqlens = t["cu_seqlens"]
             with packed_attention.packed(self.base, batch.packed_rows):
                 hidden = self.decoder(input_ids=t["ids"], position_ids=t["positions"],
                                       use_cache=False).last_hidden_state
@@ -485,7 +549,7 @@ class LoraBackend:
         kept: set[int] = set()  # requests whose gradient some micro-batch accumulated
         at = 0
         for batch in batches:
-            D, R = len(batch.rows), len(requests)
+            D, R = batch.plan.size, batch.requests_size
             M, K = batch.plan.tensors["datum"].shape[0], batch.plan.width
             loss, kl, abs_diff = (values[at + j * D:at + (j + 1) * D].tolist() for j in range(3))
             keep = values[at + 3 * D:at + 3 * D + R].tolist()

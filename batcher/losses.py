@@ -111,9 +111,14 @@ class LossPlan:
     width: int
     has_logprobs: list[bool]
     mismatch_tokens: list[int]
+    size: int = 0  # datums the device computes: len(datums), or the padded count
 
     @classmethod
-    def build(cls, datums: Sequence[DatumSpec], width: int | None = None) -> LossPlan:
+    def build(cls, datums: Sequence[DatumSpec], width: int | None = None,
+              pad: tuple[int, int] | None = None) -> LossPlan:
+        """`pad` = (positions, datums): a captured pass's fixed sizes (`batcher.buckets`), more than
+        the datums have. The padding positions belong to the last padding datum, weigh nothing,
+        are never kept, and every loss function's position list is padded with the last of them."""
         width = width or max((d.width for d in datums), default=1)
         cols: dict[str, list[Tensor]] = {k: [] for k in ("weights", "logprobs", "advantages", "lo", "hi", "cap",
                                                           "beta")}
@@ -151,6 +156,20 @@ class LossPlan:
                 mask = (x["logprobs"] != 0) | (x["advantages"] != 0 if "advantages" in x else False)
             mismatch.append(mask)
             mismatch_tokens.append(int(mask.sum()))
+        size = len(datums)
+        if pad is not None:
+            positions, size = pad
+            extra = positions - sum(d.n for d in datums)
+            if extra < 1 or size <= len(datums):
+                raise ValueError(f"padding to {pad} leaves no padding position or datum")
+            cols["weights"].append(torch.zeros(extra, width, dtype=torch.float64))
+            for k in ("logprobs", "advantages", "lo", "hi", "beta"):
+                cols[k].append(torch.zeros(extra, dtype=torch.float64))
+            cols["cap"].append(torch.full((extra,), float("inf"), dtype=torch.float64))
+            datum_of.append(torch.full((extra,), size - 1, dtype=torch.int64))
+            keep.append(torch.zeros(extra, dtype=torch.bool))
+            mismatch.append(torch.zeros(extra, dtype=torch.bool))
+            fn_of += [-1] * extra
         tensors = {k: torch.cat(v) if v else torch.zeros(0, dtype=torch.float64) for k, v in cols.items()}
         if not datums:
             tensors["weights"] = torch.zeros(0, width, dtype=torch.float64)
@@ -160,8 +179,11 @@ class LossPlan:
         fn_tensor = torch.tensor(fn_of, dtype=torch.int64)
         fns = tuple(sorted({d.loss_fn for d in datums}))
         for fn in fns:
-            tensors[f"at_{fn}"] = (fn_tensor == LOSS_FUNCTIONS_INDEX[fn]).nonzero().flatten()
-        return cls(list(datums), tensors, fns, width, has_logprobs, mismatch_tokens)
+            at = (fn_tensor == LOSS_FUNCTIONS_INDEX[fn]).nonzero().flatten()
+            if pad is not None:  # a fixed length: the rest computes the last padding position, never kept
+                at = torch.cat([at, torch.full((pad[0] - at.shape[0],), pad[0] - 1, dtype=torch.int64)])
+            tensors[f"at_{fn}"] = at
+        return cls(list(datums), tensors, fns, width, has_logprobs, mismatch_tokens, size)
 
     def metrics(self, loss_D: Sequence[float], kl_D: Sequence[float], abs_D: Sequence[float]) -> list[DatumLoss]:
         """Per-datum metrics from the pass's per-datum sums (read back once, at the end)."""
@@ -254,7 +276,7 @@ def pass_losses(lp_M_K: Tensor, plan: LossPlan, t: Mapping[str, Tensor]) -> Pass
             part = torch.nn.functional.pad(_ELEMENTWISE[fn](lp[:, 0], xs).unsqueeze(1), (0, lp.shape[1] - 1))
         elementwise = elementwise.index_copy(0, at, part)
     elementwise = torch.where(x["keep"].unsqueeze(1), elementwise, 0.0)
-    D = len(plan.datums)
+    D = plan.size
     loss = lp_M_K.new_zeros(D).index_add(0, x["datum"], elementwise.sum(1))
     diff = lp_M_K[:, 0].detach().double() - x["logprobs"].double()
     k3 = torch.where(x["mismatch"], torch.expm1(diff) - diff, 0.0)

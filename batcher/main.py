@@ -45,7 +45,7 @@ def check_memory(base: catalog.BaseModel, settings: TrainerSettings) -> memory_p
                                   max_lora_rank=settings.max_rank, max_loras=gen.max_loras,
                                   gen_memory_share=gen.gpu_memory_share, max_context=base.max_context_length,
                                   shares_device=settings.shares_device, ranks=settings.ranks,
-                                  expert_lora=settings.expert_lora)
+                                  expert_lora=settings.expert_lora, cuda_graphs=settings.cuda_graphs)
     if plan.trainer_problems:
         raise SystemExit(f"base {base.name!r} does not fit this trainer: " + "; ".join(plan.trainer_problems))
     log.info("memory plan for %s: %s", base.name, ", ".join(f"{k.strip()}={v}" for k, v in plan.rows()[:8]))
@@ -67,7 +67,8 @@ def main() -> None:
     backend = LoraBackend(base.path, device=settings.device, max_tokens_per_pass=token_budget,
                           offload_device=settings.offload_device, dtype=dtype,
                           max_resident=settings.max_resident_adapters or plan.resident_adapters, gang=member,
-                          expert_lora=settings.expert_lora)
+                          expert_lora=settings.expert_lora, cuda_graphs=settings.cuda_graphs,
+                          graph_limit=settings.cuda_graph_limit)
     if member is not None and not member.leader:
         # Rank 0 ends the gang: it finishes its loop on SIGTERM, then tells the others (gang.follow).
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -84,6 +84,9 @@ class Route:
     # (`members`) and each run's index among them (`member_of_run`; len(members) for the zero row).
     members: torch.Tensor | None = None
     member_of_run: torch.Tensor | None = None
+    # A captured pass's route (batcher.graphs): a fixed number of runs (padded with empty ones in
+    # the zero row), and nothing decided from `runs`, which are only the first pass's of its bucket.
+    static: bool = False
 
     def membership(self, zero: int) -> tuple[list[int], list[int]]:
         """The host side of `members` and `member_of_run`, given the slab's zero row."""
@@ -112,7 +115,7 @@ class Route:
 def _accumulate(grads: torch.Tensor, route: Route, per_run: torch.Tensor) -> None:
     """Add each run's gradient into its slot's row: a slice add when the slots are consecutive (the
     usual case: rows ordered by slot), index_add otherwise (a slot in several runs, gaps)."""
-    first = route.block
+    first = None if route.static else route.block
     if first is not None:
         grads[first:first + per_run.shape[0]].add_(per_run.to(grads.dtype))
     else:
@@ -265,7 +268,7 @@ class SlabLora(torch.autograd.Function):
         compute = slab.A_c.dtype
         x2 = x.reshape(-1, x.shape[-1]).to(compute)
         y2 = y.view(-1, y.shape[-1])
-        mode = "equal" if route.equal else "grouped" if groupable(
+        mode = "grouped" if route.static else "equal" if route.equal else "grouped" if groupable(
             x2, slab.A.shape[1], slab.A.shape[2], slab.B.shape[1], x2.shape[0]) else "loop"
         A_g = B_g = None
         if mode != "loop":
@@ -400,6 +403,8 @@ class MultiLoraModel:
         self.classes: dict[int, _RankClass] = {}
         self.adapters: dict[str, _AdapterSlots] = {}
         self.max_slots = 0  # slabs grow by doubling up to this many slots (the memory plan's residents); 0: no cap
+        # Counts every (re)allocation of slabs: a captured pass reads the slabs where they were.
+        self.generation = 0
 
     # ------------------------------------------------------------------ slots
 
@@ -482,6 +487,7 @@ class MultiLoraModel:
         if not cls.slot_of:  # nothing of this rank resident: its slabs' memory goes back
             for layer in self.layers.values():
                 del layer.slabs[cls.rank]
+            self.generation += 1
             cls.capacity, cls.free = 0, []
             return
         for layer in self.layers.values():
@@ -521,6 +527,7 @@ class MultiLoraModel:
                     A.grad, B.grad = slab.gA[slot], slab.gB[slot]
         cls.free += range(old, cls.capacity)
         cls.dirty = True
+        self.generation += 1
 
     def set_grads(self, name: str) -> None:
         """Expose a resident adapter's accumulated gradient rows as its parameters' `.grad`."""
@@ -579,6 +586,18 @@ class MultiLoraModel:
                         merged.append((slot, s, e))
                 out[(kind, rank)] = tuple(merged)
         return out
+
+    def grouped_everywhere(self, tokens: list[int]) -> bool:
+        """Whether every slab runs grouped GEMM over each of these token counts (the grid's and the
+        head chunks'): the compute dtype and every stride allow it."""
+        for layer in self.layers.values():
+            if not isinstance(layer, MultiLoraLinear):
+                return False
+            for rank in layer.slabs:
+                probe = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+                if not groupable(probe, rank, layer.in_features, layer.out_features, *tokens):
+                    return False
+        return True
 
     def refresh(self) -> None:
         """Compute copies of the classes whose masters changed (bfloat16 GPU bases only)."""

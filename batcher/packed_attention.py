@@ -9,7 +9,9 @@ On a GPU: one `torch.nn.attention.varlen.varlen_attn` call over the whole pass, 
 cumulative offsets (padding runs are rows of their own, whose outputs nothing reads). On the CPU:
 causal SDPA on exactly each row's tokens (rows of one length stacked into one call), so a row's
 attention is the same whatever else shares its stream (the exactness the fused-equals-alone tests
-hold the trainer to); padding positions get zeros.
+hold the trainer to); padding positions get zeros. A captured pass (`batcher.graphs`) reads no host
+spans: varlen over its padded offsets with the stream's width as the longest row, or, where varlen
+is not there, one SDPA call over every stream with a block-diagonal causal mask made on the device.
 """
 
 from __future__ import annotations
@@ -37,10 +39,19 @@ class Rows:
     width: int
     cu_seqlens: torch.Tensor | None = None
     max_len: int = 0
+    # A captured pass (batcher.graphs) reads no host spans: each flat token's run (its index in the
+    # offsets; padding runs are runs) comes as a device tensor, and the GPU kernel's longest row is
+    # the stream's width.
+    segments: torch.Tensor | None = None
 
 
 _current: Rows | None = None
 _varlen = True  # until the build's kernel refuses a call (then every pass takes the per-row path)
+
+
+def varlen_works() -> bool:
+    """Whether packed passes on a GPU use the varlen kernel (until a call of it fails)."""
+    return _varlen
 
 
 def boundaries(starts: list[int], lengths: list[int], streams: int, width: int) -> list[int]:
@@ -66,6 +77,8 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
             _varlen = False
             log.warning("varlen attention unavailable (%s: %s); packed rows take one SDPA call each",
                         type(exc).__name__, exc)
+    if rows.segments is not None:
+        return _masked_attention(query, key, value, rows.segments, scaling, gqa), None
     # Rows of one length share a call: stacked, they are a batch of equal causal rows.
     by_length: dict[int, list[int]] = {}
     for i, (_, s, e) in enumerate(rows.spans):
@@ -87,6 +100,26 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     if at < B * L:
         pieces.append(query.new_zeros(B * L - at, H, D))
     return torch.cat(pieces).view(B, L, H, D), None
+
+
+def _masked_attention(query, key, value, segments: torch.Tensor, scaling: float | None, gqa: bool) -> torch.Tensor:
+    """Every row of every stream in one SDPA call, a token seeing the earlier tokens of its own run
+    (a block-diagonal causal mask built on the device from `segments`: nothing from the host). Each
+    token sees at least itself, so no softmax is empty."""
+    B, H, L, D = query.shape
+    seg = segments.view(B, 1, L)
+    causal = torch.ones(L, L, dtype=torch.bool, device=query.device).tril_()
+    mask = (seg.unsqueeze(-1) == seg.unsqueeze(-2)) & causal
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
+def segments_of(cu: list[int], total: int) -> list[int]:
+    """Each flat token's run index, from every run's cumulative offsets."""
+    out = []
+    for i, (s, e) in enumerate(zip(cu, cu[1:])):
+        out += [i] * (e - s)
+    return out[:total]
 
 
 @functools.cache

@@ -24,21 +24,47 @@ class Bundle:
         self._parts[name] = t.to(dtype).contiguous()
         return name
 
-    def to(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Every queued tensor on `device`, as views of one buffer copied in one transfer."""
+    def signature(self) -> tuple:
+        """Every queued tensor's name, dtype and shape: bundles of one signature lie alike in memory,
+        so one can be copied where another was (a captured pass's static inputs, `batcher.graphs`)."""
+        return tuple((name, t.dtype, tuple(t.shape)) for name, t in self._parts.items())
+
+    def _offsets(self) -> tuple[dict[str, int], int]:
         offsets, total = {}, 0
         for name, t in self._parts.items():
             offsets[name] = total
             total += round_up(t.numel() * t.element_size(), _ALIGN)
-        pin = device.type == "cuda"
-        buffer = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=pin)
+        return offsets, max(total, _ALIGN)
+
+    def _host(self, pin: bool) -> torch.Tensor:
+        offsets, total = self._offsets()
+        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
         for name, t in self._parts.items():
             n = t.numel() * t.element_size()
             if n:
                 buffer[offsets[name]:offsets[name] + n].copy_(t.view(-1).view(torch.uint8))
-        on_device = buffer.to(device, non_blocking=pin)
+        return buffer
+
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every queued tensor as a view of `buffer` (one this bundle, or one of its signature, filled)."""
+        offsets, _ = self._offsets()
         out = {}
         for name, t in self._parts.items():
             n = t.numel() * t.element_size()
-            out[name] = on_device[offsets[name]:offsets[name] + n].view(t.dtype).view(t.shape)
+            out[name] = buffer[offsets[name]:offsets[name] + n].view(t.dtype).view(t.shape)
         return out
+
+    def buffer(self, device: torch.device) -> torch.Tensor:
+        """One buffer on `device` holding every queued tensor, copied in one transfer."""
+        pin = device.type == "cuda"
+        return self._host(pin).to(device, non_blocking=pin)
+
+    def to(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Every queued tensor on `device`, as views of one buffer copied in one transfer."""
+        return self.views(self.buffer(device))
+
+    def copy_into(self, buffer: torch.Tensor) -> None:
+        """Fill a device buffer of this bundle's signature (made by `buffer` for another bundle) in one
+        non-blocking transfer."""
+        pin = buffer.device.type == "cuda"
+        buffer.copy_(self._host(pin), non_blocking=pin)

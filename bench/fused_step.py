@@ -2,25 +2,30 @@
 and tokens per tenant, against one adapter over the same rows and against one tenant at a time.
 
 For each (tenants N, tokens T), every tenant brings one sequence of T tokens, measured interleaved:
-  fused       one forward/backward for all N adapters (the trainer's pass),
+  fused       one forward/backward for all N adapters (the trainer's pass: on a GPU, replayed from
+              the CUDA graph of its bucket, batcher.graphs),
+  eager       the same pass run eagerly (QUILT_TRAINER_CUDA_GRAPHS off),
   one-adapter one adapter over all N sequences (no routing: what fusion can at best reach),
-  sequential  one pass per tenant, one after another (what a single-tenant trainer does).
+  sequential  one pass per tenant, one after another (what a single-tenant trainer does), each
+              replayed from its own graph like the fused pass: the fair baseline.
 Ratios are medians of each repetition's own ratio. MFU counts 4·P·T per trained token (forward
 2PT, backward to the activations 2PT; the frozen base's weight gradients are never computed; P the
 parameters of the matmuls, attention's own FLOPs left out, which understates MFU at 512 tokens by a
 few percent) against the spec (989 TFLOP/s bf16 dense for an H200/H100 SXM) and against a large
 matmul measured in the same run.
 
-Then: one pass of 8 x 64 tokens profiled (kernel launches, the device's busy fraction, the top
-kernels), the pass checked for host synchronisation (`torch.cuda.set_sync_debug_mode("error")`),
-and the fused logprobs checked against the tenants' passes alone.
+Then: one pass of 8 x 64 tokens profiled, replayed and eager (kernel launches, the device's busy
+fraction, the top kernels), both paths checked for host synchronisation
+(`torch.cuda.set_sync_debug_mode("error")`), and the fused logprobs checked against the tenants'
+passes alone.
 
 Which regime favours fusion: small per-tenant batches on a large device (64 tokens on an 8B base
 leaves an H200 mostly idle); which does not: per-tenant batches that already fill it (512+ tokens),
-where fusion only adds routing. The sequential baseline runs eagerly, like the fused pass: neither
-is captured in a CUDA graph (not built; see docs/concepts/trainer.md).
+where fusion only adds routing. Graphs pay where launches dominate (small passes, small bases) and
+cost up to half again a pass's tokens in bucket padding (none in this grid: every pass's tokens are
+a bucket's width).
 
-    python bench/fused_step.py --shape tiny                                  (CPU smoke run)
+    python bench/fused_step.py --shape tiny [--emulate-graphs]               (CPU smoke run)
     python bench/fused_step.py --device cuda --dtype bfloat16 --shape 8b     (bench/gpu_suite.sh)
 
 Ends with one JSON line of headline figures.
@@ -120,9 +125,19 @@ def interleaved(device, modes: dict, reps: int) -> dict[str, list[float]]:
     return times
 
 
+def eagerly(be: LoraBackend, fn) -> None:
+    """fn() with the backend's CUDA graphs off."""
+    be.cuda_graphs = False
+    try:
+        fn()
+    finally:
+        be.cuda_graphs = True
+
+
 def measure(be: LoraBackend, device, n: int, tokens: int, reps: int, vocab: int, sequential: bool) -> dict:
     work = [(f"t{i}", [datum(1000 * i + tokens, tokens, vocab)]) for i in range(n)]
     modes = {"fused": lambda: run(be, work),
+             "eager": lambda: eagerly(be, lambda: run(be, work)),
              "one_adapter": lambda: run(be, [("t0", [d for _, ds in work for d in ds])])}
     if sequential:
         modes["sequential"] = lambda: [run(be, [w]) for w in work]
@@ -132,16 +147,18 @@ def measure(be: LoraBackend, device, n: int, tokens: int, reps: int, vocab: int,
             "fused_over": {k: 1 / r for k, r in ratio.items() if k != "fused"}}
 
 
-def profile(be: LoraBackend, device, vocab: int) -> dict:
+def profile(be: LoraBackend, device, vocab: int, graphs: bool = True) -> dict:
     """One 8 x 64 pass under torch.profiler: kernels launched, the device's busy fraction, top kernels."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     work = [(f"t{i}", [datum(7 + i, 64, vocab)]) for i in range(8)]
-    run(be, work)
+    one = (lambda: run(be, work)) if graphs else (lambda: eagerly(be, lambda: run(be, work)))
+    one()
+    one()  # a bucket's first pass warms it, the second captures it: the profiled one replays
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
-        wall = timed(device, lambda: run(be, work))
+        wall = timed(device, one)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy_us = sum(e.device_time for e in kernels) if kernels else 0.0
     by_name: dict[str, list[float]] = {}
@@ -153,12 +170,15 @@ def profile(be: LoraBackend, device, vocab: int) -> dict:
             "top": [{"kernel": k[:90], "ms": round(t / 1e3, 3), "count": c} for t, c, k in top]}
 
 
-def sync_check(be: LoraBackend, device, vocab: int) -> str:
-    """'none' when a whole pass's device work (forward, losses, backward) never waits for the device."""
+def sync_check(be: LoraBackend, device, vocab: int, graphs: bool = True) -> str:
+    """'none' when a whole pass's device work (forward, losses, backward; a replay where `graphs`)
+    never waits for the device."""
     if device.type != "cuda":
         return "not checked (no CUDA device)"
+    be.cuda_graphs = graphs
     reqs = requests([(f"t{i}", [datum(50 + i, 40 + 8 * i, vocab), datum(60 + i, 24, vocab)]) for i in range(4)])
-    be.run_pass(reqs)  # first calls may initialise (and synchronise) once
+    be.run_pass(reqs)  # first calls may initialise (and synchronise) once; a bucket's first warms it
+    be.run_pass(reqs)  # and its second captures it (a capture synchronises)
     device_work = be.planned_pass(reqs)
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -168,6 +188,7 @@ def sync_check(be: LoraBackend, device, vocab: int) -> str:
         return f"synchronised: {str(exc).splitlines()[0][:160]}"
     finally:
         torch.cuda.set_sync_debug_mode("default")
+        be.cuda_graphs = True
         for r in reqs:
             be.lora.clear_grads(be.adapters[r.model_id].name)
 
@@ -206,6 +227,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--budget", type=int, default=4096, help="tokens per micro-batch (activation memory)")
     parser.add_argument("--sequential-up-to", type=int, default=64, help="skip the sequential column above this")
+    parser.add_argument("--emulate-graphs", action="store_true",
+                        help="take the captured path's buckets on the CPU too (replays run the step again)")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     tenants = [int(x) for x in args.tenants.split(",")]
@@ -217,7 +240,7 @@ def main() -> None:
         model, params = build(args.shape, device, dtype, Path(tmp))
         # max_resident: slabs sized for exactly the tenants (no doubling past them)
         be = LoraBackend(tmp, device=args.device, dtype=dtype, max_tokens_per_pass=args.budget, model=model,
-                         max_resident=max(tenants))
+                         max_resident=max(tenants), emulate_graphs=args.emulate_graphs)
         for i in range(max(tenants)):
             be.create(f"t{i}", LoraShape(rank=args.rank, seed=i))
         peak = matmul_peak(device, dtype)
@@ -227,7 +250,7 @@ def main() -> None:
               f"LoRA rank {args.rank} on every projection and lm_head; built in {time.perf_counter() - started:.0f} s")
         print(f"matmul peak measured now: {peak / 1e12:.1f} TFLOP/s; spec used for MFU: {spec / 1e12:.0f} TFLOP/s\n")
         print(f"{'tenants':>7} {'tokens':>6} {'fused tok/s':>12} {'MFU spec':>9} {'MFU peak':>9} "
-              f"{'fused/1-adapter':>16} {'fused/seq':>10} {'pass ms':>8}")
+              f"{'fused/1-adapter':>16} {'fused/seq':>10} {'graph/eager':>12} {'pass ms':>8}")
         grid = {}
         for n in tenants:
             for t in tokens:
@@ -236,31 +259,42 @@ def main() -> None:
                 flops = 4 * params * n * t / s
                 row = {"tokens_per_s": n * t / s, "mfu_spec": flops / spec, "mfu_peak": flops / peak,
                        "fused_over_one_adapter": m["fused_over"]["one_adapter"],
-                       "fused_over_sequential": m["fused_over"].get("sequential"), "pass_ms": s * 1e3}
+                       "fused_over_sequential": m["fused_over"].get("sequential"),
+                       "graph_over_eager": m["fused_over"]["eager"], "pass_ms": s * 1e3,
+                       "eager_pass_ms": m["seconds"]["eager"] * 1e3}
                 grid[f"{n}x{t}"] = row
                 seq = f"{row['fused_over_sequential']:.2f}" if row["fused_over_sequential"] else "-"
                 print(f"{n:>7} {t:>6} {row['tokens_per_s']:>12.0f} {row['mfu_spec']:>9.1%} {row['mfu_peak']:>9.1%} "
-                      f"{row['fused_over_one_adapter']:>16.2f} {seq:>10} {row['pass_ms']:>8.1f}")
+                      f"{row['fused_over_one_adapter']:>16.2f} {seq:>10} {row['graph_over_eager']:>12.2f} "
+                      f"{row['pass_ms']:>8.1f}")
         # The checks after the table report their own failure instead of losing the table.
-        prof = guarded(lambda: profile(be, device, vocab), {})
-        if "wall_ms" in prof:
-            print(f"\none 8 x 64 pass: {prof['wall_ms']:.1f} ms wall, {prof['kernels']} kernels, device busy "
-                  f"{prof['busy_ms']:.1f} ms ({prof['busy_fraction']:.0%})")
-            for k in prof["top"]:
-                print(f"  {k['ms']:>8.3f} ms  x{k['count']:<5} {k['kernel']}")
-        else:
-            print(f"\nprofile failed: {prof.get('error')}")
-        syncs = guarded(lambda: sync_check(be, device, vocab), "")
+        profiles = {}
+        for path, graphs in (("replayed", True), ("eager", False)):
+            prof = profiles[path] = guarded(lambda: profile(be, device, vocab, graphs), {})
+            if "wall_ms" in prof:
+                print(f"\none 8 x 64 pass, {path}: {prof['wall_ms']:.1f} ms wall, {prof['kernels']} kernels, "
+                      f"device busy {prof['busy_ms']:.1f} ms ({prof['busy_fraction']:.0%})")
+                for k in prof["top"]:
+                    print(f"  {k['ms']:>8.3f} ms  x{k['count']:<5} {k['kernel']}")
+            else:
+                print(f"\nprofile ({path}) failed: {prof.get('error')}")
+        syncs = {path: guarded(lambda: sync_check(be, device, vocab, graphs), "")
+                 for path, graphs in (("replayed", True), ("eager", False))}
         worst = guarded(lambda: agreement(be, vocab), float("nan"))
         print(f"host synchronisation inside a pass: {syncs}")
         print(f"fused vs alone, largest logprob difference: {worst:.2e}")
+        print(f"graphs: {dict(be.graphs.counts)}")
+        memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        if memory is not None:
+            print(f"device memory at most {memory:.1f} GiB allocated")
 
     print(json.dumps({
         "device": name, "shape": args.shape, "dtype": args.dtype, "params": params,
         "peak_tflops": round(peak / 1e12, 1),
         "grid": {k: {kk: round(vv, 4) if isinstance(vv, float) else vv for kk, vv in v.items()}
                  for k, v in grid.items()},
-        "profile_8x64": {k: v for k, v in prof.items() if k != "top"}, "syncs": syncs, "fused_vs_alone": worst,
+        "profile_8x64": {path: {k: v for k, v in p.items() if k != "top"} for path, p in profiles.items()},
+        "syncs": syncs, "fused_vs_alone": worst, "graphs": dict(be.graphs.counts), "max_memory_gib": memory,
     }))
 
 

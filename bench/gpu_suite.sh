@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements, in one command, at most 9 minutes on one GPU without vLLM (the device image):
 # the fused step (bench/fused_step.py) on a random Qwen3-8B shape over tenants 1/8/16/64 x tokens
-# 64/256/512 and on the 1.64 B shape at 64 tokens, each with its profile of one 8 x 64 pass, its
-# host-synchronisation check and its fused-against-alone check; LoRA on a MoE base's experts
+# 64/256/512 and on the 1.64 B shape at 64 tokens, replayed from CUDA graphs against eager, each with
+# its profiles of one 8 x 64 pass (replayed and eager), its host-synchronisation checks and its
+# fused-against-alone check; the captured-pass tests (tests/test_cuda_graphs.py, the CUDA one); LoRA on a MoE base's experts
 # (bench/expert_lora.py, Qwen3-30B-A3B's layer shape, 8 layers) against one tenant at a time and
 # against PEFT, with its host-synchronisation check. Where vLLM is installed (the gpu
 # extra) also the fill benchmark, publish-to-first-token on the 8B shape and suffix speculation on
@@ -38,10 +39,19 @@ skip() {  # name, why: a benchmark this machine cannot run, said in its JSON lin
   printf '{"skipped": "%s"}\n' "$2" > "$WORK/$1.json"
 }
 
-# rank 16: 64 tenants' slabs (weights, gradients, bf16 copies) then take 30 GB beside the 16 GB base,
-# so the 8B grid fits an 80 GB GPU as well as an H200
-run fused_8b 300 "$PY" bench/fused_step.py --device cuda --dtype bfloat16 --shape 8b --reps 3 --rank 16 \
-  --sequential-up-to 16
+# rank 16: 64 tenants' slabs (weights, gradients, bf16 copies) then take 30 GB beside the 16 GB base;
+# micro-batches of 2,048 tokens: about 13 GB of activations, held twice (the graphs' pool beside the
+# eager passes), so the 8B grid fits an 80 GB GPU as well as an H200
+run fused_8b 330 "$PY" bench/fused_step.py --device cuda --dtype bfloat16 --shape 8b --reps 3 --rank 16 \
+  --budget 2048 --sequential-up-to 16
+# The GPU tests of the fused pass (a real capture and replay against eager, no synchronisation), where
+# the image has pytest and the tiny model's tokenizer libraries.
+if "$PY" -c 'import pytest, tokenizers' 2>/dev/null; then
+  run gpu_tests 120 bash -c "\"$PY\" -m pytest -q -p no:cacheprovider --noconftest -k gpu tests/test_cuda_graphs.py tests/test_fused_step.py \
+    && echo '{\"passed\": true}' || echo '{\"passed\": false}'"
+else
+  skip gpu_tests "pytest or tokenizers is not installed"
+fi
 run fused_1_6b 120 "$PY" bench/fused_step.py --device cuda --dtype bfloat16 --shape 1.6b --tokens 64 --reps 5
 run expert_lora 100 "$PY" bench/expert_lora.py --device cuda --dtype bfloat16 --shape 30b-a3b-8l --tenants 1,8 \
   --tokens 64,256 --reps 3
@@ -66,5 +76,5 @@ echo
 import json, sys
 from pathlib import Path
 work = Path(sys.argv[1])
-print(json.dumps({"gpu": True, **{n: json.loads((work / f"{n}.json").read_text()) for n in ("fused_8b", "fused_1_6b", "expert_lora", "gang", "fill", "first_token", "suffix")}}))
+print(json.dumps({"gpu": True, **{n: json.loads((work / f"{n}.json").read_text()) for n in ("fused_8b", "gpu_tests", "fused_1_6b", "expert_lora", "gang", "fill", "first_token", "suffix")}}))
 PY

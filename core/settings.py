@@ -221,6 +221,13 @@ class TrainerSettings(BaseSettings):
     expert_lora: bool = Field(True, description="MoE bases: LoRA may go on the experts (a model's train_mlp); false "
                                                "refuses it, which the memory plan then leaves out (quilt models add "
                                                "--no-expert-lora)")
+    cuda_graphs: bool = Field(True, description="on a CUDA device, pad each micro-batch to a bucket (at most 1.5x its "
+                                                "tokens) and replay a CUDA graph captured per bucket "
+                                                "(batcher.graphs); off: every pass runs eagerly")
+    cuda_graph_limit: int = Field(16, ge=1, le=1024,
+                                  description="captured buckets kept, the least recently used dropped first; each "
+                                              "keeps its static inputs, and all share one memory pool that holds "
+                                              "the largest bucket's activations beside the eager passes'")
     gang_restarts: int = Field(3, ge=0, le=1000,
                                description="times torch.distributed.run restarts a gang whose rank died before "
                                            "it gives up (then quilt up restarts it as any worker)")

@@ -68,14 +68,10 @@ def counting_syncs():
             setattr(owner, name, original)
 
 
-def test_a_pass_reads_nothing_back_until_it_ends(base_path, monkeypatch):
-    """Forward, losses, backward of 4 tenants (two loss functions, several micro-batches and head
-    chunks) run without one call that would synchronise a device; the results come back after."""
-    be = LoraBackend(base_path, max_tokens_per_pass=40, head_chunk_tokens=16)
-    for i in range(4):
-        be.create(f"m{i}", LoraShape(rank=4 * (1 + i % 2), seed=i))
+def watch_device_work(monkeypatch) -> collections.Counter:
+    """From now on, the calls that would synchronise inside any pass's device work, counted."""
     compute = LoraBackend._compute
-    seen = {}
+    seen: collections.Counter = collections.Counter()
 
     def watched(self, *args):
         with counting_syncs() as counts:
@@ -84,6 +80,16 @@ def test_a_pass_reads_nothing_back_until_it_ends(base_path, monkeypatch):
         return out
 
     monkeypatch.setattr(LoraBackend, "_compute", watched)
+    return seen
+
+
+def test_a_pass_reads_nothing_back_until_it_ends(base_path, monkeypatch):
+    """Forward, losses, backward of 4 tenants (two loss functions, several micro-batches and head
+    chunks) run without one call that would synchronise a device; the results come back after."""
+    be = LoraBackend(base_path, max_tokens_per_pass=40, head_chunk_tokens=16)
+    for i in range(4):
+        be.create(f"m{i}", LoraShape(rank=4 * (1 + i % 2), seed=i))
+    seen = watch_device_work(monkeypatch)
     outs = be.run_pass([_req("m0", [_datum(3, 12), _datum(40, 5)]), _req("m1", [_rl_datum(9, 20)], "ppo"),
                         _req("m2", [_datum(50, 30)], forward_only=True), _req("m3", [_rl_datum(7, 9)], "cispo")])
     assert all(isinstance(o, dict) for o in outs), outs
