@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.optim.adamw import adamw
 
 from bases import architectures
 from batcher import gang as gang_mod
@@ -187,6 +188,7 @@ class LoraBackend:
         self.cuda_graphs = cuda_graphs
         self.graphs = Graphs(self.device, limit=graph_limit, emulate=emulate_graphs)
         self.graph_device = "cuda" if emulate_graphs else self.device.type
+        self._refused = ""  # why the last micro-batch ran eagerly (logged when it changes)
 
     # ------------------------------------------------------------------ adapters
 
@@ -382,6 +384,9 @@ class LoraBackend:
                               packed=lay.packed, experts=experts,
                               grouped=self.lora.grouped_everywhere([bucket.tokens, *chunks]),
                               varlen=packed_attention.varlen_works() or self.device.type != "cuda")
+        if why and why != self._refused:
+            log.info("fused passes run eagerly: %s", why)
+        self._refused = why
         return None if why else bucket
 
     def _plan_batch(self, lay: layout.Layout, rows: list[_Row], lengths: list[int], requests: list[PassRequest],
@@ -599,46 +604,112 @@ class LoraBackend:
 
     def optim_step(self, model_id: str, adam: AdamParams) -> dict:
         """AdamW on one model's accumulated gradients (per-model clipping), then clear them."""
-        self.ensure_resident([model_id])
-        adapter = self.adapters[model_id]
-        if not any(p.grad is not None for p in adapter.params):
-            return {"metrics": {"skipped:sum": 1.0}}
-        for group in adapter.optimizer.param_groups:
-            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
-                         weight_decay=adam.weight_decay)
-        clip = adam.grad_clip_norm
-        norm = self._clip(adapter, clip if clip > 0 else math.inf)
-        if not math.isfinite(float(norm)):
-            # Finite losses can still give gradients past float32; a step would make the weights NaN.
-            self.lora.clear_grads(adapter.name)
-            raise UserError("the accumulated gradients are not finite (they overflowed float32): make the "
-                            "weights or advantages smaller; the gradients were discarded and the weights are "
-                            "unchanged", field="adam_params")
-        adapter.optimizer.step()
-        self.lora.clear_grads(adapter.name)
-        self.lora.changed(adapter.name)
-        adapter.steps += 1
-        return {"metrics": {"grad_norm:mean": float(norm), "learning_rate:mean": adam.learning_rate,
-                            "step:max": float(adapter.steps)}}
+        [outcome] = self.optim_steps([(model_id, adam)])
+        if isinstance(outcome, QuiltError):
+            raise outcome
+        return outcome
 
-    def _clip(self, adapter: Adapter, max_norm: float) -> torch.Tensor:
-        """`clip_grad_norm_` over the adapter's whole gradient: under a split base the shares' squared
-        norms are summed over the gang in one scalar all-reduce (whole tensors count once)."""
-        shares = self.lora.shares(adapter.name)
-        split = next((sp for sp, axis in shares if axis is not None), None)
+    def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict | QuiltError]:
+        """`optim_step` for several models at once (distinct models: a round's steps), one result or
+        one error per model, in order. Each keeps its own learning rate, betas, eps, weight decay,
+        clipping and AdamW state, exactly as one at a time; together they cost one norm kernel for
+        every gradient, one read-back of the norms, one AdamW call (fused on a GPU) per set of
+        hyperparameters and one zeroing of the gradients, rather than all of that per model."""
+        outcomes: list[dict | QuiltError | None] = [None] * len(steps)
+        known = [i for i, (m, _) in enumerate(steps) if m in self.adapters]
+        for i in set(range(len(steps))) - set(known):
+            outcomes[i] = ServerError(f"model {steps[i][0]!r} is not loaded on this trainer")
+        self.ensure_resident([steps[i][0] for i in known])
+        live = []
+        for i in known:
+            model_id, adam = steps[i]
+            adapter = self.adapters[model_id]
+            if not any(p.grad is not None for p in adapter.params):
+                outcomes[i] = {"metrics": {"skipped:sum": 1.0}}
+                continue
+            for group in adapter.optimizer.param_groups:
+                group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                             weight_decay=adam.weight_decay)
+            live.append(i)
+        if not live:
+            return outcomes
+        norms = self._clip([self.adapters[steps[i][0]] for i in live], [steps[i][1].grad_clip_norm for i in live])
+        stepping = []
+        for i, norm in zip(live, norms.tolist()):  # the steps' one read-back
+            adapter = self.adapters[steps[i][0]]
+            if not math.isfinite(norm):
+                # Finite losses can still give gradients past float32; a step would make the weights NaN.
+                self.lora.clear_grads(adapter.name)
+                outcomes[i] = UserError("the accumulated gradients are not finite (they overflowed float32): make "
+                                        "the weights or advantages smaller; the gradients were discarded and the "
+                                        "weights are unchanged", field="adam_params")
+                continue
+            stepping.append(adapter)
+            outcomes[i] = {"metrics": {"grad_norm:mean": norm, "learning_rate:mean": steps[i][1].learning_rate,
+                                       "step:max": float(adapter.steps + 1)}}
+        self._adamw(stepping)
+        for adapter in stepping:
+            self.lora.clear_grads(adapter.name)
+            self.lora.changed(adapter.name)
+            adapter.steps += 1
+        return outcomes
+
+    def _adamw(self, adapters: list[Adapter]) -> None:
+        """One AdamW call per set of hyperparameters over these models' parameters, each with its own
+        state: what each model's optimizer.step() does, the same arithmetic (on a GPU one fused
+        kernel for all; on the CPU tensor by tensor, as torch's CPU AdamW goes, which keeps each small
+        tensor in cache across its updates). A model's first step goes through its own optimizer,
+        which makes its state."""
+        groups: dict[tuple, list[Adapter]] = {}
+        for adapter in adapters:
+            if any(p.grad is not None and not adapter.optimizer.state.get(p) for p in adapter.params):
+                adapter.optimizer.step()
+                continue
+            [group] = adapter.optimizer.param_groups
+            key = (group["lr"], group["betas"], group["eps"], group["weight_decay"], group["amsgrad"],
+                   group["maximize"])
+            groups.setdefault(key, []).append(adapter)
+        for (lr, (beta1, beta2), eps, weight_decay, amsgrad, maximize), members in groups.items():
+            params = [p for a in members for p in a.params if p.grad is not None]
+            states = [a.optimizer.state[p] for a in members for p in a.params if p.grad is not None]
+            with torch.no_grad():
+                adamw(
+                    params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                    [s["exp_avg_sq"] for s in states], [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
+                    [s["step"] for s in states], foreach=False, fused=self.device.type == "cuda",
+                    amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
+                    maximize=maximize)
+
+    def _clip(self, adapters: list[Adapter], clips: list[float]) -> torch.Tensor:
+        """`clip_grad_norm_` of each adapter's whole gradient (a clip of 0: none), for all of them at
+        once; returns their norms. Under a split base the squared norms of the shares are summed over
+        the gang in one all-reduce (a whole tensor counts once)."""
+        grads, owner, shared = [], [], []
+        for k, adapter in enumerate(adapters):
+            for p, (_, axis) in zip(adapter.params, self.lora.shares(adapter.name)):
+                if p.grad is not None:
+                    grads.append(p.grad)
+                    owner.append(k)
+                    shared.append(axis is not None)
+        squares = torch.stack(torch._foreach_norm(grads)).pow(2)
+        bundle = Bundle()  # the host's side of it, in one transfer
+        bundle.add("owner", owner, torch.long)
+        bundle.add("shared", shared, torch.bool)
+        bundle.add("limits", [c if c > 0 else math.inf for c in clips], squares.dtype)
+        t = bundle.to(squares.device)
+        split = next((sp for a in adapters for sp, axis in self.lora.shares(a.name) if axis is not None), None)
         if split is None:
-            return torch.nn.utils.clip_grad_norm_(adapter.params, max_norm=max_norm)
-        grads = [p.grad for p in adapter.params]
-        parts = [g.pow(2).sum() for g, (_, axis) in zip(grads, shares) if axis is not None]
-        wholes = [g.pow(2).sum() for g, (_, axis) in zip(grads, shares) if axis is None]
-        sq = torch.stack(parts).sum()
-        split.all_reduce(sq)
-        total = (sq + torch.stack(wholes).sum() if wholes else sq).sqrt()
+            sq = squares.new_zeros(len(adapters)).index_add_(0, t["owner"], squares)
+        else:
+            parts = squares.new_zeros(len(adapters)).index_add_(0, t["owner"], torch.where(t["shared"], squares, 0.0))
+            split.all_reduce(parts)
+            sq = parts.index_add_(0, t["owner"], torch.where(t["shared"], 0.0, squares))
+        norms = sq.sqrt()
         # torch's own rule: scale by max_norm / (norm + 1e-6), never up
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
-        return total
+        coefs = torch.clamp(t["limits"] / (norms + 1e-6), max=1.0)
+        for k, adapter in enumerate(adapters):
+            torch._foreach_mul_([p.grad for p in adapter.params if p.grad is not None], coefs[k])
+        return norms
 
     def policy_version(self, model_id: str) -> int:
         """The model's policy version: how many optimizer steps its weights have taken."""

@@ -73,6 +73,17 @@ class Barriers:
         except Exception as exc:
             return as_error(item, exc)
 
+    def optim_steps(self, items: list[WorkItem]) -> dict[str, Outcome]:
+        """The optimizer steps of a round (distinct models), taken together (`LoraBackend.optim_steps`):
+        each request's outcome by request id."""
+        if not items:
+            return {}
+        try:
+            outcomes = self.backend.optim_steps([(item.model_id, item.body.adam) for item in items])
+        except Exception as exc:
+            return {item.request_id: as_error(item, exc) for item in items}
+        return {item.request_id: outcome for item, outcome in zip(items, outcomes)}
+
     def start_export(self, item: WorkItem, context: Any) -> QuiltError | None:
         """Sampler weights (the adapter alone, tagged with the policy version they were taken at):
         checked and taken now, written by the export thread; its outcome comes back with `context`

@@ -206,7 +206,7 @@ def splits(model: nn.Module, targets: tuple[str, ...]) -> dict[str, Split]:
 
 # The backend calls that change tensors or run collectives: every rank makes them, in rank 0's order.
 # (has, policy_version, residency, last_pass and adapters only read rank 0's own state.)
-COLLECTIVE_CALLS = frozenset({"create", "delete", "run_pass", "optim_step", "load_saved", "export", "save",
+COLLECTIVE_CALLS = frozenset({"create", "delete", "run_pass", "optim_step", "optim_steps", "load_saved", "export", "save",
                               "offload_idle", "ensure_resident", "adapter_state", "optimizer_state", "snapshot",
                               "load_snapshot"})
 

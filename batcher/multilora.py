@@ -549,10 +549,12 @@ class MultiLoraModel:
 
     def clear_grads(self, name: str) -> None:
         """Drop an adapter's gradients: rows zeroed (the next pass accumulates from zero), `.grad` None."""
-        for p in self.adapters[name].params:
-            if p.grad is not None:
-                p.grad.zero_()
-                p.grad = None
+        params = self.adapters[name].params
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)  # one call, not a kernel per tensor
+        for p in params:
+            p.grad = None
 
     def changed(self, name: str) -> None:
         """An adapter's masters changed (a step, a load): compute copies refresh before the next pass."""

@@ -156,6 +156,8 @@ def register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(NAME, _attention)
+    # varlen_attn logs its backend at INFO on every call: once per layer and pass in a trainer's log
+    logging.getLogger("torch.nn.attention.varlen").setLevel(logging.WARNING)
 
 
 @contextlib.contextmanager

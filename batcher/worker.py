@@ -294,13 +294,23 @@ class TrainerWorker:
                 self._finish(d, outcome, metrics=run_metrics.StepMetrics(
                     self.backend.policy_version(d.item.model_id),
                     run_metrics.trainer_values(d.item.body.data, outcome["metrics"])) if ok else None)
-        for p in plan.barriers:
-            d = taken[p.request_id]
-            if d.item.kind in (WorkKind.OPTIM_STEP, WorkKind.LOAD_WEIGHTS):  # they change weights in place
+        barriers = [taken[p.request_id] for p in plan.barriers]
+        # The round's optimizer steps (one per model) are taken together, after every export of
+        # their models is written (a step changes the weights in place).
+        steps = [d for d in barriers if d.item.kind is WorkKind.OPTIM_STEP and not self.replay.without_effect(d)]
+        for d in steps:
+            self.barriers.exports.wait_for(d.item.model_id)
+        if steps:
+            self._finish_exports()
+        stepped = self.barriers.optim_steps([d.item for d in steps])
+        for d in barriers:
+            if d.item.kind is WorkKind.LOAD_WEIGHTS:  # it changes weights in place
                 self.barriers.exports.wait_for(d.item.model_id)
                 self._finish_exports()
             if self.replay.without_effect(d):
                 outcome = {}
+            elif d.item.kind is WorkKind.OPTIM_STEP:
+                outcome = stepped[d.item.request_id]
             elif d.item.kind is WorkKind.SAVE_WEIGHTS_FOR_SAMPLER:
                 outcome = self.barriers.start_export(d.item, d)
                 if outcome is None:

@@ -14,7 +14,9 @@ parameters of the matmuls, attention's own FLOPs left out, which understates MFU
 few percent) against the spec (989 TFLOP/s bf16 dense for an H200/H100 SXM) and against a large
 matmul measured in the same run.
 
-Then: one pass of 8 x 64 tokens profiled, replayed and eager (kernel launches, the device's busy
+Then: a round's optimizer steps for each tenant count, taken together (one norm read-back, one
+AdamW call per set of hyperparameters) against one model at a time; one pass of 8 x 64 tokens
+profiled, replayed and eager (kernel launches, the device's busy
 fraction, the top kernels), both paths checked for host synchronisation
 (`torch.cuda.set_sync_debug_mode("error")`), and the fused logprobs checked against the tenants'
 passes alone.
@@ -44,7 +46,7 @@ import torch
 
 from batcher.backend import LoraBackend, PassRequest
 from core.loss_spec import LossConfig
-from core.work import Datum, LoraShape, PassWork
+from core.work import AdamParams, Datum, LoraShape, PassWork
 
 SPEC_TFLOPS = {"bfloat16": 989.0, "float32": 67.0}  # H200/H100 SXM dense spec sheet (float32: no tensor cores)
 SHAPES = {  # Qwen3 shapes: hidden, layers, heads, kv heads, head dim, MLP width, vocabulary
@@ -205,6 +207,57 @@ def agreement(be: LoraBackend, vocab: int) -> float:
     return worst
 
 
+def optimizer_round(be: LoraBackend, device, n: int, reps: int) -> dict:
+    """A round's optimizer steps of n models, taken together (LoraBackend.optim_steps, what the trainer
+    does) against one model at a time: milliseconds per round, and the kernels one round launches
+    (on the CPU, the operators the host issues)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    adam = AdamParams(learning_rate=1e-5, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0)
+    models = [f"t{i}" for i in range(n)]
+
+    def gradients() -> None:
+        for m in models:
+            name = be.adapters[m].name
+            be.lora.set_grads(name)
+            for p in be.adapters[m].params:
+                p.grad.normal_()
+
+    def step(together: bool):
+        gradients()
+        sync(device)
+        start = time.perf_counter()
+        if together:
+            outs = be.optim_steps([(m, adam) for m in models])
+        else:
+            outs = [be.optim_steps([(m, adam)])[0] for m in models]
+        sync(device)
+        assert all(isinstance(o, dict) for o in outs), outs
+        return time.perf_counter() - start
+
+    step(True)  # first steps make each model's AdamW state
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(reps):
+        for together in (True, False):
+            times[together].append(step(together))
+    counts = {}
+    for together in (True, False):
+        gradients()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch_profile(activities=activities) as prof:
+            be.optim_steps([(m, adam) for m in models]) if together else [be.optim_steps([(m, adam)]) for m in models]
+            sync(device)
+        if device.type == "cuda":
+            counts[together] = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        else:  # the operators the host issues (their CPU kernels' inner calls not counted)
+            counts[together] = sum(1 for e in prof.events() if e.name.startswith("aten::") and (
+                e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+    together, apart = statistics.median(times[True]), statistics.median(times[False])
+    return {"together_ms": together * 1e3, "one_by_one_ms": apart * 1e3, "speedup": apart / together,
+            "launches_together": counts[True], "launches_one_by_one": counts[False]}
+
+
 def guarded(fn, failed):
     """fn(), or `failed` carrying the error (a dict gains an 'error' key; a string becomes it)."""
     try:
@@ -278,6 +331,16 @@ def main() -> None:
                     print(f"  {k['ms']:>8.3f} ms  x{k['count']:<5} {k['kernel']}")
             else:
                 print(f"\nprofile ({path}) failed: {prof.get('error')}")
+        rounds = {}
+        print("\na round's optimizer steps, together against one model at a time:")
+        for n in tenants:
+            r = rounds[str(n)] = guarded(lambda: optimizer_round(be, device, n, args.reps), {})
+            if "speedup" in r:
+                unit = "kernels" if device.type == "cuda" else "operators"
+                print(f"  {n:>3} models: {r['together_ms']:8.1f} ms against {r['one_by_one_ms']:8.1f} ms "
+                      f"({r['speedup']:.2f}x), {r['launches_together']} {unit} against {r['launches_one_by_one']}")
+            else:
+                print(f"  {n:>3} models: failed: {r.get('error')}")
         syncs = {path: guarded(lambda: sync_check(be, device, vocab, graphs), "")
                  for path, graphs in (("replayed", True), ("eager", False))}
         worst = guarded(lambda: agreement(be, vocab), float("nan"))
@@ -295,6 +358,8 @@ def main() -> None:
                  for k, v in grid.items()},
         "profile_8x64": {path: {k: v for k, v in p.items() if k != "top"} for path, p in profiles.items()},
         "syncs": syncs, "fused_vs_alone": worst, "graphs": dict(be.graphs.counts), "max_memory_gib": memory,
+        "optimizer_round": {n: {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
+                            for n, r in rounds.items()},
     }))
 
 

@@ -384,3 +384,68 @@ def test_a_half_precision_compute_copy_follows_every_step(base_path):
         be.run_pass([_req("m", [_datum(9, 4)], forward_only=True)])
         assert torch.equal(slab.A_c, slab.A.to(torch.bfloat16)) and torch.equal(slab.B_c, slab.B.to(torch.bfloat16))
     assert slab.B.abs().sum() > 0
+
+
+# --- a round's optimizer steps together ------------------------------------------------------------
+
+STEPS = [  # each model its own hyperparameters: learning rate, betas, eps, weight decay, clipping (0: none)
+    AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.01, grad_clip_norm=1.0),
+    AdamParams(learning_rate=3e-3, beta1=0.8, beta2=0.99, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0),
+    AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.01, grad_clip_norm=1e-3),
+    AdamParams(learning_rate=5e-4, beta1=0.5, beta2=0.9, eps=1e-6, weight_decay=0.1, grad_clip_norm=1e3),
+]
+
+
+def _reference_step(be: LoraBackend, model_id: str, adam: AdamParams) -> float:
+    """What one model's step was before steps were taken together: torch's clip_grad_norm_ and the
+    model's own AdamW."""
+    adapter = be.adapters[model_id]
+    for group in adapter.optimizer.param_groups:
+        group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                     weight_decay=adam.weight_decay)
+    norm = torch.nn.utils.clip_grad_norm_(adapter.params, adam.grad_clip_norm or float("inf"))
+    adapter.optimizer.step()
+    be.lora.clear_grads(adapter.name)
+    be.lora.changed(adapter.name)
+    adapter.steps += 1
+    return float(norm)
+
+
+def test_a_rounds_steps_together_equal_each_models_own_step(base_path, monkeypatch):
+    """Four models with four sets of hyperparameters (two alike), three rounds: the weights and AdamW
+    moments equal torch's clip_grad_norm_ and AdamW model by model; a model with no gradient is
+    skipped, one whose gradient overflowed fails alone and keeps its weights; the norms come back
+    in one read."""
+    together, alone = (LoraBackend(base_path, dtype=torch.float64) for _ in range(2))
+    for be in (together, alone):
+        for i in range(5):
+            be.create(f"m{i}", LoraShape(rank=4 * (1 + i % 2), seed=i))
+    for round_ in range(3):
+        for be in (together, alone):
+            outs = be.run_pass([_req(f"m{i}", [_datum(7 * i + round_, 9 + 3 * i), _rl_datum(i, 6)], "ppo")
+                                for i in range(4)])
+            assert all(isinstance(o, dict) for o in outs), outs
+        seen = collections.Counter()
+        with counting_syncs() as counts:
+            got = together.optim_steps([(f"m{i}", STEPS[i]) for i in range(4)] + [("m4", STEPS[0]), ("nope", STEPS[0])])
+        seen.update(counts)
+        assert seen["tolist"] == 1 and not seen["__float__"] and not seen["cpu"], dict(seen)
+        assert got[4] == {"metrics": {"skipped:sum": 1.0}} and "not loaded" in got[5].message
+        for i in range(4):
+            norm = _reference_step(alone, f"m{i}", STEPS[i])
+            assert got[i]["metrics"]["grad_norm:mean"] == pytest.approx(norm, rel=1e-12)
+            assert got[i]["metrics"]["step:max"] == round_ + 1
+    for i in range(4):
+        a, b = together.adapters[f"m{i}"], alone.adapters[f"m{i}"]
+        for p, q in zip(a.params, b.params):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-15)
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                torch.testing.assert_close(a.optimizer.state[p][key], b.optimizer.state[q][key], rtol=1e-12, atol=1e-18)
+    # one model's gradients overflow: it alone fails, and its weights stay
+    together.run_pass([_req("m0", [_datum(3, 5)]), _req("m1", [_datum(4, 6)])])
+    together.adapters["m1"].params[0].grad.fill_(float("inf"))
+    before = [p.clone() for p in together.adapters["m1"].params]
+    ok, bad = together.optim_steps([("m0", STEPS[0]), ("m1", STEPS[1])])
+    assert isinstance(ok, dict) and "not finite" in bad.message and bad.field == "adam_params"
+    assert all(torch.equal(p, q) for p, q in zip(together.adapters["m1"].params, before))
+    assert not together.lora.pending(together.adapters["m1"].name) and together.adapters["m1"].steps == 3
