@@ -99,7 +99,8 @@ def test_a_pass_reads_nothing_back_until_it_ends(base_path, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bench/gpu_suite.sh runs it)")
 def test_a_pass_on_a_gpu_never_synchronises(base_path):
-    be = LoraBackend(base_path, device="cuda", dtype=torch.bfloat16)
+    # the eager pass (a captured one: tests/test_cuda_graphs.py)
+    be = LoraBackend(base_path, device="cuda", dtype=torch.bfloat16, cuda_graphs=False)
     for i in range(4):
         be.create(f"m{i}", LoraShape(rank=8, seed=i))
     requests = [_req(f"m{i}", [_datum(10 * i, 24), _rl_datum(5 * i, 13)], "ppo") for i in range(4)]
