@@ -615,10 +615,9 @@ class LoraBackend:
         clipping and AdamW state, exactly as one at a time; together they cost one norm kernel for
         every gradient, one read-back of the norms, one AdamW call (fused on a GPU) per set of
         hyperparameters and one zeroing of the gradients, rather than all of that per model."""
-        outcomes: list[dict | QuiltError | None] = [None] * len(steps)
-        known = [i for i, (m, _) in enumerate(steps) if m in self.adapters]
-        for i in set(range(len(steps))) - set(known):
-            outcomes[i] = ServerError(f"model {steps[i][0]!r} is not loaded on this trainer")
+        outcomes: list[dict | QuiltError | None] = [
+            None if m in self.adapters else ServerError(f"model {m!r} is not loaded on this trainer") for m, _ in steps]
+        known = [i for i, outcome in enumerate(outcomes) if outcome is None]
         self.ensure_resident([steps[i][0] for i in known])
         live = []
         for i in known:
@@ -684,20 +683,20 @@ class LoraBackend:
         """`clip_grad_norm_` of each adapter's whole gradient (a clip of 0: none), for all of them at
         once; returns their norms. Under a split base the squared norms of the shares are summed over
         the gang in one all-reduce (a whole tensor counts once)."""
-        grads, owner, shared = [], [], []
+        grads, owner, shared, split = [], [], [], None
         for k, adapter in enumerate(adapters):
-            for p, (_, axis) in zip(adapter.params, self.lora.shares(adapter.name)):
+            for p, (share, axis) in zip(adapter.params, self.lora.shares(adapter.name)):
                 if p.grad is not None:
                     grads.append(p.grad)
                     owner.append(k)
                     shared.append(axis is not None)
+                    split = split or (share if axis is not None else None)
         squares = torch.stack(torch._foreach_norm(grads)).pow(2)
         bundle = Bundle()  # the host's side of it, in one transfer
         bundle.add("owner", owner, torch.long)
         bundle.add("shared", shared, torch.bool)
         bundle.add("limits", [c if c > 0 else math.inf for c in clips], squares.dtype)
         t = bundle.to(squares.device)
-        split = next((sp for a in adapters for sp, axis in self.lora.shares(a.name) if axis is not None), None)
         if split is None:
             sq = squares.new_zeros(len(adapters)).index_add_(0, t["owner"], squares)
         else:

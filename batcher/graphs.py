@@ -47,7 +47,6 @@ class _Entry:
     state: str = "warm"  # warm (ran eagerly once), captured, eager (capture refused)
     graph: object = None
     outputs: tuple[torch.Tensor, torch.Tensor] | None = None
-    replays: int = 0
 
 
 @dataclass
@@ -86,10 +85,8 @@ class Graphs:
             self._capture(entry)
         if entry.state == "eager":
             self.counts["eager"] += 1
-            values, after = entry.step()
-            return values, after
+            return entry.step()
         self.counts["replayed"] += 1
-        entry.replays += 1
         if self.emulate:
             values, after = entry.step()
         else:

@@ -592,11 +592,11 @@ class MultiLoraModel:
     def grouped_everywhere(self, tokens: list[int]) -> bool:
         """Whether every slab runs grouped GEMM over each of these token counts (the grid's and the
         head chunks'): the compute dtype and every stride allow it."""
+        probe = torch.empty(0, dtype=self.compute_dtype, device=self.device)
         for layer in self.layers.values():
             if not isinstance(layer, MultiLoraLinear):
                 return False
             for rank in layer.slabs:
-                probe = torch.empty(0, dtype=self.compute_dtype, device=self.device)
                 if not groupable(probe, rank, layer.in_features, layer.out_features, *tokens):
                     return False
         return True
