@@ -31,7 +31,7 @@ from bases import architectures
 from batcher import gang as gang_mod
 from batcher import buckets, head, layout, losses, packed_attention, sharded_snapshots
 from batcher.graphs import Graphs
-from batcher.multilora import MultiLoraModel, Route, gather
+from batcher.multilora import SHARED_INPUT, MultiLoraModel, Route, gather
 from batcher.transfer import Bundle
 from checkpoints.layout import ADAPTER_WEIGHTS, OPTIMIZER_FILE, TrainerMeta
 from core.errors import Conflict, InvalidInput, QuiltError, ServerError, UserError
@@ -120,13 +120,16 @@ class LoraBackend:
                  offload_device: str = "cpu", dtype: torch.dtype = torch.float32, max_resident: int = 0,
                  pack_width: int = 4096, head_chunk_tokens: int = 0, model: torch.nn.Module | None = None,
                  gang: gang_mod.Member | None = None, expert_lora: bool = True, cuda_graphs: bool = True,
-                 graph_limit: int = 16, emulate_graphs: bool = False):
+                 graph_limit: int = 16, emulate_graphs: bool = False, shared_shrinks: bool = True):
         """`gang`: this process's place in a trainer gang (`batcher.gang`): the base is loaded split
         over the gang's ranks, and every call must be made on every rank in the same order.
         `expert_lora`: MoE bases: whether LoRA may go on the experts (the base's serving setting).
         `cuda_graphs`: on a CUDA device, micro-batches are padded to buckets and replayed from a
         captured graph per bucket (`batcher.graphs`), at most `graph_limit` kept; `emulate_graphs`
-        takes that path on any device, replaying by running the captured step again (tests)."""
+        takes that path on any device, replaying by running the captured step again (tests).
+        `shared_shrinks`: siblings fed one input (q/k/v, gate/up) share one shrink
+        (`batcher.multilora.SHARED_INPUT`); off, each layer shrinks alone (what bench/shared_shrink.py
+        measures against)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
 
@@ -170,7 +173,8 @@ class LoraBackend:
                                     "--trainer-parallel ep)")
         if self.experts_refused or not expert_lora:
             targets = tuple(t for t in targets if t not in architectures.EXPERT_MODULES)
-        self.lora = MultiLoraModel(self.base, targets, gang_mod.splits(self.base, targets) if split else None)
+        self.lora = MultiLoraModel(self.base, targets, gang_mod.splits(self.base, targets) if split else None,
+                                   SHARED_INPUT if shared_shrinks else ())
         self.lora.max_slots = max_resident
         self.decoder = self.base.get_decoder()
         self.head = self.base.get_output_embeddings()

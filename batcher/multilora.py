@@ -7,22 +7,30 @@ steps. An adapter is a slot: its parameters are views of its rows, so AdamW, cli
 loading work on them as on any tensor, while a pass reads the whole slab at once. The last row of a
 slab is always zero: padding tokens and adapters that do not target a module are routed there.
 
+Siblings that a decoder feeds one input (q/k/v, gate/up: `SHARED_INPUT`) keep their A rows side by
+side in one tensor, `[slots + 1, siblings x rank, in]`, each sibling's slab A a slice of it, so one
+shrink serves all of them (`Siblings`): one GEMM, one conversion of the input, and in the backward
+one GEMM for the input's gradient and one for the A rows', where each sibling alone would take its
+own.
+
 A pass is laid out as runs of flat tokens, one per adapter and stream (`batcher.layout`); a layer's
-route for a pass (`Route`) says which slot each run uses. One shrink and one expand cover every run:
+route for a pass (`Route`) says which slot each run uses (a group of siblings' shrink has its own
+route: an adapter's slot wherever it trains any of them). One shrink and one expand cover every run:
 batched matmuls with one weight per run when the runs are equally long (the usual fused step of one
 small batch per tenant: Punica's SGMV shape, nothing to group), a grouped GEMM over the runs' token
 offsets otherwise where the build has one for the dtype (`torch._grouped_mm`: float32 and bfloat16,
 CPU and Hopper GPUs), a loop over runs where it has not (float64).
 Gradients of the slabs are written by the backward itself into `gA`/`gB` (the pattern of Megatron's
-`main_grad`): autograd never sees a per-adapter parameter, so a pass's graph has one node per
-layer whatever the number of adapters. Each adapter gets exactly the gradient of a separate pass
-(summed in another order).
+`main_grad`): autograd never sees a per-adapter parameter, so a pass's graph has an expand node per
+layer and a shrink node per group of siblings whatever the number of adapters. Each adapter gets
+exactly the gradient of a separate pass (summed in another order).
 
 Under a tensor-parallel base (a trainer gang, `batcher.gang`) each layer's LoRA is split as vLLM
 splits it (`Split`): a column-parallel layer keeps A whole and holds its share of B's output rows, a
 row-parallel layer holds its share of A's input columns and keeps B whole. Two small all-reduces
-(tokens x rank each) make that exact: the shrink of a row-parallel layer in the forward, the
-shrink's gradient of a column-parallel layer in the backward. Exports gather the shares.
+(tokens x rank each; one for a group of siblings) make that exact: the shrink of a row-parallel
+layer in the forward, the shrink's gradient of a column-parallel layer in the backward. Exports
+gather the shares.
 
 Adapters are stored and exported in PEFT's format (`base_model.model.<module>.lora_A.weight`,
 `adapter_config.json`), which is what vLLM loads and what `peft` reads back.
@@ -168,22 +176,45 @@ def tp_mesh(mesh):
     return mesh["tp"] if mesh.ndim > 1 else mesh
 
 
-@dataclass
-class PassContext:
-    """What the wrapped layers read during a pass: a route per (target name, rank)."""
+# Sibling Linears that the supported decoders call on one input (attention's q/k/v, the gated MLP's
+# gate/up): their A slabs lie side by side in one tensor, so one shrink serves them all.
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
-    routes: dict[tuple[str, int], Route] | None = None
+
+class PassContext:
+    """What the wrapped layers read during a pass: a route per (target name, rank), and per (group
+    of siblings, rank) the shrink of their shared input, kept until every sibling has read it.
+    Setting the routes (a new pass, the next head chunk, the end of a pass) forgets the shrinks."""
+
+    def __init__(self) -> None:
+        self._routes: dict[tuple[str, int], Route] | None = None
+        self.shrunk: dict[tuple[Siblings, int], _Shrunk] = {}
+
+    @property
+    def routes(self) -> dict[tuple[str, int], Route] | None:
+        return self._routes
+
+    @routes.setter
+    def routes(self, routes: dict[tuple[str, int], Route] | None) -> None:
+        self._routes = routes
+        self.shrunk.clear()
+
+
+@dataclass
+class _Shrunk:
+    x: torch.Tensor  # the input it was taken of (held, so its identity stays its own)
+    parts: tuple[torch.Tensor, ...]  # one [tokens, rank] per sibling
+    taken: set[int] = field(default_factory=set)
 
 
 @dataclass
 class _Slab:
-    A: torch.Tensor  # [slots + 1, rank, in], master dtype
+    A: torch.Tensor  # [slots + 1, rank, in], master dtype (a view of its siblings' `_Shrink.A`)
     B: torch.Tensor  # [slots + 1, out, rank]
     gA: torch.Tensor
     gB: torch.Tensor
     A_c: torch.Tensor  # compute copies (the masters themselves unless the compute dtype differs)
     B_c: torch.Tensor
-    trigger: torch.Tensor  # the autograd leaf that makes backward reach this layer
     scale: float
 
     @property
@@ -191,14 +222,79 @@ class _Slab:
         return self.A.shape[0] - 1
 
 
-def _new_slab(capacity: int, rank: int, layer: MultiLoraLinear, master: torch.dtype, compute: torch.dtype,
-              scale: float) -> _Slab:
-    dev = layer.device
-    shape_a, shape_b = ((capacity + 1, *shape) for shape in layer.shapes(rank))
-    A, B = torch.zeros(shape_a, dtype=master, device=dev), torch.zeros(shape_b, dtype=master, device=dev)
-    copies = (A, B) if compute == master else (A.to(compute), B.to(compute))
-    return _Slab(A, B, torch.zeros_like(A), torch.zeros_like(B), *copies,
-                 torch.zeros((), device=dev, requires_grad=True), scale)
+@dataclass
+class _Shrink:
+    """One rank's A of a group of siblings, side by side: `[slots + 1, siblings x rank, in]`."""
+
+    A: torch.Tensor
+    gA: torch.Tensor
+    A_c: torch.Tensor
+    trigger: torch.Tensor  # the autograd leaf that makes backward reach the group's layers
+    scale: float
+    rank: int
+
+
+def _new_slabs(capacity: int, rank: int, layers: list, master: torch.dtype, compute: torch.dtype,
+               scale: float) -> tuple[_Shrink, list[_Slab]]:
+    """A group of siblings' slabs of one rank (a group of one for a lone layer or an experts part):
+    their A rows are slices of one shrink tensor."""
+    dev = layers[0].device
+    shape_a = (capacity + 1, *layers[0].shapes(rank)[0])
+    wide = (*shape_a[:-2], len(layers) * rank, shape_a[-1])
+    A = torch.zeros(wide, dtype=master, device=dev)
+    shrink = _Shrink(A, torch.zeros_like(A), A if compute == master else A.to(compute),
+                     torch.zeros((), device=dev, requires_grad=True), scale, rank)
+    slabs = []
+    for i, layer in enumerate(layers):
+        B = torch.zeros((capacity + 1, *layer.shapes(rank)[1]), dtype=master, device=dev)
+        part = [t.narrow(-2, i * rank, rank) for t in (shrink.A, shrink.gA, shrink.A_c)]
+        slabs.append(_Slab(part[0], B, part[1], torch.zeros_like(B), part[2],
+                           B if compute == master else B.to(compute), scale))
+    return shrink, slabs
+
+
+def _mode(route: Route, x2: torch.Tensor, *sizes: int) -> str:
+    """How a shrink or an expand multiplies its runs: "grouped" always for a captured pass's route,
+    "equal" (batched matmuls) for runs of one length, "grouped" where the strides allow it, else
+    "loop"."""
+    if route.static:
+        return "grouped"
+    if route.equal:
+        return "equal"
+    return "grouped" if groupable(x2, *sizes, x2.shape[0]) else "loop"
+
+
+class Siblings:
+    """Layers of one parent fed the same input (`SHARED_INPUT`; a lone layer is a group of one): per
+    rank one `_Shrink` of their A's side by side. The first sibling a pass calls shrinks the input
+    for all of them (one GEMM; one conversion of the input to the compute dtype), the others take
+    their slices, matched by the input's identity: a sibling called on another tensor, or twice,
+    shrinks again by itself, so a model that does not feed them one input is still exact."""
+
+    def __init__(self, members: list[MultiLoraLinear], context: PassContext):
+        self.members = members
+        self.context = context
+        # The route key of the group's shrink: the union of its members' routes.
+        self.kind = "+".join(m.kind for m in members)
+        self.shrinks: dict[int, _Shrink] = {}
+        for i, m in enumerate(members):
+            m.siblings, m.sibling = self, i
+
+    def take(self, layer: MultiLoraLinear, x: torch.Tensor, rank: int) -> torch.Tensor:
+        """This layer's `scale * x @ A.T` for every token (its slot's A), [tokens, rank]."""
+        routes, key = self.context.routes, (self, rank)
+        shrunk = self.context.shrunk.get(key)
+        if shrunk is None or shrunk.x is not x or layer.sibling in shrunk.taken:
+            route = routes[(self.kind, rank)]
+            shrink = self.shrinks[rank]
+            shrunk = _Shrunk(x, Shrink.apply(x, route, shrink, layer.split, shrink.trigger))
+            self.context.shrunk[key] = shrunk
+        shrunk.taken.add(layer.sibling)
+        # Forgotten once every sibling with a route has read it: a pass without autograd keeps no
+        # layer's input beyond its siblings.
+        if all(m.sibling in shrunk.taken for m in self.members if (m.kind, rank) in routes):
+            del self.context.shrunk[key]
+        return shrunk.parts[layer.sibling]
 
 
 class MultiLoraLinear(nn.Module):
@@ -218,6 +314,9 @@ class MultiLoraLinear(nn.Module):
         # does not let a custom Function change in place: the LoRA adds into a copy of it.
         self.copy_output = isinstance(base.weight, DTensor)
         self.device, self.dtype = base.weight.device, base.weight.dtype
+        self.siblings: Siblings | None = None
+        self.sibling = 0
+        Siblings([self], context)  # alone until MultiLoraModel groups it with its siblings
 
     # What MultiLoraModel keeps slabs through (batcher.expert_lora.ExpertPart has the same).
 
@@ -249,110 +348,136 @@ class MultiLoraLinear(nn.Module):
         for rank, slab in self.slabs.items():
             route = routes.get((self.kind, rank))
             if route is not None:
-                y = SlabLora.apply(y, x, route, slab, self.split, slab.trigger)
+                y = Expand.apply(y, self.siblings.take(self, x, rank), route, slab)
         return y
 
 
-class SlabLora(torch.autograd.Function):
-    """`y[t] += scale * x[t] @ A[s(t)].T @ B[s(t)].T` for every token t, s(t) its run's slot, into
-    the base's output `y` in place; the backward adds each slot's gradient into the slab's `gA`/`gB`
-    rows and returns only the input's.
+class Shrink(torch.autograd.Function):
+    """`xa[t] = scale * x[t] @ A[s(t)].T` for every token t, s(t) its run's slot, for a group of
+    siblings at once (their A's side by side: one GEMM, [tokens, siblings x rank]), returned as one
+    [tokens, rank] slice per sibling; the backward adds each slot's gradient into the group's `gA`
+    rows and returns only the input's (one GEMM for all siblings).
 
-    The scale applies to the rank-sized intermediate. The base's backward never reads `y`, so adding
-    into it is safe, and at the vocabulary-wide lm_head it saves an output-sized temporary. Under a
-    split (tensor parallel) the shrink is summed over the group between shrink and expand ("in"),
-    or its gradient is, before the gradients of A and of the input are taken ("out")."""
+    The scale applies to the rank-sized intermediate. Under a row-parallel split ("in") the shrink
+    is summed over the tensor-parallel group; under a column-parallel one ("out") its gradient is,
+    before the gradients of A and of the input are taken."""
 
     @staticmethod
-    def forward(ctx, y, x, route: Route, slab: _Slab, split: Split | None, trigger):
-        compute = slab.A_c.dtype
-        x2 = x.reshape(-1, x.shape[-1]).to(compute)
-        y2 = y.view(-1, y.shape[-1])
-        mode = "grouped" if route.static else "equal" if route.equal else "grouped" if groupable(
-            x2, slab.A.shape[1], slab.A.shape[2], slab.B.shape[1], x2.shape[0]) else "loop"
-        A_g = B_g = None
-        if mode != "loop":
-            A_g, B_g = slab.A_c.index_select(0, route.slots), slab.B_c.index_select(0, route.slots)
-        # shrink
+    def forward(ctx, x, route: Route, shrink: _Shrink, split: Split | None, trigger):
+        A_c = shrink.A_c
+        x2 = x.reshape(-1, x.shape[-1]).to(A_c.dtype)
+        mode = _mode(route, x2, shrink.rank, A_c.shape[2])
+        A_g = None
         if mode == "equal":
-            G = len(route.runs)
-            xa = torch.bmm(x2.view(G, -1, x2.shape[1]), A_g.transpose(1, 2)).mul_(slab.scale)
+            A_g = A_c.index_select(0, route.slots)
+            xa = torch.bmm(x2.view(len(route.runs), -1, x2.shape[1]), A_g.transpose(1, 2)).mul_(shrink.scale)
+            xa = xa.view(-1, xa.shape[2])
         elif mode == "grouped":
-            xa = _GROUPED(x2, A_g.transpose(1, 2), offs=route.offsets).mul_(slab.scale)
+            A_g = A_c.index_select(0, route.slots)
+            xa = _GROUPED(x2, A_g.transpose(1, 2), offs=route.offsets).mul_(shrink.scale)
         else:
-            xa = x2.new_zeros((x2.shape[0], slab.A_c.shape[1]))
+            xa = x2.new_zeros((x2.shape[0], A_c.shape[1]))
+            zero = A_c.shape[0] - 1
             for slot, s, e in route.runs:
-                if slot != slab.zero_slot:
-                    torch.mm(x2[s:e], slab.A_c[slot].T, out=xa[s:e]).mul_(slab.scale)
+                if slot != zero:
+                    torch.mm(x2[s:e], A_c[slot].T, out=xa[s:e]).mul_(shrink.scale)
         if split is not None and split.dim == "in":
             split.all_reduce(xa)
-        # expand
+        ctx.route, ctx.shrink, ctx.split, ctx.mode, ctx.x_shape, ctx.x_dtype = route, shrink, split, mode, x.shape, x.dtype
+        ctx.save_for_backward(x2, A_g)
+        return tuple(xa.split(shrink.rank, dim=1))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x2, A_g = ctx.saved_tensors
+        route, shrink, split = ctx.route, ctx.shrink, ctx.split
+        h = torch.cat(grads, dim=1).mul_(shrink.scale) if len(grads) > 1 else grads[0] * shrink.scale
+        if split is not None and split.dim == "out":
+            split.all_reduce(h)
+        want_x = ctx.needs_input_grad[0]
+        grad_x = None
+        if ctx.mode == "equal":
+            G = len(route.runs)
+            h3 = h.view(G, -1, h.shape[1])
+            if want_x:
+                grad_x = torch.bmm(h3, A_g)
+            _accumulate(shrink.gA, route, torch.bmm(h3.transpose(1, 2), x2.view(G, -1, x2.shape[1])))
+        elif ctx.mode == "grouped":
+            if want_x:
+                grad_x = _GROUPED(h, A_g, offs=route.offsets)
+            _accumulate(shrink.gA, route, _GROUPED(h.T, x2, offs=route.offsets))
+        else:
+            grad_x = torch.zeros_like(x2) if want_x else None
+            zero = shrink.A_c.shape[0] - 1
+            for slot, s, e in route.runs:
+                if slot == zero:
+                    continue
+                if want_x:
+                    torch.mm(h[s:e], shrink.A_c[slot], out=grad_x[s:e])
+                shrink.gA[slot].addmm_(h[s:e].T.to(shrink.gA.dtype), x2[s:e].to(shrink.gA.dtype))
+        if grad_x is not None:
+            grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
+        return grad_x, None, None, None, None
+
+
+class Expand(torch.autograd.Function):
+    """`y[t] += xa[t] @ B[s(t)].T` for every token t into the base's output `y` in place (`xa`: the
+    layer's slice of its group's `Shrink`); the backward adds each slot's gradient into the slab's
+    `gB` rows and returns the gradients of `y` (unchanged) and of `xa`.
+
+    The base's backward never reads `y`, so adding into it is safe, and at the vocabulary-wide
+    lm_head it saves an output-sized temporary."""
+
+    @staticmethod
+    def forward(ctx, y, xa, route: Route, slab: _Slab):
+        y2 = y.view(-1, y.shape[-1])
+        mode = _mode(route, xa, slab.B.shape[2], slab.B.shape[1])
+        B_g = None
+        if mode != "loop":
+            B_g = slab.B_c.index_select(0, route.slots)
         if mode == "equal":
-            if y2.dtype == compute:
-                y2.view(G, -1, y2.shape[1]).baddbmm_(xa, B_g.transpose(1, 2))
+            xa3 = xa.unflatten(0, (len(route.runs), -1))
+            if y2.dtype == xa.dtype:
+                y2.view(len(route.runs), -1, y2.shape[1]).baddbmm_(xa3, B_g.transpose(1, 2))
             else:
-                y2.add_(torch.bmm(xa, B_g.transpose(1, 2)).view_as(y2).to(y2.dtype))
-            xa = xa.view(-1, xa.shape[2])
+                y2.add_(torch.bmm(xa3, B_g.transpose(1, 2)).view_as(y2).to(y2.dtype))
         elif mode == "grouped":
             y2.add_(_GROUPED(xa, B_g.transpose(1, 2), offs=route.offsets).to(y.dtype))
         else:
             for slot, s, e in route.runs:
                 if slot == slab.zero_slot:
                     continue
-                if y2.dtype == compute:
+                if y2.dtype == xa.dtype:
                     y2[s:e].addmm_(xa[s:e], slab.B_c[slot].T)
                 else:
                     y2[s:e].add_((xa[s:e] @ slab.B_c[slot].T).to(y2.dtype))
         ctx.mark_dirty(y)
-        ctx.route, ctx.slab, ctx.split, ctx.mode, ctx.x_shape = route, slab, split, mode, x.shape
-        ctx.save_for_backward(x2, xa, A_g, B_g)
+        ctx.route, ctx.slab, ctx.mode = route, slab, mode
+        ctx.save_for_backward(xa, B_g)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x2, xa, A_g, B_g = ctx.saved_tensors
-        route, slab, split = ctx.route, ctx.slab, ctx.split
+        xa, B_g = ctx.saved_tensors
+        route, slab = ctx.route, ctx.slab
         g = grad_y.reshape(-1, grad_y.shape[-1]).to(xa.dtype).contiguous()  # (a sum's gradient is expanded)
-        want_x = ctx.needs_input_grad[1]
-        grad_x = None
-        reduce = split is not None and split.dim == "out"
         if ctx.mode == "equal":
             G = len(route.runs)
-            g3, x3, xa3 = g.view(G, -1, g.shape[1]), x2.view(G, -1, x2.shape[1]), xa.view(G, -1, xa.shape[1])
-            grad_xa = torch.bmm(g3, B_g).mul_(slab.scale)
-            if reduce:
-                split.all_reduce(grad_xa)
-            if want_x:
-                grad_x = torch.bmm(grad_xa, A_g)
-            _accumulate(slab.gA, route, torch.bmm(grad_xa.transpose(1, 2), x3))
+            g3, xa3 = g.view(G, -1, g.shape[1]), xa.unflatten(0, (G, -1))
+            grad_xa = torch.bmm(g3, B_g).view(-1, B_g.shape[2])
             # (xa.T @ g).T: the output-wide operand read in its own layout, not copied transposed
             _accumulate(slab.gB, route, torch.bmm(xa3.transpose(1, 2), g3).transpose(1, 2))
         elif ctx.mode == "grouped":
-            grad_xa = _GROUPED(g, B_g, offs=route.offsets).mul_(slab.scale)
-            if reduce:
-                split.all_reduce(grad_xa)
-            if want_x:
-                grad_x = _GROUPED(grad_xa, A_g, offs=route.offsets)
-            _accumulate(slab.gA, route, _GROUPED(grad_xa.T, x2, offs=route.offsets))
+            grad_xa = _GROUPED(g, B_g, offs=route.offsets)
             _accumulate(slab.gB, route, _GROUPED(g.T, xa, offs=route.offsets))
         else:
             grad_xa = torch.zeros_like(xa)
             for slot, s, e in route.runs:
-                if slot != slab.zero_slot:
-                    torch.mm(g[s:e], slab.B_c[slot], out=grad_xa[s:e]).mul_(slab.scale)
-            if reduce:
-                split.all_reduce(grad_xa)
-            grad_x = torch.zeros_like(x2) if want_x else None
-            for slot, s, e in route.runs:
                 if slot == slab.zero_slot:
                     continue
-                if want_x:
-                    torch.mm(grad_xa[s:e], slab.A_c[slot], out=grad_x[s:e])
-                slab.gA[slot].addmm_(grad_xa[s:e].T.to(slab.gA.dtype), x2[s:e].to(slab.gA.dtype))
+                torch.mm(g[s:e], slab.B_c[slot], out=grad_xa[s:e])
                 slab.gB[slot].addmm_(g[s:e].T.to(slab.gB.dtype), xa[s:e].to(slab.gB.dtype))
-        if grad_x is not None:
-            grad_x = grad_x.view(ctx.x_shape).to(grad_y.dtype)
-        return grad_y, grad_x, None, None, None, None
+        return grad_y, grad_xa, None, None
 
 
 @dataclass
@@ -365,6 +490,7 @@ class _RankClass:
     slot_of: dict[str, int] = field(default_factory=dict)
     free: list[int] = field(default_factory=list)
     dirty: bool = False  # masters changed since the compute copies were refreshed
+    shrinks: list[_Shrink] = field(default_factory=list)  # one per group of `MultiLoraModel.groups`
 
 
 @dataclass
@@ -378,9 +504,11 @@ class _AdapterSlots:
 class MultiLoraModel:
     """A causal LM whose target Linears are wrapped for slab multi-LoRA."""
 
-    def __init__(self, model: nn.Module, target_names: tuple[str, ...], splits: dict[str, Split] | None = None):
+    def __init__(self, model: nn.Module, target_names: tuple[str, ...], splits: dict[str, Split] | None = None,
+                 shared_input: tuple[tuple[str, ...], ...] = SHARED_INPUT):
         """`splits`: the share of each split layer (and experts module), by path (`batcher.gang.splits`).
-        A target name "experts" puts LoRA on every MoE block's experts (`batcher.expert_lora`)."""
+        A target name "experts" puts LoRA on every MoE block's experts (`batcher.expert_lora`).
+        `shared_input`: the groups of sibling names that share one shrink (none: a shrink per layer)."""
         from batcher import expert_lora
 
         self.model = model
@@ -396,6 +524,13 @@ class MultiLoraModel:
                 self.layers[path] = wrapped
         if "experts" in target_names:
             self.layers.update(expert_lora.wrap(model, self.context, splits))
+        self.groups = self._groups(shared_input)
+        # The shared shrinks' route keys and the kinds each covers (every layer of a kind shares one route).
+        self.shared_kinds: dict[str, frozenset[str]] = {}
+        for paths in self.groups:
+            if len(paths) > 1:
+                siblings = Siblings([self.layers[p] for p in paths], self.context)
+                self.shared_kinds[siblings.kind] = frozenset(m.kind for m in siblings.members)
         first = next(iter(self.layers.values()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.master_dtype = torch.promote_types(first.dtype, torch.float32) if first is not None else torch.float32
@@ -405,6 +540,24 @@ class MultiLoraModel:
         self.max_slots = 0  # slabs grow by doubling up to this many slots (the memory plan's residents); 0: no cap
         # Counts every (re)allocation of slabs: a captured pass reads the slabs where they were.
         self.generation = 0
+
+    def _groups(self, shared_input: tuple[tuple[str, ...], ...]) -> list[list[str]]:
+        """The layers' paths in the groups whose slabs are allocated together: the siblings of one
+        parent fed one input (`shared_input`, of one width and split) share their A tensor and their
+        shrink; every other layer (an experts part too) is a group of one."""
+        groups: list[list[str]] = []
+        by: dict[tuple, list[str]] = {}
+        for path, layer in self.layers.items():
+            names = next((g for g in shared_input if layer.kind in g), None)
+            if names is None or not isinstance(layer, MultiLoraLinear):
+                groups.append([path])
+                continue
+            key = (path.rpartition(".")[0], names, layer.in_features, layer.split.dim if layer.split else None)
+            if key not in by:
+                by[key] = []
+                groups.append(by[key])
+            by[key].append(path)
+        return groups
 
     # ------------------------------------------------------------------ slots
 
@@ -487,6 +640,9 @@ class MultiLoraModel:
         if not cls.slot_of:  # nothing of this rank resident: its slabs' memory goes back
             for layer in self.layers.values():
                 del layer.slabs[cls.rank]
+                if isinstance(layer, MultiLoraLinear):
+                    layer.siblings.shrinks.pop(cls.rank, None)
+            cls.shrinks = []
             self.generation += 1
             cls.capacity, cls.free = 0, []
             return
@@ -504,27 +660,34 @@ class MultiLoraModel:
         cls.capacity = max(1, 2 * old)
         if self.max_slots:
             cls.capacity = max(old + 1, min(cls.capacity, self.max_slots))
-        # Layer by layer, rebinding as it goes, so only one layer's old slab is alive beside its new
-        # one (all at once, a large base's growth would briefly need both sets of slabs).
+        # Group by group, rebinding as it goes, so only one group's old slabs are alive beside its
+        # new ones (all at once, a large base's growth would briefly need both sets of slabs).
         views = {name: dict(zip(self.adapters[name].layers, zip(self.adapters[name].params[0::2],
                                                                self.adapters[name].params[1::2])))
                  for name in cls.slot_of}
-        for path, layer in self.layers.items():
-            slab = _new_slab(cls.capacity, cls.rank, layer, self.master_dtype, self.compute_dtype, cls.scale)
-            if old:
-                previous = layer.slabs[cls.rank]
-                for new, was in ((slab.A, previous.A), (slab.B, previous.B), (slab.gA, previous.gA),
-                                 (slab.gB, previous.gB)):
-                    new[:old].copy_(was[:old])
-            layer.slabs[cls.rank] = slab
-            for name, slot in cls.slot_of.items():
-                pair = views[name].get(path)
-                if pair is None:
-                    continue
-                A, B = pair
-                A.data, B.data = slab.A[slot], slab.B[slot]
-                if A.grad is not None:
-                    A.grad, B.grad = slab.gA[slot], slab.gB[slot]
+        cls.shrinks = []
+        for paths in self.groups:
+            layers = [self.layers[p] for p in paths]
+            shrink, slabs = _new_slabs(cls.capacity, cls.rank, layers, self.master_dtype, self.compute_dtype,
+                                       cls.scale)
+            cls.shrinks.append(shrink)
+            if isinstance(layers[0], MultiLoraLinear):
+                layers[0].siblings.shrinks[cls.rank] = shrink
+            for path, layer, slab in zip(paths, layers, slabs):
+                if old:
+                    previous = layer.slabs[cls.rank]
+                    for new, was in ((slab.A, previous.A), (slab.B, previous.B), (slab.gA, previous.gA),
+                                     (slab.gB, previous.gB)):
+                        new[:old].copy_(was[:old])
+                layer.slabs[cls.rank] = slab
+                for name, slot in cls.slot_of.items():
+                    pair = views[name].get(path)
+                    if pair is None:
+                        continue
+                    A, B = pair
+                    A.data, B.data = slab.A[slot], slab.B[slot]
+                    if A.grad is not None:
+                        A.grad, B.grad = slab.gA[slot], slab.gB[slot]
         cls.free += range(old, cls.capacity)
         cls.dirty = True
         self.generation += 1
@@ -565,28 +728,30 @@ class MultiLoraModel:
     def routes(self, runs: list[tuple[str | None, int, int]], kinds: tuple[str, ...]
                ) -> dict[tuple[str, int], tuple[tuple[int, int, int], ...]]:
         """Host-side routes of a pass for these runs of tokens and layer kinds: (kind, rank) ->
-        (slot, start, end) runs, only where some adapter of that rank trains that kind. Every
-        adapter must be resident."""
+        (slot, start, end) runs, only where some adapter of that rank trains that kind; and for each
+        group of siblings among those kinds (`Siblings.kind`, "q_proj+k_proj+v_proj"), the route of
+        their shared shrink: an adapter's slot wherever it trains any of them (its rows of those it
+        does not train are zero, and their expands send its tokens to the zero row). Every adapter
+        must be resident."""
         present = {a for a, _, _ in runs if a is not None}
+        wanted = [(kind, {kind}) for kind in kinds]
+        wanted += [(key, members) for key, members in self.shared_kinds.items() if members <= set(kinds)]
         out = {}
         for rank, cls in self.classes.items():
             mine = [a for a in present if self.adapters[a].rank == rank]
-            if not mine:
-                continue
             zero = cls.capacity
-            for kind in kinds:
-                if not any(kind in self.adapters[a].kinds for a in mine):
+            for key, targets in wanted:
+                trains = {a for a in mine if targets & self.adapters[a].kinds}
+                if not trains:
                     continue
                 merged: list[tuple[int, int, int]] = []
                 for a, s, e in runs:
-                    slot = zero
-                    if a is not None and self.adapters[a].rank == rank and kind in self.adapters[a].kinds:
-                        slot = cls.slot_of[a]
+                    slot = cls.slot_of[a] if a in trains else zero
                     if merged and merged[-1][0] == slot and merged[-1][2] == s:
                         merged[-1] = (slot, merged[-1][1], e)
                     else:
                         merged.append((slot, s, e))
-                out[(kind, rank)] = tuple(merged)
+                out[(key, rank)] = tuple(merged)
         return out
 
     def grouped_everywhere(self, tokens: list[int]) -> bool:
@@ -602,13 +767,13 @@ class MultiLoraModel:
         return True
 
     def refresh(self) -> None:
-        """Compute copies of the classes whose masters changed (bfloat16 GPU bases only)."""
+        """Compute copies of the classes whose masters changed (bfloat16 GPU bases only), in one
+        call per class."""
         for rank, cls in self.classes.items():
             if cls.dirty and self.compute_dtype != self.master_dtype:
-                for layer in self.layers.values():
-                    slab = layer.slabs[rank]
-                    slab.A_c.copy_(slab.A)
-                    slab.B_c.copy_(slab.B)
+                slabs = [layer.slabs[rank] for layer in self.layers.values()]
+                torch._foreach_copy_([s.A_c for s in cls.shrinks] + [s.B_c for s in slabs],
+                                     [s.A for s in cls.shrinks] + [s.B for s in slabs])
             cls.dirty = False
 
     # ------------------------------------------------------------------ PEFT format

@@ -12,7 +12,7 @@ import torch
 
 from batcher import layout
 from batcher.backend import LoraBackend, PassRequest
-from batcher.multilora import MultiLoraLinear, PassContext, Route, SlabLora, _new_slab
+from batcher.multilora import MultiLoraLinear, PassContext, Route, _new_slabs
 from batcher.transfer import Bundle
 from core.loss_spec import LossConfig
 from core.work import AdamParams, Datum, LoraShape, PassWork
@@ -287,8 +287,10 @@ def test_every_path_of_the_layer_agrees_with_a_per_token_reference(runs):
     token_slot = [s for s, a, b in runs for _ in range(a, b)]
     ref = None
     for dtype in (torch.float64, torch.float32):
-        layer = MultiLoraLinear(lin.double() if dtype == torch.float64 else lin.float(), "q_proj", PassContext())
-        slab = _new_slab(3, 4, layer, dtype, dtype, 0.5)
+        context = PassContext()
+        layer = MultiLoraLinear(lin.double() if dtype == torch.float64 else lin.float(), "q_proj", context)
+        shrink, [slab] = _new_slabs(3, 4, [layer], dtype, dtype, 0.5)
+        layer.slabs[4], layer.siblings.shrinks[4] = slab, shrink
         with torch.no_grad():
             slab.A[:3].copy_(torch.randn(3, 4, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
             slab.B[:3].copy_(torch.randn(3, 40, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2)))
@@ -296,7 +298,8 @@ def test_every_path_of_the_layer_agrees_with_a_per_token_reference(runs):
                       torch.tensor([s for s, _, _ in runs]))
         x = torch.randn(20, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).to(dtype)
         x.requires_grad_(True)
-        y = SlabLora.apply(torch.zeros(20, 40, dtype=dtype), x, route, slab, None, slab.trigger)
+        context.routes = {("q_proj", 4): route}
+        y = layer(x) - layer.base(x).detach()
         (y * torch.arange(40, dtype=dtype)).sum().backward()
         if ref is None:  # per token, in float64
             xs = x.detach()
