@@ -26,7 +26,6 @@ Ends with one JSON line of headline figures.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fused_step import datum, interleaved, run, sync, sync_check  # noqa: E402
+from fused_step import datum, grid_parser, interleaved, run, sync, sync_check  # noqa: E402
 
 from batcher.backend import LoraBackend  # noqa: E402
 from core.work import LoraShape  # noqa: E402
@@ -85,18 +84,10 @@ def peft_step(model, sequences: list[list[int]]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--tenants", default="1,4,8")
-    parser.add_argument("--tokens", default="64,256", help="tokens per tenant")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--rank", type=int, default=8)
-    args = parser.parse_args()
+    args = grid_parser(__doc__, SHAPES, tenants="1,4,8", tokens="64,256", reps=3, rank=8).parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     vocab = SHAPES[args.shape][-1]
-    tenants = [int(n) for n in args.tenants.split(",")]
+    tenants = args.tenants
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / args.shape
@@ -109,7 +100,7 @@ def main() -> None:
             attention.create(f"t{i}", LoraShape(rank=args.rank, seed=i, train_mlp=False, train_unembed=False))
         peft = peft_model(Path(tmp) / args.shape, device, dtype, args.rank)
         for n in tenants:
-            for tokens in (int(t) for t in args.tokens.split(",")):
+            for tokens in args.tokens:
                 work = [(f"t{i}", [datum(1000 * i + tokens, tokens, vocab)]) for i in range(n)]
                 sequences = [list(d.tokens) + [d.inputs["target_tokens"][-1]] for _, ds in work for d in ds]
                 modes = {"fused": lambda: run(be, work), "sequential": lambda: [run(be, [w]) for w in work],

@@ -211,9 +211,6 @@ def optimizer_round(be: LoraBackend, device, n: int, reps: int) -> dict:
     """A round's optimizer steps of n models, taken together (LoraBackend.optim_steps, what the trainer
     does) against one model at a time: milliseconds per round, and the kernels one round launches
     (on the CPU, the operators the host issues)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     adam = AdamParams(learning_rate=1e-5, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0)
     models = [f"t{i}" for i in range(n)]
 
@@ -244,18 +241,27 @@ def optimizer_round(be: LoraBackend, device, n: int, reps: int) -> dict:
     counts = {}
     for together in (True, False):
         gradients()
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with torch_profile(activities=activities) as prof:
-            be.optim_steps([(m, adam) for m in models]) if together else [be.optim_steps([(m, adam)]) for m in models]
-            sync(device)
-        if device.type == "cuda":
-            counts[together] = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-        else:  # the operators the host issues (their CPU kernels' inner calls not counted)
-            counts[together] = sum(1 for e in prof.events() if e.name.startswith("aten::") and (
-                e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+        counts[together] = launches(device, lambda: be.optim_steps([(m, adam) for m in models]) if together
+                                    else [be.optim_steps([(m, adam)]) for m in models])
     together, apart = statistics.median(times[True]), statistics.median(times[False])
     return {"together_ms": together * 1e3, "one_by_one_ms": apart * 1e3, "speedup": apart / together,
             "launches_together": counts[True], "launches_one_by_one": counts[False]}
+
+
+def launches(device: torch.device, fn) -> int:
+    """The kernels fn() launches on a GPU; on the CPU, the operators the host issues (top-level aten
+    calls, each at least one launch on a GPU; their CPU kernels' inner calls not counted)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    if device.type == "cuda":
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and (
+        e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
 
 
 def guarded(fn, failed):
@@ -269,23 +275,32 @@ def guarded(fn, failed):
         return error if isinstance(failed, str) else failed
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+def grid_parser(doc: str, shapes: dict, *, tenants: str, tokens: str, reps: int, rank: int) -> argparse.ArgumentParser:
+    """The arguments of a bench over a grid of tenants x tokens per tenant on a random base (this one,
+    bench/expert_lora.py, bench/shared_shrink.py); `--tenants` and `--tokens` parse to lists."""
+    def counts(text: str) -> list[int]:
+        return [int(x) for x in text.split(",")]
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(shapes), default="tiny")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--tenants", default="1,8,16,64")
-    parser.add_argument("--tokens", default="64,256,512", help="tokens per tenant")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--tenants", type=counts, default=counts(tenants))
+    parser.add_argument("--tokens", type=counts, default=counts(tokens), help="tokens per tenant")
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--rank", type=int, default=rank)
+    return parser
+
+
+def main() -> None:
+    parser = grid_parser(__doc__, SHAPES, tenants="1,8,16,64", tokens="64,256,512", reps=3, rank=32)
     parser.add_argument("--budget", type=int, default=4096, help="tokens per micro-batch (activation memory)")
     parser.add_argument("--sequential-up-to", type=int, default=64, help="skip the sequential column above this")
     parser.add_argument("--emulate-graphs", action="store_true",
                         help="take the captured path's buckets on the CPU too (replays run the step again)")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    tenants = [int(x) for x in args.tenants.split(",")]
-    tokens = [int(x) for x in args.tokens.split(",")]
+    tenants, tokens = args.tenants, args.tokens
     vocab = SHAPES[args.shape][-1]
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,7 +3,8 @@
 # the fused step (bench/fused_step.py) on a random Qwen3-8B shape over tenants 1/8/16/64 x tokens
 # 64/256/512 and on the 1.64 B shape at 64 tokens, replayed from CUDA graphs against eager, each with
 # its profiles of one 8 x 64 pass (replayed and eager), its host-synchronisation checks and its
-# fused-against-alone check; the captured-pass tests (tests/test_cuda_graphs.py, the CUDA one); LoRA on a MoE base's experts
+# fused-against-alone check; the captured-pass tests (tests/test_cuda_graphs.py, the CUDA one); q/k/v
+# and gate/up sharing one shrink against a shrink per layer (bench/shared_shrink.py); LoRA on a MoE base's experts
 # (bench/expert_lora.py, Qwen3-30B-A3B's layer shape, 8 layers) against one tenant at a time and
 # against PEFT, with its host-synchronisation check. Where vLLM is installed (the gpu
 # extra) also the fill benchmark, publish-to-first-token on the 8B shape and suffix speculation on
@@ -53,6 +54,9 @@ else
   skip gpu_tests "pytest or tokenizers is not installed"
 fi
 run fused_1_6b 120 "$PY" bench/fused_step.py --device cuda --dtype bfloat16 --shape 1.6b --tokens 64 --reps 5
+# q/k/v and gate/up sharing one shrink against a shrink per layer (two copies of the 1.64 B base)
+run shared_shrink 90 "$PY" bench/shared_shrink.py --device cuda --dtype bfloat16 --shape 1.6b --tenants 1,8 \
+  --tokens 64,512 --reps 5
 run expert_lora 100 "$PY" bench/expert_lora.py --device cuda --dtype bfloat16 --shape 30b-a3b-8l --tenants 1,8 \
   --tokens 64,256 --reps 3
 # A trainer gang against one GPU: only where there are two to split the base over.
@@ -76,5 +80,5 @@ echo
 import json, sys
 from pathlib import Path
 work = Path(sys.argv[1])
-print(json.dumps({"gpu": True, **{n: json.loads((work / f"{n}.json").read_text()) for n in ("fused_8b", "gpu_tests", "fused_1_6b", "expert_lora", "gang", "fill", "first_token", "suffix")}}))
+print(json.dumps({"gpu": True, **{n: json.loads((work / f"{n}.json").read_text()) for n in ("fused_8b", "gpu_tests", "fused_1_6b", "shared_shrink", "expert_lora", "gang", "fill", "first_token", "suffix")}}))
 PY
