@@ -490,7 +490,6 @@ class _RankClass:
     slot_of: dict[str, int] = field(default_factory=dict)
     free: list[int] = field(default_factory=list)
     dirty: bool = False  # masters changed since the compute copies were refreshed
-    shrinks: list[_Shrink] = field(default_factory=list)  # one per group of `MultiLoraModel.groups`
 
 
 @dataclass
@@ -642,7 +641,6 @@ class MultiLoraModel:
                 del layer.slabs[cls.rank]
                 if isinstance(layer, MultiLoraLinear):
                     layer.siblings.shrinks.pop(cls.rank, None)
-            cls.shrinks = []
             self.generation += 1
             cls.capacity, cls.free = 0, []
             return
@@ -665,12 +663,10 @@ class MultiLoraModel:
         views = {name: dict(zip(self.adapters[name].layers, zip(self.adapters[name].params[0::2],
                                                                self.adapters[name].params[1::2])))
                  for name in cls.slot_of}
-        cls.shrinks = []
         for paths in self.groups:
             layers = [self.layers[p] for p in paths]
             shrink, slabs = _new_slabs(cls.capacity, cls.rank, layers, self.master_dtype, self.compute_dtype,
                                        cls.scale)
-            cls.shrinks.append(shrink)
             if isinstance(layers[0], MultiLoraLinear):
                 layers[0].siblings.shrinks[cls.rank] = shrink
             for path, layer, slab in zip(paths, layers, slabs):
@@ -772,8 +768,9 @@ class MultiLoraModel:
         for rank, cls in self.classes.items():
             if cls.dirty and self.compute_dtype != self.master_dtype:
                 slabs = [layer.slabs[rank] for layer in self.layers.values()]
-                torch._foreach_copy_([s.A_c for s in cls.shrinks] + [s.B_c for s in slabs],
-                                     [s.A for s in cls.shrinks] + [s.B for s in slabs])
+                # (the siblings' A slices tile their group's shrink tensor: copying them copies it)
+                torch._foreach_copy_([s.A_c for s in slabs] + [s.B_c for s in slabs],
+                                     [s.A for s in slabs] + [s.B for s in slabs])
             cls.dirty = False
 
     # ------------------------------------------------------------------ PEFT format
