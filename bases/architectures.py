@@ -8,7 +8,7 @@ its `lora_target_modules`) serves a PEFT adapter on exactly those.
 
 Mixture-of-experts blocks in transformers 5 keep all experts in two fused 3-D parameters
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), not Linear layers. The trainer
-puts LoRA on them through its own experts forward (batcher.expert_lora): a rank-r LoRA on each
+puts LoRA on them through its own experts forward (batcher.engine.expert_lora): a rank-r LoRA on each
 expert's gate, up and down projection, exported under the per-expert PEFT names
 (`mlp.experts.{e}.gate_proj`) that published checkpoints use and vLLM's fused-MoE LoRA loads. Its
 target name here is "experts" (with the MLP names, for any dense MLP layers). The CPU engine has no
@@ -32,7 +32,7 @@ from core.errors import InvalidInput
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
-EXPERT_MODULES = ("experts",)  # a MoE block's fused experts (batcher.expert_lora)
+EXPERT_MODULES = ("experts",)  # a MoE block's fused experts (batcher.engine.expert_lora)
 
 
 @dataclass(frozen=True)

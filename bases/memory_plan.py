@@ -25,7 +25,7 @@ GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ADAPTER_STATE_COPIES = 4  # weights, gradients, AdamW exp_avg and exp_avg_sq, all float32
 # ... and on a half-precision base one more copy of the weights in that dtype, which the slabs
-# compute with (batcher.multilora).
+# compute with (batcher.engine.multilora).
 RESERVE_FRACTION = 0.08  # CUDA context, allocator fragmentation, workspace
 MAX_RESIDENT_ADAPTERS = 256
 MIN_TOKEN_BUDGET = 512
@@ -69,7 +69,7 @@ class PlanInputs:
     trainer_ranks: int = 1  # GPUs of the trainer gang (tensor parallel: each holds 1/N of the layers)
     sampler_ranks: int = 1  # vLLM's tensor-parallel size (each GPU holds 1/N of the weights and KV heads)
     expert_lora: bool = True  # MoE bases: adapters (and vLLM's LoRA slots) on every expert, split over the ranks
-    # Captured passes (batcher.graphs): the graphs' memory pool holds a pass's activations beside the
+    # Captured passes (batcher.engine.graphs): the graphs' memory pool holds a pass's activations beside the
     # eager allocator's (a bucket's first pass runs eagerly), so a pass's tokens have two copies.
     cuda_graphs: bool = False
 
@@ -143,7 +143,7 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     gen_bytes = int(usable * inputs.gen_memory_share) if inputs.shared_device else usable
     trainer_bytes = usable - gen_bytes if inputs.shared_device else usable
     # A trainer gang splits the decoder layers over its ranks and keeps the embeddings and the
-    # unembedding whole on each (batcher.gang); vLLM splits everything.
+    # unembedding whole on each (batcher.engine.gang); vLLM splits everything.
     whole = vocab * h * (1 if shape.tied else 2)
     base_bytes = ((total - whole) // inputs.trainer_ranks + whole) * width
     sampler_base = total * width // inputs.sampler_ranks
@@ -154,7 +154,7 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     split_width = (2 * shape.heads * shape.head_dim + 3 * inter) // inputs.trainer_ranks
     if shape.arch.moe and inputs.expert_lora:
         # LoRA on the experts keeps more per (token, expert) pair: about 2 hidden- and 2 expert-wide
-        # vectors (measured on the tiny Qwen3-MoE, batcher.expert_lora), each pair on one rank
+        # vectors (measured on the tiny Qwen3-MoE, batcher.engine.expert_lora), each pair on one rank
         split_width += shape.experts_per_token * (2 * h + 2 * shape.intermediate) // inputs.trainer_ranks
     activation = layers * (8 * h + split_width) * width + 2 * vocab * 4
     compute_copy = width if width < 4 else 0

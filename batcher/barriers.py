@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batcher.backend import LoraBackend
+from batcher.engine.backend import LoraBackend
 from batcher.exports import Exports
 from batcher.snapshots import SnapshotStore
 from checkpoints import encryption

@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from bases import catalog, memory_plan
-from batcher import gang, heap
-from batcher.backend import LoraBackend
+from batcher import heap
+from batcher.engine import gang
+from batcher.engine.backend import LoraBackend
 from batcher.snapshots import SnapshotStore
 from batcher.worker import TrainerWorker
 from checkpoints import storage

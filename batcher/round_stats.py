@@ -8,7 +8,7 @@ import json
 import time
 from collections import deque
 
-from batcher.backend import PassStats
+from batcher.engine.backend import PassStats
 from batcher.policy import RoundPlan
 from core import health, stores
 

@@ -11,7 +11,7 @@ in Redis with append-only persistence (`core.embedded`).
 
 On disk: `<root>/<model_id>/<seq_id, 10 digits>/`, a training checkpoint directory
 (`checkpoints.layout`), or for a trainer gang each rank's shares through
-torch.distributed.checkpoint (`batcher.sharded_snapshots`), which a trainer of any size reads;
+torch.distributed.checkpoint (`batcher.engine.sharded_snapshots`), which a trainer of any size reads;
 each is written beside the others, then older ones are removed, so a crash at any point leaves at
 least one whole snapshot. Where they live is a store
 (`checkpoints.storage.snapshot_store_for`): this machine's disk, or with
@@ -26,7 +26,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from batcher.backend import LoraBackend
+from batcher.engine.backend import LoraBackend
 from checkpoints.layout import TrainerMeta
 from checkpoints.storage import LocalStore
 from core.work import LoraShape

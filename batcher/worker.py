@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import psycopg
 
-from batcher.backend import LoraBackend, PassRequest
+from batcher.engine.backend import LoraBackend, PassRequest
 from batcher.barriers import Barriers, Outcome
 from batcher.policy import FairShare, RoundPlan, plan_round
 from batcher.queues import Added, ModelQueues, late_error

@@ -3,7 +3,7 @@
 A random-weight Qwen3-MoE shape made on the device (no weights file). For each (tenants N, tokens
 T), every tenant brings one sequence of T tokens and trains LoRA of rank r on attention and every
 expert; measured interleaved, one forward and backward each (cross-entropy):
-  fused       one pass for all N adapters (batcher.expert_lora: grouped over (slot, expert)),
+  fused       one pass for all N adapters (batcher.engine.expert_lora: grouped over (slot, expert)),
   sequential  one Quilt pass per tenant, one after another,
   peft        PEFT's own MoE LoRA (`target_parameters` on the fused experts) on the same base, one
               tenant after another (what a single-tenant PEFT trainer on transformers 5 does),
@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fused_step import datum, grid_parser, interleaved, run, sync, sync_check  # noqa: E402
 
-from batcher.backend import LoraBackend  # noqa: E402
+from batcher.engine.backend import LoraBackend  # noqa: E402
 from core.work import LoraShape  # noqa: E402
 
 SHAPES = {  # hidden, layers, heads, kv heads, head dim, experts, experts per token, expert width, vocabulary

@@ -3,7 +3,7 @@ and tokens per tenant, against one adapter over the same rows and against one te
 
 For each (tenants N, tokens T), every tenant brings one sequence of T tokens, measured interleaved:
   fused       one forward/backward for all N adapters (the trainer's pass: on a GPU, replayed from
-              the CUDA graph of its bucket, batcher.graphs),
+              the CUDA graph of its bucket, batcher.engine.graphs),
   eager       the same pass run eagerly (QUILT_TRAINER_CUDA_GRAPHS off),
   one-adapter one adapter over all N sequences (no routing: what fusion can at best reach),
   sequential  one pass per tenant, one after another (what a single-tenant trainer does), each
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from batcher.backend import LoraBackend, PassRequest
+from batcher.engine.backend import LoraBackend, PassRequest
 from core.loss_spec import LossConfig
 from core.work import AdamParams, Datum, LoraShape, PassWork
 

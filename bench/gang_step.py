@@ -1,6 +1,6 @@
 """What a trainer gang costs and gives: the same fused step (N tenants x T tokens each: one
 forward/backward over the base, then an AdamW step per tenant) run by one process and by a gang of R
-ranks splitting the base (batcher.gang), side by side, alternating, in one run.
+ranks splitting the base (batcher.engine.gang), side by side, alternating, in one run.
 
 A gang exists for bases that do not fit one device; what it may cost is the collectives of every
 layer (the base's own and the split LoRA's). On the CPU the comparison is fair in cores: each gang
@@ -53,7 +53,7 @@ def _steps(backend, args) -> list[float]:
     """Seconds of each timed step: every tenant's forward/backward fused in one pass, then their steps."""
     import torch
 
-    from batcher.backend import PassRequest
+    from batcher.engine.backend import PassRequest
     from core.loss_spec import LossConfig
     from core.work import AdamParams, Datum, LoraShape, PassWork
 
@@ -85,8 +85,8 @@ def _steps(backend, args) -> list[float]:
 def _role(args) -> None:
     import torch
 
-    from batcher import gang
-    from batcher.backend import LoraBackend
+    from batcher.engine import gang
+    from batcher.engine.backend import LoraBackend
 
     if args.role == "one":
         torch.set_num_threads(args.ranks)

@@ -1,4 +1,4 @@
-"""What siblings sharing one shrink buys (batcher.multilora.Siblings: q/k/v one GEMM, gate/up one):
+"""What siblings sharing one shrink buys (batcher.engine.multilora.Siblings: q/k/v one GEMM, gate/up one):
 two trainers over two copies of one random base, side by side in one run.
 
   shared  q/k/v and gate/up each share one shrink of their input (the trainer as it runs),
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fused_step import (SHAPES, build, datum, eagerly, grid_parser, interleaved, launches,  # noqa: E402
                         requests, run)
 
-from batcher.backend import LoraBackend  # noqa: E402
+from batcher.engine.backend import LoraBackend  # noqa: E402
 from core.work import LoraShape  # noqa: E402
 
 

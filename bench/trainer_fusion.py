@@ -8,7 +8,7 @@
    (c) ceiling:    one adapter over all N tenants' rows (no routing: the best any fused
                    implementation can reach),
    (d) PEFT mixed: the same fused step through PEFT's mixed-adapter forward (`adapter_names=`),
-                   the other known way to fuse; Quilt uses the grouped layer of batcher.multilora
+                   the other known way to fuse; Quilt uses the grouped layer of batcher.engine.multilora
                    because this column loses to it.
    2b. The same with tenants bringing different numbers of sequences (1 and 3; 1, 1, 1 and 5),
        where a layer's runs differ in length and take the grouped GEMM instead of batched matmuls.
@@ -44,7 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from batcher import heap  # noqa: E402
-from batcher.backend import LoraBackend, PassRequest  # noqa: E402
+from batcher.engine.backend import LoraBackend, PassRequest  # noqa: E402
 from core.loss_spec import LossConfig  # noqa: E402
 from core.work import Datum, LoraShape, PassWork  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Which losses exist, which per-token inputs each takes, and `loss_fn_config` parsed and checked.
 Torch-free, so the API validates requests without importing the trainer (a bad key or value is an
-HTTP 400 naming it, never a failed future); `batcher.losses` implements the math over these types."""
+HTTP 400 naming it, never a failed future); `batcher.engine.losses` implements the math over these types."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ class LossConfig:
 
     clip_low_threshold: float = 0.8  # ratio clip floor, 0 <= lo <= 1 (ppo, cispo)
     clip_high_threshold: float = 1.2  # ratio clip ceiling, hi >= 1 (ppo, cispo)
-    beta: float = 1.0  # DRO quadratic-penalty coefficient, >= 0 (see batcher.losses)
+    beta: float = 1.0  # DRO quadratic-penalty coefficient, >= 0 (see batcher.engine.losses)
     is_weight_cap: float | None = None  # TIS cap C > 0 on the importance ratio; None = no cap
     max_staleness: int | None = None  # datums with policy lag > this get zero loss; >= 0
     current_policy_version: int | None = None  # set by the trainer, never by the user

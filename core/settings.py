@@ -214,7 +214,7 @@ class TrainerSettings(BaseSettings):
     ranks: int = Field(1, ge=1, le=1024,
                        description="processes (GPUs) of one trainer, a gang started together by "
                                    "torch.distributed.run (`quilt up --trainer-ranks N`); each holds a part of the "
-                                   "base (batcher.gang)")
+                                   "base (batcher.engine.gang)")
     parallel: Literal["tp", "ep", "fsdp"] = Field(
         "tp", description="how a gang splits the base: tp (tensor parallel), ep (MoE: experts split, attention "
                           "tensor parallel), fsdp (every weight sharded, gathered layer by layer)")
@@ -223,7 +223,7 @@ class TrainerSettings(BaseSettings):
                                                "--no-expert-lora)")
     cuda_graphs: bool = Field(True, description="on a CUDA device, pad each micro-batch to a bucket (at most 1.5x its "
                                                 "tokens) and replay a CUDA graph captured per bucket "
-                                                "(batcher.graphs); off: every pass runs eagerly")
+                                                "(batcher.engine.graphs); off: every pass runs eagerly")
     cuda_graph_limit: int = Field(16, ge=1, le=1024,
                                   description="captured buckets kept, the least recently used dropped first; each "
                                               "keeps its static inputs, and all share one memory pool that holds "

@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-memory-share", type=float, help="fraction of the GPU vLLM takes")
     p.add_argument("--max-lora-rank", type=int, help="largest LoRA rank trained and served")
     p.add_argument("--max-loras", type=int, help="adapters in one sampling batch")
-    p.add_argument("--trainer-ranks", type=int, help="GPUs of this base's trainer gang (batcher.gang; "
+    p.add_argument("--trainer-ranks", type=int, help="GPUs of this base's trainer gang (batcher.engine.gang; "
                                                      "`quilt models plan` says how many it needs)")
     p.add_argument("--trainer-parallel", choices=("tp", "ep", "fsdp"), help="how the gang splits the base")
     p.add_argument("--tensor-parallel", type=int, help="vLLM tensor-parallel size of this base's sampler")

@@ -131,7 +131,7 @@ def serving_env(base: catalog.BaseModel, env: dict[str, str]) -> tuple[dict[str,
 
 def trainer_command(py: str, ranks: int) -> list[str]:
     """The trainer's command: `python -m batcher.main`, or with `ranks` above 1 a gang of that many
-    started by torch.distributed.run, which restarts all of them when one dies (batcher.gang)."""
+    started by torch.distributed.run, which restarts all of them when one dies (batcher.engine.gang)."""
     if ranks == 1:
         return [py, "-m", "batcher.main"]
     return [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
@@ -210,7 +210,7 @@ def up(*, data_dir: Path | None, host: str, port: int, api_replicas: int = 1, ge
     """Run the embedded stack until interrupted; returns the exit code. `api_replicas` API
     processes answer on `port`, `port + 1`, ...; `gen_replicas` generation workers serve each
     sampleable base; `trainer_shards` trainer workers each trainable base, each a gang of
-    `trainer_ranks` processes (batcher.gang)."""
+    `trainer_ranks` processes (batcher.engine.gang)."""
     stop_requested = False
 
     def _on_signal(signum, frame):

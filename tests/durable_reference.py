@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from stackutil import ADAM as BASE_ADAM
 from stackutil import datum, fb_body
 
-from batcher.backend import LoraBackend
+from batcher.engine.backend import LoraBackend
 from checkpoints.layout import ADAPTER_WEIGHTS, OPTIMIZER_FILE
 from core.work import AdamParams, Datum, LoraShape, PassWork
 
@@ -32,7 +32,7 @@ def _datum(tokens: list[int]) -> Datum:
 
 def reference(base_path: str) -> tuple[dict, dict]:
     """(adapter weights, AdamW state dict) after the three steps, uninterrupted."""
-    from batcher.backend import PassRequest
+    from batcher.engine.backend import PassRequest
     from core.loss_spec import LossConfig
 
     be = LoraBackend(base_path)

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from bases import architectures
-from batcher import gang
-from batcher.backend import LoraBackend, PassRequest
+from batcher.engine import gang
+from batcher.engine.backend import LoraBackend, PassRequest
 from core.errors import InvalidInput
 from core.loss_spec import LossConfig
 from core.work import AdamParams, Datum, LoraShape, PassWork

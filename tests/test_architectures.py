@@ -19,7 +19,7 @@ import torch
 from genutil import Loop
 
 from bases import architectures
-from batcher.backend import LoraBackend, PassRequest
+from batcher.engine.backend import LoraBackend, PassRequest
 from core.errors import InvalidInput
 from core.loss_spec import LossConfig
 from core.work import AdamParams, AdapterRef, Datum, LoraShape, PassWork, SamplingSpec
@@ -31,7 +31,7 @@ LOGPROB_DIFF_TOL = 1e-4
 MISMATCH_KL_TOL = 1e-6
 PROMPT = (5, 6, 7, 8, 9, 10)
 # What each architecture cannot carry, as measured: vLLM has no lm_head LoRA for Qwen2 and Mistral,
-# and Gemma ties lm_head to the embeddings. (MoE experts carry LoRA: batcher.expert_lora.)
+# and Gemma ties lm_head to the embeddings. (MoE experts carry LoRA: batcher.engine.expert_lora.)
 REFUSED = {"qwen3": [], "qwen2": ["train_unembed"], "llama": [], "mistral": ["train_unembed"],
            "gemma3_text": ["train_unembed"], "qwen3_moe": []}
 

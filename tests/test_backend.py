@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batcher.backend import LoraBackend, PassRequest
+from batcher.engine.backend import LoraBackend, PassRequest
 from core.errors import UserError
 from core.loss_spec import LossConfig
 from core.work import AdamParams, Datum, LoraShape, PassWork

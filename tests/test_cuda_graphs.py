@@ -1,4 +1,4 @@
-"""Captured passes (batcher.graphs, batcher.buckets): micro-batches padded to buckets and replayed.
+"""Captured passes (batcher.engine.graphs, batcher.engine.buckets): micro-batches padded to buckets and replayed.
 
 On the CPU the capture is emulated: the first micro-batch of a bucket binds the step, and a replay
 runs that same step again over the static inputs refilled with another micro-batch's bundle. That is
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batcher import buckets, layout, losses, packed_attention
-from batcher.backend import LoraBackend
+from batcher.engine import buckets, layout, losses, packed_attention
+from batcher.engine.backend import LoraBackend
 from core.loss_spec import LossConfig
 from core.work import AdamParams, LoraShape
 from stack.tiny_model import build_tiny_model

@@ -1,4 +1,4 @@
-"""LoRA on a MoE base's experts (batcher.expert_lora), checked against references that share none
+"""LoRA on a MoE base's experts (batcher.engine.expert_lora), checked against references that share none
 of its code: transformers' own experts forward over weights with the adapter merged in
 (checkpoints.adapter_merge on the exported PEFT files), and autograd through those merged weights.
 Float64, so the comparisons test the grouping and routing, not rounding."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bases import architectures
-from batcher.backend import LoraBackend, PassRequest
+from batcher.engine.backend import LoraBackend, PassRequest
 from checkpoints import adapter_merge
 from core.errors import InvalidInput
 from core.loss_spec import LossConfig
@@ -172,7 +172,7 @@ def test_a_base_served_without_expert_lora_refuses_it_and_trains_the_rest(moe):
 
 @pytest.mark.parametrize("partial", [False, True])
 def test_the_grouped_gemm_path_computes_what_the_loop_does(partial):
-    from batcher import expert_lora, multilora
+    from batcher.engine import expert_lora, multilora
 
     if not multilora.grouped_gemm(torch.float32, torch.device("cpu")):
         pytest.skip("this torch build has no grouped GEMM on the CPU")
@@ -196,7 +196,7 @@ def test_the_grouped_gemm_path_computes_what_the_loop_does(partial):
 
 
 def test_float32_takes_the_grouped_gemm_path_and_agrees_with_float64(moe, monkeypatch, tmp_path):
-    from batcher import multilora
+    from batcher.engine import multilora
 
     if not multilora.grouped_gemm(torch.float32, torch.device("cpu")):
         pytest.skip("this torch build has no grouped GEMM on the CPU")

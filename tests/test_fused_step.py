@@ -10,10 +10,10 @@ import contextlib
 import pytest
 import torch
 
-from batcher import layout
-from batcher.backend import LoraBackend, PassRequest
-from batcher.multilora import MultiLoraLinear, PassContext, Route, _new_slabs
-from batcher.transfer import Bundle
+from batcher.engine import layout
+from batcher.engine.backend import LoraBackend, PassRequest
+from batcher.engine.multilora import MultiLoraLinear, PassContext, Route, _new_slabs
+from batcher.engine.transfer import Bundle
 from core.loss_spec import LossConfig
 from core.work import AdamParams, Datum, LoraShape, PassWork
 from stack.tiny_model import build_tiny_model

@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from batcher.losses import DatumLoss, compute_loss, reduce_metrics
+from batcher.engine.losses import DatumLoss, compute_loss, reduce_metrics
 from core.errors import InvalidInput
 from core.loss_spec import LOSS_FUNCTIONS, LossConfig, parse_loss_config
 

@@ -1,4 +1,4 @@
-"""Siblings fed one input share one shrink (batcher.multilora.Siblings): q/k/v's A slabs lie side by
+"""Siblings fed one input share one shrink (batcher.engine.multilora.Siblings): q/k/v's A slabs lie side by
 side in one tensor and one GEMM shrinks the input for all three (gate/up likewise); each adapter
 still gets exactly its own product and gradient, whichever of the siblings it trains, and a model
 that does not feed the siblings one tensor is still exact."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from batcher import multilora
-from batcher.backend import LoraBackend
-from batcher.multilora import MultiLoraModel, Route
+from batcher.engine import multilora
+from batcher.engine.backend import LoraBackend
+from batcher.engine.multilora import MultiLoraModel, Route
 from core.work import AdamParams, LoraShape
 from stack.tiny_model import build_tiny_model
 from tests.test_fused_step import ADAM, _datum, _req

@@ -1,4 +1,4 @@
-"""A trainer gang (batcher.gang) against the single-process trainer: 2-rank gangs on gloo, started by
+"""A trainer gang (batcher.engine.gang) against the single-process trainer: 2-rank gangs on gloo, started by
 torch.distributed.run as `quilt up --trainer-ranks 2` starts them, train four tenants for three
 steps in float64 and must match one process to 1e-9: every adapter, every AdamW moment, every
 datum's loss outputs; a checkpoint it saves loads back exactly. Tensor parallel on all six tiny
@@ -17,8 +17,8 @@ import pytest
 import torch
 from gang_scenario import run
 
-from batcher import gang
-from batcher.backend import LoraBackend
+from batcher.engine import gang
+from batcher.engine.backend import LoraBackend
 from core.work import LoraShape
 from stack.tiny_model import TinyModelSpec, build_tiny_model
 

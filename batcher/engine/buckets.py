@@ -3,7 +3,7 @@
 A CUDA graph replays fixed kernels on fixed addresses, so a pass can replay one only where every
 shape and every host-side choice is the graph's: a pass is padded up to its *bucket* (the token
 grid, the runs of each layer's route, the datums and requests of its loss, the packed rows'
-boundaries) and every bucket is captured once (`batcher.graphs`). Padding tokens belong to no
+boundaries) and every bucket is captured once (`batcher.engine.graphs`). Padding tokens belong to no
 adapter (the slabs' zero row), padding datums and positions carry zero weight and are never kept.
 
 Pure functions over plain numbers, table-tested (`tests/test_cuda_graphs.py`). The ladders trade
@@ -14,7 +14,7 @@ fall into a few dozen buckets.
 
 from __future__ import annotations
 
-from batcher.layout import Layout, round_up
+from batcher.engine.layout import Layout, round_up
 
 MIN_WIDTH = 64
 

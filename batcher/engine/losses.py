@@ -116,7 +116,7 @@ class LossPlan:
     @classmethod
     def build(cls, datums: Sequence[DatumSpec], width: int | None = None,
               pad: tuple[int, int] | None = None) -> LossPlan:
-        """`pad` = (positions, datums): a captured pass's fixed sizes (`batcher.buckets`), more than
+        """`pad` = (positions, datums): a captured pass's fixed sizes (`batcher.engine.buckets`), more than
         the datums have. The padding positions belong to the last padding datum, weigh nothing,
         are never kept, and every loss function's position list is padded with the last of them."""
         width = width or max((d.width for d in datums), default=1)

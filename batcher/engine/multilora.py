@@ -13,7 +13,7 @@ shrink serves all of them (`Siblings`): one GEMM, one conversion of the input, a
 one GEMM for the input's gradient and one for the A rows', where each sibling alone would take its
 own.
 
-A pass is laid out as runs of flat tokens, one per adapter and stream (`batcher.layout`); a layer's
+A pass is laid out as runs of flat tokens, one per adapter and stream (`batcher.engine.layout`); a layer's
 route for a pass (`Route`) says which slot each run uses (a group of siblings' shrink has its own
 route: an adapter's slot wherever it trains any of them). One shrink and one expand cover every run:
 batched matmuls with one weight per run when the runs are equally long (the usual fused step of one
@@ -25,7 +25,7 @@ Gradients of the slabs are written by the backward itself into `gA`/`gB` (the pa
 layer and a shrink node per group of siblings whatever the number of adapters. Each adapter gets
 exactly the gradient of a separate pass (summed in another order).
 
-Under a tensor-parallel base (a trainer gang, `batcher.gang`) each layer's LoRA is split as vLLM
+Under a tensor-parallel base (a trainer gang, `batcher.engine.gang`) each layer's LoRA is split as vLLM
 splits it (`Split`): a column-parallel layer keeps A whole and holds its share of B's output rows, a
 row-parallel layer holds its share of A's input columns and keeps B whole. Two small all-reduces
 (tokens x rank each; one for a group of siblings) make that exact: the shrink of a row-parallel
@@ -88,11 +88,11 @@ class Route:
     runs: tuple[tuple[int, int, int], ...]  # (slot, start, end)
     offsets: torch.Tensor | None = None
     slots: torch.Tensor | None = None
-    # The experts' LoRA (batcher.expert_lora) groups by the pass's own adapters only: their slots
+    # The experts' LoRA (batcher.engine.expert_lora) groups by the pass's own adapters only: their slots
     # (`members`) and each run's index among them (`member_of_run`; len(members) for the zero row).
     members: torch.Tensor | None = None
     member_of_run: torch.Tensor | None = None
-    # A captured pass's route (batcher.graphs): a fixed number of runs (padded with empty ones in
+    # A captured pass's route (batcher.engine.graphs): a fixed number of runs (padded with empty ones in
     # the zero row), and nothing decided from `runs`, which are only the first pass's of its bucket.
     static: bool = False
 
@@ -135,13 +135,13 @@ class Split:
     """A layer's share of a tensor-parallel base, and so of its LoRA: "out" (column parallel: the
     output rows `[index * n / count, (index + 1) * n / count)` of the weight and of B), "in" (row
     parallel: those input columns of the weight and of A) or "experts" (expert parallel: those
-    experts, and their A and B; `batcher.expert_lora`)."""
+    experts, and their A and B; `batcher.engine.expert_lora`)."""
 
     dim: str  # "out" | "in" | "experts"
     index: int
     count: int
     group: object = None  # the tensor-parallel process group
-    mesh: object = None  # its 1-D device mesh (a snapshot's shares are DTensors over it: batcher.sharded_snapshots)
+    mesh: object = None  # its 1-D device mesh (a snapshot's shares are DTensors over it: batcher.engine.sharded_snapshots)
 
     def axis(self, which: str) -> int | None:
         """The axis along which the layer's `which` ("A" [rank, in] or "B" [out, rank]; an experts
@@ -318,7 +318,7 @@ class MultiLoraLinear(nn.Module):
         self.sibling = 0
         Siblings([self], context)  # alone until MultiLoraModel groups it with its siblings
 
-    # What MultiLoraModel keeps slabs through (batcher.expert_lora.ExpertPart has the same).
+    # What MultiLoraModel keeps slabs through (batcher.engine.expert_lora.ExpertPart has the same).
 
     def shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One adapter's A and B on this rank."""
@@ -505,10 +505,10 @@ class MultiLoraModel:
 
     def __init__(self, model: nn.Module, target_names: tuple[str, ...], splits: dict[str, Split] | None = None,
                  shared_input: tuple[tuple[str, ...], ...] = SHARED_INPUT):
-        """`splits`: the share of each split layer (and experts module), by path (`batcher.gang.splits`).
-        A target name "experts" puts LoRA on every MoE block's experts (`batcher.expert_lora`).
+        """`splits`: the share of each split layer (and experts module), by path (`batcher.engine.gang.splits`).
+        A target name "experts" puts LoRA on every MoE block's experts (`batcher.engine.expert_lora`).
         `shared_input`: the groups of sibling names that share one shrink (none: a shrink per layer)."""
-        from batcher import expert_lora
+        from batcher.engine import expert_lora
 
         self.model = model
         self.context = PassContext()

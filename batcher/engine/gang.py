@@ -3,7 +3,7 @@
 The ranks are started together by `torch.distributed.run` (`quilt up --trainer-ranks N`, or a pod
 of N GPUs); each loads only its part of the base through transformers' own parallel plans
 (`DistributedConfig`: the tensor-parallel plan the architecture ships, its expert-parallel plan on
-MoE bases, or FSDP2), and its share of every LoRA layer (`batcher.multilora.Split`, laid out as vLLM
+MoE bases, or FSDP2), and its share of every LoRA layer (`batcher.engine.multilora.Split`, laid out as vLLM
 lays LoRA out under tensor parallelism).
 
 Rank 0 runs today's trainer loop (stream, fair share, futures, snapshots, settle). Its backend is a
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from batcher import expert_lora, multilora
-from batcher.multilora import Split
+from batcher.engine import expert_lora, multilora
+from batcher.engine.multilora import Split
 from core import faults
 from core.errors import QuiltError
 
@@ -234,14 +234,14 @@ class GangBackend:
 
     def load(self, model_id: str, directory: str, *, optimizer: bool) -> None:
         """Read the checkpoint here (only rank 0 needs the files), then load it on every rank."""
-        from batcher.backend import read_saved
+        from batcher.engine.backend import read_saved
 
         self._call("load_saved", (model_id, read_saved(directory, optimizer=optimizer)), {})
 
     def load_snapshot(self, model_id: str, directory: str) -> None:
-        """A sharded snapshot is read by every rank, its own shares each (batcher.sharded_snapshots);
+        """A sharded snapshot is read by every rank, its own shares each (batcher.engine.sharded_snapshots);
         a single trainer's (a training checkpoint) by rank 0, as `load`."""
-        from batcher import sharded_snapshots
+        from batcher.engine import sharded_snapshots
 
         if sharded_snapshots.is_sharded(directory):
             self._call("load_snapshot", (model_id, directory), {})

@@ -9,7 +9,7 @@ On a GPU: one `torch.nn.attention.varlen.varlen_attn` call over the whole pass, 
 cumulative offsets (padding runs are rows of their own, whose outputs nothing reads). On the CPU:
 causal SDPA on exactly each row's tokens (rows of one length stacked into one call), so a row's
 attention is the same whatever else shares its stream (the exactness the fused-equals-alone tests
-hold the trainer to); padding positions get zeros. A captured pass (`batcher.graphs`) reads no host
+hold the trainer to); padding positions get zeros. A captured pass (`batcher.engine.graphs`) reads no host
 spans: varlen over its padded offsets with the stream's width as the longest row, or, where varlen
 is not there, one SDPA call over every stream with a block-diagonal causal mask made on the device.
 """
@@ -39,7 +39,7 @@ class Rows:
     width: int
     cu_seqlens: torch.Tensor | None = None
     max_len: int = 0
-    # A captured pass (batcher.graphs) reads no host spans: each flat token's run (its index in the
+    # A captured pass (batcher.engine.graphs) reads no host spans: each flat token's run (its index in the
     # offsets; padding runs are runs) comes as a device tensor, and the GPU kernel's longest row is
     # the stream's width.
     segments: torch.Tensor | None = None

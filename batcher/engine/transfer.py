@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from batcher.layout import round_up
+from batcher.engine.layout import round_up
 
 _ALIGN = 16  # bytes: every view starts where any dtype (and grouped GEMM) may start
 
@@ -26,7 +26,7 @@ class Bundle:
 
     def signature(self) -> tuple:
         """Every queued tensor's name, dtype and shape: bundles of one signature lie alike in memory,
-        so one can be copied where another was (a captured pass's static inputs, `batcher.graphs`)."""
+        so one can be copied where another was (a captured pass's static inputs, `batcher.engine.graphs`)."""
         return tuple((name, t.dtype, tuple(t.shape)) for name, t in self._parts.items())
 
     def _offsets(self) -> tuple[dict[str, int], int]:

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from batcher import multilora
+from batcher.engine import multilora
 
 IMPLEMENTATION = "quilt_lora"
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

@@ -4,8 +4,8 @@ A fused pass launches thousands of small kernels (every layer's base GEMMs, shri
 attention, the loss); on a large GPU the host cannot issue them as fast as the device runs them.
 A CUDA graph records them once and replays them in one launch. What a graph needs, the trainer's
 pass already is: nothing read back inside it (`tests/test_fused_step.py`), every input in one bundle
-(`batcher.transfer`); what it adds is fixed shapes and addresses. Micro-batches are padded to a
-bucket (`batcher.buckets`) whose bundle signature (every input's name, dtype and shape) is the
+(`batcher.engine.transfer`); what it adds is fixed shapes and addresses. Micro-batches are padded to a
+bucket (`batcher.engine.buckets`) whose bundle signature (every input's name, dtype and shape) is the
 graph's key; each key keeps one static device buffer of that signature, and a micro-batch is run by
 copying its bundle into that buffer and replaying.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batcher.transfer import Bundle
+from batcher.engine.transfer import Bundle
 
 log = logging.getLogger("quilt.trainer.graphs")
 

@@ -5,7 +5,7 @@ The loop (batcher.worker) owns queues and storage; this class owns tensors, behi
 that each return one result or one error per request, so one tenant's bad request fails only that
 request.
 
-Fusing uses the grouped multi-LoRA layer of `batcher.multilora` (rows ordered by adapter, one slice
+Fusing uses the grouped multi-LoRA layer of `batcher.engine.multilora` (rows ordered by adapter, one slice
 per adapter). It was picked over PEFT's mixed-adapter forward by `bench/trainer_fusion.py`, which
 measures both side by side. Checkpoints are PEFT-format adapter directories.
 """
@@ -28,11 +28,11 @@ import torch
 from torch.optim.adamw import adamw
 
 from bases import architectures
-from batcher import gang as gang_mod
-from batcher import buckets, head, layout, losses, packed_attention, sharded_snapshots
-from batcher.graphs import Graphs
-from batcher.multilora import SHARED_INPUT, MultiLoraModel, Route, gather
-from batcher.transfer import Bundle
+from batcher.engine import gang as gang_mod
+from batcher.engine import buckets, head, layout, losses, packed_attention, sharded_snapshots
+from batcher.engine.graphs import Graphs
+from batcher.engine.multilora import SHARED_INPUT, MultiLoraModel, Route, gather
+from batcher.engine.transfer import Bundle
 from checkpoints.layout import ADAPTER_WEIGHTS, OPTIMIZER_FILE, TrainerMeta
 from core.errors import Conflict, InvalidInput, QuiltError, ServerError, UserError
 from core.loss_spec import INT_INPUTS, WIDE_INPUTS, LossConfig
@@ -108,7 +108,7 @@ class _Batch:
     trains: bool
     packed_rows: packed_attention.Rows | None  # the packed layout's rows (None: padded rows)
     requests_size: int  # requests the device work is sized for (the pass's, or its bucket's)
-    key: tuple | None = None  # its bucket's graph key (batcher.graphs); None: runs eagerly
+    key: tuple | None = None  # its bucket's graph key (batcher.engine.graphs); None: runs eagerly
 
 
 class _Gate:
@@ -121,14 +121,14 @@ class LoraBackend:
                  pack_width: int = 4096, head_chunk_tokens: int = 0, model: torch.nn.Module | None = None,
                  gang: gang_mod.Member | None = None, expert_lora: bool = True, cuda_graphs: bool = True,
                  graph_limit: int = 16, emulate_graphs: bool = False, shared_shrinks: bool = True):
-        """`gang`: this process's place in a trainer gang (`batcher.gang`): the base is loaded split
+        """`gang`: this process's place in a trainer gang (`batcher.engine.gang`): the base is loaded split
         over the gang's ranks, and every call must be made on every rank in the same order.
         `expert_lora`: MoE bases: whether LoRA may go on the experts (the base's serving setting).
         `cuda_graphs`: on a CUDA device, micro-batches are padded to buckets and replayed from a
-        captured graph per bucket (`batcher.graphs`), at most `graph_limit` kept; `emulate_graphs`
+        captured graph per bucket (`batcher.engine.graphs`), at most `graph_limit` kept; `emulate_graphs`
         takes that path on any device, replaying by running the captured step again (tests).
         `shared_shrinks`: siblings fed one input (q/k/v, gate/up) share one shrink
-        (`batcher.multilora.SHARED_INPUT`); off, each layer shrinks alone (what bench/shared_shrink.py
+        (`batcher.engine.multilora.SHARED_INPUT`); off, each layer shrinks alone (what bench/shared_shrink.py
         measures against)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
@@ -165,7 +165,7 @@ class LoraBackend:
         targets = arch.targets(tied=architectures.is_tied(self.config))
         self.expert_lora = expert_lora
         # Why a model's LoRA may not go on this MoE base's experts ("": it may). A tensor-parallel
-        # gang splits each expert's width, which expert LoRA does not follow (batcher.expert_lora).
+        # gang splits each expert's width, which expert LoRA does not follow (batcher.engine.expert_lora).
         self.experts_refused = ""
         if arch.moe and split and gang.shape.parallel == "tp":
             self.experts_refused = ("this base's trainer gang is tensor parallel, which splits each expert over its "
@@ -321,7 +321,7 @@ class LoraBackend:
             values = self._compute(batches, len(requests)).cpu()  # the pass's one read-back
         except Exception as exc:
             if self.gang_size > 1:
-                raise  # the ranks may have parted mid-pass: the gang restarts (batcher.gang.GangBroken)
+                raise  # the ranks may have parted mid-pass: the gang restarts (batcher.engine.gang.GangBroken)
             log.exception("fused pass failed")
             for name in fresh:
                 self.lora.discard_grads(name)
@@ -363,7 +363,7 @@ class LoraBackend:
     def _plan(self, rows: list[_Row], requests: list[PassRequest], configs: dict[int, LossConfig]) -> list[_Batch]:
         """Lay the rows out in micro-batches and build, per micro-batch, everything its device work
         reads, in one bundle: token grid, positions, targets, loss inputs, routes. A micro-batch
-        that may replay a captured graph is padded to its bucket (`batcher.buckets`)."""
+        that may replay a captured graph is padded to its bucket (`batcher.engine.buckets`)."""
         lengths = [len(r.tokens) for r in rows]
         pack = layout.can_pack(self.config, max(lengths, default=0))
         capture = self.cuda_graphs and self.graph_device == "cuda"
@@ -480,7 +480,7 @@ class LoraBackend:
         """Every micro-batch's forward (and backward), all on the device; returns one tensor of what
         the host needs, per micro-batch: per-datum loss, mismatch sums and whether each request kept
         its gradient, then every position's logprobs and elementwise loss. A micro-batch with a
-        bucket replays its graph (`batcher.graphs`); the others run eagerly."""
+        bucket replays its graph (`batcher.engine.graphs`); the others run eagerly."""
         self.lora.refresh()
         size = batches[0].requests_size if batches else n_requests
         poisoned = torch.zeros(size, dtype=torch.bool, device=self.device)
@@ -765,7 +765,7 @@ class LoraBackend:
     def snapshot(self, model_id: str, directory: str) -> int:
         """Write the model's durable state (batcher.snapshots) into `directory`; returns bytes written.
         One process writes a training checkpoint (`save`); a gang writes each rank's shares with
-        torch.distributed.checkpoint (batcher.sharded_snapshots: a collective, nothing gathered)."""
+        torch.distributed.checkpoint (batcher.engine.sharded_snapshots: a collective, nothing gathered)."""
         if self.gang_size == 1:
             return self.save(model_id, directory, overwrite=True, with_optimizer=True)
         self.ensure_resident([model_id])
