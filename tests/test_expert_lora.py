@@ -172,9 +172,9 @@ def test_a_base_served_without_expert_lora_refuses_it_and_trains_the_rest(moe):
 
 @pytest.mark.parametrize("partial", [False, True])
 def test_the_grouped_gemm_path_computes_what_the_loop_does(partial):
-    from batcher.engine import expert_lora, multilora
+    from batcher.engine import expert_lora, grouped
 
-    if not multilora.grouped_gemm(torch.float32, torch.device("cpu")):
+    if not grouped.grouped_gemm(torch.float32, torch.device("cpu")):
         pytest.skip("this torch build has no grouped GEMM on the CPU")
     g = torch.Generator().manual_seed(0)
     groups, rows = 12, 64
@@ -196,13 +196,13 @@ def test_the_grouped_gemm_path_computes_what_the_loop_does(partial):
 
 
 def test_float32_takes_the_grouped_gemm_path_and_agrees_with_float64(moe, monkeypatch, tmp_path):
-    from batcher.engine import multilora
+    from batcher.engine import grouped as grouped_ops
 
-    if not multilora.grouped_gemm(torch.float32, torch.device("cpu")):
+    if not grouped_ops.grouped_gemm(torch.float32, torch.device("cpu")):
         pytest.skip("this torch build has no grouped GEMM on the CPU")
     grouped = []
-    original = multilora._GROUPED
-    monkeypatch.setattr(multilora, "_GROUPED", lambda *a, **kw: grouped.append(a[1].shape) or original(*a, **kw))
+    original = grouped_ops.grouped_mm
+    monkeypatch.setattr(grouped_ops, "grouped_mm", lambda *a, **kw: grouped.append(a[1].shape) or original(*a, **kw))
     trained = _trained(moe)  # float64, so every B is no longer zero
     single = LoraBackend(moe, dtype=torch.float32)
     single.create("experts-only", LoraShape(rank=4, seed=5, train_attn=False, train_unembed=False))

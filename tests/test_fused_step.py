@@ -12,7 +12,8 @@ import torch
 
 from batcher.engine import layout
 from batcher.engine.backend import LoraBackend, PassRequest
-from batcher.engine.multilora import MultiLoraLinear, PassContext, Route, _new_slabs
+from batcher.engine.grouped import PassContext, Route
+from batcher.engine.multilora import MultiLoraLinear, _new_slabs
 from batcher.engine.transfer import Bundle
 from core.loss_spec import LossConfig
 from core.work import AdamParams, Datum, LoraShape, PassWork

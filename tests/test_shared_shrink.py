@@ -13,7 +13,8 @@ from torch import nn
 
 from batcher.engine import multilora
 from batcher.engine.backend import LoraBackend
-from batcher.engine.multilora import MultiLoraModel, Route
+from batcher.engine.grouped import Route
+from batcher.engine.multilora import MultiLoraModel
 from core.work import AdamParams, LoraShape
 from stack.tiny_model import build_tiny_model
 from tests.test_fused_step import ADAM, _datum, _req

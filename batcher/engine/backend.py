@@ -31,7 +31,8 @@ from bases import architectures
 from batcher.engine import gang as gang_mod
 from batcher.engine import buckets, head, layout, losses, packed_attention, sharded_snapshots
 from batcher.engine.graphs import Graphs
-from batcher.engine.multilora import SHARED_INPUT, MultiLoraModel, Route, gather
+from batcher.engine.grouped import Route
+from batcher.engine.multilora import SHARED_INPUT, MultiLoraModel, gather
 from batcher.engine.transfer import Bundle
 from checkpoints.layout import ADAPTER_WEIGHTS, OPTIMIZER_FILE, TrainerMeta
 from core.errors import Conflict, InvalidInput, QuiltError, ServerError, UserError

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from batcher.engine import multilora
+from batcher.engine import grouped
 
 IMPLEMENTATION = "quilt_lora"
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -48,7 +48,7 @@ class ExpertPart:
     """One projection of one experts module, as MultiLoraModel keeps it: slabs per rank class of
     A [slots + 1, E, r, in] and B [slots + 1, E, out, r] (E: this rank's experts)."""
 
-    def __init__(self, experts: nn.Module, proj: str, split: multilora.Split | None):
+    def __init__(self, experts: nn.Module, proj: str, split: grouped.Split | None):
         self.kind = "experts"
         self.proj = proj
         self.split = split
@@ -57,7 +57,7 @@ class ExpertPart:
         self.experts = self.whole_experts // (split.count if split else 1)  # this rank's
         self.in_features, self.out_features = (inter, hidden) if proj == "down_proj" else (hidden, inter)
         self.device, self.dtype = weight.device, weight.dtype
-        self.slabs: dict[int, multilora._Slab] = {}
+        self.slabs: dict[int, grouped.Slab] = {}
 
     def shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.experts, rank, self.in_features), (self.experts, self.out_features, rank)
@@ -91,7 +91,7 @@ class ExpertPart:
         return pair[0], pair[1]
 
 
-def wrap(model: nn.Module, context: multilora.PassContext, splits: dict[str, multilora.Split]
+def wrap(model: nn.Module, context: grouped.PassContext, splits: dict[str, grouped.Split]
          ) -> dict[str, ExpertPart]:
     """Every MoE experts module of the model switched to the LoRA implementation; returns its parts
     by path (`<experts path>.<projection>`)."""
@@ -116,7 +116,7 @@ def wrap(model: nn.Module, context: multilora.PassContext, splits: dict[str, mul
     return parts
 
 
-def split_of(module: nn.Module) -> multilora.Split | None:
+def split_of(module: nn.Module) -> grouped.Split | None:
     """The expert-parallel share of an experts module (a gang's "ep": its tensor-parallel axis splits
     the experts), None where it holds all its experts when it runs (one process, FSDP); ValueError
     where that axis splits each expert's width ("tp")."""
@@ -131,14 +131,14 @@ def split_of(module: nn.Module) -> multilora.Split | None:
     if not placement.is_shard(0):
         raise ValueError(f"a tensor-parallel gang splits each expert's width ({placement}); expert LoRA needs the "
                          "experts whole: an expert-parallel gang (--trainer-parallel ep) or one process")
-    return multilora.Split("experts", mesh.get_local_rank(tp), mesh.size(tp), mesh.get_group(tp),
-                           multilora.tp_mesh(mesh))
+    return grouped.Split("experts", mesh.get_local_rank(tp), mesh.size(tp), mesh.get_group(tp),
+                           grouped.tp_mesh(mesh))
 
 
 class _Block:
     """What a wrapped experts module reads in its forward."""
 
-    def __init__(self, parts: dict[str, ExpertPart], context: multilora.PassContext, base: str | None):
+    def __init__(self, parts: dict[str, ExpertPart], context: grouped.PassContext, base: str | None):
         self.parts = parts
         self.context = context
         self.base = base or "eager"  # the implementation the base ran with
@@ -180,14 +180,14 @@ class _Groups:
 
     def mm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """`x[rows of g] @ weight[g].T` for every group g, on rows in group order."""
-        if multilora.groupable(x, weight.shape[1], weight.shape[2], x.shape[0]):
+        if grouped.groupable(x, weight.shape[1], weight.shape[2], x.shape[0]):
             if not self.partial:
-                return multilora._GROUPED(x, weight.transpose(1, 2), offs=self.offsets)
+                return grouped.grouped_mm(x, weight.transpose(1, 2), offs=self.offsets)
             # The kernel leaves rows past the last group unwritten, in its output and in the input's
             # gradient: both are masked (masked_fill's backward zeroes the masked rows' gradient).
             past = torch.arange(x.shape[0], device=x.device).unsqueeze(1) >= self.offsets[-1]
-            return multilora._GROUPED(x.masked_fill(past, 0), weight.transpose(1, 2), offs=self.offsets
-                                      ).masked_fill(past, 0)
+            return grouped.grouped_mm(x.masked_fill(past, 0), weight.transpose(1, 2), offs=self.offsets
+                                    ).masked_fill(past, 0)
         # float64 (tests), or widths the kernel cannot take: one matmul per group that has rows
         sizes = [int(n) for n in self.sizes.tolist()]
         live = [g for g, n in enumerate(sizes) if n]

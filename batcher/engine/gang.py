@@ -3,7 +3,7 @@
 The ranks are started together by `torch.distributed.run` (`quilt up --trainer-ranks N`, or a pod
 of N GPUs); each loads only its part of the base through transformers' own parallel plans
 (`DistributedConfig`: the tensor-parallel plan the architecture ships, its expert-parallel plan on
-MoE bases, or FSDP2), and its share of every LoRA layer (`batcher.engine.multilora.Split`, laid out as vLLM
+MoE bases, or FSDP2), and its share of every LoRA layer (`batcher.engine.grouped.Split`, laid out as vLLM
 lays LoRA out under tensor parallelism).
 
 Rank 0 runs today's trainer loop (stream, fair share, futures, snapshots, settle). Its backend is a
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from batcher.engine import expert_lora, multilora
-from batcher.engine.multilora import Split
+from batcher.engine import expert_lora
+from batcher.engine.grouped import Split, tp_mesh
 from core import faults
 from core.errors import QuiltError
 
@@ -198,7 +198,7 @@ def splits(model: nn.Module, targets: tuple[str, ...]) -> dict[str, Split]:
                              f"(known: {sorted(_SPLIT_OF_STYLE)} split, {sorted(_WHOLE_STYLES)} whole)")
         tp = mesh.mesh_dim_names.index("tp")
         out[path] = Split(_SPLIT_OF_STYLE[style], mesh.get_local_rank(tp), mesh.size(tp), mesh.get_group(tp),
-                          multilora.tp_mesh(mesh))
+                          tp_mesh(mesh))
     return out
 
 

@@ -38,192 +38,33 @@ Adapters are stored and exported in PEFT's format (`base_model.model.<module>.lo
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-_GROUPED = getattr(torch, "_grouped_mm", None)
-_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@functools.lru_cache(maxsize=None)
-def grouped_gemm(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the grouped-GEMM path serves this dtype on this device (Hopper and later on CUDA)."""
-    if _GROUPED is None or dtype not in _GROUPED_DTYPES:
-        return False
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (9, 0)
-    return device.type == "cpu"
-
-
-def groupable(x: torch.Tensor, *sizes: int) -> bool:
-    """Grouped GEMM over these rows: the build has it for the dtype, and every stride the kernel
-    reads (the `sizes`: ranks, widths, row counts) is a multiple of 16 bytes (a rank-4 bfloat16 slab
-    is not)."""
-    if not grouped_gemm(x.dtype, x.device):
-        return False
-    per = 16 // x.element_size()
-    return all(n % per == 0 for n in sizes)
-
-
-def compute_dtype(base_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The adapters' compute dtype: a half-precision GPU base's own (tensor cores, no conversion of
-    the activations); float32 at least everywhere else."""
-    if device.type == "cuda" and base_dtype in (torch.bfloat16, torch.float16):
-        return base_dtype
-    return torch.promote_types(base_dtype, torch.float32)
-
-
-@dataclass
-class Route:
-    """One layer kind's routing for a pass: runs of flat tokens [start, end) and their slots (the
-    slab's zero row for padding and non-targeting adapters). `offsets` and `slots` are the device
-    copies (run ends, int32; slots, int64) the grouped path reads; `runs` is the host copy."""
-
-    runs: tuple[tuple[int, int, int], ...]  # (slot, start, end)
-    offsets: torch.Tensor | None = None
-    slots: torch.Tensor | None = None
-    # The experts' LoRA (batcher.engine.expert_lora) groups by the pass's own adapters only: their slots
-    # (`members`) and each run's index among them (`member_of_run`; len(members) for the zero row).
-    members: torch.Tensor | None = None
-    member_of_run: torch.Tensor | None = None
-    # A captured pass's route (batcher.engine.graphs): a fixed number of runs (padded with empty ones in
-    # the zero row), and nothing decided from `runs`, which are only the first pass's of its bucket.
-    static: bool = False
-
-    def membership(self, zero: int) -> tuple[list[int], list[int]]:
-        """The host side of `members` and `member_of_run`, given the slab's zero row."""
-        members = sorted({slot for slot, _, _ in self.runs if slot != zero})
-        index = {slot: i for i, slot in enumerate(members)}
-        return members, [index.get(slot, len(members)) for slot, _, _ in self.runs]
-
-    @functools.cached_property
-    def equal(self) -> bool:
-        """Every run as long as the others: the tokens are a (runs, length) stack as they lie."""
-        return len({e - s for _, s, e in self.runs}) == 1
-
-    @functools.cached_property
-    def member_of_token(self) -> torch.Tensor:
-        """Each flat token's index among `members` (len(members): its adapter has no row here)."""
-        lengths = torch.diff(self.offsets.long(), prepend=self.offsets.new_zeros(1, dtype=torch.long))
-        return torch.repeat_interleave(self.member_of_run, lengths, output_size=self.runs[-1][2])
-
-    @functools.cached_property
-    def block(self) -> int | None:
-        """The first slot when the runs' slots are consecutive rows (a slice of the slab), else None."""
-        first = self.runs[0][0]
-        return first if all(slot == first + i for i, (slot, _, _) in enumerate(self.runs)) else None
-
-
-def _accumulate(grads: torch.Tensor, route: Route, per_run: torch.Tensor) -> None:
-    """Add each run's gradient into its slot's row: a slice add when the slots are consecutive (the
-    usual case: rows ordered by slot), index_add otherwise (a slot in several runs, gaps)."""
-    first = None if route.static else route.block
-    if first is not None:
-        grads[first:first + per_run.shape[0]].add_(per_run.to(grads.dtype))
-    else:
-        grads.index_add_(0, route.slots, per_run.to(grads.dtype))
-
-
-@dataclass(frozen=True)
-class Split:
-    """A layer's share of a tensor-parallel base, and so of its LoRA: "out" (column parallel: the
-    output rows `[index * n / count, (index + 1) * n / count)` of the weight and of B), "in" (row
-    parallel: those input columns of the weight and of A) or "experts" (expert parallel: those
-    experts, and their A and B; `batcher.engine.expert_lora`)."""
-
-    dim: str  # "out" | "in" | "experts"
-    index: int
-    count: int
-    group: object = None  # the tensor-parallel process group
-    mesh: object = None  # its 1-D device mesh (a snapshot's shares are DTensors over it: batcher.engine.sharded_snapshots)
-
-    def axis(self, which: str) -> int | None:
-        """The axis along which the layer's `which` ("A" [rank, in] or "B" [out, rank]; an experts
-        part's [E, rank, in] and [E, out, rank]) is split."""
-        if self.dim == "experts":
-            return 0
-        if which == "A":
-            return 1 if self.dim == "in" else None
-        return 0 if self.dim == "out" else None
-
-    def local(self, full: torch.Tensor, axis: int | None) -> torch.Tensor:
-        """This rank's share of a whole tensor."""
-        if axis is None:
-            return full
-        size = full.shape[axis] // self.count
-        return full.narrow(axis, self.index * size, size)
-
-    def gather(self, part: torch.Tensor, axis: int | None) -> torch.Tensor:
-        """The whole tensor from every rank's share (a collective: every rank of the group calls it)."""
-        if axis is None:
-            return part
-        parts = [torch.empty_like(part) for _ in range(self.count)]
-        dist.all_gather(parts, part.contiguous(), group=self.group)
-        return torch.cat(parts, dim=axis)
-
-    def all_reduce(self, t: torch.Tensor) -> None:
-        dist.all_reduce(t, group=self.group)
-
-
-def tp_mesh(mesh):
-    """The tensor-parallel axis of a device mesh, as a 1-D mesh."""
-    return mesh["tp"] if mesh.ndim > 1 else mesh
-
+from batcher.engine import expert_lora
+from batcher.engine.grouped import (
+    PassContext,
+    Route,
+    Shrunk,
+    Slab,
+    Split,
+    accumulate,
+    compute_dtype,
+    groupable,
+    grouped_mm,
+)
 
 # Sibling Linears that the supported decoders call on one input (attention's q/k/v, the gated MLP's
 # gate/up): their A slabs lie side by side in one tensor, so one shrink serves them all.
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-class PassContext:
-    """What the wrapped layers read during a pass: a route per (target name, rank), and per (group
-    of siblings, rank) the shrink of their shared input, kept until every sibling has read it.
-    Setting the routes (a new pass, the next head chunk, the end of a pass) forgets the shrinks."""
-
-    def __init__(self) -> None:
-        self._routes: dict[tuple[str, int], Route] | None = None
-        self.shrunk: dict[tuple[Siblings, int], _Shrunk] = {}
-
-    @property
-    def routes(self) -> dict[tuple[str, int], Route] | None:
-        return self._routes
-
-    @routes.setter
-    def routes(self, routes: dict[tuple[str, int], Route] | None) -> None:
-        self._routes = routes
-        self.shrunk.clear()
-
-
 @dataclass
-class _Shrunk:
-    x: torch.Tensor  # the input it was taken of (held, so its identity stays its own)
-    parts: tuple[torch.Tensor, ...]  # one [tokens, rank] per sibling
-    taken: set[int] = field(default_factory=set)
-
-
-@dataclass
-class _Slab:
-    A: torch.Tensor  # [slots + 1, rank, in], master dtype (a view of its siblings' `_Shrink.A`)
-    B: torch.Tensor  # [slots + 1, out, rank]
-    gA: torch.Tensor
-    gB: torch.Tensor
-    A_c: torch.Tensor  # compute copies (the masters themselves unless the compute dtype differs)
-    B_c: torch.Tensor
-    scale: float
-
-    @property
-    def zero_slot(self) -> int:
-        return self.A.shape[0] - 1
-
-
-@dataclass
-class _Shrink:
+class SharedA:
     """One rank's A of a group of siblings, side by side: `[slots + 1, siblings x rank, in]`."""
 
     A: torch.Tensor
@@ -235,20 +76,20 @@ class _Shrink:
 
 
 def _new_slabs(capacity: int, rank: int, layers: list, master: torch.dtype, compute: torch.dtype,
-               scale: float) -> tuple[_Shrink, list[_Slab]]:
+               scale: float) -> tuple[SharedA, list[Slab]]:
     """A group of siblings' slabs of one rank (a group of one for a lone layer or an experts part):
     their A rows are slices of one shrink tensor."""
     dev = layers[0].device
     shape_a = (capacity + 1, *layers[0].shapes(rank)[0])
     wide = (*shape_a[:-2], len(layers) * rank, shape_a[-1])
     A = torch.zeros(wide, dtype=master, device=dev)
-    shrink = _Shrink(A, torch.zeros_like(A), A if compute == master else A.to(compute),
+    shrink = SharedA(A, torch.zeros_like(A), A if compute == master else A.to(compute),
                      torch.zeros((), device=dev, requires_grad=True), scale, rank)
     slabs = []
     for i, layer in enumerate(layers):
         B = torch.zeros((capacity + 1, *layer.shapes(rank)[1]), dtype=master, device=dev)
         part = [t.narrow(-2, i * rank, rank) for t in (shrink.A, shrink.gA, shrink.A_c)]
-        slabs.append(_Slab(part[0], B, part[1], torch.zeros_like(B), part[2],
+        slabs.append(Slab(part[0], B, part[1], torch.zeros_like(B), part[2],
                            B if compute == master else B.to(compute), scale))
     return shrink, slabs
 
@@ -266,7 +107,7 @@ def _mode(route: Route, x2: torch.Tensor, *sizes: int) -> str:
 
 class Siblings:
     """Layers of one parent fed the same input (`SHARED_INPUT`; a lone layer is a group of one): per
-    rank one `_Shrink` of their A's side by side. The first sibling a pass calls shrinks the input
+    rank one `SharedA` of their A's side by side. The first sibling a pass calls shrinks the input
     for all of them (one GEMM; one conversion of the input to the compute dtype), the others take
     their slices, matched by the input's identity: a sibling called on another tensor, or twice,
     shrinks again by itself, so a model that does not feed them one input is still exact."""
@@ -276,7 +117,7 @@ class Siblings:
         self.context = context
         # The route key of the group's shrink: the union of its members' routes.
         self.kind = "+".join(m.kind for m in members)
-        self.shrinks: dict[int, _Shrink] = {}
+        self.shrinks: dict[int, SharedA] = {}
         for i, m in enumerate(members):
             m.siblings, m.sibling = self, i
 
@@ -287,7 +128,7 @@ class Siblings:
         if shrunk is None or shrunk.x is not x or layer.sibling in shrunk.taken:
             route = routes[(self.kind, rank)]
             shrink = self.shrinks[rank]
-            shrunk = _Shrunk(x, Shrink.apply(x, route, shrink, layer.split, shrink.trigger))
+            shrunk = Shrunk(x, Shrink.apply(x, route, shrink, layer.split, shrink.trigger))
             self.context.shrunk[key] = shrunk
         shrunk.taken.add(layer.sibling)
         # Forgotten once every sibling with a route has read it: a pass without autograd keeps no
@@ -309,7 +150,7 @@ class MultiLoraLinear(nn.Module):
         # This rank's sizes (a tensor-parallel base's layer keeps its whole sizes in in/out_features).
         self.in_features = base.in_features // split.count if split and split.dim == "in" else base.in_features
         self.out_features = base.out_features // split.count if split and split.dim == "out" else base.out_features
-        self.slabs: dict[int, _Slab] = {}  # not registered: the base's parameters stay the base's
+        self.slabs: dict[int, Slab] = {}  # not registered: the base's parameters stay the base's
         # A distributed base layer's output is a view its DTensor made (`to_local`), which autograd
         # does not let a custom Function change in place: the LoRA adds into a copy of it.
         self.copy_output = isinstance(base.weight, DTensor)
@@ -363,7 +204,7 @@ class Shrink(torch.autograd.Function):
     before the gradients of A and of the input are taken."""
 
     @staticmethod
-    def forward(ctx, x, route: Route, shrink: _Shrink, split: Split | None, trigger):
+    def forward(ctx, x, route: Route, shrink: SharedA, split: Split | None, trigger):
         A_c = shrink.A_c
         x2 = x.reshape(-1, x.shape[-1]).to(A_c.dtype)
         mode = _mode(route, x2, shrink.rank, A_c.shape[2])
@@ -374,7 +215,7 @@ class Shrink(torch.autograd.Function):
             xa = xa.view(-1, xa.shape[2])
         elif mode == "grouped":
             A_g = A_c.index_select(0, route.slots)
-            xa = _GROUPED(x2, A_g.transpose(1, 2), offs=route.offsets).mul_(shrink.scale)
+            xa = grouped_mm(x2, A_g.transpose(1, 2), offs=route.offsets).mul_(shrink.scale)
         else:
             xa = x2.new_zeros((x2.shape[0], A_c.shape[1]))
             zero = A_c.shape[0] - 1
@@ -401,11 +242,11 @@ class Shrink(torch.autograd.Function):
             h3 = h.view(G, -1, h.shape[1])
             if want_x:
                 grad_x = torch.bmm(h3, A_g)
-            _accumulate(shrink.gA, route, torch.bmm(h3.transpose(1, 2), x2.view(G, -1, x2.shape[1])))
+            accumulate(shrink.gA, route, torch.bmm(h3.transpose(1, 2), x2.view(G, -1, x2.shape[1])))
         elif ctx.mode == "grouped":
             if want_x:
-                grad_x = _GROUPED(h, A_g, offs=route.offsets)
-            _accumulate(shrink.gA, route, _GROUPED(h.T, x2, offs=route.offsets))
+                grad_x = grouped_mm(h, A_g, offs=route.offsets)
+            accumulate(shrink.gA, route, grouped_mm(h.T, x2, offs=route.offsets))
         else:
             grad_x = torch.zeros_like(x2) if want_x else None
             zero = shrink.A_c.shape[0] - 1
@@ -429,7 +270,7 @@ class Expand(torch.autograd.Function):
     lm_head it saves an output-sized temporary."""
 
     @staticmethod
-    def forward(ctx, y, xa, route: Route, slab: _Slab):
+    def forward(ctx, y, xa, route: Route, slab: Slab):
         y2 = y.view(-1, y.shape[-1])
         mode = _mode(route, xa, slab.B.shape[2], slab.B.shape[1])
         B_g = None
@@ -442,7 +283,7 @@ class Expand(torch.autograd.Function):
             else:
                 y2.add_(torch.bmm(xa3, B_g.transpose(1, 2)).view_as(y2).to(y2.dtype))
         elif mode == "grouped":
-            y2.add_(_GROUPED(xa, B_g.transpose(1, 2), offs=route.offsets).to(y.dtype))
+            y2.add_(grouped_mm(xa, B_g.transpose(1, 2), offs=route.offsets).to(y.dtype))
         else:
             for slot, s, e in route.runs:
                 if slot == slab.zero_slot:
@@ -466,10 +307,10 @@ class Expand(torch.autograd.Function):
             g3, xa3 = g.view(G, -1, g.shape[1]), xa.unflatten(0, (G, -1))
             grad_xa = torch.bmm(g3, B_g).view(-1, B_g.shape[2])
             # (xa.T @ g).T: the output-wide operand read in its own layout, not copied transposed
-            _accumulate(slab.gB, route, torch.bmm(xa3.transpose(1, 2), g3).transpose(1, 2))
+            accumulate(slab.gB, route, torch.bmm(xa3.transpose(1, 2), g3).transpose(1, 2))
         elif ctx.mode == "grouped":
-            grad_xa = _GROUPED(g, B_g, offs=route.offsets)
-            _accumulate(slab.gB, route, _GROUPED(g.T, xa, offs=route.offsets))
+            grad_xa = grouped_mm(g, B_g, offs=route.offsets)
+            accumulate(slab.gB, route, grouped_mm(g.T, xa, offs=route.offsets))
         else:
             grad_xa = torch.zeros_like(xa)
             for slot, s, e in route.runs:
@@ -508,8 +349,6 @@ class MultiLoraModel:
         """`splits`: the share of each split layer (and experts module), by path (`batcher.engine.gang.splits`).
         A target name "experts" puts LoRA on every MoE block's experts (`batcher.engine.expert_lora`).
         `shared_input`: the groups of sibling names that share one shrink (none: a shrink per layer)."""
-        from batcher.engine import expert_lora
-
         self.model = model
         self.context = PassContext()
         self.layers: dict[str, MultiLoraLinear | expert_lora.ExpertPart] = {}

@@ -1,6 +1,6 @@
 """A trainer gang's snapshots through `torch.distributed.checkpoint`: each rank writes its own shares.
 
-A gang's adapter is split over its ranks (`batcher.engine.multilora.Split`): gathering it to rank 0 for a
+A gang's adapter is split over its ranks (`batcher.engine.grouped.Split`): gathering it to rank 0 for a
 snapshot would put the whole adapter and its AdamW moments in one process's memory and one
 writer's bandwidth, which LoRA on every expert of a large MoE base (`batcher.engine.expert_lora`; 6.5 B
 parameters for Qwen3-235B-A22B at rank 32) makes tens of gigabytes. Here every share is a DTensor
