@@ -2,18 +2,24 @@
 
 Each handler returns the request's outcome (a result dict, or its typed error); none finishes a
 request: the worker answers, keeps or acknowledges the stream entry. Sampler weights are written
-off the loop (batcher.exports): `start_export` takes what is to be written, and `finished_exports`
-hands back the outcomes of the saves written since, oldest first.
+off the loop (batcher.exports): their handler takes what is to be written and returns None, and
+`finished_exports` hands back the outcomes of the saves written since, oldest first.
+
+The ordering rule, kept here once (`begin_round`): a barrier that changes its model's weights in
+place (an optimizer step, a load) waits until every export of that model already started is
+written, since an export writes the optimizer state it took by reference. A round holds at most one
+barrier per model (batcher.policy), so waiting at the start of the round is waiting before it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batcher.engine.backend import LoraBackend
+from batcher.engine.protocol import Outcome, TrainerBackend
 from batcher.exports import Exports
 from batcher.snapshots import SnapshotStore
 from checkpoints import encryption
@@ -35,10 +41,19 @@ from core.work import (
 
 log = logging.getLogger("quilt.trainer")
 
+
+@dataclass(frozen=True)
+class Handler:
+    """How one kind of barrier runs: `run(item, context)` gives its outcome, or None when it is
+    answered later (with `context`, from `finished_exports`); `changes_weights`: it changes its
+    model's weights in place, so it waits for the model's exports (the ordering rule)."""
+
+    run: Callable[[WorkItem, Any], Outcome | None]
+    changes_weights: bool = False
+
 _CHECKPOINT_KINDS = {WorkKind.SAVE_WEIGHTS: TRAINING_KIND, WorkKind.SAVE_WEIGHTS_FOR_SAMPLER: SAMPLER_KIND,
                      WorkKind.SAVE_WEIGHTS_EXTERNAL: EXTERNAL_KIND}
 
-Outcome = dict | QuiltError
 
 
 def as_error(item: WorkItem, exc: Exception) -> QuiltError:
@@ -50,32 +65,47 @@ def as_error(item: WorkItem, exc: Exception) -> QuiltError:
 
 
 class Barriers:
-    def __init__(self, *, backend: LoraBackend, store: LocalStore, snapshots: SnapshotStore | None,
+    def __init__(self, *, backend: TrainerBackend, store: LocalStore, snapshots: SnapshotStore | None,
                  db_call: Callable[..., Any]):
         self.backend = backend
         self.store = store  # where checkpoints are written and read from (checkpoints.storage)
         self.snapshots = snapshots
         self.db_call = db_call  # db_call(record, *args): a records-style call that waits out a Postgres restart
         self.exports = Exports()  # sampler weights being written off the loop
-        self._handlers: dict[WorkKind, Callable[[WorkItem], dict]] = {
-            WorkKind.CREATE_MODEL: self._create,
-            WorkKind.OPTIM_STEP: self._optim_step,
-            WorkKind.SAVE_WEIGHTS: self._save,  # SAVE_WEIGHTS_FOR_SAMPLER: start_export, off the loop
-            WorkKind.SAVE_WEIGHTS_EXTERNAL: self._save,
-            WorkKind.LOAD_WEIGHTS: self._load,
-            WorkKind.REJECTED: self._rejected,
+        self._stepped: dict[str, Outcome] = {}  # this round's optimizer steps, taken together
+        self._handlers: dict[WorkKind, Handler] = {
+            WorkKind.CREATE_MODEL: Handler(self._create),
+            WorkKind.OPTIM_STEP: Handler(self._optim_step, changes_weights=True),
+            WorkKind.SAVE_WEIGHTS: Handler(self._save),
+            WorkKind.SAVE_WEIGHTS_EXTERNAL: Handler(self._save),
+            WorkKind.SAVE_WEIGHTS_FOR_SAMPLER: Handler(self._start_export),
+            WorkKind.LOAD_WEIGHTS: Handler(self._load, changes_weights=True),
+            WorkKind.REJECTED: Handler(self._rejected),
         }
 
-    def run(self, item: WorkItem) -> Outcome:
-        """Run the barrier `item`; its result, or its typed error."""
+    def begin_round(self, items: list[WorkItem]) -> list[tuple[Any, Outcome]]:
+        """Before a round's barriers run (distinct models): the ordering rule, then the round's
+        optimizer steps taken together (`TrainerBackend.optim_steps`). Returns the exports that
+        were written meanwhile, to be answered first (context, outcome)."""
+        waited = False
+        for item in items:
+            if self._handlers[item.kind].changes_weights:
+                self.exports.wait_for(item.model_id)
+                waited = True
+        done = self.finished_exports() if waited else []
+        self._stepped = self._optim_steps([item for item in items if item.kind is WorkKind.OPTIM_STEP])
+        return done
+
+    def run(self, item: WorkItem, context: Any = None) -> Outcome | None:
+        """Run the barrier `item`; its result, or its typed error; None for a save answered once
+        written (`finished_exports` gives it back with `context`)."""
         try:
-            return self._handlers[item.kind](item)
+            return self._handlers[item.kind].run(item, context)
         except Exception as exc:
             return as_error(item, exc)
 
-    def optim_steps(self, items: list[WorkItem]) -> dict[str, Outcome]:
-        """The optimizer steps of a round (distinct models), taken together (`LoraBackend.optim_steps`):
-        each request's outcome by request id."""
+    def _optim_steps(self, items: list[WorkItem]) -> dict[str, Outcome]:
+        """The optimizer steps of a round, taken together: each request's outcome by request id."""
         if not items:
             return {}
         try:
@@ -83,22 +113,6 @@ class Barriers:
         except Exception as exc:
             return {item.request_id: as_error(item, exc) for item in items}
         return {item.request_id: outcome for item, outcome in zip(items, outcomes)}
-
-    def start_export(self, item: WorkItem, context: Any) -> QuiltError | None:
-        """Sampler weights (the adapter alone, tagged with the policy version they were taken at):
-        checked and taken now, written by the export thread; its outcome comes back with `context`
-        from `finished_exports`. An error now is the request's outcome at once."""
-        try:
-            write, result = self._save_job(item)
-        except Exception as exc:
-            return as_error(item, exc)
-
-        def written() -> int:
-            faults.crash_point("trainer.during_export")
-            return write()
-
-        self.exports.start(item.model_id, written, (item, context, result))
-        return None
 
     def finished_exports(self) -> list[tuple[Any, Outcome]]:
         """(context, outcome) of each export written (or failed) since the last call, oldest first."""
@@ -114,7 +128,20 @@ class Barriers:
 
     # ------------------------------------------------------------------ handlers
 
-    def _create(self, item: WorkItem) -> dict:
+    def _start_export(self, item: WorkItem, context: Any) -> None:
+        """Sampler weights (the adapter alone, tagged with the policy version they were taken at):
+        checked and taken now, written by the export thread; its outcome comes back with `context`
+        from `finished_exports`. An error now is the request's outcome at once."""
+        write, result = self._save_job(item)
+
+        def written() -> int:
+            faults.crash_point("trainer.during_export")
+            return write()
+
+        self.exports.start(item.model_id, written, (item, context, result))
+        return None
+
+    def _create(self, item: WorkItem, context: Any = None) -> dict:
         work: CreateModel = item.body
         try:
             self.backend.create(item.model_id, work.lora)
@@ -133,28 +160,32 @@ class Barriers:
             return {"type": "load_weights", "model_id": item.model_id, "path": work.load.path}
         return {"type": "create_model", "model_id": item.model_id}
 
-    def _optim_step(self, item: WorkItem) -> dict:
+    def _optim_step(self, item: WorkItem, context: Any = None) -> Outcome:
+        """Its share of the round's steps (`begin_round`); alone when the round did not take it."""
+        taken = self._stepped.pop(item.request_id, None)
+        if taken is not None:
+            return taken
         work: OptimStep = item.body
         return self.backend.optim_step(item.model_id, work.adam)
 
-    def _load(self, item: WorkItem) -> dict:
+    def _load(self, item: WorkItem, context: Any = None) -> dict:
         work: LoadWeights = item.body
         self.backend.load(item.model_id, str(self.store.fetch(work.storage_path)), optimizer=work.optimizer)
         return {"type": "load_weights", "path": work.path, "model_id": item.model_id}
 
     @staticmethod
-    def _rejected(item: WorkItem) -> dict:
+    def _rejected(item: WorkItem, context: Any = None) -> dict:
         work: Rejected = item.body  # fails in its place in the order (api.seq_gaps)
         raise UserError(work.error, field=work.field)
 
-    def _save(self, item: WorkItem) -> dict:
+    def _save(self, item: WorkItem, context: Any = None) -> dict:
         """A training checkpoint (weights and optimizer state) or an export for download (the
         adapter alone), written here, in the loop."""
         write, result = self._save_job(item)
         return self._saved(item, write(), result)
 
     def _save_job(self, item: WorkItem) -> tuple[Callable[[], int], dict]:
-        """What a save writes (LoraBackend.export) and the answer it will give."""
+        """What a save writes (TrainerBackend.export) and the answer it will give."""
         work: SaveWeights = item.body
         kind = _CHECKPOINT_KINDS[item.kind]
         # Every save gets a new directory (checkpoints.layout), so "exists" is a question for the records.

@@ -67,7 +67,7 @@ def main() -> None:
         if settings.ranks > 1 else None
     backend = LoraBackend(base.path, device=settings.device, max_tokens_per_pass=token_budget,
                           offload_device=settings.offload_device, dtype=dtype,
-                          max_resident=settings.max_resident_adapters or plan.resident_adapters, gang=member,
+                          max_resident=settings.max_resident_adapters or plan.resident_adapters, member=member,
                           expert_lora=settings.expert_lora, cuda_graphs=settings.cuda_graphs,
                           graph_limit=settings.cuda_graph_limit)
     if member is not None and not member.leader:
@@ -77,8 +77,7 @@ def main() -> None:
         gang.follow(backend, member)
         gang.leave()
         return
-    if member is not None:
-        backend = gang.GangBackend(backend, member)
+    leader = gang.lead(backend, member) if member is not None else None
     shards = get_core_settings().trainer_shards
     # A shard is named by its worker's ordinal: `shard-i` under quilt up, pod quilt-trainer-i on a cluster.
     shard = queue.shard_of(settings.consumer_name, shards) if shards > 1 else None
@@ -97,8 +96,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     worker.run_forever()
-    if member is not None:
-        backend.close()
+    if leader is not None:
+        leader.close()
         gang.leave()
     log.info("trainer stopped")
 

@@ -8,7 +8,7 @@ import json
 import time
 from collections import deque
 
-from batcher.engine.backend import PassStats
+from batcher.engine.protocol import PassStats
 from batcher.policy import RoundPlan
 from core import health, stores
 

@@ -26,7 +26,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from batcher.engine.backend import LoraBackend
+from batcher.engine.protocol import TrainerBackend
 from checkpoints.layout import TrainerMeta
 from checkpoints.storage import LocalStore
 from core.work import LoraShape
@@ -42,7 +42,7 @@ class SnapshotStore:
     def _dir(self, model_id: str) -> Path:
         return self.root / model_id.replace("/", "_")
 
-    def write(self, backend: LoraBackend, model_id: str, seq_id: int) -> int:
+    def write(self, backend: TrainerBackend, model_id: str, seq_id: int) -> int:
         """Snapshot the model's state as of `seq_id` (no gradients pending); returns bytes written."""
         directory = self._dir(model_id)
         path = directory / f"{seq_id:010d}"
@@ -58,7 +58,7 @@ class SnapshotStore:
         done = sorted(int(name) for name in self.store.children(directory) if name.isdigit())
         return (done[-1], directory / f"{done[-1]:010d}") if done else None
 
-    def restore(self, backend: LoraBackend, model_id: str) -> int | None:
+    def restore(self, backend: TrainerBackend, model_id: str) -> int | None:
         """Load the model's newest snapshot into the backend; returns its seq_id (None: no snapshot,
         or one that could not be loaded, which is logged and leaves nothing of the model behind)."""
         found = self.latest(model_id)

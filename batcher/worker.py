@@ -1,7 +1,7 @@
 """The trainer's loop: reads its base model's stream, plans rounds, runs them, records results.
 
-The loop only moves data: stream (core.consumer) -> ModelQueues -> plan_round (pure) -> LoraBackend
-(the fused pass) and the barrier table (batcher.barriers) -> results to Redis (futures) and
+The loop only moves data: stream (core.consumer) -> ModelQueues -> plan_round (pure) -> TrainerBackend
+(the fused pass, batcher.engine) and the barrier table (batcher.barriers) -> results to Redis (futures) and
 Postgres (request rows, checkpoints), then acknowledges the stream entries. Its collaborators hold
 the rules: the replay log (batcher.replay: which entries are kept until a snapshot covers them),
 shard membership (batcher.shards: which models are this shard's), round statistics
@@ -17,8 +17,8 @@ from typing import TypeVar
 
 import psycopg
 
-from batcher.engine.backend import LoraBackend, PassRequest
-from batcher.barriers import Barriers, Outcome
+from batcher.barriers import Barriers
+from batcher.engine.protocol import Outcome, PassRequest, TrainerBackend
 from batcher.policy import FairShare, RoundPlan, plan_round
 from batcher.queues import Added, ModelQueues, late_error
 from batcher.replay import ReplayLog
@@ -52,7 +52,7 @@ BEACON_EVERY_S = 2.0
 
 
 class TrainerWorker:
-    def __init__(self, settings: TrainerSettings, *, base_model: str, backend: LoraBackend, redis, db_url: str,
+    def __init__(self, settings: TrainerSettings, *, base_model: str, backend: TrainerBackend, redis, db_url: str,
                  result_ttl_s: int, token_budget: int | None = None, snapshots: SnapshotStore | None = None,
                  shard: str | None = None, shards: int = 1):
         self.settings = settings
@@ -295,28 +295,12 @@ class TrainerWorker:
                     self.backend.policy_version(d.item.model_id),
                     run_metrics.trainer_values(d.item.body.data, outcome["metrics"])) if ok else None)
         barriers = [taken[p.request_id] for p in plan.barriers]
-        # The round's optimizer steps (one per model) are taken together, after every export of
-        # their models is written (a step changes the weights in place).
-        steps = [d for d in barriers if d.item.kind is WorkKind.OPTIM_STEP and not self.replay.without_effect(d)]
-        for d in steps:
-            self.barriers.exports.wait_for(d.item.model_id)
-        if steps:
-            self._finish_exports()
-        stepped = self.barriers.optim_steps([d.item for d in steps])
+        for d, outcome in self.barriers.begin_round([d.item for d in barriers if not self.replay.without_effect(d)]):
+            self._finish(d, outcome)
         for d in barriers:
-            if d.item.kind is WorkKind.LOAD_WEIGHTS:  # it changes weights in place
-                self.barriers.exports.wait_for(d.item.model_id)
-                self._finish_exports()
-            if self.replay.without_effect(d):
-                outcome = {}
-            elif d.item.kind is WorkKind.OPTIM_STEP:
-                outcome = stepped[d.item.request_id]
-            elif d.item.kind is WorkKind.SAVE_WEIGHTS_FOR_SAMPLER:
-                outcome = self.barriers.start_export(d.item, d)
-                if outcome is None:
-                    continue  # answered once written (_finish_exports)
-            else:
-                outcome = self.barriers.run(d.item)
+            outcome = {} if self.replay.without_effect(d) else self.barriers.run(d.item, d)
+            if outcome is None:
+                continue  # answered once written (_finish_exports)
             if d.item.kind is WorkKind.OPTIM_STEP:
                 faults.crash_point("trainer.after_optim")
             self._finish(d, outcome)
@@ -371,6 +355,7 @@ class TrainerWorker:
         if time.time() - self._beacon_at < BEACON_EVERY_S:
             return
         self._beacon_at = time.time()
-        self.heartbeat.update(models=len(self.backend.adapters), queued=self.queues.depth(),
-                              **self.backend.residency(), **self.stats.beacon_fields())
+        residency = self.backend.residency()
+        self.heartbeat.update(models=sum(residency.values()), queued=self.queues.depth(), **residency,
+                              **self.stats.beacon_fields())
         self.consumer.heartbeat()

@@ -37,7 +37,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from batcher.engine.backend import LoraBackend, PassRequest  # noqa: E402
+from batcher.engine.backend import LoraBackend  # noqa: E402
+
+from batcher.engine.protocol import PassRequest  # noqa: E402
 from batcher.policy import FairShare, ModelQueue, Pending, plan_round  # noqa: E402
 from core.loss_spec import LossConfig  # noqa: E402
 from core.settings import get_api_settings, get_trainer_settings  # noqa: E402

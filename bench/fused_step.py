@@ -44,7 +44,9 @@ from pathlib import Path
 
 import torch
 
-from batcher.engine.backend import LoraBackend, PassRequest
+from batcher.engine.backend import LoraBackend
+
+from batcher.engine.protocol import PassRequest
 from core.loss_spec import LossConfig
 from core.work import AdamParams, Datum, LoraShape, PassWork
 
@@ -129,11 +131,11 @@ def interleaved(device, modes: dict, reps: int) -> dict[str, list[float]]:
 
 def eagerly(be: LoraBackend, fn) -> None:
     """fn() with the backend's CUDA graphs off."""
-    be.cuda_graphs = False
+    be.planner.cuda_graphs = False
     try:
         fn()
     finally:
-        be.cuda_graphs = True
+        be.planner.cuda_graphs = True
 
 
 def measure(be: LoraBackend, device, n: int, tokens: int, reps: int, vocab: int, sequential: bool) -> dict:
@@ -177,7 +179,7 @@ def sync_check(be: LoraBackend, device, vocab: int, graphs: bool = True) -> str:
     never waits for the device."""
     if device.type != "cuda":
         return "not checked (no CUDA device)"
-    be.cuda_graphs = graphs
+    be.planner.cuda_graphs = graphs
     reqs = requests([(f"t{i}", [datum(50 + i, 40 + 8 * i, vocab), datum(60 + i, 24, vocab)]) for i in range(4)])
     be.run_pass(reqs)  # first calls may initialise (and synchronise) once; a bucket's first warms it
     be.run_pass(reqs)  # and its second captures it (a capture synchronises)
@@ -190,7 +192,7 @@ def sync_check(be: LoraBackend, device, vocab: int, graphs: bool = True) -> str:
         return f"synchronised: {str(exc).splitlines()[0][:160]}"
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        be.cuda_graphs = True
+        be.planner.cuda_graphs = True
         for r in reqs:
             be.lora.clear_grads(be.adapters[r.model_id].name)
 

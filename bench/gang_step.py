@@ -53,7 +53,7 @@ def _steps(backend, args) -> list[float]:
     """Seconds of each timed step: every tenant's forward/backward fused in one pass, then their steps."""
     import torch
 
-    from batcher.engine.backend import PassRequest
+    from batcher.engine.protocol import PassRequest
     from core.loss_spec import LossConfig
     from core.work import AdamParams, Datum, LoraShape, PassWork
 
@@ -94,10 +94,10 @@ def _role(args) -> None:
         Path(args.out).write_text(json.dumps(times))
         return
     member = gang.join(gang.GangShape(args.ranks, args.parallel), args.device)
-    backend = LoraBackend(args.base, device=args.device, dtype=torch.float32, gang=member)
+    backend = LoraBackend(args.base, device=args.device, dtype=torch.float32, member=member)
     if member.leader:
-        leader = gang.GangBackend(backend, member)
-        times = _steps(leader, args)
+        leader = gang.lead(backend, member)
+        times = _steps(backend, args)
         leader.close()
         Path(args.out).write_text(json.dumps(times))
     else:

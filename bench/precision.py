@@ -27,7 +27,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from bases import architectures  # noqa: E402
-from batcher.engine.backend import LoraBackend, PassRequest  # noqa: E402
+from batcher.engine.backend import LoraBackend  # noqa: E402
+from batcher.engine.protocol import PassRequest  # noqa: E402
 from core.loss_spec import LossConfig  # noqa: E402
 from core.work import AdamParams, AdapterRef, Datum, LoraShape, PassWork, SamplingSpec  # noqa: E402
 from stack.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402

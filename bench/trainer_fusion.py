@@ -44,7 +44,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from batcher import heap  # noqa: E402
-from batcher.engine.backend import LoraBackend, PassRequest  # noqa: E402
+from batcher.engine.backend import LoraBackend  # noqa: E402
+from batcher.engine.protocol import PassRequest  # noqa: E402
 from core.loss_spec import LossConfig  # noqa: E402
 from core.work import Datum, LoraShape, PassWork  # noqa: E402
 

@@ -17,11 +17,9 @@ whatever a concurrent save does. Files become garbage three ways:
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psycopg
@@ -69,39 +67,8 @@ def due_to_slide(expires_at: datetime | None, sliding_ttl_s: int | None, now: da
     return expires_at < now + timedelta(seconds=sliding_ttl_s - SLIDE_SLACK_S)
 
 
-def remove_dir(checkpoint_dir: Path, path: str) -> bool:
-    """Delete one version directory, and its name directory once that is empty. Refuses anything
-    outside the checkpoint root (a bad row must never delete elsewhere)."""
-    target, root = Path(path).resolve(), checkpoint_dir.resolve()
-    if root not in target.parents:
-        log.error("refusing to delete %s: not under the checkpoint root %s", target, root)
-        return False
-    shutil.rmtree(target, ignore_errors=True)
-    try:
-        target.parent.rmdir()  # the checkpoint name's directory, if no other version is left
-    except OSError:
-        pass
-    return True
-
-
-def orphan_dirs(checkpoint_dir: Path, live: set[Path], queued: set[Path], *, older_than: float) -> list[Path]:
-    """Version directories under `checkpoint_dir` (`<tenant>/<model>/<kind>/<name>/<version>`, and
-    the `.tmp-*` of a save that crashed) that no checkpoint names and none is queued for deletion,
-    untouched since the timestamp `older_than`: what a worker that died between writing the files
-    and recording them leaves behind. Paths in `live`/`queued` must be resolved."""
-    out = []
-    for name_dir in checkpoint_dir.resolve().glob("*/*/*/*"):
-        if not name_dir.is_dir() or name_dir in live:  # a checkpoint saved before per-save directories
-            continue
-        for version in name_dir.iterdir():
-            if (version.is_dir() and version not in live and version not in queued
-                    and version.stat().st_mtime < older_than):
-                out.append(version)
-    return sorted(out)
-
-
 def sweep_orphans(conn: psycopg.Connection, store: LocalStore, *, min_age_s: float = ORPHAN_MIN_AGE_S) -> int:
-    """Delete the orphaned versions the store finds (hourly): `orphan_dirs` under this machine's
+    """Delete the orphaned versions the store finds (hourly): `checkpoints.version_dirs.orphans` under this machine's
     checkpoint directory, and with S3 the bucket's versions no row names."""
     named = {r["storage_path"] for r in conn.execute("SELECT storage_path FROM checkpoints")}
     named |= {r["path"] for r in conn.execute("SELECT path FROM storage_garbage")}

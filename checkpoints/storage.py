@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from checkpoints import retention
+from checkpoints import version_dirs
 from checkpoints.cache import SizeLimit
 from core.errors import NotFound
 from core.settings import CoreSettings, get_core_settings
@@ -69,7 +69,7 @@ class LocalStore:
     def remove(self, storage_path: str | Path) -> bool:
         """Delete a version (retention); False for a path outside the store (a bad row never
         deletes elsewhere)."""
-        return retention.remove_dir(self.root, str(self.local_dir(storage_path)))
+        return version_dirs.remove(self.root, str(self.local_dir(storage_path)))
 
     def children(self, parent: str | Path) -> list[str]:
         """The names of the versions under `parent`, a version's parent directory (a trainer's
@@ -81,7 +81,7 @@ class LocalStore:
         """Versions in the store that no storage path in `named` (live or queued for deletion)
         names, untouched since the timestamp `older_than` (checkpoints.retention.sweep_orphans)."""
         dirs = {self.local_dir(p).resolve() for p in named if _key_or_none(p)}
-        return [str(p) for p in retention.orphan_dirs(self.root, dirs, set(), older_than=older_than)]
+        return [str(p) for p in version_dirs.orphans(self.root, dirs, set(), older_than=older_than)]
 
 
 class S3Store(LocalStore):

@@ -32,7 +32,7 @@ def _datum(tokens: list[int]) -> Datum:
 
 def reference(base_path: str) -> tuple[dict, dict]:
     """(adapter weights, AdamW state dict) after the three steps, uninterrupted."""
-    from batcher.engine.backend import PassRequest
+    from batcher.engine.protocol import PassRequest
     from core.loss_spec import LossConfig
 
     be = LoraBackend(base_path)

@@ -11,7 +11,8 @@ import torch
 
 from bases import architectures
 from batcher.engine import gang
-from batcher.engine.backend import LoraBackend, PassRequest
+from batcher.engine.backend import LoraBackend
+from batcher.engine.protocol import PassRequest
 from core.errors import InvalidInput
 from core.loss_spec import LossConfig
 from core.work import AdamParams, Datum, LoraShape, PassWork
@@ -82,16 +83,16 @@ def run(backend, workdir: Path, *, experts: bool = True) -> dict:
 def main() -> None:
     base, parallel, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     member = gang.join(gang.GangShape(2, parallel), "cpu")
-    backend = LoraBackend(base, dtype=torch.float64, gang=member)
+    backend = LoraBackend(base, dtype=torch.float64, member=member)
     if member.leader:
-        leader = gang.GangBackend(backend, member)
+        leader = gang.lead(backend, member)
         if backend.experts_refused:  # a tensor-parallel gang on a MoE base: LoRA on its experts is refused
             try:
-                leader.create("on-experts", LoraShape(rank=4, seed=1))
+                backend.create("on-experts", LoraShape(rank=4, seed=1))
                 raise AssertionError("a tensor-parallel gang created LoRA on split experts")
             except InvalidInput as exc:
                 assert exc.field == "lora_config.train_mlp" and "expert-parallel" in str(exc), exc
-        result = run(leader, out.parent, experts=not backend.experts_refused)
+        result = run(backend, out.parent, experts=not backend.experts_refused)
         leader.close()
         # how much of the base this rank holds (a DTensor's local share, a plain tensor whole)
         result["held"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()

@@ -19,7 +19,8 @@ import torch
 from genutil import Loop
 
 from bases import architectures
-from batcher.engine.backend import LoraBackend, PassRequest
+from batcher.engine.backend import LoraBackend
+from batcher.engine.protocol import PassRequest
 from core.errors import InvalidInput
 from core.loss_spec import LossConfig
 from core.work import AdamParams, AdapterRef, Datum, LoraShape, PassWork, SamplingSpec

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batcher.engine.backend import LoraBackend, PassRequest
+from batcher.engine.backend import LoraBackend
+
+from batcher.engine.protocol import PassRequest
 from core.errors import UserError
 from core.loss_spec import LossConfig
 from core.work import AdamParams, Datum, LoraShape, PassWork

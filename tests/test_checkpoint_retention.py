@@ -16,7 +16,7 @@ import pytest
 import quilt
 from stackutil import new_model, wait_future
 
-from checkpoints import layout, retention
+from checkpoints import layout, retention, version_dirs
 from checkpoints.storage import LocalStore
 from core import db
 
@@ -49,10 +49,10 @@ def test_remove_dir_stays_inside_the_checkpoint_root(tmp_path):
     version = root / "t" / "m" / "sampler_weights" / "name" / "v1"
     version.mkdir(parents=True)
     outside.mkdir()
-    assert not retention.remove_dir(root, str(outside))
-    assert not retention.remove_dir(root, str(root / ".." / "elsewhere"))
+    assert not version_dirs.remove(root, str(outside))
+    assert not version_dirs.remove(root, str(root / ".." / "elsewhere"))
     assert outside.exists()
-    assert retention.remove_dir(root, str(version))
+    assert version_dirs.remove(root, str(version))
     assert not version.exists() and not version.parent.exists()  # the emptied name directory too
     assert (root / "t" / "m" / "sampler_weights").exists()
 
@@ -77,7 +77,7 @@ def test_orphan_dirs_are_unrecorded_old_versions(tmp_path):
     fresh = _aged(name / "v-being-saved", 5)
     legacy = _aged(root / "t" / "m" / "weights" / "old-style", 7200)  # files directly in the name dir
     (legacy / "adapter_model.safetensors").write_bytes(b"x")
-    found = retention.orphan_dirs(root, {live.resolve(), legacy.resolve()}, {queued.resolve()},
+    found = version_dirs.orphans(root, {live.resolve(), legacy.resolve()}, {queued.resolve()},
                                   older_than=time.time() - 3600)
     assert found == sorted([orphan.resolve(), crashed.resolve()])
     assert fresh.exists()

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from bases import architectures
-from batcher.engine.backend import LoraBackend, PassRequest
+from batcher.engine.backend import LoraBackend
+from batcher.engine.protocol import PassRequest
 from checkpoints import adapter_merge
 from core.errors import InvalidInput
 from core.loss_spec import LossConfig

@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from batcher.engine import layout
-from batcher.engine.backend import LoraBackend, PassRequest
+from batcher.engine.backend import LoraBackend
+from batcher.engine.device_pass import DevicePass
 from batcher.engine.grouped import PassContext, Route
 from batcher.engine.multilora import MultiLoraLinear, _new_slabs
+from batcher.engine.plan import RouteTensors
+from batcher.engine.protocol import PassRequest
 from batcher.engine.transfer import Bundle
 from core.loss_spec import LossConfig
 from core.work import AdamParams, Datum, LoraShape, PassWork
@@ -71,7 +74,7 @@ def counting_syncs():
 
 def watch_device_work(monkeypatch) -> collections.Counter:
     """From now on, the calls that would synchronise inside any pass's device work, counted."""
-    compute = LoraBackend._compute
+    compute = DevicePass.compute
     seen: collections.Counter = collections.Counter()
 
     def watched(self, *args):
@@ -80,7 +83,7 @@ def watch_device_work(monkeypatch) -> collections.Counter:
         seen.update(counts)
         return out
 
-    monkeypatch.setattr(LoraBackend, "_compute", watched)
+    monkeypatch.setattr(DevicePass, "compute", watched)
     return seen
 
 
@@ -264,7 +267,7 @@ def test_the_chunked_unembedding_computes_what_one_chunk_does(base_path):
         results.append((be.run_pass(requests), {m: [p.grad.clone() for p in be.adapters[m].params] for m in "abc"},
                         be))
     (one, one_grads, whole), (chunked, chunked_grads, _) = results
-    assert whole.head_chunk_tokens > 1000
+    assert whole.planner.head_chunk_tokens > 1000
     for a, b in zip(one, chunked):
         assert a["loss_fn_outputs"] == b["loss_fn_outputs"]
     for m in "abc":
@@ -313,17 +316,24 @@ def test_every_path_of_the_layer_agrees_with_a_per_token_reference(runs):
 
 
 def test_one_bundle_carries_every_dtype_and_shape():
-    bundle = Bundle()
-    bundle.add("ids", [[1, 2, 3], [4, 5, 6]], torch.long)
-    bundle.add("offsets", [3, 7], torch.int32)
-    bundle.add("mask", [True, False, True], torch.bool)
-    bundle.add("empty", [], torch.float64)
-    bundle.add("weights", torch.tensor([0.5, -2.0]), torch.float32)
-    out = bundle.to(torch.device("cpu"))
-    assert out["ids"].tolist() == [[1, 2, 3], [4, 5, 6]] and out["ids"].dtype == torch.long
-    assert out["offsets"].tolist() == [3, 7] and out["mask"].tolist() == [True, False, True]
-    assert out["empty"].shape == (0,) and out["weights"].tolist() == [0.5, -2.0]
-    assert all(t.data_ptr() % 16 == 0 for t in out.values() if t.numel())
+    routes = {("q_proj", 4): RouteTensors(torch.tensor([3, 7], dtype=torch.int32), torch.tensor([0, 2]))}
+    record = (torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([True, False, True]), routes,
+              [torch.zeros(0, dtype=torch.float64), torch.tensor([0.5, -2.0])])
+    bundle = Bundle(record)
+    ids, mask, got_routes, (empty, weights) = bundle.to(torch.device("cpu"))
+    assert ids.tolist() == [[1, 2, 3], [4, 5, 6]] and ids.dtype == torch.long
+    route = got_routes[("q_proj", 4)]
+    assert route.offsets.tolist() == [3, 7] and route.offsets.dtype == torch.int32 and route.members is None
+    assert mask.tolist() == [True, False, True]
+    assert empty.shape == (0,) and weights.tolist() == [0.5, -2.0] and weights.dtype == torch.float32
+    assert all(t.data_ptr() % 16 == 0 for t in (ids, mask, route.offsets, route.slots, weights))
+    # the same structure of other values lies alike: a captured pass's buffer takes it
+    other = Bundle((ids + 1, mask, got_routes, [empty, weights * 2]))
+    assert other.signature() == bundle.signature()
+    buffer = bundle.buffer(torch.device("cpu"))
+    other.copy_into(buffer)
+    assert bundle.views(buffer)[0].tolist() == [[2, 3, 4], [5, 6, 7]]
+    assert Bundle((ids, mask[:2], got_routes, [empty, weights])).signature() != bundle.signature()
 
 
 # --- one tenant's overflow --------------------------------------------------------------------------
@@ -352,7 +362,7 @@ def test_a_pass_that_fails_half_way_leaves_no_partial_gradient(base_path, monkey
     be, clean = (LoraBackend(base_path, dtype=torch.float64, max_tokens_per_pass=20) for _ in range(2))
     for b in (be, clean):
         b.create("m", LoraShape(rank=4, seed=0))
-    batch = LoraBackend._batch
+    batch = DevicePass._batch
     calls = []
 
     def failing(self, *args):
@@ -361,11 +371,11 @@ def test_a_pass_that_fails_half_way_leaves_no_partial_gradient(base_path, monkey
             raise RuntimeError("CUDA out of memory (injected)")
         return batch(self, *args)
 
-    monkeypatch.setattr(LoraBackend, "_batch", failing)
+    monkeypatch.setattr(DevicePass, "_batch", failing)
     [out] = be.run_pass([_req("m", data)])
     assert "out of memory" in out.message and len(calls) == 2
     assert all(p.grad is None for p in be.adapters["m"].params)
-    monkeypatch.setattr(LoraBackend, "_batch", batch)
+    monkeypatch.setattr(DevicePass, "_batch", batch)
     for b in (be, clean):
         b.run_pass([_req("m", data)])
     for p, q in zip(be.adapters["m"].params, clean.adapters["m"].params):

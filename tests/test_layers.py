@@ -70,3 +70,85 @@ def test_importing_the_api_app_loads_no_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def _module_of(name: str) -> str | None:
+    """The first-party module a dotted import names (`batcher.engine.gang.Leader` -> its module)."""
+    parts = name.split(".")
+    while parts:
+        path = ROOT.joinpath(*parts)
+        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+            return ".".join(parts)
+        parts.pop()
+    return None
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each first-party module's imports of other first-party modules, those made inside functions
+    and under `if TYPE_CHECKING:` included (an import hidden in a function is still an arrow)."""
+    graph: dict[str, set[str]] = {}
+    for pkg in LAYERS:
+        for path in (ROOT / pkg).rglob("*.py"):
+            rel = path.relative_to(ROOT).with_suffix("")
+            name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+            graph[name] = {m for imported in _imports(path) if (m := _module_of(imported)) and m != name}
+    return graph
+
+
+def _cycles_within_packages(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module among arrows that stay inside one
+    top-level package (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w.split(".")[0] != v.split(".")[0]:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_inside_a_package():
+    assert _cycles_within_packages(_module_graph()) == []
+
+
+def test_the_cycle_rule_sees_an_import_made_inside_a_function():
+    graph = {"batcher.engine.a": {"batcher.engine.b"}, "batcher.engine.b": {"batcher.engine.a"},
+             "batcher.engine.c": {"core.x"}, "core.x": {"batcher.engine.c"}}  # (across packages: layers' rule)
+    assert _cycles_within_packages(graph) == [["batcher.engine.a", "batcher.engine.b"]]
+    tree = ast.parse("def f():\n    from batcher.engine import gang\n")
+    imported = {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert {_module_of(m) for m in imported} == {"batcher.engine.gang"}
+
+
+def test_the_engine_imports_nothing_of_the_loop():
+    """batcher.engine is the trainer's lower floor: the loop (the rest of batcher/) calls it, never the
+    other way round."""
+    up = sorted((m, i) for m, imports in _module_graph().items() if m.startswith("batcher.engine")
+                for i in imports if i.startswith("batcher.") and not i.startswith("batcher.engine"))
+    assert up == []

@@ -176,7 +176,9 @@ def test_a_trainers_snapshots_in_the_bucket_restore_on_another_machine(s3_server
     weights and AdamW state exactly; dropping the model removes its objects."""
     from durable_reference import ADAM, SEQS, _datum
 
-    from batcher.engine.backend import LoraBackend, PassRequest
+    from batcher.engine.backend import LoraBackend
+
+    from batcher.engine.protocol import PassRequest
     from batcher.snapshots import SnapshotStore
     from core.loss_spec import LossConfig
     from core.work import AdamParams, LoraShape, PassWork

@@ -10,7 +10,8 @@ import torch
 
 from api import tinker_proto
 from api.datums import Limits, RawDatum, RawTensor, normalise
-from batcher.engine.backend import LoraBackend, PassRequest
+from batcher.engine.backend import LoraBackend
+from batcher.engine.protocol import PassRequest
 from core.errors import InvalidInput
 from core.loss_spec import MAX_TARGET_WIDTH, LossConfig
 from core.work import Datum, LoraShape, PassWork

@@ -220,6 +220,30 @@ class _Leaf:
         return leaf
 
 
+def _class_factors(block: _Block, i: int, rank: int, route: grouped.Route, pairs: _Groups, token: torch.Tensor,
+                   expert: torch.Tensor, sentinel: torch.Tensor, experts: int, partial: bool
+                   ) -> tuple[_Groups, dict[str, tuple[torch.Tensor, torch.Tensor, float]]]:
+    """One rank class's grouping of the sorted rows and its three parts' (A, B, scale): the first
+    class groups as the pairs were sorted, (expert, adapter) with a zero row for the others; a
+    further class regroups the sorted rows by (its adapter, expert)."""
+    factors = {}
+    for proj, part in block.parts.items():
+        slab = part.slabs[rank]
+        A = _Leaf.of(slab.A_c, route.members, slab.gA)  # [members, E, r, in]
+        B = _Leaf.of(slab.B_c, route.members, slab.gB)
+        if i == 0:  # expert-major with a zero row for the others: [E * (members + 1), r, in]
+            A, B = (torch.cat([t, t.new_zeros((1, *t.shape[1:]))]).transpose(0, 1).flatten(0, 1) for t in (A, B))
+        else:
+            A, B = A.flatten(0, 1), B.flatten(0, 1)  # [members * E, r, in]
+        factors[proj] = (A, B, slab.scale)
+    if i == 0:
+        return _Groups(pairs.sizes, partial=partial), factors
+    n = route.members.shape[0]
+    m = route.member_of_token.index_select(0, pairs.take(token))
+    k = (m * experts + pairs.take(expert)).masked_fill(pairs.take(sentinel) | (m == n), n * experts)
+    return _Groups.by_key(k, n * experts, partial=True), factors
+
+
 def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """The "quilt_lora" experts implementation (see the module's docstring)."""
@@ -255,26 +279,8 @@ def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     by_expert = _Groups(_histogram(expert, experts), partial=partial)
     x = pairs.take(hidden.index_select(0, token))
 
-    lora = []  # per rank class: its grouping of the sorted rows and the three parts' (A, B, scale)
-    for i, (rank, route) in enumerate(classes):
-        factors = {}
-        for proj, part in block.parts.items():
-            slab = part.slabs[rank]
-            A = _Leaf.of(slab.A_c, route.members, slab.gA)  # [members, E, r, in]
-            B = _Leaf.of(slab.B_c, route.members, slab.gB)
-            if i == 0:  # expert-major with a zero row for the others: [E * (members + 1), r, in]
-                A, B = (torch.cat([t, t.new_zeros((1, *t.shape[1:]))]).transpose(0, 1).flatten(0, 1) for t in (A, B))
-            else:
-                A, B = A.flatten(0, 1), B.flatten(0, 1)  # [members * E, r, in]
-            factors[proj] = (A, B, slab.scale)
-        if i == 0:
-            groups = _Groups(pairs.sizes, partial=partial)
-        else:  # a further rank class regroups the sorted rows by (its adapter, expert)
-            n = route.members.shape[0]
-            m = route.member_of_token.index_select(0, pairs.take(token))
-            k = (m * experts + pairs.take(expert)).masked_fill(pairs.take(sentinel) | (m == n), n * experts)
-            groups = _Groups.by_key(k, n * experts, partial=True)
-        lora.append((groups, factors))
+    lora = [_class_factors(block, i, rank, route, pairs, token, expert, sentinel, experts, partial)
+            for i, (rank, route) in enumerate(classes)]
 
     def delta(groups: _Groups, rows: torch.Tensor, A, B, scale: float) -> torch.Tensor:
         return groups.put(groups.mm(groups.mm(groups.take(rows.to(A.dtype)), A) * scale, B))

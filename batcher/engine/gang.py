@@ -6,8 +6,9 @@ of N GPUs); each loads only its part of the base through transformers' own paral
 MoE bases, or FSDP2), and its share of every LoRA layer (`batcher.engine.grouped.Split`, laid out as vLLM
 lays LoRA out under tensor parallelism).
 
-Rank 0 runs today's trainer loop (stream, fair share, futures, snapshots, settle). Its backend is a
-`GangBackend`: every call that changes tensors (a pass, a step, a create, a load, an export) is
+Rank 0 runs today's trainer loop (stream, fair share, futures, snapshots, settle). Its backend has
+a `Leader` as its mirror: every call that changes tensors (a pass, a step, a create, a load, an
+export), marked `@collective()` where the backend defines it (`batcher.engine.collective`), is
 first handed to the other ranks, which make the same call on their own backend (`follow`), so all
 ranks run the same collectives in the same order. A rank with no work of its own still joins every
 pass. A rank that dies takes the gang with it: `torch.distributed.run` stops the others and starts
@@ -22,13 +23,15 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from batcher.engine import expert_lora
+from batcher.engine.collective import Mirrored, collective_calls
 from batcher.engine.grouped import Split, tp_mesh
 from core import faults
 from core.errors import QuiltError
@@ -204,12 +207,6 @@ def splits(model: nn.Module, targets: tuple[str, ...]) -> dict[str, Split]:
 
 # ---------------------------------------------------------------------- rank 0 and the others
 
-# The backend calls that change tensors or run collectives: every rank makes them, in rank 0's order.
-# (has, policy_version, residency, last_pass and adapters only read rank 0's own state.)
-COLLECTIVE_CALLS = frozenset({"create", "delete", "run_pass", "optim_step", "optim_steps", "load_saved", "export", "save",
-                              "offload_idle", "ensure_resident", "adapter_state", "optimizer_state", "snapshot",
-                              "load_snapshot"})
-
 
 class GangBroken(BaseException):
     """A call failed on rank 0 for a reason of the server's (a rank died in a collective, a device
@@ -218,47 +215,33 @@ class GangBroken(BaseException):
     failure catches it: it ends the process, and torch.distributed.run restarts the gang."""
 
 
-class GangBackend:
-    """Rank 0's backend in a gang: the local `LoraBackend`, with each collective call handed to the
-    other ranks first (`torch.distributed.broadcast_object_list` on the control group)."""
+class Leader:
+    """Rank 0's mirror (`batcher.engine.collective.Mirror`): each collective call of its backend is
+    handed to the other ranks first (`torch.distributed.broadcast_object_list` on the control group),
+    then made here; a collective call made inside another is part of it."""
 
-    def __init__(self, backend, member: Member):
-        self.backend = backend
+    def __init__(self, member: Member, send: Callable[[object], None] | None = None):
+        """`send`: how a call reaches the other ranks (a broadcast on the gang's control group)."""
         self.member = member
+        self._send = send or self._broadcast
+        self._inside = False  # a marked call is running: the calls it makes are its own
 
-    def __getattr__(self, name):
-        attr = getattr(self.backend, name)
-        if name not in COLLECTIVE_CALLS:
-            return attr
-        return lambda *args, **kwargs: self._call(name, args, kwargs)
-
-    def load(self, model_id: str, directory: str, *, optimizer: bool) -> None:
-        """Read the checkpoint here (only rank 0 needs the files), then load it on every rank."""
-        from batcher.engine.backend import read_saved
-
-        self._call("load_saved", (model_id, read_saved(directory, optimizer=optimizer)), {})
-
-    def load_snapshot(self, model_id: str, directory: str) -> None:
-        """A sharded snapshot is read by every rank, its own shares each (batcher.engine.sharded_snapshots);
-        a single trainer's (a training checkpoint) by rank 0, as `load`."""
-        from batcher.engine import sharded_snapshots
-
-        if sharded_snapshots.is_sharded(directory):
-            self._call("load_snapshot", (model_id, directory), {})
-        else:
-            self.load(model_id, directory, optimizer=True)
-
-    def _call(self, name: str, args: tuple, kwargs: dict):
+    def call(self, name: str, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._inside:
+            return run(*args, **kwargs)
         args, kwargs = _decided(name, args, kwargs)
+        self._inside = True
         try:
             self._send((name, args, kwargs))
-            return getattr(self.backend, name)(*args, **kwargs)
+            return run(*args, **kwargs)
         except QuiltError:
             raise  # the caller's mistake, met alike by every rank: the gang is still in step
         except Exception as exc:
             raise GangBroken(f"{name} failed on rank 0: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._inside = False
 
-    def _send(self, message) -> None:
+    def _broadcast(self, message: object) -> None:
         dist.broadcast_object_list([message], src=0, group=self.member.control)
 
     def close(self) -> None:
@@ -278,24 +261,30 @@ def _decided(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def follow(backend, member: Member) -> None:
-    """A rank other than 0: make rank 0's calls on this rank's backend until it stops.
+def lead(backend: Mirrored, member: Member) -> Leader:
+    """Rank 0: its backend's collective calls are handed to the other ranks from now on."""
+    leader = Leader(member)
+    backend.mirror = leader
+    return leader
 
-    Writes are rank 0's: an export or save here only takes part in gathering the shares. A call that
-    fails for the caller's reason fails alike on rank 0, where it is reported; any other failure ends
-    this rank, and with it the gang (`GangBroken`)."""
+
+def follow(backend: Mirrored, member: Member) -> None:
+    """A rank other than 0: make rank 0's collective calls on this rank's backend until it stops.
+
+    Writes are rank 0's: a save here is its `followers` call (`export`: only gathering the shares).
+    A call that fails for the caller's reason fails alike on rank 0, where it is reported; any
+    other failure ends this rank, and with it the gang (`GangBroken`)."""
+    calls = collective_calls(type(backend))
     while True:
-        box = [None]
+        box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=member.control)
         if box[0] is None:
             return
         name, args, kwargs = box[0]
-        if name == "save":
-            name = "export"
         if name == "run_pass":
             faults.crash_point("gang.rank_in_pass")  # rank 0 is in the pass already, waiting on this rank
         try:
-            getattr(backend, name)(*args, **kwargs)
+            getattr(backend, calls[name])(*args, **kwargs)
         except QuiltError:
             log.info("rank %d: %s refused, as on rank 0", member.rank, name)
 

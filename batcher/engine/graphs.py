@@ -5,7 +5,7 @@ attention, the loss); on a large GPU the host cannot issue them as fast as the d
 A CUDA graph records them once and replays them in one launch. What a graph needs, the trainer's
 pass already is: nothing read back inside it (`tests/test_fused_step.py`), every input in one bundle
 (`batcher.engine.transfer`); what it adds is fixed shapes and addresses. Micro-batches are padded to a
-bucket (`batcher.engine.buckets`) whose bundle signature (every input's name, dtype and shape) is the
+bucket (`batcher.engine.buckets`) whose bundle signature (its record's structure, every tensor's dtype and shape) is the
 graph's key; each key keeps one static device buffer of that signature, and a micro-batch is run by
 copying its bundle into that buffer and replaying.
 
@@ -28,12 +28,15 @@ import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from batcher.engine.transfer import Bundle
 
 log = logging.getLogger("quilt.trainer.graphs")
+
+T = TypeVar("T")  # the record a bundle carries (batcher.engine.plan.PassTensors)
 
 # What a bound step returns: the micro-batch's values for the host and the requests it poisoned.
 Step = Callable[[], tuple[torch.Tensor, torch.Tensor]]
@@ -59,8 +62,8 @@ class Graphs:
     counts: Counter = field(default_factory=Counter)  # warm, captured, replayed, eager, dropped
     _pool: object = None
 
-    def run(self, key: tuple, bundle: Bundle, poisoned: torch.Tensor, generation: int,
-            bind: Callable[[dict[str, torch.Tensor], torch.Tensor], Step]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, key: tuple, bundle: Bundle[T], poisoned: torch.Tensor, generation: int,
+            bind: Callable[[T, torch.Tensor], Step]) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch of this `bundle` (its bucket's `key`): (values, poisoned after it).
         `bind(static inputs, static poisoned)` makes the step of the key's first micro-batch."""
         if generation != self.generation:

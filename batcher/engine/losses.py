@@ -61,10 +61,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from core.loss_spec import LOSS_FUNCTIONS, LossConfig, spec_of
 
-__all__ = ["DatumLoss", "GradGate", "LossPlan", "compute_loss", "pass_losses", "reduce_metrics"]
+__all__ = ["DatumLoss", "GradGate", "LossInputs", "LossPlan", "LossTensors", "compute_loss", "pass_losses", "reduce_metrics"]
 
 
 @dataclass
@@ -100,13 +101,135 @@ class DatumSpec:
 
 
 @dataclass
+class LossInputs:
+    """Per target position (datums one after another): the loss functions' inputs. `weights` is
+    (positions, K); the others are (positions,)."""
+
+    weights: Tensor
+    logprobs: Tensor  # the sampler's
+    advantages: Tensor
+    lo: Tensor  # clip thresholds
+    hi: Tensor
+    cap: Tensor  # the truncated importance weight's cap (inf: none)
+    beta: Tensor  # DRO's
+
+    def select(self, at: Tensor) -> LossInputs:
+        return LossInputs(*(t.index_select(0, at) for t in self._values()))
+
+    def to(self, dtype: torch.dtype) -> LossInputs:
+        return LossInputs(*(t.to(dtype) for t in self._values()))
+
+    def _values(self) -> tuple[Tensor, ...]:
+        return (self.weights, self.logprobs, self.advantages, self.lo, self.hi, self.cap, self.beta)
+
+
+@dataclass
+class LossTensors:
+    """What `pass_losses` reads besides the logprobs: every position's inputs, datum, whether it is
+    kept and whether it counts for the mismatch metrics, and each loss function's positions."""
+
+    inputs: LossInputs
+    datum: Tensor  # int64
+    keep: Tensor  # bool
+    mismatch: Tensor  # bool
+    at: dict[str, Tensor]  # loss function name -> its positions (int64)
+
+    def to(self, device: torch.device) -> LossTensors:
+        return LossTensors(LossInputs(*(t.to(device) for t in self.inputs._values())), self.datum.to(device),
+                           self.keep.to(device), self.mismatch.to(device),
+                           {fn: t.to(device) for fn, t in self.at.items()})
+
+
+# One record's tensors travel to the device flattened (batcher.engine.transfer): these are pytrees.
+for _record in (LossInputs, LossTensors):
+    pytree.register_dataclass(_record)
+
+
+@dataclass
+class _Columns:
+    """`LossTensors` being built, one datum (or padding run) at a time."""
+
+    width: int
+    inputs: dict[str, list[Tensor]] = field(default_factory=lambda: {
+        k: [] for k in ("weights", "logprobs", "advantages", "lo", "hi", "cap", "beta")})
+    datum: list[Tensor] = field(default_factory=list)
+    keep: list[Tensor] = field(default_factory=list)
+    mismatch: list[Tensor] = field(default_factory=list)
+    fn: list[int] = field(default_factory=list)
+
+    def add(self, index: int, d: DatumSpec) -> int:
+        """One datum's positions; returns how many of them count for the mismatch metrics."""
+        n, x, c = d.n, d.inputs, d.config
+        weights = torch.zeros(n, self.width, dtype=torch.float64)
+        if "weights" in x:
+            weights[:, :d.width] = x["weights"].double().view(n, d.width)
+        else:
+            weights[:, 0] = 1.0
+        zeros = torch.zeros(n, dtype=torch.float64)
+        col = self.inputs
+        col["weights"].append(weights)
+        col["logprobs"].append(x["logprobs"].double() if "logprobs" in x else zeros)
+        col["advantages"].append(x["advantages"].double() if "advantages" in x else zeros)
+        for key, name, default in (("clip_low_threshold", "lo", c.clip_low_threshold),
+                                   ("clip_high_threshold", "hi", c.clip_high_threshold)):
+            col[name].append(x[key].double() if key in x else torch.full((n,), default, dtype=torch.float64))
+        col["cap"].append(torch.full((n,), c.is_weight_cap if c.is_weight_cap is not None else float("inf"),
+                                     dtype=torch.float64))
+        col["beta"].append(torch.full((n,), c.beta, dtype=torch.float64))
+        self.datum.append(torch.full((n,), index, dtype=torch.int64))
+        self.keep.append(torch.full((n,), not d.dropped, dtype=torch.bool))
+        self.fn += [LOSS_FUNCTIONS_INDEX[d.loss_fn]] * n
+        # Mismatch mask: where weights are non-zero when given, else where the sampler's logprob
+        # or the advantage is (the cookbook pads prompt positions with zeros).
+        if "logprobs" not in x:
+            mask = torch.zeros(n, dtype=torch.bool)
+        elif "weights" in x:
+            mask = x["weights"].view(n, d.width)[:, 0] != 0
+        else:
+            mask = (x["logprobs"] != 0) | (x["advantages"] != 0 if "advantages" in x else False)
+        self.mismatch.append(mask)
+        return int(mask.sum())
+
+    def pad(self, extra: int, datum: int) -> None:
+        """`extra` padding positions of the padding datum `datum`: they weigh nothing and are never kept."""
+        self.inputs["weights"].append(torch.zeros(extra, self.width, dtype=torch.float64))
+        for k in ("logprobs", "advantages", "lo", "hi", "beta"):
+            self.inputs[k].append(torch.zeros(extra, dtype=torch.float64))
+        self.inputs["cap"].append(torch.full((extra,), float("inf"), dtype=torch.float64))
+        self.datum.append(torch.full((extra,), datum, dtype=torch.int64))
+        self.keep.append(torch.zeros(extra, dtype=torch.bool))
+        self.mismatch.append(torch.zeros(extra, dtype=torch.bool))
+        self.fn += [-1] * extra
+
+    def tensors(self, fns: tuple[str, ...], positions: int | None) -> LossTensors:
+        """The record; `positions`: a captured pass's fixed count, to which each function's position
+        list is padded with the last padding position (computed, never kept)."""
+        def cat(parts: list[Tensor], empty: Tensor) -> Tensor:
+            return torch.cat(parts) if parts else empty
+
+        f64 = torch.zeros(0, dtype=torch.float64)
+        inputs = LossInputs(cat(self.inputs["weights"], torch.zeros(0, self.width, dtype=torch.float64)),
+                            *(cat(self.inputs[k], f64) for k in ("logprobs", "advantages", "lo", "hi", "cap", "beta")))
+        fn_of = torch.tensor(self.fn, dtype=torch.int64)
+        at = {}
+        for fn in fns:
+            where = (fn_of == LOSS_FUNCTIONS_INDEX[fn]).nonzero().flatten()
+            if positions is not None:
+                where = torch.cat([where, torch.full((positions - where.shape[0],), positions - 1, dtype=torch.int64)])
+            at[fn] = where
+        return LossTensors(inputs, cat(self.datum, torch.zeros(0, dtype=torch.int64)),
+                           cat(self.keep, torch.zeros(0, dtype=torch.bool)),
+                           cat(self.mismatch, torch.zeros(0, dtype=torch.bool)), at)
+
+
+@dataclass
 class LossPlan:
     """Everything `pass_losses` needs besides the logprobs, built on the host: per target position
     (datums one after another) its datum, inputs, thresholds, cap and beta; per loss function the
     positions it computes. `tensors` go to the device in the pass's one transfer."""
 
     datums: list[DatumSpec]
-    tensors: dict[str, Tensor]
+    tensors: LossTensors
     fns: tuple[str, ...]
     width: int
     has_logprobs: list[bool]
@@ -120,70 +243,18 @@ class LossPlan:
         the datums have. The padding positions belong to the last padding datum, weigh nothing,
         are never kept, and every loss function's position list is padded with the last of them."""
         width = width or max((d.width for d in datums), default=1)
-        cols: dict[str, list[Tensor]] = {k: [] for k in ("weights", "logprobs", "advantages", "lo", "hi", "cap",
-                                                          "beta")}
-        datum_of, keep, mismatch, fn_of = [], [], [], []
-        has_logprobs, mismatch_tokens = [], []
-        for d_index, d in enumerate(datums):
-            n, x, c = d.n, d.inputs, d.config
-            weights = torch.zeros(n, width, dtype=torch.float64)
-            if "weights" in x:
-                weights[:, :d.width] = x["weights"].double().view(n, d.width)
-            else:
-                weights[:, 0] = 1.0
-            cols["weights"].append(weights)
-            slp = x["logprobs"].double() if "logprobs" in x else torch.zeros(n, dtype=torch.float64)
-            adv = x["advantages"].double() if "advantages" in x else torch.zeros(n, dtype=torch.float64)
-            cols["logprobs"].append(slp)
-            cols["advantages"].append(adv)
-            for key, name, default in (("clip_low_threshold", "lo", c.clip_low_threshold),
-                                       ("clip_high_threshold", "hi", c.clip_high_threshold)):
-                cols[name].append(x[key].double() if key in x else torch.full((n,), default, dtype=torch.float64))
-            cap = c.is_weight_cap if c.is_weight_cap is not None else float("inf")
-            cols["cap"].append(torch.full((n,), cap, dtype=torch.float64))
-            cols["beta"].append(torch.full((n,), c.beta, dtype=torch.float64))
-            datum_of.append(torch.full((n,), d_index, dtype=torch.int64))
-            keep.append(torch.full((n,), not d.dropped, dtype=torch.bool))
-            fn_of += [LOSS_FUNCTIONS_INDEX[d.loss_fn]] * n
-            # Mismatch mask: where weights are non-zero when given, else where the sampler's logprob
-            # or the advantage is (the cookbook pads prompt positions with zeros).
-            has_logprobs.append("logprobs" in x)
-            if "logprobs" not in x:
-                mask = torch.zeros(n, dtype=torch.bool)
-            elif "weights" in x:
-                mask = x["weights"].view(n, d.width)[:, 0] != 0
-            else:
-                mask = (x["logprobs"] != 0) | (x["advantages"] != 0 if "advantages" in x else False)
-            mismatch.append(mask)
-            mismatch_tokens.append(int(mask.sum()))
+        cols = _Columns(width)
+        mismatch_tokens = [cols.add(i, d) for i, d in enumerate(datums)]
         size = len(datums)
         if pad is not None:
             positions, size = pad
             extra = positions - sum(d.n for d in datums)
             if extra < 1 or size <= len(datums):
                 raise ValueError(f"padding to {pad} leaves no padding position or datum")
-            cols["weights"].append(torch.zeros(extra, width, dtype=torch.float64))
-            for k in ("logprobs", "advantages", "lo", "hi", "beta"):
-                cols[k].append(torch.zeros(extra, dtype=torch.float64))
-            cols["cap"].append(torch.full((extra,), float("inf"), dtype=torch.float64))
-            datum_of.append(torch.full((extra,), size - 1, dtype=torch.int64))
-            keep.append(torch.zeros(extra, dtype=torch.bool))
-            mismatch.append(torch.zeros(extra, dtype=torch.bool))
-            fn_of += [-1] * extra
-        tensors = {k: torch.cat(v) if v else torch.zeros(0, dtype=torch.float64) for k, v in cols.items()}
-        if not datums:
-            tensors["weights"] = torch.zeros(0, width, dtype=torch.float64)
-        tensors["datum"] = torch.cat(datum_of) if datum_of else torch.zeros(0, dtype=torch.int64)
-        tensors["keep"] = torch.cat(keep) if keep else torch.zeros(0, dtype=torch.bool)
-        tensors["mismatch"] = torch.cat(mismatch) if mismatch else torch.zeros(0, dtype=torch.bool)
-        fn_tensor = torch.tensor(fn_of, dtype=torch.int64)
+            cols.pad(extra, size - 1)
         fns = tuple(sorted({d.loss_fn for d in datums}))
-        for fn in fns:
-            at = (fn_tensor == LOSS_FUNCTIONS_INDEX[fn]).nonzero().flatten()
-            if pad is not None:  # a fixed length: the rest computes the last padding position, never kept
-                at = torch.cat([at, torch.full((pad[0] - at.shape[0],), pad[0] - 1, dtype=torch.int64)])
-            tensors[f"at_{fn}"] = at
-        return cls(list(datums), tensors, fns, width, has_logprobs, mismatch_tokens, size)
+        return cls(list(datums), cols.tensors(fns, pad[0] if pad is not None else None), fns, width,
+                   ["logprobs" in d.inputs for d in datums], mismatch_tokens, size)
 
     def metrics(self, loss_D: Sequence[float], kl_D: Sequence[float], abs_D: Sequence[float]) -> list[DatumLoss]:
         """Per-datum metrics from the pass's per-datum sums (read back once, at the end)."""
@@ -218,30 +289,29 @@ def _truncated_ratio(lp: Tensor, slp: Tensor, cap: Tensor) -> Tensor:
     return weight * torch.exp(lp - lp.detach())
 
 
-def _cross_entropy(lp_K: Tensor, x: Mapping[str, Tensor]) -> Tensor:
-    return -lp_K * x["weights"]
+def _cross_entropy(lp_K: Tensor, x: LossInputs) -> Tensor:
+    return -lp_K * x.weights
 
 
-def _importance_sampling(lp: Tensor, x: Mapping[str, Tensor]) -> Tensor:
-    return -_truncated_ratio(lp, x["logprobs"], x["cap"]) * x["advantages"]
+def _importance_sampling(lp: Tensor, x: LossInputs) -> Tensor:
+    return -_truncated_ratio(lp, x.logprobs, x.cap) * x.advantages
 
 
-def _ppo(lp: Tensor, x: Mapping[str, Tensor]) -> Tensor:
-    ratio = _truncated_ratio(lp, x["logprobs"], x["cap"])
-    advantages = x["advantages"]
-    clipped = torch.minimum(torch.maximum(ratio, x["lo"]), x["hi"]) * advantages
-    return -torch.minimum(ratio * advantages, clipped)
+def _ppo(lp: Tensor, x: LossInputs) -> Tensor:
+    ratio = _truncated_ratio(lp, x.logprobs, x.cap)
+    clipped = torch.minimum(torch.maximum(ratio, x.lo), x.hi) * x.advantages
+    return -torch.minimum(ratio * x.advantages, clipped)
 
 
-def _cispo(lp: Tensor, x: Mapping[str, Tensor]) -> Tensor:
-    ratio = _truncated_ratio(lp.detach(), x["logprobs"], x["cap"])
-    coefficient = torch.minimum(torch.maximum(ratio, x["lo"]), x["hi"])  # detached: sg(clip(ratio))
-    return -coefficient * lp * x["advantages"]
+def _cispo(lp: Tensor, x: LossInputs) -> Tensor:
+    ratio = _truncated_ratio(lp.detach(), x.logprobs, x.cap)
+    coefficient = torch.minimum(torch.maximum(ratio, x.lo), x.hi)  # detached: sg(clip(ratio))
+    return -coefficient * lp * x.advantages
 
 
-def _dro(lp: Tensor, x: Mapping[str, Tensor]) -> Tensor:
-    penalty = 0.5 * x["beta"] * (lp - x["logprobs"]) ** 2
-    return -(lp * x["advantages"] - penalty)
+def _dro(lp: Tensor, x: LossInputs) -> Tensor:
+    penalty = 0.5 * x.beta * (lp - x.logprobs) ** 2
+    return -(lp * x.advantages - penalty)
 
 
 _ELEMENTWISE = {"importance_sampling": _importance_sampling, "ppo": _ppo, "cispo": _cispo, "dro": _dro}
@@ -257,32 +327,31 @@ class PassLosses:
     abs_diff: Tensor  # (D,) float64: Σ |lp − slp| over the same tokens
 
 
-def pass_losses(lp_M_K: Tensor, plan: LossPlan, t: Mapping[str, Tensor]) -> PassLosses:
+def pass_losses(lp_M_K: Tensor, plan: LossPlan, t: LossTensors) -> PassLosses:
     """Every datum's loss at once. `lp_M_K`: the target logprobs of every datum's positions, datums
     one after another (K = the plan's width); `t`: the plan's tensors, on lp's device. Nothing here
     reads a value back to the host."""
     dtype = torch.promote_types(lp_M_K.dtype, torch.float32)
     lp_M_K = lp_M_K.to(dtype)
-    x = {k: v.to(dtype) if v.is_floating_point() else v for k, v in t.items()}
+    x = t.inputs.to(dtype)
     elementwise = lp_M_K.new_zeros(lp_M_K.shape)
     for fn in plan.fns:
-        at = x[f"at_{fn}"]
-        xs = {k: v.index_select(0, at) for k, v in x.items() if k in ("weights", "logprobs", "advantages", "lo",
-                                                                        "hi", "cap", "beta")}
+        at = t.at[fn]
+        xs = x.select(at)
         lp = lp_M_K.index_select(0, at)
         if fn == "cross_entropy":
             part = _cross_entropy(lp, xs)
         else:
             part = torch.nn.functional.pad(_ELEMENTWISE[fn](lp[:, 0], xs).unsqueeze(1), (0, lp.shape[1] - 1))
         elementwise = elementwise.index_copy(0, at, part)
-    elementwise = torch.where(x["keep"].unsqueeze(1), elementwise, 0.0)
+    elementwise = torch.where(t.keep.unsqueeze(1), elementwise, 0.0)
     D = plan.size
-    loss = lp_M_K.new_zeros(D).index_add(0, x["datum"], elementwise.sum(1))
-    diff = lp_M_K[:, 0].detach().double() - x["logprobs"].double()
-    k3 = torch.where(x["mismatch"], torch.expm1(diff) - diff, 0.0)
-    kl = torch.zeros(D, dtype=torch.float64, device=lp_M_K.device).index_add(0, x["datum"], k3)
+    loss = lp_M_K.new_zeros(D).index_add(0, t.datum, elementwise.sum(1))
+    diff = lp_M_K[:, 0].detach().double() - t.inputs.logprobs.double()
+    k3 = torch.where(t.mismatch, torch.expm1(diff) - diff, 0.0)
+    kl = torch.zeros(D, dtype=torch.float64, device=lp_M_K.device).index_add(0, t.datum, k3)
     abs_diff = torch.zeros(D, dtype=torch.float64, device=lp_M_K.device).index_add(
-        0, x["datum"], torch.where(x["mismatch"], diff.abs(), 0.0))
+        0, t.datum, torch.where(t.mismatch, diff.abs(), 0.0))
     return PassLosses(loss, elementwise.detach(), kl, abs_diff)
 
 
@@ -320,7 +389,7 @@ def compute_loss(
     x = {k: torch.as_tensor(v) for k, v in inputs.items() if k != "target_tokens"}
     plan = LossPlan.build([DatumSpec(loss_fn, x, n, width, config, policy_version)])
     lp_M_K = target_logprobs_T.view(n, width)
-    out = pass_losses(lp_M_K, plan, {k: v.to(lp_M_K.device) for k, v in plan.tensors.items()})
+    out = pass_losses(lp_M_K, plan, plan.tensors.to(lp_M_K.device))
     kl, abs_diff = out.kl.tolist(), out.abs_diff.tolist()
     [datum] = plan.metrics([float(out.loss[0].detach())], kl, abs_diff)
     elementwise = out.elementwise if width > 1 else out.elementwise[:, 0]

@@ -19,6 +19,7 @@ Every rank must see the same directory (one node's disk; a filesystem the nodes 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,6 +27,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 
+from batcher.engine.adapter import Adapter
+from batcher.engine.grouped import Split
+from batcher.engine.multilora import MultiLoraModel
 from checkpoints.layout import TrainerMeta
 from core import faults
 from core.errors import InvalidInput
@@ -38,11 +42,11 @@ def is_sharded(directory: str | Path) -> bool:
     return (Path(directory) / ".metadata").is_file()
 
 
-def _names(lora, name: str) -> list[str]:
+def _names(lora: MultiLoraModel, name: str) -> list[str]:
     return [f"{path}.lora_{which}" for path in lora.adapters[name].layers for which in "AB"]
 
 
-def _shared(t: torch.Tensor, split, axis: int | None) -> torch.Tensor:
+def _shared(t: torch.Tensor, split: Split | None, axis: int | None) -> torch.Tensor:
     """A rank's share as the DTensor of the whole it is part of (a whole tensor as it is)."""
     if split is None or axis is None:
         return t
@@ -52,7 +56,7 @@ def _shared(t: torch.Tensor, split, axis: int | None) -> torch.Tensor:
                               stride=torch.empty(shape, device="meta").stride())
 
 
-def _state(lora, adapter, *, moments: bool, fresh: bool) -> dict:
+def _state(lora: MultiLoraModel, adapter: Adapter, *, moments: bool, fresh: bool) -> dict:
     """The DCP state dict of an adapter: its shares (copies when `fresh`, to load into) and, with
     `moments`, its AdamW state."""
     shares = lora.shares(adapter.name)
@@ -68,12 +72,10 @@ def _state(lora, adapter, *, moments: bool, fresh: bool) -> dict:
     return state
 
 
-def save(backend, model_id: str, directory: str) -> int:
-    """Write the model's snapshot into `directory` from every rank of the gang (a collective: each
+def save(lora: MultiLoraModel, adapter: Adapter, directory: str) -> int:
+    """Write the adapter's snapshot into `directory` from every rank of the gang (a collective: each
     rank calls it with the same directory); rank 0 writes the metadata and publishes it whole by a
     rename. Returns the bytes written (on rank 0; 0 elsewhere)."""
-    adapter = backend.adapters[model_id]
-    lora = backend.lora
     dest = Path(directory)
     staging = dest.with_name(dest.name + ".partial")  # never a digit-only name: snapshots.latest skips it
     leader = dist.get_rank() == 0
@@ -93,11 +95,10 @@ def save(backend, model_id: str, directory: str) -> int:
     return sum(f.stat().st_size for f in dest.iterdir())
 
 
-def load(backend, model_id: str, directory: str) -> None:
-    """Load a sharded snapshot into an existing model of the same LoRA shape, resharded to this
+def load(lora: MultiLoraModel, adapter: Adapter, directory: str,
+         new_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> None:
+    """Load a sharded snapshot into an existing adapter of the same LoRA shape, resharded to this
     trainer's layout (every rank of a gang calls it; a single process alone)."""
-    adapter = backend.adapters[model_id]
-    lora = backend.lora
     meta = TrainerMeta.read(directory)
     saved = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     moments = any(key.startswith("moments.") for key in saved)
@@ -114,7 +115,7 @@ def load(backend, model_id: str, directory: str) -> None:
             p.copy_(local[key])
     lora.clear_grads(adapter.name)
     lora.changed(adapter.name)
-    adapter.optimizer = backend._optimizer(adapter.params)
+    adapter.optimizer = new_optimizer(adapter.params)
     if moments:
         fused = adapter.optimizer.defaults.get("fused")  # (a fused AdamW keeps its step on the device)
         for key, p in zip(_names(lora, adapter.name), adapter.params, strict=True):

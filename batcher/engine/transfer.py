@@ -1,66 +1,71 @@
 """Host tensors that travel to the device together: one buffer, one non-blocking copy.
 
 A fused pass needs dozens of small tensors on the device (token ids, positions, loss inputs, each
-layer's routing); copied one by one, each would be a blocking host-to-device copy. Gathered here into
-one byte buffer (pinned on a GPU host), they cost one transfer, and the pass reads them as views.
+layer's routing); copied one by one, each would be a blocking host-to-device copy. A bundle takes a
+typed record of host tensors (dataclasses registered as pytrees, and the dicts, lists and tuples
+they hold: `batcher.engine.plan.PassTensors`), lays its tensors out in one byte buffer (pinned on a
+GPU host), copies that in one transfer, and gives the record back with every tensor a view of the
+device buffer.
 """
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
 import torch
+from torch.utils import _pytree as pytree
 
 from batcher.engine.layout import round_up
 
 _ALIGN = 16  # bytes: every view starts where any dtype (and grouped GEMM) may start
 
+T = TypeVar("T")
 
-class Bundle:
-    def __init__(self) -> None:
-        self._parts: dict[str, torch.Tensor] = {}
 
-    def add(self, name: str, values, dtype: torch.dtype) -> str:
-        """Queue `values` (a list, a nested list or a host tensor) under `name`; returns the name."""
-        t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-        self._parts[name] = t.to(dtype).contiguous()
-        return name
+class Bundle(Generic[T]):
+    def __init__(self, record: T) -> None:
+        leaves, self._spec = pytree.tree_flatten(record)
+        if not all(isinstance(t, torch.Tensor) for t in leaves):
+            raise TypeError("a bundle holds host tensors only")
+        self._parts: list[torch.Tensor] = [t.contiguous() for t in leaves]
+        self._offsets, self._total = self._layout()
 
     def signature(self) -> tuple:
-        """Every queued tensor's name, dtype and shape: bundles of one signature lie alike in memory,
-        so one can be copied where another was (a captured pass's static inputs, `batcher.engine.graphs`)."""
-        return tuple((name, t.dtype, tuple(t.shape)) for name, t in self._parts.items())
+        """The record's structure and every tensor's dtype and shape: bundles of one signature lie
+        alike in memory, so one can be copied where another was (a captured pass's static inputs,
+        `batcher.engine.graphs`)."""
+        return self._spec, tuple((t.dtype, tuple(t.shape)) for t in self._parts)
 
-    def _offsets(self) -> tuple[dict[str, int], int]:
-        offsets, total = {}, 0
-        for name, t in self._parts.items():
-            offsets[name] = total
+    def _layout(self) -> tuple[list[int], int]:
+        offsets, total = [], 0
+        for t in self._parts:
+            offsets.append(total)
             total += round_up(t.numel() * t.element_size(), _ALIGN)
         return offsets, max(total, _ALIGN)
 
     def _host(self, pin: bool) -> torch.Tensor:
-        offsets, total = self._offsets()
-        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
-        for name, t in self._parts.items():
+        buffer = torch.empty(self._total, dtype=torch.uint8, pin_memory=pin)
+        for at, t in zip(self._offsets, self._parts):
             n = t.numel() * t.element_size()
             if n:
-                buffer[offsets[name]:offsets[name] + n].copy_(t.view(-1).view(torch.uint8))
+                buffer[at:at + n].copy_(t.view(-1).view(torch.uint8))
         return buffer
 
-    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every queued tensor as a view of `buffer` (one this bundle, or one of its signature, filled)."""
-        offsets, _ = self._offsets()
-        out = {}
-        for name, t in self._parts.items():
+    def views(self, buffer: torch.Tensor) -> T:
+        """The record, every tensor a view of `buffer` (this bundle's, or one of its signature, filled)."""
+        views = []
+        for at, t in zip(self._offsets, self._parts):
             n = t.numel() * t.element_size()
-            out[name] = buffer[offsets[name]:offsets[name] + n].view(t.dtype).view(t.shape)
-        return out
+            views.append(buffer[at:at + n].view(t.dtype).view(t.shape))
+        return pytree.tree_unflatten(views, self._spec)
 
     def buffer(self, device: torch.device) -> torch.Tensor:
-        """One buffer on `device` holding every queued tensor, copied in one transfer."""
+        """One buffer on `device` holding every tensor of the record, copied in one transfer."""
         pin = device.type == "cuda"
         return self._host(pin).to(device, non_blocking=pin)
 
-    def to(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Every queued tensor on `device`, as views of one buffer copied in one transfer."""
+    def to(self, device: torch.device) -> T:
+        """The record on `device`, its tensors views of one buffer copied in one transfer."""
         return self.views(self.buffer(device))
 
     def copy_into(self, buffer: torch.Tensor) -> None:
