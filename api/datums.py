@@ -14,7 +14,7 @@ from typing import Any
 
 from core import numbers
 from core.errors import InvalidInput
-from core.loss_spec import INT_INPUTS, MAX_TARGET_WIDTH, WIDE_INPUTS, parse_loss_config, spec_of
+from core.loss_spec import INT_INPUTS, MAX_TARGET_WIDTH, WIDE_INPUTS, LossSpec, parse_loss_config
 from core.work import Datum, PassWork
 
 # Per-token clip thresholds: the range their config counterparts must lie in.
@@ -128,12 +128,13 @@ def _short(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def pass_work(loss_fn: str, loss_fn_config: dict[str, Any] | None, data: list[RawDatum],
+def pass_work(spec: LossSpec, loss_fn_config: dict[str, Any] | None, data: list[RawDatum],
               limits: Limits) -> tuple[PassWork, int]:
-    """A forward/forward_backward request, checked whole: (the trainer's work, model-input tokens)."""
-    config = parse_loss_config(loss_fn, loss_fn_config)
-    datums, n_tokens = normalise(data, loss_fn, limits)
-    return PassWork(loss_fn, config, datums), n_tokens
+    """A forward/forward_backward request, checked whole: (the trainer's work, model-input tokens).
+    `spec` is the request's loss, looked up once by the caller (`core.loss_spec.spec_of`)."""
+    config = parse_loss_config(spec, loss_fn_config)
+    datums, n_tokens = normalise(data, spec, limits)
+    return PassWork(spec.name, config, datums), n_tokens
 
 
 def input_tokens(data: list[RawDatum]) -> int:
@@ -141,9 +142,9 @@ def input_tokens(data: list[RawDatum]) -> int:
     return sum(len(datum.tokens) for datum in data)
 
 
-def normalise(data: list[RawDatum], loss_fn: str, limits: Limits) -> tuple[tuple[Datum, ...], int]:
-    """Check a request's datums; returns (the datums, total model-input tokens)."""
-    spec = spec_of(loss_fn)
+def normalise(data: list[RawDatum], spec: LossSpec, limits: Limits) -> tuple[tuple[Datum, ...], int]:
+    """Check a request's datums against its loss's inputs; returns (the datums, total model-input tokens)."""
+    loss_fn = spec.name
     if not data:
         raise InvalidInput("data: must hold at least one datum", field="data")
     if len(data) > limits.max_datums:

@@ -30,6 +30,8 @@ Ends with one JSON line.
 
 from __future__ import annotations
 
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
+
 import argparse
 import asyncio
 import collections

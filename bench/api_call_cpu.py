@@ -1,6 +1,6 @@
 """The API's CPU per cheap call, in process, side by side across versions of the code.
 
-    PYTHONPATH=. .venv/bin/python bench/api_call_cpu.py [--revs HEAD~1,.] [--rounds 3] [--calls 3000]
+    .venv/bin/python bench/api_call_cpu.py [--revs HEAD~1,.] [--rounds 3] [--calls 3000]
 
 `bench/api_load.py` measures the API as a client sees it, through sockets and HTTP parsing, on a
 host whose speed moves by half from hour to hour, so two runs of it cannot resolve a change of a
@@ -17,6 +17,8 @@ and each revision's ratio to the first; ends with one JSON line.
 """
 
 from __future__ import annotations
+
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
 
 import argparse
 import asyncio
@@ -114,8 +116,7 @@ def main() -> None:
         print(json.dumps(asyncio.run(_child(args.calls))))
         return
 
-    sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
-    import api_load
+    import api_load  # bench/ is this script's folder, first on sys.path
 
     from stack.ephemeral import ephemeral_stack
 

@@ -1,6 +1,6 @@
 """Load on one API process: 64 clients across 8 tenants making cheap calls in bounded loops.
 
-    PYTHONPATH=. .venv/bin/python bench/api_load.py [--seconds 150] [--clients 64] [--tenants 8]
+    .venv/bin/python bench/api_load.py [--seconds 150] [--clients 64] [--tenants 8]
 
 Starts its own embedded stack (`quilt up` in a temporary data directory), gives each tenant a
 model with one finished forward_backward, then runs two phases of `--seconds` each, 64 clients
@@ -52,6 +52,8 @@ Ends with one JSON line.
 """
 
 from __future__ import annotations
+
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
 
 import argparse
 import asyncio

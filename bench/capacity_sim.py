@@ -17,7 +17,7 @@ generated. Moving a device between sides idles it for MOVE_S (loading the other 
 Printed per scale: trainer waiting (share of trainer device time idle for want of a batch),
 staleness mean/max, batches per hour, the final split. Ends with one JSON line per scale.
 
-    PYTHONPATH=. python bench/capacity_sim.py [--devices 8,64,256,1000] [--staleness 1] ...
+    python bench/capacity_sim.py [--devices 8,64,256,1000] [--staleness 1] ...
 
 Which regime favours planning: any run whose balance drifts (here generation's share of the
 work grows from 50% to 60%); a run whose lengths stay put gains nothing and pays MOVE_S per
@@ -25,6 +25,8 @@ move, which the dead band keeps rare.
 """
 
 from __future__ import annotations
+
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
 
 import argparse
 import json

@@ -29,13 +29,15 @@ Which regime favours the pool and forks: starts much slower than a rollout, and 
 capacity. Which does not: environments that start in less than a sampling turn (nothing to hide),
 or rollouts long enough that starts are a small part of the batch anyway.
 
-    PYTHONPATH=.:sdk python bench/env_batch.py [--steps 4] [--turns 1] [--max-tokens 4] [--start-slots 64]
+    python bench/env_batch.py [--steps 4] [--turns 1] [--max-tokens 4] [--start-slots 64]
         [--gen-concurrency N] [--arms cold,warm_pool,fork,fork_pool,ray]
 
 Ends with one JSON line (`reduction_vs_cold_<arm>`, `ttb_s_<arm>`, `trainer_wait_<arm>`).
 """
 
 from __future__ import annotations
+
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
 
 import argparse
 import asyncio
@@ -45,12 +47,9 @@ import math
 import os
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sdk"))
 
 import quilt  # noqa: E402
 from quilt import rl  # noqa: E402

@@ -1,8 +1,8 @@
 """Fault injection on the embedded stack: tenants keep training and sampling while processes are
 killed and stores restarted at random moments; nothing acknowledged may be lost.
 
-    PYTHONPATH=. .venv/bin/python bench/faults.py              # the full run (about an hour here)
-    PYTHONPATH=. .venv/bin/python bench/faults.py --quick      # one of each fault (minutes)
+    .venv/bin/python bench/faults.py              # the full run (about an hour here)
+    .venv/bin/python bench/faults.py --quick      # one of each fault (minutes)
 
 Four tenants (two on the Quilt SDK, two on the official tinker SDK) each loop forward_backward ->
 optim_step -> sample from the base model, counting the optimizer steps they were told succeeded.
@@ -21,6 +21,8 @@ are still there after the stack stops; ends with one JSON line.
 """
 
 from __future__ import annotations
+
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
 
 import argparse
 import json

@@ -19,6 +19,8 @@ Ends with one JSON line of headline figures.
 
 from __future__ import annotations
 
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
+
 import argparse
 import json
 import os

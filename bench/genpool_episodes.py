@@ -18,13 +18,15 @@ Turn counts are lognormal (median TURNS_MEDIAN, sigma TURNS_SIGMA, capped), turn
 policy: generated tokens/s, time-to-batch p50/p95, episode latency (first call to last token)
 p50/p95, and the p95 of the longest tenth of episodes (what demotion costs them).
 
-    PYTHONPATH=. python bench/genpool_episodes.py [--quick] [--slots 32] [--tenants 4] ...
+    python bench/genpool_episodes.py [--quick] [--slots 32] [--tenants 4] ...
 
 Ends with one JSON line: per regime, feedback/today ratios of tokens/s, time-to-batch p50/p95 and
 episode latency p50/p95.
 """
 
 from __future__ import annotations
+
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
 
 import argparse
 import heapq

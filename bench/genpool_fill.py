@@ -51,6 +51,8 @@ lands in one repetition rather than in one arm.
 
 from __future__ import annotations
 
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
+
 import argparse
 import asyncio
 import contextlib

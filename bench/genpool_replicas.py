@@ -17,7 +17,7 @@ replicas' together (here 4 tenants, 2 slots per replica). With adapters fitting 
 or one adapter for everyone, the policies tie and round-robin's perfect spread can win a little.
 On this 2-core machine both engines share the cores, so tokens/s is what the pair gives, not 2x.
 
-    PYTHONPATH=.:bench python bench/genpool_replicas.py [--tenants 4 --rounds 12 --groups 4 --n 4 --tokens 48]
+    python bench/genpool_replicas.py [--tenants 4 --rounds 12 --groups 4 --n 4 --tokens 48]
 
 Ends with one JSON line: {"hit_rate": {policy: ...}, "tps": {...}, "affinity_over_round_robin_tps",
 "affinity_over_random_tps", "worst_tenant_p95_vs_round_robin", "worst_tenant_p95_vs_random"}.
@@ -25,6 +25,8 @@ Targets (issue 17): hit rate >= 90%, tokens/s >= round-robin's, every tenant's p
 """
 
 from __future__ import annotations
+
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
 
 import argparse
 import json

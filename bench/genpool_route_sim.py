@@ -21,10 +21,12 @@ both completed (`common_batches`: a tenant's k-th batch is the same work under e
 scale. Targets (issue 17): hit rate >= 90 %, tokens/s >= round-robin's, every tenant's p95
 time-to-batch <= 1.1x round-robin's.
 
-    PYTHONPATH=. python bench/genpool_route_sim.py [--gpus 8,64,256,1000] [--quick]
+    python bench/genpool_route_sim.py [--gpus 8,64,256,1000] [--quick]
 """
 
 from __future__ import annotations
+
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
 
 import argparse
 import heapq

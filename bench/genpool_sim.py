@@ -29,6 +29,8 @@ batches, shared vs partitioned; then one JSON line per scale:
 
 from __future__ import annotations
 
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
+
 import argparse
 import dataclasses
 import heapq

@@ -22,6 +22,8 @@ Prints the best points and the grid's maximum; ends with one JSON line
 
 from __future__ import annotations
 
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
+
 import argparse
 import itertools
 import json

@@ -10,6 +10,8 @@ run; scalar figures as bars per run, one panel per figure (nested objects are fl
 
 from __future__ import annotations
 
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
+
 import argparse
 import json
 import math

@@ -1,6 +1,6 @@
 """What redis-py's reply parser costs the API per Redis call: hiredis (C) against the pure-Python one.
 
-    PYTHONPATH=. .venv/bin/python bench/redis_parser.py [--calls 5000] [--repeats 3]
+    .venv/bin/python bench/redis_parser.py [--calls 5000] [--repeats 3]
 
 redis-py parses replies with hiredis when it is installed (a dependency of Quilt since 2026-12-03)
 and in Python otherwise. The API's calls on Redis are small and many (a submission's append,
@@ -13,6 +13,8 @@ time that the parser does not change). Ends with one JSON line.
 """
 
 from __future__ import annotations
+
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
 
 import argparse
 import asyncio

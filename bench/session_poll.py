@@ -13,12 +13,14 @@ regime favours the session poll: many samples in flight per client (an RL step's
 per-request polling holds one connection each. Which does not: one sample at a time, where both
 hold one poll.
 
-    PYTHONPATH=. python bench/session_poll.py [--requests 64] [--bursts 3] [--max-tokens 8]
+    python bench/session_poll.py [--requests 64] [--bursts 3] [--max-tokens 8]
 
 Ends with one JSON line.
 """
 
 from __future__ import annotations
+
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
 
 import argparse
 import contextlib

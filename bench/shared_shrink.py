@@ -26,15 +26,15 @@ Ends with one JSON line of headline figures.
 
 from __future__ import annotations
 
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
+
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fused_step import (SHAPES, build, datum, eagerly, grid_parser, interleaved, launches,  # noqa: E402
                         requests, run)
 

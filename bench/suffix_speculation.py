@@ -16,14 +16,17 @@
    this shows the switch works, not the GPU's speed-up; bench/gpu_suite.sh measures that.
 
 Needs `arctic-inference` importable (not a dependency on CPU: its wheel is GPU-only; build it
-from source as docs/concepts/sampling.md says ("Suffix speculation at low load"), then PYTHONPATH=<its site-packages>).
+from source as docs/concepts/sampling.md says ("Suffix speculation at low load"), then PYTHONPATH=<its site-packages>;
+the project's own packages need no PYTHONPATH).
 
-    PYTHONPATH=.:<arctic> python bench/suffix_speculation.py [--episodes 400] [--engine]
+    python bench/suffix_speculation.py [--episodes 400] [--engine]
 
 Ends with one JSON line: tokens per step per workload row (and engine tokens/s ratios).
 """
 
 from __future__ import annotations
+
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
 
 import argparse
 import asyncio

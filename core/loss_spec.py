@@ -129,14 +129,14 @@ _OPTIONAL_CONFIG_KEYS = frozenset({"is_weight_cap", "max_staleness", "policy_ver
 _SERVER_CONFIG_KEYS = frozenset({"current_policy_version"})
 
 
-def parse_loss_config(loss_fn: str, raw: Mapping[str, Any] | None) -> LossConfig:
-    """Parse a request's `loss_fn_config`; InvalidInput naming a bad key or value
-    (field `loss_fn_config.<key>`).
+def parse_loss_config(spec: LossSpec, raw: Mapping[str, Any] | None) -> LossConfig:
+    """Parse a request's `loss_fn_config` for the loss `spec` (from `spec_of`, resolved once per
+    request by its caller); InvalidInput naming a bad key or value (field `loss_fn_config.<key>`).
 
     Proto maps carry every number as a double, so integral floats are accepted for the integer
     keys; JSON `null` unsets the optional keys.
     """
-    spec_of(loss_fn)
+    loss_fn = spec.name
     if raw is None:
         return LossConfig()
     if not isinstance(raw, Mapping):

@@ -128,7 +128,7 @@ def benchmark_pages() -> dict[str, str]:
     docs = ROOT / "docs" / "benchmarks"
     pages, rows = {}, []
     for path in sorted((ROOT / "bench").iterdir()):
-        if path.suffix not in (".py", ".sh") or path.stem in {"flags", "table", "plot_results"}:  # helpers
+        if path.suffix not in (".py", ".sh") or path.stem in {"_root", "flags", "table", "plot_results"}:  # helpers
             continue
         name, doc = path.stem, _docstring(path)
         first = " ".join(doc.split("\n\n")[0].split())

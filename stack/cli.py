@@ -7,7 +7,10 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from core.errors import QuiltError
 
@@ -300,147 +303,215 @@ def _positive(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="quilt", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+# ---------------------------------------------------------------------------------------------
+# The commands, as a table: what each takes is data, and `build_parser` turns it into argparse.
 
-    p = sub.add_parser("up", help="run the embedded stack (Postgres, Redis, API, trainer, Celery)")
-    _data_dir_option(p)
-    p.add_argument("--host", default=os.environ.get("QUILT_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(os.environ.get("QUILT_PORT", "8000")))
-    p.add_argument("--api-replicas", type=_positive, default=1, metavar="K",
-                   help="API processes sharing only Postgres and Redis, on ports PORT..PORT+K-1")
-    p.add_argument("--gen-replicas", type=_positive, default=int(os.environ.get("QUILT_GEN_REPLICAS", "1")),
-                   metavar="M", help="generation workers (vLLM engines) per base model; the API routes each "
-                                     "sample group to one (QUILT_GEN_ROUTING)")
-    p.add_argument("--trainer-shards", type=_positive, default=int(os.environ.get("QUILT_TRAINER_SHARDS", "1")),
-                   metavar="N", help="trainer workers per base model, each holding the training models placed on "
-                                     "it (`quilt trainers`)")
-    p.add_argument("--trainer-ranks", type=_positive, default=int(os.environ.get("QUILT_TRAINER_RANKS", "1")),
-                   metavar="R", help="processes (GPUs) per trainer, started together by torch.distributed.run, "
-                                     "each holding a part of the base (QUILT_TRAINER_PARALLEL: tp, ep or fsdp)")
-    p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("migrate", help="apply schema migrations")
-    _data_dir_option(p)
-    p.set_defaults(func=cmd_migrate)
+@dataclass(frozen=True)
+class Built:
+    """A value worked out when the parser is built rather than when this module is imported: a
+    default read from the environment, or choices from a module imported only when needed."""
 
-    models = sub.add_parser("models", help="base models").add_subparsers(dest="action", required=True)
-    p = models.add_parser("create-tiny", help="build a tiny local random-weight base and add it to the catalogue")
-    _data_dir_option(p)
+    make: Callable[[], Any]
+
+
+def _env(name: str, default: str, convert: Callable[[str], Any] = str) -> Built:
+    return Built(lambda: convert(os.environ.get(name, default)))
+
+
+def _architectures() -> list[str]:
     from bases.architectures import SUPPORTED
 
-    p.add_argument("--architecture", default="qwen3", choices=sorted(SUPPORTED))
-    p.add_argument("--sample", action=argparse.BooleanOptionalAction, default=True,
-                   help="serve sampling (--no-sample: training only, no generation worker)")
-    p.set_defaults(func=cmd_models_create_tiny)
-    p = models.add_parser("add", help="validate a Hugging Face causal LM and add it to the catalogue")
-    _data_dir_option(p)
-    p.add_argument("name", help="the name clients use (base_model)")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--path", help="a local model directory")
-    where.add_argument("--hub", help="a hub model id (huggingface_hub's cache; honours HF_HUB_OFFLINE)")
-    p.add_argument("--revision", help="hub revision (branch, tag or commit)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="base weights' dtype: auto = bfloat16 on GPU, float32 on CPU (adapters are always fp32)")
-    p.add_argument("--max-context", type=int, help="longest sequence served (default: the model's)")
-    p.add_argument("--train", action=argparse.BooleanOptionalAction, default=True, help="serve training")
-    p.add_argument("--sample", action=argparse.BooleanOptionalAction, default=True, help="serve sampling")
-    p.add_argument("--renderer", help="chat renderer when the tokenizer has no chat template "
-                                      "(chatml, llama3, gemma, none)")
-    p.add_argument("--device", help="this base's trainer device (e.g. cuda:0; default QUILT_TRAINER_DEVICE)")
-    p.add_argument("--gen-device", help="this base's generation worker device (CUDA_VISIBLE_DEVICES index)")
-    p.add_argument("--gen-memory-share", type=float, help="fraction of the GPU vLLM takes")
-    p.add_argument("--max-lora-rank", type=int, help="largest LoRA rank trained and served")
-    p.add_argument("--max-loras", type=int, help="adapters in one sampling batch")
-    p.add_argument("--trainer-ranks", type=int, help="GPUs of this base's trainer gang (batcher.engine.gang; "
-                                                     "`quilt models plan` says how many it needs)")
-    p.add_argument("--trainer-parallel", choices=("tp", "ep", "fsdp"), help="how the gang splits the base")
-    p.add_argument("--tensor-parallel", type=int, help="vLLM tensor-parallel size of this base's sampler")
-    p.add_argument("--pipeline-parallel", type=int, help="vLLM pipeline-parallel size of this base's sampler")
-    p.add_argument("--expert-parallel", action=argparse.BooleanOptionalAction, default=None,
-                   help="MoE: vLLM splits the experts over its GPUs")
-    p.add_argument("--fully-sharded-loras", action=argparse.BooleanOptionalAction, default=None,
-                   help="vLLM shards the LoRA computation over its GPUs too")
-    p.add_argument("--expert-lora", action=argparse.BooleanOptionalAction, default=None,
-                   help="MoE: LoRA may go on the experts (train_mlp; the default); --no-expert-lora refuses it "
-                        "and leaves it out of the memory plan")
-    p.set_defaults(func=cmd_models_add)
-    p = models.add_parser("remove", help="stop serving a base (refused while models of it are live)")
-    _data_dir_option(p)
-    p.add_argument("name")
-    p.set_defaults(func=cmd_models_remove)
-    p = models.add_parser("list", help="list served base models")
-    _data_dir_option(p)
-    p.set_defaults(func=cmd_models_list)
-    p = models.add_parser("plan", help="print what fits on a GPU for a base: weights, activations, adapters, KV")
-    _data_dir_option(p)
-    p.add_argument("name")
-    p.add_argument("--gpu-memory", default="80GiB", help="device memory, e.g. 80GiB")
-    p.add_argument("--separate-devices", action="store_true", help="trainer and sampler on one device each")
-    p.add_argument("--token-budget", type=int, help="trainer tokens per pass (default: derived)")
-    p.add_argument("--resident-adapters", type=int, help="adapters kept on the device (default: derived)")
-    p.add_argument("--max-context", type=int, help="sampler sequence length to plan for (default: the model's)")
-    p.add_argument("--trainer-ranks", type=_positive, help="plan the trainer as a gang of this many GPUs "
-                                                          "(default: the fewest it fits on)")
-    p.add_argument("--sampler-ranks", type=_positive, help="plan the sampler with this tensor-parallel size "
-                                                          "(default: the fewest GPUs it fits on)")
-    p.add_argument("--adapter-rank", type=_positive, default=32, help="rank the trainer's resident adapters are "
-                                                                      "planned at (default 32, Tinker's)")
-    p.add_argument("--expert-lora", action=argparse.BooleanOptionalAction, default=None,
-                   help="MoE: plan adapters and LoRA slots with every expert's LoRA (default: the base's setting)")
-    p.set_defaults(func=cmd_models_plan)
+    return sorted(SUPPORTED)
 
-    tenants = sub.add_parser("tenants", help="tenants").add_subparsers(dest="action", required=True)
-    p = tenants.add_parser("create", help="create a tenant; prints its first API key on the last line")
-    _data_dir_option(p)
-    p.add_argument("name")
-    p.add_argument("--operator", action="store_true", help="give the tenant the operator role")
-    p.set_defaults(func=cmd_tenants_create)
-    p = tenants.add_parser("list", help="list tenants")
-    _data_dir_option(p)
-    p.set_defaults(func=cmd_tenants_list)
-    p = tenants.add_parser("set-quota", help="change a tenant's quotas (applies from its next call)")
-    _data_dir_option(p)
-    p.add_argument("name")
-    p.add_argument("--tokens-per-minute", type=int, help="training and sampling tokens per minute")
-    p.add_argument("--max-inflight", type=int, help="unfinished requests at once")
-    p.add_argument("--max-models", type=int, help="live training models")
-    p.set_defaults(func=cmd_tenants_set_quota)
-    p = tenants.add_parser("suspend", help="refuse a tenant's new billable work (402/403 with the reason); "
-                                           "running work finishes, nothing is deleted")
-    _data_dir_option(p)
-    p.add_argument("name")
-    p.add_argument("--reason", required=True, help="shown to the tenant with every refusal")
-    p.add_argument("--payment", action="store_true", help="a payment suspension (402) rather than an operator's (403)")
-    p.set_defaults(func=cmd_tenants_suspend)
-    p = tenants.add_parser("restore", help="lift a suspension (applies from the tenant's next call)")
-    _data_dir_option(p)
-    p.add_argument("name")
-    p.set_defaults(func=cmd_tenants_restore)
 
-    keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="action", required=True)
-    p = keys.add_parser("create", help="create another key for a tenant (printed once)")
-    _data_dir_option(p)
-    p.add_argument("tenant")
-    p.add_argument("--name", default="")
-    p.add_argument("--role", default="owner", choices=("owner", "member", "read_only"),
-                   help="what the key may do (tenancy.roles); owner by default")
-    p.set_defaults(func=cmd_keys_create)
-    p = keys.add_parser("list", help="list a tenant's keys by prefix")
-    _data_dir_option(p)
-    p.add_argument("tenant")
-    p.set_defaults(func=cmd_keys_list)
-    p = keys.add_parser("revoke", help="revoke a key by its prefix")
-    _data_dir_option(p)
-    p.add_argument("prefix")
-    p.set_defaults(func=cmd_keys_revoke)
+@dataclass(frozen=True)
+class Arg:
+    """One `add_argument` call: its names and keywords (a keyword's `Built` is made at build time)."""
 
-    downloads = sub.add_parser("downloads", help="signed download links").add_subparsers(dest="action", required=True)
-    p = downloads.add_parser("rotate-key", help="make a new download signing key now (keys also rotate on their own)")
-    _data_dir_option(p)
-    p.add_argument("--retire", action="store_true", help="retire every other key: every link out there stops working")
-    p.set_defaults(func=cmd_downloads_rotate_key)
+    names: tuple[str, ...]
+    options: Mapping[str, Any]
+
+
+def arg(*names: str, **options: Any) -> Arg:
+    """An argument of a command, written as `add_argument` would take it."""
+    return Arg(names, options)
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """Arguments of which at most one (with `required`, exactly one) may be given."""
+
+    args: tuple[Arg, ...]
+    required: bool = False
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: every one of this table takes `--data-dir` first, then `args` in order."""
+
+    name: str
+    help: str
+    handler: Callable[[argparse.Namespace], int]
+    args: tuple[Arg | OneOf, ...] = ()
+
+
+@dataclass(frozen=True)
+class Group:
+    """A command with subcommands of its own (`quilt models add`), chosen as `action`."""
+
+    name: str
+    help: str
+    commands: tuple[Command, ...]
+
+
+_BOOL = argparse.BooleanOptionalAction
+
+COMMANDS: tuple[Command | Group, ...] = (
+    Command("up", "run the embedded stack (Postgres, Redis, API, trainer, Celery)", cmd_up, (
+        arg("--host", default=_env("QUILT_HOST", "127.0.0.1")),
+        arg("--port", type=int, default=_env("QUILT_PORT", "8000", int)),
+        arg("--api-replicas", type=_positive, default=1, metavar="K",
+            help="API processes sharing only Postgres and Redis, on ports PORT..PORT+K-1"),
+        arg("--gen-replicas", type=_positive, default=_env("QUILT_GEN_REPLICAS", "1", int), metavar="M",
+            help="generation workers (vLLM engines) per base model; the API routes each "
+                 "sample group to one (QUILT_GEN_ROUTING)"),
+        arg("--trainer-shards", type=_positive, default=_env("QUILT_TRAINER_SHARDS", "1", int), metavar="N",
+            help="trainer workers per base model, each holding the training models placed on "
+                 "it (`quilt trainers`)"),
+        arg("--trainer-ranks", type=_positive, default=_env("QUILT_TRAINER_RANKS", "1", int), metavar="R",
+            help="processes (GPUs) per trainer, started together by torch.distributed.run, "
+                 "each holding a part of the base (QUILT_TRAINER_PARALLEL: tp, ep or fsdp)"),
+    )),
+    Command("migrate", "apply schema migrations", cmd_migrate),
+    Group("models", "base models", (
+        Command("create-tiny", "build a tiny local random-weight base and add it to the catalogue",
+                cmd_models_create_tiny, (
+            arg("--architecture", default="qwen3", choices=Built(_architectures)),
+            arg("--sample", action=_BOOL, default=True,
+                help="serve sampling (--no-sample: training only, no generation worker)"),
+        )),
+        Command("add", "validate a Hugging Face causal LM and add it to the catalogue", cmd_models_add, (
+            arg("name", help="the name clients use (base_model)"),
+            OneOf((arg("--path", help="a local model directory"),
+                   arg("--hub", help="a hub model id (huggingface_hub's cache; honours HF_HUB_OFFLINE)")),
+                  required=True),
+            arg("--revision", help="hub revision (branch, tag or commit)"),
+            arg("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                help="base weights' dtype: auto = bfloat16 on GPU, float32 on CPU (adapters are always fp32)"),
+            arg("--max-context", type=int, help="longest sequence served (default: the model's)"),
+            arg("--train", action=_BOOL, default=True, help="serve training"),
+            arg("--sample", action=_BOOL, default=True, help="serve sampling"),
+            arg("--renderer", help="chat renderer when the tokenizer has no chat template "
+                                   "(chatml, llama3, gemma, none)"),
+            arg("--device", help="this base's trainer device (e.g. cuda:0; default QUILT_TRAINER_DEVICE)"),
+            arg("--gen-device", help="this base's generation worker device (CUDA_VISIBLE_DEVICES index)"),
+            arg("--gen-memory-share", type=float, help="fraction of the GPU vLLM takes"),
+            arg("--max-lora-rank", type=int, help="largest LoRA rank trained and served"),
+            arg("--max-loras", type=int, help="adapters in one sampling batch"),
+            arg("--trainer-ranks", type=int, help="GPUs of this base's trainer gang (batcher.engine.gang; "
+                                                  "`quilt models plan` says how many it needs)"),
+            arg("--trainer-parallel", choices=("tp", "ep", "fsdp"), help="how the gang splits the base"),
+            arg("--tensor-parallel", type=int, help="vLLM tensor-parallel size of this base's sampler"),
+            arg("--pipeline-parallel", type=int, help="vLLM pipeline-parallel size of this base's sampler"),
+            arg("--expert-parallel", action=_BOOL, default=None, help="MoE: vLLM splits the experts over its GPUs"),
+            arg("--fully-sharded-loras", action=_BOOL, default=None,
+                help="vLLM shards the LoRA computation over its GPUs too"),
+            arg("--expert-lora", action=_BOOL, default=None,
+                help="MoE: LoRA may go on the experts (train_mlp; the default); --no-expert-lora refuses it "
+                     "and leaves it out of the memory plan"),
+        )),
+        Command("remove", "stop serving a base (refused while models of it are live)", cmd_models_remove,
+                (arg("name"),)),
+        Command("list", "list served base models", cmd_models_list),
+        Command("plan", "print what fits on a GPU for a base: weights, activations, adapters, KV", cmd_models_plan, (
+            arg("name"),
+            arg("--gpu-memory", default="80GiB", help="device memory, e.g. 80GiB"),
+            arg("--separate-devices", action="store_true", help="trainer and sampler on one device each"),
+            arg("--token-budget", type=int, help="trainer tokens per pass (default: derived)"),
+            arg("--resident-adapters", type=int, help="adapters kept on the device (default: derived)"),
+            arg("--max-context", type=int, help="sampler sequence length to plan for (default: the model's)"),
+            arg("--trainer-ranks", type=_positive, help="plan the trainer as a gang of this many GPUs "
+                                                       "(default: the fewest it fits on)"),
+            arg("--sampler-ranks", type=_positive, help="plan the sampler with this tensor-parallel size "
+                                                       "(default: the fewest GPUs it fits on)"),
+            arg("--adapter-rank", type=_positive, default=32, help="rank the trainer's resident adapters are "
+                                                                   "planned at (default 32, Tinker's)"),
+            arg("--expert-lora", action=_BOOL, default=None,
+                help="MoE: plan adapters and LoRA slots with every expert's LoRA (default: the base's setting)"),
+        )),
+    )),
+    Group("tenants", "tenants", (
+        Command("create", "create a tenant; prints its first API key on the last line", cmd_tenants_create, (
+            arg("name"),
+            arg("--operator", action="store_true", help="give the tenant the operator role"),
+        )),
+        Command("list", "list tenants", cmd_tenants_list),
+        Command("set-quota", "change a tenant's quotas (applies from its next call)", cmd_tenants_set_quota, (
+            arg("name"),
+            arg("--tokens-per-minute", type=int, help="training and sampling tokens per minute"),
+            arg("--max-inflight", type=int, help="unfinished requests at once"),
+            arg("--max-models", type=int, help="live training models"),
+        )),
+        Command("suspend", "refuse a tenant's new billable work (402/403 with the reason); "
+                           "running work finishes, nothing is deleted", cmd_tenants_suspend, (
+            arg("name"),
+            arg("--reason", required=True, help="shown to the tenant with every refusal"),
+            arg("--payment", action="store_true", help="a payment suspension (402) rather than an operator's (403)"),
+        )),
+        Command("restore", "lift a suspension (applies from the tenant's next call)", cmd_tenants_restore,
+                (arg("name"),)),
+    )),
+    Group("keys", "API keys", (
+        Command("create", "create another key for a tenant (printed once)", cmd_keys_create, (
+            arg("tenant"),
+            arg("--name", default=""),
+            arg("--role", default="owner", choices=("owner", "member", "read_only"),
+                help="what the key may do (tenancy.roles); owner by default"),
+        )),
+        Command("list", "list a tenant's keys by prefix", cmd_keys_list, (arg("tenant"),)),
+        Command("revoke", "revoke a key by its prefix", cmd_keys_revoke, (arg("prefix"),)),
+    )),
+    Group("downloads", "signed download links", (
+        Command("rotate-key", "make a new download signing key now (keys also rotate on their own)",
+                cmd_downloads_rotate_key, (
+            arg("--retire", action="store_true", help="retire every other key: every link out there stops working"),
+        )),
+    )),
+)
+
+
+def _add(sub: argparse._SubParsersAction, entry: Command | Group) -> None:
+    """Add one entry of `COMMANDS` (a group with its subcommands) to the subparsers `sub`."""
+    if isinstance(entry, Group):
+        actions = sub.add_parser(entry.name, help=entry.help).add_subparsers(dest="action", required=True)
+        for command in entry.commands:
+            _add(actions, command)
+        return
+    parser = sub.add_parser(entry.name, help=entry.help)
+    _data_dir_option(parser)
+    for item in entry.args:
+        if isinstance(item, OneOf):
+            group = parser.add_mutually_exclusive_group(required=item.required)
+            for one in item.args:
+                _add_argument(group, one)
+        else:
+            _add_argument(parser, item)
+    parser.set_defaults(func=entry.handler)
+
+
+def _add_argument(parser: argparse._ActionsContainer, one: Arg) -> None:
+    options = {key: value.make() if isinstance(value, Built) else value for key, value in one.options.items()}
+    parser.add_argument(*one.names, **options)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `quilt` parser: this module's `COMMANDS`, then the commands billing, export and the
+    trainers add themselves."""
+    parser = argparse.ArgumentParser(prog="quilt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for entry in COMMANDS:
+        _add(sub, entry)
 
     from billing.cli import add_commands as add_billing_commands
 

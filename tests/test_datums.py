@@ -8,7 +8,7 @@ import pytest
 
 from api.datums import Limits, RawDatum, RawTensor, normalise, pass_work
 from core.errors import InvalidInput
-from core.loss_spec import LossConfig
+from core.loss_spec import LossConfig, spec_of
 from core.work import Datum, PassWork
 
 LIMITS = Limits(vocab_size=100, max_context_length=16, max_datums=4, max_tokens=40)
@@ -24,12 +24,12 @@ def d(tokens, targets=None, weights=None) -> RawDatum:
 
 def err(data, loss_fn="cross_entropy") -> InvalidInput:
     with pytest.raises(InvalidInput) as info:
-        normalise(data, loss_fn, LIMITS)
+        normalise(data, spec_of(loss_fn), LIMITS)
     return info.value
 
 
 def test_good_data_is_normalised_and_counted():
-    out, n = normalise([d([1, 2, 3], weights=[1, 0, 1])], "cross_entropy", LIMITS)
+    out, n = normalise([d([1, 2, 3], weights=[1, 0, 1])], spec_of("cross_entropy"), LIMITS)
     assert n == 3
     assert out == (Datum((1, 2, 3), {"target_tokens": (1, 2, 3), "weights": (1.0, 0.0, 1.0)}),)
 
@@ -62,7 +62,7 @@ def test_two_dimensional_inputs_of_an_rl_loss_are_refused_clearly():
     two_d = _rl([1, 2])
     two_d.inputs["advantages"] = RawTensor([1.0] * 4, "float32", [2, 2])
     with pytest.raises(InvalidInput) as exc:
-        normalise([two_d], "importance_sampling", LIMITS)
+        normalise([two_d], spec_of("importance_sampling"), LIMITS)
     assert "expected [2]" in exc.value.message and exc.value.field == "data[0].loss_fn_inputs.advantages"
 
 
@@ -89,7 +89,7 @@ def test_rl_inputs_are_checked_at_the_edge(data, field, words):
 
 
 def test_pass_work_parses_the_loss_config_once():
-    work, n = pass_work("ppo", {"clip_low_threshold": 0.7, "max_staleness": 2.0}, [_rl([3, 4, 5])], LIMITS)
+    work, n = pass_work(spec_of("ppo"), {"clip_low_threshold": 0.7, "max_staleness": 2.0}, [_rl([3, 4, 5])], LIMITS)
     assert n == 3
     assert work == PassWork("ppo", LossConfig(clip_low_threshold=0.7, max_staleness=2), work.data)
     assert PassWork.from_json(work.to_json()) == work
@@ -104,6 +104,6 @@ def test_pass_work_parses_the_loss_config_once():
 ])
 def test_a_bad_loss_config_is_a_400_naming_the_key(config, field):
     with pytest.raises(InvalidInput) as info:
-        pass_work("ppo", config, [_rl([3, 4])], LIMITS)
+        pass_work(spec_of("ppo"), config, [_rl([3, 4])], LIMITS)
     assert info.value.field == field and info.value.status_code == 400
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from api import datums, input_guard, tinker_proto
 from api.datums import RawDatum, RawTensor
 from core.errors import InvalidInput
+from core.loss_spec import spec_of
 from core.numbers import FLOAT32_MAX
 from tests.fuzz.protobuf_bodies import bodies, messages
 
@@ -24,7 +25,7 @@ SETTINGS = settings(max_examples=400, derandomize=True, deadline=None, database=
 
 def _checked_work(parsed: tinker_proto.ForwardBackwardProto):
     try:
-        work, n_tokens = datums.pass_work(parsed.loss_fn, parsed.loss_fn_config, parsed.data, LIMITS)
+        work, n_tokens = datums.pass_work(spec_of(parsed.loss_fn), parsed.loss_fn_config, parsed.data, LIMITS)
     except InvalidInput as exc:
         assert exc.field, exc
         return
@@ -99,7 +100,7 @@ def raw_datums(draw) -> RawDatum:
                                                    max_size=3)))
 def test_the_datum_validator_answers_work_the_trainer_can_hold_or_a_field_error(data, loss_fn, config):
     try:
-        work, _ = datums.pass_work(loss_fn, config, data, LIMITS)
+        work, _ = datums.pass_work(spec_of(loss_fn), config, data, LIMITS)
     except InvalidInput as exc:
         assert exc.field, exc
         return

@@ -10,7 +10,7 @@ import torch
 
 from batcher.engine.losses import DatumLoss, compute_loss, reduce_metrics
 from core.errors import InvalidInput
-from core.loss_spec import LOSS_FUNCTIONS, LossConfig, parse_loss_config
+from core.loss_spec import LOSS_FUNCTIONS, LossConfig, parse_loss_config, spec_of
 
 N = 24
 
@@ -121,7 +121,7 @@ def _literal_ppo(lp, slp, adv, lo, hi):
 
 def test_ppo_matches_literal_with_config_thresholds():
     lp, slp, adv = _rl_datum(5)
-    config = parse_loss_config("ppo", {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3})
+    config = parse_loss_config(spec_of("ppo"), {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3})
     result, grad = _run("ppo", lp, _rl_inputs(slp, adv), config)
 
     loss, expected_grad, n_clipped = _literal_ppo(lp, slp, adv, [0.7] * N, [1.3] * N)
@@ -178,7 +178,7 @@ def test_cispo_matches_literal_and_stops_gradient_through_ratio():
 def test_dro_matches_literal():
     lp, slp, adv = _rl_datum(9)
     beta = 0.3
-    result, grad = _run("dro", lp, _rl_inputs(slp, adv), parse_loss_config("dro", {"beta": beta}))
+    result, grad = _run("dro", lp, _rl_inputs(slp, adv), parse_loss_config(spec_of("dro"), {"beta": beta}))
 
     loss, expected_grad = 0.0, []
     for t in range(N):
@@ -326,7 +326,7 @@ def test_every_metric_key_has_exactly_one_colon():
 
 def test_unknown_loss_fn_is_named():
     with pytest.raises(InvalidInput, match="'nope'.*must be one of.*cross_entropy") as info:
-        parse_loss_config("nope", None)
+        spec_of("nope")
     assert info.value.field == "loss_fn"
     with pytest.raises(InvalidInput, match="nope"):
         compute_loss("nope", torch.zeros(1), {}, LossConfig())
@@ -334,13 +334,13 @@ def test_unknown_loss_fn_is_named():
 
 def test_unknown_config_key_names_key_and_allowed_keys():
     with pytest.raises(InvalidInput, match="'clip_ratio'.*allowed keys: clip_low_threshold") as info:
-        parse_loss_config("ppo", {"clip_ratio": 0.2})
+        parse_loss_config(spec_of("ppo"), {"clip_ratio": 0.2})
     assert info.value.field == "loss_fn_config.clip_ratio"
 
 
 def test_server_only_config_key_is_rejected():
     with pytest.raises(InvalidInput, match="set by the server") as info:
-        parse_loss_config("ppo", {"current_policy_version": 3})
+        parse_loss_config(spec_of("ppo"), {"current_policy_version": 3})
     assert info.value.field == "loss_fn_config.current_policy_version"
 
 
@@ -362,24 +362,24 @@ def test_server_only_config_key_is_rejected():
 )
 def test_bad_config_values_name_the_key(raw, field):
     with pytest.raises(InvalidInput) as info:
-        parse_loss_config("dro", raw)
+        parse_loss_config(spec_of("dro"), raw)
     assert info.value.field == f"loss_fn_config.{field}"
     assert field in str(info.value)
 
 
 def test_config_parses_proto_doubles_and_nulls():
     config = parse_loss_config(
-        "importance_sampling", {"max_staleness": 2.0, "is_weight_cap": None, "beta": 1}
+        spec_of("importance_sampling"), {"max_staleness": 2.0, "is_weight_cap": None, "beta": 1}
     )
     assert config.max_staleness == 2 and isinstance(config.max_staleness, int)
     assert config.is_weight_cap is None
-    assert parse_loss_config("ppo", None) == LossConfig()
+    assert parse_loss_config(spec_of("ppo"), None) == LossConfig()
     assert LossConfig.from_json(config.to_json()) == config
 
 
 def test_config_errors_pickle():
     with pytest.raises(InvalidInput) as info:
-        parse_loss_config("ppo", {"beta": -1})
+        parse_loss_config(spec_of("ppo"), {"beta": -1})
     copy = pickle.loads(pickle.dumps(info.value))
     assert isinstance(copy, InvalidInput) and copy.field == "loss_fn_config.beta"
     assert str(copy) == str(info.value) and copy.category == "user"

@@ -13,7 +13,7 @@ from api.datums import Limits, RawDatum, RawTensor, normalise
 from batcher.engine.backend import LoraBackend
 from batcher.engine.protocol import PassRequest
 from core.errors import InvalidInput
-from core.loss_spec import MAX_TARGET_WIDTH, LossConfig
+from core.loss_spec import MAX_TARGET_WIDTH, LossConfig, spec_of
 from core.work import Datum, LoraShape, PassWork
 from stack.tiny_model import build_tiny_model
 
@@ -28,7 +28,7 @@ def raw(n: int, k: int, *, weights_shape=None, extra=None) -> RawDatum:
 
 
 def test_two_d_targets_become_a_datum_of_that_width():
-    (datum,), tokens = normalise([raw(5, 3)], "cross_entropy", LIMITS)
+    (datum,), tokens = normalise([raw(5, 3)], spec_of("cross_entropy"), LIMITS)
     assert datum.width == 3 and len(datum.inputs["target_tokens"]) == 15 and tokens == 5
     assert Datum.from_json(datum.to_json()) == datum
 
@@ -51,13 +51,13 @@ def test_two_d_targets_become_a_datum_of_that_width():
 ])
 def test_what_two_d_inputs_may_be(data, loss_fn, field, words):
     if field is None:
-        normalise(data, loss_fn, LIMITS)
+        normalise(data, spec_of(loss_fn), LIMITS)
         return
     extra = {"logprobs": RawTensor([0.0] * 5, "float32", [5]), "advantages": RawTensor([0.0] * 5, "float32", [5])}
     if loss_fn != "cross_entropy":
         data = [RawDatum(d.tokens, {**d.inputs, **extra}) for d in data]
     with pytest.raises(InvalidInput) as err:
-        normalise(data, loss_fn, LIMITS)
+        normalise(data, spec_of(loss_fn), LIMITS)
     assert err.value.field == field and words in str(err.value), str(err.value)
 
 
@@ -90,7 +90,7 @@ def test_sparse_csr_inputs_decode_to_the_dense_tensor():
         return {"target_tokens": _csr(pb, targets, pb.DTYPE_INT64), "weights": _csr(pb, weights, pb.DTYPE_FLOAT32)}
 
     parsed = tinker_proto.decode_forward_backward(_proto_request(tensors), max_sparse_values=1 << 20)
-    (datum,), _ = normalise(parsed.data, "cross_entropy", LIMITS)
+    (datum,), _ = normalise(parsed.data, spec_of("cross_entropy"), LIMITS)
     assert datum.width == 2
     assert datum.inputs["target_tokens"] == tuple(targets.ravel().tolist())
     assert datum.inputs["weights"] == tuple(weights.ravel().tolist())

@@ -144,14 +144,16 @@ async def _forward(request: Request, who, pool, redis, settings, callers, *, for
     seq_gaps.claim(request, req.model_id, req.seq_id)
     if not 1 <= req.seq_id <= INT32_MAX:
         raise InvalidInput(f"seq_id must be in [1, {INT32_MAX}], got {req.seq_id}", field="seq_id")
-    spec_of(req.loss_fn)
+    # Looked up once here, before the model is read (a bad loss_fn is a 400 whatever the model),
+    # and passed on to every check behind it.
+    spec = spec_of(req.loss_fn)
     async with db.autocommit(pool) as conn:
         # The base's limits, which never change for a model, usually from the cache: the call then
         # waits on one statement and its append (admission).
         model = admission.usable(await caller_cache.training_model(callers, conn, who, req.model_id))
         limits = datums.Limits(model["vocab_size"], model["max_context_length"], settings.max_datums_per_request,
                                settings.max_tokens_per_request)
-        work, n_tokens = datums.pass_work(req.loss_fn, req.loss_fn_config, req.data, limits)
+        work, n_tokens = datums.pass_work(spec, req.loss_fn_config, req.data, limits)
         kind = WorkKind.FORWARD if req.forward_only else WorkKind.FORWARD_BACKWARD
         return await _model_call(conn, redis, who, req.model_id, seq_id=req.seq_id, kind=kind, body=work,
                                  n_tokens=n_tokens)
