@@ -3,7 +3,7 @@
 An RL loop publishes sampler weights every step (`save_weights_for_sampler`), and writing them
 took the trainer about a sixth of its busy time (bench/adapter_scale.py): every tenant's pass
 waited for every tenant's files. The trainer now only takes what is to be written
-(`LoraBackend.export`: a device-side copy of the adapter's slab rows, the optimizer state by
+(`TrainerBackend.export`: a device-side copy of the adapter's slab rows, the optimizer state by
 reference) and one writer thread writes it, while the loop goes on
 with other work. What must hold meanwhile:
 

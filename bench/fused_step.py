@@ -212,7 +212,7 @@ def agreement(be: LoraBackend, vocab: int) -> float:
 
 
 def optimizer_round(be: LoraBackend, device, n: int, reps: int) -> dict:
-    """A round's optimizer steps of n models, taken together (LoraBackend.optim_steps, what the trainer
+    """A round's optimizer steps of n models, taken together (batcher.engine.optimizers, what the trainer
     does) against one model at a time: milliseconds per round, and the kernels one round launches
     (on the CPU, the operators the host issues)."""
     adam = AdamParams(learning_rate=1e-5, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0)
