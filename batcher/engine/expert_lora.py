@@ -33,6 +33,7 @@ what `checkpoints.adapter_merge` merges into the per-expert weights of the saved
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,8 +53,8 @@ class ExpertPart:
         self.kind = "experts"
         self.proj = proj
         self.split = split
-        weight = experts.down_proj  # (an FSDP-sharded base's at rest: its whole shape is what counts)
-        self.whole_experts, hidden, inter = weight.shape
+        weight = _param(experts, "down_proj")  # (an FSDP-sharded base's at rest: its whole shape is what counts)
+        self.whole_experts, hidden, inter = (int(n) for n in weight.shape)
         self.experts = self.whole_experts // (split.count if split else 1)  # this rank's
         self.in_features, self.out_features = (inter, hidden) if proj == "down_proj" else (hidden, inter)
         self.device, self.dtype = weight.device, weight.dtype
@@ -105,14 +106,16 @@ def wrap(model: nn.Module, context: grouped.PassContext, splits: dict[str, group
                 or getattr(module, "has_bias", False):
             raise ValueError(f"{path}: experts laid out transposed, without a gate or with biases have no LoRA here")
         mine = {proj: ExpertPart(module, proj, splits.get(path)) for proj in PROJECTIONS}
-        module._quilt_lora = _Block(mine, context, module.config._experts_implementation)
+        config: Any = module.config  # (transformers' config of the block)
+        module._quilt_lora = _Block(mine, context, config._experts_implementation)
         parts.update({f"{path}.{proj}": part for proj, part in mine.items()})
     if parts:
         if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
             ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, _experts_forward)
         for module in model.modules():
             if hasattr(module, "_quilt_lora"):
-                module.config._experts_implementation = IMPLEMENTATION
+                config = module.config
+                config._experts_implementation = IMPLEMENTATION
     return parts
 
 
@@ -121,10 +124,11 @@ def split_of(module: nn.Module) -> grouped.Split | None:
     the experts), None where it holds all its experts when it runs (one process, FSDP); ValueError
     where that axis splits each expert's width ("tp")."""
     weight = module.down_proj
-    if not isinstance(weight, DTensor) or "tp" not in (weight.device_mesh.mesh_dim_names or ()):
+    names = weight.device_mesh.mesh_dim_names if isinstance(weight, DTensor) else None
+    if not isinstance(weight, DTensor) or names is None or "tp" not in names:
         return None
     mesh = weight.device_mesh
-    tp = mesh.mesh_dim_names.index("tp")
+    tp = names.index("tp")
     placement = weight.placements[tp]
     if mesh.size(tp) == 1 or placement.is_replicate():
         return None
@@ -142,6 +146,14 @@ class _Block:
         self.parts = parts
         self.context = context
         self.base = base or "eager"  # the implementation the base ran with
+
+
+def _param(module: nn.Module, name: str) -> torch.Tensor:
+    """A module's tensor attribute (a MoE block's fused experts weights)."""
+    t = getattr(module, name)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.{name} is not a tensor")
+    return t
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -213,7 +225,8 @@ class _Leaf:
         leaf = taken.requires_grad_()
 
         def into_slab(p: torch.Tensor) -> None:
-            grads.index_add_(0, rows, p.grad.to(grads.dtype))
+            if p.grad is not None:
+                grads.index_add_(0, rows, p.grad.to(grads.dtype))
             p.grad = None
 
         leaf.register_post_accumulate_grad_hook(into_slab)
@@ -226,11 +239,12 @@ def _class_factors(block: _Block, i: int, rank: int, route: grouped.Route, pairs
     """One rank class's grouping of the sorted rows and its three parts' (A, B, scale): the first
     class groups as the pairs were sorted, (expert, adapter) with a zero row for the others; a
     further class regroups the sorted rows by (its adapter, expert)."""
+    members, _ = route.members_on_device()
     factors = {}
     for proj, part in block.parts.items():
         slab = part.slabs[rank]
-        A = _Leaf.of(slab.A_c, route.members, slab.gA)  # [members, E, r, in]
-        B = _Leaf.of(slab.B_c, route.members, slab.gB)
+        A = _Leaf.of(slab.A_c, members, slab.gA)  # [members, E, r, in]
+        B = _Leaf.of(slab.B_c, members, slab.gB)
         if i == 0:  # expert-major with a zero row for the others: [E * (members + 1), r, in]
             A, B = (torch.cat([t, t.new_zeros((1, *t.shape[1:]))]).transpose(0, 1).flatten(0, 1) for t in (A, B))
         else:
@@ -238,7 +252,7 @@ def _class_factors(block: _Block, i: int, rank: int, route: grouped.Route, pairs
         factors[proj] = (A, B, slab.scale)
     if i == 0:
         return _Groups(pairs.sizes, partial=partial), factors
-    n = route.members.shape[0]
+    n = members.shape[0]
     m = route.member_of_token.index_select(0, pairs.take(token))
     k = (m * experts + pairs.take(expert)).masked_fill(pairs.take(sentinel) | (m == n), n * experts)
     return _Groups.by_key(k, n * experts, partial=True), factors
@@ -249,13 +263,15 @@ def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     """The "quilt_lora" experts implementation (see the module's docstring)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    block: _Block = module._quilt_lora
+    experts_module: Any = module  # transformers' experts block: its weights and gate are its own attributes
+    block: _Block = experts_module._quilt_lora
     routes = block.context.routes or {}
     gate = block.parts["gate_proj"]
     classes = [(rank, route) for (kind, rank), route in routes.items() if kind == "experts" and rank in gate.slabs]
     if not classes:
-        base = ALL_EXPERTS_FUNCTIONS.get_interface(block.base, type(module).forward.__wrapped__)
-        return base(module, hidden, top_k_index, top_k_weights)
+        base = ALL_EXPERTS_FUNCTIONS.get_interface(block.base, getattr(type(module).forward, "__wrapped__"))
+        out: torch.Tensor = base(module, hidden, top_k_index, top_k_weights)
+        return out
 
     tokens, top_k = top_k_index.shape
     experts = gate.experts
@@ -272,7 +288,7 @@ def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     # for that class's LoRA, on the same rows. Adapters of the pass not on the experts, and tokens of
     # other classes, form each expert's last group, whose LoRA weights are zero.
     first = classes[0][1]
-    members = first.members.shape[0]
+    members = first.members_on_device()[0].shape[0]
     member = first.member_of_token.index_select(0, token)
     key = (expert * (members + 1) + member).masked_fill(sentinel, experts * (members + 1))
     pairs = _Groups.by_key(key, experts * (members + 1), partial=partial)
@@ -282,15 +298,15 @@ def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     lora = [_class_factors(block, i, rank, route, pairs, token, expert, sentinel, experts, partial)
             for i, (rank, route) in enumerate(classes)]
 
-    def delta(groups: _Groups, rows: torch.Tensor, A, B, scale: float) -> torch.Tensor:
+    def delta(groups: _Groups, rows: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
         return groups.put(groups.mm(groups.mm(groups.take(rows.to(A.dtype)), A) * scale, B))
 
-    w_gate_up, w_down = _local(module.gate_up_proj), _local(module.down_proj)
+    w_gate_up, w_down = _local(experts_module.gate_up_proj), _local(experts_module.down_proj)
     gate_up = by_expert.mm(x, w_gate_up)
     for groups, f in lora:
         gate_up = gate_up + torch.cat([delta(groups, x, *f["gate_proj"]), delta(groups, x, *f["up_proj"])],
                                       dim=-1).to(gate_up.dtype)
-    mid = module._apply_gate(gate_up)
+    mid = experts_module._apply_gate(gate_up)
     out = by_expert.mm(mid, w_down)
     for groups, f in lora:
         out = out + delta(groups, mid, *f["down_proj"]).to(out.dtype)

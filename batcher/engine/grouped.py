@@ -14,16 +14,23 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-# (public within the engine: the multi-LoRA layers and expert LoRA call it)
-grouped_mm = getattr(torch, "_grouped_mm", None)
+_HAS_GROUPED = hasattr(torch, "_grouped_mm")
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, *, offs: torch.Tensor) -> torch.Tensor:
+    """`x[run g] @ weight[g]` for every run g of rows ending at `offs` (int32), in one kernel
+    (public within the engine: the multi-LoRA layers and expert LoRA call it through here)."""
+    out: torch.Tensor = torch._grouped_mm(x, weight, offs=offs)
+    return out
 
 
 @functools.lru_cache(maxsize=None)
 def grouped_gemm(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the grouped-GEMM path serves this dtype on this device (Hopper and later on CUDA)."""
-    if grouped_mm is None or dtype not in _GROUPED_DTYPES:
+    if not _HAS_GROUPED or dtype not in _GROUPED_DTYPES:
         return False
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (9, 0)
@@ -71,6 +78,18 @@ class Route:
         index = {slot: i for i, slot in enumerate(members)}
         return members, [index.get(slot, len(members)) for slot, _, _ in self.runs]
 
+    def device(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(offsets, slots): the device copies, bound before the pass runs."""
+        if self.offsets is None or self.slots is None:
+            raise RuntimeError("a route's device copies are bound before its pass runs")
+        return self.offsets, self.slots
+
+    def members_on_device(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(members, member_of_run): the experts' device copies, bound before the pass runs."""
+        if self.members is None or self.member_of_run is None:
+            raise RuntimeError("an experts route's members are bound before its pass runs")
+        return self.members, self.member_of_run
+
     @functools.cached_property
     def equal(self) -> bool:
         """Every run as long as the others: the tokens are a (runs, length) stack as they lie."""
@@ -79,8 +98,10 @@ class Route:
     @functools.cached_property
     def member_of_token(self) -> torch.Tensor:
         """Each flat token's index among `members` (len(members): its adapter has no row here)."""
-        lengths = torch.diff(self.offsets.long(), prepend=self.offsets.new_zeros(1, dtype=torch.long))
-        return torch.repeat_interleave(self.member_of_run, lengths, output_size=self.runs[-1][2])
+        offsets, _ = self.device()
+        _, member_of_run = self.members_on_device()
+        lengths = torch.diff(offsets.long(), prepend=offsets.new_zeros(1, dtype=torch.long))
+        return torch.repeat_interleave(member_of_run, lengths, output_size=self.runs[-1][2])
 
     @functools.cached_property
     def block(self) -> int | None:
@@ -96,7 +117,7 @@ def accumulate(grads: torch.Tensor, route: Route, per_run: torch.Tensor) -> None
     if first is not None:
         grads[first:first + per_run.shape[0]].add_(per_run.to(grads.dtype))
     else:
-        grads.index_add_(0, route.slots, per_run.to(grads.dtype))
+        grads.index_add_(0, route.device()[1], per_run.to(grads.dtype))
 
 
 @dataclass(frozen=True)
@@ -109,8 +130,8 @@ class Split:
     dim: str  # "out" | "in" | "experts"
     index: int
     count: int
-    group: object = None  # the tensor-parallel process group
-    mesh: object = None  # its 1-D device mesh (a snapshot's shares are DTensors over it: batcher.engine.sharded_snapshots)
+    group: dist.ProcessGroup | None = None  # the tensor-parallel process group
+    mesh: DeviceMesh | None = None  # its 1-D device mesh (a snapshot's shares are DTensors over it: batcher.engine.sharded_snapshots)
 
     def axis(self, which: str) -> int | None:
         """The axis along which the layer's `which` ("A" [rank, in] or "B" [out, rank]; an experts
@@ -140,7 +161,7 @@ class Split:
         dist.all_reduce(t, group=self.group)
 
 
-def tp_mesh(mesh):
+def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The tensor-parallel axis of a device mesh, as a 1-D mesh."""
     return mesh["tp"] if mesh.ndim > 1 else mesh
 

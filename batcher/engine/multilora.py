@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,7 +76,7 @@ class SharedA:
     rank: int
 
 
-def _new_slabs(capacity: int, rank: int, layers: list, master: torch.dtype, compute: torch.dtype,
+def _new_slabs(capacity: int, rank: int, layers: list[Layer], master: torch.dtype, compute: torch.dtype,
                scale: float) -> tuple[SharedA, list[Slab]]:
     """A group of siblings' slabs of one rank (a group of one for a lone layer or an experts part):
     their A rows are slices of one shrink tensor."""
@@ -123,7 +124,7 @@ class Siblings:
 
     def take(self, layer: MultiLoraLinear, x: torch.Tensor, rank: int) -> torch.Tensor:
         """This layer's `scale * x @ A.T` for every token (its slot's A), [tokens, rank]."""
-        routes, key = self.context.routes, (self, rank)
+        routes, key = self.context.routes or {}, (self, rank)
         shrunk = self.context.shrunk.get(key)
         if shrunk is None or shrunk.x is not x or layer.sibling in shrunk.taken:
             route = routes[(self.kind, rank)]
@@ -141,6 +142,10 @@ class Siblings:
 class MultiLoraLinear(nn.Module):
     """Wraps a frozen Linear; holds the slabs of every rank class for it."""
 
+    device: torch.device
+    dtype: torch.dtype
+    siblings: Siblings
+
     def __init__(self, base: nn.Linear, name: str, context: PassContext, split: Split | None = None):
         super().__init__()
         self.base = base
@@ -155,9 +160,8 @@ class MultiLoraLinear(nn.Module):
         # does not let a custom Function change in place: the LoRA adds into a copy of it.
         self.copy_output = isinstance(base.weight, DTensor)
         self.device, self.dtype = base.weight.device, base.weight.dtype
-        self.siblings: Siblings | None = None
         self.sibling = 0
-        Siblings([self], context)  # alone until MultiLoraModel groups it with its siblings
+        Siblings([self], context)  # alone until MultiLoraModel groups it with its siblings (sets `siblings`)
 
     # What MultiLoraModel keeps slabs through (batcher.engine.expert_lora.ExpertPart has the same).
 
@@ -180,7 +184,7 @@ class MultiLoraLinear(nn.Module):
         return state[f"base_model.model.{path}.lora_A.weight"], state[f"base_model.model.{path}.lora_B.weight"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        y: torch.Tensor = self.base(x)
         routes = self.context.routes
         if not routes:
             return y
@@ -204,18 +208,21 @@ class Shrink(torch.autograd.Function):
     before the gradients of A and of the input are taken."""
 
     @staticmethod
-    def forward(ctx, x, route: Route, shrink: SharedA, split: Split | None, trigger):
+    def forward(ctx: Any, x: torch.Tensor, route: Route, shrink: SharedA, split: Split | None,
+                trigger: torch.Tensor) -> tuple[torch.Tensor, ...]:
         A_c = shrink.A_c
         x2 = x.reshape(-1, x.shape[-1]).to(A_c.dtype)
         mode = _mode(route, x2, shrink.rank, A_c.shape[2])
         A_g = None
+        if mode != "loop":
+            offsets, slots = route.device()
         if mode == "equal":
-            A_g = A_c.index_select(0, route.slots)
+            A_g = A_c.index_select(0, slots)
             xa = torch.bmm(x2.view(len(route.runs), -1, x2.shape[1]), A_g.transpose(1, 2)).mul_(shrink.scale)
             xa = xa.view(-1, xa.shape[2])
         elif mode == "grouped":
-            A_g = A_c.index_select(0, route.slots)
-            xa = grouped_mm(x2, A_g.transpose(1, 2), offs=route.offsets).mul_(shrink.scale)
+            A_g = A_c.index_select(0, slots)
+            xa = grouped_mm(x2, A_g.transpose(1, 2), offs=offsets).mul_(shrink.scale)
         else:
             xa = x2.new_zeros((x2.shape[0], A_c.shape[1]))
             zero = A_c.shape[0] - 1
@@ -229,7 +236,7 @@ class Shrink(torch.autograd.Function):
         return tuple(xa.split(shrink.rank, dim=1))
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
         x2, A_g = ctx.saved_tensors
         route, shrink, split = ctx.route, ctx.shrink, ctx.split
         h = torch.cat(grads, dim=1).mul_(shrink.scale) if len(grads) > 1 else grads[0] * shrink.scale
@@ -253,7 +260,7 @@ class Shrink(torch.autograd.Function):
             for slot, s, e in route.runs:
                 if slot == zero:
                     continue
-                if want_x:
+                if grad_x is not None:
                     torch.mm(h[s:e], shrink.A_c[slot], out=grad_x[s:e])
                 shrink.gA[slot].addmm_(h[s:e].T.to(shrink.gA.dtype), x2[s:e].to(shrink.gA.dtype))
         if grad_x is not None:
@@ -270,20 +277,21 @@ class Expand(torch.autograd.Function):
     lm_head it saves an output-sized temporary."""
 
     @staticmethod
-    def forward(ctx, y, xa, route: Route, slab: Slab):
+    def forward(ctx: Any, y: torch.Tensor, xa: torch.Tensor, route: Route, slab: Slab) -> torch.Tensor:
         y2 = y.view(-1, y.shape[-1])
         mode = _mode(route, xa, slab.B.shape[2], slab.B.shape[1])
         B_g = None
-        if mode != "loop":
-            B_g = slab.B_c.index_select(0, route.slots)
         if mode == "equal":
+            B_g = slab.B_c.index_select(0, route.device()[1])
             xa3 = xa.unflatten(0, (len(route.runs), -1))
             if y2.dtype == xa.dtype:
                 y2.view(len(route.runs), -1, y2.shape[1]).baddbmm_(xa3, B_g.transpose(1, 2))
             else:
                 y2.add_(torch.bmm(xa3, B_g.transpose(1, 2)).view_as(y2).to(y2.dtype))
         elif mode == "grouped":
-            y2.add_(grouped_mm(xa, B_g.transpose(1, 2), offs=route.offsets).to(y.dtype))
+            offsets, slots = route.device()
+            B_g = slab.B_c.index_select(0, slots)
+            y2.add_(grouped_mm(xa, B_g.transpose(1, 2), offs=offsets).to(y.dtype))
         else:
             for slot, s, e in route.runs:
                 if slot == slab.zero_slot:
@@ -298,7 +306,7 @@ class Expand(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, grad_y):
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         xa, B_g = ctx.saved_tensors
         route, slab = ctx.route, ctx.slab
         g = grad_y.reshape(-1, grad_y.shape[-1]).to(xa.dtype).contiguous()  # (a sum's gradient is expanded)
@@ -319,6 +327,10 @@ class Expand(torch.autograd.Function):
                 torch.mm(g[s:e], slab.B_c[slot], out=grad_xa[s:e])
                 slab.gB[slot].addmm_(g[s:e].T.to(slab.gB.dtype), xa[s:e].to(slab.gB.dtype))
         return grad_y, grad_xa, None, None
+
+
+# A layer the slabs are kept through: a wrapped Linear, or one projection of a MoE block's experts.
+Layer = MultiLoraLinear | expert_lora.ExpertPart
 
 
 @dataclass
@@ -351,7 +363,7 @@ class MultiLoraModel:
         `shared_input`: the groups of sibling names that share one shrink (none: a shrink per layer)."""
         self.model = model
         self.context = PassContext()
-        self.layers: dict[str, MultiLoraLinear | expert_lora.ExpertPart] = {}
+        self.layers: dict[str, Layer] = {}
         splits = splits or {}
         for path, module in list(model.named_modules()):
             if isinstance(module, nn.Linear) and path.rsplit(".", 1)[-1] in target_names:
@@ -366,8 +378,8 @@ class MultiLoraModel:
         # The shared shrinks' route keys and the kinds each covers (every layer of a kind shares one route).
         self.shared_kinds: dict[str, frozenset[str]] = {}
         for paths in self.groups:
-            if len(paths) > 1:
-                siblings = Siblings([self.layers[p] for p in paths], self.context)
+            if len(paths) > 1:  # (only Linears are grouped: `_groups`)
+                siblings = Siblings([_linear(self.layers[p]) for p in paths], self.context)
                 self.shared_kinds[siblings.kind] = frozenset(m.kind for m in siblings.members)
         first = next(iter(self.layers.values()), None)
         self.device = first.device if first is not None else torch.device("cpu")
@@ -384,7 +396,7 @@ class MultiLoraModel:
         parent fed one input (`shared_input`, of one width and split) share their A tensor and their
         shrink; every other layer (an experts part too) is a group of one."""
         groups: list[list[str]] = []
-        by: dict[tuple, list[str]] = {}
+        by: dict[tuple[str, tuple[str, ...], int, str | None], list[str]] = {}
         for path, layer in self.layers.items():
             names = next((g for g in shared_input if layer.kind in g), None)
             if names is None or not isinstance(layer, MultiLoraLinear):
@@ -462,7 +474,7 @@ class MultiLoraModel:
             slab.B[slot].copy_(B.data)
             grads = A.grad, B.grad
             A.data, B.data = slab.A[slot], slab.B[slot]
-            if grads[0] is not None:
+            if grads[0] is not None and grads[1] is not None:
                 slab.gA[slot].copy_(grads[0])
                 slab.gB[slot].copy_(grads[1])
                 A.grad, B.grad = slab.gA[slot], slab.gB[slot]
@@ -569,7 +581,7 @@ class MultiLoraModel:
         does not train are zero, and their expands send its tokens to the zero row). Every adapter
         must be resident."""
         present = {a for a, _, _ in runs if a is not None}
-        wanted = [(kind, {kind}) for kind in kinds]
+        wanted = [(kind, frozenset({kind})) for kind in kinds]
         wanted += [(key, members) for key, members in self.shared_kinds.items() if members <= set(kinds)]
         out = {}
         for rank, cls in self.classes.items():
@@ -643,7 +655,7 @@ class MultiLoraModel:
             whole = [t for path in ad.layers for t in self.layers[path].unpeft(path, state)]
         except KeyError as exc:
             raise ValueError(f"checkpoint tensors do not match the model: missing {exc.args[0]}") from None
-        known = set()
+        known: set[str] = set()
         for i, path in enumerate(ad.layers):
             known |= self.layers[path].peft(path, whole[2 * i], whole[2 * i + 1]).keys()
         if state.keys() - known:
@@ -651,7 +663,7 @@ class MultiLoraModel:
         local = []
         for i, (param, t, (split, axis)) in enumerate(zip(ad.params, whole, self.shares(name))):
             shape = list(param.shape)
-            if axis is not None:
+            if split is not None and axis is not None:
                 shape[axis] *= split.count
             if list(t.shape) != shape:
                 raise ValueError(f"{ad.layers[i // 2]} lora_{'AB'[i % 2]}: checkpoint shape {tuple(t.shape)} "
@@ -661,6 +673,12 @@ class MultiLoraModel:
             for param, t in zip(ad.params, local):
                 param.copy_(t)
         self.changed(name)
+
+
+def _linear(layer: Layer) -> MultiLoraLinear:
+    if not isinstance(layer, MultiLoraLinear):
+        raise TypeError(f"{layer.kind} is not a wrapped Linear")
+    return layer
 
 
 def gather(split: Split | None, t: torch.Tensor, axis: int | None) -> torch.Tensor:
