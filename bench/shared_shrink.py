@@ -35,8 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fused_step import (SHAPES, build, datum, eagerly, grid_parser, interleaved, launches,  # noqa: E402
-                        requests, run)
+from fused_step import SHAPES, build, datum, eagerly, grid_parser, interleaved, launches, requests, run  # noqa: E402
 
 from batcher.engine.backend import LoraBackend  # noqa: E402
 from core.work import LoraShape  # noqa: E402

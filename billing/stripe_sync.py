@@ -126,8 +126,8 @@ def plan_events(totals: list[WindowTotal], planned: dict[tuple[str, str, datetim
                 events.append(PlannedEvent(identifier(w.customer_id, name, w.window_start, rev), w.tenant_id,
                                            w.customer_id, name, w.window_start, rev, delta))
             elif delta < 0:
-                anomalies.append(f"{w.tenant_id} {name} {w.window_start.astimezone(UTC):%Y-%m-%dT%H}Z: outbox holds {so_far.value}, "
-                                 f"ledger {total}")
+                anomalies.append(f"{w.tenant_id} {name} {w.window_start.astimezone(UTC):%Y-%m-%dT%H}Z: "
+                                 f"outbox holds {so_far.value}, ledger {total}")
     return events, anomalies
 
 

@@ -21,10 +21,9 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from checkpoints.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 

@@ -121,8 +121,8 @@ class SweepResult:
 
 
 def sweep(conn: psycopg.Connection, store: LocalStore, *, batch: int = 500) -> SweepResult:
-    """(`conn` with dict rows, as `core.db.connect` gives.) Expire checkpoints past `expires_at` (their directories become due at once), then delete up
-    to `batch` due directories and forget them."""
+    """(`conn` with dict rows, as `core.db.connect` gives.) Expire checkpoints past `expires_at` (their
+    directories become due at once), then delete up to `batch` due directories and forget them."""
     with conn.transaction():
         gone = conn.execute(
             "WITH gone AS (DELETE FROM checkpoints WHERE expires_at <= now() "

@@ -137,7 +137,7 @@ class Outcome:
         return {"status": "done", "body": json.dumps(self.result, separators=(",", ":"), allow_nan=False)}
 
     @classmethod
-    def decode(cls, request_id: str, fields: dict) -> "Outcome":
+    def decode(cls, request_id: str, fields: dict) -> Outcome:
         body = _text(fields, "body")
         stored = {"tenant_id": _text(fields, "tenant"), "kind": _text(fields, "kind"), "body": body}
         if _text(fields, "status") == "failed":

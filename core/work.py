@@ -21,9 +21,10 @@ Torch-free and I/O-free: the API, both workers, the simulator and the tests impo
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 from core.loss_spec import LossConfig
 

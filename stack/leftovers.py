@@ -120,7 +120,7 @@ def stop_recorded(data_dir: Path, *, grace_s: float = STOP_GRACE_S) -> list[str]
     for entry, _ in entries:
         _signal(entry, entry.stop_signal)
     deadline = time.monotonic() + grace_s
-    for entry, proc in entries:
+    for _entry, proc in entries:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except psutil.TimeoutExpired:
