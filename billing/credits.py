@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import date
 
 import psycopg
+from psycopg.rows import DictRow
 
 from tenancy import accounts
 
@@ -56,7 +57,7 @@ _GRANT = ("INSERT INTO credit_grants (tenant_id, amount_micro_usd, category, rea
           "VALUES (%s, %s, %s, %s, %s) RETURNING id")
 
 
-async def credit_state(conn: psycopg.AsyncConnection, tenant_id: str) -> tuple[CreditState, list[dict]]:
+async def credit_state(conn: psycopg.AsyncConnection[DictRow], tenant_id: str) -> tuple[CreditState, list[dict]]:
     """The tenant's credit state and its grants, newest first."""
     grants = [(r["day"], r["amount_micro_usd"]) for r in await (await conn.execute(_GRANTS, (tenant_id,))).fetchall()]
     usage = [(r["day"], r["cost"]) for r in await (await conn.execute(_USAGE, (tenant_id, tenant_id))).fetchall()]
@@ -74,7 +75,7 @@ def check_grant(amount_micro_usd: int, category: str, reason: str) -> None:
         raise ValueError("reason: say why the credit is granted (1 to 500 characters)")
 
 
-def grant(conn: psycopg.Connection, tenant_id: str, amount_micro_usd: int, category: str, reason: str,
+def grant(conn: psycopg.Connection[DictRow], tenant_id: str, amount_micro_usd: int, category: str, reason: str,
           actor: str) -> int:
     """Grant credit (the CLI) and record it in the audit log, in the caller's transaction; returns
     the grant's id."""
@@ -84,7 +85,7 @@ def grant(conn: psycopg.Connection, tenant_id: str, amount_micro_usd: int, categ
     return grant_id
 
 
-async def grant_async(conn: psycopg.AsyncConnection, tenant_id: str, amount_micro_usd: int, category: str,
+async def grant_async(conn: psycopg.AsyncConnection[DictRow], tenant_id: str, amount_micro_usd: int, category: str,
                       reason: str, actor: str) -> int:
     """Async form of `grant` (the operator API)."""
     check_grant(amount_micro_usd, category, reason)
@@ -104,7 +105,7 @@ _UNSENT = ("SELECT g.id, g.amount_micro_usd, g.category, g.reason, b.stripe_cust
            "WHERE NOT EXISTS (SELECT 1 FROM credit_grant_stripe s WHERE s.grant_id = g.id) ORDER BY g.id")
 
 
-def send_to_stripe(conn: psycopg.Connection, gateway) -> int:
+def send_to_stripe(conn: psycopg.Connection[DictRow], gateway) -> int:
     """Send grants Stripe has not got yet as Billing credit grants (whole cents, rounded down: Stripe
     never applies more than was granted); returns how many went. Part of the Stripe sync."""
     sent = 0

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import DictRow, dict_row
 
 from billing import credits
 from billing.customers import ensure_all_customers
@@ -183,11 +183,11 @@ class SyncReport:
                 f"to review {self.to_review}, still pending {self.left_pending}")
 
 
-def _connect(db_url: str) -> psycopg.Connection:
+def _connect(db_url: str) -> psycopg.Connection[DictRow]:
     return psycopg.connect(db_url, autocommit=True, row_factory=dict_row)
 
 
-def ensure_meters(conn: psycopg.Connection, gateway: StripeGateway, settings: BillingSettings) -> int:
+def ensure_meters(conn: psycopg.Connection[DictRow], gateway: StripeGateway, settings: BillingSettings) -> int:
     """Look our meters up in Stripe (one list call), create missing ones if allowed, and record
     their ids (reconciliation asks Stripe for summaries by meter id). Returns how many were created."""
     found = gateway.find_meters()
@@ -207,7 +207,7 @@ def ensure_meters(conn: psycopg.Connection, gateway: StripeGateway, settings: Bi
     return created
 
 
-def plan(conn: psycopg.Connection, settings: BillingSettings, as_of: datetime | None) -> tuple[int, list[str]]:
+def plan(conn: psycopg.Connection[DictRow], settings: BillingSettings, as_of: datetime | None) -> tuple[int, list[str]]:
     """Write new outbox rows for every sealed window whose ledger total moved; one transaction."""
     params = {"as_of": as_of or _db_now(conn), "settle": settings.billing_settle_s}
     with conn.transaction():
@@ -223,11 +223,11 @@ def plan(conn: psycopg.Connection, settings: BillingSettings, as_of: datetime | 
     return len(events), anomalies
 
 
-def _db_now(conn: psycopg.Connection) -> datetime:
+def _db_now(conn: psycopg.Connection[DictRow]) -> datetime:
     return conn.execute("SELECT now() AS now").fetchone()["now"]
 
 
-def send_pending(conn: psycopg.Connection, gateway: StripeGateway, settings: BillingSettings,
+def send_pending(conn: psycopg.Connection[DictRow], gateway: StripeGateway, settings: BillingSettings,
                  report: SyncReport) -> None:
     """Send every pending outbox row, oldest window first (see the module docstring)."""
     rows = conn.execute(

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import DictRow, dict_row
 
 from billing.pricing import MICRO_PER_USD, UNITS, usd
 from core.errors import InvalidInput
@@ -91,7 +91,7 @@ async def report(conn, tenant_id: str, since: date, until: date) -> UsageSummary
     return summarize(await cur.fetchall(), since, until)
 
 
-def report_sync(conn: psycopg.Connection, tenant_id: str, since: date, until: date) -> UsageSummary:
+def report_sync(conn: psycopg.Connection[DictRow], tenant_id: str, since: date, until: date) -> UsageSummary:
     with conn.cursor(row_factory=dict_row) as cur:
         return summarize(cur.execute(_ROWS, (tenant_id, since, until)).fetchall(), since, until)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psycopg
+from psycopg.rows import DictRow
 
 if TYPE_CHECKING:
     from checkpoints.storage import LocalStore
@@ -100,7 +101,7 @@ def orphan_dirs(checkpoint_dir: Path, live: set[Path], queued: set[Path], *, old
     return sorted(out)
 
 
-def sweep_orphans(conn: psycopg.Connection, store: LocalStore, *, min_age_s: float = ORPHAN_MIN_AGE_S) -> int:
+def sweep_orphans(conn: psycopg.Connection[DictRow], store: LocalStore, *, min_age_s: float = ORPHAN_MIN_AGE_S) -> int:
     """Delete the orphaned versions the store finds (hourly): `orphan_dirs` under this machine's
     checkpoint directory, and with S3 the bucket's versions no row names."""
     named = {r["storage_path"] for r in conn.execute("SELECT storage_path FROM checkpoints")}
@@ -120,7 +121,7 @@ class SweepResult:
     removed: int  # directories deleted
 
 
-def sweep(conn: psycopg.Connection, store: LocalStore, *, batch: int = 500) -> SweepResult:
+def sweep(conn: psycopg.Connection[DictRow], store: LocalStore, *, batch: int = 500) -> SweepResult:
     """(`conn` with dict rows, as `core.db.connect` gives.) Expire checkpoints past `expires_at` (their
     directories become due at once), then delete up to `batch` due directories and forget them."""
     with conn.transaction():

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 import psycopg
+from psycopg.rows import DictRow
 
 from bases import catalog
 from billing.ledger import settle
@@ -88,7 +89,7 @@ class GenWorker:
         self.stopping = False
         self._deltas: asyncio.Queue = asyncio.Queue()
         self.max_result_bytes = get_tenancy_settings().max_result_bytes
-        self._conn: psycopg.Connection | None = None
+        self._conn: psycopg.Connection[DictRow] | None = None
         self.heartbeat = health.Heartbeat(sync_redis, health.gen_key(base_model, self.replica))
 
     # ------------------------------------------------------------------ loop
@@ -231,7 +232,7 @@ class GenWorker:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _db(self) -> psycopg.Connection:
+    def _db(self) -> psycopg.Connection[DictRow]:
         # Only ever used from the consumer's write thread.
         self._conn = db.live_connection(self._conn, self.db_url,
                                         db.session_name("gen", self.replica, self.base_model) if self.replica else "")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,17 +33,21 @@ from core.errors import InvalidInput
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
+# `backend`, `lora`, `adapter` and `split` below are the engine's own objects (batcher.engine.backend and
+# multilora: the trainer, its MultiLoRA, an adapter's state, a rank's Split), left Any while those modules are
+# carved under issue 61.
+
 
 def is_sharded(directory: str | Path) -> bool:
     """Whether a snapshot directory was written here (else it is a PEFT training checkpoint)."""
     return (Path(directory) / ".metadata").is_file()
 
 
-def _names(lora, name: str) -> list[str]:
+def _names(lora: Any, name: str) -> list[str]:
     return [f"{path}.lora_{which}" for path in lora.adapters[name].layers for which in "AB"]
 
 
-def _shared(t: torch.Tensor, split, axis: int | None) -> torch.Tensor:
+def _shared(t: torch.Tensor, split: Any, axis: int | None) -> torch.Tensor:
     """A rank's share as the DTensor of the whole it is part of (a whole tensor as it is)."""
     if split is None or axis is None:
         return t
@@ -52,23 +57,23 @@ def _shared(t: torch.Tensor, split, axis: int | None) -> torch.Tensor:
                               stride=torch.empty(shape, device="meta").stride())
 
 
-def _state(lora, adapter, *, moments: bool, fresh: bool) -> dict:
+def _state(lora: Any, adapter: Any, *, moments: bool, fresh: bool) -> dict[str, torch.Tensor]:
     """The DCP state dict of an adapter: its shares (copies when `fresh`, to load into) and, with
     `moments`, its AdamW state."""
     shares = lora.shares(adapter.name)
-    state: dict = {}
+    state: dict[str, torch.Tensor] = {}
     for key, p, (split, axis) in zip(_names(lora, adapter.name), adapter.params, shares, strict=True):
         local = torch.zeros_like(p.data) if fresh else p.detach()
         state[key] = _shared(local, split, axis)
         if moments:
-            held = None if fresh else adapter.optimizer.state[p]
+            held: Any = None if fresh else adapter.optimizer.state[p]
             for m in MOMENTS:
                 state[f"moments.{key}.{m}"] = _shared(torch.zeros_like(p.data) if fresh else held[m], split, axis)
             state[f"moments.{key}.step"] = torch.zeros((), dtype=torch.float32) if fresh else held["step"].clone()
     return state
 
 
-def save(backend, model_id: str, directory: str) -> int:
+def save(backend: Any, model_id: str, directory: str) -> int:
     """Write the model's snapshot into `directory` from every rank of the gang (a collective: each
     rank calls it with the same directory); rank 0 writes the metadata and publishes it whole by a
     rename. Returns the bytes written (on rank 0; 0 elsewhere)."""
@@ -93,7 +98,7 @@ def save(backend, model_id: str, directory: str) -> int:
     return sum(f.stat().st_size for f in dest.iterdir())
 
 
-def load(backend, model_id: str, directory: str) -> None:
+def load(backend: Any, model_id: str, directory: str) -> None:
     """Load a sharded snapshot into an existing model of the same LoRA shape, resharded to this
     trainer's layout (every rank of a gang calls it; a single process alone)."""
     adapter = backend.adapters[model_id]
