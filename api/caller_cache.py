@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import psycopg
 from psycopg.rows import DictRow
@@ -53,7 +54,7 @@ class CallerCache:
         self.max_age_s = max_age_s
         self.live = False  # True only while the LISTEN connection is up
         self.generation = 0
-        self._entries: dict[str, dict[str, tuple[object, float]]] = {kind: {} for kind in self.KINDS}
+        self._entries: dict[str, dict[str, tuple[Any, float]]] = {kind: {} for kind in self.KINDS}
 
     def get(self, kind: str, name: str):
         entry = self._entries[kind].get(name)

@@ -10,6 +10,7 @@ import psycopg
 from psycopg.rows import DictRow, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
+from core import db
 from core.errors import Conflict, NotFound
 
 
@@ -75,9 +76,9 @@ def remove(conn: psycopg.Connection[DictRow], name: str) -> None:
                           (name,)).fetchone()
         if row is None:
             raise NotFound(f"base model {name!r} is not in the catalogue", field="name")
-        live, refs = cur.execute(
+        live, refs = db.one(cur.execute(
             "SELECT count(*) FILTER (WHERE status IN ('creating', 'ready', 'recovering')), count(*) "
-            "FROM training_models WHERE base_model = %s", (name,)).fetchone()
+            "FROM training_models WHERE base_model = %s", (name,)).fetchone())
         if live:
             raise Conflict(f"{live} training models of {name!r} are live; they must finish (or be deleted) "
                            "before the base can be removed", field="name")

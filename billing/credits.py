@@ -15,6 +15,7 @@ from datetime import date
 import psycopg
 from psycopg.rows import DictRow
 
+from core import db
 from tenancy import accounts
 
 MAX_GRANT_MICRO_USD = 10**9 * 10**6  # a billion USD: past any real grant, far inside bigint
@@ -80,7 +81,7 @@ def grant(conn: psycopg.Connection[DictRow], tenant_id: str, amount_micro_usd: i
     """Grant credit (the CLI) and record it in the audit log, in the caller's transaction; returns
     the grant's id."""
     check_grant(amount_micro_usd, category, reason)
-    grant_id = conn.execute(_GRANT, (tenant_id, amount_micro_usd, category, reason, actor)).fetchone()["id"]
+    grant_id = db.one(conn.execute(_GRANT, (tenant_id, amount_micro_usd, category, reason, actor)).fetchone())["id"]
     accounts.record(conn, tenant_id, actor, "credit.granted", **_detail(grant_id, amount_micro_usd, category, reason))
     return grant_id
 
@@ -90,7 +91,7 @@ async def grant_async(conn: psycopg.AsyncConnection[DictRow], tenant_id: str, am
     """Async form of `grant` (the operator API)."""
     check_grant(amount_micro_usd, category, reason)
     cur = await conn.execute(_GRANT, (tenant_id, amount_micro_usd, category, reason, actor))
-    grant_id = (await cur.fetchone())["id"]
+    grant_id = db.one(await cur.fetchone())["id"]
     await accounts.record_async(conn, tenant_id, actor, "credit.granted",
                                 **_detail(grant_id, amount_micro_usd, category, reason))
     return grant_id

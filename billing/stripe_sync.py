@@ -34,6 +34,7 @@ from psycopg.rows import DictRow, dict_row
 from billing import credits
 from billing.customers import ensure_all_customers
 from billing.stripe_api import StripeGateway
+from core import db
 from core.settings import BillingSettings
 
 log = logging.getLogger("quilt.billing.sync")
@@ -224,7 +225,7 @@ def plan(conn: psycopg.Connection[DictRow], settings: BillingSettings, as_of: da
 
 
 def _db_now(conn: psycopg.Connection[DictRow]) -> datetime:
-    return conn.execute("SELECT now() AS now").fetchone()["now"]
+    return db.one(conn.execute("SELECT now() AS now").fetchone())["now"]
 
 
 def send_pending(conn: psycopg.Connection[DictRow], gateway: StripeGateway, settings: BillingSettings,
@@ -270,8 +271,8 @@ def send_pending(conn: psycopg.Connection[DictRow], gateway: StripeGateway, sett
         if result.outcome == "abort" or retries_in_a_row >= MAX_CONSECUTIVE_RETRIES:
             log.warning("stopping this Stripe sync after: %s", result.message)
             break
-    report.left_pending = conn.execute(
-        "SELECT count(*) AS n FROM stripe_meter_events WHERE status = 'pending'").fetchone()["n"]
+    report.left_pending = db.one(conn.execute(
+        "SELECT count(*) AS n FROM stripe_meter_events WHERE status = 'pending'").fetchone())["n"]
 
 
 def sync(db_url: str, settings: BillingSettings, *, gateway: StripeGateway | None = None,
@@ -284,7 +285,7 @@ def sync(db_url: str, settings: BillingSettings, *, gateway: StripeGateway | Non
         return report
     gateway = gateway or StripeGateway(settings)
     with _connect(db_url) as conn:
-        if not conn.execute("SELECT pg_try_advisory_lock(%s) AS ok", (SYNC_LOCK_ID,)).fetchone()["ok"]:
+        if not db.one(conn.execute("SELECT pg_try_advisory_lock(%s) AS ok", (SYNC_LOCK_ID,)).fetchone())["ok"]:
             report.busy = True
             return report
         try:
@@ -423,7 +424,7 @@ def reconcile(db_url: str, settings: BillingSettings, *, gateway: StripeGateway 
         for r in conn.execute(_OUTBOX, params):
             line = lines.setdefault((r["tenant_id"], r["event_name"]),
                                     ReconcileLine(r["tenant_id"], customers.get(r["tenant_id"], "?"), r["event_name"]))
-            status = {"sent": "acknowledged"}.get(r["status"], r["status"])
+            status = "acknowledged" if r["status"] == "sent" else r["status"]
             setattr(line, status, getattr(line, status) + int(r["value"]))
         if gateway is not None:
             meter_ids = {r["event_name"]: r["stripe_meter_id"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
+from typing import Any
 
 import psycopg
 from psycopg.rows import DictRow, dict_row
@@ -138,8 +139,9 @@ ORDER BY u.hour LIMIT %s
 
 # Quilt's units as tinker's event types. Prefill is every token read without training on it: sampling
 # prompts and `forward` passes, both at the prefill rate; no prefill is served from a cache here.
-_EVENT_OF_UNIT = {"train": {"type": "training"}, "prefill": {"type": "sampling_prefill", "cached": False},
-                  "sample": {"type": "sampling_sample"}}
+_EVENT_OF_UNIT: dict[str, dict[str, Any]] = {
+    "train": {"type": "training"}, "prefill": {"type": "sampling_prefill", "cached": False},
+    "sample": {"type": "sampling_sample"}}
 
 
 def within_report_limit(rows: list[dict], start: datetime, limit: int = MAX_EVENT_ROWS) -> list[dict]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.rows import DictRow, dict_row
@@ -16,6 +16,16 @@ from core.settings import CoreSettings, get_core_settings
 #: The connections this project opens: all of them with dict rows (row_factory=dict_row).
 Conn = psycopg.Connection[DictRow]
 AsyncConn = psycopg.AsyncConnection[DictRow]
+
+_Row = TypeVar("_Row")
+
+
+def one(row: _Row | None) -> _Row:
+    """The row of a statement that always returns one (an aggregate, an INSERT ... RETURNING, a row
+    the transaction holds): `fetchone()`'s None ruled out."""
+    if row is None:
+        raise LookupError("the statement returned no row")
+    return row
 
 
 def resolve_url(settings: CoreSettings | None = None) -> str:

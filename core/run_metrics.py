@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,7 @@ class StepMetrics:
     """One row's content: the step (policy version) and metric name -> value (None: not finite)."""
 
     step: int
-    values: dict[str, float | None]
+    values: Mapping[str, float | None]
 
 
 def trainer_values(data: Sequence[Datum], result_metrics: dict[str, float]) -> dict[str, float | None]:

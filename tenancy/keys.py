@@ -13,7 +13,7 @@ from datetime import datetime
 import psycopg
 from psycopg.rows import DictRow
 
-from core import ids
+from core import db, ids
 from core.errors import NotFound
 
 PREFIX_LEN = 12  # "tml-" plus 8 characters: enough to tell keys apart in a listing
@@ -61,7 +61,7 @@ def create_key(conn: psycopg.Connection[DictRow], tenant_id: str, name: str = ""
     """Create a key for a tenant (the CLI's: an owner's unless `role` says less); returns (the
     secret, shown once; its record)."""
     secret, params = _new_secret(tenant_id, name, role, None, "cli")
-    return secret, KeyInfo(**conn.execute(_CREATE, params).fetchone())
+    return secret, KeyInfo(**db.one(conn.execute(_CREATE, params).fetchone()))
 
 
 def list_keys(conn: psycopg.Connection[DictRow], tenant_id: str) -> list[KeyInfo]:
@@ -81,7 +81,7 @@ async def create_key_async(conn: psycopg.AsyncConnection[DictRow], tenant_id: st
     (tenancy.roles.key_role), `member_id` the account it answers to."""
     secret, params = _new_secret(tenant_id, name, role, member_id, created_by)
     cur = await conn.execute(_CREATE, params)
-    return secret, KeyInfo(**await cur.fetchone())
+    return secret, KeyInfo(**db.one(await cur.fetchone()))
 
 
 async def list_keys_async(conn: psycopg.AsyncConnection[DictRow], tenant_id: str) -> list[KeyInfo]:

@@ -25,7 +25,7 @@ from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerifyMismatchError
 from psycopg.rows import DictRow
 
-from core import ids
+from core import db, ids
 from core.errors import Conflict, Forbidden, InvalidInput, NotFound, Unauthenticated
 from core.settings import get_api_settings
 from tenancy.keys import revoke_member_keys
@@ -133,8 +133,8 @@ async def remove(conn: psycopg.AsyncConnection[DictRow], tenant_id: str, member_
         "RETURNING email, role", (member_id, tenant_id))).fetchone()
     if row is None:
         raise NotFound("no such member of your tenant", field="member_id")
-    owners = await (await conn.execute("SELECT count(*) AS n FROM members WHERE tenant_id = %s AND role = 'owner' "
-                                       "AND removed_at IS NULL", (tenant_id,))).fetchone()
+    owners = db.one(await (await conn.execute("SELECT count(*) AS n FROM members WHERE tenant_id = %s "
+                                              "AND role = 'owner' AND removed_at IS NULL", (tenant_id,))).fetchone())
     if row["role"] == "owner" and owners["n"] == 0:
         raise Conflict("a tenant keeps at least one owner; make someone else owner first", field="member_id")
     return {**row, "revoked_keys": await revoke_member_keys(conn, member_id)}
@@ -210,7 +210,7 @@ def deliver(smtp_url: str, sender: str, to: str, subject: str, link: str) -> Non
     message = EmailMessage()
     message["From"], message["To"], message["Subject"] = sender, to, subject
     message.set_content(f"{subject}:\n\n{link}\n")
-    with smtplib.SMTP(url.hostname, url.port or 25, timeout=30) as smtp:
+    with smtplib.SMTP(url.hostname or "", url.port or 25, timeout=30) as smtp:  # (smtplib's default host is "")
         if url.username:
             smtp.starttls()
             smtp.login(url.username, url.password or "")

@@ -7,6 +7,7 @@ from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
 from checkpoints import retention
+from core import db
 from core.errors import Conflict, Forbidden, NotFound
 from core.queue import MAX_CLONE
 from tenancy.auth import Principal
@@ -171,7 +172,7 @@ async def count_live_models(conn: AsyncConnection[DictRow], who: Principal) -> i
         "SELECT count(*) AS n FROM training_models WHERE tenant_id = %s AND status IN ('creating', 'ready', 'recovering')",
         (who.tenant_id,),
     )
-    return (await cur.fetchone())["n"]
+    return db.one(await cur.fetchone())["n"]
 
 
 async def inflight_and_budgeted(conn: AsyncConnection[DictRow], who: Principal) -> tuple[int, bool]:
@@ -179,7 +180,7 @@ async def inflight_and_budgeted(conn: AsyncConnection[DictRow], who: Principal) 
     calling key (billing.budgets): admission's two reads in one statement, one round trip (a call
     on a model reads them with the model instead: `get_model(..., admission=True)`)."""
     cur = await conn.execute(f"SELECT {_ADMISSION_READS}", {"tenant": who.tenant_id, "key": who.key_id})
-    row = await cur.fetchone()
+    row = db.one(await cur.fetchone())
     return row["inflight"], row["budgeted"]
 
 
@@ -195,7 +196,7 @@ async def list_models(conn: AsyncConnection[DictRow], who: Principal, *, limit: 
     cur = await conn.execute(
         "SELECT count(*) AS n FROM training_models WHERE tenant_id = %s AND status <> 'deleted'", (who.tenant_id,)
     )
-    return [], (await cur.fetchone())["n"]
+    return [], db.one(await cur.fetchone())["n"]
 
 
 async def list_checkpoints(conn: AsyncConnection[DictRow], who: Principal, *, model_id: str | None = None,
@@ -213,7 +214,7 @@ async def checkpoint_bytes(conn: AsyncConnection[DictRow], who: Principal) -> in
     """The bytes of the caller's tenant's live checkpoints (its max_checkpoint_bytes quota)."""
     cur = await conn.execute(f"SELECT COALESCE(sum(size_bytes), 0)::bigint AS n FROM checkpoints "
                              f"WHERE tenant_id = %s AND {retention.LIVE}", (who.tenant_id,))
-    return (await cur.fetchone())["n"]
+    return db.one(await cur.fetchone())["n"]
 
 
 async def checkpoint_storage(conn: AsyncConnection[DictRow], who: Principal) -> list[dict]:

@@ -81,9 +81,9 @@ def list_tenants(conn: psycopg.Connection[DictRow]) -> list[Tenant]:
 def set_quota(conn: psycopg.Connection[DictRow], name: str, *, tokens_per_minute: int | None = None,
               max_inflight_requests: int | None = None, max_models: int | None = None) -> Tenant:
     """Change a tenant's quotas (the ones given); they apply from the tenant's next call."""
-    changes = {"tokens_per_minute": tokens_per_minute, "max_inflight_requests": max_inflight_requests,
-               "max_models": max_models}
-    changes = {k: v for k, v in changes.items() if v is not None}
+    given = {"tokens_per_minute": tokens_per_minute, "max_inflight_requests": max_inflight_requests,
+             "max_models": max_models}
+    changes = {k: v for k, v in given.items() if v is not None}
     for key, value in changes.items():
         if not 1 <= value <= INT32_MAX:
             raise InvalidInput(f"{key} must be in [1, {INT32_MAX}], got {value}", field=key)
