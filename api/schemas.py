@@ -213,7 +213,7 @@ class SaveWeightsRequest(_Body):
     @field_validator("path")
     @classmethod
     def _name(cls, value: str) -> str:
-        return _check_name(value)
+        return check_name(value, "checkpoint name")
 
 
 class SaveWeightsExternalRequest(_Body):
@@ -227,7 +227,7 @@ class SaveWeightsExternalRequest(_Body):
     @field_validator("path")
     @classmethod
     def _name(cls, value: str) -> str:
-        return _check_name(value)
+        return check_name(value, "checkpoint name")
 
 
 class CheckpointTtlRequest(_Body):
