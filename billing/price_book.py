@@ -12,6 +12,7 @@ import psycopg
 from psycopg.rows import DictRow, dict_row
 
 from billing.pricing import Price, size_rates
+from core import db
 
 _COLUMNS = ("id, base_model, effective_from, prefill_micro_usd_per_mtok, sample_micro_usd_per_mtok, "
             "train_micro_usd_per_mtok, note")
@@ -57,7 +58,7 @@ def add_price(conn: psycopg.Connection[DictRow], *, base_model: str, effective_f
             f"RETURNING {_COLUMNS}",
             (base_model, effective_from, prefill, sample, train, note),
         ).fetchone()
-    return _price(row)
+    return _price(db.one(row))
 
 
 async def list_prices(conn) -> list[Price]:
@@ -87,4 +88,4 @@ def ensure_size_price(conn: psycopg.Connection[DictRow], base) -> Price:
             (base.name, rates["prefill"], rates["sample"], rates["train"],
              f"from size: {base.num_parameters:,} parameters, {base.active_parameters:,} active"),
         ).fetchone()
-    return _price(row) if row else current_price_sync(conn, base.name)
+    return _price(row) if row else db.one(current_price_sync(conn, base.name))  # (a concurrent add won)

@@ -251,6 +251,7 @@ def _build_into(dest: Path, *, seed: int, spec: TinyModelSpec) -> None:
         model_max_length=spec.max_position_embeddings,
     )
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    assert isinstance(eos_id, int)  # one token in, one id out
     vocab_size = max(len(tokenizer), spec.pad_vocab_to)
 
     config = _config(spec, vocab_size=vocab_size, eos_id=eos_id)
