@@ -63,10 +63,10 @@ def prompt_stop(prompt: Prompt | Observation) -> str | tuple | None:
     stop = prompt.stop if isinstance(prompt, Observation) else None
     if stop is None or isinstance(stop, str):
         return stop
-    stop = tuple(stop)
-    if not (all(isinstance(s, str) for s in stop) or all(isinstance(s, int) and not isinstance(s, bool) for s in stop)):
+    stops = tuple(stop)
+    if not (all(isinstance(s, str) for s in stops) or all(isinstance(s, int) and not isinstance(s, bool) for s in stops)):
         raise ValueError("a stop condition is a string, strings, or token ids")
-    return stop
+    return stops
 
 
 @dataclass(frozen=True)
