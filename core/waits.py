@@ -71,7 +71,7 @@ class TimedConnection(psycopg.AsyncConnection[DictRow]):
 class TimedPool(AsyncConnectionPool[psycopg.AsyncConnection[DictRow]]):
     """A pool whose checkouts count as waits for a connection."""
 
-    async def getconn(self, timeout: float | None = None) -> psycopg.AsyncConnection[DictRow]:
+    async def getconn(self, timeout: float | None = None) -> psycopg.AsyncConnection[DictRow]:  # noqa: ASYNC109 - the pool's
         with _timed(POOL):
             return await super().getconn(timeout)
 
