@@ -54,6 +54,7 @@ import logging
 from dataclasses import dataclass, replace
 
 from psycopg import AsyncConnection
+from psycopg.rows import DictRow
 from redis.asyncio import Redis
 
 from api import admission_rule as rule
@@ -132,7 +133,7 @@ class Ticket:
         return self.item.n_tokens if self.rate_tokens is None else self.rate_tokens
 
 
-async def usable_model(conn: AsyncConnection, who: Principal, model_id: str, *, seq_id: int | None = None) -> dict:
+async def usable_model(conn: AsyncConnection[DictRow], who: Principal, model_id: str, *, seq_id: int | None = None) -> dict:
     """The caller's model, if requests may still be queued on it (else 404 / 400); with `seq_id`,
     the row also names the request already holding that seq_id, and carries admission's own reads
     (tenancy.scoped.get_model). So the call's next wait is its insert."""
@@ -162,7 +163,7 @@ def facts(who: Principal, ticket: Ticket) -> rule.Facts:
         inflight=quota[0], budgeted=quota[1])
 
 
-async def _judge(conn: AsyncConnection, who: Principal, f: rule.Facts) -> rule.Admit | rule.Resume:
+async def _judge(conn: AsyncConnection[DictRow], who: Principal, f: rule.Facts) -> rule.Admit | rule.Resume:
     """`rule.decide`, reading what it asks for until it decides; a refusal is raised."""
     while True:
         decision = rule.decide(f)
@@ -182,7 +183,7 @@ async def _judge(conn: AsyncConnection, who: Principal, f: rule.Facts) -> rule.A
             f = replace(f, budgets=tuple(states), month=month)
 
 
-async def admit_call(conn: AsyncConnection, redis: Redis, who: Principal, item: WorkItem) -> str:
+async def admit_call(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, item: WorkItem) -> str:
     """Admit `item`, a call on an existing model (`item.model_id`, `item.seq_id`; see the module
     docstring): one statement reads the model and writes the call's row when nothing in the model's
     row can refuse it, else `admit` judges that row. Returns the request id, as `admit`."""
@@ -201,7 +202,7 @@ async def admit_call(conn: AsyncConnection, redis: Redis, who: Principal, item: 
     return await _append(conn, redis, who, ticket, item)
 
 
-async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Ticket) -> str:
+async def admit(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, ticket: Ticket) -> str:
     """Admit one call (see the module docstring); returns its request id, or the id of the request
     a retry of the same call already made. Commits `conn`."""
     item, slot = ticket.item, ticket.slot
@@ -253,7 +254,7 @@ async def admit(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Tic
     return await _append(conn, redis, who, ticket, item)
 
 
-async def _resume(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Ticket, request_id: str,
+async def _resume(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, ticket: Ticket, request_id: str,
                   status: str | None) -> str:
     """A retried call: its request `request_id` exists. While that is still queued its entry is
     appended, unless it already was (`queue.enqueue` appends once per request id)."""
@@ -262,7 +263,7 @@ async def _resume(conn: AsyncConnection, redis: Redis, who: Principal, ticket: T
     return request_id
 
 
-async def _append(conn: AsyncConnection, redis: Redis, who: Principal, ticket: Ticket, item: WorkItem) -> str:
+async def _append(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, ticket: Ticket, item: WorkItem) -> str:
     """Append the entry of `item`, whose row is committed, taking its tokens per minute in the same
     step; when the bucket cannot hold them yet, delete the row (freeing its slot) and answer 429."""
     bucket = rate_limit.bucket(who, ticket.tokens) if ticket.check_quota else None
@@ -282,7 +283,7 @@ async def _append(conn: AsyncConnection, redis: Redis, who: Principal, ticket: T
     raise rule.rate_refusal(who, ticket.tokens, wait_s)
 
 
-async def _unadmit(conn: AsyncConnection, redis: Redis, ticket: Ticket, item: WorkItem) -> None:
+async def _unadmit(conn: AsyncConnection[DictRow], redis: Redis, ticket: Ticket, item: WorkItem) -> None:
     """Undo the admission of a call whose entry was refused: its row goes (freeing its seq_id) and
     its sampling slot too, so the client's retry is admitted afresh."""
     await records.delete_refused(conn, item.request_id)
@@ -291,7 +292,7 @@ async def _unadmit(conn: AsyncConnection, redis: Redis, ticket: Ticket, item: Wo
         await redis.delete(ticket.slot.key)
 
 
-async def _stream(conn: AsyncConnection, redis: Redis, ticket: Ticket, item: WorkItem) -> str | None:
+async def _stream(conn: AsyncConnection[DictRow], redis: Redis, ticket: Ticket, item: WorkItem) -> str | None:
     """Where an item goes when it is not the default stream of its kind: a sample group to its
     generation replica, a training call to its model's trainer shard (as the model's row read for
     this call said; read here only for a model placed before shards, which is placed now)."""
@@ -306,14 +307,14 @@ async def _stream(conn: AsyncConnection, redis: Redis, ticket: Ticket, item: Wor
         conn, item.model_id, lambda: _place(conn, redis, base_model, item.model_id)))
 
 
-async def _new_model_shard(conn: AsyncConnection, redis: Redis, ticket: Ticket) -> str | None:
+async def _new_model_shard(conn: AsyncConnection[DictRow], redis: Redis, ticket: Ticket) -> str | None:
     """The trainer shard a new model is placed on (with QUILT_TRAINER_SHARDS above 1)."""
     if get_core_settings().trainer_shards <= 1:
         return None
     return await _place(conn, redis, ticket.base_model, ticket.item.model_id)
 
 
-async def _place(conn: AsyncConnection, redis: Redis, base_model: str, model_id: str) -> str:
+async def _place(conn: AsyncConnection[DictRow], redis: Redis, base_model: str, model_id: str) -> str:
     """The least loaded open shard (scaleout.placement); while none is (all restarting or draining),
     one fixed by the model id, whose calls wait in its stream for it, or are moved on."""
     shards = get_core_settings().trainer_shards

@@ -68,9 +68,10 @@ def _add_schema_components(app: FastAPI, components: dict) -> None:
             schemas = build().setdefault("components", {}).setdefault("schemas", {})
             for name, schema in components.items():
                 schemas.setdefault(name, schema)
+        assert app.openapi_schema is not None  # build() keeps what it made there
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's way to extend the schema it generates
 
 
 def create_app() -> FastAPI:

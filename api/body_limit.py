@@ -15,6 +15,7 @@ import json
 import zlib
 
 import zstandard
+from starlette.types import Receive, Scope, Send
 
 _CHUNK = 1 << 16
 
@@ -75,7 +76,7 @@ class BodyLimitMiddleware:
     def _too_large(self, what: str) -> str:
         return f"request body {what}exceeds the limit of {self.max_bytes} bytes; split the request"
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         encodings: list[str] = []

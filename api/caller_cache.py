@@ -25,8 +25,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import psycopg
+from psycopg.rows import DictRow
 
 from bases import catalog
 from bases.catalog import BaseModel
@@ -52,7 +54,7 @@ class CallerCache:
         self.max_age_s = max_age_s
         self.live = False  # True only while the LISTEN connection is up
         self.generation = 0
-        self._entries: dict[str, dict[str, tuple[object, float]]] = {kind: {} for kind in self.KINDS}
+        self._entries: dict[str, dict[str, tuple[Any, float]]] = {kind: {} for kind in self.KINDS}
 
     def get(self, kind: str, name: str):
         entry = self._entries[kind].get(name)
@@ -93,7 +95,7 @@ class CallerCache:
 
 
 @asynccontextmanager
-async def changing(pool, callers: CallerCache) -> AsyncIterator[psycopg.AsyncConnection]:
+async def changing(pool, callers: CallerCache) -> AsyncIterator[psycopg.AsyncConnection[DictRow]]:
     """A connection for a change to what the cache holds (a tenant's quotas or suspension, a key):
     once it commits, this process forgets all it cached. Such changes are rare and whole-cache
     forgetting needs no knowledge of which entries they touch; other processes follow on the
@@ -115,7 +117,7 @@ async def spend(callers: CallerCache, pool, tenant_id: str) -> int:
     return spent
 
 
-async def base_model(callers: CallerCache, conn: psycopg.AsyncConnection, name: str) -> BaseModel | None:
+async def base_model(callers: CallerCache, conn: psycopg.AsyncConnection[DictRow], name: str) -> BaseModel | None:
     """A base by name (`bases.catalog.get_model`), from the cache when it holds it."""
     found = callers.get("base", name)
     if found is None:
@@ -133,7 +135,7 @@ def cached_model(callers: CallerCache, who: Principal, model_id: str) -> dict | 
     return model if model is not None and model["tenant_id"] == who.tenant_id else None
 
 
-async def training_model(callers: CallerCache, conn: psycopg.AsyncConnection, who: Principal, model_id: str) -> dict:
+async def training_model(callers: CallerCache, conn: psycopg.AsyncConnection[DictRow], who: Principal, model_id: str) -> dict:
     """`who`'s training model's row (404 if not theirs), from the cache when it holds it. Its
     status may lag a change by a notification's trip: what admits work reads it again."""
     model = cached_model(callers, who, model_id)

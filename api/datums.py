@@ -9,6 +9,7 @@ Each error names the field (`data[3].loss_fn_inputs.weights`) and the limit it b
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ class RawTensor:
 
 @dataclass(frozen=True)
 class RawDatum:
-    tokens: list[int]
+    tokens: Sequence[int | float]  # as sent: `normalise` checks that they are token ids
     inputs: dict[str, RawTensor]
     policy_version: int | None = None  # the sampler's policy version, for staleness accounting
 
@@ -47,7 +48,7 @@ def _token_error(field: str, token: object, vocab: int) -> InvalidInput:
     return InvalidInput(f"{field}: token id {token!r} is outside the vocabulary [0, {vocab})", field=field)
 
 
-def _check_tokens(field: str, tokens: list, vocab: int) -> list[int]:
+def _check_tokens(field: str, tokens: Sequence[int | float], vocab: int) -> list[int]:
     for t in tokens:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
             # JSON may carry 3.0 for 3; accept exact integers only.

@@ -17,12 +17,13 @@ from redis.asyncio import Redis
 from api import caller_cache
 from api.caller_cache import CallerCache
 from core import db
+from core.db import AsyncConn
 from core.settings import ApiSettings, get_api_settings
 from tenancy.auth import Principal, authenticate, missing_key
 from tenancy.keys import hash_key
 
 
-async def _pool(request: Request) -> AsyncConnectionPool:
+async def _pool(request: Request) -> AsyncConnectionPool[AsyncConn]:
     return request.app.state.pool
 
 
@@ -38,7 +39,7 @@ async def _settings() -> ApiSettings:
     return get_api_settings()
 
 
-Pool = Annotated[AsyncConnectionPool, Depends(_pool)]
+Pool = Annotated[AsyncConnectionPool[AsyncConn], Depends(_pool)]
 RedisDep = Annotated[Redis, Depends(_redis)]
 Callers = Annotated[CallerCache, Depends(_callers)]
 Settings = Annotated[ApiSettings, Depends(_settings)]

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
+from typing import Any
 
 from fastapi.routing import APIRoute
 from starlette.requests import Request
@@ -71,6 +73,7 @@ def check_value(value, where: str = "") -> None:
     stack = [(value, where, 1)]
     while stack:
         node, path, depth = stack.pop()
+        children: Iterable[tuple[Any, Any]]
         if isinstance(node, dict):
             children = node.items()
         elif isinstance(node, list):

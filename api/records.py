@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import anyio
 from psycopg import AsyncConnection
 from psycopg.pq import TransactionStatus
+from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
 from core.errors import QuotaExceeded
@@ -30,7 +31,7 @@ class NewModel:
 
 
 @asynccontextmanager
-async def quota_lock(conn: AsyncConnection, tenant_id: str) -> AsyncIterator[None]:
+async def quota_lock(conn: AsyncConnection[DictRow], tenant_id: str) -> AsyncIterator[None]:
     """Hold the tenant's quota lock (a session-level advisory lock, so it also works on an
     autocommit connection) around a count and the insert it allows: concurrent calls of one tenant
     take turns, and no two of them can both see the last free place. Other tenants never wait on it.
@@ -56,13 +57,13 @@ async def quota_lock(conn: AsyncConnection, tenant_id: str) -> AsyncIterator[Non
                 await _drop(conn)
 
 
-async def _drop(conn: AsyncConnection) -> None:
+async def _drop(conn: AsyncConnection[DictRow]) -> None:
     with anyio.CancelScope(shield=True):
         if not conn.closed:
             await conn.close()
 
 
-async def insert_session(conn: AsyncConnection, who: Principal, session_id: str, *, tags: list, user_metadata: dict,
+async def insert_session(conn: AsyncConnection[DictRow], who: Principal, session_id: str, *, tags: list, user_metadata: dict,
                          sdk_version: str | None, display_name: str | None, max_live: int, live_s: int) -> None:
     """Record a session, unless the tenant already has `max_live` live ones (unfinished, with a
     heartbeat in the last `live_s` seconds): 429 naming the limit. Counted and written under the
@@ -80,7 +81,7 @@ async def insert_session(conn: AsyncConnection, who: Principal, session_id: str,
                                 retry_after_s=60)
 
 
-async def insert_sampling_session(conn: AsyncConnection, who: Principal, sampler_id: str, *, session_id: str,
+async def insert_sampling_session(conn: AsyncConnection[DictRow], who: Principal, sampler_id: str, *, session_id: str,
                                   seq_id: int, base_model: str, model_id: str | None, model_path: str | None) -> bool:
     """Record a sampler; False if its id (session, sampling seq id) exists already."""
     cur = await conn.execute(
@@ -91,7 +92,7 @@ async def insert_sampling_session(conn: AsyncConnection, who: Principal, sampler
     return await cur.fetchone() is not None
 
 
-async def insert_training_model(conn: AsyncConnection, who: Principal, model_id: str, model: NewModel,
+async def insert_training_model(conn: AsyncConnection[DictRow], who: Principal, model_id: str, model: NewModel,
                                  shard: str | None = None) -> None:
     """Record a new model, placed on trainer shard `shard` (None: one trainer per base)."""
     await conn.execute(
@@ -102,7 +103,7 @@ async def insert_training_model(conn: AsyncConnection, who: Principal, model_id:
     )
 
 
-async def model_shard(conn: AsyncConnection, model_id: str, choose: Callable[[], Awaitable[str]]) -> str:
+async def model_shard(conn: AsyncConnection[DictRow], model_id: str, choose: Callable[[], Awaitable[str]]) -> str:
     """The trainer shard of a model; one not placed yet (made before there were shards) is placed
     on `await choose()` now, unless a concurrent call placed it first."""
     row = await (await conn.execute("SELECT trainer_shard FROM training_models WHERE id = %s",
@@ -123,7 +124,7 @@ _TOUCHED = ("touched AS (UPDATE training_models SET last_request_at = now() WHER
             "AND last_request_at < now() - interval '1 second' AND EXISTS (SELECT 1 FROM r))")
 
 
-async def insert_request(conn: AsyncConnection, who: Principal, request_id: str, *, model_id: str | None,
+async def insert_request(conn: AsyncConnection[DictRow], who: Principal, request_id: str, *, model_id: str | None,
                          seq_id: int | None, kind: str, n_tokens: int, touch_model: bool) -> bool:
     """Insert a request's row (and, with `touch_model`, note the model's last request: `_TOUCHED`)
     in one statement; False if `(model_id, seq_id)` or the id is taken already."""
@@ -136,7 +137,7 @@ async def insert_request(conn: AsyncConnection, who: Principal, request_id: str,
     return await cur.fetchone() is not None
 
 
-async def insert_call(conn: AsyncConnection, who: Principal, request_id: str, *, model_id: str, seq_id: int,
+async def insert_call(conn: AsyncConnection[DictRow], who: Principal, request_id: str, *, model_id: str, seq_id: int,
                       kind: str, n_tokens: int, billable: bool, admissible: bool, unusable: list[str]) -> dict:
     """A call on an existing model in one statement: the model's row as
     `tenancy.scoped.get_model(..., seq_id=seq_id, admission=True)` reads it (NotFound, 404, the
@@ -162,49 +163,49 @@ async def insert_call(conn: AsyncConnection, who: Principal, request_id: str, *,
     return row
 
 
-async def delete_refused(conn: AsyncConnection, request_id: str) -> None:
+async def delete_refused(conn: AsyncConnection[DictRow], request_id: str) -> None:
     """Delete the row of a request whose entry the tokens-per-minute bucket refused (it never
     reached a worker), freeing its seq_id for the client's retry."""
     await conn.execute("DELETE FROM requests WHERE id = %s AND status = 'queued'", (request_id,))
 
 
-async def seq_holder(conn: AsyncConnection, model_id: str, seq_id: int) -> tuple[str | None, str | None]:
+async def seq_holder(conn: AsyncConnection[DictRow], model_id: str, seq_id: int) -> tuple[str | None, str | None]:
     """(request id, kind) of the request at `seq_id` of `model_id`, or (None, None)."""
     cur = await conn.execute("SELECT id, kind FROM requests WHERE model_id = %s AND seq_id = %s", (model_id, seq_id))
     row = await cur.fetchone()
     return (row["id"], row["kind"]) if row else (None, None)
 
 
-async def request_status(conn: AsyncConnection, request_id: str) -> str | None:
+async def request_status(conn: AsyncConnection[DictRow], request_id: str) -> str | None:
     """The status of request `request_id`, or None if it was never recorded."""
     cur = await conn.execute("SELECT status FROM requests WHERE id = %s", (request_id,))
     row = await cur.fetchone()
     return row["status"] if row else None
 
 
-async def touch_session(conn: AsyncConnection, session_id: str) -> None:
+async def touch_session(conn: AsyncConnection[DictRow], session_id: str) -> None:
     """A session's heartbeat."""
     await conn.execute("UPDATE sessions SET last_heartbeat_at = now() WHERE id = %s", (session_id,))
 
 
-async def finish_session(conn: AsyncConnection, session_id: str, reason: str) -> None:
+async def finish_session(conn: AsyncConnection[DictRow], session_id: str, reason: str) -> None:
     """Close a session; the first reason given wins."""
     await conn.execute("UPDATE sessions SET finished_at = now(), finish_reason = %s WHERE id = %s AND finished_at IS NULL",
                        (reason, session_id))
 
 
-async def delete_checkpoint(conn: AsyncConnection, checkpoint_id: int) -> None:
+async def delete_checkpoint(conn: AsyncConnection[DictRow], checkpoint_id: int) -> None:
     """Delete a checkpoint's row (its files are the store's: checkpoints.storage)."""
     await conn.execute("DELETE FROM checkpoints WHERE id = %s", (checkpoint_id,))
 
 
-async def expire_checkpoint(conn: AsyncConnection, checkpoint_id: int, ttl_s: int | None) -> None:
+async def expire_checkpoint(conn: AsyncConnection[DictRow], checkpoint_id: int, ttl_s: int | None) -> None:
     """Expire a checkpoint `ttl_s` from now (None: never), replacing any earlier expiry, sliding or not."""
     await conn.execute("UPDATE checkpoints SET expires_at = now() + make_interval(secs => %s), sliding_ttl_s = NULL "
                        "WHERE id = %s", (ttl_s, checkpoint_id))
 
 
-async def slide_checkpoint(conn: AsyncConnection, checkpoint_id: int) -> None:
+async def slide_checkpoint(conn: AsyncConnection[DictRow], checkpoint_id: int) -> None:
     """A use of a checkpoint with a sliding lifetime restarts its clock (checkpoints.retention)."""
     await conn.execute("UPDATE checkpoints SET expires_at = now() + make_interval(secs => sliding_ttl_s) WHERE id = %s",
                        (checkpoint_id,))

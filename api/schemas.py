@@ -86,7 +86,7 @@ class LoraConfig(_Body):
     train_attn: bool = True
 
     @model_validator(mode="after")
-    def _something_trains(self) -> "LoraConfig":
+    def _something_trains(self) -> LoraConfig:
         if not (self.train_unembed or self.train_mlp or self.train_attn):
             raise ValueError("at least one of train_unembed, train_mlp, train_attn must be true")
         return self
@@ -121,7 +121,7 @@ class TensorDataIn(_Body):
     sparse_col_indices: list[int] | None = None
 
     @model_validator(mode="after")
-    def _dense_only(self) -> "TensorDataIn":
+    def _dense_only(self) -> TensorDataIn:
         if self.sparse_crow_indices is not None or self.sparse_col_indices is not None:
             raise ValueError("sparse tensors are not supported yet; send dense data")
         return self
@@ -213,7 +213,7 @@ class SaveWeightsRequest(_Body):
     @field_validator("path")
     @classmethod
     def _name(cls, value: str) -> str:
-        return _check_name(value)
+        return check_name(value, "checkpoint name")
 
 
 class SaveWeightsExternalRequest(_Body):
@@ -227,7 +227,7 @@ class SaveWeightsExternalRequest(_Body):
     @field_validator("path")
     @classmethod
     def _name(cls, value: str) -> str:
-        return _check_name(value)
+        return check_name(value, "checkpoint name")
 
 
 class CheckpointTtlRequest(_Body):
@@ -260,7 +260,7 @@ class LoadWeightsRequest(_Body):
                              "their tenant; leave weights_access_token out")
 
     @model_validator(mode="after")
-    def _one_addressing(self) -> "LoadWeightsRequest":
+    def _one_addressing(self) -> LoadWeightsRequest:
         if self.model_id is not None:
             if self.seq_id is None:
                 raise ValueError("seq_id is required with model_id")
@@ -357,7 +357,7 @@ class SampleRequest(_Body):
                           "or down (say a retry loop began); needs episode_id")
 
     @model_validator(mode="after")
-    def _hint_needs_episode(self) -> "SampleRequest":
+    def _hint_needs_episode(self) -> SampleRequest:
         if self.episode_hint is not None and self.episode_id is None:
             raise ValueError("episode_hint needs episode_id")
         return self

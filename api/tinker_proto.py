@@ -198,4 +198,4 @@ def _fill_topk(msg, rows: list) -> None:
 
 
 def wants_protobuf(accept: str | None) -> bool:
-    return bool(accept) and PROTOBUF in accept
+    return accept is not None and PROTOBUF in accept

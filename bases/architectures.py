@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from core.errors import InvalidInput
 
@@ -158,7 +159,8 @@ class Shape:
         h, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
         moe = {}
         if arch.moe:
-            moe = {"experts": int(text.get("num_experts") or text.get("num_local_experts")),
+            experts: Any = text.get("num_experts") or text.get("num_local_experts")
+            moe = {"experts": int(experts),
                    "experts_per_token": int(text["num_experts_per_tok"])}
         inter = int(text.get("moe_intermediate_size") or text["intermediate_size"]) if arch.moe \
             else int(text["intermediate_size"])

@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 import psycopg
-from psycopg.rows import dict_row, tuple_row
+from psycopg.rows import DictRow, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
+from core import db
 from core.errors import Conflict, NotFound
 
 
@@ -57,7 +58,7 @@ def _values(model: BaseModel) -> list:
     return [Jsonb(getattr(model, f)) if f in _JSON else getattr(model, f) for f in _FIELDS]
 
 
-def register(conn: psycopg.Connection, model: BaseModel) -> None:
+def register(conn: psycopg.Connection[DictRow], model: BaseModel) -> None:
     """Add a base, or replace the entry of the same name (bringing back a removed one)."""
     updates = ", ".join(f"{f} = EXCLUDED.{f}" for f in _FIELDS if f != "name")
     conn.execute(
@@ -67,7 +68,7 @@ def register(conn: psycopg.Connection, model: BaseModel) -> None:
     )
 
 
-def remove(conn: psycopg.Connection, name: str) -> None:
+def remove(conn: psycopg.Connection[DictRow], name: str) -> None:
     """Stop serving a base. Refused (Conflict) while training models of it are live; its row stays,
     unlisted, while models or ledger rows refer to it."""
     with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
@@ -75,9 +76,9 @@ def remove(conn: psycopg.Connection, name: str) -> None:
                           (name,)).fetchone()
         if row is None:
             raise NotFound(f"base model {name!r} is not in the catalogue", field="name")
-        live, refs = cur.execute(
+        live, refs = db.one(cur.execute(
             "SELECT count(*) FILTER (WHERE status IN ('creating', 'ready', 'recovering')), count(*) "
-            "FROM training_models WHERE base_model = %s", (name,)).fetchone()
+            "FROM training_models WHERE base_model = %s", (name,)).fetchone())
         if live:
             raise Conflict(f"{live} training models of {name!r} are live; they must finish (or be deleted) "
                            "before the base can be removed", field="name")
@@ -92,7 +93,7 @@ def _model(row) -> BaseModel:
     return BaseModel(**{k: row[k] for k in _FIELDS})
 
 
-def list_models_sync(conn: psycopg.Connection) -> list[BaseModel]:
+def list_models_sync(conn: psycopg.Connection[DictRow]) -> list[BaseModel]:
     with conn.cursor(row_factory=dict_row) as cur:
         return [_model(r) for r in cur.execute(f"SELECT {_COLUMNS} FROM base_models WHERE {_LISTED} ORDER BY name")]
 
@@ -109,7 +110,7 @@ async def get_model(conn, name: str) -> BaseModel | None:
     return _model(row) if row else None
 
 
-def get_model_sync(conn: psycopg.Connection, name: str) -> BaseModel | None:
+def get_model_sync(conn: psycopg.Connection[DictRow], name: str) -> BaseModel | None:
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(f"SELECT {_COLUMNS} FROM base_models WHERE name = %s", (name,)).fetchone()
     return _model(row) if row else None

@@ -105,7 +105,9 @@ class MemoryPlan:
             raise InvalidInput("; ".join(self.problems), field=self.problems[0].split(":", 1)[0])
 
     def rows(self) -> list[tuple[str, str]]:
-        g = lambda b: f"{b / GiB:,.2f} GiB"
+        def g(b: float) -> str:
+            return f"{b / GiB:,.2f} GiB"
+
         return [
             ("trainer memory" + (f" per rank ({self.inputs.trainer_ranks} ranks)" if self.inputs.trainer_ranks > 1
                                  else ""), g(self.trainer_bytes)),

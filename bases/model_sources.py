@@ -47,8 +47,9 @@ def locate(*, path: str | Path | None = None, hub: str | None = None, revision: 
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    assert hub is not None  # exactly one of the two was given
     try:
-        local = snapshot_download(hub, revision=revision, allow_patterns=HUB_PATTERNS)
+        snapshot = snapshot_download(hub, revision=revision, allow_patterns=HUB_PATTERNS)
     except LocalEntryNotFoundError:
         where = "the hub cache" + (" (HF_HUB_OFFLINE is set, so nothing is downloaded)" if offline else "")
         raise InvalidInput(f"{hub!r}{'@' + revision if revision else ''} is not in {where}; download it where "
@@ -57,7 +58,7 @@ def locate(*, path: str | Path | None = None, hub: str | None = None, revision: 
         raise InvalidInput(f"{hub!r} is not a hub model id: {exc}", field="hub") from None
     except Exception as exc:  # noqa: BLE001 - network, auth and not-found errors all mean "cannot add it"
         raise InvalidInput(f"cannot fetch {hub!r} from the hub: {type(exc).__name__}: {exc}", field="hub") from None
-    return local, {"source": "hub", "hub_id": hub, "revision": revision, "tokenizer_id": hub}
+    return snapshot, {"source": "hub", "hub_id": hub, "revision": revision, "tokenizer_id": hub}
 
 
 def describe(name: str, local_dir: str, source: dict, *, dtype: str = "auto", max_context: int | None = None,

@@ -30,7 +30,7 @@ class Export:
 
     model_id: str
     context: Any
-    future: concurrent.futures.Future
+    future: concurrent.futures.Future[Any]
 
 
 class Exports:

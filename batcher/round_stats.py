@@ -7,6 +7,7 @@ import contextlib
 import json
 import time
 from collections import deque
+from typing import Any
 
 from batcher.engine.protocol import PassStats
 from batcher.policy import RoundPlan
@@ -16,7 +17,7 @@ RECENT_TOKENS_S = 60.0  # the window of a shard's "recent tokens" (scaleout.plac
 
 
 class RoundStats:
-    def __init__(self, *, redis, base_model: str, shard: str | None, history: int):
+    def __init__(self, *, redis: Any, base_model: str, shard: str | None, history: int) -> None:
         self.redis = redis
         self.key = health.trainer_rounds_key(base_model)
         self.shard = shard
@@ -32,7 +33,7 @@ class RoundStats:
         """One round that ran `plan` (its pass's statistics `ps`, None without a pass): counted, and
         its record pushed to the dashboard's list (not worth waiting for while Redis is down)."""
         tenants = len({p.tenant_id for p in plan.fused})
-        record = {
+        record: dict[str, Any] = {
             "at": time.time(), "models": ps.models if ps else 0, "tenants": tenants,
             "requests": len(plan.fused) + len(plan.barriers), "barriers": len(plan.barriers),
             "tokens": ps.tokens if ps else 0, "padded_tokens": ps.padded_tokens if ps else 0,
@@ -57,7 +58,7 @@ class RoundStats:
         with contextlib.suppress(*stores.STORE_ERRORS):
             pipe.execute()
 
-    def beacon_fields(self) -> dict:
+    def beacon_fields(self) -> dict[str, Any]:
         """The counters as the liveness beacon carries them, with the tokens of the last minute."""
         while self._recent_tokens and self._recent_tokens[0][0] < time.monotonic() - RECENT_TOKENS_S:
             self._recent_tokens.popleft()

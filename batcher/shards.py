@@ -39,8 +39,8 @@ class Sorted:
 
 
 class ShardMembership:
-    def __init__(self, *, redis, base_model: str, shard: str | None, shards: int, stream: str,
-                 db_call: Callable[..., Any]):
+    def __init__(self, *, redis: Any, base_model: str, shard: str | None, shards: int, stream: str,
+                 db_call: Callable[..., Any]) -> None:
         self.redis = redis
         self.base_model = base_model
         self.shard = shard
@@ -50,7 +50,9 @@ class ShardMembership:
 
     def fenced(self) -> bool:
         """Whether a peer took this shard for dead and re-placed its models (it must restart)."""
-        return bool(self.shard) and bool(self.redis.exists(placement.fence_key(self.base_model, self.shard)))
+        if not self.shard:
+            return False
+        return bool(self.redis.exists(placement.fence_key(self.base_model, self.shard)))
 
     def clear_fence(self) -> None:
         """At start: what is still placed here is restored by this start, so a fence is moot."""

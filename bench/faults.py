@@ -254,7 +254,7 @@ def main() -> None:
                 lost_steps += abs((applied or 0) - t.acknowledged_steps)
             print(f"tenant {t.index} ({t.sdk}): {len(t.calls)} calls, {len(t.failures)} failed, "
                   f"{t.acknowledged_steps} steps acknowledged, {applied} in the final checkpoint")
-            for when, what in t.failures[:5]:
+            for _when, what in t.failures[:5]:
                 print(f"    failed: {what[:200]}")
         mismatches = ledger_mismatches(stack, [t.tenant_id for t in tenants])
 

@@ -5,7 +5,8 @@
 A run is one JSON object a line: {"date", "machine", "command", "figures"}. Figures that are lists
 against a list named as the first key (`tenants` for trainer_fusion) are drawn as lines, one per
 run; scalar figures as bars per run, one panel per figure (nested objects are flattened as
-`outer.inner`; figures that are 0 in every run are named in the title instead). The benchmark pages (scripts/docs_pages.py) show the PNG next to the table.
+`outer.inner`; figures that are 0 in every run are named in the title instead). The benchmark pages
+(scripts/docs_pages.py) show the PNG next to the table.
 """
 
 from __future__ import annotations

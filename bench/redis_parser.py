@@ -4,12 +4,13 @@
 
 redis-py parses replies with hiredis when it is installed (a dependency of Quilt since 2026-12-03)
 and in Python otherwise. The API's calls on Redis are small and many (a submission's append,
-which takes its tokens per minute in the same script, the replicas' beacons read with one MGET, a finished future's result), so the parser is a share of
-each request's CPU. This runs the same three calls against the embedded Redis with each parser,
-alternating, in one process, and prints the client's CPU time (`time.process_time`: this process
-only, not the server's) and wall time per round of three. Loopback through a Unix socket, one
-connection: the regime where the client's own work is most of a call (a remote Redis adds network
-time that the parser does not change). Ends with one JSON line.
+which takes its tokens per minute in the same script, the replicas' beacons read with one MGET, a
+finished future's result), so the parser is a share of each request's CPU. This runs the same three
+calls against the embedded Redis with each parser, alternating, in one process, and prints the
+client's CPU time (`time.process_time`: this process only, not the server's) and wall time per round
+of three. Loopback through a Unix socket, one connection: the regime where the client's own work is
+most of a call (a remote Redis adds network time that the parser does not change). Ends with one JSON
+line.
 """
 
 from __future__ import annotations

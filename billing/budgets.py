@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import DictRow, dict_row
 
 from billing import price_book
 from billing.pricing import Price, inflight_cost, usd
@@ -172,12 +172,12 @@ _SET = ("INSERT INTO budgets (tenant_id, api_key_id, monthly_limit_micro_usd) VA
 _CLEAR = "DELETE FROM budgets WHERE tenant_id = %s AND api_key_id IS NOT DISTINCT FROM %s"
 
 
-def set_budget(conn: psycopg.Connection, tenant_id: str, limit_micro_usd: int, api_key_id: str | None = None) -> None:
+def set_budget(conn: psycopg.Connection[DictRow], tenant_id: str, limit_micro_usd: int, api_key_id: str | None = None) -> None:
     """Set (or replace) the monthly limit of a tenant, or of one of its keys."""
     conn.execute(_SET, (tenant_id, api_key_id, limit_micro_usd))
 
 
-def clear_budget(conn: psycopg.Connection, tenant_id: str, api_key_id: str | None = None) -> bool:
+def clear_budget(conn: psycopg.Connection[DictRow], tenant_id: str, api_key_id: str | None = None) -> bool:
     """Remove a limit; True if there was one."""
     return conn.execute(_CLEAR, (tenant_id, api_key_id)).rowcount > 0
 
@@ -199,7 +199,7 @@ async def budget_limit_async(conn, tenant_id: str, api_key_id: str | None = None
     return None if row is None else row["m"]
 
 
-def list_budgets_sync(conn: psycopg.Connection, tenant_id: str) -> list[dict]:
+def list_budgets_sync(conn: psycopg.Connection[DictRow], tenant_id: str) -> list[dict]:
     """[{api_key_id, prefix, monthly_limit_micro_usd, spent_micro_usd}] for this UTC month."""
     with conn.cursor(row_factory=dict_row) as cur:
         return cur.execute(

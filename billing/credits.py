@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from datetime import date
 
 import psycopg
+from psycopg.rows import DictRow
 
+from core import db
 from tenancy import accounts
 
 MAX_GRANT_MICRO_USD = 10**9 * 10**6  # a billion USD: past any real grant, far inside bigint
@@ -56,7 +58,7 @@ _GRANT = ("INSERT INTO credit_grants (tenant_id, amount_micro_usd, category, rea
           "VALUES (%s, %s, %s, %s, %s) RETURNING id")
 
 
-async def credit_state(conn: psycopg.AsyncConnection, tenant_id: str) -> tuple[CreditState, list[dict]]:
+async def credit_state(conn: psycopg.AsyncConnection[DictRow], tenant_id: str) -> tuple[CreditState, list[dict]]:
     """The tenant's credit state and its grants, newest first."""
     grants = [(r["day"], r["amount_micro_usd"]) for r in await (await conn.execute(_GRANTS, (tenant_id,))).fetchall()]
     usage = [(r["day"], r["cost"]) for r in await (await conn.execute(_USAGE, (tenant_id, tenant_id))).fetchall()]
@@ -74,22 +76,22 @@ def check_grant(amount_micro_usd: int, category: str, reason: str) -> None:
         raise ValueError("reason: say why the credit is granted (1 to 500 characters)")
 
 
-def grant(conn: psycopg.Connection, tenant_id: str, amount_micro_usd: int, category: str, reason: str,
+def grant(conn: psycopg.Connection[DictRow], tenant_id: str, amount_micro_usd: int, category: str, reason: str,
           actor: str) -> int:
     """Grant credit (the CLI) and record it in the audit log, in the caller's transaction; returns
     the grant's id."""
     check_grant(amount_micro_usd, category, reason)
-    grant_id = conn.execute(_GRANT, (tenant_id, amount_micro_usd, category, reason, actor)).fetchone()["id"]
+    grant_id = db.one(conn.execute(_GRANT, (tenant_id, amount_micro_usd, category, reason, actor)).fetchone())["id"]
     accounts.record(conn, tenant_id, actor, "credit.granted", **_detail(grant_id, amount_micro_usd, category, reason))
     return grant_id
 
 
-async def grant_async(conn: psycopg.AsyncConnection, tenant_id: str, amount_micro_usd: int, category: str,
+async def grant_async(conn: psycopg.AsyncConnection[DictRow], tenant_id: str, amount_micro_usd: int, category: str,
                       reason: str, actor: str) -> int:
     """Async form of `grant` (the operator API)."""
     check_grant(amount_micro_usd, category, reason)
     cur = await conn.execute(_GRANT, (tenant_id, amount_micro_usd, category, reason, actor))
-    grant_id = (await cur.fetchone())["id"]
+    grant_id = db.one(await cur.fetchone())["id"]
     await accounts.record_async(conn, tenant_id, actor, "credit.granted",
                                 **_detail(grant_id, amount_micro_usd, category, reason))
     return grant_id
@@ -104,7 +106,7 @@ _UNSENT = ("SELECT g.id, g.amount_micro_usd, g.category, g.reason, b.stripe_cust
            "WHERE NOT EXISTS (SELECT 1 FROM credit_grant_stripe s WHERE s.grant_id = g.id) ORDER BY g.id")
 
 
-def send_to_stripe(conn: psycopg.Connection, gateway) -> int:
+def send_to_stripe(conn: psycopg.Connection[DictRow], gateway) -> int:
     """Send grants Stripe has not got yet as Billing credit grants (whole cents, rounded down: Stripe
     never applies more than was granted); returns how many went. Part of the Stripe sync."""
     sent = 0

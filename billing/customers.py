@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import DictRow, dict_row
 
 from billing.stripe_api import StripeGateway
 
@@ -24,14 +24,14 @@ WHERE b.tenant_id IS NULL AND t.role = 'tenant' ORDER BY t.created_at
 """
 
 
-def customer_of(conn: psycopg.Connection, tenant_id: str) -> str | None:
+def customer_of(conn: psycopg.Connection[DictRow], tenant_id: str) -> str | None:
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute("SELECT stripe_customer_id FROM billing_accounts WHERE tenant_id = %s",
                           (tenant_id,)).fetchone()
     return row["stripe_customer_id"] if row else None
 
 
-def ensure_customer(conn: psycopg.Connection, gateway: StripeGateway, tenant_id: str) -> str | None:
+def ensure_customer(conn: psycopg.Connection[DictRow], gateway: StripeGateway, tenant_id: str) -> str | None:
     """The tenant's Stripe customer id, creating it if needed; None for a tenant that is not billed
     (or not there). Safe to run twice at once: Stripe sees one idempotency key, we keep one row."""
     existing = customer_of(conn, tenant_id)
@@ -55,7 +55,7 @@ def ensure_customer(conn: psycopg.Connection, gateway: StripeGateway, tenant_id:
     return customer_of(conn, tenant_id)
 
 
-def ensure_all_customers(conn: psycopg.Connection, gateway: StripeGateway) -> int:
+def ensure_all_customers(conn: psycopg.Connection[DictRow], gateway: StripeGateway) -> int:
     """Create customers for every billed tenant that lacks one; returns how many were created."""
     with conn.cursor(row_factory=dict_row) as cur:
         missing = cur.execute(_MISSING).fetchall()

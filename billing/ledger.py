@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import DictRow, dict_row
 
 from billing.price_book import current_price_sync
 from billing.pricing import Cost, Units, cost_of
@@ -84,7 +84,7 @@ ON CONFLICT (tenant_id, hour, base_model, session_id, api_key_id) DO UPDATE SET
 """
 
 
-def record_usage(conn: psycopg.Connection, *, request_id: str, tenant_id: str, api_key_id: str | None,
+def record_usage(conn: psycopg.Connection[DictRow], *, request_id: str, tenant_id: str, api_key_id: str | None,
                  model_id: str | None, base_model: str, units: Units) -> LedgerEntry | None:
     """Price and record one successfully completed request; returns its entry, or None if this
     request was already recorded (a redelivery): it is never billed twice.
@@ -139,7 +139,7 @@ def record_usage(conn: psycopg.Connection, *, request_id: str, tenant_id: str, a
                        units=units, price_id=price.id if price else None, cost=cost, created_at=row["created_at"])
 
 
-def settle(conn: psycopg.Connection, *, request_id: str, tenant_id: str, model_id: str | None, base_model: str,
+def settle(conn: psycopg.Connection[DictRow], *, request_id: str, tenant_id: str, model_id: str | None, base_model: str,
            error: dict | None, units: Units | None, metrics: run_metrics.StepMetrics | None = None) -> None:
     """Finish a request the way every worker must: mark it done or failed and, if it succeeded and
     only the first time, record its usage, all in one transaction. A redelivery after a crash

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import psycopg
 import stripe
+from psycopg.rows import DictRow
 
 from billing.stripe_api import StripeGateway
 from core.errors import InvalidInput
@@ -62,14 +63,14 @@ def verify(payload: bytes, signature: str | None, secret: str) -> dict:
     return event.to_dict()
 
 
-def suspend_overdue(conn: psycopg.Connection, grace_s: int) -> list[str]:
+def suspend_overdue(conn: psycopg.Connection[DictRow], grace_s: int) -> list[str]:
     """Suspend every tenant whose payment failed more than `grace_s` ago (Celery beat; `conn` with
     dict rows); their ids."""
     with conn.transaction():
         return [r["tenant_id"] for r in conn.execute(_SUSPEND_OVERDUE, (grace_s,)).fetchall()]
 
 
-async def handle(conn: psycopg.AsyncConnection, event: dict, gateway: Callable[[], StripeGateway],
+async def handle(conn: psycopg.AsyncConnection[DictRow], event: dict, gateway: Callable[[], StripeGateway],
                  grace_s: int, run_sync) -> str:
     """Apply one verified event in the caller's transaction: "handled", "duplicate" or "ignored".
     `run_sync` runs a blocking Stripe call off the event loop."""

@@ -9,9 +9,10 @@ from __future__ import annotations
 from datetime import datetime
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import DictRow, dict_row
 
 from billing.pricing import Price, size_rates
+from core import db
 
 _COLUMNS = ("id, base_model, effective_from, prefill_micro_usd_per_mtok, sample_micro_usd_per_mtok, "
             "train_micro_usd_per_mtok, note")
@@ -35,19 +36,19 @@ def _price(row: dict) -> Price:
     return Price(**row)
 
 
-def current_price_sync(conn: psycopg.Connection, base_model: str) -> Price | None:
+def current_price_sync(conn: psycopg.Connection[DictRow], base_model: str) -> Price | None:
     """The entry in force now (the transaction's `now()`) for a base model, or None."""
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(_CURRENT_ONE, (base_model,)).fetchone()
     return _price(row) if row else None
 
 
-def list_prices_sync(conn: psycopg.Connection) -> list[Price]:
+def list_prices_sync(conn: psycopg.Connection[DictRow]) -> list[Price]:
     with conn.cursor(row_factory=dict_row) as cur:
         return [_price(r) for r in cur.execute(_ALL).fetchall()]
 
 
-def add_price(conn: psycopg.Connection, *, base_model: str, effective_from: datetime, prefill: int, sample: int,
+def add_price(conn: psycopg.Connection[DictRow], *, base_model: str, effective_from: datetime, prefill: int, sample: int,
               train: int, note: str = "") -> Price:
     """Add an entry (rates in micro-USD per million tokens). Raises if one already starts then."""
     with conn.cursor(row_factory=dict_row) as cur:
@@ -57,7 +58,7 @@ def add_price(conn: psycopg.Connection, *, base_model: str, effective_from: date
             f"RETURNING {_COLUMNS}",
             (base_model, effective_from, prefill, sample, train, note),
         ).fetchone()
-    return _price(row)
+    return _price(db.one(row))
 
 
 async def list_prices(conn) -> list[Price]:
@@ -72,7 +73,7 @@ async def current_prices(conn) -> dict[str, Price]:
     return {r["base_model"]: _price(r) for r in await cur.fetchall()}
 
 
-def ensure_size_price(conn: psycopg.Connection, base) -> Price:
+def ensure_size_price(conn: psycopg.Connection[DictRow], base) -> Price:
     """The price in force for a catalogue base (bases.catalog.BaseModel); one from its size
     (billing.pricing.size_rates) is added, effective now, when it has none."""
     price = current_price_sync(conn, base.name)
@@ -87,4 +88,4 @@ def ensure_size_price(conn: psycopg.Connection, base) -> Price:
             (base.name, rates["prefill"], rates["sample"], rates["train"],
              f"from size: {base.num_parameters:,} parameters, {base.active_parameters:,} active"),
         ).fetchone()
-    return _price(row) if row else current_price_sync(conn, base.name)
+    return _price(row) if row else db.one(current_price_sync(conn, base.name))  # (a concurrent add won)

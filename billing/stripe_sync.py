@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import DictRow, dict_row
 
 from billing import credits
 from billing.customers import ensure_all_customers
 from billing.stripe_api import StripeGateway
+from core import db
 from core.settings import BillingSettings
 
 log = logging.getLogger("quilt.billing.sync")
@@ -126,8 +127,8 @@ def plan_events(totals: list[WindowTotal], planned: dict[tuple[str, str, datetim
                 events.append(PlannedEvent(identifier(w.customer_id, name, w.window_start, rev), w.tenant_id,
                                            w.customer_id, name, w.window_start, rev, delta))
             elif delta < 0:
-                anomalies.append(f"{w.tenant_id} {name} {w.window_start.astimezone(UTC):%Y-%m-%dT%H}Z: outbox holds {so_far.value}, "
-                                 f"ledger {total}")
+                anomalies.append(f"{w.tenant_id} {name} {w.window_start.astimezone(UTC):%Y-%m-%dT%H}Z: "
+                                 f"outbox holds {so_far.value}, ledger {total}")
     return events, anomalies
 
 
@@ -183,11 +184,11 @@ class SyncReport:
                 f"to review {self.to_review}, still pending {self.left_pending}")
 
 
-def _connect(db_url: str) -> psycopg.Connection:
+def _connect(db_url: str) -> psycopg.Connection[DictRow]:
     return psycopg.connect(db_url, autocommit=True, row_factory=dict_row)
 
 
-def ensure_meters(conn: psycopg.Connection, gateway: StripeGateway, settings: BillingSettings) -> int:
+def ensure_meters(conn: psycopg.Connection[DictRow], gateway: StripeGateway, settings: BillingSettings) -> int:
     """Look our meters up in Stripe (one list call), create missing ones if allowed, and record
     their ids (reconciliation asks Stripe for summaries by meter id). Returns how many were created."""
     found = gateway.find_meters()
@@ -207,7 +208,7 @@ def ensure_meters(conn: psycopg.Connection, gateway: StripeGateway, settings: Bi
     return created
 
 
-def plan(conn: psycopg.Connection, settings: BillingSettings, as_of: datetime | None) -> tuple[int, list[str]]:
+def plan(conn: psycopg.Connection[DictRow], settings: BillingSettings, as_of: datetime | None) -> tuple[int, list[str]]:
     """Write new outbox rows for every sealed window whose ledger total moved; one transaction."""
     params = {"as_of": as_of or _db_now(conn), "settle": settings.billing_settle_s}
     with conn.transaction():
@@ -223,11 +224,11 @@ def plan(conn: psycopg.Connection, settings: BillingSettings, as_of: datetime | 
     return len(events), anomalies
 
 
-def _db_now(conn: psycopg.Connection) -> datetime:
-    return conn.execute("SELECT now() AS now").fetchone()["now"]
+def _db_now(conn: psycopg.Connection[DictRow]) -> datetime:
+    return db.one(conn.execute("SELECT now() AS now").fetchone())["now"]
 
 
-def send_pending(conn: psycopg.Connection, gateway: StripeGateway, settings: BillingSettings,
+def send_pending(conn: psycopg.Connection[DictRow], gateway: StripeGateway, settings: BillingSettings,
                  report: SyncReport) -> None:
     """Send every pending outbox row, oldest window first (see the module docstring)."""
     rows = conn.execute(
@@ -270,8 +271,8 @@ def send_pending(conn: psycopg.Connection, gateway: StripeGateway, settings: Bil
         if result.outcome == "abort" or retries_in_a_row >= MAX_CONSECUTIVE_RETRIES:
             log.warning("stopping this Stripe sync after: %s", result.message)
             break
-    report.left_pending = conn.execute(
-        "SELECT count(*) AS n FROM stripe_meter_events WHERE status = 'pending'").fetchone()["n"]
+    report.left_pending = db.one(conn.execute(
+        "SELECT count(*) AS n FROM stripe_meter_events WHERE status = 'pending'").fetchone())["n"]
 
 
 def sync(db_url: str, settings: BillingSettings, *, gateway: StripeGateway | None = None,
@@ -284,7 +285,7 @@ def sync(db_url: str, settings: BillingSettings, *, gateway: StripeGateway | Non
         return report
     gateway = gateway or StripeGateway(settings)
     with _connect(db_url) as conn:
-        if not conn.execute("SELECT pg_try_advisory_lock(%s) AS ok", (SYNC_LOCK_ID,)).fetchone()["ok"]:
+        if not db.one(conn.execute("SELECT pg_try_advisory_lock(%s) AS ok", (SYNC_LOCK_ID,)).fetchone())["ok"]:
             report.busy = True
             return report
         try:
@@ -423,7 +424,7 @@ def reconcile(db_url: str, settings: BillingSettings, *, gateway: StripeGateway 
         for r in conn.execute(_OUTBOX, params):
             line = lines.setdefault((r["tenant_id"], r["event_name"]),
                                     ReconcileLine(r["tenant_id"], customers.get(r["tenant_id"], "?"), r["event_name"]))
-            status = {"sent": "acknowledged"}.get(r["status"], r["status"])
+            status = "acknowledged" if r["status"] == "sent" else r["status"]
             setattr(line, status, getattr(line, status) + int(r["value"]))
         if gateway is not None:
             meter_ids = {r["event_name"]: r["stripe_meter_id"]

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
+from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import DictRow, dict_row
 
 from billing.pricing import MICRO_PER_USD, UNITS, usd
 from core.errors import InvalidInput
@@ -91,7 +92,7 @@ async def report(conn, tenant_id: str, since: date, until: date) -> UsageSummary
     return summarize(await cur.fetchall(), since, until)
 
 
-def report_sync(conn: psycopg.Connection, tenant_id: str, since: date, until: date) -> UsageSummary:
+def report_sync(conn: psycopg.Connection[DictRow], tenant_id: str, since: date, until: date) -> UsageSummary:
     with conn.cursor(row_factory=dict_row) as cur:
         return summarize(cur.execute(_ROWS, (tenant_id, since, until)).fetchall(), since, until)
 
@@ -138,8 +139,9 @@ ORDER BY u.hour LIMIT %s
 
 # Quilt's units as tinker's event types. Prefill is every token read without training on it: sampling
 # prompts and `forward` passes, both at the prefill rate; no prefill is served from a cache here.
-_EVENT_OF_UNIT = {"train": {"type": "training"}, "prefill": {"type": "sampling_prefill", "cached": False},
-                  "sample": {"type": "sampling_sample"}}
+_EVENT_OF_UNIT: dict[str, dict[str, Any]] = {
+    "train": {"type": "training"}, "prefill": {"type": "sampling_prefill", "cached": False},
+    "sample": {"type": "sampling_sample"}}
 
 
 def within_report_limit(rows: list[dict], start: datetime, limit: int = MAX_EVENT_ROWS) -> list[dict]:

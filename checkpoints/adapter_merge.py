@@ -17,14 +17,15 @@ unpacks that download into a directory.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 from checkpoints.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
@@ -61,8 +62,8 @@ class Factors:
     MB for a whole adapter) until that weight is written, so a merge holds one dense delta at a
     time: all of them at once are an fp32 copy of every wrapped weight (about 30 GB for an 8B base)."""
 
-    b: object  # torch.Tensor (out, r)
-    a: object  # torch.Tensor (r, in)
+    b: Any  # torch.Tensor (out, r)
+    a: Any  # torch.Tensor (r, in)
     scaling: float
 
     @property
@@ -159,7 +160,8 @@ def merged_members(base_dir: Path, adapter_dir: Path) -> list[Member]:
     shards = [p for p in files if p.suffix == ".safetensors"]
     if not shards:
         raise ValueError(f"base model {base_dir} has no .safetensors weights; only those can be merged")
-    members, found = [], set()
+    members: list[Member] = []
+    found: set[str] = set()
     for p in files:
         if p.suffix in (".bin", ".pt", ".pth") or p.name.endswith(".bin.index.json"):
             continue  # pickled copies of the weights: the merged safetensors replace them
@@ -178,7 +180,7 @@ def merged_members(base_dir: Path, adapter_dir: Path) -> list[Member]:
         found |= mine.keys()
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
         members.append(Member(p.name, data_start + end,
-                              lambda p=p, mine=mine, s=data_start, h=header: _merged_shard(p, mine, s, h)))
+                              functools.partial(_merged_shard, p, mine, data_start, header)))
     missing = sorted(deltas.keys() - found)
     if missing:
         raise ValueError(f"the adapter wraps weights the base does not have: {missing[:5]}")

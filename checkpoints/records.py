@@ -6,12 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import psycopg
+from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
 from checkpoints import retention
 
 
-def upsert_checkpoint(conn: psycopg.Connection, *, tenant_id: str, model_id: str, kind: str, name: str,
+def upsert_checkpoint(conn: psycopg.Connection[DictRow], *, tenant_id: str, model_id: str, kind: str, name: str,
                       storage_path: str, size_bytes: int, ttl_s: int | None = None, sliding: bool = False,
                       grace_s: int = 0, user_metadata: dict[str, str] | None = None) -> None:
     """Record a save as checkpoint `name` (a new version if the name exists, whose `user_metadata`
@@ -42,7 +43,7 @@ def upsert_checkpoint(conn: psycopg.Connection, *, tenant_id: str, model_id: str
             )
 
 
-def checkpoint_exists(conn: psycopg.Connection, model_id: str, kind: str, name: str) -> bool:
+def checkpoint_exists(conn: psycopg.Connection[DictRow], model_id: str, kind: str, name: str) -> bool:
     row = conn.execute(
         f"SELECT 1 FROM checkpoints WHERE model_id = %s AND kind = %s AND name = %s AND {retention.LIVE}",
         (model_id, kind, name),

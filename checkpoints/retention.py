@@ -23,6 +23,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 import psycopg
+from psycopg.rows import DictRow
 
 if TYPE_CHECKING:
     from checkpoints.storage import LocalStore
@@ -67,7 +68,7 @@ def due_to_slide(expires_at: datetime | None, sliding_ttl_s: int | None, now: da
     return expires_at < now + timedelta(seconds=sliding_ttl_s - SLIDE_SLACK_S)
 
 
-def sweep_orphans(conn: psycopg.Connection, store: LocalStore, *, min_age_s: float = ORPHAN_MIN_AGE_S) -> int:
+def sweep_orphans(conn: psycopg.Connection[DictRow], store: LocalStore, *, min_age_s: float = ORPHAN_MIN_AGE_S) -> int:
     """Delete the orphaned versions the store finds (hourly): `checkpoints.version_dirs.orphans` under this machine's
     checkpoint directory, and with S3 the bucket's versions no row names."""
     named = {r["storage_path"] for r in conn.execute("SELECT storage_path FROM checkpoints")}
@@ -87,9 +88,9 @@ class SweepResult:
     removed: int  # directories deleted
 
 
-def sweep(conn: psycopg.Connection, store: LocalStore, *, batch: int = 500) -> SweepResult:
-    """(`conn` with dict rows, as `core.db.connect` gives.) Expire checkpoints past `expires_at` (their directories become due at once), then delete up
-    to `batch` due directories and forget them."""
+def sweep(conn: psycopg.Connection[DictRow], store: LocalStore, *, batch: int = 500) -> SweepResult:
+    """(`conn` with dict rows, as `core.db.connect` gives.) Expire checkpoints past `expires_at` (their
+    directories become due at once), then delete up to `batch` due directories and forget them."""
     with conn.transaction():
         gone = conn.execute(
             "WITH gone AS (DELETE FROM checkpoints WHERE expires_at <= now() "

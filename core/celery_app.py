@@ -15,8 +15,8 @@ from core import embedded, redis_client
 app = Celery("quilt")
 
 
-@app.on_configure.connect
-def _configure(sender: Celery, **_) -> None:
+@app.on_configure.connect  # type: ignore[untyped-decorator]  # celery ships no type information
+def _configure(sender: Celery, **_: object) -> None:
     url = embedded.celery_url(redis_client.resolve_url())
     sender.conf.update(
         broker_url=url,

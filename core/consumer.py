@@ -33,7 +33,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from core import faults, health, queue, stores
 from core.errors import ServerError
@@ -45,7 +45,11 @@ MAX_DELIVERIES = 3
 REPLAY_DELIVERIES_FACTOR = 3
 
 
-def _text(value) -> str:
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -77,9 +81,9 @@ def over_delivered(counts: dict[str, int], stream_id: str, max_deliveries: int) 
 
 
 class StreamConsumer:
-    def __init__(self, redis, *, stream: str, group: str, consumer: str, settle: Settle, result_ttl_s: int,
+    def __init__(self, redis: Any, *, stream: str, group: str, consumer: str, settle: Settle, result_ttl_s: int,
                  liveness_ttl_s: int, what: str, max_deliveries: int = MAX_DELIVERIES, batch: int = 512,
-                 reclaim_idle_ms: int | None = None, finished: Finished | None = None):
+                 reclaim_idle_ms: int | None = None, finished: Finished | None = None) -> None:
         self.redis = redis
         self.stream = stream
         self.group = group
@@ -146,7 +150,7 @@ class StreamConsumer:
                                             consumername=self.consumer)
         return {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
 
-    def _accept(self, entries: list, counts: dict[str, int]) -> list[Delivery]:
+    def _accept(self, entries: list[Any], counts: dict[str, int]) -> list[Delivery]:
         items: list[tuple[str, WorkItem]] = []
         for stream_id, fields in entries:
             sid = _text(stream_id)
@@ -182,12 +186,13 @@ class StreamConsumer:
             out.append(delivery)
         return out
 
-    def _drop_malformed(self, stream_id: str, fields: dict, exc: Exception) -> None:
+    def _drop_malformed(self, stream_id: str, fields: dict[Any, Any], exc: Exception) -> None:
         """Acknowledge an unreadable entry; first fail its request when the entry still names it
         (so its row stops counting as in flight)."""
         log.error("dropping unreadable entry %s on %s: %s", stream_id, self.stream, exc)
         try:
-            raw = json.loads(fields.get(WorkItem.FIELD.encode()) or fields.get(WorkItem.FIELD))
+            value: Any = fields.get(WorkItem.FIELD.encode()) or fields.get(WorkItem.FIELD)
+            raw = json.loads(value)
             item = WorkItem(str(raw["request_id"]), str(raw["tenant_id"]), str(raw.get("model_id") or ""),
                             int(raw.get("seq_id") or 0), WorkKind.REJECTED, 0, Rejected("malformed request"))
         except (TypeError, ValueError, KeyError):
@@ -230,12 +235,13 @@ class StreamConsumer:
 class AsyncStreamConsumer:
     """The same consumer for an asyncio worker: each call runs on a worker thread."""
 
-    def __init__(self, sync: StreamConsumer):
+    def __init__(self, sync: StreamConsumer) -> None:
         self.sync = sync
         self._reads = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-read")
         self._writes = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-write")
 
-    async def _on(self, pool, fn, *args, **kw):
+    async def _on(self, pool: concurrent.futures.Executor, fn: Callable[_P, _T], *args: _P.args,
+                  **kw: _P.kwargs) -> _T:
         return await asyncio.get_running_loop().run_in_executor(pool, lambda: fn(*args, **kw))
 
     async def ensure_group(self) -> None:

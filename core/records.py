@@ -6,7 +6,11 @@ by ids that the API already checked.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import psycopg
+from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
 from core import queue
@@ -14,14 +18,14 @@ from core.errors import ServerError
 from core.work import Rejected, WorkItem, WorkKind
 
 
-def mark_running(conn: psycopg.Connection, request_ids: list[str]) -> None:
+def mark_running(conn: psycopg.Connection[DictRow], request_ids: list[str]) -> None:
     conn.execute(
         "UPDATE requests SET status = 'running', started_at = now() WHERE id = ANY(%s) AND status = 'queued'",
         (request_ids,),
     )
 
 
-def mark_finished(conn: psycopg.Connection, request_id: str, error: dict | None) -> bool:
+def mark_finished(conn: psycopg.Connection[DictRow], request_id: str, error: dict[str, Any] | None) -> bool:
     """Record a request's outcome once; False if it had already finished (a redelivery after a
     crash must not turn a done, billed request into a failed one)."""
     cur = conn.execute(
@@ -37,7 +41,7 @@ def mark_finished(conn: psycopg.Connection, request_id: str, error: dict | None)
 NEVER_ENQUEUED_AFTER_S = 600
 
 
-def fail_never_enqueued(conn: psycopg.Connection, redis, *, ttl_s: int, after_s: int = NEVER_ENQUEUED_AFTER_S,
+def fail_never_enqueued(conn: psycopg.Connection[DictRow], redis: Any, *, ttl_s: int, after_s: int = NEVER_ENQUEUED_AFTER_S,
                         batch: int = 500) -> list[str]:
     """Fail the requests whose row was committed but whose stream entry never was (the API died
     between the two, or Redis refused the entry) and whose client did not retry (Celery beat):
@@ -68,11 +72,11 @@ def fail_never_enqueued(conn: psycopg.Connection, redis, *, ttl_s: int, after_s:
     return failed
 
 
-def set_model_status(conn: psycopg.Connection, model_id: str, status: str, detail: str | None = None) -> None:
+def set_model_status(conn: psycopg.Connection[DictRow], model_id: str, status: str, detail: str | None = None) -> None:
     conn.execute("UPDATE training_models SET status = %s, status_detail = %s WHERE id = %s", (status, detail, model_id))
 
 
-def mark_models_recovering(conn: psycopg.Connection, base_model: str, *, shard: str | None = None) -> list[str]:
+def mark_models_recovering(conn: psycopg.Connection[DictRow], base_model: str, *, shard: str | None = None) -> list[str]:
     """At trainer start: every live model of the base (placed on trainer shard `shard`, where the
     base has several) is 'recovering' (its snapshot loads, the requests since are replayed) until
     the trainer says 'ready' again. Returns their ids."""
@@ -85,7 +89,7 @@ def mark_models_recovering(conn: psycopg.Connection, base_model: str, *, shard: 
     return [r["id"] for r in rows]
 
 
-def mark_models_lost(conn: psycopg.Connection, base_model: str, *, keep: list[str] = (),
+def mark_models_lost(conn: psycopg.Connection[DictRow], base_model: str, *, keep: Sequence[str] = (),
                      shard: str | None = None) -> int:
     """At trainer start: models of a previous process (of trainer shard `shard`, where the base has
     several) that it could not restore (no snapshot: batcher.snapshots) are gone."""
@@ -98,13 +102,13 @@ def mark_models_lost(conn: psycopg.Connection, base_model: str, *, keep: list[st
     return cur.rowcount
 
 
-def finished_requests(conn: psycopg.Connection, request_ids: list[str]) -> dict[str, str]:
+def finished_requests(conn: psycopg.Connection[DictRow], request_ids: list[str]) -> dict[str, str]:
     """request id -> 'done' or 'failed', for those of `request_ids` that have finished."""
     rows = conn.execute("SELECT id, status FROM requests WHERE id = ANY(%s) AND status IN ('done', 'failed')",
                         (request_ids,)).fetchall()
     return {r["id"]: r["status"] for r in rows}
 
 
-def plan_weights(conn: psycopg.Connection) -> dict[str, float]:
+def plan_weights(conn: psycopg.Connection[DictRow]) -> dict[str, float]:
     """tenant id -> its plan's weight in the trainer's fair share."""
     return {r["id"]: float(r["plan_weight"]) for r in conn.execute("SELECT id, plan_weight FROM tenants").fetchall()}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 HOUR_S = 3600
 OVER_FLAG_S = 60
@@ -51,7 +52,7 @@ def keys(tenant_id: str, ttl_s: int, now: float | None = None) -> list[str]:
     return [alive[0], over_key(tenant_id), *alive]
 
 
-def note(redis, tenant_id: str, nbytes: int, ttl_s: int, cap: int):
+def note(redis: Any, tenant_id: str, nbytes: int, ttl_s: int, cap: int) -> Any:
     """Count `nbytes` stored for `tenant_id` for `ttl_s` (a pipeline or a client, sync or async:
     what it returns is awaited or executed by the caller)."""
     ks = keys(tenant_id, ttl_s)

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
 from core import numbers
@@ -42,7 +43,7 @@ class StepMetrics:
     """One row's content: the step (policy version) and metric name -> value (None: not finite)."""
 
     step: int
-    values: dict[str, float | None]
+    values: Mapping[str, float | None]
 
 
 def trainer_values(data: Sequence[Datum], result_metrics: dict[str, float]) -> dict[str, float | None]:
@@ -98,13 +99,13 @@ _INSERT = ("INSERT INTO run_metrics (tenant_id, model_id, request_id, step, sour
            "VALUES (%s, %s, %s, %s, %s, %s)")
 
 
-def insert_trainer_row(conn: psycopg.Connection, *, tenant_id: str, model_id: str, request_id: str,
+def insert_trainer_row(conn: psycopg.Connection[DictRow], *, tenant_id: str, model_id: str, request_id: str,
                        row: StepMetrics) -> None:
     """Append a forward_backward's row; called by `billing.ledger.settle` inside its transaction."""
     conn.execute(_INSERT, (tenant_id, model_id, request_id, row.step, TRAINER, Jsonb(row.values)))
 
 
-async def insert_client_row(conn, *, tenant_id: str, model_id: str, row: StepMetrics,
+async def insert_client_row(conn: psycopg.AsyncConnection[DictRow], *, tenant_id: str, model_id: str, row: StepMetrics,
                             client_key: str | None = None) -> int:
     """Append a client's row (the API, after checking that the model is the caller's); returns its
     step. A `client_key` seen before on this model adds nothing and answers the first row's step."""
@@ -116,4 +117,6 @@ async def insert_client_row(conn, *, tenant_id: str, model_id: str, row: StepMet
         return row.step
     cur = await conn.execute("SELECT step FROM run_metrics WHERE model_id = %s AND client_key = %s",
                              (model_id, client_key))
-    return (await cur.fetchone())["step"]
+    found = await cur.fetchone()
+    assert found is not None  # the conflicting row exists: the INSERT just met it
+    return int(found["step"])

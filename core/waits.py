@@ -19,9 +19,11 @@ import contextlib
 import time
 from collections.abc import Iterator
 from contextvars import ContextVar
+from typing import Any
 
 import psycopg
 import redis.asyncio as aioredis
+from psycopg.rows import DictRow
 from psycopg_pool import AsyncConnectionPool
 
 POOL, PG, REDIS = 0, 1, 2
@@ -54,10 +56,10 @@ def _timed(kind: int) -> Iterator[None]:
             spent[kind] += time.perf_counter() - started
 
 
-class TimedConnection(psycopg.AsyncConnection):
+class TimedConnection(psycopg.AsyncConnection[DictRow]):
     """An async connection whose statements and commits count as Postgres waits."""
 
-    async def execute(self, *args, **kwargs):
+    async def execute(self, *args: Any, **kwargs: Any) -> psycopg.AsyncCursor[DictRow]:
         with _timed(PG):
             return await super().execute(*args, **kwargs)
 
@@ -66,10 +68,10 @@ class TimedConnection(psycopg.AsyncConnection):
             await super().commit()
 
 
-class TimedPool(AsyncConnectionPool):
+class TimedPool(AsyncConnectionPool[psycopg.AsyncConnection[DictRow]]):
     """A pool whose checkouts count as waits for a connection."""
 
-    async def getconn(self, timeout: float | None = None):
+    async def getconn(self, timeout: float | None = None) -> psycopg.AsyncConnection[DictRow]:  # noqa: ASYNC109 - the pool's
         with _timed(POOL):
             return await super().getconn(timeout)
 
@@ -77,6 +79,6 @@ class TimedPool(AsyncConnectionPool):
 class TimedRedis(aioredis.Redis):
     """A Redis client whose commands (Lua calls included) count as Redis waits."""
 
-    async def execute_command(self, *args, **options):
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
         with _timed(REDIS):
-            return await super().execute_command(*args, **options)
+            return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated

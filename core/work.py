@@ -21,9 +21,10 @@ Torch-free and I/O-free: the API, both workers, the simulator and the tests impo
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 from core.loss_spec import LossConfig
 
@@ -303,7 +304,7 @@ class SampleWork:
 
 Body = CreateModel | PassWork | OptimStep | SaveWeights | LoadWeights | Rejected | SampleWork
 
-BODY_TYPES: Mapping[WorkKind, type] = {
+BODY_TYPES: Mapping[WorkKind, type[Any]] = {
     WorkKind.CREATE_MODEL: CreateModel,
     WorkKind.FORWARD: PassWork,
     WorkKind.FORWARD_BACKWARD: PassWork,
@@ -349,8 +350,8 @@ class WorkItem:
                                        separators=(",", ":"))}
 
     @classmethod
-    def from_fields(cls, fields: Mapping) -> WorkItem:
-        raw = fields.get(cls.FIELD.encode()) or fields.get(cls.FIELD)
+    def from_fields(cls, fields: Mapping[Any, Any]) -> WorkItem:
+        raw: Any = fields.get(cls.FIELD.encode()) or fields.get(cls.FIELD)
         try:
             obj = json.loads(raw)
             kind = WorkKind(obj["kind"])

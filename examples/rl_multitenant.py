@@ -27,7 +27,6 @@ import subprocess
 import time
 
 import httpx
-
 import quilt
 from quilt import rl
 from rl_tiny import BASE_MODEL, BandTask, add_arguments, group_builder, rl_config

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from bases import architectures
 from bases.memory_plan import resolve_dtype
@@ -174,7 +174,7 @@ class GenEngine:
         identity = identity_adapter(model_path, Path(workdir) / f"identity-{Path(model_path).name}")
         config = json.loads((Path(model_path) / "config.json").read_text())
         refused = experts_refused(settings, cpu=current_platform.is_cpu())
-        kw = {}
+        kw: dict[str, Any] = {}
         if not current_platform.is_cpu():
             kw["gpu_memory_utilization"] = settings.gpu_memory_share
         if settings.tensor_parallel > 1 or settings.pipeline_parallel > 1:
@@ -335,7 +335,7 @@ class GenEngine:
             raise ServerError(f"the engine failed: {type(exc).__name__}: {exc}") from exc
         finally:
             await asyncio.shield(self.gate.leave(holding_exclusive))
-        stop_reason: StopReason = reason if reason in ("stop", "length") else "abort"
+        stop_reason: StopReason = "stop" if reason == "stop" else "length" if reason == "length" else "abort"
         return SeqResult(tuple(tokens), tuple(logprobs), stop_reason, prompt_lps, first_token_s, prompt_topk)
 
     async def abort(self, engine_ids: Iterable[str]) -> None:

@@ -25,6 +25,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import cast
 
 from core import db, health, queue
 from core.work import MalformedWork, SampleWork, WorkItem
@@ -116,7 +117,7 @@ class Router:
     async def stream_for(self, redis, base_model: str, item: WorkItem) -> str:
         """The stream of the replica that takes this sample group."""
         views = await self._current(redis, base_model)
-        req = route_request(item.body)
+        req = route_request(cast(SampleWork, item.body))  # a sample stream's items are sample groups
         i = pick(self.policy, req, views, turn=self._turn, rng=self.rng)
         self._turn += 1
         if i is None:
@@ -150,7 +151,7 @@ def reroute_dead_peers(redis, base_model: str, me: str, replicas: int, policy: P
         while entries := redis.xrange(streams[i], min=after, max="+", count=page):
             for entry_id, fields in entries:
                 try:
-                    req = route_request(WorkItem.from_fields(fields).body)
+                    req = route_request(cast(SampleWork, WorkItem.from_fields(fields).body))
                 except (MalformedWork, AttributeError):  # moved as it is; its reader drops it
                     req = RouteRequest(n=1)
                 j = pick(policy, req, views, turn=turn, rng=rng)

@@ -20,9 +20,11 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import cast
 
 import psutil
 import psycopg
+from psycopg.rows import DictRow
 
 from bases import catalog
 from billing.ledger import settle
@@ -55,7 +57,7 @@ DELTA_TTL_S = 3600
 
 
 def group_from_delivery(d: Delivery, base_model: str) -> Group:
-    work: SampleWork = d.item.body
+    work = cast(SampleWork, d.item.body)  # what the generation pool's streams carry
     return Group(request_id=d.item.request_id, tenant_id=d.item.tenant_id, prompt=work.prompt, spec=work.spec,
                  n=work.n, adapter=work.adapter, model_id=work.adapter.model_id if work.adapter else base_model,
                  prompt_logprobs=work.prompt_logprobs, prompt_logprobs_last_n=work.prompt_logprobs_last_n,
@@ -88,7 +90,7 @@ class GenWorker:
         self.stopping = False
         self._deltas: asyncio.Queue = asyncio.Queue()
         self.max_result_bytes = get_tenancy_settings().max_result_bytes
-        self._conn: psycopg.Connection | None = None
+        self._conn: psycopg.Connection[DictRow] | None = None
         self.heartbeat = health.Heartbeat(sync_redis, health.gen_key(base_model, self.replica))
 
     # ------------------------------------------------------------------ loop
@@ -148,7 +150,7 @@ class GenWorker:
                 g.cancelled = bool(await self.redis.exists(queue.cancel_key(g.request_id)))
             except stores.STORE_ERRORS:
                 pass  # Redis went down after the read: the group runs; a cancellation still arrives by pub/sub
-            if d.item.body.stream:
+            if cast(SampleWork, d.item.body).stream:
                 g.on_tokens = functools.partial(self._stream_tokens, g.request_id, g.tenant_id)
             self.scheduler.add(g)
 
@@ -186,6 +188,7 @@ class GenWorker:
         returns how many were taken (core.consumer.StreamConsumer.reclaim)."""
         taken = await self.consumer.reclaim()
         if self.replicas > 1:  # a dead peer's stream: its groups go to live replicas (maybe this one)
+            assert self.replica is not None  # named whenever there are several
             await asyncio.to_thread(reroute_dead_peers, self.sync_redis, self.base_model, self.replica,
                                     self.replicas, self.routing, db_url=self.db_url)
         if taken:
@@ -231,7 +234,7 @@ class GenWorker:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _db(self) -> psycopg.Connection:
+    def _db(self) -> psycopg.Connection[DictRow]:
         # Only ever used from the consumer's write thread.
         self._conn = db.live_connection(self._conn, self.db_url,
                                         db.session_name("gen", self.replica, self.base_model) if self.replica else "")

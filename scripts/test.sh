@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Install what the tests need, then run them all: pure policy tests, LoRA math on the tiny model,
-# and the real embedded stack (Postgres, Redis, API, trainer, Celery) driven over HTTP and the SDK.
+# Install what the tests need, lint and type-check, then run them all: pure policy tests, LoRA math on
+# the tiny model, and the real embedded stack (Postgres, Redis, API, trainer, Celery) driven over HTTP and the SDK.
 #
 #   ./scripts/test.sh            everything (CI runs this)
 #   ./scripts/test.sh --quick    the fast tier: no embedded stack, no other processes, no vLLM engine
 #                                (pytest markers `stack` and `engine`); skips the install when .venv is there
-# Any other arguments go to pytest.
+# Both first run ruff (`ruff check .`) and mypy (`mypy`, strict over batcher/ and core/), configured in
+# pyproject.toml; either failing fails the command before any test runs. Any other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 args=()
@@ -16,6 +17,14 @@ done
 if [ "$quick" = 0 ] || [ ! -x .venv/bin/python ]; then
   bash scripts/install.sh
 fi
+# A .venv made before the linters joined the test extra lacks them: add just those.
+if ! .venv/bin/python -c "import ruff, mypy" 2>/dev/null; then
+  .venv/bin/python -m pip install --quiet -e ".[lint]"
+fi
+echo "test.sh: ruff check ." >&2
+.venv/bin/python -m ruff check .
+echo "test.sh: mypy" >&2
+.venv/bin/python -m mypy
 export HF_HUB_OFFLINE=1
 if [ "$quick" = 1 ]; then
   args=(-m "not stack and not engine" ${args[@]+"${args[@]}"})

@@ -251,6 +251,7 @@ def up(*, data_dir: Path | None, host: str, port: int, api_replicas: int = 1, ge
                     log.exception("could not record the servers' new pids")
                     servers = []
             for child in children:
+                assert child.proc is not None  # every child was started before this loop
                 code = child.proc.poll()
                 if code is None or stop_requested:
                     continue

@@ -120,7 +120,7 @@ def stop_recorded(data_dir: Path, *, grace_s: float = STOP_GRACE_S) -> list[str]
     for entry, _ in entries:
         _signal(entry, entry.stop_signal)
     deadline = time.monotonic() + grace_s
-    for entry, proc in entries:
+    for _entry, proc in entries:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except psutil.TimeoutExpired:
@@ -159,7 +159,7 @@ def end_group(pgid: int, *, grace_s: float = TRACKER_GRACE_S) -> None:
 def shared_memory_of(pgid: int) -> set[str]:
     """The paths of the `multiprocessing.shared_memory` segments (`/dev/shm/psm_*`) that the
     processes of group `pgid` have mapped: what `end_group` must see unlinked after a crash."""
-    paths = set()
+    paths: set[str] = set()
     for proc in group_members(pgid):
         with contextlib.suppress(psutil.Error):
             paths.update(m.path for m in proc.memory_maps() if m.path.startswith("/dev/shm/psm_"))

@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import Literal
 
 import psycopg
+from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
 from core.errors import BudgetExceeded, Forbidden, NotFound, QuiltError
@@ -53,12 +54,12 @@ def suspension_refusal(kind: str, reason: str, tenant_name: str) -> QuiltError:
 
 # ---------------------------------------------------------------------------- the CLI's side (sync)
 
-def record(conn: psycopg.Connection, tenant_id: str, actor: str, action: str, **detail) -> None:
+def record(conn: psycopg.Connection[DictRow], tenant_id: str, actor: str, action: str, **detail) -> None:
     """Append one audit row (in the caller's transaction: the change and its record commit together)."""
     conn.execute(_RECORD, (tenant_id, actor, action, Jsonb(detail)))
 
 
-def suspend(conn: psycopg.Connection, tenant_id: str, kind: SuspensionKind, reason: str, actor: str) -> None:
+def suspend(conn: psycopg.Connection[DictRow], tenant_id: str, kind: SuspensionKind, reason: str, actor: str) -> None:
     """Suspend a tenant (again: the newer reason replaces the older) and record it."""
     with conn.transaction():
         if conn.execute(_SUSPEND, (kind, reason, tenant_id)).fetchone() is None:
@@ -66,7 +67,7 @@ def suspend(conn: psycopg.Connection, tenant_id: str, kind: SuspensionKind, reas
         record(conn, tenant_id, actor, "tenant.suspended", kind=kind, reason=reason)
 
 
-def restore(conn: psycopg.Connection, tenant_id: str, actor: str) -> bool:
+def restore(conn: psycopg.Connection[DictRow], tenant_id: str, actor: str) -> bool:
     """Lift a suspension; False if the tenant was not suspended."""
     with conn.transaction():
         lifted = conn.execute(_RESTORE, (tenant_id, None, None)).fetchone() is not None
@@ -77,19 +78,19 @@ def restore(conn: psycopg.Connection, tenant_id: str, actor: str) -> bool:
 
 # ------------------------------------------------------------------------------ the API's side (async)
 
-async def record_async(conn: psycopg.AsyncConnection, tenant_id: str, actor: str, action: str, **detail) -> None:
+async def record_async(conn: psycopg.AsyncConnection[DictRow], tenant_id: str, actor: str, action: str, **detail) -> None:
     """Async form of `record`."""
     await conn.execute(_RECORD, (tenant_id, actor, action, Jsonb(detail)))
 
 
-async def suspend_async(conn: psycopg.AsyncConnection, tenant_id: str, kind: SuspensionKind, reason: str,
+async def suspend_async(conn: psycopg.AsyncConnection[DictRow], tenant_id: str, kind: SuspensionKind, reason: str,
                         actor: str) -> None:
     """Async form of `suspend` (the operator API), in the caller's transaction."""
     await conn.execute(_SUSPEND, (kind, reason, tenant_id))
     await record_async(conn, tenant_id, actor, "tenant.suspended", kind=kind, reason=reason)
 
 
-async def restore_async(conn: psycopg.AsyncConnection, tenant_id: str, actor: str,
+async def restore_async(conn: psycopg.AsyncConnection[DictRow], tenant_id: str, actor: str,
                         only_kind: SuspensionKind | None = None) -> bool:
     """Async form of `restore`; with `only_kind`, only a suspension of that kind is lifted (a paid
     invoice lifts a payment suspension, not an operator's)."""
@@ -99,7 +100,7 @@ async def restore_async(conn: psycopg.AsyncConnection, tenant_id: str, actor: st
     return lifted
 
 
-async def audit_rows(conn: psycopg.AsyncConnection, tenant_id: str | None, *, limit: int,
+async def audit_rows(conn: psycopg.AsyncConnection[DictRow], tenant_id: str | None, *, limit: int,
                      before: int | None = None, since: datetime | None = None, until: datetime | None = None,
                      resources: list[str] | None = None) -> list[dict]:
     """Newest first; `tenant_id` None (operators) is every tenant's. `since`/`until` bound the time

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from psycopg import AsyncConnection
+from psycopg.rows import DictRow
 
 from billing.budgets import MONTH_TO_DATE_OF_T
 from core.errors import Unauthenticated
@@ -56,7 +57,7 @@ _PRINCIPAL = f"SELECT {_COLUMNS}{_FROM}"
 _PRINCIPAL_AND_SPEND = f"SELECT {_COLUMNS}, {MONTH_TO_DATE_OF_T} AS spent{_FROM}"
 
 
-async def _principal(conn: AsyncConnection, where: str, param: object) -> Principal:
+async def _principal(conn: AsyncConnection[DictRow], where: str, param: object) -> Principal:
     cur = await conn.execute(_PRINCIPAL + where, (param,))
     return _checked(await cur.fetchone())
 
@@ -74,7 +75,7 @@ def missing_key() -> Unauthenticated:
     return Unauthenticated("missing API key: send it in the X-API-Key header", field="X-API-Key")
 
 
-async def authenticate(conn: AsyncConnection, api_key: str | None) -> tuple[Principal, int]:
+async def authenticate(conn: AsyncConnection[DictRow], api_key: str | None) -> tuple[Principal, int]:
     """The caller behind `api_key`, and its tenant's spend this month in micro-USD (for the spend
     header: read in the same statement, one round trip less per call)."""
     if not api_key:
@@ -85,7 +86,7 @@ async def authenticate(conn: AsyncConnection, api_key: str | None) -> tuple[Prin
     return _checked(row), int(spent)
 
 
-async def principal_for_key_id(conn: AsyncConnection, key_id: str) -> Principal:
+async def principal_for_key_id(conn: AsyncConnection[DictRow], key_id: str) -> Principal:
     """The caller behind a dashboard session, which holds the id of the key it logged in with (never
     the key): re-read on every request, so revoking that key or changing the role takes effect."""
     return await _principal(conn, "k.id = %s", key_id)
@@ -96,7 +97,7 @@ _ACCOUNT = (f"SELECT '' AS key_id, '' AS key_prefix, a.email AS account_email, a
             "FROM members a JOIN tenants t ON t.id = a.tenant_id WHERE a.id = %s AND a.removed_at IS NULL")
 
 
-async def principal_for_account(conn: AsyncConnection, account_id: str) -> Principal:
+async def principal_for_account(conn: AsyncConnection[DictRow], account_id: str) -> Principal:
     """The caller behind a dashboard session of a member account (tenancy.members): re-read on every
     request, so removing the member or changing their role takes effect at once."""
     cur = await conn.execute(_ACCOUNT, (account_id,))

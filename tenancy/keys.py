@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import psycopg
+from psycopg.rows import DictRow
 
-from core import ids
+from core import db, ids
 from core.errors import NotFound
 
 PREFIX_LEN = 12  # "tml-" plus 8 characters: enough to tell keys apart in a listing
@@ -56,53 +57,53 @@ def _revoked(rows: list[dict], prefix: str) -> KeyInfo:
     return KeyInfo(**rows[0])
 
 
-def create_key(conn: psycopg.Connection, tenant_id: str, name: str = "", role: str = "owner") -> tuple[str, KeyInfo]:
+def create_key(conn: psycopg.Connection[DictRow], tenant_id: str, name: str = "", role: str = "owner") -> tuple[str, KeyInfo]:
     """Create a key for a tenant (the CLI's: an owner's unless `role` says less); returns (the
     secret, shown once; its record)."""
     secret, params = _new_secret(tenant_id, name, role, None, "cli")
-    return secret, KeyInfo(**conn.execute(_CREATE, params).fetchone())
+    return secret, KeyInfo(**db.one(conn.execute(_CREATE, params).fetchone()))
 
 
-def list_keys(conn: psycopg.Connection, tenant_id: str) -> list[KeyInfo]:
+def list_keys(conn: psycopg.Connection[DictRow], tenant_id: str) -> list[KeyInfo]:
     return [KeyInfo(**r) for r in conn.execute(_LIST, (tenant_id,)).fetchall()]
 
 
-def revoke_key(conn: psycopg.Connection, prefix: str, tenant_id: str | None = None) -> KeyInfo:
+def revoke_key(conn: psycopg.Connection[DictRow], prefix: str, tenant_id: str | None = None) -> KeyInfo:
     """Revoke the key with this prefix (optionally only within one tenant)."""
     return _revoked(conn.execute(_REVOKE, (prefix, tenant_id, tenant_id)).fetchall(), prefix)
 
 
 # The API's async connections (the dashboard's key page).
 
-async def create_key_async(conn: psycopg.AsyncConnection, tenant_id: str, name: str, *, role: str,
+async def create_key_async(conn: psycopg.AsyncConnection[DictRow], tenant_id: str, name: str, *, role: str,
                            member_id: str | None, created_by: str) -> tuple[str, KeyInfo]:
     """A key made by a caller (the dashboard): `role` already capped at the caller's
     (tenancy.roles.key_role), `member_id` the account it answers to."""
     secret, params = _new_secret(tenant_id, name, role, member_id, created_by)
     cur = await conn.execute(_CREATE, params)
-    return secret, KeyInfo(**await cur.fetchone())
+    return secret, KeyInfo(**db.one(await cur.fetchone()))
 
 
-async def list_keys_async(conn: psycopg.AsyncConnection, tenant_id: str) -> list[KeyInfo]:
+async def list_keys_async(conn: psycopg.AsyncConnection[DictRow], tenant_id: str) -> list[KeyInfo]:
     """Async form of `list_keys`."""
     cur = await conn.execute(_LIST, (tenant_id,))
     return [KeyInfo(**r) for r in await cur.fetchall()]
 
 
-async def key_by_prefix_async(conn: psycopg.AsyncConnection, prefix: str, tenant_id: str) -> KeyInfo:
+async def key_by_prefix_async(conn: psycopg.AsyncConnection[DictRow], prefix: str, tenant_id: str) -> KeyInfo:
     """The active key of this tenant with this prefix (NotFound otherwise, another tenant's too)."""
     cur = await conn.execute(f"SELECT {_FIELDS} FROM api_keys WHERE prefix = %s AND tenant_id = %s "
                              "AND revoked_at IS NULL", (prefix, tenant_id))
     return _revoked(await cur.fetchall(), prefix)
 
 
-async def revoke_key_async(conn: psycopg.AsyncConnection, prefix: str, tenant_id: str) -> KeyInfo:
+async def revoke_key_async(conn: psycopg.AsyncConnection[DictRow], prefix: str, tenant_id: str) -> KeyInfo:
     """Async form of `revoke_key`, always within one tenant (another tenant's key is 404)."""
     cur = await conn.execute(_REVOKE, (prefix, tenant_id, tenant_id))
     return _revoked(await cur.fetchall(), prefix)
 
 
-async def revoke_member_keys(conn: psycopg.AsyncConnection, member_id: str) -> list[str]:
+async def revoke_member_keys(conn: psycopg.AsyncConnection[DictRow], member_id: str) -> list[str]:
     """Revoke every active key a member account made (their removal); returns the prefixes."""
     cur = await conn.execute("UPDATE api_keys SET revoked_at = now() WHERE member_id = %s AND revoked_at IS NULL "
                              "RETURNING prefix", (member_id,))

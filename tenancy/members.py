@@ -23,8 +23,9 @@ from urllib.parse import urlsplit
 import psycopg
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerifyMismatchError
+from psycopg.rows import DictRow
 
-from core import ids
+from core import db, ids
 from core.errors import Conflict, Forbidden, InvalidInput, NotFound, Unauthenticated
 from core.settings import get_api_settings
 from tenancy.keys import revoke_member_keys
@@ -82,14 +83,14 @@ def _token_hash(token: str) -> bytes:
 
 # ------------------------------------------------------------------------------- accounts
 
-async def sign_up(conn: psycopg.AsyncConnection, email: str, password_hash: str, tenant_name: str) -> dict:
+async def sign_up(conn: psycopg.AsyncConnection[DictRow], email: str, password_hash: str, tenant_name: str) -> dict:
     """Open sign-up: a new tenant and its first owner (the caller commits)."""
     tenant = await create_tenant_async(conn, tenant_name)
     member = await _insert(conn, tenant.id, email, password_hash, "owner")
     return {**member, "tenant_name": tenant.name}
 
 
-async def accept_invite(conn: psycopg.AsyncConnection, token: str, password_hash: str) -> dict:
+async def accept_invite(conn: psycopg.AsyncConnection[DictRow], token: str, password_hash: str) -> dict:
     """Join the tenant an invitation names, with its role (once; the caller commits)."""
     row = await _use_token(conn, token, "invite")
     if row is None:
@@ -108,7 +109,7 @@ async def _insert(conn, tenant_id: str, email: str, password_hash: str, role: st
         raise Conflict(f"{email} already has an account; log in or reset its password", field="email") from None
 
 
-async def log_in(conn: psycopg.AsyncConnection, email: str, password: str) -> dict:
+async def log_in(conn: psycopg.AsyncConnection[DictRow], email: str, password: str) -> dict:
     """The member with this email and password (Unauthenticated otherwise, the same for both)."""
     row = await (await conn.execute("SELECT id, tenant_id, email, role, password_hash FROM members "
                                     "WHERE lower(email) = %s AND removed_at IS NULL", (email,))).fetchone()
@@ -118,13 +119,13 @@ async def log_in(conn: psycopg.AsyncConnection, email: str, password: str) -> di
     return row
 
 
-async def list_members(conn: psycopg.AsyncConnection, tenant_id: str) -> list[dict]:
+async def list_members(conn: psycopg.AsyncConnection[DictRow], tenant_id: str) -> list[dict]:
     cur = await conn.execute("SELECT id, email, role, created_at FROM members WHERE tenant_id = %s "
                              "AND removed_at IS NULL ORDER BY created_at", (tenant_id,))
     return await cur.fetchall()
 
 
-async def remove(conn: psycopg.AsyncConnection, tenant_id: str, member_id: str) -> dict:
+async def remove(conn: psycopg.AsyncConnection[DictRow], tenant_id: str, member_id: str) -> dict:
     """Remove a member of this tenant (never its last owner) and revoke the keys they made; the
     caller ends their dashboard sessions."""
     row = await (await conn.execute(
@@ -132,14 +133,14 @@ async def remove(conn: psycopg.AsyncConnection, tenant_id: str, member_id: str) 
         "RETURNING email, role", (member_id, tenant_id))).fetchone()
     if row is None:
         raise NotFound("no such member of your tenant", field="member_id")
-    owners = await (await conn.execute("SELECT count(*) AS n FROM members WHERE tenant_id = %s AND role = 'owner' "
-                                       "AND removed_at IS NULL", (tenant_id,))).fetchone()
+    owners = db.one(await (await conn.execute("SELECT count(*) AS n FROM members WHERE tenant_id = %s "
+                                              "AND role = 'owner' AND removed_at IS NULL", (tenant_id,))).fetchone())
     if row["role"] == "owner" and owners["n"] == 0:
         raise Conflict("a tenant keeps at least one owner; make someone else owner first", field="member_id")
     return {**row, "revoked_keys": await revoke_member_keys(conn, member_id)}
 
 
-async def list_invitations(conn: psycopg.AsyncConnection, tenant_id: str) -> list[dict]:
+async def list_invitations(conn: psycopg.AsyncConnection[DictRow], tenant_id: str) -> list[dict]:
     """The tenant's invitations still open (unused, unexpired), oldest first."""
     cur = await conn.execute("SELECT id, email, role, created_by, expires_at FROM member_tokens WHERE tenant_id = %s "
                              "AND purpose = 'invite' AND used_at IS NULL AND expires_at > now() ORDER BY id",
@@ -147,7 +148,7 @@ async def list_invitations(conn: psycopg.AsyncConnection, tenant_id: str) -> lis
     return await cur.fetchall()
 
 
-async def revoke_invitation(conn: psycopg.AsyncConnection, tenant_id: str, invitation_id: int) -> dict:
+async def revoke_invitation(conn: psycopg.AsyncConnection[DictRow], tenant_id: str, invitation_id: int) -> dict:
     """Spend an open invitation of this tenant so its link stops working (NotFound otherwise)."""
     cur = await conn.execute("UPDATE member_tokens SET used_at = now() WHERE id = %s AND tenant_id = %s "
                              "AND purpose = 'invite' AND used_at IS NULL AND expires_at > now() RETURNING email",
@@ -160,7 +161,7 @@ async def revoke_invitation(conn: psycopg.AsyncConnection, tenant_id: str, invit
 
 # ------------------------------------------------------------------------------- tokens and mail
 
-async def new_token(conn: psycopg.AsyncConnection, purpose: str, tenant_id: str, email: str, role: str | None,
+async def new_token(conn: psycopg.AsyncConnection[DictRow], purpose: str, tenant_id: str, email: str, role: str | None,
                     created_by: str) -> str:
     token = secrets.token_urlsafe(32)
     ttl = INVITE_TTL_S if purpose == "invite" else RESET_TTL_S
@@ -170,7 +171,7 @@ async def new_token(conn: psycopg.AsyncConnection, purpose: str, tenant_id: str,
     return token
 
 
-async def _use_token(conn: psycopg.AsyncConnection, token: str, purpose: str) -> dict | None:
+async def _use_token(conn: psycopg.AsyncConnection[DictRow], token: str, purpose: str) -> dict | None:
     """Mark a live token of this purpose used and return its row, or None (unknown, used or expired)."""
     cur = await conn.execute(
         "UPDATE member_tokens SET used_at = now() WHERE token_hash = %s AND purpose = %s AND used_at IS NULL "
@@ -178,7 +179,7 @@ async def _use_token(conn: psycopg.AsyncConnection, token: str, purpose: str) ->
     return await cur.fetchone()
 
 
-async def start_reset(conn: psycopg.AsyncConnection, email: str) -> str | None:
+async def start_reset(conn: psycopg.AsyncConnection[DictRow], email: str) -> str | None:
     """A reset token for a live account with this address, or None (the caller says the same either way)."""
     row = await (await conn.execute("SELECT tenant_id FROM members WHERE lower(email) = %s AND removed_at IS NULL",
                                     (email,))).fetchone()
@@ -187,7 +188,7 @@ async def start_reset(conn: psycopg.AsyncConnection, email: str) -> str | None:
     return await new_token(conn, "reset", row["tenant_id"], email, None, "self")
 
 
-async def finish_reset(conn: psycopg.AsyncConnection, token: str, password_hash: str) -> list[str]:
+async def finish_reset(conn: psycopg.AsyncConnection[DictRow], token: str, password_hash: str) -> list[str]:
     """Set the new password of the reset token's account (once), and spend the address's other
     reset links; returns the ids of the accounts whose sessions must end."""
     row = await _use_token(conn, token, "reset")
@@ -209,7 +210,7 @@ def deliver(smtp_url: str, sender: str, to: str, subject: str, link: str) -> Non
     message = EmailMessage()
     message["From"], message["To"], message["Subject"] = sender, to, subject
     message.set_content(f"{subject}:\n\n{link}\n")
-    with smtplib.SMTP(url.hostname, url.port or 25, timeout=30) as smtp:
+    with smtplib.SMTP(url.hostname or "", url.port or 25, timeout=30) as smtp:  # (smtplib's default host is "")
         if url.username:
             smtp.starttls()
             smtp.login(url.username, url.password or "")

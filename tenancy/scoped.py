@@ -4,8 +4,10 @@ tenant's resource is indistinguishable from a missing one (404), and no route co
 from __future__ import annotations
 
 from psycopg import AsyncConnection
+from psycopg.rows import DictRow
 
 from checkpoints import retention
+from core import db
 from core.errors import Conflict, Forbidden, NotFound
 from core.queue import MAX_CLONE
 from tenancy.auth import Principal
@@ -17,7 +19,7 @@ _ADMISSION_READS = ("(SELECT count(*) FROM requests WHERE tenant_id = %(tenant)s
                     "AND (api_key_id IS NULL OR api_key_id = %(key)s)) AS budgeted")
 
 
-async def _one(conn: AsyncConnection, sql: str, params: tuple | dict, missing: NotFound) -> dict:
+async def _one(conn: AsyncConnection[DictRow], sql: str, params: tuple | dict, missing: NotFound) -> dict:
     cur = await conn.execute(sql, params)
     row = await cur.fetchone()
     if row is None:
@@ -30,7 +32,7 @@ def model_not_found(model_id: str) -> NotFound:
     return NotFound(f"model {model_id!r} not found", field="model_id")
 
 
-async def get_session(conn: AsyncConnection, who: Principal, session_id: str) -> dict:
+async def get_session(conn: AsyncConnection[DictRow], who: Principal, session_id: str) -> dict:
     return await _one(
         conn,
         "SELECT * FROM sessions WHERE id = %s AND tenant_id = %s",
@@ -39,7 +41,7 @@ async def get_session(conn: AsyncConnection, who: Principal, session_id: str) ->
     )
 
 
-async def list_sessions(conn: AsyncConnection, who: Principal, *, limit: int, offset: int) -> list[str]:
+async def list_sessions(conn: AsyncConnection[DictRow], who: Principal, *, limit: int, offset: int) -> list[str]:
     """Your sessions' ids, newest first."""
     cur = await conn.execute(
         "SELECT id FROM sessions WHERE tenant_id = %s ORDER BY created_at DESC, id LIMIT %s OFFSET %s",
@@ -48,7 +50,7 @@ async def list_sessions(conn: AsyncConnection, who: Principal, *, limit: int, of
     return [row["id"] for row in await cur.fetchall()]
 
 
-async def session_contents(conn: AsyncConnection, who: Principal, session_id: str) -> tuple[dict, list[str], list[str]]:
+async def session_contents(conn: AsyncConnection[DictRow], who: Principal, session_id: str) -> tuple[dict, list[str], list[str]]:
     """A session of yours, its training models (deleted ones left out) and its samplers, each in
     creation order."""
     session = await get_session(conn, who, session_id)
@@ -76,7 +78,7 @@ def _model_read(admission: bool) -> str:
 MODEL_FOR_ADMISSION = _model_read(admission=True)
 
 
-async def get_model(conn: AsyncConnection, who: Principal, model_id: str, *, seq_id: int | None = None,
+async def get_model(conn: AsyncConnection[DictRow], who: Principal, model_id: str, *, seq_id: int | None = None,
                     admission: bool = False) -> dict:
     """A training model of yours, with its base's limits (`vocab_size`, `max_context_length`) and,
     given `seq_id`, the request already holding it (`seq_holder_id`, `seq_holder_kind` and
@@ -91,7 +93,7 @@ async def get_model(conn: AsyncConnection, who: Principal, model_id: str, *, seq
     )
 
 
-async def get_request(conn: AsyncConnection, who: Principal, request_id: str) -> dict:
+async def get_request(conn: AsyncConnection[DictRow], who: Principal, request_id: str) -> dict:
     return await _one(
         conn,
         "SELECT id, status, kind, model_id, seq_id, finished_at FROM requests WHERE id = %s AND tenant_id = %s",
@@ -100,7 +102,7 @@ async def get_request(conn: AsyncConnection, who: Principal, request_id: str) ->
     )
 
 
-async def get_checkpoint(conn: AsyncConnection, who: Principal, model_id: str, kind: str, name: str) -> dict:
+async def get_checkpoint(conn: AsyncConnection[DictRow], who: Principal, model_id: str, kind: str, name: str) -> dict:
     return await _one(
         conn,
         f"SELECT * FROM checkpoints WHERE model_id = %s AND kind = %s AND name = %s AND tenant_id = %s "
@@ -110,7 +112,7 @@ async def get_checkpoint(conn: AsyncConnection, who: Principal, model_id: str, k
     )
 
 
-async def download_checkpoint(conn: AsyncConnection, tenant_id: str, checkpoint_id: int, api_key_id: str) -> dict:
+async def download_checkpoint(conn: AsyncConnection[DictRow], tenant_id: str, checkpoint_id: int, api_key_id: str) -> dict:
     """The checkpoint a signed URL names, if the link still holds: the checkpoint lives, the key that
     minted it (`api_key_id`, "" for none) is not revoked, and no operator has suspended the tenant
     (a payment suspension keeps downloads working). NotFound or Forbidden saying which otherwise."""
@@ -128,21 +130,21 @@ async def download_checkpoint(conn: AsyncConnection, tenant_id: str, checkpoint_
     return row
 
 
-async def model_base(conn: AsyncConnection, tenant_id: str, model_id: str) -> str:
+async def model_base(conn: AsyncConnection[DictRow], tenant_id: str, model_id: str) -> str:
     """The base model of tenant `tenant_id`'s training model `model_id` (404 if not theirs)."""
     row = await _one(conn, "SELECT base_model FROM training_models WHERE id = %s AND tenant_id = %s",
                      (model_id, tenant_id), model_not_found(model_id))
     return row["base_model"]
 
 
-async def key_id(conn: AsyncConnection, who: Principal, prefix: str) -> str:
+async def key_id(conn: AsyncConnection[DictRow], who: Principal, prefix: str) -> str:
     """The id of the caller's tenant's API key with `prefix` (404 if none)."""
     row = await _one(conn, "SELECT id FROM api_keys WHERE tenant_id = %s AND prefix = %s", (who.tenant_id, prefix),
                      NotFound(f"no API key of yours with prefix {prefix!r}", field="api_key_prefix"))
     return row["id"]
 
 
-async def get_sampling_session(conn: AsyncConnection, who: Principal, sampling_session_id: str) -> dict:
+async def get_sampling_session(conn: AsyncConnection[DictRow], who: Principal, sampling_session_id: str) -> dict:
     return await _one(
         conn,
         "SELECT * FROM sampling_sessions WHERE id = %s AND tenant_id = %s",
@@ -151,7 +153,7 @@ async def get_sampling_session(conn: AsyncConnection, who: Principal, sampling_s
     )
 
 
-async def join_sampling_session(conn: AsyncConnection, who: Principal, sampling_session_id: str) -> int:
+async def join_sampling_session(conn: AsyncConnection[DictRow], who: Principal, sampling_session_id: str) -> int:
     """Your sampling session's next client number (the original client is 0, so the first copy gets
     1); 404 unless the session is yours."""
     cur = await conn.execute(
@@ -165,24 +167,24 @@ async def join_sampling_session(conn: AsyncConnection, who: Principal, sampling_
     return row["clients"]
 
 
-async def count_live_models(conn: AsyncConnection, who: Principal) -> int:
+async def count_live_models(conn: AsyncConnection[DictRow], who: Principal) -> int:
     cur = await conn.execute(
         "SELECT count(*) AS n FROM training_models WHERE tenant_id = %s AND status IN ('creating', 'ready', 'recovering')",
         (who.tenant_id,),
     )
-    return (await cur.fetchone())["n"]
+    return db.one(await cur.fetchone())["n"]
 
 
-async def inflight_and_budgeted(conn: AsyncConnection, who: Principal) -> tuple[int, bool]:
+async def inflight_and_budgeted(conn: AsyncConnection[DictRow], who: Principal) -> tuple[int, bool]:
     """The tenant's requests in flight, and whether a monthly budget bounds the tenant or the
     calling key (billing.budgets): admission's two reads in one statement, one round trip (a call
     on a model reads them with the model instead: `get_model(..., admission=True)`)."""
     cur = await conn.execute(f"SELECT {_ADMISSION_READS}", {"tenant": who.tenant_id, "key": who.key_id})
-    row = await cur.fetchone()
+    row = db.one(await cur.fetchone())
     return row["inflight"], row["budgeted"]
 
 
-async def list_models(conn: AsyncConnection, who: Principal, *, limit: int, offset: int) -> tuple[list[dict], int]:
+async def list_models(conn: AsyncConnection[DictRow], who: Principal, *, limit: int, offset: int) -> tuple[list[dict], int]:
     cur = await conn.execute(
         "SELECT m.*, count(*) OVER () AS total FROM training_models m WHERE tenant_id = %s AND status <> 'deleted' "
         "ORDER BY created_at DESC LIMIT %s OFFSET %s",
@@ -194,10 +196,10 @@ async def list_models(conn: AsyncConnection, who: Principal, *, limit: int, offs
     cur = await conn.execute(
         "SELECT count(*) AS n FROM training_models WHERE tenant_id = %s AND status <> 'deleted'", (who.tenant_id,)
     )
-    return [], (await cur.fetchone())["n"]
+    return [], db.one(await cur.fetchone())["n"]
 
 
-async def list_checkpoints(conn: AsyncConnection, who: Principal, *, model_id: str | None = None,
+async def list_checkpoints(conn: AsyncConnection[DictRow], who: Principal, *, model_id: str | None = None,
                            limit: int = 1000, offset: int = 0) -> tuple[list[dict], int]:
     cur = await conn.execute(
         f"SELECT c.*, count(*) OVER () AS total FROM checkpoints c WHERE tenant_id = %s AND {retention.LIVE} "
@@ -208,14 +210,14 @@ async def list_checkpoints(conn: AsyncConnection, who: Principal, *, model_id: s
     return rows, (rows[0]["total"] if rows else 0)
 
 
-async def checkpoint_bytes(conn: AsyncConnection, who: Principal) -> int:
+async def checkpoint_bytes(conn: AsyncConnection[DictRow], who: Principal) -> int:
     """The bytes of the caller's tenant's live checkpoints (its max_checkpoint_bytes quota)."""
     cur = await conn.execute(f"SELECT COALESCE(sum(size_bytes), 0)::bigint AS n FROM checkpoints "
                              f"WHERE tenant_id = %s AND {retention.LIVE}", (who.tenant_id,))
-    return (await cur.fetchone())["n"]
+    return db.one(await cur.fetchone())["n"]
 
 
-async def checkpoint_storage(conn: AsyncConnection, who: Principal) -> list[dict]:
+async def checkpoint_storage(conn: AsyncConnection[DictRow], who: Principal) -> list[dict]:
     """Your live checkpoints' count and bytes by the key that created their session (`key_prefix`,
     `key_name`; None where the session records no key), most bytes first."""
     cur = await conn.execute(
@@ -229,7 +231,7 @@ async def checkpoint_storage(conn: AsyncConnection, who: Principal) -> list[dict
     return await cur.fetchall()
 
 
-async def list_sampling_sessions(conn: AsyncConnection, who: Principal, *, limit: int = 200) -> list[dict]:
+async def list_sampling_sessions(conn: AsyncConnection[DictRow], who: Principal, *, limit: int = 200) -> list[dict]:
     """Your samplers, newest first, with how many sampling requests each has run and is running."""
     cur = await conn.execute(
         "SELECT s.id, s.base_model, s.model_id, s.model_path, s.created_at, "
@@ -243,7 +245,7 @@ async def list_sampling_sessions(conn: AsyncConnection, who: Principal, *, limit
     return await cur.fetchall()
 
 
-async def run_progress(conn: AsyncConnection, who: Principal, model_ids: list[str]) -> dict[str, dict]:
+async def run_progress(conn: AsyncConnection[DictRow], who: Principal, model_ids: list[str]) -> dict[str, dict]:
     """Per training model of yours: `step` (optimizer steps completed: its policy version),
     `in_flight` requests, and the newest trainer `loss` (loss per weighted token) if any."""
     out = {m: {"step": 0, "in_flight": 0, "loss": None} for m in model_ids}
@@ -265,7 +267,7 @@ async def run_progress(conn: AsyncConnection, who: Principal, model_ids: list[st
     return out
 
 
-async def list_run_metrics(conn: AsyncConnection, who: Principal, model_id: str, *, limit: int) -> list[dict]:
+async def list_run_metrics(conn: AsyncConnection[DictRow], who: Principal, model_id: str, *, limit: int) -> list[dict]:
     """A run of yours' per-step metrics (trainer and client rows), by step then arrival."""
     await get_model(conn, who, model_id)
     cur = await conn.execute(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import psycopg
+from psycopg.rows import DictRow
 
 from core import ids
 from core.errors import Conflict, InvalidInput, NotFound
@@ -51,38 +52,38 @@ def _created(row: dict | None, name: str) -> Tenant:
     return Tenant(**row)
 
 
-def create_tenant(conn: psycopg.Connection, name: str, *, role: str = "tenant", plan_weight: float = 1.0) -> Tenant:
+def create_tenant(conn: psycopg.Connection[DictRow], name: str, *, role: str = "tenant", plan_weight: float = 1.0) -> Tenant:
     return _created(conn.execute(_CREATE, _create_params(name, role, plan_weight)).fetchone(), name)
 
 
-async def create_tenant_async(conn: psycopg.AsyncConnection, name: str) -> Tenant:
+async def create_tenant_async(conn: psycopg.AsyncConnection[DictRow], name: str) -> Tenant:
     """Async form of `create_tenant` for a self-serve sign-up (role tenant, default quotas)."""
     return _created(await (await conn.execute(_CREATE, _create_params(name, "tenant", 1.0))).fetchone(), name)
 
 
-def get_tenant_by_name(conn: psycopg.Connection, name: str) -> Tenant:
+def get_tenant_by_name(conn: psycopg.Connection[DictRow], name: str) -> Tenant:
     row = conn.execute(f"SELECT {_COLUMNS} FROM tenants WHERE name = %s", (name,)).fetchone()
     if row is None:
         raise NotFound(f"no tenant named {name!r}", field="name")
     return Tenant(**row)
 
 
-async def tenant_id_named(conn: psycopg.AsyncConnection, name: str) -> str | None:
+async def tenant_id_named(conn: psycopg.AsyncConnection[DictRow], name: str) -> str | None:
     """The id of the tenant named `name` (an operator's lookup), or None."""
     row = await (await conn.execute("SELECT id FROM tenants WHERE name = %s", (name,))).fetchone()
     return row["id"] if row else None
 
 
-def list_tenants(conn: psycopg.Connection) -> list[Tenant]:
+def list_tenants(conn: psycopg.Connection[DictRow]) -> list[Tenant]:
     return [Tenant(**r) for r in conn.execute(f"SELECT {_COLUMNS} FROM tenants ORDER BY created_at")]
 
 
-def set_quota(conn: psycopg.Connection, name: str, *, tokens_per_minute: int | None = None,
+def set_quota(conn: psycopg.Connection[DictRow], name: str, *, tokens_per_minute: int | None = None,
               max_inflight_requests: int | None = None, max_models: int | None = None) -> Tenant:
     """Change a tenant's quotas (the ones given); they apply from the tenant's next call."""
-    changes = {"tokens_per_minute": tokens_per_minute, "max_inflight_requests": max_inflight_requests,
-               "max_models": max_models}
-    changes = {k: v for k, v in changes.items() if v is not None}
+    given = {"tokens_per_minute": tokens_per_minute, "max_inflight_requests": max_inflight_requests,
+             "max_models": max_models}
+    changes = {k: v for k, v in given.items() if v is not None}
     for key, value in changes.items():
         if not 1 <= value <= INT32_MAX:
             raise InvalidInput(f"{key} must be in [1, {INT32_MAX}], got {value}", field=key)

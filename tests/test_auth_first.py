@@ -108,7 +108,6 @@ def test_the_anonymous_health_answers_carry_no_store_errors_or_tenant_figures(st
 
 def test_a_keyed_health_answer_adds_the_pools_counters_and_a_wrong_key_is_a_401(stack, tenant):
     import httpx
-
     from stackutil import TINY
 
     keyed = httpx.get(stack.base_url + "/api/v1/healthz", headers={"X-API-Key": tenant.key}, timeout=10).json()

@@ -26,7 +26,7 @@ def _datum(start: int, n: int = 16, policy_version: int | None = None) -> Datum:
     return Datum(toks[:-1], {"target_tokens": toks[1:], "weights": (1.0,) * n}, policy_version)
 
 
-def _req(request_id: str, model_id: str, data: list[Datum], *, config: LossConfig = LossConfig(),
+def _req(request_id: str, model_id: str, data: list[Datum], *, config: LossConfig = LossConfig(),  # noqa: B008 - frozen
          forward_only: bool = False) -> PassRequest:
     return PassRequest(request_id, model_id, PassWork("cross_entropy", config, tuple(data)), forward_only)
 

@@ -74,7 +74,7 @@ def test_the_process_making_a_change_forgets_at_its_commit_not_at_the_notificati
             with pytest.raises(ZeroDivisionError):
                 async with changing(pool, cache) as conn:
                     await conn.execute("SELECT 1")
-                    1 / 0  # nothing committed: nothing to forget
+                    1 / 0  # noqa: B018 - nothing committed: nothing to forget
             assert cache.get("key", "h-a") == _who("a")
             async with changing(pool, cache) as conn:
                 await conn.execute("SELECT 1")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -36,7 +36,7 @@ def test_lifetime_policy():
 
 
 def test_a_sliding_expiry_moves_at_most_once_a_minute():
-    now = datetime(2026, 12, 1, tzinfo=timezone.utc)
+    now = datetime(2026, 12, 1, tzinfo=UTC)
     assert retention.due_to_slide(now + timedelta(seconds=30), 7200, now)
     assert retention.due_to_slide(now + timedelta(seconds=7200 - 61), 7200, now)
     assert not retention.due_to_slide(now + timedelta(seconds=7200 - 59), 7200, now)
@@ -123,7 +123,7 @@ def _listed(http, model_id: str) -> dict[str, dict]:
 
 
 def _expires_in(ckpt: dict) -> float:
-    return (datetime.fromisoformat(ckpt["expires_at"]) - datetime.now(timezone.utc)).total_seconds()
+    return (datetime.fromisoformat(ckpt["expires_at"]) - datetime.now(UTC)).total_seconds()
 
 
 def test_republished_weights_keep_serving_and_the_old_version_goes_after_the_grace(stack, tenant):

@@ -193,7 +193,7 @@ def test_training_from_replays_follows_the_eager_trainer(base_path):
     steps replay them), optimizer steps between: the weights follow the eager trainer's."""
     graphed = _trainer(base_path, emulate_graphs=True, max_tokens_per_pass=40)
     eager = _trainer(base_path, max_tokens_per_pass=40)
-    for step in range(3):
+    for _step in range(3):
         for be in (graphed, eager):
             outs = be.run_pass(PASSES[0])
             assert all(isinstance(o, dict) for o in outs), outs

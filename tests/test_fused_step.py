@@ -42,7 +42,7 @@ def _rl_datum(start: int, n: int) -> Datum:
 
 
 def _req(model_id: str, data: list[Datum], loss_fn: str = "cross_entropy", forward_only: bool = False,
-         config: LossConfig = LossConfig()) -> PassRequest:
+         config: LossConfig = LossConfig()) -> PassRequest:  # noqa: B008 - frozen
     return PassRequest(model_id, model_id, PassWork(loss_fn, config, tuple(data)), forward_only)
 
 

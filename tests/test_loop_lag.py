@@ -60,7 +60,7 @@ def test_a_blocked_loop_shows_as_a_late_wake_up():
         hist = LagHistogram()
         probe = asyncio.create_task(loop_lag.watch(hist, every_s=0.005))
         await asyncio.sleep(0.05)
-        time.sleep(0.08)  # a call's step that never yields
+        time.sleep(0.08)  # noqa: ASYNC251 - a call's step that never yields
         await asyncio.sleep(0.05)
         probe.cancel()
         return hist

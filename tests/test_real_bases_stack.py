@@ -10,10 +10,10 @@ import sys
 import pytest
 
 tinker = pytest.importorskip("tinker")
-from tinker import types
+from tinker import types  # noqa: E402
 
-from stack.ephemeral import ROOT, ephemeral_stack, new_tenant
-from stack.tiny_model import TinyModelSpec, build_tiny_model
+from stack.ephemeral import ROOT, ephemeral_stack, new_tenant  # noqa: E402
+from stack.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.stack
 

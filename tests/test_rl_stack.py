@@ -192,9 +192,10 @@ def _letters_env():
 def test_a_verifiers_environment_trains_through_the_stack(stack):
     """The adapter's tokens are the base's own (its tokenizer, made on the worker), sampled by the pool
     and trained on by the trainer; the rubric's reward reaches the step log."""
+    from quilt.rl import adapters
+
     from bases.catalog import get_model_sync
     from core import db
-    from quilt.rl import adapters
 
     with db.connect(stack.database_url) as conn:
         path = get_model_sync(conn, TINY).path

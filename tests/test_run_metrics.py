@@ -32,7 +32,7 @@ def trained(stack):
     client = stack.http(owner.key)
     model_id = new_model(client)
     weights = [0.0, 0.0] + [1.0] * 14
-    for seq, body in enumerate([
+    for _seq, body in enumerate([
         fb_body(model_id, 1, [datum(list(range(10, 27)), weights)]),
         {"model_id": model_id, "seq_id": 2, "adam_params": ADAM},
         fb_body(model_id, 3, [datum(list(range(10, 27)), weights)], loss_fn_config={"policy_version": 0}),

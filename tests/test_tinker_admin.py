@@ -18,7 +18,6 @@ tinker = pytest.importorskip("tinker")
 if not hasattr(tinker, "AdminClient"):
     pytest.skip("tinker releases before 0.38 have no AdminClient", allow_module_level=True)
 from tinker import types  # noqa: E402
-
 from tinkerutil import ready  # noqa: E402
 
 from core import db  # noqa: E402

@@ -44,7 +44,8 @@ def test_two_tenants_share_one_round_and_it_is_reported(stack):
     # The round's record is pushed after its requests are answered, so give it a moment.
     deadline = time.monotonic() + 10
     while True:
-        rounds = [json.loads(r) for r in redis.Redis.from_url(stack.redis_url).lrange(f"quilt:stats:trainer:{TINY}:rounds", 0, 50)]
+        rounds = [json.loads(r) for r in
+                  redis.Redis.from_url(stack.redis_url).lrange(f"quilt:stats:trainer:{TINY}:rounds", 0, 50)]
         shared = [r for r in rounds if r["tenants"] == 2]
         if shared or time.monotonic() > deadline:
             break

@@ -18,8 +18,8 @@ from api.dashboard.deps import (
     Changing,
     LoggedIn,
     OperatorChanging,
-    OwnerChanging,
     OperatorOnly,
+    OwnerChanging,
     page_context,
 )
 from api.dashboard.render import PageRoute, csp_with_form_action, page

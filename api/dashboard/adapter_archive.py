@@ -21,9 +21,9 @@ from pathlib import Path
 from fastapi.responses import StreamingResponse
 
 from checkpoints.adapter_merge import Member
+from checkpoints.layout import adapter_files
 from core.errors import QuotaExceeded
 from core.settings import get_api_settings
-from checkpoints.layout import adapter_files
 
 CHUNK = 1 << 20
 _BLOCK = tarfile.BLOCKSIZE

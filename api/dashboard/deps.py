@@ -31,7 +31,7 @@ def page_context(viewer: Viewer, nav: str, **extra) -> dict:
 async def _viewer(request: Request, pool: Pool, redis: RedisDep) -> Viewer:
     token = request.cookies.get(sessions.COOKIE)
     session = await sessions.load(redis, token)
-    if session is None:
+    if session is None or token is None:
         raise Unauthenticated("log in to the dashboard with an API key", field="session")
     async with pool.connection() as conn:
         try:
@@ -50,7 +50,8 @@ async def _csrf_checked(request: Request, viewer: Annotated[Viewer, Depends(_vie
     given = request.headers.get("X-CSRF-Token")
     if given is None and request.headers.get("content-type", "").startswith(
             ("application/x-www-form-urlencoded", "multipart/form-data")):
-        given = (await request.form()).get("csrf_token")
+        sent = (await request.form()).get("csrf_token")
+        given = sent if isinstance(sent, str) else None  # a file under that name is no token
     if not sessions.tokens_match(viewer.session.csrf_token, given):
         raise Forbidden("missing or wrong CSRF token: reload the page and try again", field="csrf_token")
     return viewer

@@ -11,11 +11,11 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import RedirectResponse
 
 from api import links
+from api.caller_cache import changing
 from api.dashboard import sessions
 from api.dashboard.deps import LoggedIn, OwnerChanging, page_context
 from api.dashboard.pages import braked_login, client_address, login_page, safe_next
 from api.dashboard.render import PageRoute, page
-from api.caller_cache import changing
 from api.deps import Callers, Pool, RedisDep
 from billing.customers import request_customer
 from core.errors import Forbidden, InvalidInput, QuiltError

@@ -291,7 +291,8 @@ async def _base_health(redis: Redis, base: catalog.BaseModel, *, now: float, win
                    "sampling": sum([await redis.xlen(st) for st in queue.sample_streams(base.name, replicas)])
                    if base.sampleable else None},
         "trainer": {"up": trainer is not None, **(trainer or {}),
-                    "busy_fraction_since_start": round(trainer["busy_s"] / busy_total, 4) if busy_total else None},
+                    "busy_fraction_since_start": round(trainer["busy_s"] / busy_total, 4) if trainer and busy_total
+                    else None},
         "gen": None if not base.sampleable else {
             "up": gen is not None, **(gen or {}),
             "slot_utilisation": round(gen["running"] / gen["target"], 4) if gen and gen.get("target") else None},

@@ -3,8 +3,8 @@
 Logging in with an API key creates a session that remembers the *id* of that key, never the key;
 every request re-reads the key and its tenant (`tenancy.auth.principal_for_key_id`), so revoking the
 key or changing the tenant's role takes effect at once. A member's password login remembers the
-member's id the same way (`principal_for_account`): removing the member ends their sessions. Redis holds the session under a hash of the
-token, so a copy of Redis does not hand out sessions.
+member's id the same way (`principal_for_account`): removing the member ends their sessions. Redis holds
+the session under a hash of the token, so a copy of Redis does not hand out sessions.
 
 CSRF: each session carries its own random token; every state-changing request must send it back
 (form field `csrf_token` or header `X-CSRF-Token`), compared in constant time. The login form,

@@ -179,7 +179,7 @@ async def suspend_tenant(name: str, body: SuspendRequest, who: Who, pool: Pool, 
     return {"tenant": name, "suspended": True, "kind": body.kind, "reason": body.reason}
 
 
-async def suspend(conn, who: Principal, name: str, kind: str, reason: str) -> None:
+async def suspend(conn, who: Principal, name: str, kind: accounts.SuspensionKind, reason: str) -> None:
     _operator(who)
     await accounts.suspend_async(conn, await _tenant_id(conn, name), kind, reason,
                                  who.actor)

@@ -7,6 +7,7 @@ Amounts are given twice: exact integer micro-USD (`*_micro_usd`) and exact decim
 from __future__ import annotations
 
 from datetime import UTC, date, datetime, timedelta
+from typing import Any
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
@@ -43,7 +44,7 @@ class EstimateRequest(BaseModel):
 
 
 def price_json(p: Price, current: bool | None = None) -> dict:
-    out = {"base_model": p.base_model, "effective_from": p.effective_from.isoformat(), "note": p.note}
+    out: dict[str, Any] = {"base_model": p.base_model, "effective_from": p.effective_from.isoformat(), "note": p.note}
     if current is not None:
         out["current"] = current
     for u in UNITS:

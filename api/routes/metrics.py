@@ -44,7 +44,7 @@ _TRAINER_FIELDS = {
 
 
 class _Snapshot:
-    def __init__(self, beacons: dict[str, dict], lags: dict[str, loop_lag.LagHistogram]):
+    def __init__(self, beacons: dict[tuple[str, str], dict], lags: dict[str, loop_lag.LagHistogram]):
         self.beacons, self.lags = beacons, lags
 
     def collect(self):

@@ -7,7 +7,7 @@ import logging
 
 from fastapi import APIRouter, Request, Response
 
-from api.deps import Pool, RedisDep, Who, key_of, authenticate_request
+from api.deps import Pool, RedisDep, Who, authenticate_request, key_of
 from api.input_guard import GuardedRoute
 from bases import catalog
 from core import db, health

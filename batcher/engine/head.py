@@ -29,7 +29,7 @@ def chunk_tokens_for(vocab: int, *, align: int = 1, budget_bytes: int = CHUNK_BY
 def _chunk(head: torch.nn.Module, softcap: float | None, use_routes: Callable[[int], None], index: int,
            hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     use_routes(index)
-    logits = head(hidden)
+    logits: torch.Tensor = head(hidden)
     if logits.dtype in (torch.float16, torch.bfloat16):  # log-softmax in at least float32
         logits = logits.float()
     if softcap:

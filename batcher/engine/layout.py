@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -40,21 +41,21 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def can_pack(config: Mapping, longest: int) -> bool:
+def can_pack(config: Mapping[str, Any], longest: int) -> bool:
     """Whether a packed stream computes what separate rows would, for rows of up to `longest` tokens.
 
     A block-diagonal mask replaces the model's own masks, sliding windows included: that is exact
     only while every row fits in the smallest window (within a row no two positions are then further
     apart than the window). Longer rows on a sliding-window base go padded.
     """
-    window = config.get("sliding_window")
+    window: Any = config.get("sliding_window")
     # Qwen2/Qwen3 declare a window but apply it only with use_sliding_window; Mistral and Gemma 3
     # have no such switch.
     sliding = window is not None and config.get("use_sliding_window", True) is not False
     return not sliding or longest <= int(window)
 
 
-def micro_batches(lengths: Sequence[int], keys: Sequence, *, budget: int, pack: bool, pack_width: int,
+def micro_batches(lengths: Sequence[int], keys: Sequence[object], *, budget: int, pack: bool, pack_width: int,
                   align: int = 1) -> list[Layout]:
     """Split rows (their token `lengths`, adapter `keys` to group by) into micro-batches of at most
     `budget` computed tokens (a longer row goes alone) and lay each out.
@@ -105,12 +106,12 @@ def _pack(rows: list[int], lengths: Sequence[int], pack_width: int, align: int) 
     return Layout(tuple(rows), tuple(starts), stream + 1, width, True)
 
 
-def segments(layout: Layout, lengths: Sequence[int], adapters: Sequence) -> list[tuple[object, int, int]]:
+def segments(layout: Layout, lengths: Sequence[int], adapters: Sequence[object]) -> list[tuple[object, int, int]]:
     """(adapter, start, end) runs of flat tokens covering the whole grid in order; padding is
     adapter None. Adjacent rows of one adapter make one run."""
     out: list[tuple[object, int, int]] = []
 
-    def add(adapter, start: int, end: int) -> None:
+    def add(adapter: object, start: int, end: int) -> None:
         if start == end:
             return
         if out and out[-1][0] == adapter and out[-1][2] == start:

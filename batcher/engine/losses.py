@@ -360,12 +360,12 @@ class GradGate(torch.autograd.Function):
     after the losses are known, before backward) is true, by selection."""
 
     @staticmethod
-    def forward(ctx, x, gate):
+    def forward(ctx: Any, x: torch.Tensor, gate: Any) -> torch.Tensor:
         ctx.gate = gate
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         keep = ctx.gate.keep.view(-1, *([1] * (grad.dim() - 1)))
         return torch.where(keep, grad, 0.0), None
 

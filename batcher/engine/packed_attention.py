@@ -22,6 +22,7 @@ import inspect
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +63,9 @@ def boundaries(starts: list[int], lengths: list[int], streams: int, width: int) 
     return sorted(points)
 
 
-def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-               **kwargs):
+def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+               **kwargs: Any) -> tuple[torch.Tensor, None]:
     rows = _current
     if rows is None:
         raise RuntimeError("quilt_packed attention outside a packed pass")
@@ -90,19 +92,22 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
         for j, i in enumerate(same):
             outputs[i] = out[j].transpose(0, 1)
-    pieces, at = [], 0
-    for (b, s, e), out in zip(rows.spans, outputs):
+    pieces: list[torch.Tensor] = []
+    at = 0
+    for (b, s, e), row_out in zip(rows.spans, outputs):
+        assert row_out is not None  # every span is in one group of by_length
         flat_start = b * L + s
         if flat_start > at:
             pieces.append(query.new_zeros(flat_start - at, H, D))
-        pieces.append(out)
+        pieces.append(row_out)
         at = b * L + e
     if at < B * L:
         pieces.append(query.new_zeros(B * L - at, H, D))
     return torch.cat(pieces).view(B, L, H, D), None
 
 
-def _masked_attention(query, key, value, segments: torch.Tensor, scaling: float | None, gqa: bool) -> torch.Tensor:
+def _masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: torch.Tensor,
+                      scaling: float | None, gqa: bool) -> torch.Tensor:
     """Every row of every stream in one SDPA call, a token seeing the earlier tokens of its own run
     (a block-diagonal causal mask built on the device from `segments`: nothing from the host). Each
     token sees at least itself, so no softmax is empty."""
@@ -129,7 +134,8 @@ def _varlen_keywords() -> frozenset[str]:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def _varlen_attention(query, key, value, rows: Rows, scaling: float | None) -> torch.Tensor:
+def _varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: Rows,
+                      scaling: float | None) -> torch.Tensor:
     """One varlen kernel over every row of the pass (its keyword names differ across torch releases:
     `window_size=(-1, 0)` or `is_causal=True` for causal; keys and values repeated where it has no
     `enable_gqa`)."""
@@ -139,15 +145,17 @@ def _varlen_attention(query, key, value, rows: Rows, scaling: float | None) -> t
     accepts = _varlen_keywords()
     if key.shape[1] != H and "enable_gqa" not in accepts:
         key, value = (t.repeat_interleave(H // t.shape[1], dim=1) for t in (key, value))
-    kw = {"scale": scaling}
+    kw: dict[str, Any] = {"scale": scaling}
     if key.shape[1] != H:
         kw["enable_gqa"] = True
     if "window_size" in accepts:
         kw["window_size"] = (-1, 0)
     else:
         kw["is_causal"] = True
-    flat = [t.transpose(1, 2).reshape(B * L, t.shape[1], D) for t in (query, key, value)]
-    out = varlen_attn(*flat, rows.cu_seqlens, rows.cu_seqlens, rows.max_len, rows.max_len, **kw)
+    q, k, v = (t.transpose(1, 2).reshape(B * L, t.shape[1], D) for t in (query, key, value))
+    assert rows.cu_seqlens is not None  # _attention takes this path only with the offsets on the device
+    # (no return_aux: the output alone)
+    out = cast(torch.Tensor, varlen_attn(q, k, v, rows.cu_seqlens, rows.cu_seqlens, rows.max_len, rows.max_len, **kw))
     return out.view(B, L, H, D)
 
 
@@ -166,11 +174,12 @@ def packed(model: torch.nn.Module, rows: Rows) -> Iterator[None]:
     backward of SDPA and varlen needs nothing from here)."""
     global _current
     register()
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = NAME
+    config: Any = model.config  # a transformers PretrainedConfig
+    previous = config._attn_implementation
+    config._attn_implementation = NAME
     _current = rows
     try:
         yield
     finally:
-        model.config._attn_implementation = previous
+        config._attn_implementation = previous
         _current = None

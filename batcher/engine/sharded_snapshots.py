@@ -21,6 +21,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,12 +61,12 @@ def _state(lora: MultiLoraModel, adapter: Adapter, *, moments: bool, fresh: bool
     """The DCP state dict of an adapter: its shares (copies when `fresh`, to load into) and, with
     `moments`, its AdamW state."""
     shares = lora.shares(adapter.name)
-    state: dict = {}
+    state: dict[str, torch.Tensor] = {}
     for key, p, (split, axis) in zip(_names(lora, adapter.name), adapter.params, shares, strict=True):
         local = torch.zeros_like(p.data) if fresh else p.detach()
         state[key] = _shared(local, split, axis)
         if moments:
-            held = None if fresh else adapter.optimizer.state[p]
+            held: Any = None if fresh else adapter.optimizer.state[p]
             for m in MOMENTS:
                 state[f"moments.{key}.{m}"] = _shared(torch.zeros_like(p.data) if fresh else held[m], split, axis)
             state[f"moments.{key}.step"] = torch.zeros((), dtype=torch.float32) if fresh else held["step"].clone()

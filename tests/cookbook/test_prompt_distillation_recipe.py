@@ -21,7 +21,8 @@ from tinker_cookbook.supervised import train as sft
 from tinker_cookbook.supervised.data import FromConversationFileBuilder
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
-INSTRUCTION = 'Name the language of the text. Reply "Final Answer: xx" with xx one of ar, de, el, en, es, fr, ot.\n\nText to classify:\n{text}'
+INSTRUCTION = ('Name the language of the text. Reply "Final Answer: xx" with xx one of ar, de, el, en, es, fr, ot.'
+               '\n\nText to classify:\n{text}')
 # multilingual.txt holds each sentence in XNLI's 15 languages, in this order.
 XNLI = ["ar", "bg", "de", "el", "en", "es", "fr", "hi", "ru", "sw", "th", "tr", "ur", "vi", "zh"]
 LABELS = {"ar": "ar", "de": "de", "el": "el", "en": "en", "es": "es", "fr": "fr"}

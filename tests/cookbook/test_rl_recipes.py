@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import chz
-
 from recipes import RENDERER, TINY, BandDatasetBuilder, first_last, metrics, series
 from tinker_cookbook.rl import train
 

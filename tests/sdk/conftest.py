@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 import quilt
 from quilt._config import RetryPolicy
 

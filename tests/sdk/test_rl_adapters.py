@@ -23,8 +23,9 @@ def tokenizer():
     import tempfile
     from pathlib import Path
 
-    from stack.tiny_model import build_tiny_model
     from transformers import AutoTokenizer
+
+    from stack.tiny_model import build_tiny_model
 
     path = build_tiny_model(Path(tempfile.mkdtemp(prefix="quilt-adapters-")) / "tiny").path
     return AutoTokenizer.from_pretrained(path)
@@ -61,7 +62,7 @@ class ScriptedSampler:
         return result()
 
 
-def rollout(builder, index, n, replies, budget=rl.EpisodeBudget(), *, executor=None, fork=True):
+def rollout(builder, index, n, replies, budget=rl.EpisodeBudget(), *, executor=None, fork=True):  # noqa: B008
     async def main():
         ex = executor or rl.InProcess()
         group = await ex.start_group(builder, index, n, budget, fork=fork)

@@ -2,7 +2,6 @@
 
 import httpx
 import pytest
-
 import quilt
 
 

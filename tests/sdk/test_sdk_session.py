@@ -3,7 +3,6 @@
 import threading
 
 import pytest
-
 import quilt
 
 

@@ -1,7 +1,6 @@
 """TrainingClient requests on the wire and the results they return."""
 
 import pytest
-
 import quilt
 
 

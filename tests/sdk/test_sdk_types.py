@@ -1,7 +1,6 @@
 """Data types: list conversion, dtypes by key, helpers."""
 
 import pytest
-
 import quilt
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, Union, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from ..types import ModelInput
 
@@ -35,9 +35,9 @@ Outcome = Literal["success", "model_failure", "infra_failure", "unknown"]
 #: counted apart, so a task that cannot grade most answers shows up in the logs.
 OUTCOMES: tuple[str, ...] = ("success", "model_failure", "infra_failure", "unknown")
 
-Prompt = Union[Sequence[int], ModelInput]
+Prompt = Sequence[int] | ModelInput
 #: Stop sequences of a turn: a string, strings, or token ids (as ``SamplingParams.stop``).
-Stop = Union[str, Sequence[str], Sequence[int]]
+Stop = str | Sequence[str] | Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,10 @@ def prompt_stop(prompt: Prompt | Observation) -> str | tuple | None:
     stop = prompt.stop if isinstance(prompt, Observation) else None
     if stop is None or isinstance(stop, str):
         return stop
-    stop = tuple(stop)
-    if not (all(isinstance(s, str) for s in stop) or all(isinstance(s, int) and not isinstance(s, bool) for s in stop)):
+    stops = tuple(stop)
+    if not (all(isinstance(s, str) for s in stops) or all(isinstance(s, int) and not isinstance(s, bool) for s in stops)):
         raise ValueError("a stop condition is a string, strings, or token ids")
-    return stop
+    return stops
 
 
 @dataclass(frozen=True)
@@ -145,4 +145,4 @@ def can_fork(env: object) -> bool:
 #: or a coroutine function. Called again as ``make_group(index, 1)`` to replace an environment whose
 #: start failed, so a builder should pick the task from ``index``, not at random. With a process or Ray
 #: executor it runs on the workers: it must then be picklable (cloudpickle: closures are fine).
-GroupBuilder = Callable[[int, int], Union[Sequence[Env], Awaitable[Sequence[Env]]]]
+GroupBuilder = Callable[[int, int], Sequence[Env] | Awaitable[Sequence[Env]]]

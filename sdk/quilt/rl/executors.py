@@ -363,7 +363,7 @@ class RayActors(_Workers):
         self.actors, self.address = actors, address
         self.actor_options = {"num_cpus": 0.1, **(actor_options or {})}
         self.init_options = init_options or {}
-        self._cls = None
+        self._cls: Any = None
 
     def _spawn(self) -> _RayWorker:
         import ray

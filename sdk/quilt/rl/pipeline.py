@@ -316,6 +316,7 @@ class _Pipeline:
         async with self.cond:
             self.sampler = sampler
             if trained:
+                assert sampler is not None  # the one just made from the new weights
                 self.version = sampler.policy_version if sampler.policy_version is not None else self.version + 1
             self.sampler_version = self.version
             self._batch_taken = False

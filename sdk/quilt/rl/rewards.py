@@ -112,7 +112,7 @@ class RayReward:
 
     def __init__(self, fn: Callable[[list[dict]], Any], **options: Any) -> None:
         self.fn, self.options = fn, options
-        self._task = None
+        self._task: Any = None  # the Ray remote function, made on first use (ray is imported then)
 
     async def score(self, items: Sequence[RewardItem]) -> Sequence[Any]:
         """Run the function as one Ray task for the group's items."""
@@ -132,8 +132,9 @@ class HTTPReward:
     def __init__(self, url: str, *, headers: Mapping[str, str] | None = None,
                  decode: Callable[[list[int]], str] | None = None) -> None:
         self.url, self.headers, self.decode = url, dict(headers or {}), decode
-        self._client = None
-        self._loop = None  # a client belongs to one event loop; train_grpo makes a new one per run
+        self._client: Any = None  # an httpx.AsyncClient, made on first use (httpx is imported then)
+        # a client belongs to one event loop; train_grpo makes a new one per run
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def score(self, items: Sequence[RewardItem]) -> Sequence[Any]:
         """POST the group's items; the answer's rewards, unchecked (the rollout checks them)."""

@@ -29,4 +29,4 @@ class PerProcess(Generic[T]):
         return {"make": self.make}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["make"])
+        PerProcess.__init__(self, state["make"])

@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..env import Outcome
+
 __all__ = ["ChatCodec", "ended", "numeric"]
 
 
@@ -62,6 +64,6 @@ def numeric(values: Mapping[str, Any] | None) -> dict[str, float]:
     return out
 
 
-def ended(total_reward: float) -> str:
+def ended(total_reward: float) -> Outcome:
     """The outcome of an episode a foreign environment ended: ``success`` when it earned anything."""
     return "success" if total_reward > 0 else "model_failure"

@@ -17,7 +17,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from ..env import StepResult
+from ..env import Outcome, StepResult
 from ._lazy import PerProcess
 from ._text import ChatCodec, ended, numeric
 
@@ -51,7 +51,7 @@ class GymnasiumTextEnv:
         self.messages += [{"role": "assistant", "content": action}, {"role": "user", "content": _text(observation)}]
         metrics = numeric(info)
         if terminated or truncated:
-            outcome = "model_failure" if truncated and not terminated else ended(self.total)
+            outcome: Outcome = "model_failure" if truncated and not terminated else ended(self.total)
             return StepResult(reward=reward, done=True, outcome=outcome, metrics=metrics, info=metrics)
         return StepResult(reward=reward, done=False, next_prompt=self.codec.prompt(self.messages), metrics=metrics)
 

@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..env import StepResult
+from ..env import Outcome, StepResult
 from ._lazy import PerProcess
 from ._text import ChatCodec, numeric
 
@@ -68,7 +68,7 @@ class VerifiersEnv:
             return StepResult(reward=0.0, outcome="infra_failure", metrics={"vf_error": 1.0})
         await self.vf_env.rubric.score_rollout(self.state, score_sem=asyncio.Semaphore(1))
         reward = float(self.state["reward"] or 0.0)
-        outcome = "model_failure" if self.state.get("is_truncated") or reward <= 0 else "success"
+        outcome: Outcome = "model_failure" if self.state.get("is_truncated") or reward <= 0 else "success"
         return StepResult(reward=reward, outcome=outcome, metrics=numeric(self.state.get("metrics")))
 
 
