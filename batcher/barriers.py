@@ -109,16 +109,17 @@ class Barriers:
         if not items:
             return {}
         try:
-            outcomes = self.backend.optim_steps([(item.model_id, item.body.adam) for item in items])
+            outcomes = self.backend.optim_steps([(item.model_id, item.body_as(OptimStep).adam) for item in items])
         except Exception as exc:
             return {item.request_id: as_error(item, exc) for item in items}
         return {item.request_id: outcome for item, outcome in zip(items, outcomes)}
 
     def finished_exports(self) -> list[tuple[Any, Outcome]]:
         """(context, outcome) of each export written (or failed) since the last call, oldest first."""
-        out = []
+        out: list[tuple[Any, Outcome]] = []
         for export in self.exports.finished():
             item, context, result = export.context
+            outcome: Outcome
             try:
                 outcome = self._saved(item, export.future.result(), result)
             except Exception as exc:
@@ -141,8 +142,8 @@ class Barriers:
         self.exports.start(item.model_id, written, (item, context, result))
         return None
 
-    def _create(self, item: WorkItem, context: Any = None) -> dict:
-        work: CreateModel = item.body
+    def _create(self, item: WorkItem, context: Any = None) -> dict[str, Any]:
+        work = item.body_as(CreateModel)
         try:
             self.backend.create(item.model_id, work.lora)
             if work.load:  # create-from-checkpoint: the model's first request also loads its state
@@ -165,28 +166,28 @@ class Barriers:
         taken = self._stepped.pop(item.request_id, None)
         if taken is not None:
             return taken
-        work: OptimStep = item.body
+        work = item.body_as(OptimStep)
         return self.backend.optim_step(item.model_id, work.adam)
 
-    def _load(self, item: WorkItem, context: Any = None) -> dict:
-        work: LoadWeights = item.body
+    def _load(self, item: WorkItem, context: Any = None) -> dict[str, Any]:
+        work = item.body_as(LoadWeights)
         self.backend.load(item.model_id, str(self.store.fetch(work.storage_path)), optimizer=work.optimizer)
         return {"type": "load_weights", "path": work.path, "model_id": item.model_id}
 
     @staticmethod
-    def _rejected(item: WorkItem, context: Any = None) -> dict:
-        work: Rejected = item.body  # fails in its place in the order (api.seq_gaps)
+    def _rejected(item: WorkItem, context: Any = None) -> dict[str, Any]:
+        work = item.body_as(Rejected)  # fails in its place in the order (api.seq_gaps)
         raise UserError(work.error, field=work.field)
 
-    def _save(self, item: WorkItem, context: Any = None) -> dict:
+    def _save(self, item: WorkItem, context: Any = None) -> dict[str, Any]:
         """A training checkpoint (weights and optimizer state) or an export for download (the
         adapter alone), written here, in the loop."""
         write, result = self._save_job(item)
         return self._saved(item, write(), result)
 
-    def _save_job(self, item: WorkItem) -> tuple[Callable[[], int], dict]:
+    def _save_job(self, item: WorkItem) -> tuple[Callable[[], int], dict[str, Any]]:
         """What a save writes (TrainerBackend.export) and the answer it will give."""
-        work: SaveWeights = item.body
+        work = item.body_as(SaveWeights)
         kind = _CHECKPOINT_KINDS[item.kind]
         # Every save gets a new directory (checkpoints.layout), so "exists" is a question for the records.
         if not work.overwrite and self.db_call(checkpoint_records.checkpoint_exists, item.model_id, kind, work.name):
@@ -201,16 +202,16 @@ class Barriers:
             self.store.publish(work.storage_path)
             return size
 
-        result = {"type": str(item.kind), "path": ids.tinker_path(item.model_id, kind, work.name)}
+        result: dict[str, Any] = {"type": str(item.kind), "path": ids.tinker_path(item.model_id, kind, work.name)}
         if item.kind is WorkKind.SAVE_WEIGHTS_FOR_SAMPLER:
             result["policy_version"] = self.backend.policy_version(item.model_id)
             if work.sampling_session_id:
                 result["sampling_session_id"] = work.sampling_session_id
         return write, result
 
-    def _saved(self, item: WorkItem, size: int, result: dict) -> dict:
+    def _saved(self, item: WorkItem, size: int, result: dict[str, Any]) -> dict[str, Any]:
         """Record a written checkpoint; returns the save's answer."""
-        work: SaveWeights = item.body
+        work = item.body_as(SaveWeights)
         self.db_call(checkpoint_records.upsert_checkpoint, tenant_id=item.tenant_id, model_id=item.model_id,
                      kind=_CHECKPOINT_KINDS[item.kind], name=work.name, storage_path=work.storage_path,
                      size_bytes=size, ttl_s=work.ttl_s, sliding=work.sliding,

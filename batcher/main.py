@@ -90,7 +90,7 @@ def main() -> None:
         token_budget=token_budget, snapshots=snapshot_store(settings) if settings.snapshots else None,
         shard=shard, shards=shards)
 
-    def _stop(signum, frame):
+    def _stop(signum: int, frame: object) -> None:
         worker.stopping = True
 
     signal.signal(signal.SIGTERM, _stop)

@@ -13,9 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
-
-import psycopg
+from typing import Any, TypeVar
 
 from batcher.barriers import Barriers
 from batcher.engine.protocol import Outcome, PassRequest, TrainerBackend
@@ -32,7 +30,7 @@ from core import db, faults, health, queue, records, run_metrics, stores
 from core.consumer import Delivery, StreamConsumer
 from core.errors import QuiltError, ServerError
 from core.settings import TrainerSettings
-from core.work import WorkItem, WorkKind
+from core.work import PassWork, WorkItem, WorkKind
 from scaleout import placement
 
 log = logging.getLogger("quilt.trainer")
@@ -52,7 +50,7 @@ BEACON_EVERY_S = 2.0
 
 
 class TrainerWorker:
-    def __init__(self, settings: TrainerSettings, *, base_model: str, backend: TrainerBackend, redis, db_url: str,
+    def __init__(self, settings: TrainerSettings, *, base_model: str, backend: TrainerBackend, redis: Any, db_url: str,
                  result_ttl_s: int, token_budget: int | None = None, snapshots: SnapshotStore | None = None,
                  shard: str | None = None, shards: int = 1):
         self.settings = settings
@@ -84,17 +82,17 @@ class TrainerWorker:
         self._weights_at = 0.0
         self._reclaimed_at = time.monotonic()
         self._beacon_at = 0.0
-        self._conn: psycopg.Connection | None = None
+        self._conn: db.Conn | None = None
         self.stopping = False
 
     # ------------------------------------------------------------------ setup
 
-    def _db(self) -> psycopg.Connection:
+    def _db(self) -> db.Conn:
         self._conn = db.live_connection(self._conn, self.db_url,
                                         db.session_name("trainer", self.shard, self.base_model) if self.shard else "")
         return self._conn
 
-    def _db_call(self, record: Callable[..., T], *args, **kwargs) -> T:
+    def _db_call(self, record: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`record(connection, *args, **kwargs)` (an idempotent read or write of core.records) on this
         worker's connection, waiting out a Postgres restart (core.stores) instead of failing the
         round it is part of."""
@@ -284,27 +282,29 @@ class TrainerWorker:
             else:
                 fused.append(d)
         if fused:
-            outcomes = self.backend.run_pass([PassRequest(d.item.request_id, d.item.model_id, d.item.body,
+            outcomes = self.backend.run_pass([PassRequest(d.item.request_id, d.item.model_id, d.item.body_as(PassWork),
                                                           forward_only=d.item.kind is WorkKind.FORWARD)
                                               for d in fused])
             faults.crash_point("trainer.after_pass")
             for d, outcome in zip(fused, outcomes):  # a forward_backward's point on its run's curves, at
                 # the policy version the pass ran at (before this round's barriers step the model)
-                ok = d.item.kind is WorkKind.FORWARD_BACKWARD and not isinstance(outcome, QuiltError)
-                self._finish(d, outcome, metrics=run_metrics.StepMetrics(
-                    self.backend.policy_version(d.item.model_id),
-                    run_metrics.trainer_values(d.item.body.data, outcome["metrics"])) if ok else None)
+                metrics = None
+                if d.item.kind is WorkKind.FORWARD_BACKWARD and not isinstance(outcome, QuiltError):
+                    metrics = run_metrics.StepMetrics(self.backend.policy_version(d.item.model_id),
+                                                      run_metrics.trainer_values(d.item.body_as(PassWork).data,
+                                                                                 outcome["metrics"]))
+                self._finish(d, outcome, metrics=metrics)
         barriers = [taken[p.request_id] for p in plan.barriers]
         for d, outcome in self.barriers.begin_round([d.item for d in barriers if not self.replay.without_effect(d)]):
             self._finish(d, outcome)
         for d in barriers:
-            outcome = {} if self.replay.without_effect(d) else self.barriers.run(d.item, d)
-            if outcome is None:
+            ran = {} if self.replay.without_effect(d) else self.barriers.run(d.item, d)
+            if ran is None:
                 continue  # answered once written (_finish_exports)
             if d.item.kind is WorkKind.OPTIM_STEP:
                 faults.crash_point("trainer.after_optim")
-            self._finish(d, outcome)
-            if not isinstance(outcome, QuiltError):
+            self._finish(d, ran)
+            if not isinstance(ran, QuiltError):
                 self._after_barrier(d.item)
         self.stats.add("requests", len(taken))
 
@@ -355,7 +355,7 @@ class TrainerWorker:
         if time.time() - self._beacon_at < BEACON_EVERY_S:
             return
         self._beacon_at = time.time()
-        residency = self.backend.residency()
+        residency: dict[str, Any] = self.backend.residency()
         self.heartbeat.update(models=sum(residency.values()), queued=self.queues.depth(), **residency,
                               **self.stats.beacon_fields())
         self.consumer.heartbeat()

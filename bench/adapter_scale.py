@@ -51,7 +51,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from batcher.engine.backend import LoraBackend  # noqa: E402
-
 from batcher.engine.protocol import PassRequest  # noqa: E402
 from batcher.exports import Exports  # noqa: E402
 from bench.table import print_rows  # noqa: E402

@@ -34,7 +34,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from fused_step import datum, grid_parser, interleaved, run, sync, sync_check  # noqa: E402
 
 from batcher.engine.backend import LoraBackend  # noqa: E402

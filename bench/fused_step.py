@@ -47,7 +47,6 @@ from pathlib import Path
 import torch
 
 from batcher.engine.backend import LoraBackend
-
 from batcher.engine.protocol import PassRequest
 from core.loss_spec import LossConfig
 from core.work import AdamParams, Datum, LoraShape, PassWork

@@ -26,12 +26,13 @@ Ends with one JSON line of headline figures.
 
 from __future__ import annotations
 
+import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
+
 import json
 import statistics
 import tempfile
 from pathlib import Path
 
-import _root  # noqa: F401  first: this checkout's packages on sys.path (bench/_root.py)
 import torch
 from fused_step import SHAPES, build, datum, eagerly, grid_parser, interleaved, launches, requests, run  # noqa: E402
 

@@ -35,7 +35,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from batcher.engine.backend import LoraBackend  # noqa: E402
-
 from batcher.engine.protocol import PassRequest  # noqa: E402
 from batcher.snapshots import SnapshotStore  # noqa: E402
 from core.loss_spec import LossConfig  # noqa: E402

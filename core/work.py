@@ -24,7 +24,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from core.loss_spec import LossConfig
 
@@ -318,6 +318,9 @@ BODY_TYPES: Mapping[WorkKind, type[Any]] = {
 }
 
 
+B = TypeVar("B")
+
+
 class MalformedWork(ValueError):
     """A stream entry that is not a work item this code can read."""
 
@@ -342,6 +345,12 @@ class WorkItem:
         expected = BODY_TYPES[self.kind]
         if not isinstance(self.body, expected):
             raise TypeError(f"a {self.kind} item carries a {expected.__name__}, not {type(self.body).__name__}")
+
+    def body_as(self, kind: type[B]) -> B:
+        """The body as the type its kind carries (a worker's handler for that kind asks for it)."""
+        if not isinstance(self.body, kind):
+            raise TypeError(f"a {self.kind} item carries a {type(self.body).__name__}, not {kind.__name__}")
+        return self.body
 
     def to_fields(self) -> dict[str, str]:
         return {self.FIELD: json.dumps({"request_id": self.request_id, "tenant_id": self.tenant_id,

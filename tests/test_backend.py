@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from batcher.engine.backend import LoraBackend
-
 from batcher.engine.protocol import PassRequest
 from core.errors import UserError
 from core.loss_spec import LossConfig

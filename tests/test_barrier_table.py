@@ -12,8 +12,7 @@ import pytest
 from batcher.barriers import Barriers
 from checkpoints.storage import LocalStore
 from core.errors import UserError
-from core.work import WorkKind
-from core.work import LoadWeights, SaveWeights, WorkItem
+from core.work import LoadWeights, SaveWeights, WorkItem, WorkKind
 from tests.test_trainer_rules import item as any_item
 
 NOT_BARRIERS = {WorkKind.FORWARD, WorkKind.FORWARD_BACKWARD, WorkKind.SAMPLE}  # the pass's; the sampler's

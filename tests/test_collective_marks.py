@@ -92,7 +92,7 @@ def test_a_server_failure_on_rank_0_breaks_the_gang_and_a_user_one_does_not():
 
 
 def test_rank_0_decides_what_each_rank_would_leave_to_chance():
-    toy, sent = _Toy(), []
+    sent = []
     leader = gang.Leader(member=None, send=sent.append)
     ran = []
     leader.call("create", lambda *a, **kw: ran.append((a, kw)), ("m", LoraShape(rank=4)), {})

@@ -177,7 +177,6 @@ def test_a_trainers_snapshots_in_the_bucket_restore_on_another_machine(s3_server
     from durable_reference import ADAM, SEQS, _datum
 
     from batcher.engine.backend import LoraBackend
-
     from batcher.engine.protocol import PassRequest
     from batcher.snapshots import SnapshotStore
     from core.loss_spec import LossConfig

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -16,7 +17,7 @@ class Adapter:
 
     model_id: str
     name: str  # the adapter's name in the slabs (model ids contain characters PEFT keys cannot)
-    lora_config: dict
+    lora_config: dict[str, Any]
     params: list[torch.Tensor]  # [A, B] per targeted layer: views of its slab rows while resident
     optimizer: torch.optim.Optimizer
     steps: int = 0  # optimizer steps taken: the model's policy version

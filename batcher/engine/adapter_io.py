@@ -31,7 +31,7 @@ class Saved:
 
     meta: TrainerMeta
     weights: dict[str, torch.Tensor]
-    optimizer: dict | None
+    optimizer: dict[str, Any] | None
 
 
 def read_saved(directory: str, *, optimizer: bool) -> Saved:
@@ -44,7 +44,7 @@ def read_saved(directory: str, *, optimizer: bool) -> Saved:
                  torch.load(src / OPTIMIZER_FILE, weights_only=True) if optimizer else None)
 
 
-def peft_config(adapter: Adapter, config: dict, base_path: str) -> Any:
+def peft_config(adapter: Adapter, config: dict[str, Any], base_path: str) -> Any:
     """The adapter_config.json that PEFT and vLLM read."""
     from peft import LoraConfig
 
@@ -54,7 +54,7 @@ def peft_config(adapter: Adapter, config: dict, base_path: str) -> Any:
                       bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_path)
 
 
-def optimizer_state(lora: MultiLoraModel, adapter: Adapter) -> dict:
+def optimizer_state(lora: MultiLoraModel, adapter: Adapter) -> dict[str, Any]:
     """The adapter's optimizer state dict with whole moments (gathered over a gang: the shares of a
     split layer's A or B are joined as the weights are), so a gang of any size can load it."""
     state = adapter.optimizer.state_dict()
@@ -66,7 +66,7 @@ def optimizer_state(lora: MultiLoraModel, adapter: Adapter) -> dict:
                                for i, entry in state["state"].items()}}
 
 
-def _load_optimizer_state(lora: MultiLoraModel, adapter: Adapter, state: dict) -> None:
+def _load_optimizer_state(lora: MultiLoraModel, adapter: Adapter, state: dict[str, Any]) -> None:
     """Load whole saved moments, each rank keeping its share of a split layer's."""
     shares = lora.shares(adapter.name)
     if any(axis is not None for _, axis in shares):
@@ -79,7 +79,7 @@ def _load_optimizer_state(lora: MultiLoraModel, adapter: Adapter, state: dict) -
     adapter.optimizer.load_state_dict(state)
 
 
-def writer(dest: Path, state: dict[str, torch.Tensor], config: Any, optimizer: dict | None,
+def writer(dest: Path, state: dict[str, torch.Tensor], config: Any, optimizer: dict[str, Any] | None,
            meta: TrainerMeta) -> Callable[[], int]:
     """The function that writes what an export took, from any thread: beside the target, then
     renamed over it, so a reader never sees half a checkpoint; it returns the bytes written."""

@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -114,29 +115,30 @@ class LoraBackend:
             head_kinds=head_kinds, cuda_graphs=cuda_graphs, graph_device="cuda" if emulate_graphs else self.device.type,
             gang_size=self.gang_size, varlen=packed_attention.varlen_works() or self.device.type != "cuda")
 
-    def _load_base(self, model: torch.nn.Module | None, member: gang.Member | None, dtype: torch.dtype
-                   ) -> torch.nn.Module:
+    def _load_base(self, model: torch.nn.Module | None, member: gang.Member | None, dtype: torch.dtype) -> Any:
         """The frozen base: `model` (a base already built from this config.json: benchmarks make
-        random ones on the device), this rank's part of it in a gang, or the whole checkpoint."""
+        random ones on the device), this rank's part of it in a gang, or the whole checkpoint: a
+        transformers causal LM, whose decoder and head the pass calls apart."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
 
         kw = {}
         if architectures.of_config(self.config).moe and dtype == torch.float64:
             kw["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel (float64 is for tests)
-        split = member is not None and self.gang_size > 1
-        if split:
-            problems = gang.check_shape(member.shape, self.config)
+        shape = member.shape if member is not None and member.size > 1 else None
+        if shape is not None:
+            problems = gang.check_shape(shape, self.config)
             if problems:
                 raise ValueError("this base cannot be split so: " + "; ".join(problems))
+        base: Any
         if model is not None:
             base = model
-        elif split:
-            base = gang.load_base(self.base_path, member.shape, str(self.device), dtype=dtype, **kw)
+        elif shape is not None:
+            base = gang.load_base(self.base_path, shape, str(self.device), dtype=dtype, **kw)
         else:
             base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=dtype, **kw)
         base.requires_grad_(False)
-        return (base if split else base.to(self.device)).eval()
+        return (base if shape is not None else base.to(self.device)).eval()
 
     def _targets(self) -> tuple[str, ...]:
         targets = architectures.of_config(self.config).targets(tied=architectures.is_tied(self.config))
@@ -310,7 +312,7 @@ class LoraBackend:
     # ------------------------------------------------------------------ optimizer steps
 
     @collective()
-    def optim_step(self, model_id: str, adam: AdamParams) -> dict:
+    def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, Any]:
         """One model's optimizer step on its accumulated gradients (per-model clipping), then clear them."""
         [outcome] = self.optim_steps([(model_id, adam)])
         if isinstance(outcome, QuiltError):
@@ -335,7 +337,7 @@ class LoraBackend:
         return self.lora.full_state_dict(self.adapters[model_id].name)
 
     @collective()
-    def optimizer_state(self, model_id: str) -> dict:
+    def optimizer_state(self, model_id: str) -> dict[str, Any]:
         """The adapter's optimizer state with whole moments (gathered over a gang)."""
         return adapter_io.optimizer_state(self.lora, self.adapters[model_id])
 

@@ -43,13 +43,14 @@ def collective(*, followers: str | None = None
     def mark(fn: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
         name = fn.__name__
 
-        @functools.wraps(fn)
-        def call(self: S, *args: P.args, **kwargs: P.kwargs) -> R:
+        def call(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
             mirror = self.mirror
             if mirror is None:
                 return fn(self, *args, **kwargs)
-            return mirror.call(name, functools.partial(fn, self), args, kwargs)
+            result: R = mirror.call(name, functools.partial(fn, self), args, kwargs)
+            return result
 
+        functools.update_wrapper(call, fn)
         setattr(call, _MARK, followers or name)
         return call
 

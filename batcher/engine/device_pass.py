@@ -10,7 +10,9 @@ bucketed micro-batch replays its captured graph (`batcher.engine.graphs`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,11 +28,13 @@ class _Gate:
 
 
 class DevicePass:
-    def __init__(self, base: nn.Module, lora: MultiLoraModel, graphs: Graphs, device: torch.device, *,
+    def __init__(self, base: Any, lora: MultiLoraModel, graphs: Graphs, device: torch.device, *,
                  softcap: float | None):
+        """`base`: a transformers causal LM, its targets wrapped by `lora` (its decoder and head are
+        called apart: the head in chunks)."""
         self.base = base
-        self.decoder = base.get_decoder()
-        self.head = base.get_output_embeddings()
+        self.decoder: nn.Module = base.get_decoder()
+        self.head: nn.Module = base.get_output_embeddings()
         self.lora = lora
         self.graphs = graphs
         self.device = device
@@ -49,7 +53,7 @@ class DevicePass:
                 values, poisoned = self._bind(batch, batch.bundle.to(self.device), poisoned)()
             else:
                 values, poisoned = self.graphs.run(batch.key, batch.bundle, poisoned, self.lora.generation,
-                                                   lambda t, p, batch=batch: self._bind(batch, t, p))
+                                                   functools.partial(self._bind, batch))
             out.append(values)
         return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
@@ -68,16 +72,19 @@ class DevicePass:
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             try:
                 with torch.set_grad_enabled(batch.trains):
-                    lp, result, after = self._batch(batch, t, poisoned)
+                    lp, result, keep_requests, after = self._batch(batch, t, poisoned)
             finally:
                 self.lora.context.routes = None
             return torch.cat([result.loss.detach().double(), result.kl, result.abs_diff,
-                              result.keep_requests.double(), lp.detach().double().flatten(),
+                              keep_requests.double(), lp.detach().double().flatten(),
                               result.elementwise.double().flatten()]), after
 
         return step
 
-    def _batch(self, batch: PlannedBatch, t: PassTensors, poisoned: torch.Tensor):
+    def _batch(self, batch: PlannedBatch, t: PassTensors, poisoned: torch.Tensor
+               ) -> tuple[torch.Tensor, losses.PassLosses, torch.Tensor, torch.Tensor]:
+        """One micro-batch: its logprobs, losses, the requests that keep their gradient, and the
+        requests poisoned after it."""
         self.lora.context.routes = batch.routes
         if batch.packed_rows is not None:
             # Each row attends to itself only (packed_attention), its positions counted from 0.
@@ -101,9 +108,8 @@ class DevicePass:
         bad = torch.zeros(poisoned.shape, dtype=torch.int32, device=poisoned.device).index_add_(
             0, t.request_of_datum, (~torch.isfinite(result.loss)).int()) > 0
         keep_requests = t.trains & ~(bad | poisoned)
-        result.keep_requests = keep_requests
         keep_datums = keep_requests.index_select(0, t.request_of_datum)
         if batch.trains:
             gate.keep = keep_datums.index_select(0, t.loss.datum)
             torch.where(keep_datums, result.loss, 0.0).sum().backward()
-        return lp, result, poisoned | bad
+        return lp, result, keep_requests, poisoned | bad

@@ -22,8 +22,8 @@ import datetime
 import logging
 import os
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -60,14 +60,14 @@ class GangShape:
     ranks: int = 1
     parallel: Parallel = "tp"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.ranks < 1:
             raise ValueError(f"trainer ranks must be at least 1, not {self.ranks}")
         if self.parallel not in ("tp", "ep", "fsdp"):
             raise ValueError(f"trainer parallel must be tp, ep or fsdp, not {self.parallel!r}")
 
 
-def load_base(path: str, shape: GangShape, device: str, **kw) -> nn.Module:
+def load_base(path: str, shape: GangShape, device: str, **kw: Any) -> Any:
     """This rank's part of the base.
 
     "tp" and "ep" load through transformers' `DistributedConfig` with the plans the architecture
@@ -75,7 +75,8 @@ def load_base(path: str, shape: GangShape, device: str, **kw) -> nn.Module:
     experts' outputs all-reduced over the tensor-parallel group), since the token-dispatch form
     brings FSDP's root module with it. "fsdp" is torch's `fully_shard` on each decoder layer and on
     the decoder (the trainer calls the decoder and the unembedding apart, so transformers' own FSDP
-    plan, whose root is the whole causal LM, does not fit); the unembedding stays whole per rank."""
+    plan, whose root is the whole causal LM, does not fit); the unembedding stays whole per rank.
+    Returns the transformers causal LM."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
@@ -83,7 +84,7 @@ def load_base(path: str, shape: GangShape, device: str, **kw) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        model = AutoModelForCausalLM.from_pretrained(path, **kw)
+        model: Any = AutoModelForCausalLM.from_pretrained(path, **kw)  # (a transformers causal LM)
         mesh = init_device_mesh(torch.device(device).type, (shape.ranks,), mesh_dim_names=("fsdp",))
         decoder = model.get_decoder()
         for layer in decoder.layers:
@@ -98,7 +99,7 @@ def load_base(path: str, shape: GangShape, device: str, **kw) -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, distributed_config=config, **kw)
 
 
-def check_shape(shape: GangShape, config: dict) -> list[str]:
+def check_shape(shape: GangShape, config: dict[str, Any]) -> list[str]:
     """What makes a gang of this shape unable to split this base (an empty list: it can)."""
     if shape.ranks == 1:
         return []
@@ -128,7 +129,7 @@ class Member:
     rank: int
     size: int
     shape: GangShape
-    control: object  # a gloo group for rank 0's calls (on GPUs the passes' collectives use NCCL)
+    control: dist.ProcessGroup | None  # a gloo group for rank 0's calls (on GPUs the passes' collectives use NCCL)
 
     @property
     def leader(self) -> bool:
@@ -188,10 +189,12 @@ def splits(model: nn.Module, targets: tuple[str, ...]) -> dict[str, Split]:
         if not isinstance(module, nn.Linear) or path.rsplit(".", 1)[-1] not in targets:
             continue
         weight = module.weight
-        if not isinstance(weight, DTensor) or "tp" not in (weight.device_mesh.mesh_dim_names or ()):
+        names = weight.device_mesh.mesh_dim_names if isinstance(weight, DTensor) else None
+        if not isinstance(weight, DTensor) or names is None or "tp" not in names:
             continue
         mesh = weight.device_mesh
-        if mesh.size(mesh.mesh_dim_names.index("tp")) == 1:
+        tp = names.index("tp")
+        if mesh.size(tp) == 1:
             continue  # (a tensor-parallel axis of one: nothing is split)
         style = plan.get(replace_layer_number_by_wildcard(path))
         if style in _WHOLE_STYLES:
@@ -199,7 +202,6 @@ def splits(model: nn.Module, targets: tuple[str, ...]) -> dict[str, Split]:
         if style not in _SPLIT_OF_STYLE:
             raise ValueError(f"{path}: tensor-parallel style {style!r} has no LoRA layout here "
                              f"(known: {sorted(_SPLIT_OF_STYLE)} split, {sorted(_WHOLE_STYLES)} whole)")
-        tp = mesh.mesh_dim_names.index("tp")
         out[path] = Split(_SPLIT_OF_STYLE[style], mesh.get_local_rank(tp), mesh.size(tp), mesh.get_group(tp),
                           tp_mesh(mesh))
     return out
@@ -249,7 +251,7 @@ class Leader:
         self._send(None)
 
 
-def _decided(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _decided(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Make the choices a call would leave to each rank (a random seed, the clock) on rank 0."""
     if name == "create":
         model_id, lora = args

@@ -28,7 +28,7 @@ import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -48,7 +48,7 @@ class _Entry:
     poisoned: torch.Tensor  # static: the requests poisoned before this micro-batch
     step: Step
     state: str = "warm"  # warm (ran eagerly once), captured, eager (capture refused)
-    graph: object = None
+    graph: torch.cuda.CUDAGraph | None = None
     outputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -57,12 +57,12 @@ class Graphs:
     device: torch.device
     limit: int = 16
     emulate: bool = False  # replay by calling the step again (any device; tests)
-    entries: OrderedDict = field(default_factory=OrderedDict)
+    entries: OrderedDict[tuple[Any, ...], _Entry] = field(default_factory=OrderedDict)
     generation: int = -1
-    counts: Counter = field(default_factory=Counter)  # warm, captured, replayed, eager, dropped
-    _pool: object = None
+    counts: Counter[str] = field(default_factory=Counter)  # warm, captured, replayed, eager, dropped
+    _pool: Any = None  # the graphs' shared memory pool (a CUDA pool handle)
 
-    def run(self, key: tuple, bundle: Bundle[T], poisoned: torch.Tensor, generation: int,
+    def run(self, key: tuple[Any, ...], bundle: Bundle[T], poisoned: torch.Tensor, generation: int,
             bind: Callable[[T, torch.Tensor], Step]) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch of this `bundle` (its bucket's `key`): (values, poisoned after it).
         `bind(static inputs, static poisoned)` makes the step of the key's first micro-batch."""
@@ -93,8 +93,11 @@ class Graphs:
         if self.emulate:
             values, after = entry.step()
         else:
-            entry.graph.replay()
-            values, after = entry.outputs
+            graph, outputs = entry.graph, entry.outputs
+            if graph is None or outputs is None:
+                raise RuntimeError("a captured bucket has no graph")
+            graph.replay()
+            values, after = outputs
         # The next replay of this graph overwrites its outputs: the pass keeps copies.
         return values.clone(), after.clone()
 

@@ -27,7 +27,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, *, offs: torch.Tensor) -> 
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def grouped_gemm(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the grouped-GEMM path serves this dtype on this device (Hopper and later on CUDA)."""
     if not _HAS_GROUPED or dtype not in _GROUPED_DTYPES:
@@ -131,7 +131,8 @@ class Split:
     index: int
     count: int
     group: dist.ProcessGroup | None = None  # the tensor-parallel process group
-    mesh: DeviceMesh | None = None  # its 1-D device mesh (a snapshot's shares are DTensors over it: batcher.engine.sharded_snapshots)
+    # its 1-D device mesh (a snapshot's shares are DTensors over it: batcher.engine.sharded_snapshots)
+    mesh: DeviceMesh | None = None
 
     def axis(self, which: str) -> int | None:
         """The axis along which the layer's `which` ("A" [rank, in] or "B" [out, rank]; an experts

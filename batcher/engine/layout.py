@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+A = TypeVar("A")  # what names a row's adapter (its slab name)
 
 
 @dataclass(frozen=True)
@@ -106,12 +108,12 @@ def _pack(rows: list[int], lengths: Sequence[int], pack_width: int, align: int) 
     return Layout(tuple(rows), tuple(starts), stream + 1, width, True)
 
 
-def segments(layout: Layout, lengths: Sequence[int], adapters: Sequence[object]) -> list[tuple[object, int, int]]:
+def segments(layout: Layout, lengths: Sequence[int], adapters: Sequence[A]) -> list[tuple[A | None, int, int]]:
     """(adapter, start, end) runs of flat tokens covering the whole grid in order; padding is
     adapter None. Adjacent rows of one adapter make one run."""
-    out: list[tuple[object, int, int]] = []
+    out: list[tuple[A | None, int, int]] = []
 
-    def add(adapter: object, start: int, end: int) -> None:
+    def add(adapter: A | None, start: int, end: int) -> None:
         if start == end:
             return
         if out and out[-1][0] == adapter and out[-1][2] == start:
@@ -128,7 +130,7 @@ def segments(layout: Layout, lengths: Sequence[int], adapters: Sequence[object])
     return out
 
 
-def window(runs: Sequence[tuple[object, int, int]], start: int, end: int) -> list[tuple[object, int, int]]:
+def window(runs: Sequence[tuple[A, int, int]], start: int, end: int) -> list[tuple[A, int, int]]:
     """The runs of tokens [start, end), renumbered from 0 (a chunk of the grid)."""
     return [(a, max(s, start) - start, min(e, end) - start) for a, s, e in runs if s < end and e > start]
 

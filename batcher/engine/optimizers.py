@@ -11,7 +11,7 @@ adapter by its optimizer.
 from __future__ import annotations
 
 import math
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch.optim.adamw import adamw
@@ -22,7 +22,7 @@ from batcher.engine.transfer import Bundle
 from core.errors import QuiltError, UserError
 from core.work import AdamParams
 
-Outcome = dict | QuiltError
+Outcome = dict[str, Any] | QuiltError
 
 
 def new_adamw(params: list[torch.Tensor], device: torch.device) -> torch.optim.AdamW:
@@ -74,7 +74,7 @@ def step_adamw(adapters: list[Adapter]) -> None:
     kernel for all; on the CPU tensor by tensor, as torch's CPU AdamW goes, which keeps each small
     tensor in cache across its updates). A model's first step goes through its own optimizer,
     which makes its state."""
-    groups: dict[tuple, list[Adapter]] = {}
+    groups: dict[tuple[Any, ...], list[Adapter]] = {}
     for adapter in adapters:
         if any(p.grad is not None and not adapter.optimizer.state.get(p) for p in adapter.params):
             adapter.optimizer.step()
@@ -84,10 +84,14 @@ def step_adamw(adapters: list[Adapter]) -> None:
                group["maximize"], bool(group.get("fused")))
         groups.setdefault(key, []).append(adapter)
     for (lr, (beta1, beta2), eps, weight_decay, amsgrad, maximize, fused), members in groups.items():
-        params = [p for a in members for p in a.params if p.grad is not None]
+        params, grads = [], []
+        for p in (p for a in members for p in a.params):
+            if p.grad is not None:
+                params.append(p)
+                grads.append(p.grad)
         states = [a.optimizer.state[p] for a in members for p in a.params if p.grad is not None]
         with torch.no_grad():
-            adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+            adamw(params, grads, [s["exp_avg"] for s in states],
                   [s["exp_avg_sq"] for s in states], [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
                   [s["step"] for s in states], foreach=False, fused=fused, amsgrad=amsgrad, beta1=beta1,
                   beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -37,7 +38,7 @@ class Row:
     request_index: int
     datum_index: int
     tokens: tuple[int, ...]
-    inputs: Mapping[str, tuple]
+    inputs: Mapping[str, tuple[Any, ...]]
     adapter: str
     policy_version: int | None  # the version this datum was sampled with, if it says
     width: int = 1  # targets per position (top-K distillation: K)
@@ -94,7 +95,7 @@ class PlannedBatch:
     trains: bool
     packed_rows: packed_attention.Rows | None  # the packed layout's rows (None: padded rows)
     requests_size: int  # requests the device work is sized for (the pass's, or its bucket's)
-    key: tuple | None = None  # its bucket's graph key (batcher.engine.graphs); None: runs eagerly
+    key: tuple[Any, ...] | None = None  # its bucket's graph key (batcher.engine.graphs); None: runs eagerly
 
 
 @dataclass
@@ -103,7 +104,7 @@ class Planner:
     captured graphs."""
 
     lora: MultiLoraModel
-    config: dict  # the base's config.json
+    config: dict[str, Any]  # the base's config.json
     budget: int  # tokens per micro-batch
     pack_width: int
     align: int  # token counts rounded up to this (grouped GEMM's strides on a GPU)
@@ -245,7 +246,7 @@ def _specs(rows: list[Row], requests: list[PassRequest], configs: dict[int, Loss
     return specs
 
 
-def _input_tensor(key: str, values: tuple, n: int, width: int) -> torch.Tensor:
+def _input_tensor(key: str, values: tuple[Any, ...], n: int, width: int) -> torch.Tensor:
     """A datum's loss input as the loss reads it: (n,), or (n, K) for top-K targets and weights."""
     t = torch.tensor(values, dtype=torch.long if key in INT_INPUTS else torch.float32)
     return t.view(n, width) if width > 1 and key in WIDE_INPUTS else t

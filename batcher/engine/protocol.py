@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from core.errors import QuiltError
 from core.work import AdamParams, LoraShape, PassWork
 
-Outcome = dict | QuiltError  # a request's result (its Tinker JSON) or its typed error
+Outcome = dict[str, Any] | QuiltError  # a request's result (its Tinker JSON) or its typed error
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class TrainerBackend(Protocol):
 
     def run_pass(self, requests: list[PassRequest]) -> list[Outcome]: ...
 
-    def optim_step(self, model_id: str, adam: AdamParams) -> dict: ...
+    def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, Any]: ...
 
     def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[Outcome]: ...
 

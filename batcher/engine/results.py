@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ class PassResult:
     the datums whose loss was not finite and whether some of its gradient was accumulated already;
     and the models whose gradients the pass kept."""
 
-    outputs: dict[int, dict] = field(default_factory=dict)
+    outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
     not_finite: dict[int, tuple[list[int], bool]] = field(default_factory=dict)
     kept_models: set[str] = field(default_factory=set)
 
@@ -76,7 +77,7 @@ def _batch_values(batch: PlannedBatch, values: torch.Tensor, at: int,
     return at + 2 * M * K
 
 
-def _forward_backward_output(per_datum: list[losses.DatumLoss]) -> dict:
+def _forward_backward_output(per_datum: list[losses.DatumLoss]) -> dict[str, Any]:
     outputs = []
     for d in per_datum:
         outputs.append({

@@ -57,7 +57,7 @@ def _shared(t: torch.Tensor, split: Split | None, axis: int | None) -> torch.Ten
                               stride=torch.empty(shape, device="meta").stride())
 
 
-def _state(lora: MultiLoraModel, adapter: Adapter, *, moments: bool, fresh: bool) -> dict:
+def _state(lora: MultiLoraModel, adapter: Adapter, *, moments: bool, fresh: bool) -> dict[str, Any]:
     """The DCP state dict of an adapter: its shares (copies when `fresh`, to load into) and, with
     `moments`, its AdamW state."""
     shares = lora.shares(adapter.name)

@@ -10,7 +10,7 @@ device buffer.
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
@@ -30,7 +30,7 @@ class Bundle(Generic[T]):
         self._parts: list[torch.Tensor] = [t.contiguous() for t in leaves]
         self._offsets, self._total = self._layout()
 
-    def signature(self) -> tuple:
+    def signature(self) -> tuple[Any, ...]:
         """The record's structure and every tensor's dtype and shape: bundles of one signature lie
         alike in memory, so one can be copied where another was (a captured pass's static inputs,
         `batcher.engine.graphs`)."""
@@ -57,7 +57,8 @@ class Bundle(Generic[T]):
         for at, t in zip(self._offsets, self._parts):
             n = t.numel() * t.element_size()
             views.append(buffer[at:at + n].view(t.dtype).view(t.shape))
-        return pytree.tree_unflatten(views, self._spec)
+        record: T = pytree.tree_unflatten(views, self._spec)
+        return record
 
     def buffer(self, device: torch.device) -> torch.Tensor:
         """One buffer on `device` holding every tensor of the record, copied in one transfer."""
