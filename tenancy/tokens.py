@@ -127,9 +127,11 @@ class VerifiedTokens:
     once (about 0.2 ms with PyJWT, a hundred times a key's hash) rather than on every call. A hit
     is still held to everything that can change after the check: the expiry against the clock,
     and the signing key, which must still be among `keys` (a retired generation ends its tokens
-    here too). Bounded: past `max_entries` it starts over rather than grow."""
+    here too). Bounded: past `max_entries` (about 1 KiB each) it starts over rather than grow;
+    only a valid token is remembered, so only key holders can fill it, and a process sees about two
+    live tokens per SDK client."""
 
-    def __init__(self, max_entries: int = 100_000):
+    def __init__(self, max_entries: int = 10_000):
         self.max_entries = max_entries
         self._claims: dict[str, TokenClaims] = {}
 
