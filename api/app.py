@@ -16,6 +16,7 @@ from api.caller_cache import CallerCache
 from api.routes import (
     account,
     admin,
+    auth,
     billing,
     downloads,
     futures,
@@ -32,6 +33,7 @@ from api.routes import (
 from api.spend_header import SpendHeaderMiddleware
 from core import db, loop_lag, redis_client
 from core.settings import get_api_settings, get_core_settings, get_security_settings
+from tenancy import tokens
 
 
 @contextlib.asynccontextmanager
@@ -41,6 +43,7 @@ async def _lifespan(app: FastAPI):
     await app.state.pool.open(wait=True, timeout=30)
     app.state.redis = redis_client.async_client(redis_client.resolve_url(core))
     app.state.callers = CallerCache(get_api_settings().caller_cache_seconds)
+    app.state.verified_tokens = tokens.VerifiedTokens()
     listening = asyncio.create_task(caller_cache.listen(app.state.callers, db.resolve_url(core)))
     lag, probe_s = loop_lag.LagHistogram(), get_api_settings().loop_lag_probe_s
     lag_tasks = [asyncio.create_task(loop_lag.watch(lag, probe_s)),
@@ -86,7 +89,7 @@ def create_app() -> FastAPI:
     # every client makes most come first (retrieve_future was the 28th route tried). The order
     # decides nothing else: no path is answered by two of these modules (tests/test_route_order.py).
     for module in (futures, training, sessions, sampling, service, billing, account, runs, admin, downloads,
-                   run_metrics, stripe_webhook):
+                   run_metrics, auth, stripe_webhook):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(metrics.router)
     app.include_router(openai_compat.router)  # /v1/completions, /v1/chat/completions

@@ -45,10 +45,11 @@ _RETRY_S = 0.5
 
 
 class CallerCache:
-    """Entries by kind: `key` (a Principal by key hash), `spend` (micro-USD by tenant id), `base`
-    (a BaseModel by name) and `model` (a training model's row by id, as `get_info` reads it)."""
+    """Entries by kind: `key` (a Principal by key hash), `key_id` (a Principal by key id: an auth
+    token's key, tenancy.tokens), `spend` (micro-USD by tenant id), `base` (a BaseModel by name)
+    and `model` (a training model's row by id, as `get_info` reads it)."""
 
-    KINDS = ("key", "spend", "base", "model")
+    KINDS = ("key", "key_id", "spend", "base", "model")
 
     def __init__(self, max_age_s: float):
         self.max_age_s = max_age_s
@@ -78,9 +79,9 @@ class CallerCache:
         self.generation += 1
         kind, _, name = payload.partition(":")
         if kind == "tenant":
-            keys = self._entries["key"]
-            for key_hash in [h for h, (who, _at) in keys.items() if who.tenant_id == name]:
-                del keys[key_hash]
+            for keys in (self._entries["key"], self._entries["key_id"]):
+                for held in [h for h, (who, _at) in keys.items() if who.tenant_id == name]:
+                    del keys[held]
             self._entries["spend"].pop(name, None)
         elif kind in self._entries:
             self._entries[kind].pop(name, None)

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import seq_gaps
 from core import waits
-from core.errors import InvalidInput, QuiltError, ServerError, Unavailable, UserError
+from core.errors import InvalidInput, InvalidToken, QuiltError, ServerError, Unavailable, UserError
 from core.stores import STORE_ERRORS
 
 log = logging.getLogger("quilt.api")
@@ -53,6 +53,8 @@ def _respond(request: Request, err: QuiltError) -> JSONResponse:
     headers = {REQUEST_ID_HEADER: err.request_id}
     if err.status_code in (429, 503):
         headers["Retry-After"] = retry_after(getattr(err, "retry_after_s", 1.0))
+    if isinstance(err, InvalidToken):
+        headers["WWW-Authenticate"] = err.www_authenticate
     level = logging.WARNING if isinstance(err, UserError) else logging.ERROR
     log.log(level, "%s %s -> %d %s", request.method, request.url.path, err.status_code, err.message,
             extra={"request_id": err.request_id, "tenant_id": getattr(request.state, "tenant_id", None)})

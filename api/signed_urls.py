@@ -12,10 +12,9 @@ expires, when its checkpoint is deleted or expires, when the key that minted it 
 an operator suspends its tenant (a payment suspension keeps downloads working), and when its
 signing key is retired.
 
-Signing keys rotate: a new generation is made (a random value in Postgres, server_secrets, shared
-by every API replica, keyed with QUILT_SECRET_KEY so the database alone cannot sign) once the
-newest is QUILT_DOWNLOAD_KEY_ROTATION_S old, and the two newest are valid, so a link (which lives
-at most QUILT_DOWNLOAD_URL_TTL_S, never longer than a rotation) always outlives its key's turn.
+Signing keys are the server's rotating keys (core.signing_keys): a new generation once the newest
+is QUILT_DOWNLOAD_KEY_ROTATION_S old, the two newest valid, so a link (which lives at most
+QUILT_DOWNLOAD_URL_TTL_S, never longer than a rotation) always outlives its key's turn.
 `quilt downloads rotate-key --retire` makes a new one and retires every other: every link out
 there stops working (within a minute, as API processes re-read the keys). With
 QUILT_DOWNLOAD_SIGNING_KEY set, that key signs (and QUILT_DOWNLOAD_SIGNING_KEY_PREVIOUS, if set,
@@ -28,16 +27,17 @@ import base64
 import hashlib
 import hmac
 import json
-import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from core.errors import NotFound
 
+# The key machinery is shared with the SDK's auth tokens; these names are what callers of this
+# module have always used.
+from core.signing_keys import KEYS_REREAD_S, SigningKeys, configured_keys, derive, rotate, signing_keys  # noqa: F401
+
 ARCHIVE = ""  # `file` of a token for the whole adapter as a .tar.gz
 MERGED = "*merged"  # `file` of a token for the adapter merged into its base, as a .tar
-_SECRET_PREFIX = "download_signing_key:"
-KEYS_REREAD_S = 60.0  # how long an API process keeps the keys it read before reading them again
 
 
 @dataclass(frozen=True)
@@ -49,19 +49,6 @@ class Grant:
     file: str  # a file of the adapter, or ARCHIVE
     expires: int  # unix seconds
     api_key_id: str = ""  # the key that minted it ("" when a dashboard session did)
-
-
-@dataclass(frozen=True)
-class SigningKeys:
-    """The keys links are checked against (generation -> key) and the one that signs new ones."""
-
-    current: int
-    keys: dict[int, bytes]
-    read_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def stale(self) -> bool:
-        return time.monotonic() - self.read_at > KEYS_REREAD_S
 
 
 def _b64(data: bytes) -> str:
@@ -99,54 +86,3 @@ def verify(keys: SigningKeys, token: str, now: float | None = None) -> Grant:
     if grant.expires < (time.time() if now is None else now):
         raise NotFound("this download link has expired; ask for a new one", field="token")
     return grant
-
-
-def configured_keys(current: str, previous: str | None) -> SigningKeys:
-    """The operator's keys (QUILT_DOWNLOAD_SIGNING_KEY and its _PREVIOUS), each numbered by a hash
-    of itself: a link keeps its key's number when that key moves to _PREVIOUS."""
-    def number(key: str) -> int:
-        return int.from_bytes(hashlib.sha256(b"quilt-download-key\x00" + key.encode()).digest()[:6], "big")
-
-    keys = {number(k): k.encode() for k in (previous, current) if k}
-    return SigningKeys(number(current), keys)
-
-
-def derive(secret: bytes, stored: bytes) -> bytes:
-    """A generation's signing key: its random value from Postgres keyed with QUILT_SECRET_KEY, so a
-    copy of the database alone cannot sign a link."""
-    return hmac.new(secret, b"quilt-download-key\x00" + stored, hashlib.sha256).digest()
-
-
-async def signing_keys(conn, rotation_s: int, secret: bytes) -> SigningKeys:
-    """The keys kept in Postgres: the two newest generations, after making a new one when the
-    newest is `rotation_s` old (or there is none). Whichever process gets there first makes it."""
-    rows = await _generations(conn)
-    if not rows or rows[0]["age_s"] >= rotation_s:
-        await _insert_generation(conn, (rows[0]["generation"] + 1) if rows else 1)
-        rows = await _generations(conn)
-    return SigningKeys(rows[0]["generation"], {r["generation"]: derive(secret, bytes(r["value"])) for r in rows[:2]})
-
-
-async def rotate(conn, *, retire: bool) -> int:
-    """Make a new signing key now; with `retire`, delete every other, so every link out there stops
-    working. Returns the new generation."""
-    rows = await _generations(conn)
-    generation = (rows[0]["generation"] + 1) if rows else 1
-    await _insert_generation(conn, generation)
-    keep = 1 if retire else 2
-    await conn.execute("DELETE FROM server_secrets WHERE name LIKE %s AND name <> ALL(%s)",
-                       (_SECRET_PREFIX + "%", [_SECRET_PREFIX + str(g) for g in
-                                               [generation, *[r["generation"] for r in rows]][:keep]]))
-    return generation
-
-
-async def _insert_generation(conn, generation: int) -> None:
-    await conn.execute("INSERT INTO server_secrets (name, value) VALUES (%s, %s) ON CONFLICT (name) DO NOTHING",
-                       (f"{_SECRET_PREFIX}{generation}", secrets.token_bytes(32)))
-
-
-async def _generations(conn) -> list[dict]:
-    cur = await conn.execute(
-        "SELECT substr(name, %s)::bigint AS generation, value, extract(epoch FROM now() - created_at) AS age_s "
-        "FROM server_secrets WHERE name LIKE %s ORDER BY 1 DESC", (len(_SECRET_PREFIX) + 1, _SECRET_PREFIX + "%"))
-    return await cur.fetchall()

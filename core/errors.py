@@ -5,6 +5,8 @@
     │   ├── InvalidInput          a field breaks a rule (names the field and the limit)   400
     │   ├── PayloadTooLarge       body over the size limit                                413
     │   ├── Unauthenticated       missing, unknown or revoked API key                     401
+    │   │   └── InvalidToken      an auth token that is malformed, forged, expired,       401
+    │   │                         rotated out, or whose key is revoked (RFC 6750 header)
     │   ├── BudgetExceeded        a monthly spend limit is reached (names it, its fix)    402
     │   ├── Forbidden             authenticated, but the role does not allow it           403
     │   ├── NotFound              no such resource *for this tenant*                      404
@@ -69,6 +71,14 @@ class PayloadTooLarge(UserError):
 
 class Unauthenticated(UserError):
     status_code = 401
+
+
+class InvalidToken(Unauthenticated):
+    """A bearer token the server will not honour. Answered with `WWW-Authenticate: Bearer
+    error="invalid_token"`, which tells the tinker SDK to exchange its API key for a new token and
+    replay the call once, where a plain 401 would end the call."""
+
+    www_authenticate = 'Bearer error="invalid_token"'
 
 
 class BudgetExceeded(UserError):

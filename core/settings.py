@@ -163,8 +163,18 @@ class ApiSettings(BaseSettings):
         None, description="with QUILT_DOWNLOAD_SIGNING_KEY: the key before it, still accepted (an operator's "
                           "rotation); unset: links signed with any other key fail")
     download_key_rotation_s: int = Field(86_400, ge=60, le=365 * 86_400,
-                                         description="a new download signing key is made this often (never more "
-                                                     "often than QUILT_DOWNLOAD_URL_TTL_S); the two newest are valid")
+                                         description="a new signing key (download links and SDK auth tokens, "
+                                                     "core.signing_keys) is made this often (never more often than "
+                                                     "QUILT_DOWNLOAD_URL_TTL_S or QUILT_AUTH_TOKEN_TTL_S); the two "
+                                                     "newest are valid")
+    sdk_jwt_auth: bool = Field(False, description="tell the tinker SDK to exchange its API key for short-lived "
+                               "signed tokens (ClientConfigResponse.pjwt_auth_enabled; POST /api/v1/auth/token) "
+                               "and send those instead; `RestClient.whoami()` and `tinker auth whoami` need it. "
+                               "Off: /auth/token answers 404 and the SDK sends the key on every call")
+    auth_token_ttl_s: int = Field(900, ge=60, le=86_400,
+                                  description="seconds an SDK auth token lives (its exp - iat); the SDK renews it "
+                                              "at half that. Its API key is re-checked on every use, so revoking "
+                                              "the key ends its tokens at once whatever this is")
 
 
 class TrainerSettings(BaseSettings):

@@ -265,9 +265,10 @@ def cmd_downloads_rotate_key(args) -> int:
             return await signed_urls.rotate(conn, retire=args.retire)
 
     generation = asyncio.run(rotate())
-    kept = "every other key retired: every download link out there stops working" if args.retire else \
-        "links signed with the previous key keep working until they expire"
-    print(f"download signing key generation {generation} made; {kept} (API processes pick it up within "
+    kept = ("every other key retired: every download link and SDK auth token out there stops working "
+            "(the tinker SDK exchanges its key for a new token)") if args.retire else \
+        "links and tokens signed with the previous key keep working until they expire"
+    print(f"signing key generation {generation} made; {kept} (API processes pick it up within "
           f"{signed_urls.KEYS_REREAD_S:.0f} s)")
     return 0
 

@@ -97,6 +97,29 @@ async def key_by_prefix_async(conn: psycopg.AsyncConnection[DictRow], prefix: st
     return _revoked(await cur.fetchall(), prefix)
 
 
+async def own_key_async(conn: psycopg.AsyncConnection[DictRow], key_id: str, tenant_id: str) -> tuple[KeyInfo, str | None]:
+    """The calling key's record (by its id, within its tenant) and the email of the member account
+    that made it (None for a key the CLI made)."""
+    cur = await conn.execute(f"SELECT {', '.join('k.' + f for f in _FIELDS.split(', '))}, m.email "
+                             "FROM api_keys k LEFT JOIN members m ON m.id = k.member_id "
+                             "WHERE k.id = %s AND k.tenant_id = %s AND k.revoked_at IS NULL", (key_id, tenant_id))
+    row = await cur.fetchone()
+    if row is None:
+        raise NotFound("this API key is not active", field="X-API-Key")
+    email = row.pop("email")
+    return KeyInfo(**row), email
+
+
+async def revoke_own_key_async(conn: psycopg.AsyncConnection[DictRow], key_id: str, tenant_id: str) -> KeyInfo:
+    """Revoke the calling key itself (by id, within its tenant)."""
+    cur = await conn.execute("UPDATE api_keys SET revoked_at = now() WHERE id = %s AND tenant_id = %s "
+                             f"AND revoked_at IS NULL {_RETURNING}", (key_id, tenant_id))
+    row = await cur.fetchone()
+    if row is None:
+        raise NotFound("this API key is not active", field="X-API-Key")
+    return KeyInfo(**row)
+
+
 async def revoke_key_async(conn: psycopg.AsyncConnection[DictRow], prefix: str, tenant_id: str) -> KeyInfo:
     """Async form of `revoke_key`, always within one tenant (another tenant's key is 404)."""
     cur = await conn.execute(_REVOKE, (prefix, tenant_id, tenant_id))

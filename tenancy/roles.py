@@ -27,6 +27,11 @@ READ_CALLS = frozenset({
 })
 
 
+# Calls on the caller's own credential, open to every role: exchanging the key for a token that
+# holds no more than the key, and revoking the key itself (logging out only ever removes power).
+SELF_CALLS = frozenset({("POST", "/api/v1/auth/token"), ("DELETE", "/api/v1/auth/apikey/me")})
+
+
 def check_role(role: str, field: str = "role") -> str:
     if role not in _RANK:
         raise InvalidInput(f"{field}: one of {list(ROLES)}, got {role[:40]!r}", field=field)
@@ -48,7 +53,7 @@ def key_role(asked: str, creator_role: str) -> str:
 
 def may_call(role: str, method: str, path: str) -> bool:
     """Whether a caller with `role` may make this API call (`path` is the route's template)."""
-    return role != "read_only" or method in ("GET", "HEAD") or path in READ_CALLS
+    return role != "read_only" or method in ("GET", "HEAD") or path in READ_CALLS or (method, path) in SELF_CALLS
 
 
 def may_revoke(role: str, caller_member_id: str | None, key_member_id: str | None) -> bool:

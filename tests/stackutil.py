@@ -145,3 +145,26 @@ def second_api(stack, log_dir: Path, **env: str) -> Iterator[str]:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def mint_token(stack, key: str, ttl_s: int = 900) -> str:
+    """An auth token for `key`, signed as `POST /api/v1/auth/token` signs one (the server's keys,
+    made if none exist yet, derived for tokens): the session stack keeps the exchange off, but
+    every API process checks the tokens it is sent."""
+    import asyncio
+
+    import psycopg
+    from psycopg.rows import dict_row
+
+    from core.signing_keys import signing_keys
+    from tenancy import tokens
+    from tenancy.auth import authenticate
+
+    async def mint() -> str:
+        async with await psycopg.AsyncConnection.connect(stack.database_url, row_factory=dict_row,
+                                                         autocommit=True) as conn:
+            who, _ = await authenticate(conn, key)
+            keys = await signing_keys(conn, 86_400, b"embedded-insecure-secret")  # the test stack's secret
+        return tokens.mint(keys.for_purpose(tokens.PURPOSE), who, ttl_s=ttl_s)
+
+    return asyncio.run(mint())

@@ -1,9 +1,10 @@
-"""Tenant B can never see or touch tenant A's models, futures, sessions or checkpoints: all 404."""
+"""Tenant B can never see or touch tenant A's models, futures, sessions or checkpoints: all 404,
+whether B calls with its API key or with an auth token minted from it (tenancy.tokens)."""
 
 from __future__ import annotations
 
 import pytest
-from stackutil import ADAM, datum, fb_body, new_model, wait_future
+from stackutil import ADAM, datum, fb_body, mint_token, new_model, wait_future
 
 
 @pytest.fixture(scope="module")
@@ -19,9 +20,10 @@ def owned(stack):
     return {"session_id": session_id, "model_id": model_id, "request_id": fut["request_id"], "path": path}
 
 
-@pytest.fixture(scope="module")
-def other(stack):
-    return stack.http(stack.create_tenant("b").key)
+@pytest.fixture(scope="module", params=["key", "token"])
+def other(stack, request):
+    key = stack.create_tenant("b").key
+    return stack.http(key if request.param == "key" else mint_token(stack, key))
 
 
 def test_get_info_of_another_tenants_model_is_404(owned, other):

@@ -46,6 +46,9 @@ def test_unknown_roles_are_named(asked):
     ("read_only", "POST", "/api/v1/asample", False),
     ("read_only", "PUT", "/api/v1/quilt/budgets", False),
     ("read_only", "DELETE", "/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", False),
+    ("read_only", "POST", "/api/v1/auth/token", True),          # a token holds no more than its key
+    ("read_only", "DELETE", "/api/v1/auth/apikey/me", True),     # logging out only removes power
+    ("read_only", "DELETE", "/api/v1/auth/token", False),
     ("member", "POST", "/api/v1/forward_backward", True),
     ("owner", "DELETE", "/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", True),
 ])

@@ -27,7 +27,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import RedirectResponse, StreamingResponse
 
-from api import links, signed_urls
+from api import links, signed_urls, signing
 from api.dashboard import adapter_archive
 from api.deps import Pool, Settings, Who
 from api.input_guard import GuardedRoute
@@ -37,27 +37,13 @@ from checkpoints import adapter_merge, encryption, storage
 from checkpoints.layout import adapter_files
 from core import db
 from core.errors import InvalidInput, NotFound
-from core.settings import get_security_settings
 from tenancy import scoped
 
 router = APIRouter(route_class=GuardedRoute, tags=["downloads"])
 
 
 async def _key(request: Request, pool, settings) -> signed_urls.SigningKeys:
-    """The signing keys, re-read (and rotated when due) once they are KEYS_REREAD_S old."""
-    keys = getattr(request.app.state, "download_signing_keys", None)
-    if keys is None or keys.stale:
-        if settings.download_signing_key is not None:
-            previous = settings.download_signing_key_previous
-            keys = signed_urls.configured_keys(settings.download_signing_key.get_secret_value(),
-                                               previous.get_secret_value() if previous else None)
-        else:
-            async with db.autocommit(pool) as conn:
-                keys = await signed_urls.signing_keys(
-                    conn, max(settings.download_key_rotation_s, settings.download_url_ttl_s),
-                    get_security_settings().secret_key.get_secret_value().encode())
-        request.app.state.download_signing_keys = keys
-    return keys
+    return await signing.server_keys(request.app.state, pool, settings)
 
 
 def _gone(ckpt: dict) -> NotFound:

@@ -7,7 +7,7 @@ import logging
 
 from fastapi import APIRouter, Request, Response
 
-from api.deps import Pool, RedisDep, Who, authenticate_request, key_of
+from api.deps import Pool, RedisDep, Settings, Who, authenticate_request, key_of
 from api.input_guard import GuardedRoute
 from bases import catalog
 from core import db, health
@@ -120,13 +120,15 @@ async def get_server_capabilities(pool: Pool) -> dict:
 
 
 @router.post("/client/config")
-async def client_config(who: Who) -> dict:
+async def client_config(who: Who, settings: Settings) -> dict:
     """SDK handshake (tinker `ClientConfigResponse`). Only flags whose endpoints exist are turned on:
     plain httpx transport, forward_backward bodies uncompressed, one `retrieve_futures` long-poll per
-    sampling session instead of one per sample, and copies of a sampling client numbered by the
-    server (`join_sampling_session`)."""
+    sampling session instead of one per sample, copies of a sampling client numbered by the
+    server (`join_sampling_session`), and the key exchanged for auth tokens while
+    QUILT_SDK_JWT_AUTH is on (`pjwt_auth_enabled`, api.routes.auth)."""
     return {"use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
-            "sample_use_retrieve_futures": True, "sample_join_sampling_session": True}
+            "sample_use_retrieve_futures": True, "sample_join_sampling_session": True,
+            "pjwt_auth_enabled": settings.sdk_jwt_auth}
 
 
 @router.post("/client/dynamic_config")

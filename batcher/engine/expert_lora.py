@@ -33,7 +33,7 @@ what `checkpoints.adapter_merge` merges into the per-expert weights of the saved
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -269,7 +269,7 @@ def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     gate = block.parts["gate_proj"]
     classes = [(rank, route) for (kind, rank), route in routes.items() if kind == "experts" and rank in gate.slabs]
     if not classes:
-        base = ALL_EXPERTS_FUNCTIONS.get_interface(block.base, type(module).forward.__wrapped__)
+        base = ALL_EXPERTS_FUNCTIONS.get_interface(block.base, cast(Any, type(module).forward).__wrapped__)
         out: torch.Tensor = base(module, hidden, top_k_index, top_k_weights)
         return out
 
