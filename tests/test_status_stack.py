@@ -153,6 +153,20 @@ def test_only_an_operator_may_post(stack, tenant):
     assert r.status_code == 403, r.text
 
 
+@pytest.mark.parametrize("role", ["member", "read_only"])
+def test_an_operator_tenants_keys_short_of_owner_may_not_post(stack, role):
+    from core import db
+    from tenancy.keys import create_key
+    from tenancy.tenants import create_tenant
+
+    with db.connect(stack.database_url) as conn:
+        operator = create_tenant(conn, f"op-{time.monotonic_ns()}", role="operator")
+        key, _ = create_key(conn, operator.id, role=role)
+    r = httpx.post(stack.base_url + "/api/v1/status/incidents", json={"title": "x", "severity": "minor"},
+                   headers={"X-API-Key": key}, timeout=30)
+    assert r.status_code == 403 and r.json()["field"] == "X-API-Key", r.text
+
+
 @pytest.mark.parametrize(("change", "field", "says"), [
     ({"title": "t" * 201}, "title", "200"),
     ({"body": "b" * 4001}, "body", "4000"),
