@@ -10,7 +10,7 @@ import logging
 from fastapi import FastAPI
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from api import caller_cache, dashboard, errors, links
+from api import caller_cache, dashboard, errors, links, response_tally
 from api.body_limit import BodyLimitMiddleware
 from api.caller_cache import CallerCache
 from api.routes import (
@@ -27,9 +27,11 @@ from api.routes import (
     sampling,
     service,
     sessions,
+    status,
     stripe_webhook,
     training,
 )
+from api.routes.status import StatusCache
 from api.spend_header import SpendHeaderMiddleware
 from core import db, loop_lag, redis_client
 from core.settings import get_api_settings, get_core_settings, get_security_settings
@@ -49,13 +51,15 @@ async def _lifespan(app: FastAPI):
     lag_tasks = [asyncio.create_task(loop_lag.watch(lag, probe_s)),
                  asyncio.create_task(loop_lag.publish(app.state.redis, lag, loop_lag.instance_name()))
                  ] if probe_s else []
+    app.state.status_cache = StatusCache()
+    tally_task = asyncio.create_task(response_tally.publish(app.state.redis, app.state.tally))
     # What exists at start lives as long as the process: out of the collector's sight, a full
     # collection no longer walks it (those walks were the API's longest pauses under load).
     gc.freeze()
     try:
         yield
     finally:
-        for task in (listening, *lag_tasks):
+        for task in (listening, *lag_tasks, tally_task):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -84,14 +88,16 @@ def create_app() -> FastAPI:
     # However uvicorn was started (quilt up, a container's command line): QUILT_ACCESS_LOG decides.
     logging.getLogger("uvicorn.access").disabled = not settings.access_log
     app = FastAPI(title="Quilt", version="0.1.0", lifespan=_lifespan)
-    errors.install(app)
+    app.state.tally = response_tally.ResponseTally()
+    errors.install(app, app.state.tally)
     # Starlette tries routes in order until one matches, a microsecond or two each, so the calls
     # every client makes most come first (retrieve_future was the 28th route tried). The order
     # decides nothing else: no path is answered by two of these modules (tests/test_route_order.py).
     for module in (futures, training, sessions, sampling, service, billing, account, runs, admin, downloads,
-                   run_metrics, auth, stripe_webhook):
+                   run_metrics, auth, stripe_webhook, status):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(metrics.router)
+    app.include_router(status.page_router)  # /status, the public page
     app.include_router(openai_compat.router)  # /v1/completions, /v1/chat/completions
     dashboard.install(app)
     _add_schema_components(app, training.SCHEMA_COMPONENTS)

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import seq_gaps
+from api.response_tally import ResponseTally
 from core import waits
 from core.errors import InvalidInput, InvalidToken, QuiltError, ServerError, Unavailable, UserError
 from core.stores import STORE_ERRORS
@@ -24,6 +25,12 @@ REQUEST_ID_HEADER = "X-Request-ID"
 
 
 _RID_HEADER = REQUEST_ID_HEADER.lower().encode()
+
+# Left out of the status page's response counts (api.response_tally): probes answer 503 to report a
+# component down, not as a failure of their own, and monitors and status readers poll them far more
+# often than clients call, which would drown the share of 5xx that callers see.
+UNTALLIED = frozenset({"/api/v1/healthz", "/api/v1/readyz", "/api/v1/livez", "/metrics", "/status",
+                       "/api/v1/status"})
 
 
 def request_id_of(request: Request) -> str:
@@ -73,13 +80,17 @@ class RequestIdMiddleware:
     """Every response carries the request id (the caller's X-Request-ID, or a new one) and
     `Server-Timing: app;dur=MS`, the time from the request reaching the app to its answer starting
     (the API's own part of a call), followed by what it waited on meanwhile (core.waits: `pool`,
-    `pg`, `redis`; bench/api_load.py reads them). Pure ASGI: Starlette's
+    `pg`, `redis`; bench/api_load.py reads them). With a `tally`, it counts each response's status for
+    the status page (api.response_tally), probes left out (UNTALLIED). Pure ASGI: Starlette's
     BaseHTTPMiddleware cost a tenth of a cheap call's CPU (bench/api_load.py)."""
 
     _TIMING = b"server-timing"
 
-    def __init__(self, app):
+    def __init__(self, app, tally: ResponseTally | None = None):
         self.app = app
+        # Counted here, where every response starts, rather than in a middleware of its own: one
+        # more ASGI layer would add a call and a closure to every request for two integer additions.
+        self.tally = tally
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -88,8 +99,12 @@ class RequestIdMiddleware:
         spent = waits.tally()
         rid = _request_id(scope)
 
+        started_status = None
+
         async def send_with_id(message):
+            nonlocal started_status
             if message["type"] == "http.response.start":
+                started_status = message["status"]
                 headers = list(message.get("headers", []))
                 if not any(name.lower() == _RID_HEADER for name, _ in headers):
                     headers.append((_RID_HEADER, rid.encode("latin-1", "replace")))
@@ -98,11 +113,22 @@ class RequestIdMiddleware:
                 message = {**message, "headers": headers}
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            # An unhandled error is answered outside this middleware (Starlette's outermost
+            # ServerErrorMiddleware runs the `Exception` handler): a 500 unless one had started.
+            if self.tally is not None and scope["path"] not in UNTALLIED:
+                self.tally.add(started_status or 500)
+            raise
+        if self.tally is not None and started_status is not None and scope["path"] not in UNTALLIED:
+            self.tally.add(started_status)
 
 
-def install(app: FastAPI) -> None:
-    app.add_middleware(RequestIdMiddleware)
+def install(app: FastAPI, tally: ResponseTally | None = None) -> None:
+    """The error handlers, and the middleware giving every response its request id (and counting
+    it in `tally`, for the status page)."""
+    app.add_middleware(RequestIdMiddleware, tally=tally)
 
     @app.exception_handler(QuiltError)
     async def _quilt(request: Request, exc: QuiltError):

@@ -25,6 +25,11 @@ class RoundStats:
         self.counters = {"rounds": 0, "requests": 0, "busy_s": 0.0, "wait_s": 0.0, "tokens": 0, "padded_tokens": 0,
                          "models_fused": 0, "tenants_fused": 0, "fused_rounds": 0, "started_at": time.time()}
         self._recent_tokens: deque[tuple[float, int]] = deque()  # (when, tokens) of recent passes
+        self._queue_waits: deque[float] = deque(maxlen=health.WAITS_KEPT)  # seconds, recent requests
+
+    def started(self, waits: list[float]) -> None:
+        """The queue waits of requests a round has just taken (arrival in the stream to their round)."""
+        self._queue_waits.extend(waits)
 
     def add(self, name: str, amount: float) -> None:
         self.counters[name] = self.counters.get(name, 0) + amount
@@ -64,4 +69,5 @@ class RoundStats:
             self._recent_tokens.popleft()
         fields = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.counters.items()
                   if k != "started_at"}
-        return {"recent_tokens": sum(n for _, n in self._recent_tokens), **fields}
+        return {"recent_tokens": sum(n for _, n in self._recent_tokens), **fields,
+                **health.wait_figures(self._queue_waits)}

@@ -274,6 +274,10 @@ class TrainerWorker:
     def _execute(self, plan: RoundPlan) -> None:
         taken = {p.request_id: self.queues.take(p) for p in (*plan.fused, *plan.barriers)}
         self._db_call(records.mark_running, list(taken))
+        # The wait since the API appended the entry (its id is Redis's clock); a redelivery of an
+        # answered request is a replay, not a wait anyone had.
+        now = time.time()
+        self.stats.started([now - queue.appended_at(d.stream_id) for d in taken.values() if not d.finished])
         fused = []
         for p in plan.fused:
             d = taken[p.request_id]

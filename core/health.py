@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from core import queue
@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 HEALTH_TTL_S = 3
 HEARTBEAT_EVERY_S = 1.0
 CELERY_TTL_S = 45
+WAITS_KEPT = 256  # recent queue waits a worker summarises in its beacon
 
 
 def trainer_key(base_model: str, shard: str | None = None) -> str:
@@ -67,6 +68,20 @@ def consumer_key(stream: str, consumer: str) -> str:
     return f"quilt:health:consumer:{stream}:{consumer}"
 
 CELERY_KEY = "quilt:health:celery"
+
+
+def wait_figures(waits: Iterable[float]) -> dict[str, Any]:
+    """A worker's recent queue waits (seconds from a request's arrival to its work starting) as its
+    beacon carries them: `queue_wait_p50_s`, `queue_wait_p95_s` (None while there are none) and
+    how many they summarise. Read by the status page (api.status_board)."""
+    ordered = sorted(max(0.0, w) for w in waits)
+    if not ordered:
+        return {"queue_wait_p50_s": None, "queue_wait_p95_s": None, "queue_wait_n": 0}
+
+    def at(q: float) -> float:  # nearest rank: a wait some request really had, not an interpolation
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
+
+    return {"queue_wait_p50_s": at(0.5), "queue_wait_p95_s": at(0.95), "queue_wait_n": len(ordered)}
 
 
 def beacon(redis: Any, key: str, ttl_s: int, **info: Any) -> None:

@@ -180,6 +180,12 @@ def cursor_of(entry_id: str | bytes) -> int:
     return int(ms) * _SEQ_SPAN + int(seq)
 
 
+def appended_at(entry_id: str | bytes) -> float:
+    """When Redis appended a stream entry, in Unix seconds: its id's first part is Redis's clock in ms."""
+    ms = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")[0]
+    return int(ms) / 1000
+
+
 def entry_of(cursor: int) -> str:
     ms, seq = divmod(cursor, _SEQ_SPAN)
     return f"{ms}-{seq}"

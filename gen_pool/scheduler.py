@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from checkpoints.layout import policy_version
+from core import health
 from core.errors import QuiltError, ServerError, UserError
 from core.work import AdapterRef, SamplingSpec
 from gen_pool import wire
@@ -148,6 +149,7 @@ class Scheduler:
         self.tenant_tokens: Counter[str] = Counter()
         self.group_latencies: deque[float] = deque(maxlen=256)  # arrival -> complete, recent groups
         self.sequence_seconds: deque[float] = deque(maxlen=256)  # admitted -> done, recent sequences
+        self.queue_waits: deque[float] = deque(maxlen=health.WAITS_KEPT)  # arrival -> first admitted, recent groups
 
     # ------------------------------------------------------------------ intake
 
@@ -210,6 +212,8 @@ class Scheduler:
                 self._fail(g, self._abort_error(g, a.reason))
         for a in plan.admits:
             g = self.groups[a.request_id]
+            if g.n_admitted == 0:  # the group's wait ends when its first sequence enters the engine
+                self.queue_waits.append(self.clock() - g.arrival)
             for _ in range(a.count):
                 index = g.n_admitted
                 g.n_admitted += 1
@@ -254,6 +258,7 @@ class Scheduler:
             "group_latency_p50_s": round(statistics.median(latencies), 4) if latencies else None,
             "group_latency_p95_s": round(latencies[int(0.95 * (len(latencies) - 1))], 4) if latencies else None,
             "tenant_tokens": dict(self.tenant_tokens),
+            **health.wait_figures(self.queue_waits),
         }
 
     def running(self) -> int:
