@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+from dashutil import chromium
 from stackutil import ROOT, SHARED_STACK_ENV, Stack, TenantHandle
 
 from core import redis_client
@@ -55,3 +56,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "stack" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.stack)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's Chromium, headless (the browser tests of the dashboard and the status page)."""
+    try:
+        with chromium() as launched:
+            yield launched
+    except FileNotFoundError as exc:
+        pytest.fail(str(exc))

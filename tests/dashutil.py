@@ -2,13 +2,42 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import httpx
 
 CSRF = re.compile(r'name="csrf_token" value="([^"]+)"')
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = os.environ.get("QUILT_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+SHOTS = Path(os.environ.get("QUILT_TEST_ARTIFACTS") or ROOT / "artifacts") / "screenshots"
+
+
+@contextlib.contextmanager
+def chromium() -> Iterator[Any]:
+    """Debian's Chromium, headless, driven by Playwright (never a browser build of Playwright's own);
+    the screenshot folder made."""
+    if not Path(CHROMIUM).exists():
+        raise FileNotFoundError(f"{CHROMIUM} is missing: scripts/install.sh installs Debian's chromium "
+                                "(or set QUILT_CHROMIUM)")
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
 
 
 def csrf_of(html: str) -> str:

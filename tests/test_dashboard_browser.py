@@ -12,14 +12,10 @@ from pathlib import Path
 
 import pytest
 import quilt
-from dashutil import operator_key, run_url
+from dashutil import SHOTS, operator_key, run_url
 from stackutil import datum, fb_body, new_model, wait_future
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = os.environ.get("QUILT_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-SHOTS = Path(os.environ.get("QUILT_TEST_ARTIFACTS") or ROOT / "artifacts") / "screenshots"
 SFT_STEPS = 12
 SERIES_BLUE = (37, 99, 235)  # the first series' colour in dashboard.js
 
@@ -33,19 +29,6 @@ _SERIES_PIXELS = """(el, rgb) => {
         && Math.abs(d[i + 2] - rgb[2]) < 40) n++;
   return n;
 }"""
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: scripts/install.sh installs Debian's chromium (or set QUILT_CHROMIUM)")
-    from playwright.sync_api import sync_playwright
-
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture

@@ -4,33 +4,12 @@ Screenshots go to artifacts/screenshots/."""
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from dashutil import operator_key
+from dashutil import SHOTS, operator_key
 from stackutil import TINY
-
-ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = os.environ.get("QUILT_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-SHOTS = Path(os.environ.get("QUILT_TEST_ARTIFACTS") or ROOT / "artifacts") / "screenshots"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: scripts/install.sh installs Debian's chromium (or set QUILT_CHROMIUM)")
-    from playwright.sync_api import sync_playwright
-
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        launched = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield launched
-        launched.close()
 
 
 @pytest.fixture
