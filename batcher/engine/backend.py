@@ -22,12 +22,12 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from bases import architectures
-from batcher.engine import adapter_io, gang, head, optimizers, packed_attention, sharded_snapshots
+from batcher.engine import adapter_io, gang, head, optimizers, sharded_snapshots
 from batcher.engine.adapter import LORA_ALPHA, Adapter
 from batcher.engine.collective import Mirror, collective
 from batcher.engine.device_pass import DevicePass
@@ -113,7 +113,7 @@ class LoraBackend:
             head_chunk_tokens=head_chunk_tokens or head.chunk_tokens_for(text["vocab_size"], align=align),
             decoder_kinds=tuple(sorted({layer.kind for layer in self.lora.layers.values()} - set(head_kinds))),
             head_kinds=head_kinds, cuda_graphs=cuda_graphs, graph_device="cuda" if emulate_graphs else self.device.type,
-            gang_size=self.gang_size, varlen=packed_attention.varlen_works() or self.device.type != "cuda")
+            gang_size=self.gang_size, device_type=self.device.type)
 
     def _load_base(self, model: torch.nn.Module | None, member: gang.Member | None, dtype: torch.dtype) -> Any:
         """The frozen base: `model` (a base already built from this config.json: benchmarks make
@@ -255,7 +255,7 @@ class LoraBackend:
                 self.lora.discard_grads(name)
             for i in configs:
                 outcomes[i] = ServerError(f"trainer pass failed: {type(exc).__name__}: {exc}")
-            return [o if o is not None else ServerError("unanswered") for o in outcomes]
+            return _answered(outcomes)
         result = read_back(batches, values, requests, configs)
         for i, (datums, backpropagated) in result.not_finite.items():
             outcomes[i] = self._not_finite(requests[i], datums, backpropagated)
@@ -268,7 +268,7 @@ class LoraBackend:
             padded_tokens=sum(b.layout.tokens for b in batches), micro_batches=len(batches),
             seconds=time.perf_counter() - started,
         )
-        return [o if o is not None else ServerError("unanswered") for o in outcomes]
+        return _answered(outcomes)
 
     def planned_pass(self, requests: list[PassRequest]) -> Callable[[], torch.Tensor]:
         """A pass's host half done now; the function returned runs only its device half (forward,
@@ -403,6 +403,13 @@ class LoraBackend:
         """`load`, from a checkpoint already read."""
         self.ensure_resident([model_id])
         adapter_io.load_saved(self.lora, self.adapters[model_id], saved, self._optimizer)
+
+
+def _answered(outcomes: list[Outcome | None]) -> list[Outcome]:
+    """Every request's outcome: an error at admission, or the pass's answer for it."""
+    if any(o is None for o in outcomes):
+        raise RuntimeError("a fused pass left a request unanswered")
+    return cast(list[Outcome], outcomes)
 
 
 def _move_state(adapter: Adapter, device: torch.device) -> None:

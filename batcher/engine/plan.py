@@ -114,7 +114,7 @@ class Planner:
     cuda_graphs: bool
     graph_device: str  # "cuda" where passes capture (or emulate capturing)
     gang_size: int
-    varlen: bool  # the packed attention's varlen kernel works here (or is not needed)
+    device_type: str  # where passes run ("cuda": packed rows need the varlen kernel to replay)
     refused: str = ""  # why the last micro-batch ran eagerly (logged when it changes)
 
     def plan(self, rows: list[Row], requests: list[PassRequest], configs: dict[int, LossConfig]
@@ -141,7 +141,9 @@ class Planner:
                       if any(kind in self.lora.adapters[rows[i].adapter].kinds for i in lay.rows))
         why = buckets.refusal(device=self.graph_device, enabled=self.cuda_graphs, gang=self.gang_size,
                               packed=lay.packed, experts=experts,
-                              grouped=self.lora.grouped_everywhere([bucket.tokens, *chunks]), varlen=self.varlen)
+                              grouped=self.lora.grouped_everywhere([bucket.tokens, *chunks]),
+                              # asked each time: the kernel is given up on once a call of it fails
+                              varlen=self.device_type != "cuda" or packed_attention.varlen_works())
         if why and why != self.refused:
             log.info("fused passes run eagerly: %s", why)
         self.refused = why
