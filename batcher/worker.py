@@ -362,8 +362,9 @@ class TrainerWorker:
             for stream_id in self.replay.release(item.model_id):
                 self.consumer.ack(stream_id)
 
-    def _settle(self, item: WorkItem, outcome: queue.Outcome, metrics: run_metrics.StepMetrics | None) -> None:
-        settle(self._db(), request_id=item.request_id, tenant_id=item.tenant_id, model_id=item.model_id,
+    def _settle(self, item: WorkItem, outcome: queue.Outcome,
+                metrics: run_metrics.StepMetrics | None) -> records.Settled | None:
+        return settle(self._db(), request_id=item.request_id, tenant_id=item.tenant_id, model_id=item.model_id,
                base_model=self.base_model, error=outcome.error, units=training_units(item.kind, item.n_tokens),
                metrics=metrics)
 
