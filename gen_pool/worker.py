@@ -27,9 +27,10 @@ import psycopg
 from bases import catalog
 from billing.ledger import settle
 from billing.pricing import Units
-from core import db, health, process_end, queue, records, redis_client, result_bytes, stores
+from core import db, health, process_end, queue, redis_client, result_bytes, stores
 from core.consumer import AsyncStreamConsumer, Delivery, StreamConsumer
 from core.errors import QuiltError, ServerError
+from core.records import Settled
 from core.settings import (
     GenPoolSettings,
     get_api_settings,
@@ -225,7 +226,7 @@ class GenWorker:
         except Exception:
             log.exception("could not finish %s", d.item.request_id)
 
-    def _settle(self, item: WorkItem, outcome: queue.Outcome, usage: Units | None) -> records.Settled | None:
+    def _settle(self, item: WorkItem, outcome: queue.Outcome, usage: Units | None) -> Settled | None:
         return settle(self._db(), request_id=item.request_id, tenant_id=item.tenant_id, model_id=item.model_id or None,
                base_model=self.base_model, error=outcome.error, units=usage)
 
