@@ -29,21 +29,21 @@ def mark_finished(conn: psycopg.Connection, request_id: str, error: dict | None)
     cur = conn.execute(
         "UPDATE requests SET status = %s, error = %s, finished_at = now() "
         "WHERE id = %s AND status IN ('queued', 'running')",
-        ("failed" if error else "done", Jsonb(_storable(error)) if error else None, request_id),
+        ("failed" if error else "done", Jsonb(_jsonb_safe(error)) if error else None, request_id),
     )
     return cur.rowcount == 1
 
 
-def _storable(value):
+def _jsonb_safe(value):
     """`value` with NUL and lone surrogates in its text replaced (U+FFFD, `?`): an error message may
     quote them from a request, and Postgres refuses both in jsonb, which would leave the request
     unfinished for good."""
     if isinstance(value, str):
         return value.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
     if isinstance(value, dict):
-        return {_storable(k): _storable(v) for k, v in value.items()}
+        return {_jsonb_safe(k): _jsonb_safe(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_storable(v) for v in value]
+        return [_jsonb_safe(v) for v in value]
     return value
 
 
@@ -76,8 +76,9 @@ def fail_never_enqueued(conn: psycopg.Connection, redis, *, ttl_s: int, after_s:
     queued for `after_s`, younger than the future's lifetime `ttl_s` (the append marker lives that
     long), with no append marker (or one recording that the tokens-per-minute bucket refused it:
     the API died before deleting the refused row). Each gets a failure a poll can read, and is not billed.
-    Its row is failed before its future is published (core.queue.publish says why); dying between
-    the two leaves the failure in the row, which `retrieve_future` answers from."""
+    Its row is failed and committed before its future is published (core.queue.publish says why);
+    dying between the two leaves the failure in the row, which `retrieve_future` answers from. Call
+    it outside any transaction block of the caller's: it commits each row on `conn`."""
     rows = conn.execute(
         "SELECT id, tenant_id FROM requests WHERE status = 'queued' AND created_at < now() - make_interval(secs => %s) "
         "AND created_at > now() - make_interval(secs => %s) ORDER BY created_at LIMIT %s",
@@ -94,8 +95,10 @@ def fail_never_enqueued(conn: psycopg.Connection, redis, *, ttl_s: int, after_s:
         outcome = queue.failure(row["id"], ServerError(
             "this request never reached a worker (it could not be queued and the call was not retried); send it "
             "again"))
-        with conn.transaction():
-            finished_now = mark_finished(conn, row["id"], outcome.error)
+        finished_now = mark_finished(conn, row["id"], outcome.error)
+        # Committed here, not by a transaction() block: on the caller's connection a transaction is
+        # open already (the SELECT above), inside which such a block is only a savepoint.
+        conn.commit()
         if not finished_now:  # a late append ran after all: its worker answers it
             continue
         queue.publish(redis, outcome, ttl_s, WorkItem(row["id"], row["tenant_id"], "", 0, WorkKind.REJECTED, 0,

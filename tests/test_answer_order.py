@@ -180,7 +180,8 @@ def test_a_request_failed_by_its_consumer_is_settled_before_its_future_is_readab
 def test_a_request_never_enqueued_is_failed_before_its_failure_is_readable(stack, tenant, watched, conn, r):
     request_id = _row(conn, tenant.tenant_id, marked=False)
     conn.execute("UPDATE requests SET created_at = now() - interval '20 minutes' WHERE id = %s", (request_id,))
-    assert request_id in records.fail_never_enqueued(conn, watched, ttl_s=3600)
+    with db.connect(stack.database_url) as upkeep:  # the connection the Celery task passes (not autocommit)
+        assert request_id in records.fail_never_enqueued(upkeep, watched, ttl_s=3600)
     assert watched.seen == {request_id: "failed"}
 
 
