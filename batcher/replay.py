@@ -35,12 +35,12 @@ class ReplayLog:
     steps_since_snapshot: dict[str, int] = field(default_factory=dict)
     failed_before: set[str] = field(default_factory=set)  # replayed requests that had failed
 
-    def note_finished(self, statuses: Mapping[str, str]) -> set[str]:
+    def note_finished(self, statuses: Mapping[str, str]) -> Mapping[str, str]:
         """Of the requests a restarted trainer read back, `statuses` names the finished ones
-        ('done' or 'failed'); returns their ids. A request that failed left no gradient or step
-        to replay (given up, refused, overflowed)."""
+        ('done' or 'failed'); returns them (core.consumer.Finished). A request that failed left no
+        gradient or step to replay (given up, refused, overflowed)."""
         self.failed_before.update(r for r, status in statuses.items() if status == "failed")
-        return set(statuses)
+        return statuses
 
     def without_effect(self, d: Delivery) -> bool:
         """A replayed request whose answer stands and whose effect is not part of the model's state."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from batcher.barriers import Barriers
@@ -143,7 +143,7 @@ class TrainerWorker:
         for model_id in self.replay.recovered(self.queues.next_seq):
             self._db_call(records.set_model_status, model_id, "ready")
 
-    def _finished_ids(self, request_ids: list[str]) -> set[str]:
+    def _finished_ids(self, request_ids: list[str]) -> Mapping[str, str]:
         return self.replay.note_finished(records.finished_requests(self._db(), request_ids))
 
     def _local(self, model_id: str) -> bool:
@@ -350,8 +350,9 @@ class TrainerWorker:
             for stream_id in self.replay.release(item.model_id):
                 self.consumer.ack(stream_id)
 
-    def _settle(self, item: WorkItem, outcome: queue.Outcome, metrics: run_metrics.StepMetrics | None) -> None:
-        settle(self._db(), request_id=item.request_id, tenant_id=item.tenant_id, model_id=item.model_id,
+    def _settle(self, item: WorkItem, outcome: queue.Outcome,
+                metrics: run_metrics.StepMetrics | None) -> records.Settled | None:
+        return settle(self._db(), request_id=item.request_id, tenant_id=item.tenant_id, model_id=item.model_id,
                base_model=self.base_model, error=outcome.error, units=training_units(item.kind, item.n_tokens),
                metrics=metrics)
 

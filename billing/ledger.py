@@ -140,21 +140,25 @@ def record_usage(conn: psycopg.Connection[DictRow], *, request_id: str, tenant_i
 
 
 def settle(conn: psycopg.Connection[DictRow], *, request_id: str, tenant_id: str, model_id: str | None, base_model: str,
-           error: dict | None, units: Units | None, metrics: run_metrics.StepMetrics | None = None) -> None:
+           error: dict | None, units: Units | None,
+           metrics: run_metrics.StepMetrics | None = None) -> records.Settled | None:
     """Finish a request the way every worker must: mark it done or failed and, if it succeeded and
     only the first time, record its usage, all in one transaction. A redelivery after a crash
-    changes nothing; a failed request (or one with `units` None) is not billed.
+    changes nothing; a failed request (or one with `units` None) is not billed. Returns how the row
+    stands (`core.records.Settled`: the first outcome wins), None when there is no such row; its
+    future is published only after this returns (core.consumer), so no client reads an answer while
+    the request still counts against its quota.
 
     `metrics` (the trainer, for a forward_backward): the request's row of its run's per-step
     metrics, written in the same transaction and under the same first-time-and-succeeded rule, so
     a run's curve has exactly one point per completed request."""
     with conn.transaction():
-        finished_now = records.mark_finished(conn, request_id, error)
-        if not finished_now or error is not None:
-            return
-        if units is not None:
+        if not records.mark_finished(conn, request_id, error):
+            return records.settled_before(conn, request_id)
+        if error is None and units is not None:
             record_usage(conn, request_id=request_id, tenant_id=tenant_id, api_key_id=None, model_id=model_id,
                          base_model=base_model, units=units)
-        if metrics is not None and model_id is not None:
+        if error is None and metrics is not None and model_id is not None:
             run_metrics.insert_trainer_row(conn, tenant_id=tenant_id, model_id=model_id, request_id=request_id,
                                            row=metrics)
+    return records.Settled(first=True, error=error)

@@ -3,7 +3,7 @@
     ensure_group      create the consumer group (and the stream) if missing
     read              new entries (`>`), or this consumer's own unacknowledged ones after a restart
     reclaim           take over the pending entries of consumers that died (no liveness key)
-    finish            publish the future's result, write the durable record, acknowledge
+    finish            write the durable record, publish the future's result, acknowledge
     heartbeat         refresh this consumer's liveness key (its pending entries stay its own)
 
 Delivery rules, the same for the trainer and the generation pool:
@@ -13,11 +13,17 @@ Delivery rules, the same for the trainer and the generation pool:
     acknowledged (failed first when its request id can be read), never retried forever;
   * a live consumer's entries are never taken, however long they run; a dead one's are taken once
     they have been idle `reclaim_idle_ms`.
-Finishing order: Redis first so the waiting client is answered, then the durable record (request
-row and ledger, through the `settle` callable the worker passes, once per request), then the ack;
-while a store is down, each waits for it (core.stores).
-A crash between any two leaves the entry pending, so it is delivered again, and `settle` ignores
-the second attempt.
+Finishing order: the durable record first (request row and ledger, through the `settle` callable
+the worker passes, once per request), then the future in Redis, then the ack; while a store is
+down, each waits for it (core.stores). The row comes first because the future is what a client
+acts on: one that retries the moment it reads a failure must find its request no longer counted
+against its quota.
+A crash between any two leaves the entry pending, so it is delivered again: `settle` keeps the
+first record and says so, and the future is then published only if it is not stored yet (with the
+row's failure, when the row failed), so a client is answered once. A worker that keeps entries as
+a replay log marks them finished from their rows (`Finished`); one whose row was settled but whose
+future was never published (`core.queue.unanswered`) is delivered as not finished, to be run
+again and answered.
 
 `StreamConsumer` is the synchronous face (the trainer's loop); `AsyncStreamConsumer` runs the same
 methods off the event loop for the generation worker: blocking reads on one thread, everything
@@ -31,11 +37,11 @@ import concurrent.futures
 import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
-from core import faults, health, queue, stores
+from core import faults, health, queue, records, stores
 from core.errors import ServerError
 from core.work import MalformedWork, Rejected, WorkItem, WorkKind
 
@@ -63,10 +69,12 @@ class Delivery:
     finished: bool = False
 
 
-# Writes a finished request's durable record: (item, outcome, the worker's usage details).
-Settle = Callable[[WorkItem, queue.Outcome, Any], None]
-# Which of these request ids already have their outcome (read back from the database).
-Finished = Callable[[list[str]], set[str]]
+# Writes a finished request's durable record: (item, outcome, the worker's usage details); returns
+# how the row stands (`billing.ledger.settle`), None when that is not known (no row).
+Settle = Callable[[WorkItem, queue.Outcome, Any], records.Settled | None]
+# Which of these request ids already have their outcome, read back from the database: id -> 'done'
+# or 'failed'.
+Finished = Callable[[list[str]], Mapping[str, str]]
 
 
 def orphaned_consumers(pending: dict[str, int], alive: set[str], me: str) -> list[str]:
@@ -165,10 +173,14 @@ class StreamConsumer:
             moved = fields.get(queue.MOVED_FIELD.encode(), fields.get(queue.MOVED_FIELD))
             if moved:  # each move off a dead replica's stream was a delivery there (gen_pool.router)
                 counts = {**counts, sid: counts.get(sid, 0) + int(moved)}
-        done = self.finished([i.request_id for _, i in items]) if counts and self.finished and items else set()
+        done = self.finished([i.request_id for _, i in items]) if counts and self.finished and items else {}
+        # Settled, then the worker died before publishing: run again, so the client gets its answer
+        # (settle keeps the first record). A failed one stays finished: its row holds the failure,
+        # which retrieve_future answers from, and running it again could change the model.
+        lost = queue.unanswered(self.redis, [r for r, status in done.items() if status == "done"])
         out = []
         for sid, item in items:
-            delivery = Delivery(sid, item, finished=item.request_id in done)
+            delivery = Delivery(sid, item, finished=item.request_id in done and item.request_id not in lost)
             if delivery.finished:
                 # Kept as a replay log, its answer given: re-run for its effect, with a looser cap; past
                 # it the entry is dropped from the log (its answer stands) rather than crash forever.
@@ -206,15 +218,28 @@ class StreamConsumer:
     # ------------------------------------------------------------------ results
 
     def finish(self, delivery: Delivery, outcome: queue.Outcome, usage: Any = None, *, ack: bool = True) -> None:
-        """Publish the outcome, settle it, acknowledge the entry (unless the worker keeps it). While
+        """Settle the outcome, publish it, acknowledge the entry (unless the worker keeps it). While
         Redis or Postgres is down this waits for it (core.stores): each step is safe to repeat."""
-        what = f"finishing {delivery.item.request_id}"
-        stored = stores.until_reachable(lambda: queue.publish(self.redis, outcome, self.result_ttl_s, delivery.item), what)
-        faults.crash_point(f"{self.group}.after_publish")
-        stores.until_reachable(lambda: self.settle(delivery.item, stored, usage if stored.ok else None), what)
+        item = delivery.item
+        what = f"finishing {item.request_id}"
+        # Encoded before settling: a result JSON cannot carry is recorded as the failure it is stored as.
+        stored = queue.storable(outcome)
+        settled = stores.until_reachable(lambda: self.settle(item, stored, usage if stored.ok else None), what)
         faults.crash_point(f"{self.group}.after_settle")
+        stores.until_reachable(lambda: self._answer(item, stored, settled), what)
+        faults.crash_point(f"{self.group}.after_publish")
         if ack:
             self.ack(delivery.stream_id)
+
+    def _answer(self, item: WorkItem, outcome: queue.Outcome, settled: records.Settled | None) -> None:
+        if settled is not None and not settled.first:
+            # A redelivery: the first answer stands if it got out, and the row's failure is the answer if
+            # the row failed (a re-run must not tell the client otherwise).
+            if self.redis.exists(queue.future_key(item.request_id)):
+                return
+            if settled.error is not None:
+                outcome = queue.Outcome(item.request_id, error=settled.error)
+        queue.publish(self.redis, outcome, self.result_ttl_s, item)
 
     def ack(self, stream_id: str) -> None:
         def once() -> None:

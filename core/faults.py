@@ -13,8 +13,8 @@ nothing answered), `trainer.after_optim` (an optimizer step applied, not answere
 `trainer.after_snapshot` (a snapshot written, its entries not acknowledged); in a trainer gang's
 other ranks `gang.rank_in_pass` (rank 0 has begun a pass and waits on this rank) and
 `gang.rank_in_snapshot` (the gang is writing a snapshot's shares); in either worker's
-finishing `<group>.after_publish` (answered, not settled) and `<group>.after_settle` (settled,
-not acknowledged), group `trainers` or `samplers`.
+finishing `<group>.after_settle` (the request's row finished, its future not published) and
+`<group>.after_publish` (answered, not acknowledged), group `trainers` or `samplers`.
 """
 
 from __future__ import annotations

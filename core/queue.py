@@ -10,7 +10,7 @@ arrives, and any number of pollers (and re-polls) see the same result until the 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from core import result_bytes, token_bucket
@@ -139,6 +139,8 @@ class Outcome:
         return self.error is None
 
     def encode(self) -> dict[str, str]:
+        if self.body is not None:  # encoded once already (`storable`): a large result is not dumped twice
+            return {"status": "done" if self.error is None else "failed", "body": self.body}
         if self.error is not None:
             return {"status": "failed", "body": json.dumps(self.error)}
         # allow_nan=False: a NaN would be stored, then refused by every JSON encoder that reads it.
@@ -191,16 +193,30 @@ def entry_of(cursor: int) -> str:
     return f"{ms}-{seq}"
 
 
-def publish(redis: Any, outcome: Outcome, ttl_s: int, item: WorkItem) -> Outcome:
-    """Store the finished future of `item` (workers; the synchronous client). Returns what was
-    stored: a result that cannot be encoded is stored as a failure of category `user` naming the
-    cause. A sampling request of a session is also recorded as done in its session's completion
-    stream (what `retrieve_futures` reads)."""
+def storable(outcome: Outcome) -> Outcome:
+    """The outcome as `publish` stores it, its JSON text kept in `body`: a result that cannot be
+    encoded becomes a failure of category `user` naming the cause. A worker settles this form
+    before publishing it, so the request row and the future say the same thing."""
+    if outcome.body is not None:
+        return outcome
     try:
         fields = outcome.encode()
     except ValueError:
         outcome = failure(outcome.request_id, UserError(NOT_ENCODABLE, field="result"))
         fields = outcome.encode()
+    return replace(outcome, body=fields["body"])
+
+
+def publish(redis: Any, outcome: Outcome, ttl_s: int, item: WorkItem) -> Outcome:
+    """Store the finished future of `item` (workers; the synchronous client). Returns what was
+    stored (`storable`). A sampling request of a session is also recorded as done in its session's
+    completion stream (what `retrieve_futures` reads).
+
+    Call it only once the request's row is finished (`billing.ledger.settle`, or
+    `core.records.mark_finished` committed): a client that reads the future may retry at once, and
+    the quota counts rows that are not finished."""
+    outcome = storable(outcome)
+    fields = outcome.encode()
     key = future_key(outcome.request_id)
     pipe = redis.pipeline()
     pipe.xadd(key, {**fields, "tenant": item.tenant_id, "kind": str(item.kind)})
@@ -211,6 +227,22 @@ def publish(redis: Any, outcome: Outcome, ttl_s: int, item: WorkItem) -> Outcome
                           size=None if fields["status"] == "failed" else len(fields["body"]))
     pipe.execute()
     return outcome
+
+
+def unanswered(redis: Any, request_ids: list[str]) -> set[str]:
+    """Of these finished requests, those whose future was never stored though their client may
+    still ask for it: their worker died between settling and publishing (synchronous client). A
+    request's append marker (`enqueued_key`) lives no longer than its future could, so a request
+    whose marker is gone is past its future's lifetime, or was read for good, not unanswered."""
+    if not request_ids:
+        return set()
+    pipe = redis.pipeline(transaction=False)
+    for request_id in request_ids:
+        pipe.exists(future_key(request_id))
+        pipe.get(enqueued_key(request_id))
+    replies = pipe.execute()
+    return {r for r, stored, marker in zip(request_ids, replies[::2], replies[1::2], strict=True)
+            if not stored and was_appended(marker)}
 
 
 def note_session_done(redis: Any, sampling_session_id: str, seq_id: int, request_id: str, ttl_s: int, *,
@@ -244,10 +276,13 @@ async def session_completions(redis: Any, sampling_session_id: str, clone: int, 
     return completions, cursor
 
 
-# The futures among KEYS that hold a sampling result of tenant ARGV[1] are deleted; others are left.
+# Of the futures in the first half of KEYS, those that hold a sampling result of tenant ARGV[1] are
+# deleted with their append markers (the second half, in the same order); others are left. Without
+# its marker a finished request reads as expired (410), not as an answer still on its way.
 _FORGET_SAMPLES = """
-local n = 0
-for _, key in ipairs(KEYS) do
+local n, half = 0, #KEYS / 2
+for i = 1, half do
+  local key = KEYS[i]
   local entry = redis.call('XRANGE', key, '-', '+', 'COUNT', 1)[1]
   if entry then
     local tenant, kind
@@ -256,7 +291,7 @@ for _, key in ipairs(KEYS) do
       if name == 'tenant' then tenant = value elseif name == 'kind' then kind = value end
     end
     if tenant == ARGV[1] and kind == 'sample' then
-      redis.call('DEL', key)
+      redis.call('DEL', key, KEYS[half + i])
       n = n + 1
     end
   end
@@ -272,7 +307,8 @@ async def forget_samples(redis: Any, tenant_id: str, request_ids: list[str]) -> 
     lifetime; returns how many were deleted. Another tenant's, and results of other kinds, stay."""
     deleted = 0
     for i in range(0, len(request_ids), _FORGET_CHUNK):
-        keys = [future_key(r) for r in request_ids[i:i + _FORGET_CHUNK]]
+        chunk = request_ids[i:i + _FORGET_CHUNK]
+        keys = [future_key(r) for r in chunk] + [enqueued_key(r) for r in chunk]
         deleted += await redis.eval(_FORGET_SAMPLES, len(keys), *keys, tenant_id)
     return deleted
 

@@ -7,6 +7,7 @@ by ids that the API already checked.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -31,9 +32,39 @@ def mark_finished(conn: psycopg.Connection[DictRow], request_id: str, error: dic
     cur = conn.execute(
         "UPDATE requests SET status = %s, error = %s, finished_at = now() "
         "WHERE id = %s AND status IN ('queued', 'running')",
-        ("failed" if error else "done", Jsonb(error) if error else None, request_id),
+        ("failed" if error else "done", Jsonb(_jsonb_safe(error)) if error else None, request_id),
     )
     return cur.rowcount == 1
+
+
+def _jsonb_safe(value: Any) -> Any:
+    """`value` with NUL and lone surrogates in its text replaced (U+FFFD, `?`): an error message may
+    quote them from a request, and Postgres refuses both in jsonb, which would leave the request
+    unfinished for good."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_jsonb_safe(k): _jsonb_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonb_safe(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Settled:
+    """How a request's row stands after `billing.ledger.settle`: `first` when that call finished
+    it, False for a redelivery of a request finished before; `error` its failure (None: done)."""
+
+    first: bool
+    error: dict[str, Any] | None
+
+
+def settled_before(conn: psycopg.Connection[DictRow], request_id: str) -> Settled | None:
+    """The standing of a request that was finished before (None: no such row, or not finished)."""
+    row = conn.execute("SELECT status, error FROM requests WHERE id = %s", (request_id,)).fetchone()
+    if row is None or row["status"] not in ("done", "failed"):
+        return None
+    return Settled(first=False, error=row["error"] if row["status"] == "failed" else None)
 
 
 # Both SDKs stop retrying a 503 within about two minutes; a row queued this long with no stream
@@ -47,7 +78,10 @@ def fail_never_enqueued(conn: psycopg.Connection[DictRow], redis: Any, *, ttl_s:
     between the two, or Redis refused the entry) and whose client did not retry (Celery beat):
     queued for `after_s`, younger than the future's lifetime `ttl_s` (the append marker lives that
     long), with no append marker (or one recording that the tokens-per-minute bucket refused it:
-    the API died before deleting the refused row). Each gets a failure a poll can read, and is not billed."""
+    the API died before deleting the refused row). Each gets a failure a poll can read, and is not billed.
+    Its row is failed and committed before its future is published (core.queue.publish says why);
+    dying between the two leaves the failure in the row, which `retrieve_future` answers from. Call
+    it outside any transaction block of the caller's: it commits each row on `conn`."""
     rows = conn.execute(
         "SELECT id, tenant_id FROM requests WHERE status = 'queued' AND created_at < now() - make_interval(secs => %s) "
         "AND created_at > now() - make_interval(secs => %s) ORDER BY created_at LIMIT %s",
@@ -64,11 +98,15 @@ def fail_never_enqueued(conn: psycopg.Connection[DictRow], redis: Any, *, ttl_s:
         outcome = queue.failure(row["id"], ServerError(
             "this request never reached a worker (it could not be queued and the call was not retried); send it "
             "again"))
+        finished_now = mark_finished(conn, row["id"], outcome.error)
+        # Committed here, not by a transaction() block: on the caller's connection a transaction is
+        # open already (the SELECT above), inside which such a block is only a savepoint.
+        conn.commit()
+        if not finished_now:  # a late append ran after all: its worker answers it
+            continue
         queue.publish(redis, outcome, ttl_s, WorkItem(row["id"], row["tenant_id"], "", 0, WorkKind.REJECTED, 0,
                                                       Rejected("never queued")))
-        with conn.transaction():
-            if mark_finished(conn, row["id"], outcome.error):
-                failed.append(row["id"])
+        failed.append(row["id"])
     return failed
 
 

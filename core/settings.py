@@ -122,11 +122,13 @@ class ApiSettings(BaseSettings):
     login_failures_per_account: int = Field(10, ge=1, le=1_000_000,
                                             description="login attempts for one email from one client address "
                                                         "per window before that pair is braked (429); also reset "
-                                                        "requests per email, counted apart")
+                                                        "requests per email and new passwords per reset link, "
+                                                        "each counted apart")
     login_failures_per_address: int = Field(100, ge=1, le=1_000_000,
                                             description="login attempts from one client address per window before "
-                                                        "it is braked (429); also reset requests and sign-ups per "
-                                                        "address, each counted apart")
+                                                        "it is braked (429); also reset requests, new passwords "
+                                                        "with a reset link and sign-ups per address, each counted "
+                                                        "apart")
     argon2_concurrency: int = Field(2, ge=1, le=64, description="Argon2 password hashes and checks running at once "
                                                                 "in an API process, off its event loop")
     access_log: bool = Field(False, description="uvicorn's line per request; off: errors are logged with their "

@@ -2,7 +2,7 @@
 each group's result when its last sequence finishes.
 
 The loop only moves data: Redis -> `Group`s -> Scheduler (plan_admission, pure; engine tasks) ->
-results to Redis (futures) and Postgres (request rows, usage), then the stream entry is
+results to Postgres (request rows, usage), then Redis (futures), then the stream entry is
 acknowledged (core.consumer, the same stream plumbing as the trainer's). Everything runs on one
 asyncio loop; stream reads and the finishing writes (Redis and Postgres) run on the consumer's two
 threads so they never stall it. Cancellations arrive by pub/sub (any worker may hold the request).
@@ -32,6 +32,7 @@ from billing.pricing import Units
 from core import db, health, process_end, queue, redis_client, result_bytes, stores
 from core.consumer import AsyncStreamConsumer, Delivery, StreamConsumer
 from core.errors import QuiltError, ServerError
+from core.records import Settled
 from core.settings import (
     GenPoolSettings,
     get_api_settings,
@@ -228,8 +229,8 @@ class GenWorker:
         except Exception:
             log.exception("could not finish %s", d.item.request_id)
 
-    def _settle(self, item: WorkItem, outcome: queue.Outcome, usage: Units | None) -> None:
-        settle(self._db(), request_id=item.request_id, tenant_id=item.tenant_id, model_id=item.model_id or None,
+    def _settle(self, item: WorkItem, outcome: queue.Outcome, usage: Units | None) -> Settled | None:
+        return settle(self._db(), request_id=item.request_id, tenant_id=item.tenant_id, model_id=item.model_id or None,
                base_model=self.base_model, error=outcome.error, units=usage)
 
     # ------------------------------------------------------------------ plumbing

@@ -13,6 +13,10 @@ time.
 - `reset` (password-reset requests) and `signup` (sign-up and invitation acceptance): counters of
   their own, per address and per account (an inbox is not flooded, accounts are not minted in
   bulk), so they never count as failed logins and never lock anyone out of their account.
+- `reset-link` (new passwords submitted with a reset link): per address and per link
+  (`link_prefix` of its token, at the per-account limit), so neither one address trying many
+  tokens nor many addresses trying one token guess far, and each guess costs no Argon2 time.
+  Counted apart from logins: a guesser never locks the account's owner out.
 - `invite` (invitations sent): per inviter and per address, each at the per-address limit, so a
   stolen owner session cannot mail-bomb strangers.
 
@@ -30,7 +34,15 @@ from redis.asyncio import Redis
 from core.errors import QuotaExceeded
 from core.settings import get_api_settings
 
-Kind = Literal["login", "reset", "signup", "invite"]
+Kind = Literal["login", "reset", "reset-link", "signup", "invite"]
+
+# What a refusal says was too many, per kind.
+_NOUNS = {"login": "failed attempts", "reset": "reset requests", "reset-link": "password resets",
+          "signup": "sign-ups", "invite": "invitations"}
+# How much of a reset token names its link for the brake. Reset tokens are 43 random characters,
+# so this many never collide by chance; a guesser who varies only a tail is still counted once,
+# and the key is bounded whatever length is sent.
+LINK_PREFIX = 16
 
 
 def _key(kind: str, *parts: str) -> str:
@@ -43,20 +55,27 @@ def address_key(address: str) -> str:
     return _key("login-address", address)
 
 
+def link_prefix(token: str) -> str:
+    """Whom a reset-link attempt is counted against besides its address (the `account` of kind
+    `reset-link`)."""
+    return token.strip()[:LINK_PREFIX]
+
+
 def _counters(kind: Kind, account: str | None, address: str) -> list[tuple[str, int, str]]:
-    """(counter, its limit, whom it names)."""
+    """(counter, its limit, whom it names, as the refusal says it)."""
     s = get_api_settings()
     if kind == "login":
-        out = [(address_key(address), s.login_failures_per_address, "this address")]
+        out = [(address_key(address), s.login_failures_per_address, "from this address")]
         if account:
             out.append((_key("login-pair", account, address), s.login_failures_per_account,
-                        "this account from this address"))
+                        "from this account from this address"))
         return out
-    out = [(_key(f"{kind}-address", address), s.login_failures_per_address, "this address")]
+    out = [(_key(f"{kind}-address", address), s.login_failures_per_address, "from this address")]
     if account:
         # An owner onboarding a team sends more invitations than anyone asks for resets.
         per_account = s.login_failures_per_address if kind == "invite" else s.login_failures_per_account
-        out.append((_key(f"{kind}-account", account), per_account, "this account"))
+        whom = "for this reset link" if kind == "reset-link" else "from this account"
+        out.append((_key(f"{kind}-account", account), per_account, whom))
     return out
 
 
@@ -88,9 +107,8 @@ async def take(redis: Redis, kind: Kind, *, account: str | None, address: str) -
     wait = int(await redis.eval(_TAKE, len(counters), *[key for key, _, _ in counters],
                                 get_api_settings().login_window_s, *limits))
     if wait:
-        noun = {"login": "failed attempts", "reset": "reset requests", "signup": "sign-ups"}[kind]
         whom = await _full(redis, counters)
-        raise QuotaExceeded(f"too many {noun} from {whom}; try again in {wait} s", field="login",
+        raise QuotaExceeded(f"too many {_NOUNS[kind]} {whom}; try again in {wait} s", field="login",
                             retry_after_s=float(wait))
 
 

@@ -96,7 +96,7 @@ async def get_model(conn: AsyncConnection[DictRow], who: Principal, model_id: st
 async def get_request(conn: AsyncConnection[DictRow], who: Principal, request_id: str) -> dict:
     return await _one(
         conn,
-        "SELECT id, status, kind, model_id, seq_id, finished_at FROM requests WHERE id = %s AND tenant_id = %s",
+        "SELECT id, status, kind, model_id, seq_id, finished_at, error FROM requests WHERE id = %s AND tenant_id = %s",
         (request_id, who.tenant_id),
         NotFound(f"future {request_id!r} not found", field="request_id"),
     )

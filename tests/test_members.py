@@ -286,3 +286,65 @@ def test_a_strangers_guesses_do_not_brake_the_owner_at_another_address(stack):
         finally:
             await redis.aclose()
     asyncio.run(go())
+
+
+def _submit_reset(client: httpx.Client, token: str, *, address: str | None = None,
+                  password: str = "a new long password") -> httpx.Response:
+    headers = {"X-Forwarded-For": address} if address else {}
+    return client.post("/dashboard/reset", data={"token": token, "password": password, "csrf_token": _csrf(client)},
+                       headers=headers)
+
+
+def _reset_token(stack, tenant) -> tuple[str, str]:
+    """(an account's email, a live reset token of it), asked for through the shared stack's API."""
+    email = f"reset-brake-{time.time_ns()}@team.example"
+    with contextlib.closing(login(stack, tenant.key)) as owner:
+        _join(stack, _invite(owner, email)).close()
+    client, token = _form_client(stack.base_url, "/dashboard/forgot")
+    assert client.post("/dashboard/forgot", data={"email": email, "csrf_token": token}).status_code == 200
+    return email, _logged_token(stack, rf"for {re.escape(email)}: \S+/dashboard/reset\?token=(\S+)")
+
+
+def test_reset_submissions_with_a_bogus_token_are_braked_and_a_real_reset_is_not(stack, tenant):
+    """Twelve guesses at one link from one address: ten are checked (403), then 429 with
+    Retry-After whatever is sent, before any Argon2 time. Another link from the same address, a
+    login and a real reset are not braked by it."""
+    bogus = f"guess-{time.time_ns()}-" + "A" * 20
+    client, _ = _form_client(stack.base_url, "/dashboard/reset")
+    codes = [_submit_reset(client, bogus) for _ in range(12)]
+    assert [c.status_code for c in codes] == [403] * 10 + [429] * 2, [c.status_code for c in codes]
+    assert 0 < int(codes[-1].headers["Retry-After"]) <= 900
+    assert "too many password resets for this reset link" in codes[-1].text
+    assert _submit_reset(client, f"other-{time.time_ns()}").status_code == 403  # another link is checked
+    email, token = _reset_token(stack, tenant)
+    client, _ = _form_client(stack.base_url, f"/dashboard/reset?token={token}")
+    assert _submit_reset(client, token).status_code == 303
+    assert _password_login(stack.base_url, email, "a new long password").status_code == 303
+
+
+def test_reset_submissions_are_braked_per_link_across_addresses_and_per_address_across_links(stack, tenant, tmp_path):
+    """Behind a trusted proxy each guess can come from another address: one link is still braked
+    (per link), and one address trying many links is braked (per address). Hostile tokens are
+    counted like any other, never a 500; a real reset from an address of its own goes through."""
+    _, token = _reset_token(stack, tenant)
+    with second_api(stack, tmp_path, QUILT_TRUSTED_PROXIES="127.0.0.1", QUILT_LOGIN_FAILURES_PER_ADDRESS="5") as url:
+        client, _ = _form_client(url, "/dashboard/reset")
+        one_link = f"rotated-{time.time_ns()}-" + "B" * 20
+        codes = [_submit_reset(client, one_link, address=f"203.0.113.{i}").status_code for i in range(1, 13)]
+        assert codes == [403] * 10 + [429] * 2, codes
+
+        many = [_submit_reset(client, f"guess-{i}-{time.time_ns()}", address="198.51.100.9") for i in range(6)]
+        assert [r.status_code for r in many] == [403] * 5 + [429], [r.status_code for r in many]
+        assert "too many password resets from this address" in many[-1].text and many[-1].headers["Retry-After"]
+
+        # Refused as input (400: NUL, too long) or checked as a link (403), never a 500.
+        for i, hostile in enumerate(["\x00" * 40, "x" * 100, "y" * 101, "é\x00" + "%ED%B3%BF" * 10, " " * 60]):
+            r = _submit_reset(client, hostile, address=f"192.0.2.{100 + i}")
+            assert r.status_code in (400, 403), (hostile, r.status_code, r.text[:300])
+        lone = client.post("/dashboard/reset", content=b"token=%ED%B3%BFabc&password=a+new+long+password&csrf_token="
+                           + _csrf(client).encode(), headers={"Content-Type": "application/x-www-form-urlencoded",
+                                                              "X-Forwarded-For": "192.0.2.120"})
+        assert lone.status_code in (400, 403), lone.text[:300]
+
+        client, _ = _form_client(url, f"/dashboard/reset?token={token}")
+        assert _submit_reset(client, token, address="192.0.2.200").status_code == 303

@@ -136,7 +136,7 @@ def test_a_kept_replay_log_comes_back_whole_and_finished_entries_are_never_faile
     ledger = Ledger()
     items = [_item(n) for n in range(5)]
     done = {items[0].request_id, items[1].request_id}
-    c = _consumer(r, stream, "c1", ledger, max_deliveries=1, batch=2, finished=lambda ids: done & set(ids))
+    c = _consumer(r, stream, "c1", ledger, max_deliveries=1, batch=2, finished=lambda ids: {i: "done" for i in done & set(ids)})
     for item in items:
         r.xadd(stream, item.to_fields())
     first = []

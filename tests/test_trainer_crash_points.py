@@ -2,7 +2,7 @@
 
 A stack of its own runs with every trainer crash point armed: after entries are read, after a
 fused pass is computed, after an optimizer step is applied, after a snapshot is written, after a
-result is published, after it is settled, and while sampler weights are being written off the
+result is settled, after it is published, and while sampler weights are being written off the
 loop (batcher.exports). Each fires once (the launcher restarts the trainer,
 which goes on past it), while one model takes three steps. The saved state equals the
 uninterrupted run, every request is answered once in the client's eyes, and billed once."""
@@ -23,14 +23,14 @@ from stack.ephemeral import ephemeral_stack, new_tenant
 pytestmark = pytest.mark.stack
 
 POINTS = ("trainer.after_read", "trainer.after_pass", "trainer.after_optim", "trainer.after_snapshot",
-          "trainers.after_publish", "trainers.after_settle", "trainer.during_export")
+          "trainers.after_settle", "trainers.after_publish", "trainer.during_export")
 
 
 @pytest.mark.timeout(1200)
 def test_a_trainer_killed_at_every_crash_point_loses_nothing():
     import httpx
 
-    # after_read fires on the create, after_publish and after_settle on the create's and the
+    # after_read fires on the create, after_settle and after_publish on the create's and the
     # first pass's answers, after_pass, after_optim and after_snapshot on the first step: one by one.
     with ephemeral_stack({"QUILT_CRASH_AT": ",".join(POINTS)}) as stack:
         tenant_id, key = new_tenant(stack, "crashpoints")

@@ -147,8 +147,12 @@ async def reset(request: Request, pool: Pool, redis: RedisDep, token: Annotated[
                 password: Annotated[str, Form(max_length=members.MAX_PASSWORD)] = "",
                 csrf_token: Annotated[str, Form(max_length=200)] = ""):
     """Set the new password (once per link), then log in with it. Every session of the account ends
-    and its other reset links stop working."""
+    and its other reset links stop working. Attempts are braked per client address and per link
+    (tenancy.login_limit), before any Argon2 time is spent: past the limit the answer is 429 with
+    Retry-After, whatever the token."""
     _check_csrf(request, csrf_token)
+    await login_limit.take(redis, "reset-link", account=login_limit.link_prefix(token),
+                           address=client_address(request))
     try:
         password_hash = await members.argon2(members.hash_password, password)
         async with pool.connection() as conn:

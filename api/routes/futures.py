@@ -47,10 +47,7 @@ async def retrieve_future(body: RetrieveFutureRequest, request: Request, who: Wh
             async with long_polls.held(who.tenant_id, settings.long_polls_per_tenant):
                 outcome = await queue.wait(redis, body.request_id, settings.long_poll_seconds)
         if outcome is None:
-            if row["status"] in ("done", "failed"):
-                raise FutureExpired(f"the result of {body.request_id!r} has expired", field="request_id")
-            return {"type": "try_again", "request_id": body.request_id, "queue_state": "active",
-                    "queue_state_reason": f"request is {row['status']}"}
+            return await _without_future(redis, body.request_id, row)
         outcome = dataclasses.replace(outcome, kind=row["kind"])
     if not outcome.ok:
         return JSONResponse(outcome.error)
@@ -58,6 +55,20 @@ async def retrieve_future(body: RetrieveFutureRequest, request: Request, who: Wh
     if encode is not None and tinker_proto.wants_protobuf(request.headers.get("accept")):
         return Response(encode(outcome.result), media_type=tinker_proto.PROTOBUF)
     return Response(outcome.body, media_type="application/json")  # stored as JSON: sent as it was stored
+
+
+async def _without_future(redis, request_id: str, row: dict):
+    """The answer for a request of yours whose future is not stored. Workers finish the row before
+    publishing its future (core.consumer), so a finished row may be one whose worker died between
+    the two: a failure is answered from the row; a success is still on its way while its append
+    marker lives (the restarted worker runs it again and publishes it), expired after."""
+    if row["status"] == "failed" and row["error"]:
+        return JSONResponse(row["error"])
+    if row["status"] == "failed" or (
+            row["status"] == "done" and not queue.was_appended(await redis.get(queue.enqueued_key(request_id)))):
+        raise FutureExpired(f"the result of {request_id!r} has expired", field="request_id")
+    return {"type": "try_again", "request_id": request_id, "queue_state": "active",
+            "queue_state_reason": f"request is {row['status']}"}
 
 
 @router.post("/retrieve_futures")
