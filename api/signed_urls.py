@@ -56,7 +56,13 @@ def _b64(data: bytes) -> str:
 
 
 def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    """The bytes of canonical unpadded base64url; ValueError for anything else. The decoder alone
+    ignores a last character's spare bits, so four spellings of one signature would all pass and
+    a link altered in its last character would still work."""
+    data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    if _b64(data) != text:
+        raise ValueError("not canonical base64url")
+    return data
 
 
 def sign(keys: SigningKeys, grant: Grant) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import string
 import tarfile
 import time
 import urllib.request
@@ -130,7 +131,12 @@ def test_download_links_are_bound_to_tenant_checkpoint_and_time(stack, exported)
     assert (grant.tenant_id, grant.checkpoint_id) == (owner.tenant_id, ckpt_id)
     base = url.split("/downloads/")[0] + "/downloads/"
     forged = signed_urls.sign(signed_urls.SigningKeys(key.current, {key.current: b"not the key"}), grant)
-    for bad in (f"{generation}.{payload}.{sig[:-2]}AA", forged, "garbage", f"{generation}.{payload}.", "a.b.c",
+    alphabet = string.ascii_uppercase + string.ascii_lowercase + string.digits + "-_"
+    last = alphabet.index(sig[-1])
+    altered = sig[:-1] + alphabet[(last + 4) % 64]  # another value in the last character's data bits
+    respelled = sig[:-1] + alphabet[last ^ 1]  # the same bytes: only a spare bit differs
+    for bad in (f"{generation}.{payload}.{altered}", f"{generation}.{payload}.{respelled}",
+                forged, "garbage", f"{generation}.{payload}.", "a.b.c",
                 "\u00e9.x", f"{payload}.{sig}", f"99.{payload}.{sig}", f"-1.{payload}.{sig}", "9" * 40 + ".a.b"):
         r = anyone.get(base + bad + "/adapter_config.json")
         assert r.status_code == 404 and r.json()["field"] == "token", (bad, r.text)
