@@ -21,7 +21,9 @@ Quotas are counted and spent atomically: the count a quota reads (live models, r
 flight) and the insert it allows run under the tenant's quota lock (`records.quota_lock`, an
 advisory lock per tenant), so concurrent calls of one tenant take turns there and a burst cannot
 all see the last free place (12 concurrent create_model with room for 2 admitted 3 before). Other
-tenants never wait on it; it costs a call two short statements.
+tenants never wait on it. The fast path's one statement takes it in its own round trip
+(`records.locked_statement`: the lock and the statement in one message, one transaction); the
+slow path, several statements, holds it around them (two short statements more).
 
 `admit` judges the call by `api.admission_rule.decide`, the one statement of every refusal (the
 model's state, the seq_id's holder: a retried call gets the existing future, whose entry is
@@ -189,11 +191,10 @@ async def admit_call(conn: AsyncConnection[DictRow], redis: Redis, who: Principa
     row can refuse it, else `admit` judges that row. Returns the request id, as `admit`."""
     ticket = Ticket(item, "", SeqSlot(item.model_id, item.seq_id))
     call = facts(who, ticket)
-    async with records.quota_lock(conn, who.tenant_id):  # its in-flight count and its insert, in turn
-        model = await records.insert_call(
-            conn, who, item.request_id, model_id=item.model_id, seq_id=item.seq_id, kind=str(item.kind),
-            n_tokens=item.n_tokens, billable=call.billable, unusable=list(rule.UNUSABLE),
-            admissible=rule.before_reads(call) is None and not call.stores)
+    model = await records.insert_call(  # its in-flight count and its insert, under the quota lock
+        conn, who, item.request_id, model_id=item.model_id, seq_id=item.seq_id, kind=str(item.kind),
+        n_tokens=item.n_tokens, billable=call.billable, unusable=list(rule.UNUSABLE),
+        admissible=rule.before_reads(call) is None and not call.stores)
     ticket = Ticket(item, model["base_model"], SeqSlot.of(model, item.seq_id))
     if not model["inserted"]:
         return await admit(conn, redis, who, ticket)

@@ -7,11 +7,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
-from psycopg import AsyncConnection
+from psycopg import AsyncClientCursor, AsyncConnection
 from psycopg.pq import TransactionStatus
-from psycopg.rows import DictRow
+from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
 
 from core.errors import QuotaExceeded
@@ -30,6 +31,11 @@ class NewModel:
     user_metadata: dict
 
 
+# The lock's key: one per tenant, shared by quota_lock (a session lock) and locked_statement (a
+# transaction lock), which therefore exclude each other.
+_QUOTA_KEY = "hashtextextended('quilt-quota:' || %(quota_tenant)s, 0)"
+
+
 @asynccontextmanager
 async def quota_lock(conn: AsyncConnection[DictRow], tenant_id: str) -> AsyncIterator[None]:
     """Hold the tenant's quota lock (a session-level advisory lock, so it also works on an
@@ -38,9 +44,10 @@ async def quota_lock(conn: AsyncConnection[DictRow], tenant_id: str) -> AsyncIte
     The lock is given back even when the block fails or is cancelled (a failed transaction is
     rolled back first so the unlock can run); should taking or giving it back fail halfway, the
     connection is closed instead, which frees it in Postgres and drops it from the pool, so a lock
-    never outlives its caller on a pooled connection."""
+    never outlives its caller on a pooled connection. A single statement takes the lock more
+    cheaply with locked_statement."""
     try:
-        await conn.execute("SELECT pg_advisory_lock(hashtextextended('quilt-quota:' || %s, 0))", (tenant_id,))
+        await conn.execute(f"SELECT pg_advisory_lock({_QUOTA_KEY})", {"quota_tenant": tenant_id})
     except BaseException:
         await _drop(conn)
         raise
@@ -51,10 +58,27 @@ async def quota_lock(conn: AsyncConnection[DictRow], tenant_id: str) -> AsyncIte
             try:
                 if conn.info.transaction_status == TransactionStatus.INERROR:
                     await conn.rollback()
-                await conn.execute("SELECT pg_advisory_unlock(hashtextextended('quilt-quota:' || %s, 0))",
-                                   (tenant_id,))
+                await conn.execute(f"SELECT pg_advisory_unlock({_QUOTA_KEY})", {"quota_tenant": tenant_id})
             except Exception:
                 await _drop(conn)
+
+
+async def locked_statement(conn: AsyncConnection[DictRow], tenant_id: str, query: str,
+                           params: dict[str, Any]) -> AsyncClientCursor[DictRow]:
+    """Run one statement (a count and the insert it allows) under the tenant's quota lock, in one
+    round trip; returns its cursor. The lock and the statement go to Postgres as one message, which
+    it runs as one transaction: the lock, a transaction lock, is taken before the statement starts
+    and freed by its commit or rollback, so it never outlives the statement, whatever fails or is
+    cancelled. The statement's snapshot is taken once the lock is granted (each statement of a READ
+    COMMITTED transaction takes its own), so it counts what the lock's previous holder inserted.
+    quota_lock's lock, its release and the statement were three waits; this is one, at the price of
+    binding parameters client-side (two statements share a message only so), which plans the
+    statement afresh each time. `conn` must be in autocommit with no transaction open."""
+    assert conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE, "one message, one transaction"
+    cur = AsyncClientCursor(conn, row_factory=dict_row)
+    await cur.execute(f"SELECT pg_advisory_xact_lock({_QUOTA_KEY}); {query}", {**params, "quota_tenant": tenant_id})
+    cur.nextset()  # the statement's result, after the lock's
+    return cur
 
 
 async def _drop(conn: AsyncConnection[DictRow]) -> None:
@@ -68,17 +92,18 @@ async def insert_session(conn: AsyncConnection[DictRow], who: Principal, session
     """Record a session, unless the tenant already has `max_live` live ones (unfinished, with a
     heartbeat in the last `live_s` seconds): 429 naming the limit. Counted and written under the
     tenant's quota lock, so a burst of creations cannot pass the limit."""
-    async with quota_lock(conn, who.tenant_id):
-        cur = await conn.execute(
-            "INSERT INTO sessions (id, tenant_id, api_key_id, tags, user_metadata, sdk_version, display_name) "
-            "SELECT %s, %s, %s, %s, %s, %s, %s WHERE (SELECT count(*) FROM sessions WHERE tenant_id = %s "
-            "AND finished_at IS NULL AND last_heartbeat_at > now() - make_interval(secs => %s)) < %s RETURNING id",
-            (session_id, who.tenant_id, who.key_id, Jsonb(tags), Jsonb(user_metadata), sdk_version, display_name,
-             who.tenant_id, live_s, max_live))
-        if await cur.fetchone() is None:
-            raise QuotaExceeded(f"sessions: your tenant has {max_live} live sessions, the most it may hold; finish "
-                                f"one (or let it lapse: {live_s} s without a heartbeat)", field="session_id",
-                                retry_after_s=60)
+    cur = await locked_statement(
+        conn, who.tenant_id,
+        "INSERT INTO sessions (id, tenant_id, api_key_id, tags, user_metadata, sdk_version, display_name) "
+        "SELECT %(id)s, %(tenant)s, %(key)s, %(tags)s, %(meta)s, %(sdk)s, %(name)s WHERE (SELECT count(*) FROM sessions "
+        "WHERE tenant_id = %(tenant)s AND finished_at IS NULL AND last_heartbeat_at > now() - make_interval(secs => "
+        "%(live_s)s)) < %(max_live)s RETURNING id",
+        {"id": session_id, "tenant": who.tenant_id, "key": who.key_id, "tags": Jsonb(tags), "meta": Jsonb(user_metadata),
+         "sdk": sdk_version, "name": display_name, "live_s": live_s, "max_live": max_live})
+    if await cur.fetchone() is None:
+        raise QuotaExceeded(f"sessions: your tenant has {max_live} live sessions, the most it may hold; finish "
+                            f"one (or let it lapse: {live_s} s without a heartbeat)", field="session_id",
+                            retry_after_s=60)
 
 
 async def insert_sampling_session(conn: AsyncConnection[DictRow], who: Principal, sampler_id: str, *, session_id: str,
@@ -146,7 +171,8 @@ async def insert_call(conn: AsyncConnection[DictRow], who: Principal, request_id
     `seq_id` free, the tenant's in-flight count under its quota, and no budget to check for a
     `billable` call. The row's `inserted` says whether it was; if not, admission judges the row
     as it judges a plain read (and writes the row itself when it admits the call after all)."""
-    cur = await conn.execute(
+    cur = await locked_statement(
+        conn, who.tenant_id,
         f"WITH model AS ({scoped.MODEL_FOR_ADMISSION}), "
         f"r AS ({_INSERT_REQUEST} SELECT %(id)s, %(tenant)s, %(key)s, model.id, %(seq)s, %(kind)s, %(n_tokens)s "
         "FROM model WHERE %(admissible)s AND model.status <> ALL(%(unusable)s) AND model.seq_holder_id IS NULL "

@@ -427,6 +427,18 @@ def _run_clients(base_url: str, clients: list, args, rate: float, other_cpus: se
     return parts, time.monotonic() - started, _cpu_s(server) - cpu0
 
 
+def merge_parts(parts: list, clients: list, procs: int) -> dict[str, list]:
+    """The generators' samples of one run of `_run_clients`, per call; moves each client's next
+    seq_id on, so the next run goes on where this one stopped: no gap to wait behind."""
+    merged: dict[str, list] = {}
+    for p, (part, next_seqs) in enumerate(parts):
+        for name, values in part.items():
+            merged.setdefault(name, []).extend(values)
+        for (_tenant, seq, _stride), next_seq in zip(clients[p::procs], next_seqs):
+            seq[0] = next_seq
+    return merged
+
+
 def _phase(stack: RunningStack, clients: list, args, rate: float, other_cpus: set[int] | None,
            api: list[psutil.Process], seconds: float) -> tuple[dict[str, list], float, float, dict[str, list]]:
     """Run the clients for `seconds`; returns (per-call samples, wall s, API CPU s, the probes'
@@ -442,12 +454,7 @@ def _phase(stack: RunningStack, clients: list, args, rate: float, other_cpus: se
         out_waits = waits_probe.report()
     time.sleep(loop_lag.BEACON_EVERY_S + 0.1)  # the next beat carries the phase's last wake-ups
     lag = _loop_lag(stack.redis_url).minus(lag0)
-    merged: dict[str, list] = {}
-    for p, (part, next_seqs) in enumerate(parts):
-        for name, values in part.items():
-            merged.setdefault(name, []).extend(values)
-        for (_tenant, seq, _stride), next_seq in zip(clients[p::args.procs], next_seqs):
-            seq[0] = next_seq  # the next phase goes on where this one stopped: no gap to wait behind
+    merged = merge_parts(parts, clients, args.procs)
     probes = {"fsync": fsync.samples, **stores.samples, "loop_lag": lag}
     if args.pg_waits:
         probes["pg_waits"] = [out_waits]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-from stackutil import TINY, second_api
+from stackutil import TINY, datum, fb_body, new_model, second_api
 
 from core import db
 from tenancy.tenants import set_quota
@@ -55,3 +55,24 @@ def test_live_sessions_are_bounded_atomically(stack, tmp_path):
         other = stack.create_tenant("race-sessions-b")
         r = httpx.post(url + "/api/v1/create_session", json={}, headers={"X-API-Key": other.key}, timeout=60)
         assert r.status_code == 200
+
+
+def test_concurrent_calls_on_a_model_admit_exactly_the_inflight_room(stack):
+    """The fast path (a call on an existing model: one statement, under the lock in the same round
+    trip, records.locked_statement) counts and inserts atomically too."""
+    tenant = stack.create_tenant("race-inflight")
+    client = stack.http(tenant.key)
+    model_id = new_model(client)
+    with db.connect(stack.database_url) as conn:
+        set_quota(conn, tenant.name, max_inflight_requests=3)
+
+    def submit(seq: int):  # seq_ids past 1, which never comes: the admitted ones stay in flight
+        return lambda c: c.post("/forward_backward", json=fb_body(model_id, seq, [datum([1, 2, 3])]))
+
+    answers = asyncio.run(_burst(stack.base_url, tenant.key, [submit(seq) for seq in range(2, 14)]))
+    codes = sorted(r.status_code for r in answers)
+    assert codes.count(200) == 3 and codes.count(429) == 9, [(r.status_code, r.text[:200]) for r in answers]
+    assert all(r.json()["field"] == "max_inflight_requests" for r in answers if r.status_code == 429)
+    with db.connect(stack.database_url) as conn:
+        assert conn.execute("SELECT count(*) AS n FROM requests WHERE model_id = %s AND status NOT IN ('done', 'failed')",
+                            (model_id,)).fetchone()["n"] == 3
