@@ -149,16 +149,21 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     sampler_base = total * width // inputs.sampler_ranks
 
     # A frozen-base LoRA backward keeps, per token and layer, the inputs of every wrapped Linear and
-    # of the norms and attention (about 8 hidden-wide and 3 MLP-wide vectors in the base dtype; the
-    # head- and MLP-wide ones split over a tensor-parallel gang's ranks, not over FSDP's, whose ranks
-    # each compute every width); the logits and their log-softmax are float32.
+    # of the norms and attention (about 10 hidden-wide and 3 MLP-wide vectors in the base dtype, the
+    # norms keeping theirs in float32; the head- and MLP-wide ones split over a tensor-parallel gang's
+    # ranks, not over FSDP's, whose ranks each compute every width); per-head query and key norms keep
+    # the queries and keys in float32 too; the logits and their log-softmax are float32. (Measured on
+    # the meta device by bench/gpu_dryrun.py, within 3% on Qwen3-32B and Llama-3.3-70B; 8 hidden-wide
+    # vectors and no float32 queries and keys had planned a 131,072-token row 16% short.)
     split = inputs.trainer_ranks if inputs.trainer_parallel in ("tp", "ep") else 1
     split_width = (2 * shape.heads * shape.head_dim + 3 * inter) // split
+    if shape.arch.qk_norm:
+        split_width += 2 * (shape.heads + shape.kv_heads) * shape.head_dim // split
     if shape.arch.moe and inputs.expert_lora:
         # LoRA on the experts keeps more per (token, expert) pair: about 2 hidden- and 2 expert-wide
         # vectors (measured on the tiny Qwen3-MoE, batcher.engine.expert_lora), each pair on one rank
         split_width += shape.experts_per_token * (2 * h + 2 * shape.intermediate) // split
-    activation = layers * (8 * h + split_width) * width + 2 * vocab * 4
+    activation = layers * (10 * h + split_width) * width + 2 * vocab * 4
     compute_copy = width if width < 4 else 0
     # A tensor-parallel (or expert-parallel) gang splits each dense layer's LoRA as it splits the
     # layer; FSDP keeps every LoRA whole on every rank.
@@ -281,16 +286,16 @@ def device_bytes(device: str, configured: str = "") -> int:
 def for_worker(config: Mapping, *, device: str, dtype: str, configured_memory: str = "", token_budget: int = 0,
                max_lora_rank: int = 64, max_loras: int = 8, gen_memory_share: float = 0.5,
                max_context: int = 8192, shares_device: bool = True, ranks: int = 1,
-               expert_lora: bool = True, cuda_graphs: bool = False) -> MemoryPlan:
-    """The plan a trainer checks at start (one rank's, in a gang of `ranks`). On a GPU it shares the
-    device with vLLM unless told otherwise; on the CPU vLLM's KV cache is its own setting, so the
-    trainer plans with the host's available memory."""
+               expert_lora: bool = True, cuda_graphs: bool = False, parallel: str = "tp") -> MemoryPlan:
+    """The plan a trainer checks at start (one rank's, in a gang of `ranks` split `parallel`). On a
+    GPU it shares the device with vLLM unless told otherwise; on the CPU vLLM's KV cache is its own
+    setting, so the trainer plans with the host's available memory."""
     shared = shares_device and not device.startswith("cpu")
     return plan_memory(config, PlanInputs(
         device_bytes=device_bytes(device, configured_memory), dtype=resolve_dtype(dtype, device),
         shared_device=shared, gen_memory_share=gen_memory_share,
         token_budget=token_budget or None, max_lora_rank=max_lora_rank, max_loras=max_loras,
-        max_context=max_context, trainer_ranks=ranks, expert_lora=expert_lora,
+        max_context=max_context, trainer_ranks=ranks, trainer_parallel=parallel, expert_lora=expert_lora,
         cuda_graphs=cuda_graphs and device.startswith("cuda") and ranks == 1))
 
 
