@@ -506,15 +506,21 @@ def dry_run(name: str, *, tenants: int, tokens: int, rank: int) -> dict[str, Any
     return {
         "base": shape.base, "parallel": shape.parallel, "ranks": ranks, "refused": refused, "tenants": tenants,
         "tokens": tokens, "rank": rank, "seconds": round(time.perf_counter() - started, 1),
-        "host_syncs": sum(pass_watch["syncs"].values()), "misplaced": pass_watch["misplaced"],
-        "misaligned": pass_watch["misaligned"], "flops_per_pass": total_flops, "attention_flops": attention,
+        # over both passes, eager and bucketed (where the single device's captured routes take grouped GEMM)
+        "host_syncs": sum(pass_watch["syncs"].values()) + sum(captured["syncs"].values()),
+        "misplaced": pass_watch["misplaced"] + captured["misplaced"],
+        "misaligned": pass_watch["misaligned"] + captured["misaligned"],
+        "grouped_gemm_calls": {"eager": pass_watch["grouped"], "bucketed": captured["grouped"]},
+        "flops_per_pass": total_flops, "attention_flops": attention,
         "ms_at": {f"{gpu}@{int(mfu * 100)}%": round(total_flops / (tflops * 1e12 * mfu) * 1e3, 3)
                   for gpu, tflops in PEAK_TFLOPS.items() for mfu in (0.35, 0.45)},
         "ms_at_causal": {f"{gpu}@{int(mfu * 100)}%": round((total_flops - attention / 2) / (tflops * 1e12 * mfu) * 1e3, 3)
                          for gpu, tflops in PEAK_TFLOPS.items() for mfu in (0.35, 0.45)},
         "ops_eager": pass_watch["ops"], "ops_captured": captured["ops"], "captured": captured["how"],
         "uploads": pass_watch["uploads"], "conversions": pass_watch["conversions"],
-        "sync_ops": pass_watch["syncs"], "step": {k: step_watch[k] for k in ("ops", "syncs", "misplaced")},
+        "sync_ops": {**pass_watch["syncs"], **captured["syncs"]},
+        "misplaced_ops": {**pass_watch["misplaced_ops"], **captured["misplaced_ops"]},
+        "step": {k: step_watch[k] for k in ("ops", "syncs", "misplaced")},
         "base_gib_per_rank": round(weights / GiB, 2),
         "tracked_gib": {k: round(v / GiB, 2) for k, v in stages.items()},
         "tracked_peak_gib_per_rank": round((weights + peak) / GiB, 2),
@@ -532,7 +538,8 @@ def _figures(watch: Watch) -> dict[str, Any]:
     return {"ops": sum(watch.ops.values()), "syncs": dict(watch.syncs),
             "misplaced": sum(watch.mixed.values()) + sum(watch.unasked.values()),
             "misplaced_ops": {**watch.mixed, **watch.unasked}, "misaligned": sum(watch.misaligned.values()),
-            "conversions": dict(watch.conversions), "uploads": watch.uploads}
+            "conversions": dict(watch.conversions), "uploads": watch.uploads,
+            "grouped": watch.ops["_grouped_mm"]}
 
 
 def _captured(be: LoraBackend, reqs: list[PassRequest], watch: Watch) -> dict[str, Any]:
@@ -543,9 +550,10 @@ def _captured(be: LoraBackend, reqs: list[PassRequest], watch: Watch) -> dict[st
     be.planner.cuda_graphs = True
     watch.reset()
     be.planned_pass(reqs)()
+    figures = _figures(watch)
     if be.planner.refused:
-        return {"ops": None, "how": f"eager: {be.planner.refused}"}
-    return {"ops": sum(watch.ops.values()), "how": f"captured ({dict(be.graphs.counts)})"}
+        return {**figures, "ops": None, "how": f"eager: {be.planner.refused}"}
+    return {**figures, "how": f"captured ({dict(be.graphs.counts)})"}
 
 
 def _plan(config: dict[str, Any], shape: Shape, ranks: int, tenants: int, tokens: int, rank: int) -> dict[str, Any]:
@@ -588,12 +596,13 @@ def report(name: str, r: dict[str, Any]) -> None:
           f"{r['rank']} ({r['seconds']} s on meta)")
     for why in r["refused"]:
         print(f"  refused by gang.check_shape at {why}")
-    print(f"  host syncs in the pass {r['host_syncs']} {r['sync_ops'] or ''}; misplaced {r['misplaced']}; "
-          f"misaligned grouped-GEMM operands {r['misaligned']}; uploads {r['uploads']}")
+    print(f"  host syncs in the pass {r['host_syncs']} {r['sync_ops'] or ''}; misplaced {r['misplaced']} "
+          f"{r['misplaced_ops'] or ''}; misaligned grouped-GEMM operands {r['misaligned']} (grouped GEMM calls, eager "
+          f"{r['grouped_gemm_calls']['eager']}, bucketed {r['grouped_gemm_calls']['bucketed']}); uploads {r['uploads']}")
     print(f"  float conversions in the pass: {r['conversions']}")
     print(f"  FLOPs per pass {r['flops_per_pass']:.4g} (attention {r['attention_flops']:.3g}, full squares): "
-          + ", ".join(f"{k} {v:,.1f} ms" for k, v in r["ms_at"].items()))
-    print("  with causal attention's half: " + ", ".join(f"{k} {v:,.1f} ms" for k, v in r["ms_at_causal"].items()))
+          + ", ".join(f"{k} {v:,.4g} ms" for k, v in r["ms_at"].items()))
+    print("  with causal attention's half: " + ", ".join(f"{k} {v:,.4g} ms" for k, v in r["ms_at_causal"].items()))
     print(f"  operators per pass: eager {r['ops_eager']:,}; bucketed (what a graph captures) "
           f"{r['ops_captured'] if r['ops_captured'] is not None else '-'} [{r['captured']}]")
     print(f"  optimizer step: {r['step']['ops']:,} operators, read-backs {r['step']['syncs']}, misplaced "

@@ -40,6 +40,7 @@ def test_the_tiny_pass_has_no_sync_no_misplaced_tensor_and_no_misaligned_operand
         assert r["tracked_peak_gib_per_rank"] > 0 and r["plan_peak_gib_per_rank"] > 0, (name, r)
         assert r["step"]["syncs"] == {"device-to-host copy": 1}, r  # the step's one read-back of the norms
     assert shapes["tiny"]["ops_captured"] > 0 and shapes["tiny"]["captured"].startswith("captured")
+    assert shapes["tiny"]["grouped_gemm_calls"]["bucketed"] > 0  # the alignment check had operands to check
     assert shapes["tiny-tp2"]["ranks"] == 2 and shapes["tiny-tp2"]["captured"].startswith("eager: a trainer gang")
     # rank 0 of a tensor-parallel pair does about half the base's work (the unembedding's LoRA stays whole)
     assert shapes["tiny-tp2"]["flops_per_pass"] < 0.8 * shapes["tiny"]["flops_per_pass"]
