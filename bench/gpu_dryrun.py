@@ -21,10 +21,12 @@ where every tensor has a shape, a dtype and strides but no storage. For each sha
                    an H200, which have the same compute)
   operators        dispatched per pass eagerly, and in the bucketed step a CUDA graph would capture
                    (`batcher.engine.graphs`; a gang or expert LoRA runs eagerly, so the same)
-  peak bytes       per rank: the live tensors' high-water mark (torch.distributed._tools.mem_tracker,
-                   which works on meta) over a steady-state round (AdamW moments made, a pass, a
-                   step) plus the rank's base weights, beside what the memory plan
-                   (`bases.memory_plan`, `quilt models plan`) says for the same tokens and tenants
+  peak bytes       per rank: the high-water mark of the device storages operators made and that
+                   are still alive (each counted once, freed by a weakref finalizer; torch's
+                   mem_tracker runs on meta too but hooks every parameter, which a frozen base's
+                   refuse) over a steady-state round (AdamW moments made, then a pass and a step),
+                   plus the rank's base weights, beside what the memory plan (`bases.memory_plan`,
+                   `quilt models plan`) says for the same tokens and tenants
 
 Where the CUDA-only branches cannot run, the meta device stands in for a Hopper GPU and takes their
 shapes (`gpu_like`): the adapters compute in the base's bfloat16 (`grouped.compute_dtype`), grouped
@@ -83,7 +85,7 @@ from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 from torch.utils.weak import WeakIdKeyDictionary
 
 from bases import memory_plan
-from batcher.engine import gang, grouped, multilora, optimizers, packed_attention
+from batcher.engine import gang, grouped, multilora, packed_attention
 from batcher.engine.backend import LoraBackend
 from batcher.engine.protocol import PassRequest
 from core.loss_spec import LossConfig
@@ -156,47 +158,45 @@ def gpu_like() -> Iterator[None]:
     for the duration; every replaced function is put back."""
     from transformers import AttentionInterface
 
-    saved = (grouped.grouped_gemm, multilora.compute_dtype, optimizers.new_adamw, packed_attention._attention,
-             multilora.MultiLoraLinear.whole_A, _expert_part().whole_A)
+    from batcher.engine.expert_lora import ExpertPart
 
-    def grouped_gemm(dtype: torch.dtype, device: torch.device) -> bool:
-        return saved[0](dtype, torch.device("cpu") if device.type == "meta" else device)
+    grouped_gemm, compute_dtype, attention = grouped.grouped_gemm, grouped.compute_dtype, packed_attention._attention
 
-    def compute_dtype(base_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-        return base_dtype if device.type == "meta" and base_dtype == torch.bfloat16 else saved[1](base_dtype, device)
+    def meta_grouped_gemm(dtype: torch.dtype, device: torch.device) -> bool:
+        return grouped_gemm(dtype, torch.device("cpu") if device.type == "meta" else device)
 
-    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
-                  scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    def meta_compute_dtype(base_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        return base_dtype if device.type == "meta" and base_dtype == torch.bfloat16 else compute_dtype(base_dtype, device)
+
+    def meta_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                       **kwargs: Any) -> tuple[torch.Tensor, None]:
         rows = packed_attention._current
         if query.device.type == "meta" and rows is not None and rows.cu_seqlens is not None:
             return packed_attention._varlen_attention(query, key, value, rows, scaling), None
-        return saved[3](module, query, key, value, *args, scaling=scaling, **kwargs)
+        return attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
     def whole_A(self: Any, rank: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
-        shape = self.shapes(rank)[0]  # no values to draw: this rank's shape, whole along a split axis
-        whole = list(shape)
-        if self.split is not None and self.split.axis("A") is not None:
-            whole[self.split.axis("A")] *= self.split.count
+        whole = list(self.shapes(rank)[0])  # no values to draw: this rank's shape, whole along a split axis
+        axis = self.split.axis("A") if self.split is not None else None
+        if axis is not None:
+            whole[axis] *= self.split.count
         return torch.empty(whole, dtype=dtype, device="meta")
 
-    grouped.grouped_gemm = grouped_gemm  # type: ignore[assignment]
-    multilora.compute_dtype = compute_dtype
+    patches: list[tuple[Any, str, Any]] = [
+        (grouped, "grouped_gemm", meta_grouped_gemm), (multilora, "compute_dtype", meta_compute_dtype),
+        (multilora.MultiLoraLinear, "whole_A", whole_A), (ExpertPart, "whole_A", whole_A)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
     packed_attention.register()
-    AttentionInterface.register(packed_attention.NAME, attention)
-    multilora.MultiLoraLinear.whole_A = whole_A  # type: ignore[method-assign]
-    _expert_part().whole_A = whole_A  # type: ignore[method-assign]
+    AttentionInterface.register(packed_attention.NAME, meta_attention)
     try:
         yield
     finally:
-        (grouped.grouped_gemm, multilora.compute_dtype, optimizers.new_adamw, _, multilora.MultiLoraLinear.whole_A,
-         _expert_part().whole_A) = saved  # type: ignore[method-assign]
-        AttentionInterface.register(packed_attention.NAME, saved[3])
-
-
-def _expert_part() -> Any:
-    from batcher.engine.expert_lora import ExpertPart
-
-    return ExpertPart
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+        AttentionInterface.register(packed_attention.NAME, attention)
 
 
 # ---------------------------------------------------------------------- watching the operators
@@ -466,7 +466,11 @@ def dry_run(name: str, *, tenants: int, tokens: int, rank: int) -> dict[str, Any
             member = gang.Member(0, ranks, gang.GangShape(ranks, shape.parallel), None)  # type: ignore[arg-type]
         splits = tp_splits(model, config, ranks) if shape.parallel in ("tp", "ep") and ranks > 1 else {}
         saved_splits = gang.splits
-        gang.splits = lambda base, targets: splits  # (rank 0's shares, made above off the shard's sizes)
+
+        def rank_splits(model: torch.nn.Module, targets: tuple[str, ...]) -> dict[str, grouped.Split]:
+            return splits  # rank 0's shares, made above off the shard's sizes
+
+        gang.splits = rank_splits
         try:
             with watch:
                 be = LoraBackend(tmp, device="meta", dtype=torch.bfloat16, max_tokens_per_pass=tenants * tokens,
