@@ -93,7 +93,7 @@ from core.work import AdamParams, Datum, LoraShape, PassWork
 
 GiB = 2**30
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # SXM, bf16 dense, spec sheet (the H200 has the H100's compute)
-PLAN_GPU_GB = {"tiny": 80, "8b": 80, "70b": 80, "235b": 141, "32b": 80}  # the GPU each base is planned on (GiB,
+PLAN_GPU_GB = {"tiny": 80, "tiny-moe": 80, "8b": 80, "70b": 80, "235b": 141, "32b": 80}  # the GPU each base is planned on (GiB,
 # as `quilt models plan --gpu-memory 80GiB` takes it: an H100's 80 GB, an H200's 141 GB)
 
 # Published shapes (config.json fields), not weights.
@@ -101,6 +101,10 @@ BASES: dict[str, dict[str, Any]] = {
     "tiny": {"model_type": "qwen3", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768,
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
              "max_position_embeddings": 4096, "tie_word_embeddings": False},
+    "tiny-moe": {"model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768,
+                 "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
+                 "tie_word_embeddings": False},
     "8b": {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,  # Qwen3-8B
            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
            "max_position_embeddings": 40960, "rope_theta": 1000000, "tie_word_embeddings": False},
@@ -129,6 +133,7 @@ class Shape:
 SHAPES = {
     "tiny": Shape("tiny"),
     "tiny-tp2": Shape("tiny", "tp", 2),
+    "tiny-moe-ep2": Shape("tiny-moe", "ep", 2),
     "8b": Shape("8b"),
     "70b-tp8": Shape("70b", "tp", 8),
     "70b-fsdp8": Shape("70b", "fsdp", 8),

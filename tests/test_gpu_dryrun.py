@@ -1,5 +1,6 @@
 """bench/gpu_dryrun.py: Quilt's fused pass on the meta device, at a tiny shape, alone and as rank 0 of
-a tensor-parallel gang of 2 over a fake process group: no host sync, nothing on the wrong device or
+a tensor-parallel gang of 2 over a fake process group, and LoRA on a tiny MoE's experts as rank 0 of
+an expert-parallel pair: no host sync, nothing on the wrong device or
 converted unasked, every grouped-GEMM operand on 16 bytes, FLOPs counted. And its detectors, each shown
 catching what it is there to catch, so a zero above means none rather than a blind eye."""
 
@@ -30,8 +31,8 @@ def dryrun():
 
 def test_the_tiny_pass_has_no_sync_no_misplaced_tensor_and_no_misaligned_operand():
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "bench/gpu_dryrun.py", "--shapes", "tiny,tiny-tp2", "--tenants", "2",
-                           "--tokens", "16"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run([sys.executable, "bench/gpu_dryrun.py", "--shapes", "tiny,tiny-tp2,tiny-moe-ep2",
+                           "--tenants", "2", "--tokens", "16"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     shapes = json.loads(done.stdout.strip().splitlines()[-1])["shapes"]
     for name, r in shapes.items():
@@ -42,6 +43,7 @@ def test_the_tiny_pass_has_no_sync_no_misplaced_tensor_and_no_misaligned_operand
     assert shapes["tiny"]["ops_captured"] > 0 and shapes["tiny"]["captured"].startswith("captured")
     assert shapes["tiny"]["grouped_gemm_calls"]["bucketed"] > 0  # the alignment check had operands to check
     assert shapes["tiny-tp2"]["ranks"] == 2 and shapes["tiny-tp2"]["captured"].startswith("eager: a trainer gang")
+    assert shapes["tiny-moe-ep2"]["grouped_gemm_calls"]["eager"] > 0  # the experts' grouped GEMM, checked
     # rank 0 of a tensor-parallel pair does about half the base's work (the unembedding's LoRA stays whole)
     assert shapes["tiny-tp2"]["flops_per_pass"] < 0.8 * shapes["tiny"]["flops_per_pass"]
 
