@@ -201,9 +201,17 @@ def parameter_counts(config: Mapping) -> tuple[int, int]:
     return fixed + s.layers * (attn + mlp_total), fixed + s.layers * (attn + mlp_active)
 
 
-def lora_parameters(config: Mapping, rank: int, targets: list[str]) -> int:
+# The Linears a tensor-parallel plan splits by their output (column parallel) and by their input
+# (row parallel): their LoRA's B rows and A columns split with them (batcher.engine.gang).
+COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
+
+
+def lora_parameters(config: Mapping, rank: int, targets: list[str], tensor_parallel: int = 1) -> int:
     """Trainable parameters of one adapter of `rank` on `targets` (A: r x in, B: out x r; on a MoE
-    base's experts, one gate, up and down LoRA per expert)."""
+    base's experts, one gate, up and down LoRA per expert). `tensor_parallel`: one rank's share under
+    a gang of that many tensor-parallel ranks (a column-parallel layer's B and a row-parallel
+    layer's A split; A, respectively B, and the head's LoRA whole; the experts counted whole)."""
     s = Shape.of(config)
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     shapes = {"q_proj": (s.hidden, q), "k_proj": (s.hidden, kv), "v_proj": (s.hidden, kv), "o_proj": (q, s.hidden)}
@@ -211,7 +219,9 @@ def lora_parameters(config: Mapping, rank: int, targets: list[str]) -> int:
            "down_proj": (s.intermediate, s.hidden)}
     if not s.arch.moe:
         shapes.update(mlp)
-    per_layer = sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets)
+    tp = tensor_parallel
+    per_layer = sum(rank * (i // (tp if name in ROW_PARALLEL else 1) + o // (tp if name in COLUMN_PARALLEL else 1))
+                    for name, (i, o) in shapes.items() if name in targets)
     if s.arch.moe and EXPERT_MODULES[0] in targets:
         per_layer += s.experts * sum(rank * (i + o) for i, o in mlp.values())
     return s.layers * per_layer + (rank * (s.hidden + s.vocab) if "lm_head" in targets else 0)

@@ -67,6 +67,7 @@ class PlanInputs:
     max_loras: int = 8  # sampler adapter slots
     max_context: int = 8192  # the sampler's longest sequence
     trainer_ranks: int = 1  # GPUs of the trainer gang (tensor parallel: each holds 1/N of the layers)
+    trainer_parallel: str = "tp"  # how a gang splits the base (batcher.engine.gang): tp, ep or fsdp
     sampler_ranks: int = 1  # vLLM's tensor-parallel size (each GPU holds 1/N of the weights and KV heads)
     expert_lora: bool = True  # MoE bases: adapters (and vLLM's LoRA slots) on every expert, split over the ranks
     # Captured passes (batcher.engine.graphs): the graphs' memory pool holds a pass's activations beside the
@@ -144,25 +145,40 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     usable = int(inputs.device_bytes * (1 - RESERVE_FRACTION))
     gen_bytes = int(usable * inputs.gen_memory_share) if inputs.shared_device else usable
     trainer_bytes = usable - gen_bytes if inputs.shared_device else usable
-    # A trainer gang splits the decoder layers over its ranks and keeps the embeddings and the
-    # unembedding whole on each (batcher.engine.gang); vLLM splits everything.
-    whole = vocab * h * (1 if shape.tied else 2)
-    base_bytes = ((total - whole) // inputs.trainer_ranks + whole) * width
+    base_bytes = _trainer_base_parameters(config, inputs.trainer_ranks, inputs.trainer_parallel) * width
     sampler_base = total * width // inputs.sampler_ranks
 
     # A frozen-base LoRA backward keeps, per token and layer, the inputs of every wrapped Linear and
-    # of the norms and attention (about 8 hidden-wide and 3 MLP-wide vectors in the base dtype; the
-    # head- and MLP-wide ones split over a gang's ranks); the logits and their log-softmax are float32.
-    split_width = (2 * shape.heads * shape.head_dim + 3 * inter) // inputs.trainer_ranks
+    # of the norms and attention (about 10 hidden-wide and 3 MLP-wide vectors in the base dtype, the
+    # norms keeping theirs in float32; the head- and MLP-wide ones split over a tensor-parallel gang's
+    # ranks, not over FSDP's, whose ranks each compute every width); per-head query and key norms keep
+    # the queries and keys in float32 too; the logits and their log-softmax are float32. (Measured on
+    # the meta device by bench/gpu_dryrun.py, within 3% on Qwen3-32B and Llama-3.3-70B; 8 hidden-wide
+    # vectors and no float32 queries and keys had planned a 131,072-token row 16% short.)
+    split = inputs.trainer_ranks if inputs.trainer_parallel in ("tp", "ep") else 1
+    split_width = (2 * shape.heads * shape.head_dim + 3 * inter) // split
+    if shape.arch.qk_norm:
+        split_width += 2 * (shape.heads + shape.kv_heads) * shape.head_dim // split
     if shape.arch.moe and inputs.expert_lora:
         # LoRA on the experts keeps more per (token, expert) pair: about 2 hidden- and 2 expert-wide
         # vectors (measured on the tiny Qwen3-MoE, batcher.engine.expert_lora), each pair on one rank
-        split_width += shape.experts_per_token * (2 * h + 2 * shape.intermediate) // inputs.trainer_ranks
-    activation = layers * (8 * h + split_width) * width + 2 * vocab * 4
+        split_width += shape.experts_per_token * (2 * h + 2 * shape.intermediate) // split
+    activation = layers * (10 * h + split_width) * width + 2 * vocab * 4
     compute_copy = width if width < 4 else 0
-    adapter = _adapter_parameters(config, inputs.adapter_rank, inputs.expert_lora, inputs.trainer_ranks) \
-        * (4 * ADAPTER_STATE_COPIES + compute_copy)
-    left = trainer_bytes - base_bytes
+    # A tensor-parallel (or expert-parallel) gang splits each dense layer's LoRA as it splits the
+    # layer; FSDP keeps every LoRA whole on every rank.
+    adapter_parameters = _adapter_parameters(config, inputs.adapter_rank, inputs.expert_lora, inputs.trainer_ranks,
+                                             split)
+    # A pass also holds, until its backward, a compute-dtype copy of each of its adapters' rows: the
+    # slots its runs read, gathered for the batched or grouped GEMM (batcher.engine.multilora); the
+    # experts' twice (the rows taken, and their expert-major concatenation: batcher.engine.expert_lora).
+    # Planned per resident adapter, as if every one were in the pass (bench/gpu_dryrun.py measured it).
+    expert_parameters = adapter_parameters - _adapter_parameters(config, inputs.adapter_rank, False,
+                                                                 inputs.trainer_ranks, split)
+    adapter = adapter_parameters * (4 * ADAPTER_STATE_COPIES + compute_copy + width) + expert_parameters * width
+    # The slabs' last row, always zero (padding and non-targeting adapters read it): weights,
+    # gradients and compute copy, no optimizer state (batcher.engine.multilora).
+    left = trainer_bytes - base_bytes - adapter_parameters * (4 * 2 + compute_copy)
     if left <= 0:
         problems.append(f"device: the trainer's share ({trainer_bytes / GiB:.1f} GiB) cannot hold the base weights "
                         f"({base_bytes / GiB:.1f} GiB in {inputs.dtype}); use a larger device, a smaller "
@@ -203,15 +219,34 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
                       tuple(sampler))
 
 
-def _adapter_parameters(config: Mapping, rank: int, expert_lora: bool, ranks: int) -> int:
+def _adapter_parameters(config: Mapping, rank: int, expert_lora: bool, ranks: int, dense_split: int = 1) -> int:
     """One adapter's parameters on one GPU, on every module the base lets LoRA target: the experts'
     LoRA (MoE bases, unless left out) is split over the GPUs, which hold the experts apart (the
-    trainer gang's expert parallel, vLLM's expert parallel); the rest is planned whole per GPU."""
+    trainer gang's expert parallel, vLLM's expert parallel); the rest is split `dense_split` ways as
+    a tensor-parallel gang splits it (1: whole per GPU)."""
     targets = list(architectures.of_config(config).targets(tied=False))
     dense = [t for t in targets if t not in architectures.EXPERT_MODULES]
-    plain = architectures.lora_parameters(config, rank, dense)
-    experts = architectures.lora_parameters(config, rank, targets) - plain if expert_lora else 0
+    plain = architectures.lora_parameters(config, rank, dense, dense_split)
+    experts = architectures.lora_parameters(config, rank, targets, dense_split) - plain if expert_lora else 0
     return plain + experts // ranks
+
+
+def _trainer_base_parameters(config: Mapping, ranks: int, parallel: str) -> int:
+    """The base's parameters one rank of a trainer gang holds (batcher.engine.gang). Tensor and expert
+    parallel: the decoder layers split over the ranks, the input embeddings whole on each (the plans
+    do not split them), the unembedding split by vocabulary ("colwise_gather_output"; whole where it
+    is tied to the embeddings). FSDP: the decoder, embeddings included, sharded over the ranks, plus
+    two layers gathered whole (the one running and the one prefetched), the unembedding whole."""
+    total, _ = architectures.parameter_counts(config)
+    if ranks == 1:
+        return total
+    shape = architectures.Shape.of(config)
+    embed = shape.vocab * shape.hidden
+    head = 0 if shape.tied else embed
+    if parallel == "fsdp":
+        layer = (total - embed - head) // shape.layers
+        return (total - head) // ranks + 2 * layer + head
+    return (total - embed - head) // ranks + embed + (head // ranks if head else 0)
 
 
 RANK_CHOICES = (1, 2, 4, 8, 16, 32, 64)  # GPUs per node are powers of two; past 8 a gang spans nodes
@@ -251,16 +286,16 @@ def device_bytes(device: str, configured: str = "") -> int:
 def for_worker(config: Mapping, *, device: str, dtype: str, configured_memory: str = "", token_budget: int = 0,
                max_lora_rank: int = 64, max_loras: int = 8, gen_memory_share: float = 0.5,
                max_context: int = 8192, shares_device: bool = True, ranks: int = 1,
-               expert_lora: bool = True, cuda_graphs: bool = False) -> MemoryPlan:
-    """The plan a trainer checks at start (one rank's, in a gang of `ranks`). On a GPU it shares the
-    device with vLLM unless told otherwise; on the CPU vLLM's KV cache is its own setting, so the
-    trainer plans with the host's available memory."""
+               expert_lora: bool = True, cuda_graphs: bool = False, parallel: str = "tp") -> MemoryPlan:
+    """The plan a trainer checks at start (one rank's, in a gang of `ranks` split `parallel`). On a
+    GPU it shares the device with vLLM unless told otherwise; on the CPU vLLM's KV cache is its own
+    setting, so the trainer plans with the host's available memory."""
     shared = shares_device and not device.startswith("cpu")
     return plan_memory(config, PlanInputs(
         device_bytes=device_bytes(device, configured_memory), dtype=resolve_dtype(dtype, device),
         shared_device=shared, gen_memory_share=gen_memory_share,
         token_budget=token_budget or None, max_lora_rank=max_lora_rank, max_loras=max_loras,
-        max_context=max_context, trainer_ranks=ranks, expert_lora=expert_lora,
+        max_context=max_context, trainer_ranks=ranks, trainer_parallel=parallel, expert_lora=expert_lora,
         cuda_graphs=cuda_graphs and device.startswith("cuda") and ranks == 1))
 
 

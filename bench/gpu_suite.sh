@@ -8,8 +8,9 @@
 # (bench/expert_lora.py, Qwen3-30B-A3B's layer shape, 8 layers) against one tenant at a time and
 # against PEFT, with its host-synchronisation check. Where vLLM is installed (the gpu
 # extra) also the fill benchmark, publish-to-first-token on the 8B shape and suffix speculation on
-# and off (arctic-inference). Prints each benchmark's table and JSON line, then one JSON line of all
-# of them. On a machine without a CUDA GPU it says so and exits 0 (nothing to measure).
+# and off (arctic-inference). Beside the fused step, the dry run's prediction of its 8 x 64 pass
+# (bench/gpu_dryrun.py on the meta device). Prints each benchmark's table and JSON line, then one JSON
+# line of all of them. On a machine without a CUDA GPU it says so and exits 0 (nothing to measure).
 #
 #   bash bench/gpu_suite.sh            (after QUILT_ENGINE=gpu bash scripts/install.sh)
 set -uo pipefail
@@ -45,6 +46,10 @@ skip() {  # name, why: a benchmark this machine cannot run, said in its JSON lin
 # eager passes), so the 8B grid fits an 80 GB GPU as well as an H200
 run fused_8b 330 "$PY" bench/fused_step.py --device cuda --dtype bfloat16 --shape 8b --reps 3 --rank 16 \
   --budget 2048 --sequential-up-to 16
+# The same 8 x 64 pass (rank 16) on the meta device (bench/gpu_dryrun.py, no GPU used): its FLOPs
+# at 35% and 45% of the spec, to set beside the pass time measured above (the last JSON line's
+# "predicted_8x64").
+run dryrun_8b 150 "$PY" bench/gpu_dryrun.py --shapes 8b --tenants 8 --tokens 64 --rank 16
 # The GPU tests of the fused pass (a real capture and replay against eager, no synchronisation), where
 # the image has pytest and the tiny model's tokenizer libraries.
 if "$PY" -c 'import pytest, tokenizers' 2>/dev/null; then
@@ -80,5 +85,12 @@ echo
 import json, sys
 from pathlib import Path
 work = Path(sys.argv[1])
-print(json.dumps({"gpu": True, **{n: json.loads((work / f"{n}.json").read_text()) for n in ("fused_8b", "gpu_tests", "fused_1_6b", "shared_shrink", "expert_lora", "gang", "fill", "first_token", "suffix")}}))
+out = {n: json.loads((work / f"{n}.json").read_text()) for n in ("fused_8b", "dryrun_8b", "gpu_tests", "fused_1_6b", "shared_shrink", "expert_lora", "gang", "fill", "first_token", "suffix")}
+# the dry run's prediction of the 8 x 64 pass beside the GPU's measurement of it
+measured = out["fused_8b"].get("grid", {}).get("8x64", {})
+predicted = out["dryrun_8b"].get("shapes", {}).get("8b", {})
+if measured and predicted:
+    out["predicted_8x64"] = {"measured_pass_ms": measured.get("pass_ms"), "measured_eager_ms": measured.get("eager_pass_ms"),
+                             "predicted_ms": predicted.get("ms_at"), "flops_per_pass": predicted.get("flops_per_pass")}
+print(json.dumps({"gpu": True, **out}))
 PY
