@@ -18,7 +18,9 @@ both results is split by what the server records of its two requests:
   write, the append to the stream, publishing the outcome, and the SDK's poll reading it.
 
 Clocks: Postgres's `now()`, Redis's stream ids and this process's `time.time()` are one machine's
-clock here. It prints p50, p95 and p99 of each per load, and which part dominates. Which regime
+clock here. It prints p50, p95 and p99 of each per load, and which part dominates; of the
+overhead, `submit` (submitting until the forward_backward's entry is in the stream) and `deliver`
+(the last row finished until the client holds both results). Which regime
 favours Quilt: small batches on a tiny base, where the compute is short and the overhead shows;
 a real base's compute (hundreds of ms a round on a GPU) would dwarf it. What counts against it:
 the SDK clients, the stores and the trainer share this machine's 2 cores, so at 64 tenants the
@@ -53,6 +55,9 @@ from core.work import WorkItem  # noqa: E402
 from stack.ephemeral import TINY, RunningStack, ephemeral_stack, new_tenant  # noqa: E402
 
 PARTS = ("total", "compute", "wait", "overhead")
+# Two parts of the overhead: the forward_backward's submission until its entry is in the stream,
+# and from the last request's row finished until the client holds both results.
+OVERHEAD_PARTS = ("submit", "deliver")
 WARMUP = 2
 
 
@@ -160,7 +165,10 @@ def split(update: Update, fb: dict, opt: dict, arrivals: dict[str, float]) -> di
     total = update.done - update.submitted
     c = _length(compute)
     w = _length(queued) - _overlap(queued, compute)
-    return {"total": total, "compute": c, "wait": w, "overhead": total - c - w}
+    submit = min(arrivals.get(r["id"], float(r["created"])) for r in pair) - update.submitted
+    deliver = update.done - max(float(r["finished"]) for r in pair)
+    return {"total": total, "compute": c, "wait": w, "overhead": total - c - w,
+            "submit": submit, "deliver": deliver}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -183,7 +191,7 @@ def run_level(stack: RunningStack, n: int, args: argparse.Namespace) -> tuple[di
         for t in threads:
             t.join()
     rows = _rows(stack.database_url, sorted({u.model_id for u in updates}))
-    parts: dict[str, list[float]] = {p: [] for p in PARTS}
+    parts: dict[str, list[float]] = {p: [] for p in (*PARTS, *OVERHEAD_PARTS)}
     for u in updates:
         if u.index < WARMUP:
             continue
@@ -217,9 +225,10 @@ def main() -> None:
     print(f"{'tenants':>8}{'part':>10}{'p50':>9}{'p95':>9}{'p99':>9}{'share of p50':>14}")
     for n, (parts, errors) in results.items():
         total_p50 = _pct(parts["total"], 0.5)
-        for part in PARTS:
+        for part in (*PARTS, *OVERHEAD_PARTS):
             p50, p95, p99 = (_pct(parts[part], q) for q in (0.5, 0.95, 0.99))
-            print(f"{n:>8}{part:>10}{p50:>9.1f}{p95:>9.1f}{p99:>9.1f}{p50 / max(total_p50, 1e-9):>14.0%}")
+            label = part if part in PARTS else "  " + part
+            print(f"{n:>8}{label:>10}{p50:>9.1f}{p95:>9.1f}{p99:>9.1f}{p50 / max(total_p50, 1e-9):>14.0%}")
             out.update({f"{part}_p50_ms_{n}": round(p50, 2), f"{part}_p95_ms_{n}": round(p95, 2),
                         f"{part}_p99_ms_{n}": round(p99, 2)})
         top = max(("compute", "wait", "overhead"), key=lambda p: _pct(parts[p], 0.5))
