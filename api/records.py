@@ -92,6 +92,17 @@ async def insert_sampling_session(conn: AsyncConnection[DictRow], who: Principal
     return await cur.fetchone() is not None
 
 
+async def insert_custom_loss(conn: AsyncConnection[DictRow], who: Principal, loss_id: str, *, session_id: str,
+                             seq_id: int, name: str, graph: dict) -> dict:
+    """Record a custom loss; a repeat of its (session, seq id) leaves the first. Returns the row as stored."""
+    await conn.execute(
+        "INSERT INTO custom_losses (id, tenant_id, session_id, seq_id, name, graph) VALUES (%s, %s, %s, %s, %s, %s) "
+        "ON CONFLICT (id) DO NOTHING",
+        (loss_id, who.tenant_id, session_id, seq_id, name, Jsonb(graph)),
+    )
+    return await scoped.get_custom_loss(conn, who, loss_id, session_id)
+
+
 async def insert_training_model(conn: AsyncConnection[DictRow], who: Principal, model_id: str, model: NewModel,
                                  shard: str | None = None) -> None:
     """Record a new model, placed on trainer shard `shard` (None: one trainer per base)."""
