@@ -37,7 +37,7 @@ MAX_TEXT = 64  # a string constant, a node's name
 FUNCTIONS = frozenset({
     *(f"torch.{name}" for name in (
         "abs", "add", "amax", "amin", "cat", "clamp", "clamp_max", "clamp_min", "clip", "cumsum", "div",
-        "exp", "expm1", "full_like", "gather", "isfinite", "log", "log1p", "log_softmax", "logaddexp",
+        "exp", "expm1", "full_like", "isfinite", "log", "log1p", "log_softmax", "logaddexp",
         "logsumexp", "maximum", "mean", "minimum", "mul", "nan_to_num", "neg", "ones_like", "pow", "relu",
         "rsqrt", "sigmoid", "sign", "softmax", "sqrt", "square", "stack", "sub", "sum", "tanh", "where",
         "zeros_like")),
@@ -50,10 +50,12 @@ FUNCTIONS = frozenset({
     "getattr",  # only of a tensor, only the attributes in ATTRIBUTES
 })
 
-# Tensor methods a loss may call: none in place, none that leaves torch (item, tolist, numpy).
+# Tensor methods a loss may call: none in place, none that leaves torch (item, tolist, numpy). Nothing
+# indexes by a tensor's values (gather, integer tensor indices): an index out of range is a device
+# assert on a GPU, which would end the pass every tenant shares.
 METHODS = frozenset({
     "abs", "add", "amax", "amin", "clamp", "clamp_max", "clamp_min", "clip", "cumsum", "detach", "dim", "div",
-    "double", "eq", "exp", "expand", "expm1", "flatten", "float", "gather", "ge", "gt", "isfinite", "le", "log",
+    "double", "eq", "exp", "expand", "expm1", "flatten", "float", "ge", "gt", "isfinite", "le", "log",
     "log1p", "log_softmax", "logsumexp", "lt", "masked_fill", "max", "maximum", "mean", "min", "minimum",
     "mul", "ne", "neg", "new_full", "new_ones", "new_zeros", "numel", "pow", "relu", "reshape", "rsqrt",
     "sigmoid", "sign", "size", "softmax", "sqrt", "square", "squeeze", "sub", "sum", "t", "tanh", "to",

@@ -273,3 +273,12 @@ def test_a_custom_loss_that_fails_on_its_shapes_fails_only_its_request(base_path
     assert "data[0]" in outcomes[1].message and "node 'mul'" in outcomes[1].message
     assert outcomes[0]["metrics"] == expected["metrics"]
     assert all(p.grad is None or not p.grad.any() for p in fused.adapters["c"].params)
+
+
+def test_indexing_by_a_tensor_is_refused_before_the_pass():
+    def masked(logprobs):
+        return logprobs[logprobs > -1.0].sum(), {}
+
+    graph = parsed(masked, {"logprobs": 1})
+    why = custom_losses.check(custom_losses.CustomDatum(0, 0, 5, 1, graph, ()))
+    assert why is not None and "'getitem'" in why and "indexes by a tensor" in why

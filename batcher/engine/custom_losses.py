@@ -54,8 +54,12 @@ def _plain(op: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _getitem(container: Any, index: Any) -> Any:
+    """Indexing by numbers, slices, None and `...` only: a tensor index (its values decide what is
+    read) could be out of range, a device assert on a GPU."""
     if not isinstance(container, (Tensor, tuple, torch.Size)):
         raise GraphError(f"indexes a {type(container).__name__}")
+    if any(isinstance(i, Tensor) for i in (index if isinstance(index, tuple) else (index,))):
+        raise GraphError("indexes by a tensor; use torch.where or masked_fill")
     return container[index]
 
 
@@ -74,7 +78,7 @@ def _math(fn: Callable[[float], float]) -> Callable[[Any], float]:
 
 
 _TORCH = ("abs", "add", "amax", "amin", "cat", "clamp", "clamp_max", "clamp_min", "clip", "cumsum", "div", "exp",
-          "expm1", "full_like", "gather", "isfinite", "log", "log1p", "log_softmax", "logaddexp", "logsumexp",
+          "expm1", "full_like", "isfinite", "log", "log1p", "log_softmax", "logaddexp", "logsumexp",
           "maximum", "mean", "minimum", "mul", "nan_to_num", "neg", "ones_like", "pow", "relu", "rsqrt", "sigmoid",
           "sign", "softmax", "sqrt", "square", "stack", "sub", "sum", "tanh", "where", "zeros_like")
 _OPERATORS = ("abs", "add", "and_", "eq", "floordiv", "ge", "gt", "invert", "le", "lt", "mul", "ne", "neg", "or_",
