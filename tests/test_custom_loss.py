@@ -240,7 +240,7 @@ def test_a_custom_loss_in_the_pass_equals_the_sdks_client_side_path_and_leaves_o
         loss.backward()
         total += float(loss.detach())
         for k, v in m.items():
-            metrics[k] = metrics.get(k, 0.0) + float(v)
+            metrics[k] = metrics.get(k, 0.0) + float(v.detach())
         backward.append(Datum(d.tokens, {"target_tokens": d.inputs["target_tokens"],
                                          "weights": tuple((-lp.grad).tolist())}))
     client.run_pass([PassRequest("b", "c", PassWork("cross_entropy", LossConfig(), tuple(backward)), False)])
