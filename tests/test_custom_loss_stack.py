@@ -150,3 +150,21 @@ def test_a_loss_is_usable_only_in_its_own_session(stack, tenant):
     del custom["loss_fn_inputs"]["old"]
     r = owner.post("/forward_backward", json=fb_body(own_model, 2, [custom], "custom", loss_fn_config=config))
     assert r.status_code == 400 and "old" in r.json()["error"], r.text
+
+
+def test_a_session_holds_a_bounded_number_of_losses(stack, tenant):
+    from core.settings import get_api_settings
+
+    limit = get_api_settings().max_custom_losses_per_session
+    owner = stack.http(tenant.key)
+    session_id = owner.post("/create_session", json={}).json()["session_id"]
+    def scaled(k: int) -> dict:
+        def loss(logprobs):
+            return (logprobs * float(k)).sum(), {}
+        return wire(loss, {"logprobs": 1})
+
+    for k in range(limit):
+        assert _post_loss(owner, session_id, k, scaled(k)).status_code == 200
+    r = _post_loss(owner, session_id, limit, wire(*PPO))
+    assert r.status_code == 400 and r.json()["field"] == "session_id", r.text
+    assert _post_loss(owner, session_id, 0, scaled(0)).status_code == 200  # a retried upload: still answered

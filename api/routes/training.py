@@ -188,7 +188,11 @@ async def create_custom_loss(body: CreateCustomLossRequest, who: Who, pool: Pool
         if session["finished_at"] is not None:
             raise InvalidInput(f"session {body.session_id!r} has finished; create a new one", field="session_id")
         row = await records.insert_custom_loss(conn, who, loss_id, session_id=body.session_id,
-                                               seq_id=body.custom_loss_seq_id, name=graph.name, graph=graph.to_json())
+                                               seq_id=body.custom_loss_seq_id, name=graph.name, graph=graph.to_json(),
+                                               max_per_session=settings.max_custom_losses_per_session)
+    if row is None:
+        raise InvalidInput(f"session {body.session_id!r} holds {settings.max_custom_losses_per_session} custom losses, "
+                           "the limit (QUILT_MAX_CUSTOM_LOSSES_PER_SESSION); reuse their handles", field="session_id")
     if row["graph"] != graph.to_json():
         raise InvalidInput(f"custom_loss_seq_id {body.custom_loss_seq_id} is already used by another loss "
                            f"({row['name']!r})", field="custom_loss_seq_id")
