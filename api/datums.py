@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from core import numbers
+from core.custom_loss import LossGraph
 from core.errors import InvalidInput
-from core.loss_spec import INT_INPUTS, MAX_TARGET_WIDTH, WIDE_INPUTS, LossSpec, parse_loss_config
+from core.loss_spec import CUSTOM, INT_INPUTS, MAX_TARGET_WIDTH, WIDE_INPUTS, LossConfig, LossSpec, parse_loss_config
 from core.work import Datum, PassWork
 
 # Per-token clip thresholds: the range their config counterparts must lie in.
@@ -138,6 +139,53 @@ def pass_work(spec: LossSpec, loss_fn_config: dict[str, Any] | None, data: list[
     return PassWork(spec.name, config, datums), n_tokens
 
 
+def custom_pass_work(graph: LossGraph, data: list[RawDatum], limits: Limits) -> tuple[PassWork, int]:
+    """A request with a custom loss (`core.custom_loss`), checked whole: every datum has
+    `target_tokens` and each input the graph reads, at its declared rank (0: one value; 1: `[n]`;
+    2: `[n, K]`, K at most MAX_TARGET_WIDTH), `n` the datum's tokens; `target_tokens` has the rank of
+    `logprobs`. Keys the graph does not read are dropped, as the SDK's client-side path ignores them."""
+    ranks = {"target_tokens": graph.inputs[0][1], **dict(graph.inputs[1:])}
+    _check_count(data, limits)
+    out: list[Datum] = []
+    for i, datum in enumerate(data):
+        where = f"data[{i}]"
+        tokens = _datum_tokens(where, datum, limits)
+        missing = ranks.keys() - datum.inputs.keys()
+        if missing:
+            raise InvalidInput(f"{where}.loss_fn_inputs: custom loss {graph.name!r} reads {sorted(missing)} "
+                               f"(has {sorted(datum.inputs)})", field=f"{where}.loss_fn_inputs")
+        inputs: dict[str, tuple] = {}
+        for key, rank in ranks.items():
+            field, tensor = f"{where}.loss_fn_inputs.{key}", datum.inputs[key]
+            _declared_rank(field, tensor, rank, len(tokens))
+            inputs[key] = (tuple(_check_tokens(field, tensor.data, limits.vocab_size)) if key == "target_tokens"
+                           else _check_floats(field, key, tensor.data))
+        width = len(inputs["target_tokens"]) // len(tokens)
+        if out and width != out[0].width:
+            field = f"{where}.loss_fn_inputs.target_tokens"
+            raise InvalidInput(f"{field}: {width} targets per position, but data[0] has {out[0].width}; every datum "
+                               "of a request must have the same", field=field)
+        out.append(Datum(tuple(tokens), inputs, datum.policy_version, width))
+    return PassWork(CUSTOM, LossConfig(), tuple(out), custom=graph), _check_total(data, limits)
+
+
+def _declared_rank(field: str, tensor: RawTensor, rank: int, n: int) -> None:
+    """A custom loss's input against its declared rank (the protobuf drops an empty shape: a scalar
+    may come without one)."""
+    shape = tensor.shape if tensor.shape is not None else ([] if rank == 0 else [len(tensor.data)])
+    if len(shape) != rank:
+        raise InvalidInput(f"{field}: shape {shape} has rank {len(shape)}; the custom loss declared rank {rank}",
+                           field=field)
+    if rank and shape[0] != n:
+        raise InvalidInput(f"{field}: shape {shape} has {shape[0]} rows but model_input has {n} tokens; they must be "
+                           "equal", field=field)
+    width = shape[1] if rank == 2 else 1
+    if not isinstance(width, int) or not 1 <= width <= MAX_TARGET_WIDTH:
+        raise InvalidInput(f"{field}: {width!r} values per position; the limit is {MAX_TARGET_WIDTH}", field=field)
+    if math.prod(shape) != len(tensor.data):
+        raise InvalidInput(f"{field}: shape {shape} does not match {len(tensor.data)} values", field=field)
+
+
 def input_tokens(data: list[RawDatum]) -> int:
     """A request's model-input tokens, what it is metered and rate-limited by (before any check)."""
     return sum(len(datum.tokens) for datum in data)
@@ -146,22 +194,12 @@ def input_tokens(data: list[RawDatum]) -> int:
 def normalise(data: list[RawDatum], spec: LossSpec, limits: Limits) -> tuple[tuple[Datum, ...], int]:
     """Check a request's datums against its loss's inputs; returns (the datums, total model-input tokens)."""
     loss_fn = spec.name
-    if not data:
-        raise InvalidInput("data: must hold at least one datum", field="data")
-    if len(data) > limits.max_datums:
-        raise InvalidInput(f"data: {len(data)} datums exceed the limit of {limits.max_datums} per request", field="data")
+    _check_count(data, limits)
     out: list[Datum] = []
     for i, datum in enumerate(data):
         where = f"data[{i}]"
         n = len(datum.tokens)
-        if n == 0:
-            raise InvalidInput(f"{where}.model_input: must hold at least one token", field=f"{where}.model_input")
-        if n > limits.max_context_length:
-            raise InvalidInput(
-                f"{where}.model_input: {n} tokens exceed the model's context length {limits.max_context_length}",
-                field=f"{where}.model_input",
-            )
-        tokens = _check_tokens(f"{where}.model_input", datum.tokens, limits.vocab_size)
+        tokens = _datum_tokens(where, datum, limits)
         missing = spec.required_inputs - datum.inputs.keys()
         if missing:
             raise InvalidInput(
@@ -190,10 +228,33 @@ def normalise(data: list[RawDatum], spec: LossSpec, limits: Limits) -> tuple[tup
             else:
                 inputs[key] = _check_floats(field, key, values)
         out.append(Datum(tuple(tokens), inputs, datum.policy_version, width))
+    return tuple(out), _check_total(data, limits)
+
+
+def _check_count(data: list[RawDatum], limits: Limits) -> None:
+    if not data:
+        raise InvalidInput("data: must hold at least one datum", field="data")
+    if len(data) > limits.max_datums:
+        raise InvalidInput(f"data: {len(data)} datums exceed the limit of {limits.max_datums} per request", field="data")
+
+
+def _datum_tokens(where: str, datum: RawDatum, limits: Limits) -> list[int]:
+    n = len(datum.tokens)
+    if n == 0:
+        raise InvalidInput(f"{where}.model_input: must hold at least one token", field=f"{where}.model_input")
+    if n > limits.max_context_length:
+        raise InvalidInput(
+            f"{where}.model_input: {n} tokens exceed the model's context length {limits.max_context_length}",
+            field=f"{where}.model_input",
+        )
+    return _check_tokens(f"{where}.model_input", datum.tokens, limits.vocab_size)
+
+
+def _check_total(data: list[RawDatum], limits: Limits) -> int:
     total = input_tokens(data)
     if total > limits.max_tokens:
         raise InvalidInput(
             f"data: {total} model-input tokens exceed the limit of {limits.max_tokens} per request; split it",
             field="data",
         )
-    return tuple(out), total
+    return total

@@ -107,22 +107,28 @@ def check_value(value, where: str = "") -> None:
 # (tests/test_auth_first.py measures it).
 NODE_BYTES = 16
 MIN_NODES = 256
+# A route whose body is a program as data (a custom loss's graph: ten bytes a string as the tinker
+# SDK writes it) may hold one per DENSE_NODE_BYTES up to DENSE_BODY_BYTES: fewer nodes in all than
+# the largest body allows anyway.
+DENSE_NODE_BYTES = 4
+DENSE_BODY_BYTES = 1 << 20
 
 
-def _check_nodes(body: bytes) -> None:
+def _check_nodes(body: bytes, node_bytes: int = NODE_BYTES) -> None:
     # Brackets and quotes inside strings count too: the bound errs towards refusing, never building.
-    limit = max(MIN_NODES, len(body) // NODE_BYTES)
+    limit = max(MIN_NODES, len(body) // node_bytes)
     containers = body.count(b"[") + body.count(b"{")
     strings = body.count(b'"') // 2
     for count, what in ((containers, "objects and arrays"), (strings, "strings")):
         if count > limit:
             raise InvalidInput(f"body: {count} {what} exceed the limit of {limit} for a body of {len(body)} bytes "
-                               f"(one per {NODE_BYTES} bytes)", field="body")
+                               f"(one per {node_bytes} bytes)", field="body")
 
 
-def parse_json(body: bytes):
-    """A request body as JSON, checked whole (see the module docstring)."""
-    _check_nodes(body)
+def parse_json(body: bytes, *, dense: bool = False):
+    """A request body as JSON, checked whole (see the module docstring). `dense`: the route's body
+    may hold one node per DENSE_NODE_BYTES while it is at most DENSE_BODY_BYTES."""
+    _check_nodes(body, DENSE_NODE_BYTES if dense and len(body) <= DENSE_BODY_BYTES else NODE_BYTES)
     try:
         value = json.loads(body, parse_float=_parse_float, parse_constant=_NotFinite)
     except RecursionError:
@@ -143,6 +149,8 @@ def _is_json(content_type: str) -> bool:
 class GuardedRequest(Request):
     """A request whose JSON body was parsed and checked by `GuardedRoute` before FastAPI reads it."""
 
+    dense = False  # set by a DenseBodyRoute
+
     async def check(self, *, parse_body: bool = True) -> None:
         for name, value in self.path_params.items():
             if isinstance(value, str):
@@ -157,7 +165,7 @@ class GuardedRequest(Request):
         if _is_json(content_type):
             body = await self.body()
             if body:
-                self._checked = parse_json(body)
+                self._checked = parse_json(body, dense=self.dense)
         elif content_type.startswith(("application/x-www-form-urlencoded", "multipart/form-data")):
             for name, value in (await self.form()).multi_items():
                 check_text(name, "form")
@@ -166,7 +174,7 @@ class GuardedRequest(Request):
 
     async def json(self):
         if not hasattr(self, "_checked"):
-            self._checked = parse_json(await self.body())
+            self._checked = parse_json(await self.body(), dense=self.dense)
         return self._checked
 
 
@@ -176,6 +184,7 @@ class GuardedRoute(APIRoute):
     wrongly keyed call is a 401 whatever its body holds, and costs no parse."""
 
     checks_body = True
+    dense_body = False
 
     def get_route_handler(self):
         from api.deps import authenticate_request, needs_key
@@ -187,6 +196,7 @@ class GuardedRoute(APIRoute):
 
         async def handle(request: Request):
             guarded = GuardedRequest(request.scope, request.receive)
+            guarded.dense = self.dense_body
             if keyed:
                 who = await authenticate_request(guarded)
                 if not roles.may_call(who.member_role, request.method, path):
@@ -196,6 +206,13 @@ class GuardedRoute(APIRoute):
             return await handler(guarded)
 
         return handle
+
+
+class DenseBodyRoute(GuardedRoute):
+    """A route whose body is a program as data (`create_custom_loss`): one node per
+    DENSE_NODE_BYTES in a body of at most DENSE_BODY_BYTES (`parse_json`)."""
+
+    dense_body = True
 
 
 class SignedBodyRoute(GuardedRoute):

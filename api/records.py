@@ -117,6 +117,20 @@ async def insert_sampling_session(conn: AsyncConnection[DictRow], who: Principal
     return await cur.fetchone() is not None
 
 
+async def insert_custom_loss(conn: AsyncConnection[DictRow], who: Principal, loss_id: str, *, session_id: str,
+                             seq_id: int, name: str, graph: dict, max_per_session: int) -> dict | None:
+    """Record a custom loss; a repeat of its (session, seq id) leaves the first. Returns the row as
+    stored, or None when the session holds `max_per_session` others already."""
+    await conn.execute(
+        "INSERT INTO custom_losses (id, tenant_id, session_id, seq_id, name, graph) "
+        "SELECT %s, %s, %s, %s, %s, %s WHERE (SELECT count(*) FROM custom_losses WHERE session_id = %s) < %s "
+        "ON CONFLICT (id) DO NOTHING",
+        (loss_id, who.tenant_id, session_id, seq_id, name, Jsonb(graph), session_id, max_per_session),
+    )
+    cur = await conn.execute("SELECT * FROM custom_losses WHERE id = %s AND tenant_id = %s", (loss_id, who.tenant_id))
+    return await cur.fetchone()
+
+
 async def insert_training_model(conn: AsyncConnection[DictRow], who: Principal, model_id: str, model: NewModel,
                                  shard: str | None = None) -> None:
     """Record a new model, placed on trainer shard `shard` (None: one trainer per base)."""

@@ -305,6 +305,17 @@ class SaveWeightsForSamplerRequest(_Body):
         return self
 
 
+class CreateCustomLossRequest(_Body):
+    """tinker's CreateCustomLossRequest; `inputs` and `graph` are checked by `core.custom_loss.parse`,
+    which names the node that breaks a rule."""
+
+    session_id: str = Field(max_length=128)
+    custom_loss_seq_id: int = Field(ge=0, le=2**31 - 1)
+    name: str = Field(max_length=128)
+    inputs: list[Any]
+    graph: dict[str, Any]
+
+
 class CreateSamplingSessionRequest(_Body):
     session_id: str = Field(max_length=128)
     sampling_session_seq_id: int = Field(ge=0, le=2**31 - 1)

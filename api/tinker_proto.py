@@ -33,7 +33,7 @@ class ForwardBackwardProto:
     model_id: str
     seq_id: int
     loss_fn: str
-    loss_fn_config: dict[str, float]
+    loss_fn_config: dict[str, float | str]
     forward_only: bool
     data: list[RawDatum]
 
@@ -113,13 +113,13 @@ def decode_forward_backward(body: bytes, *, max_sparse_values: int) -> ForwardBa
         raise InvalidInput(f"body: not a ForwardBackwardRequest protobuf ({exc})", field="body") from None
     check_text(msg.model_id, "model_id")
     check_text(msg.loss_fn, "loss_fn")
-    config: dict[str, float] = {k: v for k, v in msg.loss_fn_config.items()}
+    config: dict[str, float | str] = {k: v for k, v in msg.loss_fn_config.items()}
     for key in (*msg.loss_fn_config, *msg.loss_fn_config_v2):
         check_text(key, "loss_fn_config")
     for key, value in msg.loss_fn_config_v2.items():  # v2 carries every value; it wins
-        if value.WhichOneof("value") == "text":
-            raise InvalidInput(f"loss_fn_config.{key}: text values are not supported", field=f"loss_fn_config.{key}")
-        config[key] = value.number
+        # Text (a custom loss's loss_id) is checked where the key is read (core.loss_spec: numbers only).
+        config[key] = check_text(value.text, f"loss_fn_config.{key}") if value.WhichOneof("value") == "text" \
+            else value.number
     data = []
     budget = _SparseBudget(max_sparse_values)
     for i, d in enumerate(msg.data):

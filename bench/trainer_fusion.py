@@ -14,6 +14,10 @@
        where a layer's runs differ in length and take the grouped GEMM instead of batched matmuls.
 3. A grid over per-tenant batch sizes at 8 tenants: fusion pays where one tenant's batch leaves the
    hardware under-used and stops paying where one batch already saturates it.
+4. A custom loss's cost: 8 tenants of PPO, one of them as an uploaded custom loss (the same PPO,
+   `core.custom_loss`, run node by node per datum in its rows of the pass, and never from a
+   captured graph), against all 8 on the built-in; interleaved, as a ratio of round times.
+   `--only custom` runs this section alone.
 
 Model FLOPs utilisation counts 4·P·T per trained token pass (forward 2PT + backward to the
 activations 2PT; the base's weight gradients are never computed) against a float32 matmul peak
@@ -48,6 +52,7 @@ import torch  # noqa: E402
 from batcher import heap  # noqa: E402
 from batcher.engine.backend import LoraBackend  # noqa: E402
 from batcher.engine.protocol import PassRequest  # noqa: E402
+from core import custom_loss  # noqa: E402
 from core.loss_spec import LossConfig  # noqa: E402
 from core.work import Datum, LoraShape, PassWork  # noqa: E402
 
@@ -112,6 +117,58 @@ def run_pass(be: LoraBackend, work: list[tuple[str, list[Datum]]]) -> None:
     assert all(isinstance(o, dict) for o in outs), outs
     for adapter in be.adapters.values():  # gradients would accumulate; the bench measures passes only
         be.lora.clear_grads(adapter.name)
+
+
+def _call(name: str, target: str, *args: object, op: str = "call_function") -> dict:
+    return {"op": op, "name": name, "target": target, "args": list(args), "kwargs": {}}
+
+
+def ppo_graph() -> custom_loss.LossGraph:
+    """PPO's clipped objective as the tinker SDK traces it (`create_custom_loss`), by hand: the bench
+    needs no SDK."""
+    ref = [{"ref": n} for n in ("logprobs", "advantages", "old", "sub", "exp", "clamp", "mul", "mul_1", "minimum",
+                                "sum_1")]
+    lp, adv, old, sub, exp, clamp, mul, mul_1, minimum, sum_1 = ref
+    nodes = [{"op": "placeholder", "name": n, "target": n} for n in ("logprobs", "advantages", "old")] + [
+        _call("sub", "operator.sub", lp, old), _call("exp", "torch.exp", sub),
+        _call("clamp", "torch.clamp", exp, 0.8, 1.2), _call("mul", "operator.mul", exp, adv),
+        _call("mul_1", "operator.mul", clamp, adv), _call("minimum", "torch.minimum", mul, mul_1),
+        _call("sum_1", "sum", minimum, op="call_method"), _call("neg", "operator.neg", sum_1),
+        {"op": "output", "name": "output", "target": "output",
+         "args": [{"tuple": [{"ref": "neg"}, {"dict": {"custom/ratio:sum": {"ref": "sum_1"}}}]}]}]
+    inputs = [{"name": n, "rank": 1} for n in ("logprobs", "advantages", "old")]
+    return custom_loss.parse("ppo", inputs, {"format": 1, "nodes": nodes})
+
+
+def ppo_datum(seed: int, custom: bool, n: int = ROW) -> Datum:
+    d = datum(seed, n)
+    adv = tuple(((-1.0) ** k) * 0.5 for k in range(n))
+    old = tuple(-8.0 - 0.01 * k for k in range(n))
+    extra = {"advantages": adv, "old": old} if custom else {"advantages": adv, "logprobs": old}
+    return Datum(d.tokens, {"target_tokens": d.inputs["target_tokens"], **extra})
+
+
+def custom_over_builtin(be: LoraBackend, tenants: int, rows: int, reps: int) -> float:
+    """Median over interleaved repetitions of (round with tenant 0 on a custom loss) / (all built-in)."""
+    graph = ppo_graph()
+
+    def round_of(custom: bool) -> None:
+        requests = [PassRequest(f"r{i}", f"t{i}", PassWork(
+            "custom" if custom and i == 0 else "ppo", LossConfig(),
+            tuple(ppo_datum(1000 * i + j, custom and i == 0) for j in range(rows)),
+            custom=graph if custom and i == 0 else None), False) for i in range(tenants)]
+        outs = be.run_pass(requests)
+        assert all(isinstance(o, dict) for o in outs), outs
+        for adapter in be.adapters.values():
+            be.lora.clear_grads(adapter.name)
+
+    round_of(True)
+    round_of(False)
+    ratios = []
+    for _ in range(reps):
+        builtin = timed(lambda: round_of(False))
+        ratios.append(timed(lambda: round_of(True)) / builtin)
+    return statistics.median(ratios)
 
 
 class PeftMixed:
@@ -184,6 +241,7 @@ def main() -> None:
                         help="leave glibc's allocator as it is instead of keeping freed memory in the heap, as the "
                              "trainer does (batcher.heap, QUILT_TRAINER_KEEP_FREED_MEMORY)")
     parser.add_argument("--layers", type=int, help="base depth (default 8; --quick 4)")
+    parser.add_argument("--only", choices=["custom"], help="run one section alone (4: a custom loss's cost)")
     args = parser.parse_args()
     global DEVICE, DTYPE
     DEVICE, DTYPE = torch.device(args.device), getattr(torch, args.dtype)
@@ -197,6 +255,9 @@ def main() -> None:
         be = LoraBackend(tmp, max_tokens_per_pass=1 << 20, device=args.device, dtype=DTYPE)
         for i in range(max(TENANTS)):
             be.create(f"t{i}", LoraShape(rank=args.rank, seed=i))
+        if args.only == "custom":
+            print(json.dumps(custom_section(be, reps, params, args)))
+            return
         peak = matmul_peak()
         print(f"base: random Qwen3, {params / 1e6:.1f}M parameters, {torch.get_num_threads()} threads; "
               f"LoRA rank {args.rank} on attention, MLP and lm_head; freed memory kept in the heap: {kept_heap}")
@@ -258,7 +319,10 @@ def main() -> None:
             g = grid[rows * ROW]
             print(f"{rows * ROW:>14} {g[0]:>10.2f} {g[1]:>11.2f} {g[2]:>10.1%}")
 
+        custom = custom_section(be, reps, params, args)
+
     print(json.dumps({
+        **custom,
         "device": args.device, "dtype": args.dtype, "parameters": params, "kept_heap": kept_heap,
         "fused_over_sequential_8": round(headline[8][0], 3),
         "fused_over_ceiling_8": round(headline[8][1], 3),
@@ -275,6 +339,19 @@ def main() -> None:
         "saturation_64_over_best": round(curve[ROW][0] / best, 3),
         "grid_fused_over_sequential": {str(k): round(v[0], 3) for k, v in grid.items()},
     }))
+
+
+def custom_section(be: LoraBackend, reps: int, params: int, args: argparse.Namespace) -> dict:
+    """4. one custom-loss tenant among 8, against all built-in."""
+    print(f"\n4. 8 tenants of PPO ({ROW}-token sequences), one as an uploaded custom loss: round time over "
+          f"all built-in (median of {reps} interleaved ratios)")
+    print(f"{'sequences each':>15} {'custom/built-in':>16}")
+    figures = {}
+    for rows in (1, 4):
+        figures[rows] = custom_over_builtin(be, 8, rows, reps)
+        print(f"{rows:>15} {figures[rows]:>16.3f}")
+    return {"custom_over_builtin_8": round(figures[1], 3), "custom_over_builtin_8x4": round(figures[4], 3),
+            "device": args.device, "parameters": params}
 
 
 if __name__ == "__main__":

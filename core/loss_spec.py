@@ -52,11 +52,16 @@ LOSS_FUNCTIONS: Mapping[str, LossSpec] = MappingProxyType(
 )
 
 
+# A loss the client uploaded (`core.custom_loss`), named per request by `loss_fn_config.loss_id`.
+CUSTOM = "custom"
+
+
 def spec_of(loss_fn: object) -> LossSpec:
     """The loss's input table; InvalidInput (field `loss_fn`) naming the choices otherwise."""
     spec = LOSS_FUNCTIONS.get(loss_fn) if isinstance(loss_fn, str) else None
     if spec is None:
-        raise InvalidInput(f"loss_fn {loss_fn!r} is not supported; it must be one of {', '.join(LOSS_FUNCTIONS)}",
+        raise InvalidInput(f"loss_fn {loss_fn!r} is not supported; it must be one of {', '.join(LOSS_FUNCTIONS)}, "
+                           f"or {CUSTOM!r} with a loss_id from create_custom_loss",
                            field="loss_fn")
     return spec
 

@@ -229,6 +229,17 @@ def publish(redis: Any, outcome: Outcome, ttl_s: int, item: WorkItem) -> Outcome
     return outcome
 
 
+async def publish_answer(redis: Any, outcome: Outcome, ttl_s: int, tenant_id: str, kind: str) -> None:
+    """Store a future the API answers itself, at once (no worker, no request row: a create_custom_loss).
+    It names its tenant, so `retrieve_future` answers it to that tenant only."""
+    fields = storable(outcome).encode()
+    key = future_key(outcome.request_id)
+    pipe = redis.pipeline()
+    pipe.xadd(key, {**fields, "tenant": tenant_id, "kind": kind})
+    pipe.expire(key, ttl_s)
+    await pipe.execute()
+
+
 def unanswered(redis: Any, request_ids: list[str]) -> set[str]:
     """Of these finished requests, those whose future was never stored though their client may
     still ask for it: their worker died between settling and publishing (synchronous client). A

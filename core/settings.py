@@ -146,6 +146,9 @@ class ApiSettings(BaseSettings):
     max_live_sessions_per_tenant: int = Field(1000, ge=1, le=1_000_000,
                                               description="sessions one tenant may hold live at once (unfinished, "
                                                           "heartbeat within QUILT_SESSION_LIVE_S); past it, 429")
+    max_custom_losses_per_session: int = Field(64, ge=1, le=10_000,
+                                               description="custom losses one session may upload "
+                                                           "(create_custom_loss); past it, 400")
     session_live_s: int = Field(900, ge=60, le=30 * 86_400,
                                 description="a session without a heartbeat this long no longer counts as live")
     future_ttl_seconds: int = Field(24 * 3600, ge=60, description="how long results stay retrievable")

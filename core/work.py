@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar, TypeVar
 
+from core.custom_loss import LossGraph
 from core.loss_spec import LossConfig
 
 SEED_MAX = 2**63 - 1
@@ -136,15 +137,22 @@ class PassWork:
     loss_fn: str
     loss_config: LossConfig
     data: tuple[Datum, ...]
+    # loss_fn "custom": the loss itself, so the trainer (and a replay after a crash) needs no store
+    custom: LossGraph | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"loss_fn": self.loss_fn, "loss_config": self.loss_config.to_json(),
-                "data": [d.to_json() for d in self.data]}
+        out = {"loss_fn": self.loss_fn, "loss_config": self.loss_config.to_json(),
+               "data": [d.to_json() for d in self.data]}
+        if self.custom is not None:
+            out["custom"] = self.custom.to_json()
+        return out
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> PassWork:
+        # A custom graph is checked again as it is read (core.custom_loss.parse).
+        custom = LossGraph.from_json(obj["custom"]) if obj.get("custom") is not None else None
         return cls(obj["loss_fn"], LossConfig.from_json(obj["loss_config"]),
-                   tuple(Datum.from_json(d) for d in obj["data"]))
+                   tuple(Datum.from_json(d) for d in obj["data"]), custom)
 
 
 @dataclass(frozen=True)

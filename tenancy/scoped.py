@@ -153,6 +153,17 @@ async def get_sampling_session(conn: AsyncConnection[DictRow], who: Principal, s
     )
 
 
+async def get_custom_loss(conn: AsyncConnection[DictRow], who: Principal, loss_id: str, session_id: str) -> dict:
+    """Your custom loss `loss_id`, usable only by the session that made it: 404 for another
+    session's or another tenant's, like a missing one."""
+    return await _one(
+        conn,
+        "SELECT * FROM custom_losses WHERE id = %s AND tenant_id = %s AND session_id = %s",
+        (loss_id, who.tenant_id, session_id),
+        NotFound(f"custom loss {loss_id!r} not found in this model's session", field="loss_fn_config.loss_id"),
+    )
+
+
 async def join_sampling_session(conn: AsyncConnection[DictRow], who: Principal, sampling_session_id: str) -> int:
     """Your sampling session's next client number (the original client is 0, so the first copy gets
     1); 404 unless the session is yours."""

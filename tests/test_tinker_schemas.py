@@ -27,6 +27,7 @@ PAIRS = {
     "SaveWeightsExternalRequest": schemas.SaveWeightsExternalRequest,
     "LoadWeightsRequest": schemas.LoadWeightsRequest,
     "CreateSamplingSessionRequest": schemas.CreateSamplingSessionRequest,
+    "CreateCustomLossRequest": schemas.CreateCustomLossRequest,
     "JoinSamplingSessionRequest": schemas.JoinSamplingSessionRequest,
     "SampleRequest": schemas.SampleRequest,
     "FutureRetrieveRequest": schemas.RetrieveFutureRequest,
@@ -46,7 +47,6 @@ PAIRS = {
 NOT_SERVED = {
     "ClientConfigRequest": "answered without reading a body (api.routes.service: the handshake's flags are the server's)",
     "CopyWeightsRequest": "copy_weights is not built (no route): 404",
-    "CreateCustomLossRequest": "custom loss graphs are not built (no route): 404",
     "GetBillingUsageRequest": "a GET: its fields are query parameters of billing/usage/events",
     "GetCurrentCheckpointStorageUsageRequest": "a GET of billing/usage/checkpoints/current; a tenant has no projects",
     "SessionSearchRequest": "session search is not built (no route): 404",

@@ -124,10 +124,12 @@ async def client_config(who: Who, settings: Settings) -> dict:
     """SDK handshake (tinker `ClientConfigResponse`). Only flags whose endpoints exist are turned on:
     plain httpx transport, forward_backward bodies uncompressed, one `retrieve_futures` long-poll per
     sampling session instead of one per sample, copies of a sampling client numbered by the
-    server (`join_sampling_session`), and the key exchanged for auth tokens while
+    server (`join_sampling_session`), custom losses uploaded and run in the trainer's pass
+    (`create_custom_loss`), and the key exchanged for auth tokens while
     QUILT_SDK_JWT_AUTH is on (`pjwt_auth_enabled`, api.routes.auth)."""
     return {"use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
             "sample_use_retrieve_futures": True, "sample_join_sampling_session": True,
+            "custom_loss_server_side": True,
             "pjwt_auth_enabled": settings.sdk_jwt_auth}
 
 

@@ -10,8 +10,9 @@ from pydantic import ValidationError
 
 from api import admission, caller_cache, datums, records, seq_gaps, tinker_proto
 from api.deps import Callers, Pool, RedisDep, Settings, Who
-from api.input_guard import GuardedRoute
+from api.input_guard import DenseBodyRoute, GuardedRoute
 from api.schemas import (
+    CreateCustomLossRequest,
     CreateModelRequest,
     ForwardBackwardRequest,
     ForwardRequest,
@@ -24,9 +25,9 @@ from api.schemas import (
 from bases import architectures, catalog
 from checkpoints import encryption
 from checkpoints.layout import EXTERNAL_KIND, TRAINING_KIND, new_version_dir
-from core import db, health, ids
+from core import custom_loss, db, health, ids, queue
 from core.errors import InvalidInput, NotFound
-from core.loss_spec import spec_of
+from core.loss_spec import CUSTOM, spec_of
 from core.numbers import INT32_MAX
 from core.settings import get_core_settings, get_trainer_settings
 from core.work import (
@@ -146,17 +147,63 @@ async def _forward(request: Request, who, pool, redis, settings, callers, *, for
         raise InvalidInput(f"seq_id must be in [1, {INT32_MAX}], got {req.seq_id}", field="seq_id")
     # Looked up once here, before the model is read (a bad loss_fn is a 400 whatever the model),
     # and passed on to every check behind it.
-    spec = spec_of(req.loss_fn)
+    spec = spec_of(req.loss_fn) if req.loss_fn != CUSTOM else None
     async with db.autocommit(pool) as conn:
         # The base's limits, which never change for a model, usually from the cache: the call then
         # waits on one statement and its append (admission).
         model = admission.usable(await caller_cache.training_model(callers, conn, who, req.model_id))
         limits = datums.Limits(model["vocab_size"], model["max_context_length"], settings.max_datums_per_request,
                                settings.max_tokens_per_request)
-        work, n_tokens = datums.pass_work(spec, req.loss_fn_config, req.data, limits)
+        if spec is None:
+            graph = await _custom_loss(conn, who, model, req.loss_fn_config)
+            work, n_tokens = datums.custom_pass_work(graph, req.data, limits)
+        else:
+            work, n_tokens = datums.pass_work(spec, req.loss_fn_config, req.data, limits)
         kind = WorkKind.FORWARD if req.forward_only else WorkKind.FORWARD_BACKWARD
         return await _model_call(conn, redis, who, req.model_id, seq_id=req.seq_id, kind=kind, body=work,
                                  n_tokens=n_tokens)
+
+
+async def _custom_loss(conn, who, model: dict, config: dict | None) -> custom_loss.LossGraph:
+    """The graph a `custom` loss_fn names by `loss_fn_config.loss_id`: one of this model's session's
+    (404 otherwise, another session's or tenant's included)."""
+    loss_id = (config or {}).get("loss_id")
+    if not isinstance(loss_id, str) or set(config or {}) != {"loss_id"}:
+        raise InvalidInput("loss_fn_config: loss_fn 'custom' takes exactly {\"loss_id\": <the id create_custom_loss "
+                           "returned>}", field="loss_fn_config.loss_id")
+    row = await scoped.get_custom_loss(conn, who, loss_id, model["session_id"])
+    return custom_loss.LossGraph.from_json(row["graph"])
+
+
+async def create_custom_loss(body: CreateCustomLossRequest, who: Who, pool: Pool, redis: RedisDep,
+                             settings: Settings) -> dict:
+    """Store a custom loss traced by the tinker SDK, for `forward_backward` with loss_fn `custom` and
+    `{"loss_id": ...}` in the same session (a future of `{"loss_id"}`). The graph is rebuilt from
+    Quilt's allow-list (`core.custom_loss`): a node outside it is a 400 naming the node. A repeat of
+    the same (session, custom_loss_seq_id) answers the first loss's id."""
+    graph = custom_loss.parse(body.name, body.inputs, body.graph)
+    loss_id = f"{body.session_id}:loss:{body.custom_loss_seq_id}"
+    async with db.autocommit(pool) as conn:
+        session = await scoped.get_session(conn, who, body.session_id)
+        if session["finished_at"] is not None:
+            raise InvalidInput(f"session {body.session_id!r} has finished; create a new one", field="session_id")
+        row = await records.insert_custom_loss(conn, who, loss_id, session_id=body.session_id,
+                                               seq_id=body.custom_loss_seq_id, name=graph.name, graph=graph.to_json(),
+                                               max_per_session=settings.max_custom_losses_per_session)
+    if row is None:
+        raise InvalidInput(f"session {body.session_id!r} holds {settings.max_custom_losses_per_session} custom losses, "
+                           "the limit (QUILT_MAX_CUSTOM_LOSSES_PER_SESSION); reuse their handles", field="session_id")
+    if row["graph"] != graph.to_json():
+        raise InvalidInput(f"custom_loss_seq_id {body.custom_loss_seq_id} is already used by another loss "
+                           f"({row['name']!r})", field="custom_loss_seq_id")
+    request_id = ids.new_request_id()
+    await queue.publish_answer(redis, queue.Outcome(request_id, result={"loss_id": loss_id, "type": "create_custom_loss"}),
+                               settings.future_ttl_seconds, who.tenant_id, "create_custom_loss")
+    return {"request_id": request_id}
+
+
+# The SDK writes a graph at about ten bytes a string, denser than other bodies (api.input_guard).
+router.add_api_route("/create_custom_loss", create_custom_loss, methods=["POST"], route_class_override=DenseBodyRoute)
 
 
 # The forward routes read their body themselves (JSON or protobuf), so FastAPI does not know its

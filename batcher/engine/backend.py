@@ -27,7 +27,7 @@ from typing import Any, cast
 import torch
 
 from bases import architectures
-from batcher.engine import adapter_io, gang, head, optimizers, sharded_snapshots
+from batcher.engine import adapter_io, custom_losses, gang, head, optimizers, sharded_snapshots
 from batcher.engine.adapter import LORA_ALPHA, Adapter
 from batcher.engine.collective import Mirror, collective
 from batcher.engine.device_pass import DevicePass
@@ -288,6 +288,10 @@ class LoraBackend:
                 outcomes[i] = ServerError(f"model {req.model_id!r} is not loaded on this trainer")
                 continue
             adapter = self.adapters[req.model_id]
+            refusal = _custom_refusal(req)
+            if refusal is not None:
+                outcomes[i] = refusal
+                continue
             # The trainer's policy version is the model's optimizer step count.
             configs[i] = dataclasses.replace(req.work.loss_config, current_policy_version=adapter.steps)
             rows += [Row(i, j, d.tokens, d.inputs, adapter.name, d.policy_version, d.width)
@@ -403,6 +407,24 @@ class LoraBackend:
         """`load`, from a checkpoint already read."""
         self.ensure_resident([model_id])
         adapter_io.load_saved(self.lora, self.adapters[model_id], saved, self._optimizer)
+
+
+def _custom_refusal(req: PassRequest) -> UserError | None:
+    """Why a request's custom loss cannot run on its datums' shapes (`custom_losses.check`, nothing
+    allocated), or None: refused here, it never reaches the pass the other requests share."""
+    graph = req.work.custom
+    if graph is None:
+        return None
+    seen: set[tuple[Any, ...]] = set()
+    for j, d in enumerate(req.work.data):
+        datum = custom_losses.CustomDatum(0, 0, len(d.tokens), d.width, graph,
+                                          custom_losses.input_tensors(graph, d.inputs, len(d.tokens)))
+        shapes = (datum.n, datum.width, *(tuple(t.shape) for t in datum.inputs))
+        why = None if shapes in seen else custom_losses.check(datum)
+        if why is not None:
+            return UserError(f"data[{j}]: {why}", field="forward_backward_input.loss_fn_config.loss_id")
+        seen.add(shapes)
+    return None
 
 
 def _answered(outcomes: list[Outcome | None]) -> list[Outcome]:

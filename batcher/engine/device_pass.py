@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from batcher.engine import head, losses, packed_attention
+from batcher.engine import custom_losses, head, losses, packed_attention
 from batcher.engine.graphs import Graphs
 from batcher.engine.multilora import MultiLoraModel
 from batcher.engine.plan import PassTensors, PlannedBatch
@@ -72,19 +72,19 @@ class DevicePass:
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             try:
                 with torch.set_grad_enabled(batch.trains):
-                    lp, result, keep_requests, after = self._batch(batch, t, poisoned)
+                    lp, result, keep_requests, after, custom_metrics = self._batch(batch, t, poisoned)
             finally:
                 self.lora.context.routes = None
             return torch.cat([result.loss.detach().double(), result.kl, result.abs_diff,
                               keep_requests.double(), lp.detach().double().flatten(),
-                              result.elementwise.double().flatten()]), after
+                              result.elementwise.double().flatten(), custom_metrics]), after
 
         return step
 
     def _batch(self, batch: PlannedBatch, t: PassTensors, poisoned: torch.Tensor
-               ) -> tuple[torch.Tensor, losses.PassLosses, torch.Tensor, torch.Tensor]:
-        """One micro-batch: its logprobs, losses, the requests that keep their gradient, and the
-        requests poisoned after it."""
+               ) -> tuple[torch.Tensor, losses.PassLosses, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One micro-batch: its logprobs, losses, the requests that keep their gradient, the
+        requests poisoned after it, and its custom losses' metrics."""
         self.lora.context.routes = batch.routes
         if batch.packed_rows is not None:
             # Each row attends to itself only (packed_attention), its positions counted from 0.
@@ -103,6 +103,12 @@ class DevicePass:
         if batch.trains:
             lp = losses.GradGate.apply(lp, gate)
         result = losses.pass_losses(lp, batch.plan, t.loss)
+        # Custom losses' datums: their losses join the built-ins' (zero at their places), so the
+        # gate, the non-finite check and the one backward below treat them alike.
+        custom_metrics = lp.new_zeros(0, dtype=torch.float64)
+        if batch.custom:
+            custom_loss, custom_metrics = custom_losses.run_batch(batch.custom, lp, batch.plan.size)
+            result.loss = result.loss + custom_loss.to(result.loss.dtype)
         # A request with a datum whose loss is not finite keeps none of its gradient from here on;
         # decided on the device, so nothing waits for the host.
         bad = torch.zeros(poisoned.shape, dtype=torch.int32, device=poisoned.device).index_add_(
@@ -112,4 +118,4 @@ class DevicePass:
         if batch.trains:
             gate.keep = keep_datums.index_select(0, t.loss.datum)
             torch.where(keep_datums, result.loss, 0.0).sum().backward()
-        return lp, result, keep_requests, poisoned | bad
+        return lp, result, keep_requests, poisoned | bad, custom_metrics

@@ -63,7 +63,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from core.loss_spec import LOSS_FUNCTIONS, LossConfig, spec_of
+from core.loss_spec import CUSTOM, LOSS_FUNCTIONS, LossConfig, spec_of
 
 __all__ = ["DatumLoss", "GradGate", "LossInputs", "LossPlan", "LossTensors", "compute_loss", "pass_losses", "reduce_metrics"]
 
@@ -178,7 +178,7 @@ class _Columns:
         col["beta"].append(torch.full((n,), c.beta, dtype=torch.float64))
         self.datum.append(torch.full((n,), index, dtype=torch.int64))
         self.keep.append(torch.full((n,), not d.dropped, dtype=torch.bool))
-        self.fn += [LOSS_FUNCTIONS_INDEX[d.loss_fn]] * n
+        self.fn += [LOSS_FUNCTIONS_INDEX.get(d.loss_fn, -1)] * n  # a custom loss: no built-in computes it
         # Mismatch mask: where weights are non-zero when given, else where the sampler's logprob
         # or the advantage is (the cookbook pads prompt positions with zeros).
         if "logprobs" not in x:
@@ -252,7 +252,7 @@ class LossPlan:
             if extra < 1 or size <= len(datums):
                 raise ValueError(f"padding to {pad} leaves no padding position or datum")
             cols.pad(extra, size - 1)
-        fns = tuple(sorted({d.loss_fn for d in datums}))
+        fns = tuple(sorted({d.loss_fn for d in datums} - {CUSTOM}))  # custom ones: batcher.engine.custom_losses
         return cls(list(datums), cols.tensors(fns, pad[0] if pad is not None else None), fns, width,
                    ["logprobs" in d.inputs for d in datums], mismatch_tokens, size)
 

@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from bases import architectures
-from batcher.engine import buckets, layout, losses, packed_attention
+from batcher.engine import buckets, custom_losses, layout, losses, packed_attention
 from batcher.engine.grouped import Route
 from batcher.engine.multilora import MultiLoraModel
 from batcher.engine.protocol import PassRequest
 from batcher.engine.transfer import Bundle
-from core.loss_spec import INT_INPUTS, WIDE_INPUTS, LossConfig
+from core.loss_spec import CUSTOM, INT_INPUTS, WIDE_INPUTS, LossConfig
 
 log = logging.getLogger("quilt.trainer.backend")
 
@@ -96,6 +96,7 @@ class PlannedBatch:
     packed_rows: packed_attention.Rows | None  # the packed layout's rows (None: padded rows)
     requests_size: int  # requests the device work is sized for (the pass's, or its bucket's)
     key: tuple[Any, ...] | None = None  # its bucket's graph key (batcher.engine.graphs); None: runs eagerly
+    custom: list[custom_losses.CustomDatum] = field(default_factory=list)  # its datums of custom losses
 
 
 @dataclass
@@ -127,7 +128,9 @@ class Planner:
         batches = []
         for lay in layout.micro_batches(lengths, [self.lora.order(r.adapter) for r in rows], budget=self.budget,
                                         pack=pack, pack_width=self.pack_width, align=self.align):
-            bucket = self._bucket(lay, rows) if capture else None
+            # A custom loss runs node by node on each datum's shapes: its micro-batch is not captured.
+            custom = any(requests[rows[i].request_index].work.custom is not None for i in lay.rows)
+            bucket = self._bucket(lay, rows) if capture and not custom else None
             batches.append(self._batch(bucket or lay, rows, lengths, requests, configs, n_requests,
                                        static=bucket is not None))
         return batches
@@ -179,7 +182,8 @@ class Planner:
         bundle = Bundle(record)
         trains_here = any(not requests[r.request_index].forward_only for r in batch_rows)
         return PlannedBatch(lay, batch_rows, plan, bundle, routes, head_ranges, [r for r, _ in heads], trains_here,
-                            packed_rows, n_requests, (trains_here, bundle.signature()) if static else None)
+                            packed_rows, n_requests, (trains_here, bundle.signature()) if static else None,
+                            _custom(batch_rows, requests))
 
     def _routes(self, host: dict[RouteKey, tuple[tuple[int, int, int], ...]], count: int, tokens: int, *,
                 experts: bool = False) -> tuple[dict[RouteKey, Route], dict[RouteKey, RouteTensors]]:
@@ -235,12 +239,28 @@ def _packed(lay: layout.Layout, rows: list[Row], static: bool
     return packed_rows, torch.tensor(cu, dtype=torch.int32), segments
 
 
+def _custom(rows: list[Row], requests: list[PassRequest]) -> list[custom_losses.CustomDatum]:
+    """The rows of custom losses, with where their positions start among the loss plan's."""
+    out, start = [], 0
+    for k, row in enumerate(rows):
+        graph = requests[row.request_index].work.custom
+        if graph is not None:
+            n = len(row.tokens)
+            out.append(custom_losses.CustomDatum(k, start, n, row.width, graph,
+                                                 custom_losses.input_tensors(graph, row.inputs, n)))
+        start += len(row.tokens)
+    return out
+
+
 def _specs(rows: list[Row], requests: list[PassRequest], configs: dict[int, LossConfig]) -> list[losses.DatumSpec]:
-    """Each row as its loss sees it."""
+    """Each row as its loss sees it (a custom loss's datum: as no built-in's, its own inputs aside)."""
     specs = []
     for row in rows:
         config = configs[row.request_index]
         sampled_at = row.policy_version if row.policy_version is not None else config.policy_version
+        if requests[row.request_index].work.custom is not None:
+            specs.append(losses.DatumSpec(CUSTOM, {}, len(row.tokens), row.width, config, sampled_at))
+            continue
         inputs = {k: _input_tensor(k, v, len(row.tokens), row.width) for k, v in row.inputs.items()
                   if k != "target_tokens"}
         specs.append(losses.DatumSpec(requests[row.request_index].work.loss_fn, inputs, len(row.tokens), row.width,

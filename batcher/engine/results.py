@@ -56,7 +56,8 @@ def read_back(batches: list[PlannedBatch], values: torch.Tensor, requests: list[
 
 def _batch_values(batch: PlannedBatch, values: torch.Tensor, at: int,
                   per_datum: dict[int, dict[int, losses.DatumLoss]], kept: set[int]) -> int:
-    """One micro-batch's datums from `values[at:]`; returns where the next micro-batch's begin."""
+    """One micro-batch's datums from `values[at:]`; returns where the next micro-batch's begin. A
+    custom loss's datum reports its own metrics and its logprobs (it has no elementwise loss)."""
     D, R = batch.plan.size, batch.requests_size
     M, K = batch.plan.tensors.datum.shape[0], batch.plan.width
     loss, kl, abs_diff = (values[at + j * D:at + (j + 1) * D].tolist() for j in range(3))
@@ -64,17 +65,24 @@ def _batch_values(batch: PlannedBatch, values: torch.Tensor, at: int,
     at += 3 * D + R
     lp = values[at:at + M * K].view(M, K).float()
     elementwise = values[at + M * K:at + 2 * M * K].view(M, K).float()
+    at += 2 * M * K
     kept |= {row.request_index for row in batch.rows if keep[row.request_index]}
+    custom = {c.datum: c for c in batch.custom}
     offset = 0
-    for row, datum in zip(batch.rows, batch.plan.metrics(loss, kl, abs_diff)):
+    for k, (row, datum) in enumerate(zip(batch.rows, batch.plan.metrics(loss, kl, abs_diff))):
         n = len(row.tokens)
         sl = slice(offset, offset + n)
         offset += n
         shape = (n, row.width) if row.width > 1 else (n,)
-        datum.outputs = {"logprobs": lp[sl, :row.width].reshape(shape),
-                         "elementwise_loss": elementwise[sl, :row.width].reshape(shape)}
+        datum.outputs = {"logprobs": lp[sl, :row.width].reshape(shape)}
+        if k in custom:
+            keys = list(custom[k].graph.metrics)
+            datum.metrics.update(zip(keys, values[at:at + len(keys)].tolist()))
+            at += len(keys)
+        else:
+            datum.outputs["elementwise_loss"] = elementwise[sl, :row.width].reshape(shape)
         per_datum[row.request_index][row.datum_index] = datum
-    return at + 2 * M * K
+    return at
 
 
 def _forward_backward_output(per_datum: list[losses.DatumLoss]) -> dict[str, Any]:
