@@ -89,6 +89,7 @@ class SeqRequest:
     adapter: AdapterRef | None = None  # None = the base model
     prompt_logprobs: bool = False  # score the prompt (this sequence carries the group's prefill)
     prompt_topk: int = 0  # with prompt_logprobs: also the k most likely tokens at each position
+    sample_topk: int = 0  # the k most likely tokens at each sampled position
     on_tokens: Callable[[tuple[int, ...]], None] | None = None  # streamed: called with each step's new tokens
     tenant_id: str = ""  # whose prefix-cache blocks it may reuse (cache_salt), unless caches are shared
 
@@ -104,6 +105,22 @@ class SeqResult:
     prompt_logprobs: tuple[float | None, ...] | None = None  # None at position 0
     first_token_s: float | None = None  # seconds from submission to the first output (the end, unless streamed)
     prompt_topk: tuple[TopK | None, ...] | None = None  # None at position 0; (token, logprob) by rank
+    sample_topk: tuple[TopK | None, ...] | None = None  # per sampled token, when asked for
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """One token after `prompt` (a prefix of a request's prompt): the raw logprobs of `ids` there,
+    and `draws` tokens drawn at `temperature` with their logprobs (gen_pool.outputs)."""
+
+    engine_id: str
+    prompt: tuple[int, ...]
+    ids: tuple[int, ...] = ()
+    draws: int = 0
+    temperature: float = 1.0
+    seed: int | None = None
+    adapter: AdapterRef | None = None
+    tenant_id: str = ""
 
 
 class ExclusiveGate:
@@ -276,14 +293,14 @@ class GenEngine:
             n=1, max_tokens=spec.max_tokens, temperature=spec.temperature,
             top_k=0 if spec.top_k < 1 else spec.top_k, top_p=spec.top_p, seed=req.seed,
             stop=list(spec.stop_strings) or None, stop_token_ids=list(spec.stop_token_ids) or None,
-            ignore_eos=not spec.eos_stops, logprobs=0,
+            ignore_eos=not spec.eos_stops, logprobs=req.sample_topk,
             # k asks vLLM for the k most likely tokens at each position besides the prompt's own.
             prompt_logprobs=req.prompt_topk if req.prompt_logprobs else None,
             detokenize=bool(spec.stop_strings), skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
 
-    def _prompt(self, req: SeqRequest):
+    def _prompt(self, req: SeqRequest | ProbeRequest):
         """The engine's prompt: with caches scoped per tenant (the default), salted with the tenant,
         so its prefix-cache blocks are reused by its own requests only and no tenant can time
         whether another already sent a prompt."""
@@ -306,6 +323,7 @@ class GenEngine:
         tokens: list[int] = []
         logprobs: list[float] = []
         prompt_lps = prompt_topk = None
+        sample_topk: list[TopK | None] = []
         reason = "abort"
         try:
             stream = self.llm.generate(self._prompt(req), params, req.engine_id, lora_request=lora)
@@ -318,6 +336,9 @@ class GenEngine:
                     for i, tok in enumerate(c.token_ids):
                         tokens.append(tok)
                         logprobs.append(_logprob_of(c.logprobs, i, tok))
+                        if req.sample_topk:
+                            sample_topk.append(_ranked(c.logprobs[i] if c.logprobs and i < len(c.logprobs) else None,
+                                                       req.sample_topk))
                     if req.on_tokens is not None and c.token_ids:
                         req.on_tokens(tuple(c.token_ids))
                     if c.finish_reason is not None:
@@ -336,7 +357,39 @@ class GenEngine:
         finally:
             await asyncio.shield(self.gate.leave(holding_exclusive))
         stop_reason: StopReason = "stop" if reason == "stop" else "length" if reason == "length" else "abort"
-        return SeqResult(tuple(tokens), tuple(logprobs), stop_reason, prompt_lps, first_token_s, prompt_topk)
+        return SeqResult(tuple(tokens), tuple(logprobs), stop_reason, prompt_lps, first_token_s, prompt_topk,
+                         tuple(sample_topk) if req.sample_topk else None)
+
+    async def probe(self, req: ProbeRequest) -> tuple[dict[int, float], tuple[tuple[int, float], ...]]:
+        """One probe (gen_pool.outputs): ({id: raw logprob} for `req.ids`, the draws). An ordinary
+        sequence for the gate (no prompt logprobs); cancelling the calling task aborts it."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=max(req.draws, 1), max_tokens=1, temperature=req.temperature, seed=req.seed, ignore_eos=True,
+            # Named ids come with the drawn token's logprob besides; without ids, logprobs=0 gives that alone.
+            logprobs=None if req.ids else 0, logprob_token_ids=list(req.ids) or None,
+            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        lora = self._lora_for(req.adapter)
+        await self.gate.enter(False)
+        final = None
+        try:
+            async for out in self.llm.generate(self._prompt(req), params, req.engine_id, lora_request=lora):
+                final = out
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise ServerError(f"the engine failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            await asyncio.shield(self.gate.leave(False))
+        outputs = list(final.outputs) if final is not None else []
+        if not outputs or any(not c.token_ids or not c.logprobs for c in outputs):
+            raise ServerError(f"probe {req.engine_id} ended without its token")
+        step = outputs[0].logprobs[0]
+        scores = {t: float(step[t].logprob) for t in req.ids if t in step}
+        draws = tuple((c.token_ids[0], float(c.logprobs[0][c.token_ids[0]].logprob)) for c in outputs[:req.draws])
+        return scores, draws
 
     async def abort(self, engine_ids: Iterable[str]) -> None:
         ids = list(engine_ids)
@@ -378,15 +431,15 @@ def _prompt_logprobs(prompt: tuple[int, ...], raw) -> tuple[float | None, ...]:
     return tuple(out)
 
 
+def _ranked(d, k: int) -> TopK | None:
+    """vLLM's ranked entries 1..k of one position (it adds the position's own token, ranked wherever
+    it falls, which is left out unless it is among the k)."""
+    if not d:
+        return None
+    ranked = sorted((lp.rank, tok, float(lp.logprob)) for tok, lp in d.items() if lp.rank is not None and lp.rank <= k)
+    return tuple((tok, lp) for _, tok, lp in ranked)
+
+
 def _prompt_topk(raw, length: int, k: int) -> tuple[TopK | None, ...]:
-    """Per prompt position, vLLM's ranked entries 1..k (it adds the prompt's own token, ranked
-    wherever it falls, which is left out unless it is among the k)."""
-    out: list[TopK | None] = [None]
-    for i in range(1, length):
-        d = raw[i] if i < len(raw) else None
-        if not d:
-            out.append(None)
-            continue
-        ranked = sorted((lp.rank, tok, float(lp.logprob)) for tok, lp in d.items() if lp.rank is not None and lp.rank <= k)
-        out.append(tuple((tok, lp) for _, tok, lp in ranked))
-    return tuple(out)
+    """Per prompt position, the k most likely tokens (None at position 0)."""
+    return (None, *(_ranked(raw[i] if i < len(raw) else None, k) for i in range(1, length)))
