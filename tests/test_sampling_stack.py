@@ -165,6 +165,10 @@ def test_other_tenants_samplers_are_404(stack):
                                  "sparse_col_indices": [9]}}, "target_prompt_logprobs"),
     ({"target_prompt_logprobs": {"data": [-1] * 4, "dtype": "int64", "shape": [4, 1]}}, "target_prompt_logprobs"),
     ({"target_prompt_logprobs": "7"}, "target_prompt_logprobs"),
+    # QUILT_GEN_MAX_PROBE_ROWS (512): one probe per scored prompt row
+    ({"tokens": [5] * 514, "prompt_alt_tokens_k": 1}, "prompt_alt_tokens_k"),
+    ({"tokens": [5] * 514, "target_prompt_logprobs": {"data": [7] * 513, "dtype": "int64", "shape": [513, 1]}},
+     "target_prompt_logprobs"),
     ({"record_stability_info": {"x": 1}}, "record_stability_info"),
     ({"deadline_s": -1}, "deadline_s"),
     ({"episode_id": ""}, "episode_id"),
@@ -274,6 +278,32 @@ def test_topk_alone_and_last_n_through_http(stack, tenant):
     rows = result["topk_prompt_logprobs"]
     assert len(rows) == len(PROMPT) and rows[:-2] == [None] * (len(PROMPT) - 2)
     assert all(len(row) == 2 and row[0][1] >= row[1][1] for row in rows[-2:])
+
+
+def test_sampling_outputs_as_json(stack, tenant):
+    """The JSON result (what a client without protobuf reads) carries every output; a seeded request
+    draws the same alternatives again."""
+    http = stack.http(tenant.key)
+    sampler = base_sampler(http)
+    target = {"data": [7, 9, 5, 11], "dtype": "int64", "shape": [4, 2], "sparse_crow_indices": [0, 2, 2, 3, 4],
+              "sparse_col_indices": [0, 1, 1, 0]}
+    results = []
+    for _ in range(2):
+        r = _asample(http, sampler, n=2, params={"max_tokens": 3, "seed": 5, "temperature": 1.0},
+                     topk_sample_logprobs=2, target_prompt_logprobs=target, prompt_alt_tokens_k=3)
+        assert r.status_code == 200, r.text
+        results.append(wait_future(http, r.json()["request_id"]))
+    result = results[0]
+    assert all(len(s["topk_logprobs"]) == len(s["tokens"]) == 3 for s in result["sequences"])
+    got = result["target_prompt_logprobs"]
+    assert (got["shape"], got["dtype"], got["sparse_crow_indices"]) == ([4, 2], "float32", [0, 2, 2, 3, 4])
+    assert len(got["data"]) == 4 and all(v < 0 for v in got["data"])
+    alts = result["prompt_alt_tokens"]
+    assert alts["tokens"]["shape"] == alts["logprobs"]["shape"] == [4, 3]
+    # The same draws; logprobs to about 1e-6 (a batch of another size sums in another order).
+    again = results[1]
+    assert again["prompt_alt_tokens"]["tokens"] == alts["tokens"]
+    assert again["target_prompt_logprobs"]["data"] == pytest.approx(got["data"], abs=1e-4)
 
 
 def test_a_seed_reproduces_a_sample(stack, tenant):
