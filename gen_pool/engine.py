@@ -96,6 +96,8 @@ class SeqRequest:
 
 TopK = tuple[tuple[int, float], ...]
 
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature under it samples greedily
+
 
 @dataclass(frozen=True)
 class SeqResult:
@@ -417,8 +419,12 @@ class GenEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        # vLLM samples greedily below this temperature and then refuses n > 1: k greedy draws are k
+        # copies of the one most likely token.
+        greedy = req.temperature < GREEDY_BELOW
         params = SamplingParams(
-            n=max(req.draws, 1), max_tokens=1, temperature=req.temperature, seed=req.seed, ignore_eos=True,
+            n=1 if greedy else max(req.draws, 1), max_tokens=1, temperature=req.temperature, seed=req.seed,
+            ignore_eos=True,
             # Named ids come with the drawn token's logprob besides; without ids, logprobs=0 gives that alone.
             logprobs=None if req.ids else 0, logprob_token_ids=list(req.ids) or None,
             detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -447,7 +453,7 @@ class GenEngine:
         step = outputs[0].logprobs[0]
         scores = {t: float(step[t].logprob) for t in req.ids if t in step}
         draws = tuple((c.token_ids[0], float(c.logprobs[0][c.token_ids[0]].logprob)) for c in outputs[:req.draws])
-        return scores, draws
+        return scores, draws * req.draws if greedy else draws
 
     async def abort(self, engine_ids: Iterable[str]) -> None:
         ids = list(engine_ids)

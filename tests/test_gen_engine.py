@@ -150,6 +150,11 @@ def test_sampled_topk_and_probes_match_peft(pool):
     # The same seed draws the same tokens again.
     again = pool["loop"].run(pool["engine"].probe(probes[1]))
     assert again[1] == found[1][1]
+    # Greedy (temperature 0, where vLLM refuses n > 1): k copies of the most likely token.
+    _, greedy = pool["loop"].run(engine.probe(ProbeRequest(f"p{next(_ids)}", PROMPT, draws=3, temperature=0.0,
+                                                           adapter=a)))
+    top = ref.prompt_topk(a.path, list(PROMPT) + [0], 1)[-1][0]
+    assert [t for t, _ in greedy] == [top[0]] * 3 and abs(greedy[0][1] - top[1]) < LOGPROB_TOL
 
 
 def test_bad_adapters_fail_alone(pool):
