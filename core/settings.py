@@ -315,6 +315,9 @@ class GenPoolSettings(BaseSettings):
     max_probe_rows: int = Field(512, ge=1, le=1_000_000,
                                 description="prompt rows one request may score with target_prompt_logprobs or "
                                             "prompt_alt_tokens_k (each is a one-token probe of the engine)")
+    probes_at_once: int = Field(16, ge=1, le=4096,
+                                description="a request's probes in the engine at once (each is one token on a prefix of "
+                                            "its prompt; more finish sooner and take more of other requests' batches)")
     max_alt_tokens: int = Field(16, ge=1, le=1024, description="prompt_alt_tokens_k upper bound")
     stability_ttl_s: int = Field(3600, ge=60, le=30 * 86_400,
                                  description="a stability record (record_stability_info) expires this long after "

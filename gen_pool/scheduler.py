@@ -43,11 +43,6 @@ from gen_pool.episodes import EpisodeLedger, FeedbackLevels
 log = logging.getLogger("quilt.gen.scheduler")
 
 
-# Probes of one group in the engine at once: enough to batch them, few enough to leave the batch
-# mostly to running sequences.
-PROBES_AT_ONCE = 8
-
-
 class DeadlineExceeded(UserError):
     """A request was still unfinished at its deadline; its sequences were aborted."""
 
@@ -322,8 +317,8 @@ class Scheduler:
 
     async def _probe(self, g: Group) -> dict[int, outputs.Probe]:
         """The group's target logprobs and prompt alternatives: one probe per prompt row that needs
-        one (gen_pool.outputs), run inside the slot of the group's first sequence, a few at a time so
-        other groups' sequences keep their share of the engine's batches."""
+        one (gen_pool.outputs), run inside the slot of the group's first sequence,
+        QUILT_GEN_PROBES_AT_ONCE at a time so other groups' sequences keep most of the engine's batches."""
         rows = outputs.probe_rows(g.targets, len(g.prompt) - 1 if g.alt_k else 0)
         found: dict[int, outputs.Probe] = {}
 
@@ -335,9 +330,9 @@ class Scheduler:
                 tenant_id=g.tenant_id))
             found[row] = outputs.Probe(scores, draws)
 
-        pending = list(rows.items())
+        pending, at_once = list(rows.items()), self.engine.settings.probes_at_once
         while pending:
-            batch, pending = pending[:PROBES_AT_ONCE], pending[PROBES_AT_ONCE:]
+            batch, pending = pending[:at_once], pending[at_once:]
             await asyncio.gather(*(one(row, ids) for row, ids in batch))
         return found
 
