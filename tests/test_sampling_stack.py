@@ -287,12 +287,13 @@ def test_sampling_outputs_as_json(stack, tenant):
     sampler = base_sampler(http)
     target = {"data": [7, 9, 5, 11], "dtype": "int64", "shape": [4, 2], "sparse_crow_indices": [0, 2, 2, 3, 4],
               "sparse_col_indices": [0, 1, 1, 0]}
-    results = []
+    results, request_ids = [], []
     for _ in range(2):
         r = _asample(http, sampler, n=2, params={"max_tokens": 3, "seed": 5, "temperature": 1.0},
                      topk_sample_logprobs=2, target_prompt_logprobs=target, prompt_alt_tokens_k=3)
         assert r.status_code == 200, r.text
-        results.append(wait_future(http, r.json()["request_id"]))
+        request_ids.append(r.json()["request_id"])
+        results.append(wait_future(http, request_ids[-1]))
     result = results[0]
     assert all(len(s["topk_logprobs"]) == len(s["tokens"]) == 3 for s in result["sequences"])
     got = result["target_prompt_logprobs"]
@@ -304,6 +305,13 @@ def test_sampling_outputs_as_json(stack, tenant):
     again = results[1]
     assert again["prompt_alt_tokens"]["tokens"] == alts["tokens"]
     assert again["target_prompt_logprobs"]["data"] == pytest.approx(got["data"], abs=1e-4)
+    # Billed as any sample: the prompt once per sequence and the sampled tokens, nothing for the outputs.
+    from core import db
+
+    with db.connect(stack.database_url) as conn:
+        rows = conn.execute("SELECT prefill_tokens, sample_tokens, train_tokens FROM usage_ledger "
+                            "WHERE request_id = ANY(%s)", (request_ids,)).fetchall()
+    assert [(r["prefill_tokens"], r["sample_tokens"], r["train_tokens"]) for r in rows] == [(len(PROMPT) * 2, 6, 0)] * 2
 
 
 def test_a_seed_reproduces_a_sample(stack, tenant):
