@@ -354,7 +354,7 @@ class SampleRequest(_Body):
     topk_prompt_logprobs: int = Field(0, le=INT32_MAX)
     topk_sample_logprobs: int = Field(0, le=INT32_MAX)
     prompt_alt_tokens_k: int = Field(0, le=INT32_MAX)
-    # Named so that asking for them is refused (api.routes.sampling), not silently ignored.
+    # tinker TensorData as JSON, checked against the prompt by gen_pool.outputs.parse_targets.
     target_prompt_logprobs: dict | None = None
     record_stability_info: bool | None = None
     deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False,

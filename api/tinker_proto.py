@@ -171,14 +171,35 @@ def encode_sample_response(result: dict) -> bytes:
         s = out.sequences.add()
         s.stop_reason = pb.STOP_REASON_LENGTH if seq.get("stop_reason") == "length" else pb.STOP_REASON_STOP
         s.tokens = np.asarray(seq.get("tokens", []), dtype="<i4").tobytes()
-        s.logprobs = np.asarray(seq.get("logprobs") or [], dtype="<f4").tobytes()
+        s.logprobs = np.asarray([math.nan if v is None else v for v in seq.get("logprobs") or []], dtype="<f4").tobytes()
+        if seq.get("topk_logprobs") is not None:
+            _fill_topk(s.topk_sampled_logprobs, seq["topk_logprobs"])
     prompt = result.get("prompt_logprobs")
     if prompt is not None:
         out.prompt_logprobs = np.asarray([math.nan if v is None else v for v in prompt], dtype="<f4").tobytes()
     topk = result.get("topk_prompt_logprobs")
     if topk is not None:
         _fill_topk(out.topk_prompt_logprobs, topk)
+    if result.get("target_prompt_logprobs") is not None:
+        _fill_tensor(pb, out.target_prompt_logprobs, result["target_prompt_logprobs"])
+    alts = result.get("prompt_alt_tokens")
+    if alts is not None:
+        _fill_tensor(pb, out.prompt_alt_tokens.tokens, alts["tokens"])
+        _fill_tensor(pb, out.prompt_alt_tokens.logprobs, alts["logprobs"])
     return out.SerializeToString()
+
+
+def _fill_tensor(pb, msg, tensor: dict) -> None:
+    """A TensorData as JSON (gen_pool.outputs) into a proto Tensor, sparse CSR kept sparse."""
+    np_dtype, msg.dtype = ("<f4", pb.DTYPE_FLOAT32) if tensor["dtype"] == "float32" else ("<i8", pb.DTYPE_INT64)
+    msg.shape.extend(tensor["shape"])
+    values = np.asarray(tensor["data"], dtype=np_dtype).tobytes()
+    if tensor.get("sparse_crow_indices") is None:
+        msg.dense = values
+        return
+    msg.sparse_csr.values = values
+    msg.sparse_csr.crow_indices = np.asarray(tensor["sparse_crow_indices"], dtype="<i8").tobytes()
+    msg.sparse_csr.col_indices = np.asarray(tensor["sparse_col_indices"], dtype="<i8").tobytes()
 
 
 # What the SDK reads as "nothing here" in a TopkLogprobs matrix (tinker.types.topk_logprobs).

@@ -313,7 +313,18 @@ class GenPoolSettings(BaseSettings):
 
     # --- request limits (the API validates against these)
     max_topk_logprobs: int = Field(20, ge=1, le=1024,
-                                   description="topk_prompt_logprobs upper bound (vLLM's max_logprobs)")
+                                   description="topk_prompt_logprobs and topk_sample_logprobs upper bound "
+                                               "(vLLM's max_logprobs)")
+    max_probe_rows: int = Field(512, ge=1, le=1_000_000,
+                                description="prompt rows one request may score with target_prompt_logprobs or "
+                                            "prompt_alt_tokens_k (each is a one-token probe of the engine)")
+    probes_at_once: int = Field(16, ge=1, le=4096,
+                                description="a request's probes in the engine at once (each is one token on a prefix of "
+                                            "its prompt; more finish sooner and take more of other requests' batches)")
+    max_alt_tokens: int = Field(16, ge=1, le=1024, description="prompt_alt_tokens_k upper bound")
+    stability_ttl_s: int = Field(3600, ge=60, le=30 * 86_400,
+                                 description="a stability record (record_stability_info) expires this long after "
+                                             "it was last written or read")
     max_samples: int = Field(128, ge=1, le=4096, description="num_samples of one request")
     max_new_tokens: int = Field(4096, ge=1, description="sampling_params.max_tokens upper bound")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request leaves it out")

@@ -289,6 +289,11 @@ class SampleWork:
     prompt_logprobs: bool = False
     prompt_logprobs_last_n: int | None = None
     prompt_topk: int = 0  # the k most likely tokens at every prompt position (0: none)
+    sample_topk: int = 0  # the k most likely tokens at every sampled position (0: none)
+    # Ids to score at prompt positions, as plain data (gen_pool.outputs.PromptTargets.to_json).
+    prompt_targets: Mapping[str, Any] | None = None
+    prompt_alt_k: int = 0  # draws from the next-token distribution at every prompt position (0: none)
+    record_stability: bool = False  # keep each sequence's record for training requests (gen_pool.stability)
     stream: bool = False  # publish tokens as they are sampled (core.queue.delta_key), not only at the end
     episode_id: str | None = None  # the multi-turn episode it is a call of (gen_pool.episodes)
     episode_hint: str | None = None  # "promote" / "demote": the client's word on that episode
@@ -298,6 +303,8 @@ class SampleWork:
                 "adapter": self.adapter.to_json() if self.adapter else None, "submitted_at": self.submitted_at,
                 "deadline_at": self.deadline_at, "prompt_logprobs": self.prompt_logprobs,
                 "prompt_logprobs_last_n": self.prompt_logprobs_last_n, "prompt_topk": self.prompt_topk,
+                "sample_topk": self.sample_topk, "prompt_targets": self.prompt_targets,
+                "prompt_alt_k": self.prompt_alt_k, "record_stability": self.record_stability,
                 "stream": self.stream, "episode_id": self.episode_id, "episode_hint": self.episode_hint}
 
     @classmethod
@@ -305,7 +312,9 @@ class SampleWork:
         return cls(tuple(obj["prompt"]), int(obj["n"]), SamplingSpec.from_json(obj["spec"]),
                    AdapterRef.from_json(obj.get("adapter")), float(obj["submitted_at"]), float(obj["deadline_at"]),
                    bool(obj.get("prompt_logprobs")), obj.get("prompt_logprobs_last_n"), int(obj.get("prompt_topk", 0)),
-                   bool(obj.get("stream", False)), obj.get("episode_id"), obj.get("episode_hint"))
+                   int(obj.get("sample_topk", 0)), obj.get("prompt_targets"), int(obj.get("prompt_alt_k", 0)),
+                   bool(obj.get("record_stability", False)), bool(obj.get("stream", False)), obj.get("episode_id"),
+                   obj.get("episode_hint"))
 
 
 # ----------------------------------------------------------------------------------- the item

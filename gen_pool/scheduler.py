@@ -27,7 +27,7 @@ from checkpoints.layout import policy_version
 from core import health
 from core.errors import QuiltError, ServerError, UserError
 from core.work import AdapterRef, SamplingSpec
-from gen_pool import wire
+from gen_pool import outputs, wire
 from gen_pool.adapters import AdapterError
 from gen_pool.admission import (
     GRACE_SEQUENCES,
@@ -37,7 +37,7 @@ from gen_pool.admission import (
     PoolView,
     plan_admission,
 )
-from gen_pool.engine import GenEngine, SeqRequest, SeqResult
+from gen_pool.engine import GenEngine, ProbeRequest, SeqRequest, SeqResult
 from gen_pool.episodes import EpisodeLedger, FeedbackLevels
 
 log = logging.getLogger("quilt.gen.scheduler")
@@ -65,6 +65,10 @@ class Group:
     prompt_logprobs: bool = False
     prompt_logprobs_last_n: int | None = None
     prompt_topk: int = 0
+    sample_topk: int = 0
+    targets: outputs.PromptTargets | None = None  # ids to score at prompt positions (gen_pool.outputs)
+    alt_k: int = 0  # draws at every prompt position
+    record_stability: bool = False  # the worker keeps each sequence's record (gen_pool.stability)
     on_tokens: Any = None  # streamed: (sequence index, offset, new tokens) -> None, as they are sampled
     arrival: float = field(default_factory=time.time)
     deadline: float | None = None
@@ -80,6 +84,7 @@ class Group:
     version: int = 0
     done: bool = False
     results: list[SeqResult | None] = field(default_factory=list)
+    probes: dict[int, outputs.Probe] = field(default_factory=dict)  # prompt row -> what its probe found
     tasks: dict[int, asyncio.Task] = field(default_factory=dict)
     started_at: list[float] = field(default_factory=list)  # per sequence, when admitted
     finished_at: list[float] = field(default_factory=list)  # per sequence, when done
@@ -274,11 +279,13 @@ class Scheduler:
         req = SeqRequest(engine_id=f"{g.request_id}:{index}", prompt=g.prompt, spec=spec,
                          seed=g.spec.sample_seed(index), adapter=g.adapter,
                          prompt_logprobs=(g.prompt_logprobs or g.prompt_topk > 0) and index == 0,
-                         prompt_topk=g.prompt_topk, tenant_id=g.tenant_id,
+                         prompt_topk=g.prompt_topk, sample_topk=g.sample_topk, tenant_id=g.tenant_id,
                          on_tokens=None if g.on_tokens is None else _with_offsets(functools.partial(g.on_tokens,
                                                                                                      index)))
         try:
             result = await self.engine.generate(req)
+            if index == 0 and (g.targets is not None or g.alt_k):
+                g.probes = await self._probe(g)
         except asyncio.CancelledError:
             return
         except QuiltError as exc:
@@ -308,6 +315,27 @@ class Scheduler:
         elif g.n_finished == g.n:
             self._complete(g)
 
+    async def _probe(self, g: Group) -> dict[int, outputs.Probe]:
+        """The group's target logprobs and prompt alternatives: one probe per prompt row that needs
+        one (gen_pool.outputs), run inside the slot of the group's first sequence,
+        QUILT_GEN_PROBES_AT_ONCE at a time so other groups' sequences keep most of the engine's batches."""
+        rows = outputs.probe_rows(g.targets, len(g.prompt) - 1 if g.alt_k else 0)
+        found: dict[int, outputs.Probe] = {}
+
+        async def one(row: int, ids: tuple[int, ...]) -> None:
+            seed = g.spec.sample_seed(g.n + row)  # past the group's own sequences' seeds
+            scores, draws = await self.engine.probe(ProbeRequest(
+                engine_id=f"{g.request_id}:probe:{row}", prompt=g.prompt[:row + 1], ids=ids, draws=g.alt_k,
+                temperature=g.spec.temperature if g.alt_k else 0.0, seed=seed, adapter=g.adapter,
+                tenant_id=g.tenant_id))
+            found[row] = outputs.Probe(scores, draws)
+
+        pending, at_once = list(rows.items()), self.engine.settings.probes_at_once
+        while pending:
+            batch, pending = pending[:at_once], pending[at_once:]
+            await asyncio.gather(*(one(row, ids) for row, ids in batch))
+        return found
+
     def _done(self, g: Group) -> None:
         g.done = True
         self.groups.pop(g.request_id, None)
@@ -317,7 +345,8 @@ class Scheduler:
     def _complete(self, g: Group) -> None:
         self._done(g)
         self.group_latencies.append(self.clock() - g.arrival)
-        seqs = tuple(wire.SampledSequence(r.tokens, r.logprobs, r.stop_reason, g.model_id, g.version)
+        seqs = tuple(wire.SampledSequence(r.tokens, r.logprobs, r.stop_reason, g.model_id, g.version,
+                                          r.sample_topk if g.sample_topk else None)
                      for r in g.results)
         keep_from = 0 if g.prompt_logprobs_last_n is None else max(len(g.prompt) - g.prompt_logprobs_last_n, 0)
 
@@ -327,7 +356,13 @@ class Scheduler:
 
         prompt_lps = last_n(g.results[0].prompt_logprobs) if g.prompt_logprobs else None
         topk = last_n(g.results[0].prompt_topk) if g.prompt_topk else None
-        self.on_finish(g, wire.SampleOutcome(seqs, prompt_lps, topk))
+        try:
+            targets = None if g.targets is None else outputs.target_tensor(g.targets, g.probes)
+            alts = outputs.alt_tensors(len(g.prompt) - 1, g.alt_k, g.probes) if g.alt_k else None
+        except (KeyError, ValueError) as exc:  # a probe's answer missing what it asked for: the engine's fault
+            self.on_finish(g, ServerError(f"sampling outputs of {g.request_id} are incomplete: {exc}"))
+            return
+        self.on_finish(g, wire.SampleOutcome(seqs, prompt_lps, topk, targets, alts))
 
     def _fail(self, g: Group, err: QuiltError) -> None:
         if g.done:

@@ -41,7 +41,7 @@ from core.settings import (
     get_tenancy_settings,
 )
 from core.work import SampleWork, WorkItem
-from gen_pool import episodes, wire
+from gen_pool import episodes, outputs, stability, wire
 from gen_pool.engine import GenEngine
 from gen_pool.router import Locality, reroute_dead_peers
 from gen_pool.routing import Policy
@@ -62,7 +62,9 @@ def group_from_delivery(d: Delivery, base_model: str) -> Group:
     return Group(request_id=d.item.request_id, tenant_id=d.item.tenant_id, prompt=work.prompt, spec=work.spec,
                  n=work.n, adapter=work.adapter, model_id=work.adapter.model_id if work.adapter else base_model,
                  prompt_logprobs=work.prompt_logprobs, prompt_logprobs_last_n=work.prompt_logprobs_last_n,
-                 prompt_topk=work.prompt_topk, episode=work.episode_id, episode_hint=work.episode_hint,
+                 prompt_topk=work.prompt_topk, sample_topk=work.sample_topk,
+                 targets=outputs.PromptTargets.from_json(work.prompt_targets), alt_k=work.prompt_alt_k,
+                 record_stability=work.record_stability, episode=work.episode_id, episode_hint=work.episode_hint,
                  arrival=work.submitted_at, deadline=work.deadline_at, context=d)
 
 
@@ -215,19 +217,39 @@ class GenWorker:
     # ------------------------------------------------------------------ results
 
     def _on_finish(self, g: Group, outcome: wire.SampleOutcome | QuiltError) -> None:
+        records: dict[str, str] = {}
         if isinstance(outcome, QuiltError):
             result, usage = queue.failure(g.request_id, outcome), None
         else:
             result = queue.Outcome(g.request_id, result=wire.to_json(outcome))
+            # Billed as any sample: the prompt once per sequence and the sampled tokens. Top-k, target
+            # logprobs, alternatives and stability records add nothing (their probes reread the prompt,
+            # mostly from the prefix cache; QUILT_GEN_MAX_PROBE_ROWS bounds them).
             usage = Units(prefill_tokens=len(g.prompt) * g.n,
                           sample_tokens=sum(len(s.tokens) for s in outcome.sequences))
-        self.scheduler.spawn(self._finish(g.context, result, usage))
+            if g.record_stability:
+                records = stability.records(g.request_id, outcome, len(g.prompt))
+        self.scheduler.spawn(self._finish(g.context, result, usage, g.tenant_id, records))
 
-    async def _finish(self, d: Delivery, outcome: queue.Outcome, usage: Units | None) -> None:
+    async def _finish(self, d: Delivery, outcome: queue.Outcome, usage: Units | None, tenant_id: str,
+                      records: dict[str, str]) -> None:
+        if records:  # before the result is published: a client holding the sequence ids finds them
+            await self._record_stability(tenant_id, records)
         try:
             await self.consumer.finish(d, outcome, usage)
         except Exception:
             log.exception("could not finish %s", d.item.request_id)
+
+    async def _record_stability(self, tenant_id: str, records: dict[str, str]) -> None:
+        ttl = self.settings.stability_ttl_s
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for sid, body in records.items():
+                    pipe.set(stability.key(tenant_id, sid), body, ex=ttl)
+                    result_bytes.note(pipe, tenant_id, len(body), ttl, self.max_result_bytes)
+                await pipe.execute()
+        except stores.STORE_ERRORS as exc:  # the sample still succeeds; its records are missing (404)
+            log.warning("could not record the stability of %s: %s", next(iter(records)), exc)
 
     def _settle(self, item: WorkItem, outcome: queue.Outcome, usage: Units | None) -> Settled | None:
         return settle(self._db(), request_id=item.request_id, tenant_id=item.tenant_id, model_id=item.model_id or None,

@@ -21,7 +21,7 @@ from genutil import Loop, Reference, make_adapter
 from core.settings import GenPoolSettings
 from core.work import AdapterRef, SamplingSpec
 from gen_pool.adapters import AdapterError
-from gen_pool.engine import GenEngine, SeqRequest
+from gen_pool.engine import GenEngine, ProbeRequest, SeqRequest
 
 pytestmark = pytest.mark.engine
 
@@ -115,6 +115,46 @@ def test_prompt_logprobs_with_several_requests_in_flight(pool):
         assert diff < LOGPROB_TOL, diff
     assert all(o.stop_reason == "length" for o in outs[1::2])
     assert not pool["engine"].dead
+
+
+def test_sampled_topk_and_probes_match_peft(pool):
+    """topk_sample_logprobs from vLLM's `logprobs=k`, and a probe's named ids and draws (the route
+    target_prompt_logprobs and prompt_alt_tokens_k take, gen_pool.outputs) against torch + PEFT,
+    while other adapters' sequences share the batch."""
+    import torch
+
+    ref, a = pool["ref"], pool["refs"]["a"]
+    ids = (3, 8, 500)
+    probes = [ProbeRequest(f"p{next(_ids)}", PROMPT[:n], ids, draws=5, temperature=1.0, seed=n, adapter=a)
+              for n in (2, 5)]
+    topk = SeqRequest(f"t{next(_ids)}", PROMPT, spec(max_tokens=4), 7, a, sample_topk=3)
+    engine = pool["engine"]
+
+    async def go():  # all at once: the engine keeps the probes and the top-k sequence apart (KindGate)
+        return await asyncio.gather(engine.generate(topk), *(engine.probe(p) for p in probes),
+                                    engine.generate(req(pool["refs"]["c"], max_tokens=16)))
+    out, *found, _ = pool["loop"].run(go())
+    expected = ref.prompt_topk(a.path, list(PROMPT) + list(out.tokens), 3)[len(PROMPT) - 1:]
+    assert len(out.sample_topk) == len(out.tokens) == 4
+    for got, want in zip(out.sample_topk, expected, strict=True):
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert max(abs(x - y) for (_, x), (_, y) in zip(got, want)) < LOGPROB_TOL
+
+    for probe, (scores, draws) in zip(probes, found, strict=True):
+        with torch.no_grad():
+            logits = ref.model(a.path)(input_ids=torch.tensor([list(probe.prompt)])).logits[0, -1].float()
+        want = torch.log_softmax(logits, dim=-1)
+        assert set(scores) == set(ids)
+        assert max(abs(scores[t] - want[t].item()) for t in ids) < LOGPROB_TOL
+        assert len(draws) == 5 and all(abs(lp - want[t].item()) < LOGPROB_TOL for t, lp in draws)
+    # The same seed draws the same tokens again.
+    again = pool["loop"].run(pool["engine"].probe(probes[1]))
+    assert again[1] == found[1][1]
+    # Greedy (temperature 0, where vLLM refuses n > 1): k copies of the most likely token.
+    _, greedy = pool["loop"].run(engine.probe(ProbeRequest(f"p{next(_ids)}", PROMPT, draws=3, temperature=0.0,
+                                                           adapter=a)))
+    top = ref.prompt_topk(a.path, list(PROMPT) + [0], 1)[-1][0]
+    assert [t for t, _ in greedy] == [top[0]] * 3 and abs(greedy[0][1] - top[1]) < LOGPROB_TOL
 
 
 def test_bad_adapters_fail_alone(pool):

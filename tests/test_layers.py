@@ -21,8 +21,9 @@ LAYERS = {"core": 0, "bases": 1, "checkpoints": 1, "scaleout": 1, "billing": 2, 
           "api": 3, "batcher": 3, "gen_pool": 3, "stack": 4}
 DOMAINS = {"bases", "checkpoints", "scaleout"}
 PROCESSES = {"api", "batcher", "gen_pool"}
-# The generation pool's modules the API imports: the sample group's spec and where a group goes.
-SHARED_WITH_API = {"gen_pool.params", "gen_pool.router", "gen_pool.routing"}
+# The generation pool's modules the API imports: the sample group's spec, where a group goes, the
+# sampling outputs' request contract and where a stability record is kept.
+SHARED_WITH_API = {"gen_pool.params", "gen_pool.router", "gen_pool.routing", "gen_pool.outputs", "gen_pool.stability"}
 
 
 def _imports(path: Path) -> set[str]:

@@ -150,11 +150,26 @@ def test_other_tenants_samplers_are_404(stack):
     ({"n": 100_000}, "num_samples"),
     ({"topk_prompt_logprobs": 10**6}, "topk_prompt_logprobs"),
     ({"topk_prompt_logprobs": -1}, "topk_prompt_logprobs"),
-    ({"topk_sample_logprobs": 2}, "topk_sample_logprobs"),
-    ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k"),
-    # What the tinker SDK 0.38 sends for these is refused, never dropped unread.
+    ({"topk_sample_logprobs": 10**6}, "topk_sample_logprobs"),
+    ({"topk_sample_logprobs": -1}, "topk_sample_logprobs"),
+    ({"topk_sample_logprobs": 2**40}, "topk_sample_logprobs"),
+    ({"prompt_alt_tokens_k": 10**6}, "prompt_alt_tokens_k"),
+    ({"prompt_alt_tokens_k": -1}, "prompt_alt_tokens_k"),
+    # target_prompt_logprobs: [len(prompt) - 1, K] int64 (tests/test_sampling_outputs.py has the full table)
     ({"target_prompt_logprobs": {"data": [7, -1], "dtype": "int64", "shape": [2, 1]}}, "target_prompt_logprobs"),
-    ({"record_stability_info": True}, "record_stability_info"),
+    ({"target_prompt_logprobs": {"data": [7, -1, 3, 1e300], "dtype": "int64", "shape": [4, 1]}},
+     "target_prompt_logprobs"),
+    ({"target_prompt_logprobs": {"data": [7, 8], "dtype": "int64", "shape": [4, 2], "sparse_crow_indices": [0, 2, 2, 2, 2],
+                                 "sparse_col_indices": [1, 0]}}, "target_prompt_logprobs"),
+    ({"target_prompt_logprobs": {"data": [7], "dtype": "int64", "shape": [4, 2], "sparse_crow_indices": [0, 1, 1, 1, 1],
+                                 "sparse_col_indices": [9]}}, "target_prompt_logprobs"),
+    ({"target_prompt_logprobs": {"data": [-1] * 4, "dtype": "int64", "shape": [4, 1]}}, "target_prompt_logprobs"),
+    ({"target_prompt_logprobs": "7"}, "target_prompt_logprobs"),
+    # QUILT_GEN_MAX_PROBE_ROWS (512): one probe per scored prompt row
+    ({"tokens": [5] * 514, "prompt_alt_tokens_k": 1}, "prompt_alt_tokens_k"),
+    ({"tokens": [5] * 514, "target_prompt_logprobs": {"data": [7] * 513, "dtype": "int64", "shape": [513, 1]}},
+     "target_prompt_logprobs"),
+    ({"record_stability_info": {"x": 1}}, "record_stability_info"),
     ({"deadline_s": -1}, "deadline_s"),
     ({"episode_id": ""}, "episode_id"),
     ({"episode_id": "x" * 129}, "episode_id"),
@@ -263,6 +278,40 @@ def test_topk_alone_and_last_n_through_http(stack, tenant):
     rows = result["topk_prompt_logprobs"]
     assert len(rows) == len(PROMPT) and rows[:-2] == [None] * (len(PROMPT) - 2)
     assert all(len(row) == 2 and row[0][1] >= row[1][1] for row in rows[-2:])
+
+
+def test_sampling_outputs_as_json(stack, tenant):
+    """The JSON result (what a client without protobuf reads) carries every output; a seeded request
+    draws the same alternatives again."""
+    http = stack.http(tenant.key)
+    sampler = base_sampler(http)
+    target = {"data": [7, 9, 5, 11], "dtype": "int64", "shape": [4, 2], "sparse_crow_indices": [0, 2, 2, 3, 4],
+              "sparse_col_indices": [0, 1, 1, 0]}
+    results, request_ids = [], []
+    for _ in range(2):
+        r = _asample(http, sampler, n=2, params={"max_tokens": 3, "seed": 5, "temperature": 1.0},
+                     topk_sample_logprobs=2, target_prompt_logprobs=target, prompt_alt_tokens_k=3)
+        assert r.status_code == 200, r.text
+        request_ids.append(r.json()["request_id"])
+        results.append(wait_future(http, request_ids[-1]))
+    result = results[0]
+    assert all(len(s["topk_logprobs"]) == len(s["tokens"]) == 3 for s in result["sequences"])
+    got = result["target_prompt_logprobs"]
+    assert (got["shape"], got["dtype"], got["sparse_crow_indices"]) == ([4, 2], "float32", [0, 2, 2, 3, 4])
+    assert len(got["data"]) == 4 and all(v < 0 for v in got["data"])
+    alts = result["prompt_alt_tokens"]
+    assert alts["tokens"]["shape"] == alts["logprobs"]["shape"] == [4, 3]
+    # The same draws; logprobs to about 1e-6 (a batch of another size sums in another order).
+    again = results[1]
+    assert again["prompt_alt_tokens"]["tokens"] == alts["tokens"]
+    assert again["target_prompt_logprobs"]["data"] == pytest.approx(got["data"], abs=1e-4)
+    # Billed as any sample: the prompt once per sequence and the sampled tokens, nothing for the outputs.
+    from core import db
+
+    with db.connect(stack.database_url) as conn:
+        rows = conn.execute("SELECT prefill_tokens, sample_tokens, train_tokens FROM usage_ledger "
+                            "WHERE request_id = ANY(%s)", (request_ids,)).fetchall()
+    assert [(r["prefill_tokens"], r["sample_tokens"], r["train_tokens"]) for r in rows] == [(len(PROMPT) * 2, 6, 0)] * 2
 
 
 def test_a_seed_reproduces_a_sample(stack, tenant):

@@ -177,6 +177,86 @@ def test_sampling_through_the_official_sdk(stack, tenant):
         assert len(base.sample(prompt, 2, params).result().sequences) == 2
 
 
+# The trainer (torch + PEFT) and the sampler (vLLM) agree on logprobs within this (tests/test_sampling_stack.py).
+LOGPROB_TOL = 1e-3
+
+
+def _trainer_scores(tc, tokens: list[int], ids):
+    """The trainer's logprob of ids[i][j] after tokens[:i + 1] (top-K targets, [len(tokens), K]);
+    a cell of -1 is scored as token 0 with weight 0 and not compared."""
+    import torch
+
+    ids = torch.as_tensor(ids, dtype=torch.int64)
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs={
+        "target_tokens": types.TensorData.from_torch(ids.clamp(min=0)),
+        "weights": types.TensorData.from_torch((ids >= 0).float())})
+    return tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+
+
+def test_sampling_outputs_through_the_official_sdk(stack, tenant):
+    """topk_sample_logprobs, target_prompt_logprobs (dense and sparse CSR), prompt_alt_tokens_k and
+    record_stability_info through the SDK's own request and protobuf decoding, every number checked
+    against the trainer's logprob of the same token in the same context."""
+    import torch
+
+    prompt = [40, 41, 42, 43, 44, 45, 46, 47]
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
+        tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))
+        tc.forward_backward(_sft_data(), "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        sampler = ready(tc.save_weights_and_get_sampling_client(record_stability_info=True))
+        plain = ready(tc.save_weights_and_get_sampling_client())  # the same weights, nothing recorded
+        ids = torch.full((len(prompt) - 1, 3), -1, dtype=torch.int64)
+        ids[0, 0], ids[3] = 7, torch.tensor([300, 44, 2])  # row i scores prompt position i + 1
+        ids[6, 2] = 999
+        params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=11, stop=[])
+        dense = sampler.sample(types.ModelInput.from_ints(prompt), 2, params, include_prompt_logprobs=True,
+                               topk_sample_logprobs=3, target_prompt_logprobs=types.TensorData.from_torch(ids),
+                               prompt_alt_tokens_k=4).result()
+        sparse_in = types.TensorData.from_torch_sparse(ids, pad_value=-1)
+        assert sparse_in.sparse_crow_indices is not None  # the SDK did send CSR
+        sparse = plain.sample(types.ModelInput.from_ints(prompt), 1, params,
+                              target_prompt_logprobs=sparse_in).result()
+
+        trainer = _trainer_scores(tc, prompt[:-1], ids)
+        got = dense.target_prompt_logprobs.to_torch()
+        assert got.shape == ids.shape and bool((got[ids < 0] == 0).all())
+        assert (got - trainer)[ids >= 0].abs().max().item() < LOGPROB_TOL
+        # The prompt's own token, named as a target, is the same number as its prompt logprob.
+        assert abs(got[3, 1].item() - dense.prompt_logprobs[4]) < 1e-5
+        assert sparse.target_prompt_logprobs.sparse_crow_indices == sparse_in.sparse_crow_indices
+        assert torch.allclose(sparse.target_prompt_logprobs.to_torch(), got, atol=1e-5)
+
+        alt_tokens = dense.prompt_alt_tokens.tokens.to_torch()
+        alt_lps = dense.prompt_alt_tokens.logprobs.to_torch()
+        assert alt_tokens.shape == alt_lps.shape == (len(prompt) - 1, 4)
+        assert (alt_lps - _trainer_scores(tc, prompt[:-1], alt_tokens)).abs().max().item() < LOGPROB_TOL
+        assert len({tuple(r) for r in alt_tokens.tolist()}) > 1  # drawn, not one token repeated everywhere
+
+        for seq in dense.sequences:
+            topk = seq.topk_logprobs
+            assert len(topk) == len(seq.tokens) == 5 and all(len(row) == 3 for row in topk)
+            assert all(row[0][1] >= row[1][1] >= row[2][1] for row in topk)
+            context = prompt + seq.tokens[:-1]
+            ids_k = torch.full((len(context), 3), -1, dtype=torch.int64)
+            ids_k[len(prompt) - 1:] = torch.tensor([[t for t, _ in row] for row in topk])
+            trainer_k = _trainer_scores(tc, context, ids_k)[len(prompt) - 1:]
+            assert (torch.tensor([[lp for _, lp in row] for row in topk]) - trainer_k).abs().max().item() < LOGPROB_TOL
+
+            record = stack.http(tenant.key).get(f"/sampled_sequences/{seq.sequence_id}/stability")
+            assert record.status_code == 200, record.text
+            body = record.json()
+            assert (body["tokens"], body["prompt_length"], body["policy_version"]) == (seq.tokens, len(prompt), 1)
+            assert max(abs(a - b) for a, b in zip(body["logprobs"], seq.logprobs, strict=True)) < 1e-6
+            assert [[t for t, _ in row] for row in body["topk_logprobs"]] == [[t for t, _ in row] for row in topk]
+        other = stack.create_tenant("stability-other")
+        seq_id = dense.sequences[0].sequence_id
+        assert stack.http(other.key).get(f"/sampled_sequences/{seq_id}/stability").status_code == 404
+        # Sampled by a client without record_stability_info: nothing recorded.
+        assert stack.http(tenant.key).get(f"/sampled_sequences/{sparse.sequences[0].sequence_id}/stability"
+                                          ).status_code == 404
+
+
 @pytest.mark.skipif(not hasattr(RestClient, "get_checkpoint_archive_url"),
                     reason="tinker 0.38 has no get_checkpoint_archive_url (save_weights_external replaces it)")
 def test_checkpoint_archive_through_the_official_sdk(stack, tenant, tmp_path):

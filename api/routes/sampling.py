@@ -6,6 +6,7 @@
     GET samplers/{id}          {"sampler_id", "base_model", "model_path"?}
     asample                    a future with `sample_sequence_ids`; compute_logprobs is an asample
                                with prompt_logprobs=true and max_tokens=1
+    GET sampled_sequences/{id}/stability   a sequence's record_stability_info record
     cancel_future              aborts a sampling request (its future fails as cancelled)
 
 Every publication is written to its own directory (`.../sampler_weights/<name>/<version>`), never
@@ -15,6 +16,7 @@ Anything that is not the caller's is 404, like a missing thing.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from datetime import UTC, datetime
@@ -38,7 +40,7 @@ from core import db, ids, queue
 from core.errors import InvalidInput, NotFound
 from core.settings import get_core_settings, get_gen_pool_settings
 from core.work import AdapterRef, SampleWork, SaveWeights, WorkItem, WorkKind
-from gen_pool import params
+from gen_pool import outputs, params, stability
 from tenancy import scoped
 
 log = logging.getLogger("quilt.api.sampling")
@@ -219,14 +221,26 @@ def group_limits(base: catalog.BaseModel) -> params.Limits:
                          gen.default_max_tokens, gen.max_stop_entries, gen.max_stop_chars)
 
 
-def _unsupported(body: SampleRequest) -> None:
-    for field in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
-        if getattr(body, field):
-            raise InvalidInput(f"{field} is not supported by this server yet; send 0", field=field)
-    for field, asked in (("target_prompt_logprobs", body.target_prompt_logprobs is not None),
-                         ("record_stability_info", bool(body.record_stability_info))):
-        if asked:
-            raise InvalidInput(f"{field} is not supported by this server yet; leave it out", field=field)
+def _outputs(body: SampleRequest, prompt_len: int, vocab: int) -> tuple[outputs.PromptTargets | None, int]:
+    """Check the extra outputs a request asks for; returns its parsed targets and how many prompt rows
+    its probes score (gen_pool.outputs)."""
+    gen = get_gen_pool_settings()
+    if not 0 <= body.topk_sample_logprobs <= gen.max_topk_logprobs:
+        raise InvalidInput(f"topk_sample_logprobs must be in [0, {gen.max_topk_logprobs}], got "
+                           f"{body.topk_sample_logprobs}", field="topk_sample_logprobs")
+    if not 0 <= body.prompt_alt_tokens_k <= gen.max_alt_tokens:
+        raise InvalidInput(f"prompt_alt_tokens_k must be in [0, {gen.max_alt_tokens}], got {body.prompt_alt_tokens_k}",
+                           field="prompt_alt_tokens_k")
+    alt_rows = prompt_len - 1 if body.prompt_alt_tokens_k else 0
+    if alt_rows > gen.max_probe_rows:
+        raise InvalidInput(f"prompt_alt_tokens_k draws at every prompt position: {alt_rows} rows, more than the limit "
+                           f"of {gen.max_probe_rows} (QUILT_GEN_MAX_PROBE_ROWS); shorten the prompt",
+                           field="prompt_alt_tokens_k")
+    targets = None
+    if body.target_prompt_logprobs is not None:
+        targets = outputs.parse_targets(body.target_prompt_logprobs, prompt_len=prompt_len, vocab=vocab,
+                                        max_rows=gen.max_probe_rows)
+    return targets, len(outputs.probe_rows(targets, alt_rows)) if targets is not None or alt_rows else 0
 
 
 @router.post("/asample")
@@ -236,10 +250,14 @@ async def asample(body: SampleRequest, who: Who, pool: Pool, redis: RedisDep, se
     The result: `{"sequences": [{"tokens", "logprobs", "stop_reason", "model_id", "policy_version"}],
     "prompt_logprobs"?: [null, ...], "topk_prompt_logprobs"?: [null, [[token, logprob], ...], ...]}`;
     `topk_prompt_logprobs=k` gives the k most likely tokens at every prompt position (at most
-    QUILT_GEN_MAX_TOPK_LOGPROBS), `prompt_logprobs_last_n` limits both to the prompt's last n.
+    QUILT_GEN_MAX_TOPK_LOGPROBS), `prompt_logprobs_last_n` limits both to the prompt's last n;
+    `topk_sample_logprobs=k` gives them at every sampled position (each sequence's "topk_logprobs");
+    `target_prompt_logprobs` (int64 `[len(prompt) - 1, K]`, dense or CSR, -1: nothing) gives the
+    logprobs of the named ids in the same layout; `prompt_alt_tokens_k=k` gives k draws at the
+    request's temperature at every prompt position after the first ("prompt_alt_tokens");
+    `record_stability_info` keeps each sequence's record (GET sampled_sequences/{id}/stability).
     """
     gen = get_gen_pool_settings()
-    _unsupported(body)
     check_group(n=body.num_samples, n_field="num_samples", topk=body.topk_prompt_logprobs,
                 topk_field="topk_prompt_logprobs")
     deadline_s = body.deadline_s or gen.default_deadline_s
@@ -251,11 +269,15 @@ async def asample(body: SampleRequest, who: Who, pool: Pool, redis: RedisDep, se
         limits = group_limits(base)
         prompt = params.check_prompt([t for c in body.prompt.chunks for t in c.tokens], limits)
         spec = params.normalise(body.sampling_params.model_dump(), len(prompt), limits)
+        targets, probe_rows = _outputs(body, len(prompt), base.vocab_size)
         now = time.time()
         work = SampleWork(prompt=tuple(prompt), n=body.num_samples, spec=spec, adapter=adapter, submitted_at=now,
                           deadline_at=now + deadline_s, prompt_logprobs=body.prompt_logprobs,
                           prompt_logprobs_last_n=body.prompt_logprobs_last_n,
-                          prompt_topk=body.topk_prompt_logprobs, episode_id=body.episode_id,
+                          prompt_topk=body.topk_prompt_logprobs, sample_topk=body.topk_sample_logprobs,
+                          prompt_targets=None if targets is None else targets.to_json(),
+                          prompt_alt_k=body.prompt_alt_tokens_k, record_stability=bool(body.record_stability_info),
+                          episode_id=body.episode_id,
                           episode_hint=body.episode_hint)
         item = WorkItem(ids.new_request_id(), who.tenant_id, body.sampling_session_id or "", body.seq_id or 0,
                         WorkKind.SAMPLE, len(prompt) * body.num_samples, work)
@@ -264,15 +286,31 @@ async def asample(body: SampleRequest, who: Who, pool: Pool, redis: RedisDep, se
             # The SDK resubmits after timeouts and 5xx; the same (sampler, seq_id) is the same request.
             slot = admission.RedisSlot(f"quilt:sample-seq:{body.sampling_session_id}:{body.seq_id}",
                                        settings.future_ttl_seconds)
-        # Rate-limited on what it may consume: its prompts and every sample's max_tokens.
-        rate_tokens = body.num_samples * (len(prompt) + spec.max_tokens)
+        # Rate-limited on what it may consume: its prompts, every sample's max_tokens, and each probe's
+        # token (and draws) besides (gen_pool.outputs).
+        rate_tokens = body.num_samples * (len(prompt) + spec.max_tokens) + probe_rows * max(body.prompt_alt_tokens_k, 1)
         request_id = await admission.admit(conn, redis, who, admission.Ticket(item, base.name, slot,
                                                                               rate_tokens=rate_tokens))
     return _future(request_id, body.num_samples)
 
 
 def _future(request_id: str, n: int) -> dict:
-    return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(n)]}
+    return {"request_id": request_id, "sample_sequence_ids": [stability.sequence_id(request_id, i) for i in range(n)]}
+
+
+@router.get("/sampled_sequences/{sequence_id}/stability")
+async def get_stability(sequence_id: str, who: Who, redis: RedisDep) -> dict:
+    """Quilt: the stability record of one of your sampled sequences (asked for with
+    `record_stability_info`): `{"sequence_id", "model_id", "policy_version", "prompt_length",
+    "tokens", "logprobs", "stop_reason", "topk_logprobs"?}`. Reading it keeps it
+    QUILT_GEN_STABILITY_TTL_S longer; a missing, expired or another tenant's record is 404."""
+    if len(sequence_id) > 300:
+        raise InvalidInput("sequence_id is longer than any this server gives (300 characters)", field="sequence_id")
+    raw = await redis.getex(stability.key(who.tenant_id, sequence_id), ex=get_gen_pool_settings().stability_ttl_s)
+    if raw is None:
+        raise NotFound(f"no stability record for sequence {sequence_id!r}: not sampled with record_stability_info, "
+                       "not finished yet, or expired", field="sequence_id")
+    return json.loads(raw)
 
 
 @router.post("/cancel_future")
