@@ -23,7 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-HELPERS = {"_root", "flags", "table", "framework_floor"}  # imported by benches or served by uvicorn, not run
+HELPERS = {"_root", "flags", "table", "framework_floor", "_quota_lock_arms"}  # imported by benches or served by uvicorn, not run
 BENCHES = sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in HELPERS)
 HEAVY = {"torch", "tinker"}  # importing either takes seconds: those benches' --help runs are left out
 
