@@ -37,12 +37,12 @@ Outcome = dict[str, Any] | QuiltError
 
 # Dimuon's internal constants (tinker documents them as such): the matrix-sign iteration, five
 # quintic Newton-Schulz steps with Muon's coefficients (fast growth of small singular values) then
-# two cubic ones (which converge to the sign: the quintic alone leaves them anywhere in ~[0.7, 1.2]),
-# and the epsilon of every normalisation.
+# two cubic ones (which converge to the sign: the quintic alone leaves them anywhere in ~[0.7, 1.2]).
+# Normalisations divide by the norm or, for a zero matrix, by the dtype's smallest normal number
+# (a zero matrix gives a zero step; no epsilon biases a small one).
 NS_QUINTIC = (3.4445, -4.7750, 2.0315)
 NS_QUINTIC_STEPS = 5
 NS_CUBIC_STEPS = 2
-DIMUON_EPS = 1e-7
 RANK_REFERENCE = 32  # the rank at which rank_lr_correction_exponent changes nothing
 
 
@@ -217,13 +217,16 @@ def _wide(m: torch.Tensor) -> torch.Tensor:
 
 def _direction(x: torch.Tensor, damping: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`step_dimuon`'s direction of each matrix of the batch `x` [B, m, n]."""
+    tiny = torch.finfo(x.dtype).tiny
     sq = x.square()
-    mean = sq.mean((-2, -1), keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+    mean = sq.mean((-2, -1), keepdim=True).clamp_min(tiny)
     s = (sq.mean(-1, keepdim=True) / mean + damping).pow(-0.25)
     t = (sq.mean(-2, keepdim=True) / mean + damping).pow(-0.25)
+    # Scaled to at most 1 (the direction is normalised after): the same direction, never overflowing.
+    s, t = s / s.amax(-2, keepdim=True), t / t.amax(-1, keepdim=True)
     u = s * matrix_sign(s * x * t) * t
     norm: torch.Tensor = torch.linalg.matrix_norm(u, keepdim=True)
-    return u * (scale / (norm + DIMUON_EPS))
+    return u / norm.clamp_min(tiny) * scale
 
 
 def matrix_sign(x: torch.Tensor) -> torch.Tensor:
@@ -231,7 +234,7 @@ def matrix_sign(x: torch.Tensor) -> torch.Tensor:
     scaled to Frobenius norm 1 (every singular value in [0, 1]), then NS_QUINTIC_STEPS quintic
     steps and NS_CUBIC_STEPS cubic ones. A zero matrix stays zero."""
     norm: torch.Tensor = torch.linalg.matrix_norm(x, keepdim=True)
-    x = x / (norm + DIMUON_EPS)
+    x = x / norm.clamp_min(torch.finfo(x.dtype).tiny)
     a, b, c = NS_QUINTIC
     for _ in range(NS_QUINTIC_STEPS):
         gram = x @ x.mT
