@@ -15,6 +15,7 @@ from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
 from core.errors import QuotaExceeded
+from core.work import ADAMW
 from tenancy import scoped
 from tenancy.auth import Principal
 
@@ -28,6 +29,7 @@ class NewModel:
     base_model: str
     lora_config: dict
     user_metadata: dict
+    optimizer: str = ADAMW  # its optimizer family (core.work.OPTIMIZERS), kept for its life
 
 
 @asynccontextmanager
@@ -97,9 +99,9 @@ async def insert_training_model(conn: AsyncConnection[DictRow], who: Principal, 
     """Record a new model, placed on trainer shard `shard` (None: one trainer per base)."""
     await conn.execute(
         "INSERT INTO training_models (id, tenant_id, session_id, model_seq_id, base_model, lora_config, "
-        "user_metadata, trainer_shard) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
+        "user_metadata, trainer_shard, optimizer) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
         (model_id, who.tenant_id, model.session_id, model.model_seq_id, model.base_model, Jsonb(model.lora_config),
-         Jsonb(model.user_metadata), shard),
+         Jsonb(model.user_metadata), shard, model.optimizer),
     )
 
 
