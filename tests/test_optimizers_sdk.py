@@ -12,6 +12,7 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from stackutil import TINY, wait_future  # noqa: E402
 from tinker import types  # noqa: E402
+from tinker.types.optimizer import OptimParamsBase  # noqa: E402
 from tinkerutil import ready, rest_client  # noqa: E402
 
 DIMUON = types.DimuonParams(learning_rate=0.05, beta1=0.9)
@@ -156,8 +157,8 @@ def test_hostile_dimuon_hyperparameters_are_refused_by_name(stack, tenant):
     with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
         tc = ready(service.create_lora_training_client(base_model=TINY, rank=4, optimizer=types.DimuonOptimizerConfig()))
         with pytest.raises(tinker.BadRequestError, match="optimizer_params.damping"):
-            tc.optim_step(types.OptimParamsBase(type="dimuon", learning_rate=0.05, damping=-1.0)).result()
+            tc.optim_step(OptimParamsBase(type="dimuon", learning_rate=0.05, damping=-1.0)).result()
         tc.forward_backward(_sft_data()[:1], "cross_entropy").result()
-        step = tc.optim_step(types.OptimParamsBase(type="dimuon", learning_rate=0.05, damping=0.5,
+        step = tc.optim_step(OptimParamsBase(type="dimuon", learning_rate=0.05, damping=0.5,
                                                    rank_lr_correction_exponent=-0.5)).result()
         assert step.metrics["step:max"] == 1.0
