@@ -210,6 +210,25 @@ def params_field(family: str) -> str:
     return _PARAMS_FIELD[family]
 
 
+def load_family(*, optimizer: bool, asked: str | None, saved: str | None, model: str | None) -> str:
+    """The optimizer family of the model a load ends in, or a user error naming the field at fault.
+    `optimizer`: the load takes the checkpoint's optimizer state too; `asked`: the request's
+    optimizer_config (None: not sent); `saved`: the checkpoint's family (None: unknown here, the
+    trainer checks it); `model`: the existing model loaded into (None: the load makes a new one).
+    An existing model keeps its own, and refuses another family's state; a new model takes the
+    checkpoint's with its state, else `asked` (AdamW when not sent)."""
+    keeps = model if model is not None else saved if optimizer else None
+    if keeps is not None and asked not in (None, keeps):
+        why = "the model's, chosen at create_model" if model is not None else "the checkpoint's, whose state it loads"
+        raise InvalidInput(f"optimizer_config {asked!r}: this load keeps {why} ({keeps!r}); leave optimizer_config out",
+                           field="optimizer_config")
+    if model is not None and optimizer and saved not in (None, model):
+        raise InvalidInput(f"the checkpoint holds {saved} optimizer state and this model's optimizer is {model} (fixed "
+                           f"at create_model): load its weights alone (load_state, optimizer=false), or load it with "
+                           f"its state as a new model (create_training_client_from_state_with_optimizer)", field="path")
+    return keeps or asked or ADAMW
+
+
 def check_family(model_family: str, params_family: str) -> None:
     """A step's hyperparameters must be of the family the model was created with: a user error
     naming the field they came in otherwise."""

@@ -14,7 +14,18 @@ from batcher.engine.backend import LoraBackend
 from batcher.engine.protocol import PassRequest
 from core.errors import InvalidInput, QuiltError
 from core.loss_spec import LossConfig
-from core.work import ADAMW, DIMUON, AdamParams, Datum, DimuonParams, LoraShape, PassWork
+from core.work import (
+    ADAMW,
+    DIMUON,
+    AdamParams,
+    Datum,
+    DimuonParams,
+    LoraShape,
+    PassWork,
+    check_family,
+    load_family,
+    params_field,
+)
 from stack.tiny_model import build_tiny_model
 
 ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
@@ -182,3 +193,37 @@ def test_a_step_of_the_other_family_is_refused_naming_its_field(base_path):
     with pytest.raises(InvalidInput) as err:
         be.create("x", LoraShape(rank=4), "lion")
     assert err.value.field == "optimizer_config"
+
+
+@pytest.mark.parametrize(("optimizer", "asked", "saved", "model", "want"), [
+    # A new model: the checkpoint's family with its state, else the one asked for (AdamW by default).
+    (True, None, DIMUON, None, DIMUON),
+    (True, DIMUON, DIMUON, None, DIMUON),
+    (True, ADAMW, DIMUON, None, "optimizer_config"),
+    (False, None, DIMUON, None, ADAMW),
+    (False, DIMUON, ADAMW, None, DIMUON),
+    # An existing model keeps its own, takes any checkpoint's weights, and only its own family's state.
+    (False, None, DIMUON, ADAMW, ADAMW),
+    (True, None, ADAMW, ADAMW, ADAMW),
+    (True, None, DIMUON, ADAMW, "path"),
+    (True, None, None, DIMUON, DIMUON),  # a deleted run's checkpoint: the trainer checks what it holds
+    (False, ADAMW, ADAMW, DIMUON, "optimizer_config"),
+])
+def test_the_family_a_load_ends_in(optimizer, asked, saved, model, want):
+    if want in (ADAMW, DIMUON):
+        assert load_family(optimizer=optimizer, asked=asked, saved=saved, model=model) == want
+    else:
+        with pytest.raises(InvalidInput) as err:
+            load_family(optimizer=optimizer, asked=asked, saved=saved, model=model)
+        assert err.value.field == want
+
+
+@pytest.mark.parametrize(("model", "params", "field"), [
+    (ADAMW, ADAMW, None), (DIMUON, DIMUON, None), (ADAMW, DIMUON, "optimizer_params"), (DIMUON, ADAMW, "adam_params")])
+def test_a_step_must_be_of_the_models_family(model, params, field):
+    if field is None:
+        check_family(model, params)
+    else:
+        with pytest.raises(InvalidInput) as err:
+            check_family(model, params)
+        assert err.value.field == field and params_field(model) in str(err.value)

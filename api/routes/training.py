@@ -44,6 +44,7 @@ from core.work import (
     WorkKind,
     check_family,
     family_of,
+    load_family,
 )
 from tenancy import scoped
 
@@ -276,8 +277,8 @@ async def load_weights(body: LoadWeightsRequest, request: Request, who: Who, poo
     if target is None and body.base_model not in (None, source["base_model"]):
         raise InvalidInput(f"base_model {body.base_model!r}: a checkpoint loads onto its own base "
                            f"({source['base_model']!r}); leave base_model out", field="base_model")
-    family = _load_family(body, saved=source["optimizer"] if source else None,
-                          model=target["optimizer"] if target else None)
+    family = load_family(optimizer=body.optimizer, asked=_family(body.optimizer_config) if body.optimizer_config else None,
+                         saved=source["optimizer"] if source else None, model=target["optimizer"] if target else None)
     load = LoadWeights(storage_path=ckpt["storage_path"], optimizer=body.optimizer, path=body.path)
     if body.model_id is None:
         return await _new_model(pool, redis, who, session_id=body.session_id, model_seq_id=body.model_seq_id,
@@ -291,19 +292,3 @@ def _family(config: OptimizerConfig | None) -> str:
     """The optimizer family an optimizer_config names (AdamW when there is none)."""
     return config.type if config is not None else ADAMW
 
-
-def _load_family(body: LoadWeightsRequest, *, saved: str | None, model: str | None) -> str:
-    """The optimizer family of the model a load ends in: an existing model's own (a full-state load
-    of another family's checkpoint is refused), or a new model's: the checkpoint's with its
-    optimizer state, `optimizer_config`'s (AdamW when left out) with its weights alone."""
-    asked = body.optimizer_config.type if body.optimizer_config is not None else None
-    keeps = model if model is not None else saved if body.optimizer else None
-    if keeps is not None and asked not in (None, keeps):
-        why = "the model's, chosen at create_model" if model is not None else "the checkpoint's, whose state it loads"
-        raise InvalidInput(f"optimizer_config {asked!r}: this load keeps {why} ({keeps!r}); leave optimizer_config out",
-                           field="optimizer_config")
-    if model is not None and body.optimizer and saved not in (None, model):
-        raise InvalidInput(f"the checkpoint holds {saved} optimizer state and this model's optimizer is {model} (fixed "
-                           f"at create_model): load its weights alone (load_state, optimizer=false), or load it with "
-                           f"its state as a new model (create_training_client_from_state_with_optimizer)", field="path")
-    return keeps or asked or ADAMW
