@@ -4,6 +4,7 @@ family a model was created with holding for its life."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -12,16 +13,21 @@ import torch
 from batcher.engine import optimizers
 from batcher.engine.backend import LoraBackend
 from batcher.engine.protocol import PassRequest
+from checkpoints.layout import META_FILE, TrainerMeta
 from core.errors import InvalidInput, QuiltError
 from core.loss_spec import LossConfig
 from core.work import (
     ADAMW,
     DIMUON,
     AdamParams,
+    CreateModel,
     Datum,
     DimuonParams,
     LoraShape,
+    OptimStep,
     PassWork,
+    WorkItem,
+    WorkKind,
     check_family,
     load_family,
     params_field,
@@ -157,6 +163,8 @@ def test_dimuon_state_survives_save_and_load_and_continues_identically(base_path
         _pass(be, {"m": [_datum(start)]})
         be.optim_step("m", hp)
     be.save("m", str(tmp_path / "ck"), overwrite=False)
+    # What a restarted trainer re-creates the model from (batcher.snapshots) names its family.
+    assert TrainerMeta.read(tmp_path / "ck").optimizer == DIMUON
     _pass(be, {"m": [_datum(70)]})
     be.optim_step("m", hp)
     after = {k: v.clone() for k, v in be.adapter_state("m").items()}
@@ -227,3 +235,26 @@ def test_a_step_must_be_of_the_models_family(model, params, field):
         with pytest.raises(InvalidInput) as err:
             check_family(model, params)
         assert err.value.field == field and params_field(model) in str(err.value)
+
+
+@pytest.mark.parametrize("body", [
+    OptimStep(DimuonParams(learning_rate=0.05, beta1=0.5, grad_clip_norm=-1.0, damping=2.0,
+                           rank_lr_correction_exponent=-0.5)),
+    OptimStep(ADAM),
+    CreateModel(LoraShape(rank=4), optimizer=DIMUON),
+])
+def test_the_family_crosses_the_work_contract(body):
+    kind = WorkKind.OPTIM_STEP if isinstance(body, OptimStep) else WorkKind.CREATE_MODEL
+    item = WorkItem("r", "t", "m", 1, kind, 0, body)
+    assert WorkItem.from_fields(item.to_fields()).body == body
+
+
+def test_entries_written_before_the_families_read_as_adamw():
+    # A replay log or a queue may hold what the API wrote before Dimuon: AdamW under "adam", no optimizer.
+    assert OptimStep.from_json({"adam": AdamParams().to_json()}) == OptimStep(AdamParams())
+    assert CreateModel.from_json({"lora": LoraShape(rank=4).to_json(), "load": None}).optimizer == ADAMW
+
+
+def test_checkpoints_written_before_the_families_hold_adamw_state(tmp_path):
+    (tmp_path / META_FILE).write_text(json.dumps({"lora_config": {"rank": 4}, "steps": 3}))
+    assert TrainerMeta.read(tmp_path).optimizer == ADAMW
