@@ -195,8 +195,7 @@ class DimuonParams(_Body):
 
     type: Literal["dimuon"] = "dimuon"
     learning_rate: float = Field(ge=0, le=10, allow_inf_nan=False)
-    grad_clip_norm: float = Field(0.0, ge=-1e30, le=1e30, allow_inf_nan=False,
-                                  description="global gradient norm limit; nonpositive: no clipping")
+    grad_clip_norm: float = Field(0.0, allow_inf_nan=False, description="global gradient norm limit; nonpositive: none")
     beta1: float = Field(0.9, ge=0, lt=1, allow_inf_nan=False)
     damping: float = Field(DIMUON_DAMPING, ge=DIMUON_DAMPING_RANGE[0], le=DIMUON_DAMPING_RANGE[1], allow_inf_nan=False,
                            description="smooths the row and column preconditioner, relative to the mean square")
