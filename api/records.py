@@ -16,6 +16,7 @@ from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
 
 from core.errors import QuotaExceeded
+from core.work import ADAMW
 from tenancy import scoped
 from tenancy.auth import Principal
 
@@ -29,6 +30,7 @@ class NewModel:
     base_model: str
     lora_config: dict
     user_metadata: dict
+    optimizer: str = ADAMW  # its optimizer family (core.work.OPTIMIZERS), kept for its life
 
 
 # The lock's key: one per tenant, shared by quota_lock (a session lock) and locked_statement (a
@@ -136,9 +138,9 @@ async def insert_training_model(conn: AsyncConnection[DictRow], who: Principal, 
     """Record a new model, placed on trainer shard `shard` (None: one trainer per base)."""
     await conn.execute(
         "INSERT INTO training_models (id, tenant_id, session_id, model_seq_id, base_model, lora_config, "
-        "user_metadata, trainer_shard) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
+        "user_metadata, trainer_shard, optimizer) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
         (model_id, who.tenant_id, model.session_id, model.model_seq_id, model.base_model, Jsonb(model.lora_config),
-         Jsonb(model.user_metadata), shard),
+         Jsonb(model.user_metadata), shard, model.optimizer),
     )
 
 

@@ -21,7 +21,7 @@ from checkpoints import retention
 from core.ids import check_name
 from core.numbers import INT32_MAX, INT64_MAX
 from core.queue import MAX_CLONE
-from core.work import SEED_MAX
+from core.work import DIMUON_DAMPING, SEED_MAX
 
 EPISODE_ID_PATTERN = r"^[A-Za-z0-9._:/-]{1,128}$"
 # A checkpoint's user_metadata (tinker types it dict[str, str]), bounded so that its row stays small.
@@ -92,10 +92,12 @@ class LoraConfig(_Body):
         return self
 
 
-def _adamw_only(value: dict | None) -> dict | None:
-    if value and value.get("type", "adamw") != "adamw":
-        raise ValueError(f"optimizer type {value.get('type')!r} is not supported; use 'adamw'")
-    return value
+class OptimizerConfig(_Body):
+    """A training model's optimizer family, chosen at create_model and kept for its life (tinker's
+    AdamOptimizerConfig, DimuonOptimizerConfig)."""
+
+    type: Literal["adamw", "dimuon"] = "adamw"
+    version: Literal[1] | None = Field(None, description="Dimuon's version (1, the one there is)")
 
 
 class CreateModelRequest(_Body):
@@ -103,10 +105,8 @@ class CreateModelRequest(_Body):
     model_seq_id: int = Field(ge=0, le=1_000_000)
     base_model: str = Field(max_length=256)
     lora_config: LoraConfig
-    optimizer_config: dict[str, Any] | None = None
+    optimizer_config: OptimizerConfig | None = Field(None, description="AdamW when left out")
     user_metadata: UserMetadata | None = None
-
-    _optimizer = field_validator("optimizer_config")(_adamw_only)
 
 
 class ModelRef(_Body):
@@ -185,19 +185,33 @@ class AdamParams(_Body):
     grad_clip_norm: float = Field(0.0, ge=0, allow_inf_nan=False)
 
 
+DIMUON_DAMPING_RANGE = (1e-6, 1e6)
+DIMUON_EXPONENT_LIMIT = 4.0  # |rank_lr_correction_exponent|: (512 / 32) ** 4 is the largest correction
+
+
+class DimuonParams(_Body):
+    """One Dimuon step (tinker's DimuonParams; tinker 0.38 sends the first three, the rest take
+    their defaults). What each does: docs/concepts/trainer.md."""
+
+    type: Literal["dimuon"] = "dimuon"
+    learning_rate: float = Field(ge=0, le=10, allow_inf_nan=False)
+    grad_clip_norm: float = Field(0.0, allow_inf_nan=False, description="global gradient norm limit; nonpositive: none")
+    beta1: float = Field(0.9, ge=0, lt=1, allow_inf_nan=False)
+    damping: float = Field(DIMUON_DAMPING, ge=DIMUON_DAMPING_RANGE[0], le=DIMUON_DAMPING_RANGE[1], allow_inf_nan=False,
+                           description="smooths the row and column preconditioner, relative to the mean square")
+    rank_lr_correction_exponent: float = Field(0.0, ge=-DIMUON_EXPONENT_LIMIT, le=DIMUON_EXPONENT_LIMIT,
+                                               allow_inf_nan=False,
+                                               description="learning rate times (rank / 32) ** this; 0: none")
+
+
 class OptimStepRequest(_Body):
+    """The step's hyperparameters in the field of the model's optimizer family: `adam_params`
+    (AdamW) or `optimizer_params` (Dimuon), as the tinker SDK sends them."""
+
     model_id: str = Field(max_length=256)
     seq_id: int = Field(ge=1, le=2**31 - 1)
-    # Where the tinker SDK sends another optimizer's parameters (Dimuon). Before adam_params, so
-    # that its refusal is the first error, not "adam_params: field required".
-    optimizer_params: dict[str, Any] | None = None
-    adam_params: AdamParams
-
-    @field_validator("optimizer_params")
-    @classmethod
-    def _adamw_params_only(cls, value: dict | None) -> None:
-        if value is not None:
-            raise ValueError(f"optimizer {value.get('type')!r} is not supported; send adam_params (AdamW)")
+    optimizer_params: DimuonParams | None = None
+    adam_params: AdamParams | None = None
 
 
 class SaveWeightsRequest(_Body):
@@ -247,10 +261,9 @@ class LoadWeightsRequest(_Body):
     optimizer: bool = False
     user_metadata: UserMetadata | None = None
     base_model: str | None = Field(None, max_length=256, description="if given, the checkpoint's own base")
-    optimizer_config: dict[str, Any] | None = None
+    optimizer_config: OptimizerConfig | None = Field(None, description="a new weights-only model's optimizer "
+                                                     "(AdamW when left out); a full-state load keeps the checkpoint's")
     weights_access_token: str | None = Field(None, max_length=4096)
-
-    _optimizer = field_validator("optimizer_config")(_adamw_only)
 
     @field_validator("weights_access_token")
     @classmethod

@@ -109,7 +109,7 @@ class Barriers:
         if not items:
             return {}
         try:
-            outcomes = self.backend.optim_steps([(item.model_id, item.body_as(OptimStep).adam) for item in items])
+            outcomes = self.backend.optim_steps([(item.model_id, item.body_as(OptimStep).params) for item in items])
         except Exception as exc:
             return {item.request_id: as_error(item, exc) for item in items}
         return {item.request_id: outcome for item, outcome in zip(items, outcomes)}
@@ -145,7 +145,7 @@ class Barriers:
     def _create(self, item: WorkItem, context: Any = None) -> dict[str, Any]:
         work = item.body_as(CreateModel)
         try:
-            self.backend.create(item.model_id, work.lora)
+            self.backend.create(item.model_id, work.lora, work.optimizer)
             if work.load:  # create-from-checkpoint: the model's first request also loads its state
                 self.backend.load(item.model_id, str(self.store.fetch(work.load.storage_path)),
                                   optimizer=work.load.optimizer)
@@ -167,7 +167,7 @@ class Barriers:
         if taken is not None:
             return taken
         work = item.body_as(OptimStep)
-        return self.backend.optim_step(item.model_id, work.adam)
+        return self.backend.optim_step(item.model_id, work.params)
 
     def _load(self, item: WorkItem, context: Any = None) -> dict[str, Any]:
         work = item.body_as(LoadWeights)

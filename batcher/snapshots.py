@@ -67,7 +67,8 @@ class SnapshotStore:
         seq_id, path = found
         try:
             path = self.store.fetch(str(path))  # from the bucket when this machine has not got it
-            backend.create(model_id, LoraShape.from_json(TrainerMeta.read(path).lora_config))
+            meta = TrainerMeta.read(path)
+            backend.create(model_id, LoraShape.from_json(meta.lora_config), meta.optimizer)
             backend.load_snapshot(model_id, str(path))
         except Exception:
             log.exception("snapshot of %s could not be loaded", model_id)

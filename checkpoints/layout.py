@@ -3,8 +3,9 @@
     <checkpoint root>/<tenant>/<model>/<kind>/<name>/<version>/
         adapter_config.json          PEFT's LoRA config (what PEFT and vLLM read)
         adapter_model.safetensors    the adapter's weights, under PEFT's key names
-        quilt_state.json             {"lora_config": ..., "steps": optimizer steps} (the policy version)
-        optimizer.pt                 AdamW state; training checkpoints (`weights`) only
+        quilt_state.json             {"lora_config": ..., "steps": optimizer steps (the policy version),
+                                      "optimizer": the model's optimizer family, "adamw" or "dimuon"}
+        optimizer.pt                 that optimizer's state; training checkpoints (`weights`) only
 
 `kind` is `weights` (training checkpoints), `sampler_weights` (publications for sampling) or
 `external_weights` (the adapter alone, exported for download).
@@ -24,6 +25,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from core.work import ADAMW
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -48,14 +51,16 @@ class TrainerMeta:
 
     lora_config: dict[str, Any]
     steps: int  # optimizer steps taken when saved: the weights' policy version
+    optimizer: str = ADAMW  # the model's optimizer family: what optimizer.pt holds (checkpoints before it: AdamW)
 
     def write(self, directory: str | Path) -> None:
-        (Path(directory) / META_FILE).write_text(json.dumps({"lora_config": self.lora_config, "steps": self.steps}))
+        (Path(directory) / META_FILE).write_text(json.dumps({"lora_config": self.lora_config, "steps": self.steps,
+                                                             "optimizer": self.optimizer}))
 
     @classmethod
     def read(cls, directory: str | Path) -> TrainerMeta:
         obj = json.loads((Path(directory) / META_FILE).read_text())
-        return cls(dict(obj.get("lora_config") or {}), int(obj.get("steps", 0)))
+        return cls(dict(obj.get("lora_config") or {}), int(obj.get("steps", 0)), str(obj.get("optimizer", ADAMW)))
 
 
 def policy_version(directory: str | Path) -> int:

@@ -5,7 +5,7 @@
     kind                        body            goes to
     create_model                CreateModel     trainer (seq_id 0; may load a checkpoint too)
     forward, forward_backward   PassWork        trainer, fused with other models' passes
-    optim_step                  OptimStep       trainer, a barrier for its own model
+    optim_step                  OptimStep       trainer, a barrier for its own model (AdamW or Dimuon)
     save_weights                SaveWeights     trainer (adapter + optimizer state)
     save_weights_for_sampler    SaveWeights     trainer (adapter only, tagged with its policy version)
     load_weights                LoadWeights     trainer
@@ -27,9 +27,17 @@ from enum import StrEnum
 from typing import Any, ClassVar, TypeVar
 
 from core.custom_loss import LossGraph
+from core.errors import InvalidInput
 from core.loss_spec import LossConfig
 
 SEED_MAX = 2**63 - 1
+
+# Optimizer families, each as the tinker SDK names it in an optimizer_config. A model's family is
+# chosen at creation and kept for its life (the model's row, its checkpoints' metadata).
+ADAMW = "adamw"
+DIMUON = "dimuon"
+OPTIMIZERS: dict[str, dict[str, Any]] = {ADAMW: {"type": ADAMW}, DIMUON: {"type": DIMUON, "version": 1}}
+DIMUON_DAMPING = 0.1  # relative to the mean square: see batcher.engine.optimizers.step_dimuon
 
 
 class WorkKind(StrEnum):
@@ -93,14 +101,17 @@ class LoadWeights:
 class CreateModel:
     lora: LoraShape
     load: LoadWeights | None = None  # create-from-checkpoint: the first request also loads its state
+    optimizer: str = ADAMW  # the model's optimizer family (OPTIMIZERS), fixed for its life
 
     def to_json(self) -> dict[str, Any]:
-        return {"lora": self.lora.to_json(), "load": self.load.to_json() if self.load else None}
+        return {"lora": self.lora.to_json(), "load": self.load.to_json() if self.load else None,
+                "optimizer": self.optimizer}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> CreateModel:
         load = obj.get("load")
-        return cls(LoraShape.from_json(obj["lora"]), LoadWeights.from_json(load) if load else None)
+        return cls(LoraShape.from_json(obj["lora"]), LoadWeights.from_json(load) if load else None,
+                   str(obj.get("optimizer", ADAMW)))
 
 
 @dataclass(frozen=True)
@@ -173,14 +184,80 @@ class AdamParams:
 
 
 @dataclass(frozen=True)
-class OptimStep:
-    adam: AdamParams
+class DimuonParams:
+    """One Dimuon step's hyperparameters (batcher.engine.optimizers.step_dimuon says what each does)."""
+
+    learning_rate: float
+    beta1: float = 0.9
+    grad_clip_norm: float = 0.0  # nonpositive: no clipping
+    damping: float = DIMUON_DAMPING
+    rank_lr_correction_exponent: float = 0.0  # 0: no correction for the rank
 
     def to_json(self) -> dict[str, Any]:
-        return {"adam": self.adam.to_json()}
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> DimuonParams:
+        return cls(**{k: float(v) for k, v in obj.items()})
+
+
+OptimParams = AdamParams | DimuonParams
+
+
+def family_of(params: OptimParams) -> str:
+    """The optimizer family a step's hyperparameters belong to."""
+    return DIMUON if isinstance(params, DimuonParams) else ADAMW
+
+
+_PARAMS_FIELD = {ADAMW: "adam_params", DIMUON: "optimizer_params"}  # where the tinker SDK sends each
+_FAMILY_NAME = {ADAMW: "AdamW (AdamParams, sent as adam_params)", DIMUON: "Dimuon (DimuonParams, sent as optimizer_params)"}
+
+
+def params_field(family: str) -> str:
+    """The request field a family's step hyperparameters travel in."""
+    return _PARAMS_FIELD[family]
+
+
+def load_family(*, optimizer: bool, asked: str | None, saved: str | None, model: str | None) -> str:
+    """The optimizer family of the model a load ends in, or a user error naming the field at fault.
+    `optimizer`: the load takes the checkpoint's optimizer state too; `asked`: the request's
+    optimizer_config (None: not sent); `saved`: the checkpoint's family (None: unknown here, the
+    trainer checks it); `model`: the existing model loaded into (None: the load makes a new one).
+    An existing model keeps its own, and refuses another family's state; a new model takes the
+    checkpoint's with its state, else `asked` (AdamW when not sent)."""
+    keeps = model if model is not None else saved if optimizer else None
+    if keeps is not None and asked not in (None, keeps):
+        why = "the model's, chosen at create_model" if model is not None else "the checkpoint's, whose state it loads"
+        raise InvalidInput(f"optimizer_config {asked!r}: this load keeps {why} ({keeps!r}); leave optimizer_config out",
+                           field="optimizer_config")
+    if model is not None and optimizer and saved not in (None, model):
+        raise InvalidInput(f"the checkpoint holds {saved} optimizer state and this model's optimizer is {model} (fixed "
+                           f"at create_model): load its weights alone (load_state, optimizer=false), or load it with "
+                           f"its state as a new model (create_training_client_from_state_with_optimizer)", field="path")
+    return keeps or asked or ADAMW
+
+
+def check_family(model_family: str, params_family: str) -> None:
+    """A step's hyperparameters must be of the family the model was created with: a user error
+    naming the field they came in otherwise."""
+    if params_family != model_family:
+        raise InvalidInput(f"this model's optimizer is {_FAMILY_NAME[model_family]}, chosen at create_model and kept "
+                           f"for its life; send {_PARAMS_FIELD[model_family]}, not {params_family} parameters",
+                           field=_PARAMS_FIELD[params_family])
+
+
+@dataclass(frozen=True)
+class OptimStep:
+    params: OptimParams
+
+    def to_json(self) -> dict[str, Any]:
+        # AdamW's under "adam", as before there were families (replay logs keep old entries).
+        return {"dimuon" if isinstance(self.params, DimuonParams) else "adam": self.params.to_json()}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> OptimStep:
+        if "dimuon" in obj:
+            return cls(DimuonParams.from_json(obj["dimuon"]))
         return cls(AdamParams.from_json(obj["adam"]))
 
 

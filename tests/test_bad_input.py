@@ -80,10 +80,11 @@ def test_bad_adam_params(client, model_id):
 
 
 def test_another_optimizers_params_are_refused_by_name(client, model_id):
-    # What tinker 0.38 sends for DimuonParams: optimizer_params in place of adam_params.
+    # What tinker 0.38 sends for DimuonParams (optimizer_params in place of adam_params), to a model
+    # created with AdamW: the family is the model's for its life.
     r = client.post("/optim_step", json={"model_id": model_id, "seq_id": 1,
                                          "optimizer_params": {"type": "dimuon", "learning_rate": 0.02}})
-    _assert_400(r, "optimizer_params", "send adam_params")
+    _assert_400(r, "optimizer_params", "AdamW", "send adam_params")
 
 
 def test_rank_over_the_limit(client):

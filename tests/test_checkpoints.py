@@ -95,11 +95,12 @@ def test_load_options_it_cannot_honour_are_refused_by_name(stack, tenant):
     saved = wait_future(client, client.post("/save_weights", json={"model_id": model_id, "seq_id": 1,
                                                                   "path": "src"}).json()["request_id"])
     session_id = model_id.split(":")[0]
-    for extra, field in [({"optimizer_config": {"type": "dimuon"}}, "optimizer_config"),
+    for extra, field in [({"optimizer_config": {"type": "lion"}}, "optimizer_config.type"),
+                         ({"optimizer": True, "optimizer_config": {"type": "dimuon"}}, "optimizer_config"),
                          ({"weights_access_token": "tok"}, "weights_access_token"),
                          ({"base_model": "quilt/some-other-base"}, "base_model")]:
         r = client.post("/load_weights", json={"session_id": session_id, "model_seq_id": 7, "path": saved["path"],
-                                               "optimizer": False, **extra})
+                                               "optimizer": False} | extra)
         assert r.status_code == 400 and r.json()["field"] == field, (extra, r.text)
     r = client.post("/load_weights", json={"session_id": session_id, "model_seq_id": 7, "path": saved["path"],
                                            "optimizer": False, "base_model": "quilt/tiny-qwen3",

@@ -18,6 +18,7 @@ from checkpoints.layout import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
 from core import ids
 from core.errors import InvalidInput, NotFound
 from core.numbers import INT32_MAX
+from core.work import OPTIMIZERS
 from tenancy import scoped
 from tenancy.auth import Principal
 
@@ -158,7 +159,8 @@ async def set_checkpoint_ttl(run_id: str, checkpoint_id: str, body: CheckpointTt
 
 @router.post("/weights_info")
 async def weights_info(body: WeightsInfoRequest, who: Who, pool: Pool) -> dict:
-    """What a `tinker://` checkpoint of yours holds: its base model and LoRA shape."""
+    """What a `tinker://` checkpoint of yours holds: its base model, LoRA shape and optimizer (its
+    run's, as `optimizer_config`)."""
     try:
         run, kind, name = ids.parse_tinker_path(body.tinker_path)
     except ValueError as exc:
@@ -171,6 +173,6 @@ async def weights_info(body: WeightsInfoRequest, who: Who, pool: Pool) -> dict:
     lora = model["lora_config"]
     return {"base_model": model["base_model"], "is_lora": True, "lora_rank": lora["rank"],
             "train_unembed": lora.get("train_unembed", True), "train_mlp": lora.get("train_mlp", True),
-            "train_attn": lora.get("train_attn", True)}
+            "train_attn": lora.get("train_attn", True), "optimizer_config": OPTIMIZERS[model["optimizer"]]}
 
 

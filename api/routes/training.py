@@ -18,6 +18,7 @@ from api.schemas import (
     ForwardRequest,
     LoadWeightsRequest,
     ModelRef,
+    OptimizerConfig,
     OptimStepRequest,
     SaveWeightsExternalRequest,
     SaveWeightsRequest,
@@ -31,14 +32,20 @@ from core.loss_spec import CUSTOM, spec_of
 from core.numbers import INT32_MAX
 from core.settings import get_core_settings, get_trainer_settings
 from core.work import (
+    ADAMW,
+    OPTIMIZERS,
     AdamParams,
     CreateModel,
+    DimuonParams,
     LoadWeights,
     LoraShape,
     OptimStep,
     SaveWeights,
     WorkItem,
     WorkKind,
+    check_family,
+    family_of,
+    load_family,
 )
 from tenancy import scoped
 
@@ -46,9 +53,10 @@ router = APIRouter(route_class=GuardedRoute, tags=["training"])
 
 
 async def _new_model(pool, redis, who, *, session_id: str, model_seq_id: int, base_model: str, lora: LoraShape,
-                     user_metadata: dict | None, load: LoadWeights | None) -> dict:
-    """Record a new training model and queue its first request (seq_id 0): a create, or a
-    create-from-checkpoint. A repeat of the same (session, model_seq_id) returns the first future."""
+                     user_metadata: dict | None, load: LoadWeights | None, optimizer: str) -> dict:
+    """Record a new training model with its optimizer family and queue its first request (seq_id
+    0): a create, or a create-from-checkpoint. A repeat of the same (session, model_seq_id) returns
+    the first future."""
     model_id = ids.training_model_id(session_id, model_seq_id)
     async with pool.connection() as conn:
         session = await scoped.get_session(conn, who, session_id)
@@ -62,8 +70,8 @@ async def _new_model(pool, redis, who, *, session_id: str, model_seq_id: int, ba
             architectures.lora_targets(base.config, lora.to_json(), expert_lora=base.serving.get("expert_lora", True))
         slot = admission.SeqSlot(model_id, 0, *await records.seq_holder(conn, model_id, 0))
         item = WorkItem(ids.new_request_id(), who.tenant_id, model_id, 0, WorkKind.CREATE_MODEL, 0,
-                        CreateModel(lora, load))
-        new = records.NewModel(session_id, model_seq_id, base.name, lora.to_json(), user_metadata or {})
+                        CreateModel(lora, load, optimizer))
+        new = records.NewModel(session_id, model_seq_id, base.name, lora.to_json(), user_metadata or {}, optimizer)
         request_id = await admission.admit(conn, redis, who, admission.Ticket(item, base.name, slot, new_model=new))
     return admission.future_response(request_id, model_id)
 
@@ -82,14 +90,16 @@ async def _queue_on_model(pool, redis, who, *, model_id: str, seq_id: int, kind:
 
 @router.post("/create_model")
 async def create_model(body: CreateModelRequest, who: Who, pool: Pool, redis: RedisDep) -> dict:
-    """Create a LoRA training model `{session_id}:train:{model_seq_id}` on a base model (a future)."""
+    """Create a LoRA training model `{session_id}:train:{model_seq_id}` on a base model (a future),
+    with the optimizer `optimizer_config` names (AdamW when left out; `{"type": "dimuon"}`: Dimuon),
+    which the model keeps for its life."""
     max_rank = get_trainer_settings().max_rank
     if body.lora_config.rank > max_rank:
         raise InvalidInput(f"lora_config.rank {body.lora_config.rank} exceeds the limit of {max_rank}",
                            field="lora_config.rank")
     return await _new_model(pool, redis, who, session_id=body.session_id, model_seq_id=body.model_seq_id,
                             base_model=body.base_model, lora=LoraShape(**body.lora_config.model_dump()),
-                            user_metadata=body.user_metadata, load=None)
+                            user_metadata=body.user_metadata, load=None, optimizer=_family(body.optimizer_config))
 
 
 @router.post("/get_info")
@@ -115,6 +125,7 @@ async def get_info(body: ModelRef, who: Who, pool: Pool, redis: RedisDep, caller
         "model_name": base.name,
         "is_lora": True,
         "lora_rank": model["lora_config"]["rank"],
+        "optimizer_config": OPTIMIZERS[model["optimizer"]],
         "status": status,
     }
 
@@ -239,11 +250,22 @@ async def forward(request: Request, who: Who, pool: Pool, redis: RedisDep, setti
 
 
 @router.post("/optim_step")
-async def optim_step(body: OptimStepRequest, request: Request, who: Who, pool: Pool, redis: RedisDep) -> dict:
-    """Apply one AdamW step with the accumulated gradients, then clear them (a future)."""
+async def optim_step(body: OptimStepRequest, request: Request, who: Who, pool: Pool, redis: RedisDep,
+                     callers: Callers) -> dict:
+    """Apply one step of the model's optimizer with the accumulated gradients, then clear them (a
+    future): `adam_params` for an AdamW model, `optimizer_params` (DimuonParams) for a Dimuon one;
+    the other family's parameters are a 400 naming their field."""
     seq_gaps.claim(request, body.model_id, body.seq_id)
-    return await _queue_on_model(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id, kind=WorkKind.OPTIM_STEP,
-                             body=OptimStep(AdamParams(**body.adam_params.model_dump())))
+    if (body.adam_params is None) == (body.optimizer_params is None):
+        raise InvalidInput("send the step's hyperparameters once: adam_params (AdamW) or optimizer_params (Dimuon)",
+                           field="adam_params" if body.adam_params is None else "optimizer_params")
+    params = (AdamParams(**body.adam_params.model_dump()) if body.adam_params is not None
+              else DimuonParams(**body.optimizer_params.model_dump(exclude={"type"})))
+    async with db.autocommit(pool) as conn:
+        model = await caller_cache.training_model(callers, conn, who, body.model_id)
+        check_family(model["optimizer"], family_of(params))
+        return await _model_call(conn, redis, who, body.model_id, seq_id=body.seq_id, kind=WorkKind.OPTIM_STEP,
+                                 body=OptimStep(params))
 
 
 @router.post("/save_weights")
@@ -292,14 +314,28 @@ async def load_weights(body: LoadWeightsRequest, request: Request, who: Who, poo
         raise InvalidInput(f"path must name a training checkpoint (.../weights/...), got kind {kind!r}", field="path")
     async with pool.connection() as conn:
         ckpt = await scoped.get_checkpoint(conn, who, run, kind, name)
-        source = await scoped.get_model(conn, who, run) if body.model_id is None else None
-    if source is not None and body.base_model not in (None, source["base_model"]):
+        target = await scoped.get_model(conn, who, body.model_id) if body.model_id is not None else None
+        try:
+            source = await scoped.get_model(conn, who, run)
+        except NotFound:
+            if target is None:
+                raise
+            source = None  # a deleted run's checkpoint: the trainer checks its optimizer state (checkpoints.layout)
+    if target is None and body.base_model not in (None, source["base_model"]):
         raise InvalidInput(f"base_model {body.base_model!r}: a checkpoint loads onto its own base "
                            f"({source['base_model']!r}); leave base_model out", field="base_model")
+    family = load_family(optimizer=body.optimizer, asked=_family(body.optimizer_config) if body.optimizer_config else None,
+                         saved=source["optimizer"] if source else None, model=target["optimizer"] if target else None)
     load = LoadWeights(storage_path=ckpt["storage_path"], optimizer=body.optimizer, path=body.path)
     if body.model_id is None:
         return await _new_model(pool, redis, who, session_id=body.session_id, model_seq_id=body.model_seq_id,
                                 base_model=source["base_model"], lora=LoraShape.from_json(source["lora_config"]),
-                                user_metadata=body.user_metadata, load=load)
+                                user_metadata=body.user_metadata, load=load, optimizer=family)
     return await _queue_on_model(pool, redis, who, model_id=body.model_id, seq_id=body.seq_id,
                              kind=WorkKind.LOAD_WEIGHTS, body=load)
+
+
+def _family(config: OptimizerConfig | None) -> str:
+    """The optimizer family an optimizer_config names (AdamW when there is none)."""
+    return config.type if config is not None else ADAMW
+

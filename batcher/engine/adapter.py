@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from core.work import ADAMW
+
 LORA_ALPHA = 32  # Tinker sends no alpha; a fixed alpha keeps the effective step size comparable across ranks
 
 
@@ -23,3 +25,4 @@ class Adapter:
     steps: int = 0  # optimizer steps taken: the model's policy version
     last_used: float = field(default_factory=time.monotonic)
     resident: bool = True  # on the compute device (False: parked on the offload device)
+    family: str = ADAMW  # the optimizer's family (core.work.OPTIMIZERS), fixed for the model's life

@@ -111,6 +111,10 @@ def load_saved(lora: MultiLoraModel, adapter: Adapter, saved: Saved,
     difference otherwise); clears its gradients. Without saved optimizer state the optimizer
     starts fresh (Tinker's load_state semantics)."""
     ours = adapter.lora_config
+    if saved.optimizer is not None and saved.meta.optimizer != adapter.family:
+        raise InvalidInput(f"checkpoint holds {saved.meta.optimizer} optimizer state but this model's optimizer is "
+                           f"{adapter.family} (fixed at create_model); load its weights alone (optimizer=False) or "
+                           f"into a model created with {saved.meta.optimizer}", field="path")
     for key in _SHAPE_KEYS:
         if saved.meta.lora_config.get(key, True) != ours.get(key, True):
             raise InvalidInput(f"checkpoint has lora_config.{key}={saved.meta.lora_config.get(key)!r} but this "

@@ -16,6 +16,7 @@ which measures both side by side. Checkpoints are PEFT-format adapter directorie
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ from batcher.engine.results import read_back
 from checkpoints.layout import TrainerMeta
 from core.errors import Conflict, InvalidInput, QuiltError, ServerError, UserError
 from core.loss_spec import LossConfig
-from core.work import AdamParams, LoraShape
+from core.work import ADAMW, DIMUON, OPTIMIZERS, LoraShape, OptimParams
 
 log = logging.getLogger("quilt.trainer.backend")
 
@@ -152,7 +153,15 @@ class LoraBackend:
         return model_id in self.adapters
 
     @collective()
-    def create(self, model_id: str, lora: LoraShape) -> None:
+    def create(self, model_id: str, lora: LoraShape, optimizer: str = ADAMW) -> None:
+        """A new adapter with a fresh optimizer of family `optimizer` (core.work.OPTIMIZERS), which it
+        keeps for its life."""
+        if optimizer not in OPTIMIZERS:
+            raise InvalidInput(f"optimizer {optimizer!r} is not one of {sorted(OPTIMIZERS)}", field="optimizer_config")
+        if optimizer == DIMUON and self.gang_size > 1:
+            # Its matrix-sign iteration needs each LoRA matrix whole, which a gang splits over its ranks.
+            raise InvalidInput("Dimuon is not available on a base whose trainer is a gang (its LoRA matrices are "
+                               "split over the ranks); use AdamW on this base", field="optimizer_config")
         if model_id in self.adapters:
             self.delete(model_id)
         name = f"slot{self._next_slot}"
@@ -166,7 +175,9 @@ class LoraBackend:
             name, rank=lora.rank, alpha=LORA_ALPHA, targets=targets,
             seed=lora.seed if lora.seed is not None else int.from_bytes(os.urandom(4), "little"),
         )
-        self.adapters[model_id] = Adapter(model_id, name, lora_config, params, self._optimizer(params))
+        self.adapters[model_id] = Adapter(model_id, name, lora_config, params,
+                                          optimizers.new_optimizer(optimizer, params, device=self.device, rank=lora.rank),
+                                          family=optimizer)
 
     @collective()
     def delete(self, model_id: str) -> None:
@@ -178,8 +189,10 @@ class LoraBackend:
         """The model's policy version: how many optimizer steps its weights have taken."""
         return self.adapters[model_id].steps
 
-    def _optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return optimizers.new_adamw(params, self.device)
+    def _optimizer(self, adapter: Adapter) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+        """What makes the model's optimizer afresh (a load): of its own family, always."""
+        return functools.partial(optimizers.new_optimizer, adapter.family, device=self.device,
+                                 rank=int(adapter.lora_config["rank"]))
 
     # ------------------------------------------------------------------ residency
 
@@ -316,15 +329,15 @@ class LoraBackend:
     # ------------------------------------------------------------------ optimizer steps
 
     @collective()
-    def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, Any]:
+    def optim_step(self, model_id: str, params: OptimParams) -> dict[str, Any]:
         """One model's optimizer step on its accumulated gradients (per-model clipping), then clear them."""
-        [outcome] = self.optim_steps([(model_id, adam)])
+        [outcome] = self.optim_steps([(model_id, params)])
         if isinstance(outcome, QuiltError):
             raise outcome
         return outcome
 
     @collective()
-    def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[Outcome]:
+    def optim_steps(self, steps: list[tuple[str, OptimParams]]) -> list[Outcome]:
         """`optim_step` for several models at once (distinct models: a round's steps), one result or
         one error per model, in order (`batcher.engine.optimizers.take_steps`)."""
         known = [i for i, (model_id, _) in enumerate(steps) if model_id in self.adapters]
@@ -370,7 +383,7 @@ class LoraBackend:
         return adapter_io.writer(dest, self.adapter_state(model_id),
                                  adapter_io.peft_config(adapter, self.config, self.base_path),
                                  self.optimizer_state(model_id) if with_optimizer else None,
-                                 TrainerMeta(dict(adapter.lora_config), adapter.steps))
+                                 TrainerMeta(dict(adapter.lora_config), adapter.steps, adapter.family))
 
     @collective()
     def snapshot(self, model_id: str, directory: str) -> int:
@@ -394,7 +407,8 @@ class LoraBackend:
     def load_sharded(self, model_id: str, directory: str) -> None:
         """Load a sharded snapshot, every rank its own shares (batcher.engine.sharded_snapshots)."""
         self.ensure_resident([model_id])
-        sharded_snapshots.load(self.lora, self.adapters[model_id], directory, self._optimizer)
+        adapter = self.adapters[model_id]
+        sharded_snapshots.load(self.lora, adapter, directory, self._optimizer(adapter))
 
     def load(self, model_id: str, directory: str, *, optimizer: bool) -> None:
         """Load a checkpoint into an existing model with the same LoRA shape; clears gradients.
@@ -406,7 +420,8 @@ class LoraBackend:
     def load_saved(self, model_id: str, saved: adapter_io.Saved) -> None:
         """`load`, from a checkpoint already read."""
         self.ensure_resident([model_id])
-        adapter_io.load_saved(self.lora, self.adapters[model_id], saved, self._optimizer)
+        adapter = self.adapters[model_id]
+        adapter_io.load_saved(self.lora, adapter, saved, self._optimizer(adapter))
 
 
 def _custom_refusal(req: PassRequest) -> UserError | None:

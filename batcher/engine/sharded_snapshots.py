@@ -89,7 +89,7 @@ def save(lora: MultiLoraModel, adapter: Adapter, directory: str) -> int:
     dcp.save(_state(lora, adapter, moments=moments, fresh=False), checkpoint_id=str(staging))
     if not leader:
         return 0
-    TrainerMeta(dict(adapter.lora_config), adapter.steps).write(staging)
+    TrainerMeta(dict(adapter.lora_config), adapter.steps, adapter.family).write(staging)
     if dest.exists():
         shutil.rmtree(dest)
     staging.rename(dest)
