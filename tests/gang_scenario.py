@@ -53,19 +53,23 @@ def specs(config: dict, *, experts: bool = True) -> dict:
 
 
 def run(backend, workdir: Path, *, experts: bool = True) -> dict:
-    """The scenario: three fused rounds of four tenants, an AdamW step each, then t1 saved and
+    """The scenario: three fused rounds of four tenants, an AdamW step each, a round of t1's one row, then t1 saved and
     loaded into a new model "t1-copy", and t3 snapshotted and restored into "t3-restored". Returns
-    every datum's loss outputs, then each adapter's whole weights and AdamW moments."""
+    every datum's loss outputs, each round's gradients before its steps and pass stats, then each
+    adapter's whole weights and AdamW moments."""
     plan = specs(backend.config, experts=experts)
     for model_id, (lora, _, _, _) in plan.items():
         backend.create(model_id, LoraShape(**lora))
-    outputs = []
-    for _ in range(3):
+    outputs, grads, stats = [], [], []
+    # Three rounds of all four tenants, then one of t1's single row (fewer rows than a gang's ranks).
+    for round_plan in (plan, plan, plan, {"t1": plan["t1"]}):
         outs = backend.run_pass([PassRequest(m, m, PassWork(loss, LossConfig(), tuple(data)), False)
-                                 for m, (_, _, loss, data) in plan.items()])
+                                 for m, (_, _, loss, data) in round_plan.items()])
         assert all(isinstance(o, dict) for o in outs), outs
         outputs.append([o["loss_fn_outputs"] for o in outs])
-        for model_id, (_, adam, _, _) in plan.items():
+        stats.append(backend.last_pass)
+        grads.append({m: _whole_grads(backend, m) for m in round_plan})
+        for model_id, (_, adam, _, _) in round_plan.items():
             backend.optim_step(model_id, AdamParams(**adam))
     backend.save("t1", str(workdir / "t1"), overwrite=True)
     backend.create("t1-copy", LoraShape(**plan["t1"][0]))
@@ -77,7 +81,16 @@ def run(backend, workdir: Path, *, experts: bool = True) -> dict:
     models = [*plan, "t1-copy", "t3-restored"]
     adapters = {m: backend.adapter_state(m) for m in models}
     moments = {m: backend.optimizer_state(m)["state"] for m in models}
-    return {"outputs": outputs, "adapters": adapters, "moments": moments}
+    return {"outputs": outputs, "grads": grads, "stats": stats, "adapters": adapters, "moments": moments}
+
+
+def _whole_grads(backend, model_id: str) -> list[torch.Tensor] | None:
+    """The model's accumulated gradients, where every rank holds them whole (one process, FSDP);
+    None where a tensor-parallel gang splits them."""
+    name = backend.adapters[model_id].name
+    if any(split is not None for split, _ in backend.lora.shares(name)):
+        return None
+    return [g.clone() for g in backend.lora.grad_rows(name)]
 
 
 def main() -> None:
