@@ -26,7 +26,7 @@ from typing import Any, cast
 
 import torch
 
-from bases import architectures
+from bases import architectures, memory_plan
 from batcher.engine import adapter_io, data_parallel, gang, head, optimizers, sharded_snapshots
 from batcher.engine.adapter import LORA_ALPHA, Adapter
 from batcher.engine.collective import Mirror, collective
@@ -88,7 +88,7 @@ class LoraBackend:
         if member is not None and self.gang_size > 1 and member.shape.parallel == "fsdp":
             self.data_parallel = data_parallel.DataParallel(member.rank, member.size, member.control)
             data_parallel.backward_through_every_layer(self.base)
-            max_tokens_per_pass = data_parallel.per_rank_budget(max_tokens_per_pass, member.size)
+            max_tokens_per_pass = memory_plan.rank_tokens(max_tokens_per_pass, member.size)
         self.expert_lora = expert_lora
         # Why a model's LoRA may not go on this MoE base's experts ("": it may). A tensor-parallel
         # gang splits each expert's width, which expert LoRA does not follow (batcher.engine.expert_lora).

@@ -26,7 +26,6 @@ later micro-batch).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -130,8 +129,3 @@ def backward_through_every_layer(base: Any) -> None:
         return output.detach().requires_grad_() if torch.is_grad_enabled() else None
 
     embeddings.register_forward_hook(hook)
-
-
-def per_rank_budget(budget: int, size: int) -> int:
-    """A rank's tokens per micro-batch: its share of the gang's (a longer row still goes alone)."""
-    return max(1, math.ceil(budget / size))
