@@ -1,5 +1,6 @@
 """bench/gpu_dryrun.py: Quilt's fused pass on the meta device, at a tiny shape, alone and as rank 0 of
-a tensor-parallel gang of 2 over a fake process group, as rank 0 of a data-parallel FSDP pair, and LoRA on a tiny MoE's experts as rank 0 of
+a tensor-parallel gang of 2 over a fake process group, as rank 0 of a data-parallel FSDP pair, and
+LoRA on a tiny MoE's experts as rank 0 of
 an expert-parallel pair: no host sync, nothing on the wrong device or
 converted unasked, every grouped-GEMM operand on 16 bytes, FLOPs counted. And its detectors, each shown
 catching what it is there to catch, so a zero above means none rather than a blind eye."""
