@@ -13,7 +13,7 @@ from bases import architectures
 from batcher.engine import gang
 from batcher.engine.backend import LoraBackend
 from batcher.engine.protocol import PassRequest
-from core.errors import InvalidInput
+from core.errors import InvalidInput, UserError
 from core.loss_spec import LossConfig
 from core.work import AdamParams, Datum, LoraShape, PassWork
 
@@ -84,6 +84,21 @@ def run(backend, workdir: Path, *, experts: bool = True) -> dict:
     return {"outputs": outputs, "grads": grads, "stats": stats, "adapters": adapters, "moments": moments}
 
 
+def overflow(backend) -> dict:
+    """A pass where one of t2's two datums overflows (a float32 weight of 1e39) beside t3's good one:
+    t2 fails naming its data and keeps no gradient, t3 is answered and keeps its own (a data-parallel
+    pair computes t2's good datum on rank 0, its bad one and t3's on rank 1). Returns what a test compares."""
+    bad = _datum(30, 6)
+    bad = Datum(bad.tokens, {**bad.inputs, "weights": (1e39,) * 6}, None)
+    outs = backend.run_pass([PassRequest("bad", "t2", PassWork("cross_entropy", LossConfig(), (_datum(50, 12), bad)), False),
+                             PassRequest("good", "t3", PassWork("cross_entropy", LossConfig(), (_datum(70, 10),)), False)])
+    failed, answered = outs
+    assert isinstance(failed, UserError) and failed.field == "forward_backward_input.data", failed
+    assert isinstance(answered, dict), answered
+    return {"failed": (type(failed).__name__, failed.field), "answered": answered["loss_fn_outputs"],
+            "t2_pending": backend.lora.pending(backend.adapters["t2"].name), "t3_grads": _whole_grads(backend, "t3")}
+
+
 def _whole_grads(backend, model_id: str) -> list[torch.Tensor] | None:
     """The model's accumulated gradients, where every rank holds them whole (one process, FSDP);
     None where a tensor-parallel gang splits them."""
@@ -106,6 +121,7 @@ def main() -> None:
             except InvalidInput as exc:
                 assert exc.field == "lora_config.train_mlp" and "expert-parallel" in str(exc), exc
         result = run(backend, out.parent, experts=not backend.experts_refused)
+        result["overflow"] = overflow(backend)
         leader.close()
         # how much of the base this rank holds (a DTensor's local share, a plain tensor whole)
         result["held"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gang_scenario import run
+from gang_scenario import overflow, run
 
 from batcher.engine import gang
 from batcher.engine.backend import LoraBackend
@@ -120,6 +120,16 @@ def test_a_two_rank_gang_trains_as_one_process_does(bases, tmp_path, arch, paral
             for i, (g_got, g_expected) in enumerate(zip(round_got[model_id], grads, strict=True)):
                 torch.testing.assert_close(g_got, g_expected, rtol=1e-9, atol=1e-9 * g_expected.abs().max().item() + 1e-15,
                                            msg=f"{model_id} gradient {i}")
+    # A datum that overflows fails its request alone, in the gang as in one process.
+    alone_overflow = overflow(alone)
+    assert got["overflow"]["failed"] == alone_overflow["failed"] == ("UserError", "forward_backward_input.data")
+    assert not got["overflow"]["t2_pending"] and not alone_overflow["t2_pending"]
+    for datum_got, datum_expected in zip(got["overflow"]["answered"], alone_overflow["answered"], strict=True):
+        torch.testing.assert_close(torch.tensor(datum_got["logprobs"]["data"]),
+                                   torch.tensor(datum_expected["logprobs"]["data"]), rtol=1e-9, atol=1e-12)
+    if alone_overflow["t3_grads"] is not None and got["overflow"]["t3_grads"] is not None:
+        for g_got, g_expected in zip(got["overflow"]["t3_grads"], alone_overflow["t3_grads"], strict=True):
+            torch.testing.assert_close(g_got, g_expected, rtol=1e-9, atol=1e-9 * g_expected.abs().max().item() + 1e-15)
     if parallel == "fsdp":
         # Data parallel: FSDP's gradients are whole, and rank 0 computed only its share of each pass.
         assert all(g is not None for round_got in got["grads"] for g in round_got.values())

@@ -284,6 +284,7 @@ class LoraBackend:
     def _finish(self, result: PassResult, requests: list[PassRequest], outcomes: list[Outcome | None],
                 rows: list[Row], batches: list[PlannedBatch], started: float) -> list[Outcome]:
         """Answer the requests from a pass's results; keep or discard its gradients."""
+        models = {requests[i].model_id for i in (*result.outputs, *result.not_finite)}
         for i, (datums, backpropagated) in result.not_finite.items():
             outcomes[i] = self._not_finite(requests[i], datums, backpropagated)
         for i, output in result.outputs.items():
@@ -291,7 +292,7 @@ class LoraBackend:
         for model_id in result.kept_models:
             self.lora.set_grads(self.adapters[model_id].name)
         self.last_pass = PassStats(
-            models=len({requests[i].model_id for i in result.outputs} | {requests[i].model_id for i in result.not_finite}),
+            models=len(models),
             rows=len(rows), tokens=sum(len(r.tokens) for r in rows),
             padded_tokens=sum(b.layout.tokens for b in batches), micro_batches=len(batches),
             seconds=time.perf_counter() - started,
