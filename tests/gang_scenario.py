@@ -95,7 +95,7 @@ def overflow(backend) -> dict:
     failed, answered = outs
     assert isinstance(failed, UserError) and failed.field == "forward_backward_input.data", failed
     assert isinstance(answered, dict), answered
-    return {"failed": (type(failed).__name__, failed.field), "answered": answered["loss_fn_outputs"],
+    return {"failed": (type(failed).__name__, failed.field), "message": str(failed), "answered": answered["loss_fn_outputs"],
             "t2_pending": backend.lora.pending(backend.adapters["t2"].name), "t3_grads": _whole_grads(backend, "t3")}
 
 

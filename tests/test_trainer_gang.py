@@ -131,6 +131,11 @@ def test_a_two_rank_gang_trains_as_one_process_does(bases, tmp_path, arch, paral
         for g_got, g_expected in zip(got["overflow"]["t3_grads"], alone_overflow["t3_grads"], strict=True):
             torch.testing.assert_close(g_got, g_expected, rtol=1e-9, atol=1e-9 * g_expected.abs().max().item() + 1e-15)
     if parallel == "fsdp":
+        # t2's good datum ran on rank 0, which kept its gradient before rank 1's overflowed: all of
+        # t2's accumulated gradients go, and its error says so (one process, whose one micro-batch
+        # held both, kept none of that request's)
+        assert "were discarded" in got["overflow"]["message"], got["overflow"]["message"]
+        assert "no gradient of this request was accumulated" in alone_overflow["message"], alone_overflow["message"]
         # Data parallel: FSDP's gradients are whole, and rank 0 computed only its share of each pass.
         assert all(g is not None for round_got in got["grads"] for g in round_got.values())
         assert got["stats"][0].tokens == expected["stats"][0].tokens
