@@ -101,6 +101,12 @@ class MemoryPlan:
     def problems(self) -> tuple[str, ...]:
         return self.trainer_problems + self.sampler_problems
 
+    @property
+    def rank_tokens(self) -> int:
+        """The tokens one rank computes per micro-batch: the budget, or its share in an FSDP gang."""
+        return rank_tokens(self.token_budget, data_parallel_ways(self.inputs.trainer_ranks,
+                                                                 self.inputs.trainer_parallel))
+
     def check(self) -> None:
         if self.problems:
             raise InvalidInput("; ".join(self.problems), field=self.problems[0].split(":", 1)[0])
@@ -114,8 +120,9 @@ class MemoryPlan:
                                  else ""), g(self.trainer_bytes)),
             ("  base weights", g(self.base_bytes)),
             ("  activations per token", f"{self.activation_bytes_per_token / 2**20:,.2f} MiB"),
-            ("  token budget per pass", f"{self.token_budget:,}"),
-            ("  activations at the budget", g(self.activation_bytes_per_token * self.token_budget
+            ("  token budget per pass", f"{self.token_budget:,}" + (f" ({self.rank_tokens:,} per rank)"
+                                                                        if self.rank_tokens != self.token_budget else "")),
+            ("  activations at the budget", g(self.activation_bytes_per_token * self.rank_tokens
                                               * (2 if self.inputs.cuda_graphs else 1))),
             (f"  one rank-{self.inputs.adapter_rank} adapter (weights+grad+AdamW, fp32)",
              f"{self.adapter_bytes / 2**20:,.1f} MiB"),
@@ -148,6 +155,9 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     base_bytes = _trainer_base_parameters(config, inputs.trainer_ranks, inputs.trainer_parallel) * width
     sampler_base = total * width // inputs.sampler_ranks
 
+    # An FSDP gang is data parallel (batcher.engine.data_parallel): each rank computes its share of a
+    # pass's tokens, so its activations are the budget's / R; the other gangs compute every token on every rank.
+    ways = data_parallel_ways(inputs.trainer_ranks, inputs.trainer_parallel)
     # A frozen-base LoRA backward keeps, per token and layer, the inputs of every wrapped Linear and
     # of the norms and attention (about 10 hidden-wide and 3 MLP-wide vectors in the base dtype, the
     # norms keeping theirs in float32; the head- and MLP-wide ones split over a tensor-parallel gang's
@@ -186,8 +196,8 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     budget = inputs.token_budget
     copies = 2 if inputs.cuda_graphs else 1
     if budget is None:  # half of what is left to activations, the rest to adapters
-        budget = max(MIN_TOKEN_BUDGET, min(65_536, int(max(left, 0) * 0.5 // (activation * copies))))
-    act_bytes = activation * budget * copies
+        budget = ways * max(MIN_TOKEN_BUDGET, min(65_536, int(max(left, 0) * 0.5 // (activation * copies))))
+    act_bytes = activation * rank_tokens(budget, ways) * copies
     resident = inputs.resident_adapters
     if resident is None:
         resident = max(0, min(MAX_RESIDENT_ADAPTERS, int((left - act_bytes) // adapter)))
@@ -217,6 +227,17 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     return MemoryPlan(inputs, trainer_bytes, base_bytes, activation, adapter, budget, resident, free, gen_bytes,
                       sampler_base, lora_slots, kv_per_token, max(kv_cache, 0), kv_tokens, sequences, tuple(problems),
                       tuple(sampler))
+
+
+def data_parallel_ways(ranks: int, parallel: str) -> int:
+    """Over how many ranks a gang splits a pass's tokens: an FSDP gang's all (data parallel), else one."""
+    return ranks if parallel == "fsdp" else 1
+
+
+def rank_tokens(budget: int, ways: int) -> int:
+    """One rank's tokens per micro-batch when `ways` ranks split a pass's `budget`: its share,
+    rounded up (a row longer than that still goes alone)."""
+    return max(1, -(-budget // ways))
 
 
 def _adapter_parameters(config: Mapping, rank: int, expert_lora: bool, ranks: int, dense_split: int = 1) -> int:

@@ -47,9 +47,11 @@ Gangs are one rank's shard (rank 0), shaped as `batcher.engine.gang` shards the 
         them: the (token, expert) rows as the masked expert-parallel form gathers them (all k per
         token), the experts' GEMM FLOPs an upper bound (the masked form multiplies only the pairs
         of this rank's experts, k / R per token when routing is even)
-  fsdp  the whole model computes (every rank runs the same tokens); its weights are counted as
-        FSDP holds them: the decoder's / R plus two layers gathered (the one running and the one
-        prefetched), the unembedding whole; the all-gathers are not dispatched
+  fsdp  data parallel (`batcher.engine.data_parallel`): rank 0 computes its share of the pass's
+        rows, about 1/R of the tokens at every width, so its activations are the pass's / R; its
+        weights are counted as FSDP holds them: the decoder's / R plus two layers gathered (the one
+        running and the one prefetched), the unembedding whole; the all-gathers and the gradients'
+        all-reduce are not dispatched
 The base's weights are counted from the shard's own parameters (`tp`/`ep`: the unembedding's vocabulary
 split / R as its "colwise_gather_output" plan splits it).
 
@@ -134,6 +136,7 @@ SHAPES = {
     "tiny": Shape("tiny"),
     "tiny-tp2": Shape("tiny", "tp", 2),
     "tiny-moe-ep2": Shape("tiny-moe", "ep", 2),
+    "tiny-fsdp2": Shape("tiny", "fsdp", 2),
     "8b": Shape("8b"),
     "70b-tp8": Shape("70b", "tp", 8),
     "70b-fsdp8": Shape("70b", "fsdp", 8),

@@ -207,8 +207,9 @@ class TrainerSettings(BaseSettings):
     max_resident_adapters: int = Field(0, ge=0, le=100_000,
                                        description="adapters on the compute device at once (least recently used "
                                                    "are parked first); 0 = from the memory plan")
-    token_budget: int = Field(16384, ge=0, description="model-input tokens per fused pass (fair-shared); "
-                                                     "0 = derived from the memory plan (bases.memory_plan)")
+    token_budget: int = Field(16384, ge=0, description="model-input tokens per fused pass (fair-shared; an fsdp "
+                                                     "gang's ranks each compute 1/N of them); 0 = derived from the "
+                                                     "memory plan (bases.memory_plan)")
     stats_history: int = Field(1000, ge=10, le=100_000, description="round records kept in Redis")
     snapshots: bool = Field(True, description="keep models' state durable (batcher.snapshots); off: lost on restart")
     snapshot_dir: Path | None = Field(None, description="where snapshots live; default <data dir>/snapshots")
@@ -232,7 +233,8 @@ class TrainerSettings(BaseSettings):
                                    "base (batcher.engine.gang)")
     parallel: Literal["tp", "ep", "fsdp"] = Field(
         "tp", description="how a gang splits the base: tp (tensor parallel), ep (MoE: experts split, attention "
-                          "tensor parallel), fsdp (every weight sharded, gathered layer by layer)")
+                          "tensor parallel), fsdp (every weight sharded, gathered layer by layer; each rank "
+                          "computes its share of a pass's rows: batcher.engine.data_parallel)")
     expert_lora: bool = Field(True, description="MoE bases: LoRA may go on the experts (a model's train_mlp); false "
                                                "refuses it, which the memory plan then leaves out (quilt models add "
                                                "--no-expert-lora)")

@@ -13,7 +13,7 @@ from bases import architectures
 from batcher.engine import gang
 from batcher.engine.backend import LoraBackend
 from batcher.engine.protocol import PassRequest
-from core.errors import InvalidInput
+from core.errors import InvalidInput, UserError
 from core.loss_spec import LossConfig
 from core.work import AdamParams, Datum, LoraShape, PassWork
 
@@ -53,19 +53,23 @@ def specs(config: dict, *, experts: bool = True) -> dict:
 
 
 def run(backend, workdir: Path, *, experts: bool = True) -> dict:
-    """The scenario: three fused rounds of four tenants, an AdamW step each, then t1 saved and
+    """The scenario: three fused rounds of four tenants, an AdamW step each, a round of t1's one row, then t1 saved and
     loaded into a new model "t1-copy", and t3 snapshotted and restored into "t3-restored". Returns
-    every datum's loss outputs, then each adapter's whole weights and AdamW moments."""
+    every datum's loss outputs, each round's gradients before its steps and pass stats, then each
+    adapter's whole weights and AdamW moments."""
     plan = specs(backend.config, experts=experts)
     for model_id, (lora, _, _, _) in plan.items():
         backend.create(model_id, LoraShape(**lora))
-    outputs = []
-    for _ in range(3):
+    outputs, grads, stats = [], [], []
+    # Three rounds of all four tenants, then one of t1's single row (fewer rows than a gang's ranks).
+    for round_plan in (plan, plan, plan, {"t1": plan["t1"]}):
         outs = backend.run_pass([PassRequest(m, m, PassWork(loss, LossConfig(), tuple(data)), False)
-                                 for m, (_, _, loss, data) in plan.items()])
+                                 for m, (_, _, loss, data) in round_plan.items()])
         assert all(isinstance(o, dict) for o in outs), outs
         outputs.append([o["loss_fn_outputs"] for o in outs])
-        for model_id, (_, adam, _, _) in plan.items():
+        stats.append(backend.last_pass)
+        grads.append({m: _whole_grads(backend, m) for m in round_plan})
+        for model_id, (_, adam, _, _) in round_plan.items():
             backend.optim_step(model_id, AdamParams(**adam))
     backend.save("t1", str(workdir / "t1"), overwrite=True)
     backend.create("t1-copy", LoraShape(**plan["t1"][0]))
@@ -77,7 +81,31 @@ def run(backend, workdir: Path, *, experts: bool = True) -> dict:
     models = [*plan, "t1-copy", "t3-restored"]
     adapters = {m: backend.adapter_state(m) for m in models}
     moments = {m: backend.optimizer_state(m)["state"] for m in models}
-    return {"outputs": outputs, "adapters": adapters, "moments": moments}
+    return {"outputs": outputs, "grads": grads, "stats": stats, "adapters": adapters, "moments": moments}
+
+
+def overflow(backend) -> dict:
+    """A pass where one of t2's two datums overflows (a float32 weight of 1e39) beside t3's good one:
+    t2 fails naming its data and keeps no gradient, t3 is answered and keeps its own (a data-parallel
+    pair computes t2's good datum on rank 0, its bad one and t3's on rank 1). Returns what a test compares."""
+    bad = _datum(30, 6)
+    bad = Datum(bad.tokens, {**bad.inputs, "weights": (1e39,) * 6}, None)
+    outs = backend.run_pass([PassRequest("bad", "t2", PassWork("cross_entropy", LossConfig(), (_datum(50, 12), bad)), False),
+                             PassRequest("good", "t3", PassWork("cross_entropy", LossConfig(), (_datum(70, 10),)), False)])
+    failed, answered = outs
+    assert isinstance(failed, UserError) and failed.field == "forward_backward_input.data", failed
+    assert isinstance(answered, dict), answered
+    return {"failed": (type(failed).__name__, failed.field), "message": str(failed), "answered": answered["loss_fn_outputs"],
+            "t2_pending": backend.lora.pending(backend.adapters["t2"].name), "t3_grads": _whole_grads(backend, "t3")}
+
+
+def _whole_grads(backend, model_id: str) -> list[torch.Tensor] | None:
+    """The model's accumulated gradients, where every rank holds them whole (one process, FSDP);
+    None where a tensor-parallel gang splits them."""
+    name = backend.adapters[model_id].name
+    if any(split is not None for split, _ in backend.lora.shares(name)):
+        return None
+    return [g.clone() for g in backend.lora.grad_rows(name)]
 
 
 def main() -> None:
@@ -93,6 +121,7 @@ def main() -> None:
             except InvalidInput as exc:
                 assert exc.field == "lora_config.train_mlp" and "expert-parallel" in str(exc), exc
         result = run(backend, out.parent, experts=not backend.experts_refused)
+        result["overflow"] = overflow(backend)
         leader.close()
         # how much of the base this rank holds (a DTensor's local share, a plain tensor whole)
         result["held"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()

@@ -1,5 +1,6 @@
 """bench/gpu_dryrun.py: Quilt's fused pass on the meta device, at a tiny shape, alone and as rank 0 of
-a tensor-parallel gang of 2 over a fake process group, and LoRA on a tiny MoE's experts as rank 0 of
+a tensor-parallel gang of 2 over a fake process group, as rank 0 of a data-parallel FSDP pair, and
+LoRA on a tiny MoE's experts as rank 0 of
 an expert-parallel pair: no host sync, nothing on the wrong device or
 converted unasked, every grouped-GEMM operand on 16 bytes, FLOPs counted. And its detectors, each shown
 catching what it is there to catch, so a zero above means none rather than a blind eye."""
@@ -31,7 +32,7 @@ def dryrun():
 
 def test_the_tiny_pass_has_no_sync_no_misplaced_tensor_and_no_misaligned_operand():
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "bench/gpu_dryrun.py", "--shapes", "tiny,tiny-tp2,tiny-moe-ep2",
+    done = subprocess.run([sys.executable, "bench/gpu_dryrun.py", "--shapes", "tiny,tiny-tp2,tiny-moe-ep2,tiny-fsdp2",
                            "--tenants", "2", "--tokens", "16"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     shapes = json.loads(done.stdout.strip().splitlines()[-1])["shapes"]
@@ -46,6 +47,9 @@ def test_the_tiny_pass_has_no_sync_no_misplaced_tensor_and_no_misaligned_operand
     assert shapes["tiny-moe-ep2"]["grouped_gemm_calls"]["eager"] > 0  # the experts' grouped GEMM, checked
     # rank 0 of a tensor-parallel pair does about half the base's work (the unembedding's LoRA stays whole)
     assert shapes["tiny-tp2"]["flops_per_pass"] < 0.8 * shapes["tiny"]["flops_per_pass"]
+    # rank 0 of a data-parallel FSDP pair computes one of the two tenants' rows: half the pass's work
+    fsdp, tiny = shapes["tiny-fsdp2"], shapes["tiny"]
+    assert 0.4 * tiny["flops_per_pass"] < fsdp["flops_per_pass"] < 0.6 * tiny["flops_per_pass"], (fsdp, tiny)
 
 
 def test_the_watch_counts_syncs_mixed_devices_and_misaligned_grouped_operands(dryrun):

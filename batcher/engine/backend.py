@@ -27,16 +27,16 @@ from typing import Any, cast
 
 import torch
 
-from bases import architectures
-from batcher.engine import adapter_io, custom_losses, gang, head, optimizers, sharded_snapshots
+from bases import architectures, memory_plan
+from batcher.engine import adapter_io, custom_losses, data_parallel, gang, head, optimizers, sharded_snapshots
 from batcher.engine.adapter import LORA_ALPHA, Adapter
 from batcher.engine.collective import Mirror, collective
 from batcher.engine.device_pass import DevicePass
 from batcher.engine.graphs import Graphs
 from batcher.engine.multilora import SHARED_INPUT, MultiLoraModel
-from batcher.engine.plan import Planner, Row
+from batcher.engine.plan import PlannedBatch, Planner, Row
 from batcher.engine.protocol import Outcome, PassRequest, PassStats
-from batcher.engine.results import read_back
+from batcher.engine.results import PassResult, answers, datum_values, read_back
 from checkpoints.layout import TrainerMeta
 from core.errors import Conflict, InvalidInput, QuiltError, ServerError, UserError
 from core.loss_spec import LossConfig
@@ -84,6 +84,12 @@ class LoraBackend:
         self.config = json.loads((Path(base_path) / "config.json").read_text())
         self.base_path = str(base_path)
         self.base = self._load_base(model, member, dtype)
+        # An FSDP gang computes each rank's share of a pass (batcher.engine.data_parallel).
+        self.data_parallel: data_parallel.DataParallel | None = None
+        if member is not None and self.gang_size > 1 and member.shape.parallel == "fsdp":
+            self.data_parallel = data_parallel.DataParallel(member.rank, member.size, member.control)
+            data_parallel.backward_through_every_layer(self.base)
+            max_tokens_per_pass = memory_plan.rank_tokens(max_tokens_per_pass, member.size)
         self.expert_lora = expert_lora
         # Why a model's LoRA may not go on this MoE base's experts ("": it may). A tensor-parallel
         # gang splits each expert's width, which expert LoRA does not follow (batcher.engine.expert_lora).
@@ -257,6 +263,8 @@ class LoraBackend:
         # Models without pending gradients: a failed pass must leave their gradient rows at zero.
         fresh = [self.adapters[m].name for m in models if not self.lora.pending(self.adapters[m].name)]
         started = time.perf_counter()
+        if self.data_parallel is not None:
+            return self._data_parallel_pass(requests, outcomes, configs, rows, models, started)
         try:
             batches = self.planner.plan(rows, requests, configs)
             values = self.device_pass.compute(batches, len(requests)).cpu()  # the pass's one read-back
@@ -269,7 +277,27 @@ class LoraBackend:
             for i in configs:
                 outcomes[i] = ServerError(f"trainer pass failed: {type(exc).__name__}: {exc}")
             return _answered(outcomes)
-        result = read_back(batches, values, requests, configs)
+        return self._finish(read_back(batches, values, requests, configs), requests, outcomes, rows, batches, started)
+
+    def _data_parallel_pass(self, requests: list[PassRequest], outcomes: list[Outcome | None],
+                            configs: dict[int, LossConfig], rows: list[Row], models: set[str], started: float
+                            ) -> list[Outcome]:
+        """`run_pass` in an FSDP gang: this rank's share of the rows, the gradients summed over the
+        ranks, every rank's results gathered (`batcher.engine.data_parallel`). A failure breaks the gang."""
+        dp = cast(data_parallel.DataParallel, self.data_parallel)
+        names = sorted(self.adapters[m].name for m in models)
+        dp.keep_only_rank0_sums(self.lora, names)
+        batches, own = dp.plan(self.planner, rows, requests, configs)
+        values = self.device_pass.compute(batches, len(requests)).cpu()
+        dp.sum_grads(self.lora, names)
+        per_datum, kept = dp.gather(*datum_values(batches[:own], values, configs))
+        return self._finish(answers(per_datum, kept, requests, configs), requests, outcomes, rows, batches[:own],
+                            started)
+
+    def _finish(self, result: PassResult, requests: list[PassRequest], outcomes: list[Outcome | None],
+                rows: list[Row], batches: list[PlannedBatch], started: float) -> list[Outcome]:
+        """Answer the requests from a pass's results; keep or discard its gradients."""
+        models = {requests[i].model_id for i in (*result.outputs, *result.not_finite)}
         for i, (datums, backpropagated) in result.not_finite.items():
             outcomes[i] = self._not_finite(requests[i], datums, backpropagated)
         for i, output in result.outputs.items():
@@ -277,7 +305,8 @@ class LoraBackend:
         for model_id in result.kept_models:
             self.lora.set_grads(self.adapters[model_id].name)
         self.last_pass = PassStats(
-            models=len(models), rows=len(rows), tokens=sum(len(r.tokens) for r in rows),
+            models=len(models),
+            rows=len(rows), tokens=sum(len(r.tokens) for r in rows),
             padded_tokens=sum(b.layout.tokens for b in batches), micro_batches=len(batches),
             seconds=time.perf_counter() - started,
         )
@@ -288,7 +317,10 @@ class LoraBackend:
         losses, backward), without finishing the requests: what synchronisation checks watch."""
         _, configs, rows = self._admit(requests)
         self.ensure_resident({requests[i].model_id for i in configs})
-        batches = self.planner.plan(rows, requests, configs)
+        if self.data_parallel is not None:  # this rank's share, as a pass of the gang computes it
+            batches, _ = self.data_parallel.plan(self.planner, rows, requests, configs)
+        else:
+            batches = self.planner.plan(rows, requests, configs)
         return lambda: self.device_pass.compute(batches, len(requests))
 
     def _admit(self, requests: list[PassRequest]) -> tuple[list[Outcome | None], dict[int, LossConfig], list[Row]]:

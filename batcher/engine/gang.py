@@ -11,7 +11,8 @@ a `Leader` as its mirror: every call that changes tensors (a pass, a step, a cre
 export), marked `@collective()` where the backend defines it (`batcher.engine.collective`), is
 first handed to the other ranks, which make the same call on their own backend (`follow`), so all
 ranks run the same collectives in the same order. A rank with no work of its own still joins every
-pass. A rank that dies takes the gang with it: `torch.distributed.run` stops the others and starts
+pass (an FSDP gang's ranks each compute their share of its rows: `batcher.engine.data_parallel`).
+A rank that dies takes the gang with it: `torch.distributed.run` stops the others and starts
 the gang again (its `--max-restarts`), and rank 0 restores and replays as a single trainer does.
 """
 
@@ -55,7 +56,8 @@ _WHOLE_STYLES = frozenset({"colwise_gather_output", "colwise_rep", "rowwise_rep"
 class GangShape:
     """How many ranks, and how they split the base: "tp" (tensor parallel over all ranks), "ep"
     (MoE: experts split over the ranks, attention tensor parallel), "fsdp" (every weight sharded,
-    gathered layer by layer; the ranks compute the same tokens)."""
+    gathered layer by layer; each rank computes its share of a pass's rows,
+    `batcher.engine.data_parallel`)."""
 
     ranks: int = 1
     parallel: Parallel = "tp"

@@ -139,3 +139,21 @@ def chunks(total: int, per_chunk: int) -> list[tuple[int, int]]:
     """[start, end) ranges of at most `per_chunk` tokens covering `total`."""
     per_chunk = max(1, per_chunk)
     return [(s, min(s + per_chunk, total)) for s in range(0, total, per_chunk)]
+
+
+def rank_shares(lengths: Sequence[int], ranks: int) -> list[tuple[int, ...]]:
+    """Which rows each rank of a data-parallel gang computes (`batcher.engine.data_parallel`): row
+    indices per rank, in the pass's order, the ranks' token counts as even as whole rows allow.
+
+    Longest row first, each to the rank with the fewest tokens so far (the lowest rank on a tie):
+    no rank ends more than the longest row's tokens above another. With fewer rows than ranks the last
+    ranks get none."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be at least 1, not {ranks}")
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    load = [0] * ranks
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        shares[rank].append(i)
+        load[rank] += lengths[i]
+    return [tuple(sorted(s)) for s in shares]

@@ -548,6 +548,17 @@ class MultiLoraModel:
             if A.grad is None:
                 A.grad, B.grad = slab.gA[slot], slab.gB[slot]
 
+    def grad_rows(self, name: str) -> list[torch.Tensor]:
+        """A resident adapter's gradient rows in the slabs, exposed or not ([gA, gB] per layer): what
+        a data-parallel gang sums over its ranks (`batcher.engine.data_parallel`)."""
+        ad = self.adapters[name]
+        slot = self.classes[ad.rank].slot_of[name]
+        out = []
+        for path in ad.layers:
+            slab = self.layers[path].slabs[ad.rank]
+            out += [slab.gA[slot], slab.gB[slot]]
+        return out
+
     def pending(self, name: str) -> bool:
         """Whether the adapter has accumulated gradients (exposed as `.grad`)."""
         return any(p.grad is not None for p in self.adapters[name].params)

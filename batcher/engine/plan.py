@@ -122,18 +122,24 @@ class Planner:
              ) -> list[PlannedBatch]:
         """Lay the rows out in micro-batches, each with its record of device inputs."""
         lengths = [len(r.tokens) for r in rows]
-        pack = layout.can_pack(self.config, max(lengths, default=0))
         capture = self.cuda_graphs and self.graph_device == "cuda"
         n_requests = buckets.requests(len(requests)) if capture else len(requests)
         batches = []
-        for lay in layout.micro_batches(lengths, [self.lora.order(r.adapter) for r in rows], budget=self.budget,
-                                        pack=pack, pack_width=self.pack_width, align=self.align):
+        for lay in self.layouts(rows):
             # A custom loss runs node by node on each datum's shapes: its micro-batch is not captured.
             custom = any(requests[rows[i].request_index].work.custom is not None for i in lay.rows)
             bucket = self._bucket(lay, rows) if capture and not custom else None
             batches.append(self._batch(bucket or lay, rows, lengths, requests, configs, n_requests,
                                        static=bucket is not None))
         return batches
+
+    def layouts(self, rows: list[Row]) -> list[layout.Layout]:
+        """The micro-batches these rows take (`plan` lays them out so; a data-parallel gang counts
+        every rank's from it, `batcher.engine.data_parallel`)."""
+        lengths = [len(r.tokens) for r in rows]
+        pack = layout.can_pack(self.config, max(lengths, default=0))
+        return layout.micro_batches(lengths, [self.lora.order(r.adapter) for r in rows], budget=self.budget,
+                                    pack=pack, pack_width=self.pack_width, align=self.align)
 
     def _bucket(self, lay: layout.Layout, rows: list[Row]) -> layout.Layout | None:
         """The micro-batch laid out on its bucket's grid, where it may replay a captured graph

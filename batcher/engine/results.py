@@ -33,12 +33,28 @@ class PassResult:
 def read_back(batches: list[PlannedBatch], values: torch.Tensor, requests: list[PassRequest],
               configs: dict[int, LossConfig]) -> PassResult:
     """Results, errors and kept gradients from the values the pass read back."""
-    per_datum: dict[int, dict[int, losses.DatumLoss]] = {i: {} for i in configs}
-    not_finite: dict[int, list[int]] = {}
-    kept: set[int] = set()  # requests whose gradient some micro-batch accumulated
+    return answers(*datum_values(batches, values, configs), requests, configs)
+
+
+Datums = dict[int, dict[int, losses.DatumLoss]]  # each admitted request's datums' losses, by datum index
+
+
+def datum_values(batches: list[PlannedBatch], values: torch.Tensor, configs: dict[int, LossConfig]
+                 ) -> tuple[Datums, set[int]]:
+    """Each datum's loss and outputs from the values these micro-batches read back (values past
+    theirs are ignored), and the requests whose gradient some micro-batch accumulated."""
+    per_datum: Datums = {i: {} for i in configs}
+    kept: set[int] = set()
     at = 0
     for batch in batches:
         at = _batch_values(batch, values, at, per_datum, kept)
+    return per_datum, kept
+
+
+def answers(per_datum: Datums, kept: set[int], requests: list[PassRequest], configs: dict[int, LossConfig]
+            ) -> PassResult:
+    """Each request's answer from all its datums (a data-parallel gang's, gathered from its ranks)."""
+    not_finite: dict[int, list[int]] = {}
     for i, by_datum in per_datum.items():
         bad = sorted(j for j, d in by_datum.items() if not math.isfinite(d.metrics["loss:sum"]))
         if bad:
