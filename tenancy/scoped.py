@@ -12,10 +12,11 @@ from core.errors import Conflict, Forbidden, NotFound
 from core.queue import MAX_CLONE
 from tenancy.auth import Principal
 
-# Admission's reads: the tenant's requests in flight, and whether a monthly budget bounds the tenant
-# or the calling key (billing.budgets).
+# Admission's reads: the tenant's requests in flight, its calls waiting in a queue state
+# (api.queue_states), and whether a monthly budget bounds the tenant or the calling key (billing.budgets).
 _ADMISSION_READS = ("(SELECT count(*) FROM requests WHERE tenant_id = %(tenant)s AND status IN ('queued', 'running')) "
-                    "AS inflight, EXISTS (SELECT 1 FROM budgets WHERE tenant_id = %(tenant)s "
+                    "AS inflight, (SELECT count(*) FROM requests WHERE tenant_id = %(tenant)s AND status = 'paused') "
+                    "AS paused, EXISTS (SELECT 1 FROM budgets WHERE tenant_id = %(tenant)s "
                     "AND (api_key_id IS NULL OR api_key_id = %(key)s)) AS budgeted")
 
 
@@ -96,7 +97,8 @@ async def get_model(conn: AsyncConnection[DictRow], who: Principal, model_id: st
 async def get_request(conn: AsyncConnection[DictRow], who: Principal, request_id: str) -> dict:
     return await _one(
         conn,
-        "SELECT id, status, kind, model_id, seq_id, finished_at, error FROM requests WHERE id = %s AND tenant_id = %s",
+        "SELECT id, status, kind, model_id, seq_id, finished_at, error, queue_state, queue_reason FROM requests "
+        "WHERE id = %s AND tenant_id = %s",
         (request_id, who.tenant_id),
         NotFound(f"future {request_id!r} not found", field="request_id"),
     )
@@ -175,13 +177,14 @@ async def count_live_models(conn: AsyncConnection[DictRow], who: Principal) -> i
     return db.one(await cur.fetchone())["n"]
 
 
-async def inflight_and_budgeted(conn: AsyncConnection[DictRow], who: Principal) -> tuple[int, bool]:
-    """The tenant's requests in flight, and whether a monthly budget bounds the tenant or the
-    calling key (billing.budgets): admission's two reads in one statement, one round trip (a call
-    on a model reads them with the model instead: `get_model(..., admission=True)`)."""
+async def inflight_and_budgeted(conn: AsyncConnection[DictRow], who: Principal) -> tuple[int, bool, int]:
+    """The tenant's requests in flight, whether a monthly budget bounds the tenant or the calling
+    key (billing.budgets), and its calls waiting in a queue state: admission's reads in one
+    statement, one round trip (a call on a model reads them with the model instead:
+    `get_model(..., admission=True)`)."""
     cur = await conn.execute(f"SELECT {_ADMISSION_READS}", {"tenant": who.tenant_id, "key": who.key_id})
     row = db.one(await cur.fetchone())
-    return row["inflight"], row["budgeted"]
+    return row["inflight"], row["budgeted"], row["paused"]
 
 
 async def list_models(conn: AsyncConnection[DictRow], who: Principal, *, limit: int, offset: int) -> tuple[list[dict], int]:
