@@ -132,7 +132,9 @@ def decide(f: Facts) -> Decision:
                                        f"{f.holder.kind} request", field="seq_id"))
         return Resume(f.holder.request_id, f.holder.status)
     if not f.check_quota:
-        return Admit()
+        # A placeholder (api.seq_gaps) holds no new work, yet must not overtake a paused call of its
+        # model: a trainer gives up on a seq_id missing ahead of one it holds (QUILT_TRAINER_SEQ_GAP_DEADLINE_S).
+        return Pause(RATE, f"{f.paused} earlier calls of yours wait ahead of this one") if f.paused else Admit()
     refusal = before_reads(f)
     if refusal is not None:
         return Refuse(refusal)

@@ -52,7 +52,8 @@ def try_again(row: dict) -> dict:
             "queue_state_reason": row["queue_reason"] or "waiting for your limits"}
 
 
-async def hold(pool: AsyncConnectionPool[AsyncConnection[DictRow]], redis: Redis, who: Principal, row: dict, settings: ApiSettings) -> dict:
+async def hold(pool: AsyncConnectionPool[AsyncConnection[DictRow]], redis: Redis, who: Principal, row: dict,
+               settings: ApiSettings) -> dict:
     """Wait on a paused request `row` of `who` for up to `settings.paused_poll_seconds`, promoting
     the tenant's paused calls as places free; returns the row as it stands then (no longer paused:
     appended, or failed at its deadline)."""

@@ -111,7 +111,8 @@ def _outcome(d: rule.Decision):
     ({"waits": True, "paused": 0, "inflight": 3, "who": replace(WHO, suspended_kind="operator")},
      "403 tenant.suspended"),
     ({"waits": True, "paused": 0, "inflight": 3, "budgeted": True, "budgets": (ROOM,)}, "pause paused_rate_limit"),
-    ({"waits": True, "paused": 3, "check_quota": False}, "admit"),
+    ({"paused": 3, "check_quota": False}, "pause paused_rate_limit"),  # a placeholder does not overtake them
+    ({"paused": 0, "check_quota": False, "inflight": 9}, "admit"),
 ])
 def test_every_refusal(change, expected):
     assert _outcome(rule.decide(replace(CALL, **change))) == expected
