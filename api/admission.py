@@ -34,7 +34,9 @@ model's shard's) with the tokens taken from the bucket in the same step (tenancy
 The row is committed before the entry exists, so a worker never sees work the database does not
 know. When the bucket cannot hold the tokens yet, the entry is not appended (and its marker says
 so, so no retry appends it either): the row is deleted, freeing the seq_id, and the call answers
-429 with Retry-After. Tokens are thus taken once per request that reaches a worker, however often
+429 with Retry-After. A training call on an existing model (`Ticket.waits`) is not refused by the
+rate or in-flight limits, nor by a base at capacity: its row waits `paused` in a queue state with
+its item kept in Redis (`park`), leaving no refusal marker, and api.queue_states appends it later. Tokens are thus taken once per request that reaches a worker, however often
 a call is retried, and a refused call gives nothing back because it took nothing. If Redis
 refuses the entry (it went down after the commit) the row stays queued and the slot held, exactly
 as when the API dies between its commit and the append: the call answers 503, and the client's
@@ -239,7 +241,7 @@ async def admit(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, ti
                 return await _resume(conn, redis, who, ticket, decision.request_id, decision.status)
             paused = None
             if isinstance(decision, rule.Pause):  # its item is kept before its row can be promoted
-                await park(redis, ticket.base_model, item)
+                await park(redis, item)
                 paused = (decision.queue_state, decision.reason)
             if ticket.new_model is not None:
                 shard = await _new_model_shard(conn, redis, ticket)
@@ -286,15 +288,14 @@ async def _append(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, 
     if ticket.waits:
         queued = await trainer_queued(redis, ticket.base_model, _shard(ticket))
         if rule.at_capacity(queued, get_api_settings().capacity_queue_depth):
-            await pause(conn, redis, ticket.base_model, item, rule.capacity_pause(queued or 0))
+            await pause(conn, redis, item, rule.capacity_pause(queued or 0))
             return item.request_id
     wait_s = await append(conn, redis, who, ticket, item)
     if wait_s is None:
         return item.request_id
     rate_limit.SHORTFALLS.refused(who, ticket.tokens, wait_s)
     if ticket.waits:
-        await pause(conn, redis, ticket.base_model, item, rule.Pause(rule.RATE, rule.rate_reason(who, ticket.tokens, wait_s)),
-                    wait_s)
+        await pause(conn, redis, item, rule.Pause(rule.RATE, rule.rate_reason(who, ticket.tokens, wait_s)), wait_s)
         return item.request_id
     await _unadmit(conn, redis, ticket, item)
     raise rule.rate_refusal(who, ticket.tokens, wait_s)
@@ -317,27 +318,26 @@ async def append(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, t
 
 
 def parked_key(request_id: str) -> str:
-    """Where a paused call's work item waits (a hash of its fields and `_base`, its base model)."""
+    """Where a paused call's work item waits (a hash of its fields)."""
     return f"quilt:paused:{request_id}"
 
 
-async def park(redis: Redis, base_model: str, item: WorkItem) -> None:
+async def park(redis: Redis, item: WorkItem) -> None:
     """Keep `item` until its paused call is appended or fails (api.queue_states), for a while past
     the longest a call may wait."""
     key = parked_key(item.request_id)
     api = get_api_settings()
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.hset(key, mapping={**item.to_fields(), "_base": base_model})
+        pipe.hset(key, mapping=item.to_fields())
         pipe.expire(key, int(api.queue_wait_deadline_s) + api.future_ttl_seconds)
         await pipe.execute()
 
 
-async def pause(conn: AsyncConnection[DictRow], redis: Redis, base_model: str, item: WorkItem, why: rule.Pause,
-                wait_s: float = 0.0) -> None:
+async def pause(conn: AsyncConnection[DictRow], redis: Redis, item: WorkItem, why: rule.Pause, wait_s: float = 0.0) -> None:
     """Set the queued call `item`, whose entry was not appended, waiting in a queue state. Should a
     retry of the same call have appended it meanwhile (its marker says so), it is queued again at
     once: a paused row's entry would never be run."""
-    await park(redis, base_model, item)
+    await park(redis, item)
     await records.pause(conn, item.request_id, why.queue_state, why.reason, wait_s)
     await conn.commit()
     if queue.was_appended(await redis.get(queue.enqueued_key(item.request_id))):

@@ -65,7 +65,7 @@ async def hold(pool: AsyncConnectionPool[AsyncConnection[DictRow]], redis: Redis
         left = until - time.monotonic()
         if row["status"] != "paused" or left <= 0:
             return row
-        await asyncio.sleep(min(0.25, left))
+        await asyncio.sleep(min(0.5, left))
 
 
 async def promote(conn: AsyncConnection[DictRow], redis: Redis, who: Principal) -> list[str]:
@@ -74,83 +74,66 @@ async def promote(conn: AsyncConnection[DictRow], redis: Redis, who: Principal) 
     api = get_api_settings()
     appended: list[str] = []
     async with records.quota_lock(conn, who.tenant_id):
-        rows = await records.paused_requests(conn, who.tenant_id, _LOOK_AHEAD)
+        rows = {r["id"]: r for r in await records.paused_requests(conn, who.tenant_id, _LOOK_AHEAD)}
         if not rows:
             return appended
-        items = {r["id"]: await _parked(redis, r["id"]) for r in rows}
-        waiting = [rule.Waiting(r["id"], r["model_id"], r["seq_id"], r["n_tokens"], r["wait_s"], r["age_s"])
-                   for r in rows]
+        waiting = [rule.Waiting(r["id"], r["model_id"], r["seq_id"], r["n_tokens"], r["wait_s"], r["age_s"],
+                                await _at_capacity(redis, r)) for r in rows.values()]
         for request_id in rule.expired(waiting, api.queue_wait_deadline_s):
-            row = next(r for r in rows if r["id"] == request_id)
-            await _fail(conn, redis, who, row, items[request_id],
-                        f"waited {row['age_s']:.0f} s in queue state {row['queue_state']} ({row['queue_reason']}), "
-                        f"past the deadline of {api.queue_wait_deadline_s:.0f} s (QUILT_QUEUE_WAIT_DEADLINE_S)")
-        for request_id, parked in items.items():
-            row = next(r for r in rows if r["id"] == request_id)
-            if parked is None and row["age_s"] < api.queue_wait_deadline_s:
-                await _fail(conn, redis, who, row, None, "this call's work was lost while it waited in a queue state "
-                                                         "(the store restarted); send it again with a new seq_id")
-        live = [w for w in waiting if items[w.request_id] is not None and w.age_s < api.queue_wait_deadline_s]
-        live = [await _with_capacity(redis, w, items[w.request_id]) for w in live]
+            row = rows[request_id]
+            await _fail(conn, redis, who, row, f"waited {row['age_s']:.0f} s in queue state {row['queue_state']} "
+                                               f"({row['queue_reason']}), past the deadline of "
+                                               f"{api.queue_wait_deadline_s:.0f} s (QUILT_QUEUE_WAIT_DEADLINE_S)")
+        live = [w for w in waiting if w.age_s < api.queue_wait_deadline_s]
         inflight, _budgeted, _paused = await scoped.inflight_and_budgeted(conn, who)
         for request_id in rule.promotable(live, inflight, who.max_inflight_requests):
-            parked = items[request_id]
-            assert parked is not None  # `live` holds only kept items
-            base_model, item = parked
-            if not await _append(conn, redis, who, base_model, item):
+            item = await _parked(redis, request_id)
+            if item is None:  # Redis lost it: the call cannot run, but must not hold up its model's line
+                await _fail(conn, redis, who, rows[request_id], "this call's work was lost while it waited in a queue "
+                                                                "state (the store restarted); send it again")
+            elif not await _append(conn, redis, who, rows[request_id], item):
                 break  # the bucket is short again: the rest of the line waits behind it
-            appended.append(request_id)
+            else:
+                appended.append(request_id)
     return appended
 
 
-async def _parked(redis: Redis, request_id: str) -> tuple[str, WorkItem] | None:
+async def _parked(redis: Redis, request_id: str) -> WorkItem | None:
     fields = await redis.hgetall(admission.parked_key(request_id))
     if not fields:
         return None
-    base = fields.pop(b"_base", b"")
-    return base.decode() if isinstance(base, bytes) else str(base), WorkItem.from_fields(fields)
+    return WorkItem.from_fields(fields)
 
 
-async def _with_capacity(redis: Redis, w: rule.Waiting, parked: tuple[str, WorkItem] | None) -> rule.Waiting:
-    """`w`, marked at capacity while its base's trainer holds QUILT_CAPACITY_QUEUE_DEPTH requests."""
-    if parked is None:
-        return w
-    queued = await admission.trainer_queued(redis, parked[0], None)
-    if not rule.at_capacity(queued, get_api_settings().capacity_queue_depth):
-        return w
-    return rule.Waiting(w.request_id, w.model_id, w.seq_id, w.tokens, w.wait_s, w.age_s, at_capacity=True)
+async def _at_capacity(redis: Redis, row: dict) -> bool:
+    """Whether the trainer of a paused call's model holds QUILT_CAPACITY_QUEUE_DEPTH requests."""
+    queued = await admission.trainer_queued(redis, row["base_model"], row["trainer_shard"])
+    return rule.at_capacity(queued, get_api_settings().capacity_queue_depth)
 
 
-async def _append(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, base_model: str, item: WorkItem) -> bool:
-    """Queue the paused call `item` and append its entry, taking its tokens; False (and waiting
-    again) when the bucket cannot hold them yet."""
+async def _append(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, row: dict, item: WorkItem) -> bool:
+    """Queue the paused call `item` (its row `row`) and append its entry, taking its tokens; False
+    (and waiting again) when the bucket cannot hold them yet."""
     if not await records.unpause(conn, item.request_id):
         return True  # another API process promoted or failed it
-    ticket = admission.Ticket(item, base_model, admission.SeqSlot(item.model_id, item.seq_id))
+    slot = admission.SeqSlot(item.model_id, item.seq_id, shard=row["trainer_shard"])
+    ticket = admission.Ticket(item, row["base_model"], slot)
     wait_s = await admission.append(conn, redis, who, ticket, item)
     if wait_s is None:
         await redis.delete(admission.parked_key(item.request_id))
         return True
-    await admission.pause(conn, redis, base_model, item,
-                          rule.Pause(rule.RATE, rule.rate_reason(who, ticket.tokens, wait_s)), wait_s)
+    await admission.pause(conn, redis, item, rule.Pause(rule.RATE, rule.rate_reason(who, ticket.tokens, wait_s)), wait_s)
     return False
 
 
-async def _fail(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, row: dict,
-                parked: tuple[str, WorkItem] | None, message: str) -> None:
+async def _fail(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, row: dict, message: str) -> None:
     """Fail a paused call in its seq_id's place: queued again, with a placeholder entry the trainer
     fails in order with `message`, billing nothing (as api.seq_gaps' refusals)."""
     if not await records.unpause(conn, row["id"]):
         return
-    base_model = parked[0] if parked else await _base_of(conn, who, row["model_id"])
-    item = WorkItem(row["id"], who.tenant_id, row["model_id"] or "", row["seq_id"] or 0, WorkKind.REJECTED, 0,
+    item = WorkItem(row["id"], who.tenant_id, row["model_id"], row["seq_id"], WorkKind.REJECTED, 0,
                     Rejected(message, "queue_state"))
-    ticket = admission.Ticket(item, base_model, admission.SeqSlot(item.model_id, item.seq_id), check_quota=False)
-    await admission.append(conn, redis, who, ticket, item)
+    slot = admission.SeqSlot(row["model_id"], row["seq_id"], shard=row["trainer_shard"])
+    await admission.append(conn, redis, who, admission.Ticket(item, row["base_model"], slot, check_quota=False), item)
     await redis.delete(admission.parked_key(row["id"]))
     log.info("paused request %s failed: %s", row["id"], message)
-
-
-async def _base_of(conn: AsyncConnection[DictRow], who: Principal, model_id: str | None) -> str:
-    model = await scoped.get_model(conn, who, model_id or "")
-    return str(model["base_model"])

@@ -197,12 +197,13 @@ async def unpause(conn: AsyncConnection[DictRow], request_id: str) -> bool:
 
 async def paused_requests(conn: AsyncConnection[DictRow], tenant_id: str, limit: int) -> list[dict]:
     """A tenant's first `limit` paused requests in the order they came, with their age and bucket
-    wait in seconds."""
+    wait in seconds, and their model's base and trainer shard."""
     cur = await conn.execute(
-        "SELECT id, model_id, seq_id, kind, n_tokens, queue_state, queue_reason, "
-        "extract(epoch FROM now() - created_at)::float8 AS age_s, "
-        "greatest(0, extract(epoch FROM coalesce(not_before, now()) - now()))::float8 AS wait_s "
-        "FROM requests WHERE tenant_id = %s AND status = 'paused' ORDER BY created_at, id LIMIT %s",
+        "SELECT r.id, r.model_id, r.seq_id, r.kind, r.n_tokens, r.queue_state, r.queue_reason, m.base_model, "
+        "m.trainer_shard, extract(epoch FROM now() - r.created_at)::float8 AS age_s, "
+        "greatest(0, extract(epoch FROM coalesce(r.not_before, now()) - now()))::float8 AS wait_s "
+        "FROM requests r JOIN training_models m ON m.id = r.model_id "
+        "WHERE r.tenant_id = %s AND r.status = 'paused' ORDER BY r.created_at, r.id LIMIT %s",
         (tenant_id, limit))
     return await cur.fetchall()
 

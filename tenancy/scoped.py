@@ -250,16 +250,26 @@ async def list_sampling_sessions(conn: AsyncConnection[DictRow], who: Principal,
 
 async def run_progress(conn: AsyncConnection[DictRow], who: Principal, model_ids: list[str]) -> dict[str, dict]:
     """Per training model of yours: `step` (optimizer steps completed: its policy version),
-    `in_flight` requests, and the newest trainer `loss` (loss per weighted token) if any."""
-    out = {m: {"step": 0, "in_flight": 0, "loss": None} for m in model_ids}
+    `in_flight` requests, the newest trainer `loss` (loss per weighted token) if any, and the calls
+    `waiting` in a queue state (api.queue_states) with the first one's `queue_state` and `queue_reason`."""
+    out = {m: {"step": 0, "in_flight": 0, "loss": None, "waiting": 0, "queue_state": None, "queue_reason": None}
+           for m in model_ids}
     cur = await conn.execute(
         "SELECT model_id, count(*) FILTER (WHERE kind = 'optim_step' AND status = 'done') AS step, "
-        "count(*) FILTER (WHERE status IN ('queued', 'running')) AS in_flight "
+        "count(*) FILTER (WHERE status IN ('queued', 'running')) AS in_flight, "
+        "count(*) FILTER (WHERE status = 'paused') AS waiting "
         "FROM requests WHERE tenant_id = %s AND model_id = ANY(%s) GROUP BY model_id",
         (who.tenant_id, model_ids),
     )
     for row in await cur.fetchall():
-        out[row["model_id"]].update(step=row["step"], in_flight=row["in_flight"])
+        out[row["model_id"]].update(step=row["step"], in_flight=row["in_flight"], waiting=row["waiting"])
+    cur = await conn.execute(
+        "SELECT DISTINCT ON (model_id) model_id, queue_state, queue_reason FROM requests "
+        "WHERE tenant_id = %s AND model_id = ANY(%s) AND status = 'paused' ORDER BY model_id, seq_id",
+        (who.tenant_id, model_ids),
+    )
+    for row in await cur.fetchall():
+        out[row["model_id"]].update(queue_state=row["queue_state"], queue_reason=row["queue_reason"])
     cur = await conn.execute(
         "SELECT DISTINCT ON (model_id) model_id, (metrics->>'loss:mean')::float8 AS loss FROM run_metrics "
         "WHERE tenant_id = %s AND model_id = ANY(%s) AND source = 'trainer' ORDER BY model_id, step DESC, id DESC",
