@@ -32,16 +32,17 @@ row, placed on a trainer shard where there are several: scaleout.placement), a c
 stream entry (a sample group's generation replica's stream, gen_pool.router; a training call's
 model's shard's) with the tokens taken from the bucket in the same step (tenancy.rate_limit).
 The row is committed before the entry exists, so a worker never sees work the database does not
-know. When the bucket cannot hold the tokens yet, the entry is not appended (and its marker says
-so, so no retry appends it either): the row is deleted, freeing the seq_id, and the call answers
-429 with Retry-After. A training call on an existing model (`Ticket.waits`) is not refused by the
-rate or in-flight limits, nor by a base at capacity: its row waits `paused` in a queue state with
-its item kept in Redis (`park`), leaving no refusal marker, and api.queue_states appends it later. Tokens are thus taken once per request that reaches a worker, however often
-a call is retried, and a refused call gives nothing back because it took nothing. If Redis
-refuses the entry (it went down after the commit) the row stays queued and the slot held, exactly
-as when the API dies between its commit and the append: the call answers 503, and the client's
-retry with the same ids (both SDKs retry 503) appends the entry, once. (Marking the row failed
-instead made that retry resume a failed request with no result: a 410 for work never run.)
+know. When the bucket cannot hold the tokens yet, the entry is not appended (and its marker says so,
+so no retry appends it either): the row is deleted, freeing the seq_id, and the call answers 429
+with Retry-After. A training call on an existing model (`Ticket.waits`) is not refused by the rate
+or in-flight limits, nor by a base at capacity: its row waits `paused` in a queue state with its
+item kept in Redis (`park`), leaving no refusal marker, and api.queue_states appends it later.
+Tokens are thus taken once per request that reaches a worker, however often a call is retried, and a
+refused call gives nothing back because it took nothing. If Redis refuses the entry (it went down
+after the commit) the row stays queued and the slot held, exactly as when the API dies between its
+commit and the append: the call answers 503, and the client's retry with the same ids (both SDKs
+retry 503) appends the entry, once. (Marking the row failed instead made that retry resume a failed
+request with no result: a 410 for work never run.)
 
 The idempotency rule is a parameter: `SeqSlot` for training calls (unique `(model_id, seq_id)` in
 Postgres; the slot's current holder comes with the model read), `RedisSlot` for sampling (the SDK's

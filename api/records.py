@@ -189,9 +189,10 @@ async def pause(conn: AsyncConnection[DictRow], request_id: str, queue_state: st
 
 async def unpause(conn: AsyncConnection[DictRow], request_id: str) -> bool:
     """A paused request, queued again for its append (its queue state kept, for the record of why it
-    waited). False if it was no longer paused (another API process promoted or failed it)."""
-    cur = await conn.execute("UPDATE requests SET status = 'queued' WHERE id = %s AND status = 'paused' RETURNING id",
-                             (request_id,))
+    waited; `not_before` now says when it was queued, which upkeep's never-enqueued sweep counts
+    from). False if it was no longer paused (another API process promoted or failed it)."""
+    cur = await conn.execute("UPDATE requests SET status = 'queued', not_before = now() WHERE id = %s "
+                             "AND status = 'paused' RETURNING id", (request_id,))
     return await cur.fetchone() is not None
 
 
