@@ -92,3 +92,32 @@ def test_a_tenant_over_its_limits_waits_in_queue_states_and_loses_nothing(stack,
     assert open_rows == 0  # nothing left paused or in flight: the quota is free again
     assert billed["n"] == CALLS and billed["d"] == CALLS  # each billed exactly once
     assert calm_waited == 0
+
+
+def test_a_call_waiting_past_its_deadline_fails_in_its_place_and_the_model_goes_on(stack, tmp_path):
+    """On an API whose QUILT_QUEUE_WAIT_DEADLINE_S is 3 s, a call the bucket holds back for about
+    12 s fails clearly at its seq_id (billed nothing), and the model's next call runs."""
+    import httpx
+    from stackutil import second_api
+
+    tenant = stack.create_tenant("qs-deadline")
+    with db.connect(stack.database_url) as conn:
+        set_quota(conn, tenant.name, tokens_per_minute=TPM)
+    with second_api(stack, tmp_path, QUILT_QUEUE_WAIT_DEADLINE_S="3") as url, \
+            httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": tenant.key}, timeout=60) as client:
+        model_id = new_model(client)
+        big = [datum(list(range(1, 102)))] * 3  # 300 model-input tokens
+        calls = [client.post("/forward_backward", json=fb_body(model_id, seq, big)) for seq in (1, 2, 3, 4)]
+        assert [r.status_code for r in calls] == [200] * 4, [r.text for r in calls]
+        late = calls[3].json()["request_id"]
+        failed = wait_future(client, late)
+        assert failed["category"] == "user" and "QUILT_QUEUE_WAIT_DEADLINE_S" in failed["error"], failed
+        assert "paused_rate_limit" in failed["error"] and "tokens_per_minute" in failed["error"]
+        for r in calls[:3]:
+            assert "loss:sum" in wait_future(client, r.json()["request_id"])["metrics"]
+        after = client.post("/forward_backward", json=fb_body(model_id, 5, [datum([1, 2, 3])]))
+        assert "loss:sum" in wait_future(client, after.json()["request_id"])["metrics"]
+    with db.connect(stack.database_url) as conn:
+        billed = conn.execute("SELECT count(*) AS n FROM usage_ledger WHERE request_id = %s", (late,)).fetchone()["n"]
+        row = conn.execute("SELECT status, queue_state FROM requests WHERE id = %s", (late,)).fetchone()
+    assert billed == 0 and row["status"] == "failed" and row["queue_state"] == "paused_rate_limit"
