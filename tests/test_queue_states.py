@@ -18,7 +18,6 @@ from tinkerutil import ready  # noqa: E402
 from core import db  # noqa: E402
 from tenancy.tenants import set_quota  # noqa: E402
 
-pytestmark = pytest.mark.stack
 TINY = "quilt/tiny-qwen3"
 TPM = 1000
 CALLS = 12  # of 100 tokens each: the bucket holds 10, the last two wait for it whatever the timing
@@ -34,6 +33,20 @@ class Recorder(QueueStateObserver):
     def on_queue_state_change(self, queue_state: QueueState, queue_state_reason: str | None) -> None:
         with self._lock:
             self.seen.append((queue_state, queue_state_reason))
+
+
+def test_the_try_again_answer_is_the_sdks_wire_shape():
+    """A waiting future's answer parses as the SDK's own TryAgainResponse, for each queue state."""
+    from tinker.types.try_again_response import TryAgainResponse
+
+    from api import queue_states
+    from api.admission_rule import CAPACITY, RATE
+
+    for state in (RATE, CAPACITY):
+        body = queue_states.try_again({"id": "req-1", "queue_state": state, "queue_reason": "why"})
+        parsed = TryAgainResponse.model_validate(body)
+        assert parsed.queue_state == state and parsed.request_id == "req-1"
+        assert body["queue_state_reason"] == "why"
 
 
 def _data(i: int) -> list:
