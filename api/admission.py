@@ -291,7 +291,11 @@ async def _append(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, 
         if rule.at_capacity(queued, get_api_settings().capacity_queue_depth):
             await pause(conn, redis, item, rule.capacity_pause(queued or 0))
             return item.request_id
-    wait_s = await append(conn, redis, who, ticket, item)
+    try:
+        wait_s = await append(conn, redis, who, ticket, item)
+    except queue.ResultBytesFull:  # the tenant's stored results are past their bound (core.result_bytes)
+        await _unadmit(conn, redis, ticket, item)
+        raise
     if wait_s is None:
         return item.request_id
     rate_limit.SHORTFALLS.refused(who, ticket.tokens, wait_s)
@@ -305,13 +309,13 @@ async def _append(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, 
 async def append(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, ticket: Ticket, item: WorkItem) -> float | None:
     """`queue.enqueue` of `item` to its stream with its tokens taken from its tenant's bucket: None
     once the entry is in the stream, else the seconds until the bucket holds them (a call that
-    `waits` leaves no refusal marker, so it may be appended later). ResultBytesFull unadmits it."""
+    `waits` leaves no refusal marker, so it may be appended later). ResultBytesFull when the
+    tenant's stored results are past their bound: nothing is appended."""
     bucket = rate_limit.bucket(who, ticket.tokens) if ticket.check_quota else None
     try:
         return await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds,
                                    await _stream(conn, redis, ticket, item), bucket, mark_refusal=not ticket.waits)
-    except queue.ResultBytesFull:  # the tenant's stored results are past their bound (core.result_bytes)
-        await _unadmit(conn, redis, ticket, item)
+    except queue.ResultBytesFull:
         raise
     except Exception:
         log.exception("could not enqueue %s; it stays queued for the client's retry", item.request_id)

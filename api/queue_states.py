@@ -33,7 +33,7 @@ from redis.asyncio import Redis
 
 from api import admission, records
 from api import admission_rule as rule
-from core import db
+from core import db, queue, result_bytes
 from core.settings import ApiSettings, get_api_settings
 from core.work import Rejected, WorkItem, WorkKind
 from tenancy import scoped
@@ -118,7 +118,11 @@ async def _append(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, 
         return True  # another API process promoted or failed it
     slot = admission.SeqSlot(item.model_id, item.seq_id, shard=row["trainer_shard"])
     ticket = admission.Ticket(item, row["base_model"], slot)
-    wait_s = await admission.append(conn, redis, who, ticket, item)
+    try:
+        wait_s = await admission.append(conn, redis, who, ticket, item)
+    except queue.ResultBytesFull as full:  # waits until the tenant's stored results age out
+        await admission.pause(conn, redis, item, rule.Pause(rule.RATE, full.message), result_bytes.OVER_FLAG_S)
+        return False
     if wait_s is None:
         await redis.delete(admission.parked_key(item.request_id))
         return True
@@ -134,6 +138,10 @@ async def _fail(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, ro
     item = WorkItem(row["id"], who.tenant_id, row["model_id"], row["seq_id"], WorkKind.REJECTED, 0,
                     Rejected(message, "queue_state"))
     slot = admission.SeqSlot(row["model_id"], row["seq_id"], shard=row["trainer_shard"])
-    await admission.append(conn, redis, who, admission.Ticket(item, row["base_model"], slot, check_quota=False), item)
+    try:
+        await admission.append(conn, redis, who, admission.Ticket(item, row["base_model"], slot, check_quota=False), item)
+    except queue.ResultBytesFull:  # nothing new enters the stream for now: failed by a later poll
+        await records.pause(conn, row["id"], row["queue_state"], row["queue_reason"], result_bytes.OVER_FLAG_S)
+        return
     await redis.delete(admission.parked_key(row["id"]))
     log.info("paused request %s failed: %s", row["id"], message)
