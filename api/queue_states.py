@@ -9,7 +9,8 @@ tokens-per-minute bucket or a base at capacity (its trainer's beacon reports
 wait behind it, so a tenant's calls still run in the order they came.
 
 Nothing appends a paused call but `promote`, run by the polls of the tenant's paused futures
-(`retrieve_future` on a paused row holds `QUILT_PAUSED_POLL_SECONDS`, promoting as places free):
+(`retrieve_future` on a paused row holds `QUILT_PAUSED_POLL_SECONDS`, counted as a long-poll, and
+promotes as places free, at most twice a second per tenant and API process):
 under the tenant's quota lock it counts the requests in flight, asks `admission_rule.promotable`
 which paused calls go now, and for each sets its row queued (committed) and appends its entry,
 taking its tokens then, once (the append marker). A call the bucket still cannot hold goes back to
@@ -60,12 +61,32 @@ async def hold(pool: AsyncConnectionPool[AsyncConnection[DictRow]], redis: Redis
     until = time.monotonic() + settings.paused_poll_seconds
     while True:
         async with db.autocommit(pool) as conn:
-            await promote(conn, redis, who)
+            if _due(who.tenant_id):
+                await promote(conn, redis, who)
             row = await scoped.get_request(conn, who, row["id"])
         left = until - time.monotonic()
         if row["status"] != "paused" or left <= 0:
             return row
-        await asyncio.sleep(min(0.5, left))
+        await asyncio.sleep(min(_PROMOTE_EVERY_S, left))
+
+
+_PROMOTE_EVERY_S = 0.5
+_promoted_at: dict[str, float] = {}  # tenant -> when this process last promoted its line (monotonic)
+
+
+def _due(tenant_id: str) -> bool:
+    """Whether this process should promote the tenant's line now: at most every _PROMOTE_EVERY_S,
+    however many of its futures wait (each poll would otherwise take the quota lock and read the
+    line). Tenants not seen for a minute are forgotten."""
+    now = time.monotonic()
+    if now - _promoted_at.get(tenant_id, -1e9) < _PROMOTE_EVERY_S:
+        return False
+    if len(_promoted_at) > 10_000:
+        for tenant, at in list(_promoted_at.items()):
+            if now - at > 60:
+                del _promoted_at[tenant]
+    _promoted_at[tenant_id] = now
+    return True
 
 
 async def promote(conn: AsyncConnection[DictRow], redis: Redis, who: Principal) -> list[str]:

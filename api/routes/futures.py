@@ -46,7 +46,8 @@ async def retrieve_future(body: RetrieveFutureRequest, request: Request, who: Wh
         async with db.autocommit(pool) as conn:
             row = await scoped.get_request(conn, who, body.request_id)  # 404 unless it is yours
         if row["status"] == "paused":  # waiting in a queue state: answered soon, with why
-            row = await queue_states.hold(pool, redis, who, row, settings)
+            async with long_polls.held(who.tenant_id, settings.long_polls_per_tenant):
+                row = await queue_states.hold(pool, redis, who, row, settings)
             if row["status"] == "paused":
                 return queue_states.try_again(row)
         if outcome is None:
