@@ -34,14 +34,17 @@ row, placed on a trainer shard where there are several: scaleout.placement), a c
 stream entry (a sample group's generation replica's stream, gen_pool.router; a training call's
 model's shard's) with the tokens taken from the bucket in the same step (tenancy.rate_limit).
 The row is committed before the entry exists, so a worker never sees work the database does not
-know. When the bucket cannot hold the tokens yet, the entry is not appended (and its marker says
-so, so no retry appends it either): the row is deleted, freeing the seq_id, and the call answers
-429 with Retry-After. Tokens are thus taken once per request that reaches a worker, however often
-a call is retried, and a refused call gives nothing back because it took nothing. If Redis
-refuses the entry (it went down after the commit) the row stays queued and the slot held, exactly
-as when the API dies between its commit and the append: the call answers 503, and the client's
-retry with the same ids (both SDKs retry 503) appends the entry, once. (Marking the row failed
-instead made that retry resume a failed request with no result: a 410 for work never run.)
+know. When the bucket cannot hold the tokens yet, the entry is not appended (and its marker says so,
+so no retry appends it either): the row is deleted, freeing the seq_id, and the call answers 429
+with Retry-After. A training call on an existing model (`Ticket.waits`) is not refused by the rate
+or in-flight limits, nor by a base at capacity: its row waits `paused` in a queue state with its
+item kept in Redis (`park`), leaving no refusal marker, and api.queue_states appends it later.
+Tokens are thus taken once per request that reaches a worker, however often a call is retried, and a
+refused call gives nothing back because it took nothing. If Redis refuses the entry (it went down
+after the commit) the row stays queued and the slot held, exactly as when the API dies between its
+commit and the append: the call answers 503, and the client's retry with the same ids (both SDKs
+retry 503) appends the entry, once. (Marking the row failed instead made that retry resume a failed
+request with no result: a 410 for work never run.)
 
 The idempotency rule is a parameter: `SeqSlot` for training calls (unique `(model_id, seq_id)` in
 Postgres; the slot's current holder comes with the model read), `RedisSlot` for sampling (the SDK's
@@ -52,7 +55,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
+import time
 from dataclasses import dataclass, replace
 
 from psycopg import AsyncConnection
@@ -62,7 +67,7 @@ from redis.asyncio import Redis
 from api import admission_rule as rule
 from api import records
 from billing import budgets
-from core import faults, queue
+from core import faults, health, queue
 from core.settings import get_api_settings, get_core_settings
 from core.work import WorkItem, WorkKind
 from gen_pool.router import Router
@@ -86,17 +91,17 @@ class SeqSlot:
     holder_kind: str | None = None
     holder_status: str | None = None
     shard: str | None = None
-    # The tenant's requests in flight and whether a budget bounds it, as read with the model (None:
-    # not read with it, so admission reads them itself).
-    quota: tuple[int, bool] | None = None
+    # The tenant's requests in flight, whether a budget bounds it and its calls waiting in a queue
+    # state, as read with the model (None: not read with it, so admission reads them itself).
+    quota: tuple[int, bool, int] | None = None
     model_status: str | None = None
 
     @classmethod
     def of(cls, model: dict, seq_id: int) -> SeqSlot:
         """From a row of `usable_model(..., seq_id=seq_id)` or of `records.insert_call`."""
         return cls(model["id"], seq_id, model.get("seq_holder_id"), model.get("seq_holder_kind"),
-                   model.get("seq_holder_status"), model.get("trainer_shard"), (model["inflight"], model["budgeted"]),
-                   model["status"])
+                   model.get("seq_holder_status"), model.get("trainer_shard"),
+                   (model["inflight"], model["budgeted"], model["paused"]), model["status"])
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,13 @@ class Ticket:
                                   WorkKind.SAVE_WEIGHTS_EXTERNAL)
 
     @property
+    def waits(self) -> bool:
+        """Whether the call waits in a queue state rather than being refused (429) by the rate and
+        in-flight limits (api.queue_states): a call on an existing model, whose seq_id holds its
+        place in the model's order and whose client polls its future."""
+        return isinstance(self.slot, SeqSlot) and self.new_model is None and self.check_quota
+
+    @property
     def tokens(self) -> int:
         """What the call takes from its tenant's tokens-per-minute bucket."""
         return self.item.n_tokens if self.rate_tokens is None else self.rate_tokens
@@ -155,17 +167,18 @@ def facts(who: Principal, ticket: Ticket) -> rule.Facts:
     item, slot = ticket.item, ticket.slot
     seq = slot if isinstance(slot, SeqSlot) else None
     holder = rule.Holder(seq.holder_id, seq.holder_kind, seq.holder_status) if seq and seq.holder_id else None
-    quota = seq.quota if seq and seq.quota is not None else (None, None)
+    quota = seq.quota if seq and seq.quota is not None else (None, None, None)
     return rule.Facts(
         who, ticket.row_kind or str(item.kind), tokens=ticket.tokens, billable=ticket.billable,
         stores=ticket.stores, check_quota=ticket.check_quota,
         known_wait_s=rate_limit.SHORTFALLS.certain_wait(who, ticket.tokens),
         model_id=item.model_id or None, seq_id=seq.seq_id if seq else None,
         model_status=seq.model_status if seq else None, holder=holder, new_model=ticket.new_model is not None,
-        inflight=quota[0], budgeted=quota[1])
+        inflight=quota[0], budgeted=quota[1], paused=quota[2], waits=ticket.waits,
+        max_paused=get_api_settings().max_paused_requests)
 
 
-async def _judge(conn: AsyncConnection[DictRow], who: Principal, f: rule.Facts) -> rule.Admit | rule.Resume:
+async def _judge(conn: AsyncConnection[DictRow], who: Principal, f: rule.Facts) -> rule.Admit | rule.Resume | rule.Pause:
     """`rule.decide`, reading what it asks for until it decides; a refusal is raised."""
     while True:
         decision = rule.decide(f)
@@ -178,8 +191,8 @@ async def _judge(conn: AsyncConnection[DictRow], who: Principal, f: rule.Facts) 
         elif decision.what == "stored_bytes":
             f = replace(f, stored_bytes=await scoped.checkpoint_bytes(conn, who))
         elif decision.what == "quota":
-            inflight, budgeted = await scoped.inflight_and_budgeted(conn, who)
-            f = replace(f, inflight=inflight, budgeted=budgeted)
+            inflight, budgeted, paused = await scoped.inflight_and_budgeted(conn, who)
+            f = replace(f, inflight=inflight, budgeted=budgeted, paused=paused)
         else:
             states, month = await budgets.budget_states(conn, who.tenant_id, who.key_id)
             f = replace(f, budgets=tuple(states), month=month)
@@ -194,7 +207,7 @@ async def admit_call(conn: AsyncConnection[DictRow], redis: Redis, who: Principa
     model = await records.insert_call(  # its in-flight count and its insert, under the quota lock
         conn, who, item.request_id, model_id=item.model_id, seq_id=item.seq_id, kind=str(item.kind),
         n_tokens=item.n_tokens, billable=call.billable, unusable=list(rule.UNUSABLE),
-        admissible=rule.before_reads(call) is None and not call.stores)
+        admissible=rule.fast_admissible(call))
     ticket = Ticket(item, model["base_model"], SeqSlot.of(model, item.seq_id))
     if not model["inserted"]:
         return await admit(conn, redis, who, ticket)
@@ -228,6 +241,10 @@ async def admit(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, ti
             decision = await _judge(conn, who, call)
             if isinstance(decision, rule.Resume):
                 return await _resume(conn, redis, who, ticket, decision.request_id, decision.status)
+            paused = None
+            if isinstance(decision, rule.Pause):  # its item is kept before its row can be promoted
+                await park(redis, item)
+                paused = (decision.queue_state, decision.reason)
             if ticket.new_model is not None:
                 shard = await _new_model_shard(conn, redis, ticket)
                 if shard is not None:
@@ -236,7 +253,7 @@ async def admit(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, ti
             inserted = await records.insert_request(
                 conn, who, item.request_id, model_id=item.model_id or None,
                 seq_id=item.seq_id if isinstance(slot, SeqSlot) else None, kind=call.kind, n_tokens=item.n_tokens,
-                touch_model=isinstance(slot, SeqSlot) and ticket.new_model is None)
+                touch_model=isinstance(slot, SeqSlot) and ticket.new_model is None, paused=paused)
             if not inserted:  # a concurrent duplicate won the insert
                 await conn.rollback()
                 if isinstance(slot, SeqSlot):
@@ -247,6 +264,8 @@ async def admit(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, ti
                     return decision.request_id
                 return await _resume(conn, redis, who, replace(ticket, item=item), item.request_id, "queued")
             await conn.commit()
+            if paused is not None:
+                return item.request_id
         faults.crash_point("api.after_commit")
     except BaseException:
         if took_slot:
@@ -266,22 +285,91 @@ async def _resume(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, 
 
 async def _append(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, ticket: Ticket, item: WorkItem) -> str:
     """Append the entry of `item`, whose row is committed, taking its tokens per minute in the same
-    step; when the bucket cannot hold them yet, delete the row (freeing its slot) and answer 429."""
-    bucket = rate_limit.bucket(who, ticket.tokens) if ticket.check_quota else None
+    step; when the bucket cannot hold them yet, delete the row (freeing its slot) and answer 429.
+    A call that `waits` instead waits in a queue state (its base at capacity, or the bucket short)."""
+    if ticket.waits:
+        queued = await trainer_queued(redis, ticket.base_model, _shard(ticket))
+        if rule.at_capacity(queued, get_api_settings().capacity_queue_depth):
+            await pause(conn, redis, item, rule.capacity_pause(queued or 0))
+            return item.request_id
     try:
-        wait_s = await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds,
-                                     await _stream(conn, redis, ticket, item), bucket)
+        wait_s = await append(conn, redis, who, ticket, item)
     except queue.ResultBytesFull:  # the tenant's stored results are past their bound (core.result_bytes)
         await _unadmit(conn, redis, ticket, item)
-        raise
-    except Exception:
-        log.exception("could not enqueue %s; it stays queued for the client's retry", item.request_id)
         raise
     if wait_s is None:
         return item.request_id
     rate_limit.SHORTFALLS.refused(who, ticket.tokens, wait_s)
+    if ticket.waits:
+        await pause(conn, redis, item, rule.Pause(rule.RATE, rule.rate_reason(who, ticket.tokens, wait_s)), wait_s)
+        return item.request_id
     await _unadmit(conn, redis, ticket, item)
     raise rule.rate_refusal(who, ticket.tokens, wait_s)
+
+
+async def append(conn: AsyncConnection[DictRow], redis: Redis, who: Principal, ticket: Ticket, item: WorkItem) -> float | None:
+    """`queue.enqueue` of `item` to its stream with its tokens taken from its tenant's bucket: None
+    once the entry is in the stream, else the seconds until the bucket holds them (a call that
+    `waits` leaves no refusal marker, so it may be appended later). ResultBytesFull when the
+    tenant's stored results are past their bound: nothing is appended."""
+    bucket = rate_limit.bucket(who, ticket.tokens) if ticket.check_quota else None
+    try:
+        return await queue.enqueue(redis, ticket.base_model, item, get_api_settings().future_ttl_seconds,
+                                   await _stream(conn, redis, ticket, item), bucket, mark_refusal=not ticket.waits)
+    except queue.ResultBytesFull:
+        raise
+    except Exception:
+        log.exception("could not enqueue %s; it stays queued for the client's retry", item.request_id)
+        raise
+
+
+def parked_key(request_id: str) -> str:
+    """Where a paused call's work item waits (a hash of its fields)."""
+    return f"quilt:paused:{request_id}"
+
+
+async def park(redis: Redis, item: WorkItem) -> None:
+    """Keep `item` until its paused call is appended or fails (api.queue_states), for a while past
+    the longest a call may wait."""
+    key = parked_key(item.request_id)
+    api = get_api_settings()
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.hset(key, mapping=item.to_fields())
+        pipe.expire(key, int(api.queue_wait_deadline_s) + api.future_ttl_seconds)
+        await pipe.execute()
+
+
+async def pause(conn: AsyncConnection[DictRow], redis: Redis, item: WorkItem, why: rule.Pause, wait_s: float = 0.0) -> None:
+    """Set the queued call `item`, whose entry was not appended, waiting in a queue state. Should a
+    retry of the same call have appended it meanwhile (its marker says so), it is queued again at
+    once: a paused row's entry would never be run."""
+    await park(redis, item)
+    await records.pause(conn, item.request_id, why.queue_state, why.reason, wait_s)
+    await conn.commit()
+    if queue.was_appended(await redis.get(queue.enqueued_key(item.request_id))):
+        await records.unpause(conn, item.request_id)
+        await conn.commit()
+
+
+def _shard(ticket: Ticket) -> str | None:
+    return ticket.slot.shard if isinstance(ticket.slot, SeqSlot) else None
+
+
+_QUEUED_SEEN: dict[str, tuple[float, int | None]] = {}  # beacon key -> (monotonic expiry, its `queued`)
+
+
+async def trainer_queued(redis: Redis, base_model: str, shard: str | None) -> int | None:
+    """How many requests the trainer of `base_model` (its shard `shard`) holds queued, as its beacon
+    said within the last second (None: no beacon). Read at most once a second per process."""
+    key = health.model_trainer_key(base_model, shard, get_core_settings().trainer_shards)
+    now = time.monotonic()
+    seen = _QUEUED_SEEN.get(key)
+    if seen is None or seen[0] < now:
+        raw = await redis.get(key)
+        queued = json.loads(raw).get("queued") if raw else None
+        seen = (now + 1.0, queued if isinstance(queued, int) else None)
+        _QUEUED_SEEN[key] = seen
+    return seen[1]
 
 
 async def _unadmit(conn: AsyncConnection[DictRow], redis: Redis, ticket: Ticket, item: WorkItem) -> None:

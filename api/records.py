@@ -166,14 +166,20 @@ _TOUCHED = ("touched AS (UPDATE training_models SET last_request_at = now() WHER
 
 
 async def insert_request(conn: AsyncConnection[DictRow], who: Principal, request_id: str, *, model_id: str | None,
-                         seq_id: int | None, kind: str, n_tokens: int, touch_model: bool) -> bool:
+                         seq_id: int | None, kind: str, n_tokens: int, touch_model: bool,
+                         paused: tuple[str, str] | None = None) -> bool:
     """Insert a request's row (and, with `touch_model`, note the model's last request: `_TOUCHED`)
-    in one statement; False if `(model_id, seq_id)` or the id is taken already."""
+    in one statement; False if `(model_id, seq_id)` or the id is taken already. With `paused`
+    (queue state, reason) the row waits in that state (api.queue_states) instead of `queued`."""
+    state, reason = paused or (None, None)
     cur = await conn.execute(
-        f"WITH r AS ({_INSERT_REQUEST} VALUES (%(id)s, %(tenant)s, %(key)s, %(model)s, %(seq)s, %(kind)s, "
-        f"%(n_tokens)s) ON CONFLICT DO NOTHING RETURNING id), {_TOUCHED} SELECT id FROM r",
+        "WITH r AS (INSERT INTO requests (id, tenant_id, api_key_id, model_id, seq_id, kind, n_tokens, status, "
+        "queue_state, queue_reason) VALUES (%(id)s, %(tenant)s, %(key)s, %(model)s, %(seq)s, %(kind)s, "
+        "%(n_tokens)s, %(status)s, %(state)s, %(reason)s) "
+        f"ON CONFLICT DO NOTHING RETURNING id), {_TOUCHED} SELECT id FROM r",
         {"id": request_id, "tenant": who.tenant_id, "key": who.key_id, "model": model_id, "seq": seq_id,
-         "kind": kind, "n_tokens": n_tokens, "touch": touch_model},
+         "kind": kind, "n_tokens": n_tokens, "touch": touch_model, "status": "paused" if paused else "queued",
+         "state": state, "reason": reason},
     )
     return await cur.fetchone() is not None
 
@@ -184,7 +190,8 @@ async def insert_call(conn: AsyncConnection[DictRow], who: Principal, request_id
     `tenancy.scoped.get_model(..., seq_id=seq_id, admission=True)` reads it (NotFound, 404, the
     same way), with the call's request row inserted beside it when nothing in the row can refuse
     the call: `admissible` (what the caller judged without the row), a status not in `unusable`,
-    `seq_id` free, the tenant's in-flight count under its quota, and no budget to check for a
+    `seq_id` free, the tenant's in-flight count under its quota, none of its calls waiting in a
+    queue state (api.queue_states: a new call waits behind them), and no budget to check for a
     `billable` call. The row's `inserted` says whether it was; if not, admission judges the row
     as it judges a plain read (and writes the row itself when it admits the call after all)."""
     cur = await locked_statement(
@@ -192,7 +199,7 @@ async def insert_call(conn: AsyncConnection[DictRow], who: Principal, request_id
         f"WITH model AS ({scoped.MODEL_FOR_ADMISSION}), "
         f"r AS ({_INSERT_REQUEST} SELECT %(id)s, %(tenant)s, %(key)s, model.id, %(seq)s, %(kind)s, %(n_tokens)s "
         "FROM model WHERE %(admissible)s AND model.status <> ALL(%(unusable)s) AND model.seq_holder_id IS NULL "
-        "AND model.inflight < %(max_inflight)s AND NOT (%(billable)s AND model.budgeted) "
+        "AND model.inflight < %(max_inflight)s AND model.paused = 0 AND NOT (%(billable)s AND model.budgeted) "
         f"ON CONFLICT DO NOTHING RETURNING id), {_TOUCHED} "
         "SELECT model.*, EXISTS (SELECT 1 FROM r) AS inserted FROM model",
         {"seq": seq_id, "model": model_id, "tenant": who.tenant_id, "key": who.key_id, "id": request_id,
@@ -209,6 +216,39 @@ async def delete_refused(conn: AsyncConnection[DictRow], request_id: str) -> Non
     """Delete the row of a request whose entry the tokens-per-minute bucket refused (it never
     reached a worker), freeing its seq_id for the client's retry."""
     await conn.execute("DELETE FROM requests WHERE id = %s AND status = 'queued'", (request_id,))
+
+
+async def pause(conn: AsyncConnection[DictRow], request_id: str, queue_state: str, reason: str,
+                wait_s: float = 0.0) -> bool:
+    """Set a queued request (its entry not appended) waiting in `queue_state` for `reason`, to try
+    its append again no sooner than `wait_s` from now (api.queue_states). False if it was not queued."""
+    cur = await conn.execute(
+        "UPDATE requests SET status = 'paused', queue_state = %s, queue_reason = %s, "
+        "not_before = now() + make_interval(secs => %s) WHERE id = %s AND status IN ('queued', 'paused') RETURNING id",
+        (queue_state, reason, wait_s, request_id))
+    return await cur.fetchone() is not None
+
+
+async def unpause(conn: AsyncConnection[DictRow], request_id: str) -> bool:
+    """A paused request, queued again for its append (its queue state kept, for the record of why it
+    waited; `not_before` now says when it was queued, which upkeep's never-enqueued sweep counts
+    from). False if it was no longer paused (another API process promoted or failed it)."""
+    cur = await conn.execute("UPDATE requests SET status = 'queued', not_before = now() WHERE id = %s "
+                             "AND status = 'paused' RETURNING id", (request_id,))
+    return await cur.fetchone() is not None
+
+
+async def paused_requests(conn: AsyncConnection[DictRow], tenant_id: str, limit: int) -> list[dict]:
+    """A tenant's first `limit` paused requests in the order they came, with their age and bucket
+    wait in seconds, and their model's base and trainer shard."""
+    cur = await conn.execute(
+        "SELECT r.id, r.model_id, r.seq_id, r.kind, r.n_tokens, r.queue_state, r.queue_reason, m.base_model, "
+        "m.trainer_shard, extract(epoch FROM now() - r.created_at)::float8 AS age_s, "
+        "greatest(0, extract(epoch FROM coalesce(r.not_before, now()) - now()))::float8 AS wait_s "
+        "FROM requests r JOIN training_models m ON m.id = r.model_id "
+        "WHERE r.tenant_id = %s AND r.status = 'paused' ORDER BY r.created_at, r.id LIMIT %s",
+        (tenant_id, limit))
+    return await cur.fetchall()
 
 
 async def seq_holder(conn: AsyncConnection[DictRow], model_id: str, seq_id: int) -> tuple[str | None, str | None]:

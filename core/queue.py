@@ -358,7 +358,8 @@ class Bucket:
 # a bucket (KEYS[3]) the request's tokens are taken in that step too; when they do not fit, the
 # marker records the refusal ('r' and the wait), so no later run appends the request either.
 # KEYS[3] is the tenant's result-bytes flag (core.result_bytes): while it is set nothing new is
-# appended, and nothing is marked, so a retry once it clears is appended.
+# appended, and nothing is marked, so a retry once it clears is appended. With ARGV[4] = '0' a
+# refusal is not marked: the request waits in a queue state (api.queue_states) and is tried again.
 # Returns {1} appended now, {0} appended before, {2, seconds to wait} refused, {3, bytes} over.
 _ENQUEUE_ONCE = token_bucket.LUA + """
 local mark = redis.call('GET', KEYS[1])
@@ -369,30 +370,31 @@ if over then return {3, over} end
 if #KEYS == 4 then
   local admitted, value = take_tokens(KEYS[4], tonumber(ARGV[2]), tonumber(ARGV[3]))
   if admitted == 0 then
-    redis.call('SET', KEYS[1], 'r' .. tostring(value), 'EX', ARGV[1])
+    if ARGV[4] == '1' then redis.call('SET', KEYS[1], 'r' .. tostring(value), 'EX', ARGV[1]) end
     return {2, tostring(value)}
   end
 end
 redis.call('SET', KEYS[1], '1', 'EX', ARGV[1])
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5))
 return {1}
 """
 
 
 async def enqueue(redis: Any, base_model: str, item: WorkItem, ttl_s: int, stream: str | None = None,
-                  bucket: Bucket | None = None) -> float | None:
+                  bucket: Bucket | None = None, *, mark_refusal: bool = True) -> float | None:
     """Append `item` to its worker's stream (or to `stream`) unless an entry for its request id
     was already appended in the last `ttl_s` seconds (the future's lifetime), taking `bucket`'s
     tokens as it does. None: the entry is in the stream (appended now or before); else the
     seconds until the bucket holds the tokens, and the request is never appended (its marker says
-    so for `ttl_s`). ResultBytesFull when the tenant's stored results are past their bound."""
+    so for `ttl_s`; without `mark_refusal` nothing is marked, so a later try may append it).
+    ResultBytesFull when the tenant's stored results are past their bound."""
     keys = [enqueued_key(item.request_id), stream or stream_for(item, base_model),
             result_bytes.over_key(item.tenant_id)]
     take = ["0", "0"]
     if bucket is not None:
         keys.append(bucket.key)
         take = [str(bucket.per_minute), str(bucket.cost)]
-    args = [str(ttl_s), *take] + [part for pair in item.to_fields().items() for part in pair]
+    args = [str(ttl_s), *take, "1" if mark_refusal else "0"] + [part for pair in item.to_fields().items() for part in pair]
     reply = await redis.eval(_ENQUEUE_ONCE, len(keys), *keys, *args)
     if int(reply[0]) == 3:
         raise ResultBytesFull(int(reply[1]))

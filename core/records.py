@@ -83,7 +83,9 @@ def fail_never_enqueued(conn: psycopg.Connection[DictRow], redis: Any, *, ttl_s:
     dying between the two leaves the failure in the row, which `retrieve_future` answers from. Call
     it outside any transaction block of the caller's: it commits each row on `conn`."""
     rows = conn.execute(
-        "SELECT id, tenant_id FROM requests WHERE status = 'queued' AND created_at < now() - make_interval(secs => %s) "
+        # A call that waited in a queue state (api.queue_states) counts from when it was queued (not_before).
+        "SELECT id, tenant_id FROM requests WHERE status = 'queued' "
+        "AND greatest(created_at, not_before) < now() - make_interval(secs => %s) "
         "AND created_at > now() - make_interval(secs => %s) ORDER BY created_at LIMIT %s",
         (after_s, ttl_s, batch)).fetchall()
     if not rows:

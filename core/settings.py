@@ -140,6 +140,19 @@ class ApiSettings(BaseSettings):
     max_datums_per_request: int = Field(1024, ge=1, description="datums in one forward_backward")
     max_tokens_per_request: int = Field(262_144, ge=1, description="model-input tokens in one request")
     long_poll_seconds: float = Field(30.0, gt=0, le=40, description="retrieve_future hold; SDK times out at 45")
+    paused_poll_seconds: float = Field(2.0, gt=0, le=40,
+                                       description="retrieve_future hold for a call waiting in a queue state "
+                                                   "(api.queue_states): short, so the client hears why it waits")
+    queue_wait_deadline_s: float = Field(1800.0, gt=0, le=86_400,
+                                         description="a call still waiting in a queue state this long after it "
+                                                     "arrived fails (its future answers why), in its seq_id's place")
+    max_paused_requests: int = Field(1000, ge=1, le=1_000_000,
+                                     description="calls of one tenant that may wait in a queue state at once; "
+                                                 "past them a call is refused (429) as before")
+    capacity_queue_depth: int = Field(1024, ge=0, le=10_000_000,
+                                      description="requests queued in a trainer (its beacon's `queued`) at which "
+                                                  "its base is at capacity: new training calls wait as "
+                                                  "paused_capacity; 0: never")
     long_polls_per_tenant: int = Field(64, ge=1, le=256, description="long-polls one tenant may hold open at once "
                                                                      "in one API process (each holds one of its 256 "
                                                                      "Redis connections); past it, 429")

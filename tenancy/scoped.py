@@ -12,10 +12,11 @@ from core.errors import Conflict, Forbidden, NotFound
 from core.queue import MAX_CLONE
 from tenancy.auth import Principal
 
-# Admission's reads: the tenant's requests in flight, and whether a monthly budget bounds the tenant
-# or the calling key (billing.budgets).
+# Admission's reads: the tenant's requests in flight, its calls waiting in a queue state
+# (api.queue_states), and whether a monthly budget bounds the tenant or the calling key (billing.budgets).
 _ADMISSION_READS = ("(SELECT count(*) FROM requests WHERE tenant_id = %(tenant)s AND status IN ('queued', 'running')) "
-                    "AS inflight, EXISTS (SELECT 1 FROM budgets WHERE tenant_id = %(tenant)s "
+                    "AS inflight, (SELECT count(*) FROM requests WHERE tenant_id = %(tenant)s AND status = 'paused') "
+                    "AS paused, EXISTS (SELECT 1 FROM budgets WHERE tenant_id = %(tenant)s "
                     "AND (api_key_id IS NULL OR api_key_id = %(key)s)) AS budgeted")
 
 
@@ -96,7 +97,8 @@ async def get_model(conn: AsyncConnection[DictRow], who: Principal, model_id: st
 async def get_request(conn: AsyncConnection[DictRow], who: Principal, request_id: str) -> dict:
     return await _one(
         conn,
-        "SELECT id, status, kind, model_id, seq_id, finished_at, error FROM requests WHERE id = %s AND tenant_id = %s",
+        "SELECT id, status, kind, model_id, seq_id, finished_at, error, queue_state, queue_reason FROM requests "
+        "WHERE id = %s AND tenant_id = %s",
         (request_id, who.tenant_id),
         NotFound(f"future {request_id!r} not found", field="request_id"),
     )
@@ -186,13 +188,14 @@ async def count_live_models(conn: AsyncConnection[DictRow], who: Principal) -> i
     return db.one(await cur.fetchone())["n"]
 
 
-async def inflight_and_budgeted(conn: AsyncConnection[DictRow], who: Principal) -> tuple[int, bool]:
-    """The tenant's requests in flight, and whether a monthly budget bounds the tenant or the
-    calling key (billing.budgets): admission's two reads in one statement, one round trip (a call
-    on a model reads them with the model instead: `get_model(..., admission=True)`)."""
+async def inflight_and_budgeted(conn: AsyncConnection[DictRow], who: Principal) -> tuple[int, bool, int]:
+    """The tenant's requests in flight, whether a monthly budget bounds the tenant or the calling
+    key (billing.budgets), and its calls waiting in a queue state: admission's reads in one
+    statement, one round trip (a call on a model reads them with the model instead:
+    `get_model(..., admission=True)`)."""
     cur = await conn.execute(f"SELECT {_ADMISSION_READS}", {"tenant": who.tenant_id, "key": who.key_id})
     row = db.one(await cur.fetchone())
-    return row["inflight"], row["budgeted"]
+    return row["inflight"], row["budgeted"], row["paused"]
 
 
 async def list_models(conn: AsyncConnection[DictRow], who: Principal, *, limit: int, offset: int) -> tuple[list[dict], int]:
@@ -258,16 +261,26 @@ async def list_sampling_sessions(conn: AsyncConnection[DictRow], who: Principal,
 
 async def run_progress(conn: AsyncConnection[DictRow], who: Principal, model_ids: list[str]) -> dict[str, dict]:
     """Per training model of yours: `step` (optimizer steps completed: its policy version),
-    `in_flight` requests, and the newest trainer `loss` (loss per weighted token) if any."""
-    out = {m: {"step": 0, "in_flight": 0, "loss": None} for m in model_ids}
+    `in_flight` requests, the newest trainer `loss` (loss per weighted token) if any, and the calls
+    `waiting` in a queue state (api.queue_states) with the first one's `queue_state` and `queue_reason`."""
+    out = {m: {"step": 0, "in_flight": 0, "loss": None, "waiting": 0, "queue_state": None, "queue_reason": None}
+           for m in model_ids}
     cur = await conn.execute(
         "SELECT model_id, count(*) FILTER (WHERE kind = 'optim_step' AND status = 'done') AS step, "
-        "count(*) FILTER (WHERE status IN ('queued', 'running')) AS in_flight "
+        "count(*) FILTER (WHERE status IN ('queued', 'running')) AS in_flight, "
+        "count(*) FILTER (WHERE status = 'paused') AS waiting "
         "FROM requests WHERE tenant_id = %s AND model_id = ANY(%s) GROUP BY model_id",
         (who.tenant_id, model_ids),
     )
     for row in await cur.fetchall():
-        out[row["model_id"]].update(step=row["step"], in_flight=row["in_flight"])
+        out[row["model_id"]].update(step=row["step"], in_flight=row["in_flight"], waiting=row["waiting"])
+    cur = await conn.execute(
+        "SELECT DISTINCT ON (model_id) model_id, queue_state, queue_reason FROM requests "
+        "WHERE tenant_id = %s AND model_id = ANY(%s) AND status = 'paused' ORDER BY model_id, seq_id",
+        (who.tenant_id, model_ids),
+    )
+    for row in await cur.fetchall():
+        out[row["model_id"]].update(queue_state=row["queue_state"], queue_reason=row["queue_reason"])
     cur = await conn.execute(
         "SELECT DISTINCT ON (model_id) model_id, (metrics->>'loss:mean')::float8 AS loss FROM run_metrics "
         "WHERE tenant_id = %s AND model_id = ANY(%s) AND source = 'trainer' ORDER BY model_id, step DESC, id DESC",

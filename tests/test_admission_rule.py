@@ -38,6 +38,8 @@ def _outcome(d: rule.Decision):
         return f"resume {d.request_id} {d.status}"
     if isinstance(d, rule.Read):
         return f"read {d.what}"
+    if isinstance(d, rule.Pause):
+        return f"pause {d.queue_state}"
     return f"{d.error.status_code} {d.error.field}"
 
 
@@ -92,6 +94,25 @@ def _outcome(d: rule.Decision):
     ({"check_quota": False, "inflight": 3, "budgeted": True, "who": replace(WHO, suspended_kind="payment")},
      "admit"),
     ({"check_quota": False, "model_status": "lost"}, "400 model_id"),
+    # a call that waits (a training call on an existing model): queue states where others get 429
+    ({"waits": True, "paused": 0}, "admit"),
+    ({"waits": True, "paused": None}, "read quota"),
+    ({"waits": True, "paused": 0, "inflight": 3}, "pause paused_rate_limit"),
+    ({"waits": True, "paused": 0, "known_wait_s": 2.5}, "pause paused_rate_limit"),
+    ({"waits": True, "paused": 1}, "pause paused_rate_limit"),  # behind the tenant's earlier waiting calls
+    ({"waits": True, "paused": 1000, "inflight": 3}, "429 max_paused_requests"),
+    ({"waits": True, "paused": 999, "max_paused": 999}, "429 max_paused_requests"),
+    ({"waits": True, "paused": 1000}, "429 max_paused_requests"),
+    ({"waits": True, "paused": 5, "holder": rule.Holder("r0", "forward_backward", "paused")}, "resume r0 paused"),
+    # final refusals are judged before a wait: a call that will never run never waits
+    ({"waits": True, "paused": 0, "inflight": 3, "budgeted": True, "budgets": (SPENT,)}, "402 budget.tenant"),
+    ({"waits": True, "paused": 0, "inflight": 3, "budgeted": True}, "read budgets"),
+    ({"waits": True, "paused": 0, "inflight": 3, "tokens": 1001}, "400 tokens_per_minute"),
+    ({"waits": True, "paused": 0, "inflight": 3, "who": replace(WHO, suspended_kind="operator")},
+     "403 tenant.suspended"),
+    ({"waits": True, "paused": 0, "inflight": 3, "budgeted": True, "budgets": (ROOM,)}, "pause paused_rate_limit"),
+    ({"paused": 3, "check_quota": False}, "pause paused_rate_limit"),  # a placeholder does not overtake them
+    ({"paused": 0, "check_quota": False, "inflight": 9}, "admit"),
 ])
 def test_every_refusal(change, expected):
     assert _outcome(rule.decide(replace(CALL, **change))) == expected
@@ -151,7 +172,7 @@ async def _against_the_rule(url: str, tenant_id: str, model_id: str) -> None:
             call = admission.facts(who, admission.Ticket(item, "", admission.SeqSlot(model_id, seq_id)))
             row = await records.insert_call(conn, who, item.request_id, model_id=model_id, seq_id=seq_id,
                                             kind=str(kind), n_tokens=tokens, billable=call.billable,
-                                            unusable=list(rule.UNUSABLE), admissible=rule.before_reads(call) is None)
+                                            unusable=list(rule.UNUSABLE), admissible=rule.fast_admissible(call))
             read = admission.facts(who, admission.Ticket(item, "", admission.SeqSlot.of(row, seq_id)))
             expected = isinstance(rule.decide(read), rule.Admit)
             assert row["inserted"] == expected, (status, holder, who_name, budgeted, tokens, _outcome(rule.decide(read)))
@@ -160,3 +181,52 @@ async def _against_the_rule(url: str, tenant_id: str, model_id: str) -> None:
             cases += 1
         await conn.execute("UPDATE training_models SET status = 'ready' WHERE id = %s", (model_id,))
     assert cases == len(STATUSES) * len(HOLDERS) * 3 * 2 * 3
+
+
+def test_a_waiting_reason_names_the_limit():
+    d = rule.decide(replace(CALL, waits=True, paused=0, inflight=3))
+    assert isinstance(d, rule.Pause) and "max_inflight_requests" in d.reason and "3" in d.reason
+    d = rule.decide(replace(CALL, waits=True, paused=0, known_wait_s=4.0))
+    assert isinstance(d, rule.Pause) and "tokens_per_minute" in d.reason and "4.0 s" in d.reason
+    assert rule.capacity_pause(2048).queue_state == "paused_capacity"
+
+
+# ------------------------------------------------------------------ promotion of waiting calls
+
+def _w(rid, model="m", seq=0, wait_s=0.0, age_s=0.0, cap=False):
+    return rule.Waiting(rid, model, seq, 10, wait_s, age_s, cap)
+
+
+@pytest.mark.parametrize(("waiting", "inflight", "limit", "expected"), [
+    ([], 0, 3, []),
+    ([_w("a", seq=1), _w("b", seq=2)], 0, 3, ["a", "b"]),
+    ([_w("a", seq=1), _w("b", seq=2), _w("c", seq=3)], 1, 3, ["a", "b"]),  # two free places
+    ([_w("a", seq=1), _w("b", seq=2)], 3, 3, []),  # none free
+    ([_w("a", seq=1), _w("b", seq=2)], 5, 3, []),  # over (the limit was lowered meanwhile)
+    # a model's later seq_id recorded first still runs after its earlier one
+    ([_w("b", seq=2), _w("a", seq=1)], 2, 3, ["a"]),
+    # the first in line still waiting for the bucket stops the line: no overtaking
+    ([_w("a", seq=1, wait_s=2.0), _w("b", model="n", seq=1)], 0, 3, []),
+    ([_w("a", seq=1), _w("b", seq=2, wait_s=0.5), _w("c", model="n")], 0, 3, ["a"]),
+    ([_w("a", seq=1, cap=True), _w("b", model="n")], 0, 3, []),
+    # models interleave in the order their calls came
+    ([_w("a1", "a", 1), _w("b1", "b", 1), _w("a2", "a", 2)], 0, 2, ["a1", "b1"]),
+    ([_w("a2", "a", 2), _w("b1", "b", 1), _w("a1", "a", 1)], 0, 3, ["a1", "b1", "a2"]),
+])
+def test_promotion(waiting, inflight, limit, expected):
+    assert rule.promotable(waiting, inflight, limit) == expected
+
+
+@pytest.mark.parametrize(("ages", "deadline", "expected"), [
+    ([], 10.0, []),
+    ([1.0, 9.9], 10.0, []),
+    ([10.0, 3.0, 11.0], 10.0, ["w0", "w2"]),
+])
+def test_expiry(ages, deadline, expected):
+    assert rule.expired([_w(f"w{i}", age_s=a) for i, a in enumerate(ages)], deadline) == expected
+
+
+@pytest.mark.parametrize(("queued", "depth", "expected"), [
+    (None, 10, False), (9, 10, False), (10, 10, True), (10_000, 0, False), (0, 0, False)])
+def test_capacity(queued, depth, expected):
+    assert rule.at_capacity(queued, depth) is expected

@@ -291,3 +291,34 @@ def test_sign_up_log_out_and_log_in_with_a_password(stack, page, tmp_path):
         page.wait_for_url("**/dashboard/runs")
         page.click("#nav-account")
         assert name in page.text_content("h1")
+
+
+def test_a_waiting_run_shows_its_queue_state_and_why(stack, page):
+    """A call over the tenant's tokens-per-minute limit waits (api.queue_states); the run's pages
+    say so and why, until a poll of its future lets it go."""
+    from core import db
+    from tenancy.tenants import set_quota
+
+    tenant = stack.create_tenant("ui-wait")
+    with db.connect(stack.database_url) as conn:
+        set_quota(conn, tenant.name, tokens_per_minute=1000)
+    client = stack.http(tenant.key)
+    model_id = new_model(client)
+    data = [datum(list(range(1, 102)))] * 3  # 300 model-input tokens
+    calls = [client.post("/forward_backward", json=fb_body(model_id, seq, data)) for seq in (1, 2, 3, 4)]
+    assert [r.status_code for r in calls] == [200] * 4, [r.text for r in calls]  # the 4th waits: nobody polls it
+
+    _login(page, stack, tenant.key)
+    row = page.locator(f"#runs-table tr:has(a.run-link:text-is('{model_id}')) .state")
+    assert row.text_content().strip() == "waiting"
+    assert "tokens_per_minute" in row.get_attribute("title")
+    page.goto(stack.base_url + run_url(model_id))
+    notice = page.text_content("#run-queue-state")
+    assert "paused_rate_limit" in notice and "tokens_per_minute limit of 1000" in notice, notice
+    assert page.text_content("#run-waiting") == "1"
+    _shot(page, "run-waiting")
+
+    for r in calls:  # the polls let it go once the bucket refills
+        assert "loss:sum" in wait_future(client, r.json()["request_id"])["metrics"]
+    page.reload()
+    assert page.locator("#run-queue-state").count() == 0 and page.text_content("#run-waiting") == "0"

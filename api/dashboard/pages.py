@@ -117,6 +117,8 @@ async def logout(request: Request, viewer: Changing, redis: RedisDep) -> Redirec
 
 def _run_state(model: dict, progress: dict) -> str:
     if model["status"] == "ready":
+        if progress["waiting"]:  # calls held by the tenant's limits or a base at capacity (api.queue_states)
+            return "waiting"
         return "training" if progress["in_flight"] else "idle"
     return model["status"]
 

@@ -9,7 +9,7 @@ import dataclasses
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from api import long_polls, tinker_proto
+from api import long_polls, queue_states, tinker_proto
 from api.deps import Pool, RedisDep, Settings, Who
 from api.input_guard import GuardedRoute
 from api.schemas import RetrieveFutureRequest, RetrieveFuturesRequest
@@ -37,12 +37,19 @@ async def retrieve_future(body: RetrieveFutureRequest, request: Request, who: Wh
     """Wait up to about 30 s for a future. Answers the result, a failure
     (`{"error", "category": "user"|"server", "request_id"}`), or `{"type": "try_again", ...}`.
     Forward/backward and sampling results come as protobuf when the client accepts
-    `application/x-protobuf` (the tinker SDK does), as JSON otherwise."""
+    `application/x-protobuf` (the tinker SDK does), as JSON otherwise. A call waiting in a queue
+    state (api.queue_states) is answered within a few seconds: `try_again` with its `queue_state`
+    (`paused_rate_limit`, `paused_capacity`) and `queue_state_reason`."""
     # A finished future names its tenant (core.queue.publish): yours is answered from Redis alone.
     outcome = await queue.ready(redis, body.request_id)
     if outcome is None or outcome.tenant_id != who.tenant_id:
         async with db.autocommit(pool) as conn:
             row = await scoped.get_request(conn, who, body.request_id)  # 404 unless it is yours
+        if row["status"] == "paused":  # waiting in a queue state: answered soon, with why
+            async with long_polls.held(who.tenant_id, settings.long_polls_per_tenant):
+                row = await queue_states.hold(pool, redis, who, row, settings)
+            if row["status"] == "paused":
+                return queue_states.try_again(row)
         if outcome is None:
             async with long_polls.held(who.tenant_id, settings.long_polls_per_tenant):
                 outcome = await queue.wait(redis, body.request_id, settings.long_poll_seconds)
