@@ -59,7 +59,8 @@ def test_live_sessions_are_bounded_atomically(stack, tmp_path):
 
 def test_concurrent_calls_on_a_model_admit_exactly_the_inflight_room(stack):
     """The fast path (a call on an existing model: one statement, under the lock in the same round
-    trip, records.locked_statement) counts and inserts atomically too."""
+    trip, records.locked_statement) counts and inserts atomically too: of a burst past the
+    in-flight quota, exactly the room left goes to the trainer and the rest wait in a queue state."""
     tenant = stack.create_tenant("race-inflight")
     client = stack.http(tenant.key)
     model_id = new_model(client)
@@ -70,9 +71,9 @@ def test_concurrent_calls_on_a_model_admit_exactly_the_inflight_room(stack):
         return lambda c: c.post("/forward_backward", json=fb_body(model_id, seq, [datum([1, 2, 3])]))
 
     answers = asyncio.run(_burst(stack.base_url, tenant.key, [submit(seq) for seq in range(2, 14)]))
-    codes = sorted(r.status_code for r in answers)
-    assert codes.count(200) == 3 and codes.count(429) == 9, [(r.status_code, r.text[:200]) for r in answers]
-    assert all(r.json()["field"] == "max_inflight_requests" for r in answers if r.status_code == 429)
+    assert all(r.status_code == 200 for r in answers), [(r.status_code, r.text[:200]) for r in answers]
     with db.connect(stack.database_url) as conn:
-        assert conn.execute("SELECT count(*) AS n FROM requests WHERE model_id = %s AND status NOT IN ('done', 'failed')",
-                            (model_id,)).fetchone()["n"] == 3
+        rows = conn.execute("SELECT status, count(*) AS n FROM requests WHERE model_id = %s AND seq_id >= 2 "
+                            "GROUP BY status", (model_id,)).fetchall()
+    statuses = {r["status"]: r["n"] for r in rows}
+    assert statuses.get("queued", 0) + statuses.get("running", 0) == 3 and statuses.get("paused") == 9, statuses
