@@ -70,7 +70,7 @@ def main() -> None:
                           offload_device=settings.offload_device, dtype=dtype,
                           max_resident=settings.max_resident_adapters or plan.resident_adapters, member=member,
                           expert_lora=settings.expert_lora, cuda_graphs=settings.cuda_graphs,
-                          graph_limit=settings.cuda_graph_limit)
+                          graph_limit=settings.cuda_graph_limit, checkpoint_tokens=settings.checkpoint_tokens)
     if member is not None and not member.leader:
         # Rank 0 ends the gang: it finishes its loop on SIGTERM, then tells the others (gang.follow).
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
