@@ -73,6 +73,9 @@ class PlanInputs:
     # Captured passes (batcher.engine.graphs): the graphs' memory pool holds a pass's activations beside the
     # eager allocator's (a bucket's first pass runs eagerly), so a pass's tokens have two copies.
     cuda_graphs: bool = False
+    # A training micro-batch of this many tokens checkpoints each decoder layer (batcher.engine.recompute,
+    # QUILT_TRAINER_CHECKPOINT_TOKENS); 0: none does.
+    checkpoint_tokens: int = 0
 
 
 @dataclass(frozen=True)
