@@ -499,6 +499,12 @@ def dry_run(name: str, *, tenants: int, tokens: int, rank: int, checkpoint_token
                 with flops:
                     be.planned_pass(reqs)()
                 pass_watch = _figures(watch)
+                # The peak from a pass of its own: FlopCounterMode's module tracker keeps a checkpointed
+                # layer's replayed activations (batcher.engine.recompute) until the backward ends.
+                for r in reqs:
+                    be.lora.clear_grads(be.adapters[r.model_id].name)
+                watch.peak = watch.live
+                be.planned_pass(reqs)()
                 stages["pass peak"] = watch.peak
                 watch.reset()
                 for r in reqs:
