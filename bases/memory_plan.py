@@ -8,7 +8,8 @@ Both workers of a base share one device when they run on one: the generation wor
 `gen_memory_share` of it, the trainer the rest. Estimates, not measurements: they count weights,
 the KV cache, LoRA slots, per-adapter weights + gradients + AdamW moments (float32), and the
 trainer's activations at its token budget (what a frozen-base LoRA backward keeps per token per
-layer, plus float32 logits), with a fixed reserve for the framework. Where a setting is left unset
+layer, plus float32 logits; or, where a pass of the budget checkpoints its layers, each layer's input,
+one layer's replay and one head chunk's logits), with a fixed reserve for the framework. Where a setting is left unset
 (resident adapters, token budget) it is derived from what is left.
 """
 
@@ -29,6 +30,9 @@ ADAPTER_STATE_COPIES = 4  # weights, gradients, AdamW exp_avg and exp_avg_sq, al
 RESERVE_FRACTION = 0.08  # CUDA context, allocator fragmentation, workspace
 MAX_RESIDENT_ADAPTERS = 256
 MIN_TOKEN_BUDGET = 512
+# The trainer's head computes a chunk of tokens' float32 logits at a time (batcher.engine.head), each
+# chunk's within this many bytes.
+HEAD_CHUNK_BYTES = 1 << 28
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -99,10 +103,16 @@ class MemoryPlan:
     # each worker refuses only for its own.
     trainer_problems: tuple[str, ...]
     sampler_problems: tuple[str, ...]
+    checkpointed: bool = False  # a pass of the token budget checkpoints its layers (activation_bytes_per_token is then theirs)
 
     @property
     def problems(self) -> tuple[str, ...]:
         return self.trainer_problems + self.sampler_problems
+
+    def activation_bytes(self, tokens: int) -> int:
+        """A pass's activations at `tokens` (as planned: checkpointed or not as the budget's pass is)."""
+        fixed = 3 * HEAD_CHUNK_BYTES if self.checkpointed else 0
+        return (self.activation_bytes_per_token * tokens + fixed) * (2 if self.inputs.cuda_graphs else 1)
 
     def check(self) -> None:
         if self.problems:
@@ -116,10 +126,10 @@ class MemoryPlan:
             ("trainer memory" + (f" per rank ({self.inputs.trainer_ranks} ranks)" if self.inputs.trainer_ranks > 1
                                  else ""), g(self.trainer_bytes)),
             ("  base weights", g(self.base_bytes)),
-            ("  activations per token", f"{self.activation_bytes_per_token / 2**20:,.2f} MiB"),
+            ("  activations per token", f"{self.activation_bytes_per_token / 2**20:,.2f} MiB"
+             + (" (layers checkpointed)" if self.checkpointed else "")),
             ("  token budget per pass", f"{self.token_budget:,}"),
-            ("  activations at the budget", g(self.activation_bytes_per_token * self.token_budget
-                                              * (2 if self.inputs.cuda_graphs else 1))),
+            ("  activations at the budget", g(self.activation_bytes(self.token_budget))),
             (f"  one rank-{self.inputs.adapter_rank} adapter (weights+grad+AdamW, fp32)",
              f"{self.adapter_bytes / 2**20:,.1f} MiB"),
             ("  resident adapters", f"{self.resident_adapters:,}"),
@@ -166,7 +176,13 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
         # LoRA on the experts keeps more per (token, expert) pair: about 2 hidden- and 2 expert-wide
         # vectors (measured on the tiny Qwen3-MoE, batcher.engine.expert_lora), each pair on one rank
         split_width += shape.experts_per_token * (2 * h + 2 * shape.intermediate) // split
-    activation = layers * (10 * h + split_width) * width + 2 * vocab * 4
+    layer = (10 * h + split_width) * width
+    full = layers * layer + 2 * vocab * 4
+    # Checkpointed layers (batcher.engine.recompute) keep each layer's input, and in the backward one
+    # layer's replay at a time; the head keeps its input (and the final norm's float32 one) per token
+    # and one chunk's logits, their log-softmax and its gradient (`chunk_bytes`).
+    checkpointed = layers * h * width + layer + 2 * h * 4
+    chunk_bytes = 3 * HEAD_CHUNK_BYTES
     compute_copy = width if width < 4 else 0
     # A tensor-parallel (or expert-parallel) gang splits each dense layer's LoRA as it splits the
     # layer; FSDP keeps every LoRA whole on every rank.
@@ -186,11 +202,10 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
         problems.append(f"device: the trainer's share ({trainer_bytes / GiB:.1f} GiB) cannot hold the base weights "
                         f"({base_bytes / GiB:.1f} GiB in {inputs.dtype}); use a larger device, a smaller "
                         "gen_memory_share, or put the sampler on another device")
-    budget = inputs.token_budget
     copies = 2 if inputs.cuda_graphs else 1
-    if budget is None:  # half of what is left to activations, the rest to adapters
-        budget = max(MIN_TOKEN_BUDGET, min(65_536, int(max(left, 0) * 0.5 // (activation * copies))))
-    act_bytes = activation * budget * copies
+    budget, recomputes = _token_budget(inputs, max(left, 0) // copies, full, checkpointed, chunk_bytes)
+    activation = checkpointed if recomputes else full
+    act_bytes = (activation * budget + (chunk_bytes if recomputes else 0)) * copies
     resident = inputs.resident_adapters
     if resident is None:
         resident = max(0, min(MAX_RESIDENT_ADAPTERS, int((left - act_bytes) // adapter)))
@@ -219,7 +234,23 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
                         "max_context, or use a larger device")
     return MemoryPlan(inputs, trainer_bytes, base_bytes, activation, adapter, budget, resident, free, gen_bytes,
                       sampler_base, lora_slots, kv_per_token, max(kv_cache, 0), kv_tokens, sequences, tuple(problems),
-                      tuple(sampler))
+                      tuple(sampler), recomputes)
+
+
+def _token_budget(inputs: PlanInputs, left: int, full: int, checkpointed: int, chunk_bytes: int) -> tuple[int, bool]:
+    """The token budget per pass (the configured one, or half of `left` to activations, the rest to
+    adapters) and whether a pass of it checkpoints its layers (from `inputs.checkpoint_tokens` on)."""
+    def recomputes(tokens: int) -> bool:
+        return 0 < inputs.checkpoint_tokens <= tokens
+
+    if inputs.token_budget is not None:
+        return inputs.token_budget, recomputes(inputs.token_budget)
+    budget = max(MIN_TOKEN_BUDGET, min(65_536, int(left * 0.5 // full)))
+    if inputs.checkpoint_tokens > 0:  # past the threshold a pass keeps less per token: a larger budget may fit
+        more = min(65_536, int(max(0, left * 0.5 - chunk_bytes) // checkpointed))
+        if recomputes(more) and more > budget:
+            budget = more
+    return budget, recomputes(budget)
 
 
 def _adapter_parameters(config: Mapping, rank: int, expert_lora: bool, ranks: int, dense_split: int = 1) -> int:
@@ -289,7 +320,8 @@ def device_bytes(device: str, configured: str = "") -> int:
 def for_worker(config: Mapping, *, device: str, dtype: str, configured_memory: str = "", token_budget: int = 0,
                max_lora_rank: int = 64, max_loras: int = 8, gen_memory_share: float = 0.5,
                max_context: int = 8192, shares_device: bool = True, ranks: int = 1,
-               expert_lora: bool = True, cuda_graphs: bool = False, parallel: str = "tp") -> MemoryPlan:
+               expert_lora: bool = True, cuda_graphs: bool = False, parallel: str = "tp",
+               checkpoint_tokens: int = 0) -> MemoryPlan:
     """The plan a trainer checks at start (one rank's, in a gang of `ranks` split `parallel`). On a
     GPU it shares the device with vLLM unless told otherwise; on the CPU vLLM's KV cache is its own
     setting, so the trainer plans with the host's available memory."""
@@ -299,7 +331,7 @@ def for_worker(config: Mapping, *, device: str, dtype: str, configured_memory: s
         shared_device=shared, gen_memory_share=gen_memory_share,
         token_budget=token_budget or None, max_lora_rank=max_lora_rank, max_loras=max_loras,
         max_context=max_context, trainer_ranks=ranks, trainer_parallel=parallel, expert_lora=expert_lora,
-        cuda_graphs=cuda_graphs and device.startswith("cuda") and ranks == 1))
+        cuda_graphs=cuda_graphs and device.startswith("cuda") and ranks == 1, checkpoint_tokens=checkpoint_tokens))
 
 
 def sampler_problems(config: Mapping, *, accelerator: bool, dtype: str, gen_memory_share: float,

@@ -8,7 +8,7 @@ memory grows linearly with the row (a constant MiB per token) and what checkpoin
 the uncheckpointed pass at the same lengths.
 
 The model is the tiny Qwen3 of the test stack narrowed so that the 131K row's attention (a square in
-the row's length) finishes in minutes on two CPU cores: `--layers` decoder layers (default 2) of one
+the row's length) finishes in minutes on two CPU cores: `--layers` decoder layers (default 1) of one
 32-wide query head and one key/value head; its hidden, MLP and vocabulary sizes are the tiny base's.
 
     python bench/long_context.py                     # 16K, 32K, 131K checkpointed; 16K, 32K not
@@ -72,7 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="16384,32768,131072", help="row lengths, checkpointed")
     parser.add_argument("--plain", default="16384,32768", help="row lengths, not checkpointed (beside them)")
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--cache", default="/tmp/quilt-bench-long-context")
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)  # "tokens,checkpointed": the child
     args = parser.parse_args()
