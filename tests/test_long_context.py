@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batcher.engine import plan
+from batcher.engine import plan, recompute
 from batcher.engine.backend import LoraBackend
 from batcher.engine.protocol import PassRequest
 from core.loss_spec import LossConfig
-from core.work import Datum, LoraShape, PassWork
+from core.work import AdamParams, Datum, LoraShape, PassWork
 from stack.tiny_model import build_tiny_model
 
 
@@ -76,3 +76,54 @@ def test_checkpointed_layers_give_the_same_gradients(base_path, emulate_graphs):
         assert any(g.abs().sum() > 0 for g in grads0[m])
         for ga, gb in zip(grads0[m], grads1[m]):
             torch.testing.assert_close(ga, gb, rtol=1e-12, atol=1e-14)
+
+
+LONG_ROW = 131_072
+
+
+def _train_one_row(tmp_path, monkeypatch, tokens: int) -> None:
+    """One row of `tokens` trained (a pass and an AdamW step) on the tiny base narrowed to one layer
+    of one 32-wide head (the row's attention is a square in its length: minutes on two cores), each
+    layer checkpointed as the trainer's default setting has it; the pass's memory stays linear."""
+    import resource
+    from pathlib import Path
+
+    from core.settings import TrainerSettings
+    from stack.tiny_model import TinyModelSpec
+
+    spec = TinyModelSpec(num_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=32)
+    path = build_tiny_model(tmp_path / "narrow", spec=spec).path
+    default = TrainerSettings.model_fields["checkpoint_tokens"].default
+    be = LoraBackend(path, max_tokens_per_pass=16384, pack_width=4096, head_chunk_tokens=4096,
+                     checkpoint_tokens=default)
+    be.create("a", LoraShape(rank=8, seed=0))
+    replayable = []
+    real = recompute.checkpoint
+    monkeypatch.setattr(recompute, "checkpoint", lambda *a, **k: replayable.append(1) or real(*a, **k))
+    ids = tuple((i * 7919) % 1000 + 3 for i in range(tokens + 1))
+    datum = Datum(ids[:-1], {"target_tokens": ids[1:], "weights": (1.0,) * tokens})
+    request = _req("a", [datum])
+    before = int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+    out = be.run_pass([request])[0]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert len(replayable) == 1  # the row's one micro-batch, its one layer checkpointed
+    assert out["loss_fn_outputs"][0]["logprobs"] is not None
+    loss = out["metrics"]["loss:sum"]
+    assert loss == loss and 0 < loss < float("inf")
+    grads = [p.grad for p in be.adapters["a"].params]
+    assert all(bool(torch.isfinite(g).all()) for g in grads) and any(float(g.abs().sum()) > 0 for g in grads)
+    # tens of KiB a token: the uncheckpointed tiny base keeps about 100 KiB a token per 4 layers
+    assert peak - before < 96 * 1024 * tokens
+    params = [p.detach().clone() for p in be.adapters["a"].params]
+    (stepped,) = be.optim_steps([("a", AdamParams(learning_rate=1e-3, eps=1e-8, grad_clip_norm=1.0))])
+    assert any(not torch.equal(a, p) for a, p in zip(params, be.adapters["a"].params))
+
+
+@pytest.mark.slow
+def test_a_131072_token_row_trains_on_the_tiny_base(tmp_path, monkeypatch):
+    _train_one_row(tmp_path, monkeypatch, LONG_ROW)
+
+
+def test_a_row_past_the_threshold_trains_checkpointed(tmp_path, monkeypatch):
+    """The long row's test at a length the fast tier affords."""
+    _train_one_row(tmp_path, monkeypatch, 9000)
