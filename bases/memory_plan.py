@@ -179,9 +179,11 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     layer = (10 * h + split_width) * width
     full = layers * layer + 2 * vocab * 4
     # Checkpointed layers (batcher.engine.recompute) keep each layer's input, and in the backward one
-    # layer's replay at a time; the head keeps its input (and the final norm's float32 one) per token
-    # and one chunk's logits, their log-softmax and its gradient (`chunk_bytes`).
-    checkpointed = layers * h * width + layer + 2 * h * 4
+    # layer's replay at a time; beside them the final norm's float32 input, the head's input and the
+    # gradient flowing back (about four float32 hidden-wide vectors), and one head chunk's logits,
+    # their log-softmax and its gradient (`chunk_bytes`). (The dry run measured 131,072 tokens on
+    # Qwen3-32B 3% above this, 16,384 on Qwen3-8B 4% below: docs/benchmarks/journals/gpu_dryrun.md.)
+    checkpointed = layers * h * width + layer + 4 * h * 4
     chunk_bytes = 3 * HEAD_CHUNK_BYTES
     compute_copy = width if width < 4 else 0
     # A tensor-parallel (or expert-parallel) gang splits each dense layer's LoRA as it splits the
