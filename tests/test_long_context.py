@@ -3,9 +3,12 @@ against the pass that keeps every activation, and a 131,072-token row trained on
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from bases import memory_plan
 from batcher.engine import plan, recompute
 from batcher.engine.backend import LoraBackend
 from batcher.engine.protocol import PassRequest
@@ -44,6 +47,48 @@ def _req(model_id: str, data: list[Datum], loss_fn: str = "cross_entropy") -> Pa
 ])
 def test_which_micro_batches_checkpoint(tokens, trains, threshold, expect):
     assert plan.checkpoints(tokens, trains, threshold) is expect
+
+
+QWEN3_8B = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "max_position_embeddings": 40960, "tie_word_embeddings": False}
+QWEN3_32B = {**QWEN3_8B, "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+             "num_attention_heads": 64, "max_position_embeddings": 131072}
+
+
+@pytest.mark.parametrize("config, tokens, gib, checkpoint_tokens, trainer_gpus", [
+    (QWEN3_8B, 32768, 80, 8192, 1),
+    (QWEN3_8B, 32768, 80, 0, None),  # 249 GiB of activations: no gang of the KV heads' 8 ranks holds them
+    (QWEN3_8B, 131072, 80, 8192, 2),
+    (QWEN3_8B, 131072, 141, 8192, 1),
+    (QWEN3_8B, 262144, 141, 8192, 4),
+    (QWEN3_32B, 32768, 80, 8192, 2),
+    (QWEN3_32B, 131072, 80, 8192, None),  # every rank keeps every layer's input: 80 GiB of them alone
+    (QWEN3_32B, 131072, 141, 8192, 8),
+    (QWEN3_32B, 131072, 141, 0, None),
+])
+def test_the_plan_gives_the_gpus_a_long_row_needs(config, tokens, gib, checkpoint_tokens, trainer_gpus):
+    inputs = memory_plan.PlanInputs(device_bytes=gib * memory_plan.GiB, shared_device=False, token_budget=tokens,
+                                    resident_adapters=1, checkpoint_tokens=checkpoint_tokens)
+    assert memory_plan.fewest_ranks(config, inputs)[0] == trainer_gpus
+    plan = memory_plan.plan_memory(config, inputs)
+    assert plan.checkpointed is (checkpoint_tokens > 0)
+    assert plan.activation_bytes(2 * tokens) - plan.activation_bytes(tokens) == plan.activation_bytes_per_token * tokens
+
+
+def test_a_derived_budget_counts_checkpointing_past_its_threshold():
+    """Checkpointed passes keep about a fifteenth of the activations per token: where the budget they
+    afford reaches the threshold, the derived budget is theirs, and the plan says so; a threshold
+    past any budget (65,536 at most) changes nothing."""
+    inputs = memory_plan.PlanInputs(device_bytes=141 * memory_plan.GiB, shared_device=False)
+    plain = memory_plan.plan_memory(QWEN3_8B, inputs)
+    low = memory_plan.plan_memory(QWEN3_8B, dataclasses.replace(inputs, checkpoint_tokens=65_537))
+    assert (low.token_budget, low.checkpointed) == (plain.token_budget, False)
+    ck = memory_plan.plan_memory(QWEN3_8B, dataclasses.replace(inputs, checkpoint_tokens=8192))
+    assert ck.checkpointed and ck.token_budget > 4 * plain.token_budget
+    assert not ck.problems
+    assert ck.activation_bytes_per_token * 10 < plain.activation_bytes_per_token
+    assert any("layers checkpointed" in v for _, v in ck.rows())
 
 
 def _pass(base_path, checkpoint_tokens: int, requests: list[PassRequest], *, emulate_graphs: bool = False):
