@@ -8,8 +8,8 @@ Both workers of a base share one device when they run on one: the generation wor
 `gen_memory_share` of it, the trainer the rest. Estimates, not measurements: they count weights,
 the KV cache, LoRA slots, per-adapter weights + gradients + AdamW moments (float32), and the
 trainer's activations at its token budget (what a frozen-base LoRA backward keeps per token per
-layer, plus float32 logits; or, where a pass of the budget checkpoints its layers, each layer's input,
-one layer's replay and one head chunk's logits), with a fixed reserve for the framework. Where a setting is left unset
+layer, or, where a pass of the budget checkpoints its layers, each layer's input and one layer's
+replay; the head's input and one chunk of its float32 logits), with a fixed reserve for the framework. Where a setting is left unset
 (resident adapters, token budget) it is derived from what is left.
 """
 
@@ -111,8 +111,7 @@ class MemoryPlan:
 
     def activation_bytes(self, tokens: int) -> int:
         """A pass's activations at `tokens` (as planned: checkpointed or not as the budget's pass is)."""
-        fixed = 3 * HEAD_CHUNK_BYTES if self.checkpointed else 0
-        return (self.activation_bytes_per_token * tokens + fixed) * (2 if self.inputs.cuda_graphs else 1)
+        return (self.activation_bytes_per_token * tokens + 3 * HEAD_CHUNK_BYTES) * (2 if self.inputs.cuda_graphs else 1)
 
     def check(self) -> None:
         if self.problems:
@@ -177,14 +176,16 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
         # vectors (measured on the tiny Qwen3-MoE, batcher.engine.expert_lora), each pair on one rank
         split_width += shape.experts_per_token * (2 * h + 2 * shape.intermediate) // split
     layer = (10 * h + split_width) * width
-    full = layers * layer + 2 * vocab * 4
-    # Checkpointed layers (batcher.engine.recompute) keep each layer's input, and in the backward one
-    # layer's replay at a time; beside them the final norm's float32 input, the head's input and the
-    # gradient flowing back (about four float32 hidden-wide vectors), and one head chunk's logits,
-    # their log-softmax and its gradient (`chunk_bytes`). (The dry run measured 131,072 tokens on
-    # Qwen3-32B 3% above this, 16,384 on Qwen3-8B 4% below: docs/benchmarks/journals/gpu_dryrun.md.)
-    checkpointed = layers * h * width + layer + 4 * h * 4
+    # The head computes a chunk of tokens at a time (batcher.engine.head): per token it keeps its input,
+    # the final norm's float32 one and the gradient flowing back (about four float32 hidden-wide
+    # vectors); one chunk's logits, their log-softmax and its gradient are live at once (`chunk_bytes`).
+    head = 4 * h * 4
     chunk_bytes = 3 * HEAD_CHUNK_BYTES
+    full = layers * layer + head
+    # Checkpointed layers (batcher.engine.recompute) keep each layer's input, and in the backward one
+    # layer's replay at a time. (The dry run measured 131,072 tokens on Qwen3-32B 3% above this, 16,384
+    # on Qwen3-8B 4% below: docs/benchmarks/journals/gpu_dryrun.md.)
+    checkpointed = layers * h * width + layer + head
     compute_copy = width if width < 4 else 0
     # A tensor-parallel (or expert-parallel) gang splits each dense layer's LoRA as it splits the
     # layer; FSDP keeps every LoRA whole on every rank.
@@ -207,7 +208,7 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     copies = 2 if inputs.cuda_graphs else 1
     budget, recomputes = _token_budget(inputs, max(left, 0) // copies, full, checkpointed, chunk_bytes)
     activation = checkpointed if recomputes else full
-    act_bytes = (activation * budget + (chunk_bytes if recomputes else 0)) * copies
+    act_bytes = (activation * budget + chunk_bytes) * copies
     resident = inputs.resident_adapters
     if resident is None:
         resident = max(0, min(MAX_RESIDENT_ADAPTERS, int((left - act_bytes) // adapter)))
@@ -247,9 +248,10 @@ def _token_budget(inputs: PlanInputs, left: int, full: int, checkpointed: int, c
 
     if inputs.token_budget is not None:
         return inputs.token_budget, recomputes(inputs.token_budget)
-    budget = max(MIN_TOKEN_BUDGET, min(65_536, int(left * 0.5 // full)))
+    half = max(0, left * 0.5 - chunk_bytes)
+    budget = max(MIN_TOKEN_BUDGET, min(65_536, int(half // full)))
     if inputs.checkpoint_tokens > 0:  # past the threshold a pass keeps less per token: a larger budget may fit
-        more = min(65_536, int(max(0, left * 0.5 - chunk_bytes) // checkpointed))
+        more = min(65_536, int(half // checkpointed))
         if recomputes(more) and more > budget:
             budget = more
     return budget, recomputes(budget)
