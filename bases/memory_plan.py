@@ -9,8 +9,9 @@ Both workers of a base share one device when they run on one: the generation wor
 the KV cache, LoRA slots, per-adapter weights + gradients + AdamW moments (float32), and the
 trainer's activations at its token budget (what a frozen-base LoRA backward keeps per token per
 layer, or, where a pass of the budget checkpoints its layers, each layer's input and one layer's
-replay; the head's input and one chunk of its float32 logits), with a fixed reserve for the framework. Where a setting is left unset
-(resident adapters, token budget) it is derived from what is left.
+replay; the head's input and one chunk of its float32 logits), with a fixed reserve for the
+framework. Where a setting is left unset (resident adapters, token budget) it is derived from what
+is left.
 """
 
 from __future__ import annotations
