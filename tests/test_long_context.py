@@ -91,25 +91,29 @@ def test_a_derived_budget_counts_checkpointing_past_its_threshold():
     assert any("layers checkpointed" in v for _, v in ck.rows())
 
 
+TENANTS = "abcdef"
+
+
 def _pass(base_path, checkpoint_tokens: int, requests: list[PassRequest], *, emulate_graphs: bool = False):
     be = LoraBackend(base_path, dtype=torch.float64, checkpoint_tokens=checkpoint_tokens, head_chunk_tokens=16,
                      emulate_graphs=emulate_graphs)
-    for i, m in enumerate("abcd"):
+    for i, m in enumerate(TENANTS):
         be.create(m, LoraShape(rank=4 + 4 * (i % 2), seed=i))
     out = be.run_pass(requests)
-    grads = {m: [p.grad.clone() for p in be.adapters[m].params] for m in "abcd"}
+    grads = {m: [p.grad.clone() for p in be.adapters[m].params] for m in TENANTS}
     return out, grads, be
 
 
 @pytest.mark.parametrize("emulate_graphs", [False, True])
 def test_checkpointed_layers_give_the_same_gradients(base_path, emulate_graphs):
-    """Four tenants (two ranks; cross-entropy, PPO, importance sampling, top-K targets) in one packed
-    pass, float64: each layer checkpointed, the outputs and every adapter's gradient are the
-    uncheckpointed pass's."""
+    """Six tenants (two ranks; every built-in loss: cross-entropy, PPO, top-K targets, importance
+    sampling, CISPO, DRO) in one packed pass, float64, the head in chunks of 16 tokens: each layer
+    checkpointed, the outputs and every adapter's gradient are the uncheckpointed pass's."""
     wide = Datum(tuple(range(5, 17)), {"target_tokens": tuple(range(24)), "weights": tuple(0.5 for _ in range(24))},
                  width=2)
     requests = [_req("a", [_datum(3, 40), _datum(30, 9)]), _req("b", [_rl_datum(9, 23)], "ppo"),
-                _req("c", [wide]), _req("d", [_rl_datum(50, 31)], "importance_sampling")]
+                _req("c", [wide]), _req("d", [_rl_datum(50, 31)], "importance_sampling"),
+                _req("e", [_rl_datum(70, 12)], "cispo"), _req("f", [_rl_datum(90, 17)], "dro")]
     (out0, grads0, be0), (out1, grads1, be1) = (_pass(base_path, t, requests, emulate_graphs=emulate_graphs)
                                                 for t in (0, 1))
     assert not be0.device_pass.decoder.layers[0].__dict__.get("forward")  # put back after the pass
@@ -117,7 +121,7 @@ def test_checkpointed_layers_give_the_same_gradients(base_path, emulate_graphs):
     for a, b in zip(out0, out1):
         assert a["loss_fn_outputs"] == b["loss_fn_outputs"]
         assert a["metrics"] == b["metrics"]
-    for m in "abcd":
+    for m in TENANTS:
         assert any(g.abs().sum() > 0 for g in grads0[m])
         for ga, gb in zip(grads0[m], grads1[m]):
             torch.testing.assert_close(ga, gb, rtol=1e-12, atol=1e-14)
