@@ -175,4 +175,4 @@ def test_a_131072_token_row_trains_on_the_tiny_base(tmp_path, monkeypatch):
 
 def test_a_row_past_the_threshold_trains_checkpointed(tmp_path, monkeypatch):
     """The long row's test at a length the fast tier affords."""
-    _train_one_row(tmp_path, monkeypatch, 9000)
+    _train_one_row(tmp_path, monkeypatch, 8192)
