@@ -189,6 +189,7 @@ def _train_one_row(tmp_path, monkeypatch, tokens: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the row's attention on two CPU cores: its forward took ten minutes here, the backward longer
 def test_a_131072_token_row_trains_on_the_tiny_base(tmp_path, monkeypatch):
     _train_one_row(tmp_path, monkeypatch, LONG_ROW)
 
