@@ -8,8 +8,10 @@ Both workers of a base share one device when they run on one: the generation wor
 `gen_memory_share` of it, the trainer the rest. Estimates, not measurements: they count weights,
 the KV cache, LoRA slots, per-adapter weights + gradients + AdamW moments (float32), and the
 trainer's activations at its token budget (what a frozen-base LoRA backward keeps per token per
-layer, plus float32 logits), with a fixed reserve for the framework. Where a setting is left unset
-(resident adapters, token budget) it is derived from what is left.
+layer, or, where a pass of the budget checkpoints its layers, each layer's input and one layer's
+replay; the head's input and one chunk of its float32 logits), with a fixed reserve for the
+framework. Where a setting is left unset (resident adapters, token budget) it is derived from what
+is left.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ ADAPTER_STATE_COPIES = 4  # weights, gradients, AdamW exp_avg and exp_avg_sq, al
 RESERVE_FRACTION = 0.08  # CUDA context, allocator fragmentation, workspace
 MAX_RESIDENT_ADAPTERS = 256
 MIN_TOKEN_BUDGET = 512
+# The trainer's head computes a chunk of tokens' float32 logits at a time (batcher.engine.head), each
+# chunk's within this many bytes.
+HEAD_CHUNK_BYTES = 1 << 28
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -73,6 +78,9 @@ class PlanInputs:
     # Captured passes (batcher.engine.graphs): the graphs' memory pool holds a pass's activations beside the
     # eager allocator's (a bucket's first pass runs eagerly), so a pass's tokens have two copies.
     cuda_graphs: bool = False
+    # A training micro-batch of this many tokens checkpoints each decoder layer (batcher.engine.recompute,
+    # QUILT_TRAINER_CHECKPOINT_TOKENS); 0: none does.
+    checkpoint_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,7 @@ class MemoryPlan:
     # each worker refuses only for its own.
     trainer_problems: tuple[str, ...]
     sampler_problems: tuple[str, ...]
+    checkpointed: bool = False  # a pass of the token budget checkpoints its layers (activation_bytes_per_token is then theirs)
 
     @property
     def problems(self) -> tuple[str, ...]:
@@ -106,6 +115,10 @@ class MemoryPlan:
         """The tokens one rank computes per micro-batch: the budget, or its share in an FSDP gang."""
         return rank_tokens(self.token_budget, data_parallel_ways(self.inputs.trainer_ranks,
                                                                  self.inputs.trainer_parallel))
+
+    def activation_bytes(self, tokens: int) -> int:
+        """A pass's activations at `tokens` (as planned: checkpointed or not as the budget's pass is)."""
+        return (self.activation_bytes_per_token * tokens + 3 * HEAD_CHUNK_BYTES) * (2 if self.inputs.cuda_graphs else 1)
 
     def check(self) -> None:
         if self.problems:
@@ -119,11 +132,11 @@ class MemoryPlan:
             ("trainer memory" + (f" per rank ({self.inputs.trainer_ranks} ranks)" if self.inputs.trainer_ranks > 1
                                  else ""), g(self.trainer_bytes)),
             ("  base weights", g(self.base_bytes)),
-            ("  activations per token", f"{self.activation_bytes_per_token / 2**20:,.2f} MiB"),
+            ("  activations per token", f"{self.activation_bytes_per_token / 2**20:,.2f} MiB"
+             + (" (layers checkpointed)" if self.checkpointed else "")),
             ("  token budget per pass", f"{self.token_budget:,}" + (f" ({self.rank_tokens:,} per rank)"
                                                                         if self.rank_tokens != self.token_budget else "")),
-            ("  activations at the budget", g(self.activation_bytes_per_token * self.rank_tokens
-                                              * (2 if self.inputs.cuda_graphs else 1))),
+            ("  activations at the budget", g(self.activation_bytes(self.rank_tokens))),
             (f"  one rank-{self.inputs.adapter_rank} adapter (weights+grad+AdamW, fp32)",
              f"{self.adapter_bytes / 2**20:,.1f} MiB"),
             ("  resident adapters", f"{self.resident_adapters:,}"),
@@ -155,9 +168,6 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     base_bytes = _trainer_base_parameters(config, inputs.trainer_ranks, inputs.trainer_parallel) * width
     sampler_base = total * width // inputs.sampler_ranks
 
-    # An FSDP gang is data parallel (batcher.engine.data_parallel): each rank computes its share of a
-    # pass's tokens, so its activations are the budget's / R; the other gangs compute every token on every rank.
-    ways = data_parallel_ways(inputs.trainer_ranks, inputs.trainer_parallel)
     # A frozen-base LoRA backward keeps, per token and layer, the inputs of every wrapped Linear and
     # of the norms and attention (about 10 hidden-wide and 3 MLP-wide vectors in the base dtype, the
     # norms keeping theirs in float32; the head- and MLP-wide ones split over a tensor-parallel gang's
@@ -173,7 +183,17 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
         # LoRA on the experts keeps more per (token, expert) pair: about 2 hidden- and 2 expert-wide
         # vectors (measured on the tiny Qwen3-MoE, batcher.engine.expert_lora), each pair on one rank
         split_width += shape.experts_per_token * (2 * h + 2 * shape.intermediate) // split
-    activation = layers * (10 * h + split_width) * width + 2 * vocab * 4
+    layer = (10 * h + split_width) * width
+    # The head computes a chunk of tokens at a time (batcher.engine.head): per token it keeps its input,
+    # the final norm's float32 one and the gradient flowing back (about four float32 hidden-wide
+    # vectors); one chunk's logits, their log-softmax and its gradient are live at once (`chunk_bytes`).
+    head = 4 * h * 4
+    chunk_bytes = 3 * HEAD_CHUNK_BYTES
+    full = layers * layer + head
+    # Checkpointed layers (batcher.engine.recompute) keep each layer's input, and in the backward one
+    # layer's replay at a time. (The dry run measured 131,072 tokens on Qwen3-32B 3% above this, 16,384
+    # on Qwen3-8B 4% below: docs/benchmarks/journals/gpu_dryrun.md.)
+    checkpointed = layers * h * width + layer + head
     compute_copy = width if width < 4 else 0
     # A tensor-parallel (or expert-parallel) gang splits each dense layer's LoRA as it splits the
     # layer; FSDP keeps every LoRA whole on every rank.
@@ -193,11 +213,13 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
         problems.append(f"device: the trainer's share ({trainer_bytes / GiB:.1f} GiB) cannot hold the base weights "
                         f"({base_bytes / GiB:.1f} GiB in {inputs.dtype}); use a larger device, a smaller "
                         "gen_memory_share, or put the sampler on another device")
-    budget = inputs.token_budget
     copies = 2 if inputs.cuda_graphs else 1
-    if budget is None:  # half of what is left to activations, the rest to adapters
-        budget = ways * max(MIN_TOKEN_BUDGET, min(65_536, int(max(left, 0) * 0.5 // (activation * copies))))
-    act_bytes = activation * rank_tokens(budget, ways) * copies
+    # An FSDP gang is data parallel (batcher.engine.data_parallel): each rank computes its share of a
+    # pass's tokens, so its activations are the budget's / R; the other gangs compute every token on every rank.
+    ways = data_parallel_ways(inputs.trainer_ranks, inputs.trainer_parallel)
+    budget, recomputes = _token_budget(inputs, max(left, 0) // copies, full, checkpointed, chunk_bytes, ways)
+    activation = checkpointed if recomputes else full
+    act_bytes = (activation * rank_tokens(budget, ways) + chunk_bytes) * copies
     resident = inputs.resident_adapters
     if resident is None:
         resident = max(0, min(MAX_RESIDENT_ADAPTERS, int((left - act_bytes) // adapter)))
@@ -226,18 +248,26 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
                         "max_context, or use a larger device")
     return MemoryPlan(inputs, trainer_bytes, base_bytes, activation, adapter, budget, resident, free, gen_bytes,
                       sampler_base, lora_slots, kv_per_token, max(kv_cache, 0), kv_tokens, sequences, tuple(problems),
-                      tuple(sampler))
+                      tuple(sampler), recomputes)
 
 
-def data_parallel_ways(ranks: int, parallel: str) -> int:
-    """Over how many ranks a gang splits a pass's tokens: an FSDP gang's all (data parallel), else one."""
-    return ranks if parallel == "fsdp" else 1
+def _token_budget(inputs: PlanInputs, left: int, full: int, checkpointed: int, chunk_bytes: int,
+                  ways: int) -> tuple[int, bool]:
+    """The token budget per pass (the configured one, or half of `left` to one rank's activations,
+    the rest to adapters, times the `ways` a data-parallel gang splits it) and whether a pass of it
+    checkpoints its layers (a rank's micro-batch of `inputs.checkpoint_tokens` or more does)."""
+    def recomputes(tokens: int) -> bool:  # never in a data-parallel gang (batcher.engine.backend says why)
+        return ways == 1 and 0 < inputs.checkpoint_tokens <= tokens
 
-
-def rank_tokens(budget: int, ways: int) -> int:
-    """One rank's tokens per micro-batch when `ways` ranks split a pass's `budget`: its share,
-    rounded up (a row longer than that still goes alone)."""
-    return max(1, -(-budget // ways))
+    if inputs.token_budget is not None:
+        return inputs.token_budget, recomputes(rank_tokens(inputs.token_budget, ways))
+    half = max(0, left * 0.5 - chunk_bytes)
+    per_rank = max(MIN_TOKEN_BUDGET, min(65_536, int(half // full)))
+    if inputs.checkpoint_tokens > 0:  # past the threshold a pass keeps less per token: a larger budget may fit
+        more = min(65_536, int(half // checkpointed))
+        if recomputes(more) and more > per_rank:
+            per_rank = more
+    return ways * per_rank, recomputes(per_rank)
 
 
 def _adapter_parameters(config: Mapping, rank: int, expert_lora: bool, ranks: int, dense_split: int = 1) -> int:
@@ -307,7 +337,8 @@ def device_bytes(device: str, configured: str = "") -> int:
 def for_worker(config: Mapping, *, device: str, dtype: str, configured_memory: str = "", token_budget: int = 0,
                max_lora_rank: int = 64, max_loras: int = 8, gen_memory_share: float = 0.5,
                max_context: int = 8192, shares_device: bool = True, ranks: int = 1,
-               expert_lora: bool = True, cuda_graphs: bool = False, parallel: str = "tp") -> MemoryPlan:
+               expert_lora: bool = True, cuda_graphs: bool = False, parallel: str = "tp",
+               checkpoint_tokens: int = 0) -> MemoryPlan:
     """The plan a trainer checks at start (one rank's, in a gang of `ranks` split `parallel`). On a
     GPU it shares the device with vLLM unless told otherwise; on the CPU vLLM's KV cache is its own
     setting, so the trainer plans with the host's available memory."""
@@ -317,7 +348,7 @@ def for_worker(config: Mapping, *, device: str, dtype: str, configured_memory: s
         shared_device=shared, gen_memory_share=gen_memory_share,
         token_budget=token_budget or None, max_lora_rank=max_lora_rank, max_loras=max_loras,
         max_context=max_context, trainer_ranks=ranks, trainer_parallel=parallel, expert_lora=expert_lora,
-        cuda_graphs=cuda_graphs and device.startswith("cuda") and ranks == 1))
+        cuda_graphs=cuda_graphs and device.startswith("cuda") and ranks == 1, checkpoint_tokens=checkpoint_tokens))
 
 
 def sampler_problems(config: Mapping, *, accelerator: bool, dtype: str, gen_memory_share: float,
@@ -339,3 +370,14 @@ def sampler_problems(config: Mapping, *, accelerator: bool, dtype: str, gen_memo
                 f"{per_token * max_context / GiB:.2f} GiB of KV cache, more than the {kv_cache_bytes / GiB:.0f} GiB set; "
                 "raise QUILT_GEN_KV_CACHE_GIB or lower QUILT_GEN_MAX_MODEL_LEN"]
     return []
+
+
+def data_parallel_ways(ranks: int, parallel: str) -> int:
+    """Over how many ranks a gang splits a pass's tokens: an FSDP gang's all (data parallel), else one."""
+    return ranks if parallel == "fsdp" else 1
+
+
+def rank_tokens(budget: int, ways: int) -> int:
+    """One rank's tokens per micro-batch when `ways` ranks split a pass's `budget`: its share,
+    rounded up (a row longer than that still goes alone)."""
+    return max(1, -(-budget // ways))

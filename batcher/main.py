@@ -47,7 +47,7 @@ def check_memory(base: catalog.BaseModel, settings: TrainerSettings) -> memory_p
                                   gen_memory_share=gen.gpu_memory_share, max_context=base.max_context_length,
                                   shares_device=settings.shares_device, ranks=settings.ranks,
                                   expert_lora=settings.expert_lora, cuda_graphs=settings.cuda_graphs,
-                                  parallel=settings.parallel)
+                                  parallel=settings.parallel, checkpoint_tokens=settings.checkpoint_tokens)
     if plan.trainer_problems:
         raise SystemExit(f"base {base.name!r} does not fit this trainer: " + "; ".join(plan.trainer_problems))
     log.info("memory plan for %s: %s", base.name, ", ".join(f"{k.strip()}={v}" for k, v in plan.rows()[:8]))
@@ -70,7 +70,7 @@ def main() -> None:
                           offload_device=settings.offload_device, dtype=dtype,
                           max_resident=settings.max_resident_adapters or plan.resident_adapters, member=member,
                           expert_lora=settings.expert_lora, cuda_graphs=settings.cuda_graphs,
-                          graph_limit=settings.cuda_graph_limit)
+                          graph_limit=settings.cuda_graph_limit, checkpoint_tokens=settings.checkpoint_tokens)
     if member is not None and not member.leader:
         # Rank 0 ends the gang: it finishes its loop on SIGTERM, then tells the others (gang.follow).
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

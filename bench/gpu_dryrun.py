@@ -91,6 +91,7 @@ from batcher.engine import gang, grouped, multilora, packed_attention
 from batcher.engine.backend import LoraBackend
 from batcher.engine.protocol import PassRequest
 from core.loss_spec import LossConfig
+from core.settings import TrainerSettings
 from core.work import AdamParams, Datum, LoraShape, PassWork
 
 GiB = 2**30
@@ -450,7 +451,7 @@ def round_of(be: LoraBackend, reqs: list[PassRequest]) -> None:
     be.optim_steps([(r.model_id, ADAM) for r in reqs])
 
 
-def dry_run(name: str, *, tenants: int, tokens: int, rank: int) -> dict[str, Any]:
+def dry_run(name: str, *, tenants: int, tokens: int, rank: int, checkpoint_tokens: int) -> dict[str, Any]:
     """One shape's figures (see the module's docstring)."""
     shape = SHAPES[name]
     config = BASES[shape.base]
@@ -483,7 +484,7 @@ def dry_run(name: str, *, tenants: int, tokens: int, rank: int) -> dict[str, Any
             with watch:
                 be = LoraBackend(tmp, device="meta", dtype=torch.bfloat16, max_tokens_per_pass=tenants * tokens,
                                  pack_width=max(4096, tokens), model=model, member=member, max_resident=tenants,
-                                 emulate_graphs=True)
+                                 emulate_graphs=True, checkpoint_tokens=checkpoint_tokens)
                 # the GPU's planning: 16-byte token alignment, the head's chunks at it, varlen asked
                 be.planner.align = 8
                 be.planner.head_chunk_tokens = _chunk_tokens(config, 8)
@@ -501,6 +502,12 @@ def dry_run(name: str, *, tenants: int, tokens: int, rank: int) -> dict[str, Any
                 with flops:
                     be.planned_pass(reqs)()
                 pass_watch = _figures(watch)
+                # The peak from a pass of its own: FlopCounterMode's module tracker keeps a checkpointed
+                # layer's replayed activations (batcher.engine.recompute) until the backward ends.
+                for r in reqs:
+                    be.lora.clear_grads(be.adapters[r.model_id].name)
+                watch.peak = watch.live
+                be.planned_pass(reqs)()
                 stages["pass peak"] = watch.peak
                 watch.reset()
                 for r in reqs:
@@ -511,7 +518,7 @@ def dry_run(name: str, *, tenants: int, tokens: int, rank: int) -> dict[str, Any
                 captured = _captured(be, reqs, watch)
         finally:
             gang.splits = saved_splits
-    plan = _plan(config, shape, ranks, tenants, tokens, rank)
+    plan = _plan(config, shape, ranks, tenants, tokens, rank, checkpoint_tokens)
     total_flops = flops.get_total_flops()
     # the varlen kernel's FLOPs as the counter counts them: every row a full square (causal rows need half)
     attention = sum(v for op, v in flops.get_flop_counts()["Global"].items() if "varlen" in str(op))
@@ -568,12 +575,14 @@ def _captured(be: LoraBackend, reqs: list[PassRequest], watch: Watch) -> dict[st
     return {**figures, "how": f"captured ({dict(be.graphs.counts)})"}
 
 
-def _plan(config: dict[str, Any], shape: Shape, ranks: int, tenants: int, tokens: int, rank: int) -> dict[str, Any]:
+def _plan(config: dict[str, Any], shape: Shape, ranks: int, tenants: int, tokens: int, rank: int,
+          checkpoint_tokens: int) -> dict[str, Any]:
     """What the memory plan says for the same tokens, tenants and rank (the trainer on GPUs of its own)."""
     gib = PLAN_GPU_GB[shape.base]
     inputs = memory_plan.PlanInputs(device_bytes=gib * GiB, dtype="bfloat16", shared_device=False,
                                     token_budget=tenants * tokens, resident_adapters=tenants, adapter_rank=rank,
-                                    trainer_ranks=ranks, trainer_parallel=shape.parallel or "tp")
+                                    trainer_ranks=ranks, trainer_parallel=shape.parallel or "tp",
+                                    checkpoint_tokens=checkpoint_tokens)
     plan = memory_plan.plan_memory(config, inputs)
     peak = plan.trainer_bytes - plan.trainer_free_bytes  # base, slabs' zero row, activations, adapters
     trainer, _ = memory_plan.fewest_ranks(config, dataclasses.replace(inputs, token_budget=None, resident_adapters=None,
@@ -588,6 +597,9 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64, help="tokens per tenant (one datum each)")
     parser.add_argument("--rank", type=int, default=32, help="every tenant's LoRA rank (Tinker's default)")
+    parser.add_argument("--checkpoint-tokens", type=int, default=TrainerSettings.model_fields["checkpoint_tokens"].default,
+                        help="micro-batches of this many tokens checkpoint each decoder layer (the trainer's "
+                             "QUILT_TRAINER_CHECKPOINT_TOKENS; 0: never)")
     args = parser.parse_args()
     names = [s for s in args.shapes.split(",") if s]
     unknown = [s for s in names if s not in SHAPES]
@@ -597,7 +609,8 @@ def main() -> None:
           "emulated CUDA graphs (see the docstring)\n")
     results = {}
     for name in names:
-        r = results[name] = dry_run(name, tenants=args.tenants, tokens=args.tokens, rank=args.rank)
+        r = results[name] = dry_run(name, tenants=args.tenants, tokens=args.tokens, rank=args.rank,
+                                    checkpoint_tokens=args.checkpoint_tokens)
         report(name, r)
     print(json.dumps({"shapes": results}))
 

@@ -223,6 +223,12 @@ class TrainerSettings(BaseSettings):
     token_budget: int = Field(16384, ge=0, description="model-input tokens per fused pass (fair-shared; an fsdp "
                                                      "gang's ranks each compute 1/N of them); 0 = derived from the "
                                                      "memory plan (bases.memory_plan)")
+    checkpoint_tokens: int = Field(
+        8192, ge=0, description="a training micro-batch of at least this many tokens checkpoints each decoder layer "
+                                "(batcher.engine.recompute): it keeps only the layers' inputs and runs each layer's "
+                                "forward again in the backward (about a third more compute), so its activations "
+                                "grow by a few hidden-size vectors per token instead of every layer's intermediates; "
+                                "0 = never. The memory plan counts it (bases.memory_plan)")
     stats_history: int = Field(1000, ge=10, le=100_000, description="round records kept in Redis")
     snapshots: bool = Field(True, description="keep models' state durable (batcher.snapshots); off: lost on restart")
     snapshot_dir: Path | None = Field(None, description="where snapshots live; default <data dir>/snapshots")

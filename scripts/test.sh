@@ -4,7 +4,8 @@
 #
 #   ./scripts/test.sh            everything (CI runs this)
 #   ./scripts/test.sh --quick    the fast tier: no embedded stack, no other processes, no vLLM engine
-#                                (pytest markers `stack` and `engine`); skips the install when .venv is there
+#                                (pytest markers `stack` and `engine`), no minutes-long test (`slow`); skips the
+#                                install when .venv is there
 # Both first run ruff (`ruff check .`) and mypy (`mypy`, strict over batcher/ and core/), configured in
 # pyproject.toml; either failing fails the command before any test runs. Any other arguments go to pytest.
 set -euo pipefail
@@ -27,6 +28,6 @@ echo "test.sh: mypy" >&2
 .venv/bin/python -m mypy
 export HF_HUB_OFFLINE=1
 if [ "$quick" = 1 ]; then
-  args=(-m "not stack and not engine" ${args[@]+"${args[@]}"})
+  args=(-m "not stack and not engine and not slow" ${args[@]+"${args[@]}"})
 fi
 exec .venv/bin/python -m pytest -q ${args[@]+"${args[@]}"}

@@ -146,6 +146,7 @@ def cmd_models_plan(args) -> int:
         max_loras=serving.get("max_loras", gen.max_loras), adapter_rank=args.adapter_rank,
         expert_lora=args.expert_lora if args.expert_lora is not None else serving.get("expert_lora", True),
         trainer_parallel=serving.get("trainer_parallel", "tp"),
+        checkpoint_tokens=get_trainer_settings().checkpoint_tokens,
         max_context=min(args.max_context or base.max_context_length, base.max_context_length))
     trainer_n, sampler_n = fewest_ranks(base.config, inputs)
     # What is asked here, else what the catalogue says, else the fewest that fit.

@@ -62,7 +62,8 @@ class LoraBackend:
                  offload_device: str = "cpu", dtype: torch.dtype = torch.float32, max_resident: int = 0,
                  pack_width: int = 4096, head_chunk_tokens: int = 0, model: torch.nn.Module | None = None,
                  member: gang.Member | None = None, expert_lora: bool = True, cuda_graphs: bool = True,
-                 graph_limit: int = 16, emulate_graphs: bool = False, shared_shrinks: bool = True):
+                 graph_limit: int = 16, emulate_graphs: bool = False, shared_shrinks: bool = True,
+                 checkpoint_tokens: int = 0):
         """`member`: this process's place in a trainer gang (`batcher.engine.gang`): the base is loaded
         split over the gang's ranks, and every collective call must be made on every rank in the
         same order (rank 0's `mirror` hands them on).
@@ -72,7 +73,9 @@ class LoraBackend:
         takes that path on any device, replaying by running the captured step again (tests).
         `shared_shrinks`: siblings fed one input (q/k/v, gate/up) share one shrink
         (`batcher.engine.multilora.SHARED_INPUT`); off, each layer shrinks alone (what
-        bench/shared_shrink.py measures against)."""
+        bench/shared_shrink.py measures against).
+        `checkpoint_tokens`: a training micro-batch of at least this many tokens checkpoints each
+        decoder layer (`batcher.engine.recompute`); 0: none does."""
         self.mirror: Mirror | None = None  # rank 0 of a gang: its Leader (batcher.engine.gang)
         self.gang_size = member.size if member is not None else 1
         self.device = torch.device(gang.rank_device(device) if self.gang_size > 1 else device)
@@ -120,7 +123,11 @@ class LoraBackend:
             head_chunk_tokens=head_chunk_tokens or head.chunk_tokens_for(text["vocab_size"], align=align),
             decoder_kinds=tuple(sorted({layer.kind for layer in self.lora.layers.values()} - set(head_kinds))),
             head_kinds=head_kinds, cuda_graphs=cuda_graphs, graph_device="cuda" if emulate_graphs else self.device.type,
-            gang_size=self.gang_size, device_type=self.device.type)
+            gang_size=self.gang_size, device_type=self.device.type,
+            # An FSDP gang's ranks plan micro-batches of different sizes; one that checkpointed would
+            # gather its layers' weights again in the backward while another did not, and the ranks'
+            # collectives would part. Its passes keep their activations instead (rank_tokens is 1/N).
+            checkpoint_tokens=0 if self.data_parallel is not None else checkpoint_tokens)
 
     def _load_base(self, model: torch.nn.Module | None, member: gang.Member | None, dtype: torch.dtype) -> Any:
         """The frozen base: `model` (a base already built from this config.json: benchmarks make

@@ -3,21 +3,23 @@ read back until the pass ends.
 
 A micro-batch's inputs arrive as one record (`batcher.engine.plan.PassTensors`, one transfer); its
 routes are bound to the device copies, the decoder and the chunked head run with each token's
-adapter (`batcher.engine.multilora`), the losses are computed at once (`batcher.engine.losses`), and
+adapter (`batcher.engine.multilora`), each layer checkpointed in a long micro-batch
+(`batcher.engine.recompute`), the losses are computed at once (`batcher.engine.losses`), and
 a request whose loss is not finite keeps none of its gradient, decided on the device. On a GPU a
 bucketed micro-batch replays its captured graph (`batcher.engine.graphs`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from batcher.engine import custom_losses, head, losses, packed_attention
+from batcher.engine import custom_losses, head, losses, packed_attention, recompute
 from batcher.engine.graphs import Graphs
 from batcher.engine.multilora import MultiLoraModel
 from batcher.engine.plan import PassTensors, PlannedBatch
@@ -81,17 +83,34 @@ class DevicePass:
 
         return step
 
+    def _decode(self, batch: PlannedBatch, t: PassTensors) -> torch.Tensor:
+        """The decoder's last hidden states, each layer checkpointed where the plan says
+        (`batcher.engine.recompute`)."""
+        layers: list[nn.Module] = list(getattr(self.decoder, "layers", ())) if batch.checkpoint else []
+        with self._layer_state(batch), recompute.checkpointed(layers, functools.partial(self._layer_state, batch)):
+            if batch.packed_rows is not None:
+                # Each row attends to itself only (packed_attention), its positions counted from 0.
+                out = self.decoder(input_ids=t.ids, position_ids=t.positions, use_cache=False)
+            else:  # right padding needs no mask: causal attention never lets a real position see a later pad
+                out = self.decoder(input_ids=t.ids, use_cache=False)
+        hidden: torch.Tensor = out.last_hidden_state
+        return hidden
+
+    @contextlib.contextmanager
+    def _layer_state(self, batch: PlannedBatch) -> Iterator[None]:
+        """The micro-batch's decoder state: its routes, and a packed pass's rows."""
+        self.lora.context.routes = batch.routes
+        if batch.packed_rows is None:
+            yield
+            return
+        with packed_attention.packed(self.base, batch.packed_rows):
+            yield
+
     def _batch(self, batch: PlannedBatch, t: PassTensors, poisoned: torch.Tensor
                ) -> tuple[torch.Tensor, losses.PassLosses, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One micro-batch: its logprobs, losses, the requests that keep their gradient, the
         requests poisoned after it, and its custom losses' metrics."""
-        self.lora.context.routes = batch.routes
-        if batch.packed_rows is not None:
-            # Each row attends to itself only (packed_attention), its positions counted from 0.
-            with packed_attention.packed(self.base, batch.packed_rows):
-                hidden = self.decoder(input_ids=t.ids, position_ids=t.positions, use_cache=False).last_hidden_state
-        else:  # right padding needs no mask: causal attention never lets a real position see a later pad
-            hidden = self.decoder(input_ids=t.ids, use_cache=False).last_hidden_state
+        hidden = self._decode(batch, t)
 
         def use_routes(i: int) -> None:
             self.lora.context.routes = batch.head_routes[i]

@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-CHUNK_BYTES = 1 << 28  # float32 logits per chunk: 256 MiB (about 440 tokens of a 152k vocabulary)
+from bases.memory_plan import HEAD_CHUNK_BYTES
+
+CHUNK_BYTES = HEAD_CHUNK_BYTES  # float32 logits per chunk: 256 MiB (about 440 tokens of a 152k vocabulary)
 
 
 def chunk_tokens_for(vocab: int, *, align: int = 1, budget_bytes: int = CHUNK_BYTES) -> int:

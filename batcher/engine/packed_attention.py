@@ -171,15 +171,17 @@ def register() -> None:
 @contextlib.contextmanager
 def packed(model: torch.nn.Module, rows: Rows) -> Iterator[None]:
     """Run `model`'s attention as packed rows for the duration (the forward, not the backward: the
-    backward of SDPA and varlen needs nothing from here)."""
+    backward of SDPA and varlen needs nothing from here; a checkpointed layer's replay enters it again)."""
     global _current
     register()
     config: Any = model.config  # a transformers PretrainedConfig
-    previous = config._attn_implementation
+    # Nested (a checkpointed layer re-enters its pass's rows, batcher.engine.recompute): the outer
+    # pass's setting and rows come back after.
+    previous, previous_rows = config._attn_implementation, _current
     config._attn_implementation = NAME
     _current = rows
     try:
         yield
     finally:
         config._attn_implementation = previous
-        _current = None
+        _current = previous_rows

@@ -97,6 +97,13 @@ class PlannedBatch:
     requests_size: int  # requests the device work is sized for (the pass's, or its bucket's)
     key: tuple[Any, ...] | None = None  # its bucket's graph key (batcher.engine.graphs); None: runs eagerly
     custom: list[custom_losses.CustomDatum] = field(default_factory=list)  # its datums of custom losses
+    checkpoint: bool = False  # its decoder layers checkpointed (batcher.engine.recompute)
+
+
+def checkpoints(tokens: int, trains: bool, threshold: int) -> bool:
+    """Whether a micro-batch of `tokens` (its grid, padding included) checkpoints its decoder layers:
+    one that trains, from `threshold` tokens on (0: never). A forward-only pass keeps no activations."""
+    return trains and threshold > 0 and tokens >= threshold
 
 
 @dataclass
@@ -116,6 +123,7 @@ class Planner:
     graph_device: str  # "cuda" where passes capture (or emulate capturing)
     gang_size: int
     device_type: str  # where passes run ("cuda": packed rows need the varlen kernel to replay)
+    checkpoint_tokens: int = 0  # micro-batches of this many tokens checkpoint their layers (`checkpoints`)
     refused: str = ""  # why the last micro-batch ran eagerly (logged when it changes)
 
     def plan(self, rows: list[Row], requests: list[PassRequest], configs: dict[int, LossConfig]
@@ -187,9 +195,10 @@ class Planner:
             loss=plan.tensors, grid=grid, heads=[t for _, t in heads], cu_seqlens=cu_seqlens, segments=segments)
         bundle = Bundle(record)
         trains_here = any(not requests[r.request_index].forward_only for r in batch_rows)
+        checkpoint = checkpoints(lay.tokens, trains_here, self.checkpoint_tokens)
         return PlannedBatch(lay, batch_rows, plan, bundle, routes, head_ranges, [r for r, _ in heads], trains_here,
-                            packed_rows, n_requests, (trains_here, bundle.signature()) if static else None,
-                            _custom(batch_rows, requests))
+                            packed_rows, n_requests, (trains_here, checkpoint, bundle.signature()) if static else None,
+                            _custom(batch_rows, requests), checkpoint)
 
     def _routes(self, host: dict[RouteKey, tuple[tuple[int, int, int], ...]], count: int, tokens: int, *,
                 experts: bool = False) -> tuple[dict[RouteKey, Route], dict[RouteKey, RouteTensors]]:
