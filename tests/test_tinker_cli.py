@@ -117,7 +117,8 @@ def test_model_list_lists_the_tiny_base(stack, made):
 def test_run_list_and_info(stack, made):
     env = _env(stack.base_url, made.key)
     runs = _json(env, "run", "list")
-    assert [r["training_run_id"] for r in runs["runs"]] == [made.run_id]
+    # `checkpoint download` makes runs of its own in this tenant: the fixture's is among them.
+    assert made.run_id in [r["training_run_id"] for r in runs["runs"]]
     info = _json(env, "run", "info", made.run_id)
     assert info["training_run_id"] == made.run_id and info["base_model"] == TINY and info["lora_rank"] == 4
     assert made.run_id in _ok(env, "run", "list")
@@ -235,7 +236,7 @@ def test_auth_login_stores_the_key_and_logout_removes_it(stack, made, tmp_path):
     stored = json.loads((tmp_path / ".tinker" / "credentials.json").read_text())
     assert made.key in json.dumps(stored)
     assert "Tinker accessible: yes" in _ok(env, "auth", "status")
-    assert [r["training_run_id"] for r in _json(env, "run", "list")["runs"]] == [made.run_id]
+    assert made.run_id in [r["training_run_id"] for r in _json(env, "run", "list")["runs"]]
     assert "Already logged in" in _fails(env, "auth", "login", stdin=made.key + "\n")
 
     assert "The API key is still active" in _ok(env, "auth", "logout")
