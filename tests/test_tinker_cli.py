@@ -70,7 +70,8 @@ def made(stack) -> Made:
 
 
 def _env(base_url: str, key: str | None, home: Path | None = None) -> dict[str, str]:
-    env = {**os.environ, "TINKER_BASE_URL": base_url}
+    # Wide enough that the tables (rich) print whole paths instead of cutting them to fit a terminal.
+    env = {**os.environ, "TINKER_BASE_URL": base_url, "COLUMNS": "400"}
     env.pop("TINKER_API_KEY", None)
     if key is not None:
         env["TINKER_API_KEY"] = key
