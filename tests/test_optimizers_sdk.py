@@ -13,7 +13,7 @@ tinker = pytest.importorskip("tinker")
 from stackutil import TINY, wait_future  # noqa: E402
 from tinker import types  # noqa: E402
 from tinker.types.optimizer import OptimParamsBase  # noqa: E402
-from tinkerutil import ready, rest_client  # noqa: E402
+from tinkerutil import ready, rest_client, sft_data  # noqa: E402
 
 DIMUON = types.DimuonParams(learning_rate=0.05, beta1=0.9)
 ADAM = types.AdamParams(learning_rate=1e-2)
@@ -24,17 +24,8 @@ def _offline_sdk(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def _sft_data() -> list:
-    out = []
-    for start in (40, 80, 120, 160):
-        toks = list(range(start, start + 17))
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                               loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 16}))
-    return out
-
-
 def _loss(tc) -> float:
-    return tc.forward(_sft_data(), "cross_entropy").result().metrics["loss:sum"]
+    return tc.forward(sft_data(), "cross_entropy").result().metrics["loss:sum"]
 
 
 def test_an_adamw_and_a_dimuon_model_train_side_by_side(stack):
@@ -50,8 +41,8 @@ def test_an_adamw_and_a_dimuon_model_train_side_by_side(stack):
         losses: dict[str, list[float]] = {"adam": [], "dimuon": []}
         for _ in range(5):
             # Both models' calls are in flight together, so their passes and steps share rounds.
-            futures = {"adam": (adam_tc.forward_backward(_sft_data(), "cross_entropy"), adam_tc.optim_step(ADAM)),
-                       "dimuon": (dimuon_tc.forward_backward(_sft_data(), "cross_entropy"),
+            futures = {"adam": (adam_tc.forward_backward(sft_data(), "cross_entropy"), adam_tc.optim_step(ADAM)),
+                       "dimuon": (dimuon_tc.forward_backward(sft_data(), "cross_entropy"),
                                   dimuon_tc.optim_step(DIMUON))}
             for name, (fb, opt) in futures.items():
                 losses[name].append(fb.result().metrics["loss:sum"])
@@ -73,13 +64,13 @@ def test_dimuon_state_round_trips_through_save_and_load(stack, tenant):
     with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
         tc = ready(service.create_lora_training_client(base_model=TINY, rank=8, optimizer=types.DimuonOptimizerConfig()))
         for _ in range(2):
-            tc.forward_backward(_sft_data(), "cross_entropy").result()
+            tc.forward_backward(sft_data(), "cross_entropy").result()
             tc.optim_step(DIMUON).result()
         path = tc.save_state("dimuon-1").result().path
         at_save = _loss(tc)
 
         def one_more_step(client) -> float:
-            client.forward_backward(_sft_data()[:2], "cross_entropy").result()
+            client.forward_backward(sft_data()[:2], "cross_entropy").result()
             client.optim_step(DIMUON).result()
             return _loss(client)
 
@@ -158,7 +149,7 @@ def test_hostile_dimuon_hyperparameters_are_refused_by_name(stack, tenant):
         tc = ready(service.create_lora_training_client(base_model=TINY, rank=4, optimizer=types.DimuonOptimizerConfig()))
         with pytest.raises(tinker.BadRequestError, match="optimizer_params.damping"):
             tc.optim_step(OptimParamsBase(type="dimuon", learning_rate=0.05, damping=-1.0)).result()
-        tc.forward_backward(_sft_data()[:1], "cross_entropy").result()
+        tc.forward_backward(sft_data()[:1], "cross_entropy").result()
         step = tc.optim_step(OptimParamsBase(type="dimuon", learning_rate=0.05, damping=0.5,
                                                    rank_lr_correction_exponent=-0.5)).result()
         assert step.metrics["step:max"] == 1.0

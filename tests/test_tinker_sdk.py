@@ -12,7 +12,7 @@ import pytest
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
-from tinkerutil import RestClient, ready, rest_client  # noqa: E402
+from tinkerutil import RestClient, ready, rest_client, sft_data  # noqa: E402
 
 TINY = "quilt/tiny-qwen3"
 
@@ -27,18 +27,9 @@ def _offline_sdk(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def _sft_data() -> list:
-    out = []
-    for start in (40, 80, 120, 160):
-        toks = list(range(start, start + 17))
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                               loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 16}))
-    return out
-
-
 def _is_data(tc) -> list:
     toks = list(range(300, 313))
-    fwd = tc.forward(_sft_data()[:1], "cross_entropy").result()
+    fwd = tc.forward(sft_data()[:1], "cross_entropy").result()
     sampler_lp = fwd.loss_fn_outputs[0]["logprobs"].tolist()
     return [types.Datum(model_input=types.ModelInput.from_ints(list(range(40, 56))),
                         loss_fn_inputs={"target_tokens": list(range(41, 57)),
@@ -58,7 +49,7 @@ def test_training_flow_through_the_official_sdk(stack, tenant):
 
         losses = []
         for _ in range(5):
-            fb = tc.forward_backward(_sft_data(), "cross_entropy")
+            fb = tc.forward_backward(sft_data(), "cross_entropy")
             opt = tc.optim_step(adam)
             out = fb.result()
             opt.result()
@@ -75,11 +66,11 @@ def test_training_flow_through_the_official_sdk(stack, tenant):
 
         saved = tc.save_state("ckpt-1").result()
         assert saved.path == f"tinker://{tc.model_id}/weights/ckpt-1"
-        at_save = tc.forward(_sft_data(), "cross_entropy").result().metrics["loss:sum"]
+        at_save = tc.forward(sft_data(), "cross_entropy").result().metrics["loss:sum"]
 
         restored = ready(service.create_training_client_from_state_with_optimizer(saved.path))
         assert restored.model_id != tc.model_id
-        assert restored.forward(_sft_data(), "cross_entropy").result().metrics["loss:sum"] == pytest.approx(at_save, rel=1e-6)
+        assert restored.forward(sft_data(), "cross_entropy").result().metrics["loss:sum"] == pytest.approx(at_save, rel=1e-6)
 
         rest = rest_client(stack, tenant.key)
         ckpts = rest.list_checkpoints(tc.model_id).result().checkpoints
@@ -115,7 +106,7 @@ def test_a_refused_call_does_not_stall_the_official_sdk(stack, tenant):
             tc.load_state(f"tinker://{tc.model_id}/weights/never-saved").result()
         with pytest.raises(tinker.BadRequestError):
             tc.save_state("not a valid name!").result()
-        out = tc.forward_backward(_sft_data(), "cross_entropy").result(timeout=120)
+        out = tc.forward_backward(sft_data(), "cross_entropy").result(timeout=120)
         assert len(out.loss_fn_outputs) == 4
 
 
@@ -127,7 +118,7 @@ def test_custom_loss_runs_through_forward_and_cross_entropy(stack, tenant):
             total = sum(-lp.sum() for lp in logprobs_list)
             return total, {"custom:sum": float(total.detach())}
 
-        out = tc.forward_backward_custom(_sft_data()[:2], loss_fn).result()
+        out = tc.forward_backward_custom(sft_data()[:2], loss_fn).result()
         assert "custom:sum" in out.metrics
 
 
@@ -150,7 +141,7 @@ def test_tenant_sees_only_its_own_runs(stack):
 def test_sampling_through_the_official_sdk(stack, tenant):
     with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
         tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))
-        tc.forward_backward(_sft_data(), "cross_entropy").result()
+        tc.forward_backward(sft_data(), "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         sampler = ready(tc.save_weights_and_get_sampling_client())
         prompt = types.ModelInput.from_ints([40, 41, 42, 43])
@@ -202,7 +193,7 @@ def test_sampling_outputs_through_the_official_sdk(stack, tenant):
     prompt = [40, 41, 42, 43, 44, 45, 46, 47]
     with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
         tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))
-        tc.forward_backward(_sft_data(), "cross_entropy").result()
+        tc.forward_backward(sft_data(), "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         sampler = ready(tc.save_weights_and_get_sampling_client(record_stability_info=True))
         plain = ready(tc.save_weights_and_get_sampling_client())  # the same weights, nothing recorded
@@ -262,7 +253,7 @@ def test_sampling_outputs_through_the_official_sdk(stack, tenant):
 def test_checkpoint_archive_through_the_official_sdk(stack, tenant, tmp_path):
     with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
         tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))
-        tc.forward_backward(_sft_data(), "cross_entropy").result()
+        tc.forward_backward(sft_data(), "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         path = tc.save_state("to-download").result().path
     rest = rest_client(stack, tenant.key)
