@@ -100,6 +100,9 @@ def test_rank_0_decides_what_each_rank_would_leave_to_chance():
     assert name == "create" and lora.seed is not None and ran[0][0][1].seed == lora.seed
     leader.call("offload_idle", lambda *a, **kw: ran.append((a, kw)), (60.0,), {})
     assert sent[1][2]["now"] == ran[1][1]["now"] is not None
+    # The optimizer family the trainer passes along is handed on as given (a gang's create failed on it).
+    leader.call("create", lambda *a, **kw: ran.append((a, kw)), ("n", LoraShape(rank=4, seed=3), "adamw"), {})
+    assert sent[2][1] == ("n", LoraShape(rank=4, seed=3), "adamw") == ran[2][0]
 
 
 def test_a_follower_makes_the_named_call(monkeypatch):

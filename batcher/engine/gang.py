@@ -256,10 +256,10 @@ class Leader:
 def _decided(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Make the choices a call would leave to each rank (a random seed, the clock) on rank 0."""
     if name == "create":
-        model_id, lora = args
+        model_id, lora, *rest = args  # the rest (the optimizer family) as the caller gave it
         if lora.seed is None:
             lora = dataclasses.replace(lora, seed=int.from_bytes(os.urandom(4), "little"))
-        return (model_id, lora), kwargs
+        return (model_id, lora, *rest), kwargs
     if name == "offload_idle" and kwargs.get("now") is None:
         kwargs = {**kwargs, "now": time.monotonic()}
     return args, kwargs
