@@ -36,7 +36,7 @@ from batcher.engine.graphs import Graphs
 from batcher.engine.multilora import SHARED_INPUT, MultiLoraModel
 from batcher.engine.plan import PlannedBatch, Planner, Row
 from batcher.engine.protocol import Outcome, PassRequest, PassStats
-from batcher.engine.results import PassResult, answers, datum_values, read_back
+from batcher.engine.results import PassResult, read_back
 from checkpoints.layout import TrainerMeta
 from core.errors import Conflict, InvalidInput, QuiltError, ServerError, UserError
 from core.loss_spec import LossConfig
@@ -270,8 +270,11 @@ class LoraBackend:
         # Models without pending gradients: a failed pass must leave their gradient rows at zero.
         fresh = [self.adapters[m].name for m in models if not self.lora.pending(self.adapters[m].name)]
         started = time.perf_counter()
-        if self.data_parallel is not None:
-            return self._data_parallel_pass(requests, outcomes, configs, rows, models, started)
+        if self.data_parallel is not None:  # this rank's share (batcher.engine.data_parallel)
+            names = sorted(self.adapters[m].name for m in models)
+            result, own = self.data_parallel.run(self.planner, self.device_pass, self.lora, names, rows, requests,
+                                                 configs)
+            return self._finish(result, requests, outcomes, rows, own, started)
         try:
             batches = self.planner.plan(rows, requests, configs)
             values = self.device_pass.compute(batches, len(requests)).cpu()  # the pass's one read-back
@@ -285,21 +288,6 @@ class LoraBackend:
                 outcomes[i] = ServerError(f"trainer pass failed: {type(exc).__name__}: {exc}")
             return _answered(outcomes)
         return self._finish(read_back(batches, values, requests, configs), requests, outcomes, rows, batches, started)
-
-    def _data_parallel_pass(self, requests: list[PassRequest], outcomes: list[Outcome | None],
-                            configs: dict[int, LossConfig], rows: list[Row], models: set[str], started: float
-                            ) -> list[Outcome]:
-        """`run_pass` in an FSDP gang: this rank's share of the rows, the gradients summed over the
-        ranks, every rank's results gathered (`batcher.engine.data_parallel`). A failure breaks the gang."""
-        dp = cast(data_parallel.DataParallel, self.data_parallel)
-        names = sorted(self.adapters[m].name for m in models)
-        dp.keep_only_rank0_sums(self.lora, names)
-        batches, own = dp.plan(self.planner, rows, requests, configs)
-        values = self.device_pass.compute(batches, len(requests)).cpu()
-        dp.sum_grads(self.lora, names)
-        per_datum, kept = dp.gather(*datum_values(batches[:own], values, configs))
-        return self._finish(answers(per_datum, kept, requests, configs), requests, outcomes, rows, batches[:own],
-                            started)
 
     def _finish(self, result: PassResult, requests: list[PassRequest], outcomes: list[Outcome | None],
                 rows: list[Row], batches: list[PlannedBatch], started: float) -> list[Outcome]:

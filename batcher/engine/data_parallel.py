@@ -33,10 +33,11 @@ import torch.distributed as dist
 from torch import nn
 
 from batcher.engine import layout
+from batcher.engine.device_pass import DevicePass
 from batcher.engine.multilora import MultiLoraModel
 from batcher.engine.plan import PlannedBatch, Planner, Row
 from batcher.engine.protocol import PassRequest
-from batcher.engine.results import Datums
+from batcher.engine.results import Datums, PassResult, answers, datum_values
 from core.loss_spec import LossConfig
 
 # Gradients are summed in buckets of this many elements: one all-reduce per bucket, not per tensor,
@@ -86,6 +87,18 @@ class DataParallel:
                 merged[i].update(by_datum)
             every |= their_kept
         return merged, every
+
+    def run(self, planner: Planner, device_pass: DevicePass, lora: MultiLoraModel, names: list[str], rows: list[Row],
+            requests: list[PassRequest], configs: dict[int, LossConfig]) -> tuple[PassResult, list[PlannedBatch]]:
+        """A pass of the gang on this rank: its share of the rows, the gradients of the adapters
+        `names` summed over the ranks, every rank's results gathered; (the pass's result, this
+        rank's own micro-batches). A failure breaks the gang."""
+        self.keep_only_rank0_sums(lora, names)
+        batches, own = self.plan(planner, rows, requests, configs)
+        values = device_pass.compute(batches, len(requests)).cpu()
+        self.sum_grads(lora, names)
+        per_datum, kept = self.gather(*datum_values(batches[:own], values, configs))
+        return answers(per_datum, kept, requests, configs), batches[:own]
 
     def keep_only_rank0_sums(self, lora: MultiLoraModel, names: list[str]) -> None:
         """Before a pass: the ranks other than 0 zero these adapters' accumulated gradients, so the
