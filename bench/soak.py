@@ -32,6 +32,8 @@ is fitted per pid (the restarted trainer is a new series, fitted after a warm-up
 
 Counted per tenant: calls made, 5xx answers, and calls lost (a future never answered within 10
 minutes). At the end, after two sweeps: expired checkpoints whose directory is still on disk.
+Finished requests and abandoned sessions are kept `--retention-s` (300 s, not the default 30 days),
+so the retention task (core.row_retention) has work within the run.
 
 Ends with one JSON line: `max_rss_slope_mib_per_h` (and whose), `redis_bytes_per_1k_requests`,
 `postgres_bytes_per_1k_requests`, `http_5xx`, `lost`, `expired_on_disk`, and every slope.
@@ -349,9 +351,13 @@ def main() -> None:
     parser.add_argument("--every-s", type=float, default=15.0, help="seconds between looks")
     parser.add_argument("--tenants", type=int, default=8)
     parser.add_argument("--no-restart", action="store_true", help="leave the trainer running throughout")
+    parser.add_argument("--retention-s", type=int, default=300,
+                        help="QUILT_RECORD_RETENTION_S and QUILT_FUTURE_TTL_SECONDS of the soaked stack: short, so "
+                             "that finished requests and abandoned sessions leave within the run (30 days by default)")
     parser.add_argument("--settle-s", type=float, default=150.0,
                         help="after the tenants stop, wait this long (two retention sweeps) before looking on disk")
     args = parser.parse_args()
+    os.environ["QUILT_RECORD_RETENTION_S"] = os.environ["QUILT_FUTURE_TTL_SECONDS"] = str(args.retention_s)
 
     series: dict[str, list[tuple[float, float]]] = {}
     expired: set[str] = set()

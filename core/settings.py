@@ -165,6 +165,10 @@ class ApiSettings(BaseSettings):
     session_live_s: int = Field(900, ge=60, le=30 * 86_400,
                                 description="a session without a heartbeat this long no longer counts as live")
     future_ttl_seconds: int = Field(24 * 3600, ge=60, description="how long results stay retrievable")
+    record_retention_s: int = Field(30 * 86_400, ge=60,
+                                    description="finished requests and finished sessions without a model are "
+                                                "deleted from Postgres this long after they finish "
+                                                "(core.row_retention); at least QUILT_FUTURE_TTL_SECONDS")
     caller_cache_seconds: float = Field(
         60.0, ge=0, le=3600, description="longest an API process keeps a key's principal, a tenant's spend or a "
                                          "base in memory; changes drop them at once (api.caller_cache); 0 = off")
@@ -193,6 +197,13 @@ class ApiSettings(BaseSettings):
                                   description="seconds an SDK auth token lives (its exp - iat); the SDK renews it "
                                               "at half that. Its API key is re-checked on every use, so revoking "
                                               "the key ends its tokens at once whatever this is")
+
+    @model_validator(mode="after")
+    def _records_outlive_results(self) -> ApiSettings:
+        # A poll falls back to the request's row once its Redis result is gone.
+        if self.record_retention_s < self.future_ttl_seconds:
+            raise ValueError("QUILT_RECORD_RETENTION_S must be at least QUILT_FUTURE_TTL_SECONDS")
+        return self
 
 
 class TrainerSettings(BaseSettings):

@@ -18,6 +18,7 @@ app.conf.beat_schedule = {
     "heartbeat": {"task": "quilt.upkeep.heartbeat", "schedule": 10.0},
     "expire-sessions": {"task": "quilt.upkeep.expire_sessions", "schedule": 60.0},
     "sweep-checkpoints": {"task": "quilt.upkeep.sweep_checkpoints", "schedule": 60.0},
+    "prune-records": {"task": "quilt.upkeep.prune_records", "schedule": 60.0},
     "fail-never-enqueued": {"task": "quilt.upkeep.fail_never_enqueued", "schedule": 60.0},
     "sweep-orphan-checkpoints": {"task": "quilt.upkeep.sweep_orphan_checkpoints", "schedule": crontab(minute="35")},
     # Hourly, after the previous hour's window has settled (QUILT_BILLING_SETTLE_S, 5 min).

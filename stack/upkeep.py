@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from checkpoints import retention, storage
-from core import db, health, records, redis_client
+from core import db, health, records, redis_client, row_retention
 from core.celery_app import app
 from core.settings import get_api_settings
 
@@ -28,6 +28,14 @@ def expire_sessions() -> int:
             (SESSION_IDLE_LIMIT,),
         )
         return cur.rowcount
+
+
+@app.task(name="quilt.upkeep.prune_records")
+def prune_records() -> dict:
+    """Delete finished requests and finished sessions past QUILT_RECORD_RETENTION_S (core.row_retention)."""
+    with db.connect() as conn:
+        pruned = row_retention.prune(conn, older_than_s=get_api_settings().record_retention_s)
+    return {"requests": pruned.requests, "sessions": pruned.sessions}
 
 
 @app.task(name="quilt.upkeep.sweep_checkpoints")
