@@ -34,7 +34,7 @@ PROMPT = (5, 6, 7, 8, 9, 10)
 # What each architecture cannot carry, as measured: vLLM has no lm_head LoRA for Qwen2 and Mistral,
 # and Gemma ties lm_head to the embeddings. (MoE experts carry LoRA: batcher.engine.expert_lora.)
 REFUSED = {"qwen3": [], "qwen2": ["train_unembed"], "llama": [], "mistral": ["train_unembed"],
-           "gemma3_text": ["train_unembed"], "qwen3_moe": []}
+           "gemma3_text": ["train_unembed"], "qwen3_moe": [], "deepseek_v3": ["train_unembed"]}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
