@@ -98,6 +98,11 @@ def of_config(config: Mapping) -> Architecture:
         # (DeepSeek-V2-Lite's layout: one q_proj; every V3 and Kimi-K2 checkpoint has the pair)
         raise InvalidInput(f"a {arch.family} base without q_lora_rank (queries through one q_proj) is not "
                            "supported; its LoRA targets are q_a_proj and q_b_proj", field="config.q_lora_rank")
+    if arch.mla and (config.get("scoring_func"), config.get("topk_method")) != ("sigmoid", "noaux_tc"):
+        # transformers routes so whatever the config says; vLLM reads these (softmax without them)
+        raise InvalidInput(f"a {arch.family} base's router must say scoring_func 'sigmoid' and topk_method "
+                           f"'noaux_tc' (as the published configs do), got {config.get('scoring_func')!r} and "
+                           f"{config.get('topk_method')!r}", field="config.scoring_func")
     return arch
 
 

@@ -301,6 +301,9 @@ def _config(spec: TinyModelSpec, *, vocab_size: int, eos_id: int):
                  "q_lora_rank": spec.q_lora_rank, "kv_lora_rank": spec.kv_lora_rank,
                  "qk_rope_head_dim": spec.qk_rope_head_dim, "qk_nope_head_dim": spec.head_dim,
                  "v_head_dim": spec.head_dim,
+                 # what transformers implements and published configs say; vLLM reads them (its
+                 # defaults are softmax scores without the correction bias)
+                 "scoring_func": "sigmoid", "topk_method": "noaux_tc",
                  # (every head has its own key and value, from the latent; transformers' eager attention
                  # would repeat them by num_attention_heads / num_key_value_heads)
                  "num_key_value_heads": spec.num_attention_heads}

@@ -138,7 +138,7 @@ def test_sampler_serves_a_trained_adapter_and_agrees_with_the_trainer(tiny, engi
     switches = {**architectures.supported_switches(config),
                 **({"train_mlp": False} if architectures.of_config(config).moe else {})}
     if architectures.of_config(config).moe:
-        be.create("experts", LoraShape(rank=8, seed=5))
+        be.create("experts", LoraShape(rank=8, seed=5, **architectures.supported_switches(config)))
         be.save("experts", str(tmp_path / "experts"), overwrite=False, with_optimizer=False)
         on_experts = AdapterRef(key=str(tmp_path / "experts"), path=str(tmp_path / "experts"), model_id="experts",
                                 name="experts")

@@ -32,7 +32,7 @@ DEEPSEEK_V3 = {"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size":
                "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "num_experts_per_tok": 8,
                "first_k_dense_replace": 3, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
                "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 163840,
-               "tie_word_embeddings": False}
+               "tie_word_embeddings": False, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 KIMI_K2 = {**DEEPSEEK_V3, "vocab_size": 163840, "num_attention_heads": 64, "num_key_value_heads": 64,
            "n_routed_experts": 384, "first_k_dense_replace": 1, "max_position_embeddings": 131072}
 
@@ -132,10 +132,15 @@ def _merged(model, adapter: Path, config: dict) -> dict[str, torch.Tensor]:
     return merged
 
 
-def test_a_base_without_the_query_low_rank_is_refused_naming_it():
+@pytest.mark.parametrize("change, field", [
+    ({"q_lora_rank": None}, "config.q_lora_rank"),  # DeepSeek-V2-Lite's single q_proj
+    ({"scoring_func": "softmax"}, "config.scoring_func"),  # vLLM would route otherwise than transformers
+    ({"topk_method": None}, "config.scoring_func"),
+])
+def test_layouts_the_trainer_and_sampler_would_run_differently_are_refused_naming_the_field(change, field):
     with pytest.raises(InvalidInput) as exc:
-        architectures.of_config({**DEEPSEEK_V3, "q_lora_rank": None})
-    assert exc.value.field == "config.q_lora_rank"
+        architectures.of_config({**DEEPSEEK_V3, **change})
+    assert exc.value.field == field
 
 
 @pytest.mark.parametrize("config, total, active", [
