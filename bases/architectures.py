@@ -189,7 +189,7 @@ class Shape:
         text = config.get("text_config") or config
         arch = of_config(text)
         h, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
-        moe = {}
+        moe: dict[str, Any] = {}
         if arch.moe:
             experts: Any = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
             moe = {"experts": int(experts),
