@@ -87,12 +87,18 @@ SUPPORTED: dict[str, Architecture] = {a.model_type: a for a in (
 )}
 
 
+# model_types transformers does not know, of a supported layout: what to do instead
+SAME_LAYOUT = {"kimi_k2": "Kimi-K2 has DeepSeek-V3's layout: set model_type to \"deepseek_v3\" in its config.json "
+                          "(as Moonshot's deployment guide says for frameworks without kimi_k2)"}
+
+
 def of_config(config: Mapping) -> Architecture:
     """The architecture of a model's config.json, or InvalidInput naming what is supported."""
     model_type = config.get("model_type")
     arch = SUPPORTED.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
-        raise InvalidInput(f"architecture {model_type!r} is not supported; supported: {sorted(SUPPORTED)}",
+        hint = f"; {SAME_LAYOUT[model_type]}" if isinstance(model_type, str) and model_type in SAME_LAYOUT else ""
+        raise InvalidInput(f"architecture {model_type!r} is not supported; supported: {sorted(SUPPORTED)}{hint}",
                            field="config.model_type")
     if arch.mla and config.get("q_lora_rank") is None:
         # (DeepSeek-V2-Lite's layout: one q_proj; every V3 and Kimi-K2 checkpoint has the pair)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bases import architectures, memory_plan
+from bases import architectures, memory_plan, model_sources
 from batcher.engine.backend import LoraBackend
 from batcher.engine.expert_lora import route_in_float64
 from batcher.engine.protocol import PassRequest
@@ -41,6 +41,15 @@ KIMI_K2 = {**DEEPSEEK_V3, "vocab_size": 163840, "num_attention_heads": 64, "num_
 def base(tmp_path_factory) -> Path:
     spec = TinyModelSpec(architecture="deepseek_v3", num_layers=3, first_k_dense_replace=1)
     return Path(build_tiny_model(tmp_path_factory.mktemp("dsv3") / "base", spec=spec).path)
+
+
+def test_quilt_models_add_describes_the_directory(base):
+    local, source = model_sources.locate(path=base)
+    entry = model_sources.describe("acme/deepseek-mini", local, source, renderer="chatml")
+    total, active = architectures.parameter_counts(entry.config)
+    assert entry.architecture == "deepseek_v3"
+    # counted from the config (latent attention, shared experts, the dense layer) as the weights hold them
+    assert entry.num_parameters == total and entry.active_parameters == active < total
 
 
 def _datum(tokens: tuple[int, ...]) -> Datum:
@@ -141,6 +150,12 @@ def test_layouts_the_trainer_and_sampler_would_run_differently_are_refused_namin
     with pytest.raises(InvalidInput) as exc:
         architectures.of_config({**DEEPSEEK_V3, **change})
     assert exc.value.field == field
+
+
+def test_kimi_k2_s_own_model_type_is_refused_saying_what_to_do():
+    with pytest.raises(InvalidInput, match='set model_type to "deepseek_v3"') as exc:
+        architectures.of_config({**KIMI_K2, "model_type": "kimi_k2"})
+    assert exc.value.field == "config.model_type"
 
 
 @pytest.mark.parametrize("config, total, active", [
