@@ -31,8 +31,8 @@ ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weigh
 LOGPROB_DIFF_TOL = 1e-4
 MISMATCH_KL_TOL = 1e-6
 PROMPT = (5, 6, 7, 8, 9, 10)
-# What each architecture cannot carry, as measured: vLLM has no lm_head LoRA for Qwen2 and Mistral,
-# and Gemma ties lm_head to the embeddings. (MoE experts carry LoRA: batcher.engine.expert_lora.)
+# What each architecture cannot carry, as measured: vLLM has no lm_head LoRA for Qwen2, Mistral and
+# DeepSeek-V3, and Gemma ties lm_head to the embeddings. (MoE experts carry LoRA: batcher.engine.expert_lora.)
 REFUSED = {"qwen3": [], "qwen2": ["train_unembed"], "llama": [], "mistral": ["train_unembed"],
            "gemma3_text": ["train_unembed"], "qwen3_moe": [], "deepseek_v3": ["train_unembed"]}
 
