@@ -20,6 +20,15 @@ or Mistral, whose vLLM models list no lm_head among their LoRA modules), and nev
 `lm_head` is tied to the input embeddings (Gemma; also small Qwen3 checkpoints, whose configs say
 `tie_word_embeddings: true`). A LoRA the sampler cannot apply would make trainer and sampler
 disagree, so `train_unembed` is refused on those.
+
+DeepSeek-V3 (and Kimi-K2, the same layout) has multi-head latent attention: queries through a
+low-rank pair (`q_a_proj`, norm, `q_b_proj`), keys and values through a shared latent
+(`kv_a_proj_with_mqa`, norm, `kv_b_proj`), and `o_proj`. vLLM serves LoRA on `q_a_proj` and
+`kv_a_proj_with_mqa` (fused as its `fused_qkv_a_proj`), `q_b_proj` and `o_proj`; it folds
+`kv_b_proj` into its attention kernels' weights after loading (the absorbed decode), so a LoRA on it
+would reach its prefill and not its decode: `kv_b_proj` is no target here. Its MoE layers have
+shared experts (a dense MLP beside the routed ones, `mlp.shared_experts.gate_proj`...) and its first
+`first_k_dense_replace` layers a dense MLP: the MLP names cover both.
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ from core.errors import InvalidInput
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+# Multi-head latent attention (DeepSeek-V3, Kimi-K2): the projections vLLM applies LoRA to.
+MLA_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 UNEMBED_MODULES = ("lm_head",)
 EXPERT_MODULES = ("experts",)  # a MoE block's fused experts (batcher.engine.expert_lora)
 
@@ -45,6 +56,12 @@ class Architecture:
     unembed_lora: bool = True  # vLLM applies an lm_head LoRA on this architecture (when untied)
     qk_norm: bool = False  # RMSNorm on each head's queries and keys (parameter counts)
     norms_per_layer: int = 2
+    mla: bool = False  # multi-head latent attention (MLA_MODULES, not q/k/v)
+
+    @property
+    def attn_modules(self) -> tuple[str, ...]:
+        """What `train_attn` targets."""
+        return MLA_MODULES if self.mla else ATTN_MODULES
 
     @property
     def mlp_modules(self) -> tuple[str, ...]:
@@ -53,7 +70,7 @@ class Architecture:
 
     def targets(self, *, tied: bool) -> tuple[str, ...]:
         """Every module name LoRA can target on this architecture (the trainer wraps these)."""
-        mods = ATTN_MODULES + self.mlp_modules
+        mods = self.attn_modules + self.mlp_modules
         return mods + (UNEMBED_MODULES if self.unembed_lora and not (tied or self.ties_embeddings) else ())
 
 
@@ -65,7 +82,14 @@ SUPPORTED: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("gemma3_text", "Gemma 3", ties_embeddings=True, unembed_lora=False, qk_norm=True,
                  norms_per_layer=4),
     Architecture("qwen3_moe", "Qwen3-MoE", moe=True, qk_norm=True),
+    # vLLM's DeepseekV2ForCausalLM lists no lm_head among its LoRA modules
+    Architecture("deepseek_v3", "DeepSeek-V3 / Kimi-K2", moe=True, unembed_lora=False, mla=True),
 )}
+
+
+# model_types transformers does not know, of a supported layout: what to do instead
+SAME_LAYOUT = {"kimi_k2": "Kimi-K2 has DeepSeek-V3's layout: set model_type to \"deepseek_v3\" in its config.json "
+                          "(as Moonshot's deployment guide says for frameworks without kimi_k2)"}
 
 
 def of_config(config: Mapping) -> Architecture:
@@ -73,8 +97,18 @@ def of_config(config: Mapping) -> Architecture:
     model_type = config.get("model_type")
     arch = SUPPORTED.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
-        raise InvalidInput(f"architecture {model_type!r} is not supported; supported: {sorted(SUPPORTED)}",
+        hint = f"; {SAME_LAYOUT[model_type]}" if isinstance(model_type, str) and model_type in SAME_LAYOUT else ""
+        raise InvalidInput(f"architecture {model_type!r} is not supported; supported: {sorted(SUPPORTED)}{hint}",
                            field="config.model_type")
+    if arch.mla and config.get("q_lora_rank") is None:
+        # (DeepSeek-V2-Lite's layout: one q_proj; every V3 and Kimi-K2 checkpoint has the pair)
+        raise InvalidInput(f"a {arch.family} base without q_lora_rank (queries through one q_proj) is not "
+                           "supported; its LoRA targets are q_a_proj and q_b_proj", field="config.q_lora_rank")
+    if arch.mla and (config.get("scoring_func"), config.get("topk_method")) != ("sigmoid", "noaux_tc"):
+        # transformers routes so whatever the config says; vLLM reads these (softmax without them)
+        raise InvalidInput(f"a {arch.family} base's router must say scoring_func 'sigmoid' and topk_method "
+                           f"'noaux_tc' (as the published configs do), got {config.get('scoring_func')!r} and "
+                           f"{config.get('topk_method')!r}", field="config.scoring_func")
     return arch
 
 
@@ -115,7 +149,7 @@ def lora_targets(config: Mapping, lora_config: Mapping, *, expert_lora: bool = T
     tied = is_tied(config)
     mods: list[str] = []
     if lora_config.get("train_attn", True):
-        mods += ATTN_MODULES
+        mods += arch.attn_modules
     if lora_config.get("train_mlp", True):
         if arch.moe and not expert_lora:
             raise InvalidInput(f"this {arch.family} base is served without LoRA on its experts (its operator's "
@@ -151,21 +185,34 @@ class Shape:
     experts_per_token: int = 0
     tied: bool = False
     qkv_bias: bool = False
+    latent: Latent | None = None  # multi-head latent attention's sizes (Architecture.mla)
+    dense_layers: int = 0  # MoE: the first layers, with a dense MLP of dense_intermediate (first_k_dense_replace)
+    dense_intermediate: int = 0
+    shared_intermediate: int = 0  # MoE: the shared experts' MLP width beside the routed ones (0: none)
 
     @classmethod
     def of(cls, config: Mapping) -> Shape:
         text = config.get("text_config") or config
         arch = of_config(text)
         h, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
-        moe = {}
+        moe: dict[str, Any] = {}
         if arch.moe:
-            experts: Any = text.get("num_experts") or text.get("num_local_experts")
+            experts: Any = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
             moe = {"experts": int(experts),
                    "experts_per_token": int(text["num_experts_per_tok"])}
         inter = int(text.get("moe_intermediate_size") or text["intermediate_size"]) if arch.moe \
             else int(text["intermediate_size"])
+        if arch.mla:
+            latent = Latent.of(text)
+            moe.update(latent=latent, dense_layers=int(text.get("first_k_dense_replace") or 0),
+                       dense_intermediate=int(text["intermediate_size"]),
+                       shared_intermediate=inter * int(text.get("n_shared_experts") or 0))
+            # (a head's query and key width; the config's own head_dim is the rotary part alone)
+            head_dim = latent.qk_nope + latent.qk_rope
+        else:
+            head_dim = int(text.get("head_dim") or h // heads)
         return cls(arch, h, int(text["num_hidden_layers"]), heads, int(text.get("num_key_value_heads") or heads),
-                   int(text.get("head_dim") or h // heads), int(text["vocab_size"]), inter, tied=is_tied(text),
+                   head_dim, int(text["vocab_size"]), inter, tied=is_tied(text),
                    # Qwen2 has q/k/v biases without saying so
                    qkv_bias=bool(text.get("attention_bias")) or text.get("model_type") == "qwen2", **moe)
 
@@ -176,8 +223,39 @@ class Shape:
 
     @property
     def kv_width(self) -> int:
-        """Key plus value elements of one token in one layer."""
+        """Key plus value elements of one token in one layer (multi-head latent attention: the
+        latent and the rotary key, what vLLM caches, one copy on every tensor-parallel GPU)."""
+        if self.latent is not None:
+            return self.latent.kv_rank + self.latent.qk_rope
         return 2 * self.kv_heads * self.head_dim
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers whose MLP is the experts (the rest have a dense MLP of dense_intermediate)."""
+        return self.layers - self.dense_layers if self.arch.moe else 0
+
+
+@dataclass(frozen=True)
+class Latent:
+    """Multi-head latent attention's sizes (DeepSeek-V3's config names in comments)."""
+
+    q_rank: int  # q_lora_rank: q_a_proj's output, q_b_proj's input
+    kv_rank: int  # kv_lora_rank: the latent kv_a_proj_with_mqa makes (beside the rotary key)
+    qk_nope: int  # qk_nope_head_dim: a head's query and key without rotary
+    qk_rope: int  # qk_rope_head_dim: with it (the key's rotary part is shared by all heads)
+    v_head: int  # v_head_dim
+
+    @classmethod
+    def of(cls, text: Mapping) -> Latent:
+        return cls(int(text["q_lora_rank"]), int(text["kv_lora_rank"]), int(text["qk_nope_head_dim"]),
+                   int(text["qk_rope_head_dim"]), int(text["v_head_dim"]))
+
+    def linears(self, hidden: int, heads: int) -> dict[str, tuple[int, int]]:
+        """(in, out) of each of the attention's Linears."""
+        return {"q_a_proj": (hidden, self.q_rank), "q_b_proj": (self.q_rank, heads * (self.qk_nope + self.qk_rope)),
+                "kv_a_proj_with_mqa": (hidden, self.kv_rank + self.qk_rope),
+                "kv_b_proj": (self.kv_rank, heads * (self.qk_nope + self.v_head)),
+                "o_proj": (heads * self.v_head, hidden)}
 
 
 def parameter_counts(config: Mapping) -> tuple[int, int]:
@@ -190,15 +268,21 @@ def parameter_counts(config: Mapping) -> tuple[int, int]:
     s = Shape.of(config)
     q = s.heads * s.head_dim
     attn = s.hidden * (q + s.kv_width) + q * s.hidden + (q + s.kv_width if s.qkv_bias else 0)
+    norms = s.layers * (s.arch.norms_per_layer * s.hidden + (2 * s.head_dim if s.arch.qk_norm else 0)) + s.hidden
+    if s.latent is not None:  # its Linears, and the norms of the query's and the latent's low-rank
+        attn = sum(i * o for i, o in s.latent.linears(s.hidden, s.heads).values())
+        norms += s.layers * (s.latent.q_rank + s.latent.kv_rank)
     expert = 3 * s.hidden * s.intermediate
     if s.arch.moe:
-        router = s.hidden * s.experts
+        # the router, its score-correction bias (DeepSeek-V3's), the shared experts
+        router = s.hidden * s.experts + (s.experts if s.arch.mla else 0) + 3 * s.hidden * s.shared_intermediate
         mlp_total, mlp_active = s.experts * expert + router, s.experts_per_token * expert + router
     else:
         mlp_total = mlp_active = expert
-    norms = s.layers * (s.arch.norms_per_layer * s.hidden + (2 * s.head_dim if s.arch.qk_norm else 0)) + s.hidden
-    fixed = s.vocab * s.hidden * (1 if s.tied else 2) + norms
-    return fixed + s.layers * (attn + mlp_total), fixed + s.layers * (attn + mlp_active)
+    dense = s.dense_layers * 3 * s.hidden * s.dense_intermediate
+    fixed = s.vocab * s.hidden * (1 if s.tied else 2) + norms + s.layers * attn + dense
+    moe_layers = s.moe_layers if s.arch.moe else s.layers
+    return fixed + moe_layers * mlp_total, fixed + moe_layers * mlp_active
 
 
 # The Linears a tensor-parallel plan splits by their output (column parallel) and by their input
@@ -215,13 +299,24 @@ def lora_parameters(config: Mapping, rank: int, targets: list[str], tensor_paral
     s = Shape.of(config)
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     shapes = {"q_proj": (s.hidden, q), "k_proj": (s.hidden, kv), "v_proj": (s.hidden, kv), "o_proj": (q, s.hidden)}
-    mlp = {"gate_proj": (s.hidden, s.intermediate), "up_proj": (s.hidden, s.intermediate),
-           "down_proj": (s.intermediate, s.hidden)}
-    if not s.arch.moe:
-        shapes.update(mlp)
+    if s.latent is not None:
+        shapes = s.latent.linears(s.hidden, s.heads)
+
+    def mlp(width: int) -> dict[str, tuple[int, int]]:
+        return {"gate_proj": (s.hidden, width), "up_proj": (s.hidden, width), "down_proj": (width, s.hidden)}
+
     tp = tensor_parallel
-    per_layer = sum(rank * (i // (tp if name in ROW_PARALLEL else 1) + o // (tp if name in COLUMN_PARALLEL else 1))
-                    for name, (i, o) in shapes.items() if name in targets)
-    if s.arch.moe and EXPERT_MODULES[0] in targets:
-        per_layer += s.experts * sum(rank * (i + o) for i, o in mlp.values())
-    return s.layers * per_layer + (rank * (s.hidden + s.vocab) if "lm_head" in targets else 0)
+
+    def lora(linears: dict[str, tuple[int, int]]) -> int:
+        return sum(rank * (i // (tp if name in ROW_PARALLEL else 1) + o // (tp if name in COLUMN_PARALLEL else 1))
+                   for name, (i, o) in linears.items() if name in targets)
+
+    total = s.layers * lora(shapes)
+    if not s.arch.moe:
+        total += s.layers * lora(mlp(s.intermediate))
+    else:  # the first dense layers' MLP, the shared experts', each expert's gate, up and down
+        total += s.dense_layers * lora(mlp(s.dense_intermediate))
+        total += s.moe_layers * (lora(mlp(s.shared_intermediate)) if s.shared_intermediate else 0)
+        if EXPERT_MODULES[0] in targets:
+            total += s.moe_layers * s.experts * sum(rank * (i + o) for i, o in mlp(s.intermediate).values())
+    return total + (rank * (s.hidden + s.vocab) if "lm_head" in targets else 0)

@@ -231,8 +231,9 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     elif left > 0 and resident < 1:
         problems.append("token_budget: no adapter fits beside the activations; lower QUILT_TRAINER_TOKEN_BUDGET")
 
-    # vLLM splits the KV heads over its GPUs (past their count, each GPU keeps one head's copy)
-    kv_per_token = layers * shape.kv_width * width // min(inputs.sampler_ranks, shape.kv_heads)
+    # vLLM splits the KV heads over its GPUs (past their count, each GPU keeps one head's copy; a
+    # latent attention's one latent is on every GPU)
+    kv_per_token = layers * shape.kv_width * width // min(inputs.sampler_ranks, 1 if shape.latent else shape.kv_heads)
     lora_slots = inputs.max_loras * _adapter_parameters(config, inputs.max_lora_rank, inputs.expert_lora,
                                                         inputs.sampler_ranks) * width
     # vLLM's own activation peak at its batch: about one max_context prefill's worth

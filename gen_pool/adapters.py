@@ -75,12 +75,15 @@ def experts_refused(settings, *, cpu: bool) -> str:
 
 
 def identity_adapter(base_path: str | Path, out_dir: str | Path) -> str:
-    """Write (once) an all-zero rank-1 LoRA on the first q_proj of the base; returns its directory.
+    """Write (once) an all-zero rank-1 LoRA on the first q_proj of the base (o_proj on a base with
+    latent attention, which has none); returns its directory.
 
     Shapes come from the base's safetensors header, so no weights are loaded. Zero A and B make the
     adapter's contribution exactly 0: a request carrying it gets the base model's outputs.
     """
-    return header_adapter(base_path, out_dir, rank=1, modules=("q_proj",), first_only=True)
+    config = json.loads((Path(base_path) / "config.json").read_text())
+    module = "o_proj" if config.get("kv_lora_rank") else "q_proj"
+    return header_adapter(base_path, out_dir, rank=1, modules=(module,), first_only=True)
 
 
 def header_adapter(base_path: str | Path, out_dir: str | Path, *, rank: int, modules: tuple[str, ...],

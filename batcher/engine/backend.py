@@ -32,6 +32,7 @@ from batcher.engine import adapter_io, custom_losses, data_parallel, gang, head,
 from batcher.engine.adapter import LORA_ALPHA, Adapter
 from batcher.engine.collective import Mirror, collective
 from batcher.engine.device_pass import DevicePass
+from batcher.engine.expert_lora import route_in_float64
 from batcher.engine.graphs import Graphs
 from batcher.engine.multilora import SHARED_INPUT, MultiLoraModel
 from batcher.engine.plan import PlannedBatch, Planner, Row
@@ -152,6 +153,8 @@ class LoraBackend:
         else:
             base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=dtype, **kw)
         base.requires_grad_(False)
+        if dtype == torch.float64:
+            route_in_float64(base)  # (DeepSeek-V3: batcher.engine.expert_lora says why)
         return (base if shape is not None else base.to(self.device)).eval()
 
     def _targets(self) -> tuple[str, ...]:

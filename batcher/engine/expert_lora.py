@@ -312,3 +312,35 @@ def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
         out = out + delta(groups, mid, *f["down_proj"]).to(out.dtype)
     out = pairs.put(out) * top_k_weights.reshape(-1, 1).to(out.dtype)
     return out.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+
+
+def route_in_float64(model: nn.Module) -> int:
+    """Switch DeepSeek-V3's routers (those with a score-correction bias) to score in float64; returns
+    how many. transformers scores in float32 whatever the base's dtype (right for a bfloat16 base),
+    but a float32 GEMM's rows vary with the batch's shape (the CPU picks other kernels), so on a
+    float64 base (the tests') a token's routing weights would depend by ~1e-7 on what else shares its
+    pass; in float64 they do not. Other dtypes keep transformers' float32 routing."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "e_score_correction_bias") and hasattr(module, "routed_scaling_factor"):
+            module.forward = _float64_route.__get__(module)
+            count += 1
+    return count
+
+
+def _float64_route(router: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' DeepseekV3TopkRouter.forward, in float64: sigmoid scores, the biased choice
+    within the best groups, the unbiased weights of the chosen (normalised, scaled)."""
+    x = hidden_states.view(-1, router.hidden_dim).double()
+    logits = torch.nn.functional.linear(x, router.weight.double())
+    scores = logits.sigmoid()
+    choice = scores + router.e_score_correction_bias.double()
+    groups = choice.view(-1, router.num_group, router.num_experts // router.num_group)
+    group_idx = groups.topk(2, dim=-1)[0].sum(dim=-1).topk(router.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros(groups.shape[:2], dtype=choice.dtype, device=choice.device).scatter_(1, group_idx, 1)
+    keep = group_mask.unsqueeze(-1).expand_as(groups).reshape(-1, router.num_experts).bool()
+    index = choice.masked_fill(~keep, float("-inf")).topk(router.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, index)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return logits, weights * router.routed_scaling_factor, index

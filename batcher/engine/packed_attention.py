@@ -2,7 +2,8 @@
 
 Registered with transformers as the attention implementation `quilt_packed` (set on the base for the
 duration of a packed pass), so every supported architecture's attention layers call it with their
-own queries, keys and values after RoPE and norms. transformers builds no mask for an implementation
+own queries, keys and values after RoPE and norms (values may be narrower than queries and keys, as in
+DeepSeek-V3's latent attention: the output has the values' width). transformers builds no mask for an implementation
 it has no mask function for, so nothing in mask building reads a tensor back to the host either.
 
 On a GPU: one `torch.nn.attention.varlen.varlen_attn` call over the whole pass, the rows given by
@@ -69,7 +70,8 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     rows = _current
     if rows is None:
         raise RuntimeError("quilt_packed attention outside a packed pass")
-    B, H, L, D = query.shape
+    B, H, L, _ = query.shape
+    D = value.shape[-1]  # the output's head width (latent attention's values are narrower than its queries)
     gqa = key.shape[1] != H
     global _varlen
     if query.is_cuda and rows.cu_seqlens is not None and _varlen:
@@ -152,11 +154,16 @@ def _varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         kw["window_size"] = (-1, 0)
     else:
         kw["is_causal"] = True
+    # Latent attention's values are narrower than its queries: zero columns make them as wide for the
+    # kernel (which takes one head width), and the output's extra columns, zero too, are dropped.
+    Dv = value.shape[-1]
+    if Dv != D:
+        value = F.pad(value, (0, D - Dv))
     q, k, v = (t.transpose(1, 2).reshape(B * L, t.shape[1], D) for t in (query, key, value))
     assert rows.cu_seqlens is not None  # _attention takes this path only with the offsets on the device
     # (no return_aux: the output alone)
     out = cast(torch.Tensor, varlen_attn(q, k, v, rows.cu_seqlens, rows.cu_seqlens, rows.max_len, rows.max_len, **kw))
-    return out.view(B, L, H, D)
+    return out.view(B, L, H, D)[..., :Dv]
 
 
 @functools.cache
