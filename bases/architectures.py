@@ -20,6 +20,11 @@ or Mistral, whose vLLM models list no lm_head among their LoRA modules), and nev
 `lm_head` is tied to the input embeddings (Gemma; also small Qwen3 checkpoints, whose configs say
 `tie_word_embeddings: true`). A LoRA the sampler cannot apply would make trainer and sampler
 disagree, so `train_unembed` is refused on those.
+
+Vision-language bases (Qwen3-VL) keep the decoder's config under `text_config` (model_type
+`qwen3_vl_text`) beside a `vision_config`. LoRA goes on the language model only; the vision tower
+stays frozen (its Linears are named `qkv`, `proj`, `linear_fc1`, so no target name reaches it).
+`text_config(config)` is where every size is read.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class Architecture:
     unembed_lora: bool = True  # vLLM applies an lm_head LoRA on this architecture (when untied)
     qk_norm: bool = False  # RMSNorm on each head's queries and keys (parameter counts)
     norms_per_layer: int = 2
+    vision: bool = False  # takes images (a vision tower before the decoder: api.images)
 
     @property
     def mlp_modules(self) -> tuple[str, ...]:
@@ -65,12 +71,23 @@ SUPPORTED: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("gemma3_text", "Gemma 3", ties_embeddings=True, unembed_lora=False, qk_norm=True,
                  norms_per_layer=4),
     Architecture("qwen3_moe", "Qwen3-MoE", moe=True, qk_norm=True),
+    Architecture("qwen3_vl", "Qwen3-VL", qk_norm=True, vision=True),
+    Architecture("qwen3_vl_moe", "Qwen3-VL-MoE", moe=True, qk_norm=True, vision=True),
 )}
+# A vision base's text_config names its decoder's own model_type; it has the base's row.
+TEXT_MODEL_TYPES = {"qwen3_vl_text": "qwen3_vl", "qwen3_vl_moe_text": "qwen3_vl_moe"}
+
+
+def text_config(config: Mapping) -> Mapping:
+    """The decoder's part of a config.json: its `text_config` on a vision base, else all of it."""
+    text = config.get("text_config")
+    return text if isinstance(text, Mapping) else config
 
 
 def of_config(config: Mapping) -> Architecture:
     """The architecture of a model's config.json, or InvalidInput naming what is supported."""
     model_type = config.get("model_type")
+    model_type = TEXT_MODEL_TYPES.get(model_type, model_type) if isinstance(model_type, str) else None
     arch = SUPPORTED.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
         raise InvalidInput(f"architecture {model_type!r} is not supported; supported: {sorted(SUPPORTED)}",
@@ -80,7 +97,8 @@ def of_config(config: Mapping) -> Architecture:
 
 def is_tied(config: Mapping) -> bool:
     arch = of_config(config)
-    return bool(config.get("tie_word_embeddings", arch.ties_embeddings)) or arch.ties_embeddings
+    tied = config.get("tie_word_embeddings", text_config(config).get("tie_word_embeddings", arch.ties_embeddings))
+    return bool(tied) or arch.ties_embeddings
 
 
 def supported_switches(config: Mapping) -> dict[str, bool]:
@@ -154,8 +172,8 @@ class Shape:
 
     @classmethod
     def of(cls, config: Mapping) -> Shape:
-        text = config.get("text_config") or config
-        arch = of_config(text)
+        text = text_config(config)
+        arch = of_config(config)
         h, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
         moe = {}
         if arch.moe:
@@ -165,7 +183,7 @@ class Shape:
         inter = int(text.get("moe_intermediate_size") or text["intermediate_size"]) if arch.moe \
             else int(text["intermediate_size"])
         return cls(arch, h, int(text["num_hidden_layers"]), heads, int(text.get("num_key_value_heads") or heads),
-                   int(text.get("head_dim") or h // heads), int(text["vocab_size"]), inter, tied=is_tied(text),
+                   int(text.get("head_dim") or h // heads), int(text["vocab_size"]), inter, tied=is_tied(config),
                    # Qwen2 has q/k/v biases without saying so
                    qkv_bias=bool(text.get("attention_bias")) or text.get("model_type") == "qwen2", **moe)
 

@@ -134,8 +134,10 @@ class LoraBackend:
         random ones on the device), this rank's part of it in a gang, or the whole checkpoint: a
         transformers causal LM, whose decoder and head the pass calls apart."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+        # A vision base loads with its vision tower (frozen with the rest; batcher.engine.vision).
+        auto: Any = AutoModelForImageTextToText if architectures.of_config(self.config).vision else AutoModelForCausalLM
         kw = {}
         if architectures.of_config(self.config).moe and dtype == torch.float64:
             kw["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel (float64 is for tests)
@@ -150,7 +152,7 @@ class LoraBackend:
         elif shape is not None:
             base = gang.load_base(self.base_path, shape, str(self.device), dtype=dtype, **kw)
         else:
-            base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=dtype, **kw)
+            base = auto.from_pretrained(self.base_path, dtype=dtype, **kw)
         base.requires_grad_(False)
         return (base if shape is not None else base.to(self.device)).eval()
 
