@@ -28,7 +28,7 @@ from typing import Any, cast
 import torch
 
 from bases import architectures, memory_plan
-from batcher.engine import adapter_io, custom_losses, data_parallel, gang, head, optimizers, sharded_snapshots
+from batcher.engine import adapter_io, custom_losses, data_parallel, gang, head, optimizers, sharded_snapshots, vision
 from batcher.engine.adapter import LORA_ALPHA, Adapter
 from batcher.engine.collective import Mirror, collective
 from batcher.engine.device_pass import DevicePass
@@ -127,7 +127,8 @@ class LoraBackend:
             # An FSDP gang's ranks plan micro-batches of different sizes; one that checkpointed would
             # gather its layers' weights again in the backward while another did not, and the ranks'
             # collectives would part. Its passes keep their activations instead (rank_tokens is 1/N).
-            checkpoint_tokens=0 if self.data_parallel is not None else checkpoint_tokens)
+            checkpoint_tokens=0 if self.data_parallel is not None else checkpoint_tokens,
+            images=vision.ImageProcessor(self.base_path) if architectures.of_config(self.config).vision else None)
 
     def _load_base(self, model: torch.nn.Module | None, member: gang.Member | None, dtype: torch.dtype) -> Any:
         """The frozen base: `model` (a base already built from this config.json: benchmarks make
@@ -336,7 +337,7 @@ class LoraBackend:
                 continue
             # The trainer's policy version is the model's optimizer step count.
             configs[i] = dataclasses.replace(req.work.loss_config, current_policy_version=adapter.steps)
-            rows += [Row(i, j, d.tokens, d.inputs, adapter.name, d.policy_version, d.width)
+            rows += [Row(i, j, d.tokens, d.inputs, adapter.name, d.policy_version, d.width, d.images)
                      for j, d in enumerate(req.work.data)]
         return outcomes, configs, rows
 
