@@ -338,6 +338,7 @@ def _vision_config(spec: TinyModelSpec, text, tokenizer):
     half = spec.head_dim // 2
     section = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
     text_dict = {k: v for k, v in text.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")}
+    text_dict.update(ids)  # not Qwen's own ids (151652...), outside this vocabulary
     text_dict["rope_parameters"] = {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": section,
                                     "mrope_interleaved": True}
     return AutoConfig.for_model(

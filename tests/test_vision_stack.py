@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 tinker = pytest.importorskip("tinker")
+from billing_workload import ledger_rows  # noqa: E402
 from PIL import Image  # noqa: E402
 from tinker import types  # noqa: E402
 
@@ -31,9 +32,9 @@ def vl_stack(tmp_path_factory):
                             spec=TinyModelSpec(architecture="qwen3_vl", num_layers=2)).path
     text = build_tiny_model(tmp_path_factory.mktemp("text") / "m", spec=TinyModelSpec(num_layers=2)).path
     # Both trainer-only: no vLLM to start (sampling with images is not served: docs/guides/images.md).
-    setup = [["models", "remove", TINY_MODEL_NAME],
-             ["models", "add", VL, "--path", path, "--renderer", "chatml", "--no-sample"],
-             ["models", "add", TEXT, "--path", text, "--renderer", "chatml", "--no-sample"]]
+    setup = [["models", "add", VL, "--path", path, "--renderer", "chatml", "--no-sample"],
+             ["models", "add", TEXT, "--path", text, "--renderer", "chatml", "--no-sample"],
+             ["models", "remove", TINY_MODEL_NAME]]
     with ephemeral_stack({"QUILT_TRAINER_SEQ_GAP_DEADLINE_S": "20"}, setup=setup) as s:
         yield s, ImageGeometry.of_directory(path)
 
@@ -71,7 +72,7 @@ def _text(start: int) -> types.Datum:
 
 def test_images_train_through_the_sdk_beside_text_and_are_checked(vl_stack):
     stack, geo = vl_stack
-    _, key_a = new_tenant(stack, "vision")
+    tenant_a, key_a = new_tenant(stack, "vision")
     _, key_b = new_tenant(stack, "text")
     with tinker.ServiceClient(base_url=stack.base_url, api_key=key_a) as a, \
             tinker.ServiceClient(base_url=stack.base_url, api_key=key_b) as b:
@@ -88,6 +89,12 @@ def test_images_train_through_the_sdk_beside_text_and_are_checked(vl_stack):
                 tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
                 assert text.result().metrics["loss:sum"] > 0
         assert losses[-1] < 0.5 * losses[0], losses
+        # Image tokens are metered as the request's tokens: the ledger's training tokens count them.
+        per_step = sum(d.model_input.length for d in data)
+        assert per_step > sum(len(c.tokens) for d in data for c in d.model_input.chunks
+                              if isinstance(c, types.EncodedTextChunk))
+        trained = sum(r["train_tokens"] for r in ledger_rows(stack.database_url, [tenant_a]))
+        assert trained == 6 * per_step, (trained, per_step)
 
         n = geo.tokens(48, 64)
         with pytest.raises(tinker.BadRequestError, match=f"expects {n + 2} tokens .* takes {n}"):
