@@ -6,6 +6,7 @@ a text base are 400s naming the numbers and the base."""
 from __future__ import annotations
 
 import io
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -82,19 +83,20 @@ def test_images_train_through_the_sdk_beside_text_and_are_checked(vl_stack):
         data = [_datum(geo, colour, w, h) for colour in CLASSES for w, h in ((64, 48), (40, 90))]
         losses = []
         with ThreadPoolExecutor(2) as pool:
-            for _ in range(6):
+            for _ in range(8):
                 # tenant b's text rows go in the same rounds as tenant a's image rows
                 text = pool.submit(lambda: other.forward_backward([_text(40), _text(90)], "cross_entropy").result())
                 losses.append(tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
-                tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+                tc.optim_step(types.AdamParams(learning_rate=2e-3)).result()
                 assert text.result().metrics["loss:sum"] > 0
-        assert losses[-1] < 0.5 * losses[0], losses
+        # Below what telling the classes apart by chance costs (ln 2 a datum): the image decides the answer.
+        assert losses[-1] < 0.5 * len(data) * math.log(2) < losses[0], losses
         # Image tokens are metered as the request's tokens: the ledger's training tokens count them.
         per_step = sum(d.model_input.length for d in data)
         assert per_step > sum(len(c.tokens) for d in data for c in d.model_input.chunks
                               if isinstance(c, types.EncodedTextChunk))
         trained = sum(r["train_tokens"] for r in ledger_rows(stack.database_url, [tenant_a]))
-        assert trained == 6 * per_step, (trained, per_step)
+        assert trained == 8 * per_step, (trained, per_step)
 
         n = geo.tokens(48, 64)
         with pytest.raises(tinker.BadRequestError, match=f"expects {n + 2} tokens .* takes {n}"):
