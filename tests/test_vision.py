@@ -259,3 +259,13 @@ def test_wire_forms_carry_images_and_refuse_audio():
     d.model_input.add().dmel.dmel = b"x"
     with pytest.raises(InvalidInput, match="audio \\(dmel\\)"):
         tinker_proto.decode_forward_backward(msg.SerializeToString(), max_sparse_values=10)
+
+
+def test_sampling_prompts_with_images_are_refused_by_name():
+    from api.schemas import ModelInputIn
+
+    prompt = ModelInputIn.model_validate({"chunks": [{"type": "encoded_text", "tokens": [1]}, {
+        "type": "image_asset_pointer", "location": "data:image/png;base64,AAAA", "format": "png"}]})
+    with pytest.raises(InvalidInput, match="images in sampling prompts are not served") as exc:
+        prompt.text_tokens("prompt")
+    assert exc.value.field == "prompt"
