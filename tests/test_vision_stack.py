@@ -20,7 +20,8 @@ from bases.vision import ImageGeometry  # noqa: E402
 from stack.ephemeral import ephemeral_stack, new_tenant  # noqa: E402
 from stack.tiny_model import TINY_MODEL_NAME, TinyModelSpec, build_tiny_model  # noqa: E402
 
-pytestmark = pytest.mark.stack
+# Its own stack (a vision base added before `quilt up`): minutes of startup, so in the slow tier.
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
 VL = "acme/vl-mini"
 TEXT = "acme/text-mini"
