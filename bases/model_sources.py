@@ -13,6 +13,7 @@ transformers is imported inside the functions: the CLI's other commands stay qui
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -93,6 +94,11 @@ def describe(name: str, local_dir: str, source: dict, *, dtype: str = "auto", ma
     template = _tokenizer_template(directory, int(text["vocab_size"]))
     if arch.vision:
         _check_processor(directory)
+        if sampleable and importlib.util.find_spec("torchvision") is None:
+            # vLLM's Qwen3-VL imports torchvision; without it the generation worker could never start.
+            raise InvalidInput(f"{arch.family} cannot be sampled here: vLLM's model of it needs torchvision, which is "
+                               "not installed; add it with --no-sample (trained, exported and downloaded as any base)",
+                               field="sampleable")
     if not template and renderer is None:
         raise InvalidInput(f"the tokenizer has no chat template; pass --renderer (one of {RENDERERS}) to say how "
                            "conversations are rendered", field="renderer")
