@@ -17,7 +17,7 @@ from core import numbers
 from core.custom_loss import LossGraph
 from core.errors import InvalidInput
 from core.loss_spec import CUSTOM, INT_INPUTS, MAX_TARGET_WIDTH, WIDE_INPUTS, LossConfig, LossSpec, parse_loss_config
-from core.work import Datum, PassWork
+from core.work import Datum, ImageInput, PassWork
 
 # Per-token clip thresholds: the range their config counterparts must lie in.
 _THRESHOLD_RANGES = {"clip_low_threshold": (0.0, 1.0), "clip_high_threshold": (1.0, math.inf)}
@@ -35,6 +35,22 @@ class RawDatum:
     tokens: Sequence[int | float]  # as sent: `normalise` checks that they are token ids
     inputs: dict[str, RawTensor]
     policy_version: int | None = None  # the sampler's policy version, for staleness accounting
+    # Images as sent, at their place among `tokens` (api.images.expand turns them into image tokens
+    # and ImageInputs), then the checked ones.
+    raw_images: tuple[RawImage, ...] = ()
+    images: tuple[ImageInput, ...] = ()
+
+
+@dataclass(frozen=True)
+class RawImage:
+    """An image chunk as sent: where it lies among the datum's text tokens, its bytes (or a
+    pointer's location), its format and the tokens the client expects it to take."""
+
+    at: int
+    format: str
+    data: bytes | None
+    location: str | None = None
+    expected_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -165,7 +181,7 @@ def custom_pass_work(graph: LossGraph, data: list[RawDatum], limits: Limits) -> 
             field = f"{where}.loss_fn_inputs.target_tokens"
             raise InvalidInput(f"{field}: {width} targets per position, but data[0] has {out[0].width}; every datum "
                                "of a request must have the same", field=field)
-        out.append(Datum(tuple(tokens), inputs, datum.policy_version, width))
+        out.append(Datum(tuple(tokens), inputs, datum.policy_version, width, datum.images))
     return PassWork(CUSTOM, LossConfig(), tuple(out), custom=graph), _check_total(data, limits)
 
 
@@ -227,7 +243,7 @@ def normalise(data: list[RawDatum], spec: LossSpec, limits: Limits) -> tuple[tup
                 inputs[key] = tuple(_check_tokens(field, values, limits.vocab_size))
             else:
                 inputs[key] = _check_floats(field, key, values)
-        out.append(Datum(tuple(tokens), inputs, datum.policy_version, width))
+        out.append(Datum(tuple(tokens), inputs, datum.policy_version, width, datum.images))
     return tuple(out), _check_total(data, limits)
 
 

@@ -3,6 +3,8 @@ fields over time); `type` literals are accepted but not required."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from typing import Annotated, Any, Literal
 
@@ -16,8 +18,9 @@ from pydantic import (
     model_validator,
 )
 
-from api.datums import RawDatum, RawTensor
+from api.datums import RawDatum, RawImage, RawTensor
 from checkpoints import retention
+from core.errors import InvalidInput
 from core.ids import check_name
 from core.numbers import INT32_MAX, INT64_MAX
 from core.queue import MAX_CLONE
@@ -132,8 +135,68 @@ class EncodedTextChunk(_Body):
     tokens: list[int | float]
 
 
+class ImageChunkIn(_Body):
+    """An image's bytes (base64 in JSON), png or jpeg; it takes `expected_tokens` positions (api.images)."""
+
+    type: Literal["image"]
+    data: str
+    format: str = Field(max_length=16)
+    expected_tokens: int | None = Field(None, ge=0, le=1_000_000)
+
+    def raw(self, at: int, field: str) -> RawImage:
+        try:
+            data = base64.b64decode(self.data, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidInput(f"{field}.data: not valid base64", field=f"{field}.data") from None
+        return RawImage(at, self.format, data, expected_tokens=self.expected_tokens)
+
+
+class ImageAssetPointerChunkIn(_Body):
+    type: Literal["image_asset_pointer"]
+    location: str = Field(max_length=8_000_000)
+    format: str = Field(max_length=16)
+    expected_tokens: int | None = Field(None, ge=0, le=1_000_000)
+
+    def raw(self, at: int, field: str) -> RawImage:
+        return RawImage(at, self.format, None, location=self.location, expected_tokens=self.expected_tokens)
+
+
+class DmelChunkIn(_Body):
+    """Audio: no base here takes it; refused by name rather than as an unknown chunk."""
+
+    type: Literal["dmel"]
+    dmel: Any = None
+
+    @model_validator(mode="after")
+    def _refuse(self) -> DmelChunkIn:
+        raise ValueError("audio (dmel) chunks are not supported: no base model here takes audio")
+
+
+Chunk = Annotated[EncodedTextChunk | ImageChunkIn | ImageAssetPointerChunkIn | DmelChunkIn, Field(discriminator="type")]
+
+
 class ModelInputIn(_Body):
-    chunks: list[EncodedTextChunk] = Field(min_length=1)
+    chunks: list[Chunk] = Field(min_length=1)
+
+    def parts(self, field: str) -> tuple[list[int | float], tuple[RawImage, ...]]:
+        """Its text tokens and its images, each at its place among them."""
+        tokens: list[int | float] = []
+        images: list[RawImage] = []
+        for k, chunk in enumerate(self.chunks):
+            if isinstance(chunk, EncodedTextChunk):
+                tokens += chunk.tokens
+            else:
+                assert not isinstance(chunk, DmelChunkIn)  # refused when parsed
+                images.append(chunk.raw(len(tokens), f"{field}.chunks[{k}]"))
+        return tokens, tuple(images)
+
+    def text_tokens(self, field: str) -> list[int | float]:
+        """Its tokens, where only text is taken (sampling: images go through training only)."""
+        tokens, images = self.parts(field)
+        if images:
+            raise InvalidInput(f"{field}: images in sampling prompts are not served yet (this server samples text "
+                               "prompts only; forward and forward_backward take images on a vision base)", field=field)
+        return tokens
 
 
 class DatumIn(_Body):
@@ -146,13 +209,13 @@ class DatumIn(_Body):
     model_input_spans: list[dict[str, Any]] | None = Field(None, max_length=4096)
     loss_fn_input_spans: list[dict[str, Any]] | None = Field(None, max_length=4096)
 
-    def raw(self) -> RawDatum:
-        tokens = [t for chunk in self.model_input.chunks for t in chunk.tokens]
+    def raw(self, where: str = "model_input") -> RawDatum:
+        tokens, images = self.model_input.parts(where)
         inputs = {
             k: RawTensor(v, "", None) if isinstance(v, list) else RawTensor(v.data, v.dtype or "", v.shape)
             for k, v in self.loss_fn_inputs.items()
         }
-        return RawDatum(tokens, inputs, self.policy_version)
+        return RawDatum(tokens, inputs, self.policy_version, images)
 
 
 class ForwardBackwardInput(_Body):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from api.datums import RawDatum, RawTensor
+from api.datums import RawDatum, RawImage, RawTensor
 from api.input_guard import check_text
 from core.errors import InvalidInput
 from core.loss_spec import MAX_TARGET_WIDTH
@@ -124,11 +124,19 @@ def decode_forward_backward(body: bytes, *, max_sparse_values: int) -> ForwardBa
     budget = _SparseBudget(max_sparse_values)
     for i, d in enumerate(msg.data):
         tokens: list[int] = []
-        for chunk in d.model_input:
+        images: list[RawImage] = []
+        for k, chunk in enumerate(d.model_input):
             kind = chunk.WhichOneof("chunk")
+            if kind == "image":  # checked and turned into image tokens against the base (api.images)
+                image = chunk.image
+                images.append(RawImage(len(tokens), image.format, bytes(image.data),
+                                       expected_tokens=image.expected_tokens if image.HasField("expected_tokens")
+                                       else None))
+                continue
             if kind != "encoded_text":
-                raise InvalidInput(f"data[{i}].model_input: {kind} chunks are not supported; send encoded text",
-                                   field=f"data[{i}].model_input")
+                what = "audio (dmel) chunks are not supported: no base model here takes audio" if kind == "dmel" \
+                    else f"{kind} chunks are not supported"
+                raise InvalidInput(f"data[{i}].model_input.chunks[{k}]: {what}", field=f"data[{i}].model_input")
             raw = chunk.encoded_text.tokens
             if len(raw) % 4:
                 field = f"data[{i}].model_input"
@@ -137,9 +145,11 @@ def decode_forward_backward(body: bytes, *, max_sparse_values: int) -> ForwardBa
             tokens += np.frombuffer(raw, dtype="<i4").tolist()
         for k in d.loss_fn_inputs:
             check_text(k, f"data[{i}].loss_fn_inputs")
-        inputs = {k: _tensor(pb, t, f"data[{i}].loss_fn_inputs.{k}", len(tokens), budget)
+        # An image takes the positions the client expects it to (checked against the base later).
+        rows = len(tokens) + sum(image.expected_tokens or 0 for image in images)
+        inputs = {k: _tensor(pb, t, f"data[{i}].loss_fn_inputs.{k}", rows, budget)
                   for k, t in d.loss_fn_inputs.items()}
-        data.append(RawDatum(tokens, inputs))
+        data.append(RawDatum(tokens, inputs, raw_images=tuple(images)))
     return ForwardBackwardProto(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only, data)
 
 

@@ -29,6 +29,11 @@ low-rank pair (`q_a_proj`, norm, `q_b_proj`), keys and values through a shared l
 would reach its prefill and not its decode: `kv_b_proj` is no target here. Its MoE layers have
 shared experts (a dense MLP beside the routed ones, `mlp.shared_experts.gate_proj`...) and its first
 `first_k_dense_replace` layers a dense MLP: the MLP names cover both.
+
+Vision-language bases (Qwen3-VL) keep the decoder's config under `text_config` (model_type
+`qwen3_vl_text`) beside a `vision_config`. LoRA goes on the language model only; the vision tower
+stays frozen (its Linears are named `qkv`, `proj`, `linear_fc1`, so no target name reaches it).
+`text_config(config)` is where every size is read.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Architecture:
     qk_norm: bool = False  # RMSNorm on each head's queries and keys (parameter counts)
     norms_per_layer: int = 2
     mla: bool = False  # multi-head latent attention (MLA_MODULES, not q/k/v)
+    vision: bool = False  # takes images (a vision tower before the decoder: api.images)
 
     @property
     def attn_modules(self) -> tuple[str, ...]:
@@ -84,7 +90,17 @@ SUPPORTED: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("qwen3_moe", "Qwen3-MoE", moe=True, qk_norm=True),
     # vLLM's DeepseekV2ForCausalLM lists no lm_head among its LoRA modules
     Architecture("deepseek_v3", "DeepSeek-V3 / Kimi-K2", moe=True, unembed_lora=False, mla=True),
+    Architecture("qwen3_vl", "Qwen3-VL", qk_norm=True, vision=True),
+    Architecture("qwen3_vl_moe", "Qwen3-VL-MoE", moe=True, qk_norm=True, vision=True),
 )}
+# A vision base's text_config names its decoder's own model_type; it has the base's row.
+TEXT_MODEL_TYPES = {"qwen3_vl_text": "qwen3_vl", "qwen3_vl_moe_text": "qwen3_vl_moe"}
+
+
+def text_config(config: Mapping) -> Mapping:
+    """The decoder's part of a config.json: its `text_config` on a vision base, else all of it."""
+    text = config.get("text_config")
+    return text if isinstance(text, Mapping) else config
 
 
 # model_types transformers does not know, of a supported layout: what to do instead
@@ -95,6 +111,7 @@ SAME_LAYOUT = {"kimi_k2": "Kimi-K2 has DeepSeek-V3's layout: set model_type to \
 def of_config(config: Mapping) -> Architecture:
     """The architecture of a model's config.json, or InvalidInput naming what is supported."""
     model_type = config.get("model_type")
+    model_type = TEXT_MODEL_TYPES.get(model_type, model_type) if isinstance(model_type, str) else None
     arch = SUPPORTED.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
         hint = f"; {SAME_LAYOUT[model_type]}" if isinstance(model_type, str) and model_type in SAME_LAYOUT else ""
@@ -114,7 +131,8 @@ def of_config(config: Mapping) -> Architecture:
 
 def is_tied(config: Mapping) -> bool:
     arch = of_config(config)
-    return bool(config.get("tie_word_embeddings", arch.ties_embeddings)) or arch.ties_embeddings
+    tied = config.get("tie_word_embeddings", text_config(config).get("tie_word_embeddings", arch.ties_embeddings))
+    return bool(tied) or arch.ties_embeddings
 
 
 def supported_switches(config: Mapping) -> dict[str, bool]:
@@ -192,8 +210,8 @@ class Shape:
 
     @classmethod
     def of(cls, config: Mapping) -> Shape:
-        text = config.get("text_config") or config
-        arch = of_config(text)
+        text = text_config(config)
+        arch = of_config(config)
         h, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
         moe: dict[str, Any] = {}
         if arch.moe:
@@ -212,7 +230,7 @@ class Shape:
         else:
             head_dim = int(text.get("head_dim") or h // heads)
         return cls(arch, h, int(text["num_hidden_layers"]), heads, int(text.get("num_key_value_heads") or heads),
-                   head_dim, int(text["vocab_size"]), inter, tied=is_tied(text),
+                   head_dim, int(text["vocab_size"]), inter, tied=is_tied(config),
                    # Qwen2 has q/k/v biases without saying so
                    qkv_bias=bool(text.get("attention_bias")) or text.get("model_type") == "qwen2", **moe)
 

@@ -13,6 +13,7 @@ transformers is imported inside the functions: the CLI's other commands stay qui
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -81,7 +82,8 @@ def describe(name: str, local_dir: str, source: dict, *, dtype: str = "auto", ma
         raise InvalidInput(f"--expert-lora is a setting of mixture-of-experts bases; {arch.family} has no experts",
                            field="expert_lora")
     total, active = _parameters(directory, config)
-    context = int(config.get("max_position_embeddings") or 0)
+    text = architectures.text_config(config)
+    context = int(text.get("max_position_embeddings") or 0)
     if context < 1:
         raise InvalidInput("config.json has no max_position_embeddings", field="config.max_position_embeddings")
     if max_context is not None:
@@ -89,17 +91,35 @@ def describe(name: str, local_dir: str, source: dict, *, dtype: str = "auto", ma
             raise InvalidInput(f"--max-context {max_context} must be in [1, {context}] (the model's own limit)",
                                field="max_context")
         context = max_context
-    template = _tokenizer_template(directory, int(config["vocab_size"]))
+    template = _tokenizer_template(directory, int(text["vocab_size"]))
+    if arch.vision:
+        _check_processor(directory)
+        if sampleable and importlib.util.find_spec("torchvision") is None:
+            # vLLM's Qwen3-VL imports torchvision; without it the generation worker could never start.
+            raise InvalidInput(f"{arch.family} cannot be sampled here: vLLM's model of it needs torchvision, which is "
+                               "not installed; add it with --no-sample (trained, exported and downloaded as any base)",
+                               field="sampleable")
     if not template and renderer is None:
         raise InvalidInput(f"the tokenizer has no chat template; pass --renderer (one of {RENDERERS}) to say how "
                            "conversations are rendered", field="renderer")
     return BaseModel(
-        name=name, path=str(directory), vocab_size=int(config["vocab_size"]), max_context_length=context,
+        name=name, path=str(directory), vocab_size=int(text["vocab_size"]), max_context_length=context,
         trainable=trainable, sampleable=sampleable, architecture=arch.model_type, config=config,
         source=source["source"], hub_id=source["hub_id"], revision=source["revision"], dtype=dtype,
         tokenizer_id=source["tokenizer_id"], renderer=renderer or "", num_parameters=total,
         active_parameters=active, serving=dict(serving or {}),
     )
+
+
+def _check_processor(directory: Path) -> None:
+    """A vision base's image processor (preprocessor_config.json): what turns images into pixels."""
+    from bases import vision
+
+    try:
+        vision.ImageGeometry.of_directory(directory)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidInput(f"{directory} is a vision base without a usable image processor "
+                           f"(preprocessor_config.json): {type(exc).__name__}: {exc}", field="processor") from None
 
 
 def _check_serving(serving: dict) -> None:
@@ -151,8 +171,9 @@ def _config(directory: Path) -> dict:
     if not isinstance(config, dict):
         raise InvalidInput(f"{path} is not a JSON object", field="config")
     architectures.of_config(config)
+    text = architectures.text_config(config)
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
-        value = config.get(key)
+        value = text.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= INT32_MAX:
             raise InvalidInput(f"config.json {key} must be a positive integer up to {INT32_MAX}, got {value!r}",
                                field=f"config.{key}")

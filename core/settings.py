@@ -139,6 +139,12 @@ class ApiSettings(BaseSettings):
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest accepted request body")
     max_datums_per_request: int = Field(1024, ge=1, description="datums in one forward_backward")
     max_tokens_per_request: int = Field(262_144, ge=1, description="model-input tokens in one request")
+    # Images on a vision base (api.images, bases.vision): each one's encoded bytes and declared
+    # pixels (checked before it is decoded: a decompression bomb declares many in few bytes), and
+    # how many one request carries.
+    max_image_bytes: int = Field(4_000_000, ge=1, description="encoded bytes of one image")
+    max_image_pixels: int = Field(16_777_216, ge=1, description="width x height of one image, as its file declares")
+    max_images_per_request: int = Field(64, ge=0, description="images in one forward, forward_backward or sample")
     long_poll_seconds: float = Field(30.0, gt=0, le=40, description="retrieve_future hold; SDK times out at 45")
     paused_poll_seconds: float = Field(2.0, gt=0, le=40,
                                        description="retrieve_future hold for a call waiting in a queue state "

@@ -20,6 +20,7 @@ Torch-free and I/O-free: the API, both workers, the simulator and the tests impo
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -115,6 +116,25 @@ class CreateModel:
 
 
 @dataclass(frozen=True)
+class ImageInput:
+    """One image of a datum (a vision base): its checked bytes, and the run of `tokens` image tokens
+    from `offset` on that stand for it (bases.vision). The trainer makes its pixels."""
+
+    offset: int
+    tokens: int
+    format: str  # "png" or "jpeg"
+    data: bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"offset": self.offset, "tokens": self.tokens, "format": self.format,
+                "data": base64.b64encode(self.data).decode("ascii")}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> ImageInput:
+        return cls(int(obj["offset"]), int(obj["tokens"]), str(obj["format"]), base64.b64decode(obj["data"]))
+
+
+@dataclass(frozen=True)
 class Datum:
     """One validated training example: model-input tokens and per-token loss inputs
     (`target_tokens` as ints, every other key as floats), all of the tokens' length."""
@@ -125,6 +145,7 @@ class Datum:
     # Targets per position: 1, or K for top-K distillation, where `target_tokens` and `weights` hold
     # len(tokens) * K values, row-major (core.loss_spec.WIDE_INPUTS).
     width: int = 1
+    images: tuple[ImageInput, ...] = ()  # in token order; their tokens are the base's image token
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"tokens": list(self.tokens), "inputs": {k: list(v) for k, v in self.inputs.items()}}
@@ -132,12 +153,14 @@ class Datum:
             out["policy_version"] = self.policy_version
         if self.width != 1:
             out["width"] = self.width
+        if self.images:
+            out["images"] = [image.to_json() for image in self.images]
         return out
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Datum:
         return cls(tuple(obj["tokens"]), {k: tuple(v) for k, v in obj["inputs"].items()}, obj.get("policy_version"),
-                   obj.get("width", 1))
+                   obj.get("width", 1), tuple(ImageInput.from_json(i) for i in obj.get("images", ())))
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,13 @@ VLLM_CPU_HEAD_DIMS = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 51
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
+# A vision base's tokens, added after the shared vocabulary (so every other id means the same): an
+# image is <|vision_start|>, one <|image_pad|> per merged patch, <|vision_end|> (Qwen3-VL's names).
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# The tiny vision tower's image processor: 16-pixel patches merged 2 x 2, so one image token per
+# 32 x 32 pixels, between 1 and 16 tokens an image (images are resized into that range).
+TINY_PATCH, TINY_MERGE = 16, 2
+TINY_MIN_PIXELS, TINY_MAX_PIXELS = 32 * 32, 128 * 128
 
 # The files vLLM and transformers need to load the model. The build renames a finished temp dir
 # into place, so a directory holding all of them is a finished build, never a half-written one.
@@ -221,6 +228,7 @@ def read_model_info(path: Path | str, *, name: str = TINY_MODEL_NAME) -> TinyMod
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
+    config = config.get("text_config") or config
     eos = config.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0]
@@ -261,18 +269,32 @@ def _build_into(dest: Path, *, seed: int, spec: TinyModelSpec) -> None:
     )
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     assert isinstance(eos_id, int)  # one token in, one id out
+    from bases.architectures import SUPPORTED
+
+    vision = SUPPORTED[spec.architecture].vision
+    if vision:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:] + VISION_TOKENS)})
     vocab_size = max(len(tokenizer), spec.pad_vocab_to)
 
     config = _config(spec, vocab_size=vocab_size, eos_id=eos_id)
+    if vision:
+        config = _vision_config(spec, config, tokenizer)
     # fork_rng: seeding must not disturb the caller's global RNG stream (e.g. a test's).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
+        if vision:
+            from transformers import AutoModelForImageTextToText
+
+            model = AutoModelForImageTextToText.from_config(config, dtype=getattr(torch, spec.dtype))
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
     model.generation_config = GenerationConfig(
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id
     )
     model.save_pretrained(dest, safe_serialization=True)
     tokenizer.save_pretrained(dest)
+    if vision:
+        _save_processor(dest, tokenizer)
     (dest / PROVENANCE_FILE).write_text(
         json.dumps({"seed": seed, "spec": dataclasses.asdict(spec)}, indent=2, sort_keys=True)
     )
@@ -324,6 +346,39 @@ def _config(spec: TinyModelSpec, *, vocab_size: int, eos_id: int):
         bos_token_id=eos_id,
         dtype=spec.dtype,
     )
+
+
+def _vision_config(spec: TinyModelSpec, text, tokenizer):
+    """A Qwen3-VL config around the text config `text`: a two-block vision tower of width 64 whose
+    merger feeds the decoder's width, one deepstack layer, and multimodal rotary sections summing to
+    half the head size."""
+    from transformers import AutoConfig
+
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in zip(
+        ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), VISION_TOKENS)}
+    half = spec.head_dim // 2
+    section = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+    text_dict = {k: v for k, v in text.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")}
+    text_dict.update(ids)  # not Qwen's own ids (151652...), outside this vocabulary
+    text_dict["rope_parameters"] = {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": section,
+                                    "mrope_interleaved": True}
+    return AutoConfig.for_model(
+        spec.architecture, text_config=text_dict,
+        vision_config={"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
+                       "out_hidden_size": spec.hidden_size, "patch_size": TINY_PATCH, "spatial_merge_size": TINY_MERGE,
+                       "temporal_patch_size": 2, "num_position_embeddings": 64, "deepstack_visual_indexes": [0],
+                       "initializer_range": spec.initializer_range},
+        tie_word_embeddings=text.tie_word_embeddings, dtype=spec.dtype, **ids)
+
+
+def _save_processor(dest: Path, tokenizer) -> None:
+    """The image processor a vision base's directory carries (preprocessor_config.json), built here.
+    The PIL one: torchvision is not a dependency, and both compute the same pixels."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    size = {"shortest_edge": TINY_MIN_PIXELS, "longest_edge": TINY_MAX_PIXELS}
+    Qwen2VLImageProcessorPil(patch_size=TINY_PATCH, merge_size=TINY_MERGE, temporal_patch_size=2, size=size,
+                             image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(dest)
 
 
 def _train_tokenizer(vocab_size: int):

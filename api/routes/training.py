@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from api import admission, caller_cache, datums, records, seq_gaps, tinker_proto
+from api import admission, caller_cache, datums, images, records, seq_gaps, tinker_proto
 from api.deps import Callers, Pool, RedisDep, Settings, Who
 from api.input_guard import DenseBodyRoute, GuardedRoute
 from api.schemas import (
@@ -148,7 +148,7 @@ async def _parse_forward(request: Request, settings, *, forward_only: bool) -> t
         raise RequestValidationError(exc.errors(), body=raw) from None
     fb = body.forward_input if tinker_forward else body.forward_backward_input
     return tinker_proto.ForwardBackwardProto(body.model_id, body.seq_id, fb.loss_fn, fb.loss_fn_config or {},
-                                             forward_only, [d.raw() for d in fb.data])
+                                             forward_only, [d.raw(f"data[{i}].model_input") for i, d in enumerate(fb.data)])
 
 
 async def _forward(request: Request, who, pool, redis, settings, callers, *, forward_only: bool) -> dict:
@@ -165,6 +165,11 @@ async def _forward(request: Request, who, pool, redis, settings, callers, *, for
         model = admission.usable(await caller_cache.training_model(callers, conn, who, req.model_id))
         limits = datums.Limits(model["vocab_size"], model["max_context_length"], settings.max_datums_per_request,
                                settings.max_tokens_per_request)
+        if any(d.raw_images for d in req.data):  # read the base only for a request with images
+            base = await catalog.get_model(conn, model["base_model"])
+            if base is None:
+                raise NotFound(f"base model {model['base_model']!r} is no longer served")
+            req = dataclasses.replace(req, data=images.prepare(req.data, base, settings))
         if spec is None:
             graph = await _custom_loss(conn, who, model, req.loss_fn_config)
             work, n_tokens = datums.custom_pass_work(graph, req.data, limits)

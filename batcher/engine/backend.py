@@ -28,7 +28,7 @@ from typing import Any, cast
 import torch
 
 from bases import architectures, memory_plan
-from batcher.engine import adapter_io, custom_losses, data_parallel, gang, head, optimizers, sharded_snapshots
+from batcher.engine import adapter_io, custom_losses, data_parallel, gang, head, optimizers, sharded_snapshots, vision
 from batcher.engine.adapter import LORA_ALPHA, Adapter
 from batcher.engine.collective import Mirror, collective
 from batcher.engine.device_pass import DevicePass
@@ -128,15 +128,18 @@ class LoraBackend:
             # An FSDP gang's ranks plan micro-batches of different sizes; one that checkpointed would
             # gather its layers' weights again in the backward while another did not, and the ranks'
             # collectives would part. Its passes keep their activations instead (rank_tokens is 1/N).
-            checkpoint_tokens=0 if self.data_parallel is not None else checkpoint_tokens)
+            checkpoint_tokens=0 if self.data_parallel is not None else checkpoint_tokens,
+            images=vision.ImageProcessor(self.base_path) if architectures.of_config(self.config).vision else None)
 
     def _load_base(self, model: torch.nn.Module | None, member: gang.Member | None, dtype: torch.dtype) -> Any:
         """The frozen base: `model` (a base already built from this config.json: benchmarks make
         random ones on the device), this rank's part of it in a gang, or the whole checkpoint: a
         transformers causal LM, whose decoder and head the pass calls apart."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+        # A vision base loads with its vision tower (frozen with the rest; batcher.engine.vision).
+        auto: Any = AutoModelForImageTextToText if architectures.of_config(self.config).vision else AutoModelForCausalLM
         kw = {}
         if architectures.of_config(self.config).moe and dtype == torch.float64:
             kw["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel (float64 is for tests)
@@ -151,7 +154,7 @@ class LoraBackend:
         elif shape is not None:
             base = gang.load_base(self.base_path, shape, str(self.device), dtype=dtype, **kw)
         else:
-            base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=dtype, **kw)
+            base = auto.from_pretrained(self.base_path, dtype=dtype, **kw)
         base.requires_grad_(False)
         if dtype == torch.float64:
             route_in_float64(base)  # (DeepSeek-V3: batcher.engine.expert_lora says why)
@@ -337,7 +340,7 @@ class LoraBackend:
                 continue
             # The trainer's policy version is the model's optimizer step count.
             configs[i] = dataclasses.replace(req.work.loss_config, current_policy_version=adapter.steps)
-            rows += [Row(i, j, d.tokens, d.inputs, adapter.name, d.policy_version, d.width)
+            rows += [Row(i, j, d.tokens, d.inputs, adapter.name, d.policy_version, d.width, d.images)
                      for j, d in enumerate(req.work.data)]
         return outcomes, configs, rows
 

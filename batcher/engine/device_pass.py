@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from batcher.engine import custom_losses, head, losses, packed_attention, recompute
+from batcher.engine import custom_losses, head, losses, packed_attention, recompute, vision
 from batcher.engine.graphs import Graphs
 from batcher.engine.multilora import MultiLoraModel
 from batcher.engine.plan import PassTensors, PlannedBatch
@@ -87,8 +87,13 @@ class DevicePass:
         """The decoder's last hidden states, each layer checkpointed where the plan says
         (`batcher.engine.recompute`)."""
         layers: list[nn.Module] = list(getattr(self.decoder, "layers", ())) if batch.checkpoint else []
+        # Images: their features in place of their tokens' embeddings, made before the packed rows'
+        # attention is switched on (the vision tower's own attention must stay its own).
+        images = vision.decoder_inputs(self.base, t.ids, t.positions, t.vision) if t.vision is not None else None
         with self._layer_state(batch), recompute.checkpointed(layers, functools.partial(self._layer_state, batch)):
-            if batch.packed_rows is not None:
+            if images is not None:
+                out = self.decoder(**images, use_cache=False)
+            elif batch.packed_rows is not None:
                 # Each row attends to itself only (packed_attention), its positions counted from 0.
                 out = self.decoder(input_ids=t.ids, position_ids=t.positions, use_cache=False)
             else:  # right padding needs no mask: causal attention never lets a real position see a later pad

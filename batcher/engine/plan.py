@@ -19,7 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from bases import architectures
-from batcher.engine import buckets, custom_losses, layout, losses, packed_attention
+from batcher.engine import buckets, custom_losses, layout, losses, packed_attention, vision
 from batcher.engine.grouped import Route
 from batcher.engine.multilora import MultiLoraModel
 from batcher.engine.protocol import PassRequest
@@ -42,6 +42,7 @@ class Row:
     adapter: str
     policy_version: int | None  # the version this datum was sampled with, if it says
     width: int = 1  # targets per position (top-K distillation: K)
+    images: tuple[Any, ...] = ()  # core.work.ImageInput, a vision base's (batcher.engine.vision)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class PassTensors:
     heads: list[dict[RouteKey, RouteTensors]]  # each head chunk's (lm_head only)
     cu_seqlens: torch.Tensor | None = None  # packed rows' boundaries
     segments: torch.Tensor | None = None  # packed rows' ids per token (a captured pass)
+    vision: vision.VisionTensors | None = None  # the micro-batch's images (batcher.engine.vision)
 
 
 pytree.register_dataclass(RouteTensors)
@@ -125,6 +127,7 @@ class Planner:
     device_type: str  # where passes run ("cuda": packed rows need the varlen kernel to replay)
     checkpoint_tokens: int = 0  # micro-batches of this many tokens checkpoint their layers (`checkpoints`)
     refused: str = ""  # why the last micro-batch ran eagerly (logged when it changes)
+    images: vision.ImageProcessor | None = None  # a vision base's image processor
 
     def plan(self, rows: list[Row], requests: list[PassRequest], configs: dict[int, LossConfig]
              ) -> list[PlannedBatch]:
@@ -136,7 +139,9 @@ class Planner:
         for lay in self.layouts(rows):
             # A custom loss runs node by node on each datum's shapes: its micro-batch is not captured.
             custom = any(requests[rows[i].request_index].work.custom is not None for i in lay.rows)
-            bucket = self._bucket(lay, rows) if capture and not custom else None
+            # Images: their features vary in count and place, so such a micro-batch runs eagerly.
+            eager = custom or any(rows[i].images for i in lay.rows)
+            bucket = self._bucket(lay, rows) if capture and not eager else None
             batches.append(self._batch(bucket or lay, rows, lengths, requests, configs, n_requests,
                                        static=bucket is not None))
         return batches
@@ -192,13 +197,21 @@ class Planner:
             ids=ids.view(lay.streams, lay.width), positions=positions.view(lay.streams, lay.width), targets=targets,
             at=at, request_of_datum=torch.tensor(request_of + [0] * (plan.size - len(request_of)), dtype=torch.long),
             trains=torch.tensor(trains + [False] * (n_requests - len(trains)), dtype=torch.bool),
-            loss=plan.tensors, grid=grid, heads=[t for _, t in heads], cu_seqlens=cu_seqlens, segments=segments)
+            loss=plan.tensors, grid=grid, heads=[t for _, t in heads], cu_seqlens=cu_seqlens, segments=segments,
+            vision=self._vision(lay, batch_rows))
         bundle = Bundle(record)
         trains_here = any(not requests[r.request_index].forward_only for r in batch_rows)
         checkpoint = checkpoints(lay.tokens, trains_here, self.checkpoint_tokens)
         return PlannedBatch(lay, batch_rows, plan, bundle, routes, head_ranges, [r for r, _ in heads], trains_here,
                             packed_rows, n_requests, (trains_here, checkpoint, bundle.signature()) if static else None,
                             _custom(batch_rows, requests), checkpoint)
+
+    def _vision(self, lay: layout.Layout, rows: list[Row]) -> vision.VisionTensors | None:
+        """A micro-batch's images (None: it has none)."""
+        if self.images is None or not any(r.images for r in rows):
+            return None
+        return vision.host_inputs(self.images, [(start, len(r.tokens), r.images) for r, start in zip(rows, lay.starts)],
+                                  lay.tokens)
 
     def _routes(self, host: dict[RouteKey, tuple[tuple[int, int, int], ...]], count: int, tokens: int, *,
                 experts: bool = False) -> tuple[dict[RouteKey, Route], dict[RouteKey, RouteTensors]]:

@@ -1,0 +1,107 @@
+"""Images through the whole stack and the official tinker SDK, unchanged: a tiny Qwen3-VL base added
+by `quilt models add`, trained with `ImageChunk`s on a synthetic task (the colour of a shape names
+its class) beside another tenant's text rows; the loss falls; a wrong `expected_tokens` and images on
+a text base are 400s naming the numbers and the base."""
+
+from __future__ import annotations
+
+import io
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from billing_workload import ledger_rows  # noqa: E402
+from PIL import Image  # noqa: E402
+from tinker import types  # noqa: E402
+
+from bases.vision import ImageGeometry  # noqa: E402
+from stack.ephemeral import ephemeral_stack, new_tenant  # noqa: E402
+from stack.tiny_model import TINY_MODEL_NAME, TinyModelSpec, build_tiny_model  # noqa: E402
+
+# Its own stack (a vision base added before `quilt up`): minutes of startup, so in the slow tier.
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
+
+VL = "acme/vl-mini"
+TEXT = "acme/text-mini"
+CLASSES = {(220, 30, 30): 50, (30, 30, 220): 60}  # shape colour -> the token that names it
+
+
+@pytest.fixture(scope="module")
+def vl_stack(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("vl") / "m",
+                            spec=TinyModelSpec(architecture="qwen3_vl", num_layers=2)).path
+    text = build_tiny_model(tmp_path_factory.mktemp("text") / "m", spec=TinyModelSpec(num_layers=2)).path
+    # Both trainer-only: no vLLM to start (sampling with images is not served: docs/guides/images.md).
+    setup = [["models", "add", VL, "--path", path, "--renderer", "chatml", "--no-sample"],
+             ["models", "add", TEXT, "--path", text, "--renderer", "chatml", "--no-sample"],
+             ["models", "remove", TINY_MODEL_NAME]]
+    with ephemeral_stack({"QUILT_TRAINER_SEQ_GAP_DEADLINE_S": "20"}, setup=setup) as s:
+        yield s, ImageGeometry.of_directory(path)
+
+
+@pytest.fixture(autouse=True)
+def _offline_sdk(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _shape(colour, w: int, h: int) -> bytes:
+    img = Image.new("RGB", (w, h), (240, 240, 240))
+    img.paste(colour, (w // 4, h // 4, 3 * w // 4, 3 * h // 4))
+    out = io.BytesIO()
+    img.save(out, "PNG")
+    return out.getvalue()
+
+
+def _datum(geo: ImageGeometry, colour, w: int = 64, h: int = 48, expected: int | None = None) -> types.Datum:
+    label = CLASSES[colour]
+    n = geo.tokens(h, w)
+    chunks = [types.EncodedTextChunk(tokens=[5, geo.vision_start_id]),
+              types.ImageChunk(data=_shape(colour, w, h), format="png", expected_tokens=expected or n),
+              types.EncodedTextChunk(tokens=[geo.vision_end_id, 7, 8])]
+    length = 2 + n + 3
+    targets = [0] * (length - 1) + [label]
+    return types.Datum(model_input=types.ModelInput(chunks=chunks),
+                       loss_fn_inputs={"target_tokens": targets, "weights": [0.0] * (length - 1) + [1.0]})
+
+
+def _text(start: int) -> types.Datum:
+    toks = list(range(start, start + 13))
+    return types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
+                       loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 12})
+
+
+def test_images_train_through_the_sdk_beside_text_and_are_checked(vl_stack):
+    stack, geo = vl_stack
+    tenant_a, key_a = new_tenant(stack, "vision")
+    _, key_b = new_tenant(stack, "text")
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=key_a) as a, \
+            tinker.ServiceClient(base_url=stack.base_url, api_key=key_b) as b:
+        assert VL in {m.model_name for m in a.get_server_capabilities().supported_models}
+        tc = a.create_lora_training_client(base_model=VL, rank=8).result()
+        other = b.create_lora_training_client(base_model=VL, rank=4).result()
+        data = [_datum(geo, colour, w, h) for colour in CLASSES for w, h in ((64, 48), (40, 90))]
+        losses = []
+        with ThreadPoolExecutor(2) as pool:
+            for _ in range(8):
+                # tenant b's text rows go in the same rounds as tenant a's image rows
+                text = pool.submit(lambda: other.forward_backward([_text(40), _text(90)], "cross_entropy").result())
+                losses.append(tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+                tc.optim_step(types.AdamParams(learning_rate=2e-3)).result()
+                assert text.result().metrics["loss:sum"] > 0
+        # Below what telling the classes apart by chance costs (ln 2 a datum): the image decides the answer.
+        assert losses[-1] < 0.5 * len(data) * math.log(2) < losses[0], losses
+        # Image tokens are metered as the request's tokens: the ledger's training tokens count them.
+        per_step = sum(d.model_input.length for d in data)
+        assert per_step > sum(len(c.tokens) for d in data for c in d.model_input.chunks
+                              if isinstance(c, types.EncodedTextChunk))
+        trained = sum(r["train_tokens"] for r in ledger_rows(stack.database_url, [tenant_a]))
+        assert trained == 8 * per_step, (trained, per_step)
+
+        n = geo.tokens(48, 64)
+        with pytest.raises(tinker.BadRequestError, match=f"expects {n + 2} tokens .* takes {n}"):
+            tc.forward_backward([_datum(geo, (220, 30, 30), expected=n + 2)], "cross_entropy").result()
+        text_base = a.create_lora_training_client(base_model=TEXT, rank=4).result()
+        with pytest.raises(tinker.BadRequestError, match=f"images are not accepted by base model '{TEXT}'"):
+            text_base.forward_backward([_datum(geo, (220, 30, 30))], "cross_entropy").result()
