@@ -45,11 +45,16 @@ class Architecture:
     unembed_lora: bool = True  # vLLM applies an lm_head LoRA on this architecture (when untied)
     qk_norm: bool = False  # RMSNorm on each head's queries and keys (parameter counts)
     norms_per_layer: int = 2
+    # gpt-oss: a learned sink logit per attention head, biases on o_proj, every expert and the router
+    # (parameter counts; the trainer's packed attention reads the sinks from the layer); every layer
+    # is MoE, its experts' LoRA on the fused 3-D weights, exported as PEFT target_parameters
+    # (batcher.engine.expert_lora), which is how vLLM loads a LoRA for it
+    experts_3d: bool = False
 
     @property
     def mlp_modules(self) -> tuple[str, ...]:
         """What `train_mlp` targets: the MLP's Linears, and on MoE bases the experts too."""
-        return MLP_MODULES + (EXPERT_MODULES if self.moe else ())
+        return (() if self.experts_3d else MLP_MODULES) + (EXPERT_MODULES if self.moe else ())
 
     def targets(self, *, tied: bool) -> tuple[str, ...]:
         """Every module name LoRA can target on this architecture (the trainer wraps these)."""
@@ -65,6 +70,8 @@ SUPPORTED: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("gemma3_text", "Gemma 3", ties_embeddings=True, unembed_lora=False, qk_norm=True,
                  norms_per_layer=4),
     Architecture("qwen3_moe", "Qwen3-MoE", moe=True, qk_norm=True),
+    # vLLM's GptOssForCausalLM lists no lm_head among its LoRA modules
+    Architecture("gpt_oss", "gpt-oss", moe=True, unembed_lora=False, experts_3d=True),
 )}
 
 
@@ -100,6 +107,14 @@ def peft_modules(targets: list[str]) -> list[str]:
     """The `target_modules` of a PEFT adapter_config for these trainer targets: an expert LoRA is
     saved under each expert's gate_proj/up_proj/down_proj, which the MLP names already cover."""
     return [t for t in targets if t not in EXPERT_MODULES]
+
+
+def peft_parameters(config: Mapping, targets: list[str]) -> list[str]:
+    """The `target_parameters` of a PEFT adapter_config: a 3-D experts base's fused expert weights
+    where the experts are a target (gate_up first: PEFT nests its wrapper inside down's)."""
+    if of_config(config).experts_3d and EXPERT_MODULES[0] in targets:
+        return ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    return []
 
 
 def trains_experts(config: Mapping, lora_config: Mapping) -> bool:
@@ -151,6 +166,7 @@ class Shape:
     experts_per_token: int = 0
     tied: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False
 
     @classmethod
     def of(cls, config: Mapping) -> Shape:
@@ -167,7 +183,8 @@ class Shape:
         return cls(arch, h, int(text["num_hidden_layers"]), heads, int(text.get("num_key_value_heads") or heads),
                    int(text.get("head_dim") or h // heads), int(text["vocab_size"]), inter, tied=is_tied(text),
                    # Qwen2 has q/k/v biases without saying so
-                   qkv_bias=bool(text.get("attention_bias")) or text.get("model_type") == "qwen2", **moe)
+                   qkv_bias=bool(text.get("attention_bias")) or text.get("model_type") == "qwen2",
+                   o_bias=bool(text.get("attention_bias")), **moe)
 
     @property
     def active_mlp_width(self) -> int:
@@ -189,10 +206,11 @@ def parameter_counts(config: Mapping) -> tuple[int, int]:
     """
     s = Shape.of(config)
     q = s.heads * s.head_dim
-    attn = s.hidden * (q + s.kv_width) + q * s.hidden + (q + s.kv_width if s.qkv_bias else 0)
-    expert = 3 * s.hidden * s.intermediate
+    attn = s.hidden * (q + s.kv_width) + q * s.hidden + (q + s.kv_width if s.qkv_bias else 0) \
+        + (s.hidden if s.o_bias else 0) + (s.heads if s.arch.experts_3d else 0)  # gpt-oss: a sink per head
+    expert = 3 * s.hidden * s.intermediate + (2 * s.intermediate + s.hidden if s.arch.experts_3d else 0)
     if s.arch.moe:
-        router = s.hidden * s.experts
+        router = s.hidden * s.experts + (s.experts if s.arch.experts_3d else 0)
         mlp_total, mlp_active = s.experts * expert + router, s.experts_per_token * expert + router
     else:
         mlp_total = mlp_active = expert
@@ -222,6 +240,8 @@ def lora_parameters(config: Mapping, rank: int, targets: list[str], tensor_paral
     tp = tensor_parallel
     per_layer = sum(rank * (i // (tp if name in ROW_PARALLEL else 1) + o // (tp if name in COLUMN_PARALLEL else 1))
                     for name, (i, o) in shapes.items() if name in targets)
+    if s.arch.experts_3d:  # one LoRA on the fused gate_up [H -> 2I], one on down
+        mlp = {"gate_up_proj": (s.hidden, 2 * s.intermediate), "down_proj": (s.intermediate, s.hidden)}
     if s.arch.moe and EXPERT_MODULES[0] in targets:
         per_layer += s.experts * sum(rank * (i + o) for i, o in mlp.values())
     return s.layers * per_layer + (rank * (s.hidden + s.vocab) if "lm_head" in targets else 0)
