@@ -34,7 +34,7 @@ PROMPT = (5, 6, 7, 8, 9, 10)
 # What each architecture cannot carry, as measured: vLLM has no lm_head LoRA for Qwen2 and Mistral,
 # and Gemma ties lm_head to the embeddings. (MoE experts carry LoRA: batcher.engine.expert_lora.)
 REFUSED = {"qwen3": [], "qwen2": ["train_unembed"], "llama": [], "mistral": ["train_unembed"],
-           "gemma3_text": ["train_unembed"], "qwen3_moe": []}
+           "gemma3_text": ["train_unembed"], "qwen3_moe": [], "gpt_oss": ["train_unembed"]}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -83,11 +83,14 @@ def test_fused_step_equals_training_alone(tiny):
         for key in a:
             torch.testing.assert_close(a[key], b[key], rtol=1e-9, atol=1e-10, msg=f"{arch} {model_id} {key}")
     # The adapter went where the architecture says LoRA can go, and nowhere else.
-    wrapped = {k.split(".")[-3] for k in fused.adapter_state("a")}
+    # (gpt-oss's experts: PEFT target_parameters, `mlp.experts[.base_layer].lora_A`, not modules)
+    wrapped = {k.split(".")[-3] for k in fused.adapter_state("a")} - {"base_layer", "experts"}
     assert wrapped == set(architectures.peft_modules(architectures.lora_targets(config, specs["a"][0]))), wrapped
     if arch == "qwen3_moe":  # every expert of every block, under its own PEFT names
         experts = config["num_local_experts"]
         assert sum(".mlp.experts." in k for k in fused.adapter_state("a")) == config["num_hidden_layers"] * experts * 6
+    if arch == "gpt_oss":  # one gate_up and one down LoRA over all experts of every block
+        assert sum(".mlp.experts" in k for k in fused.adapter_state("a")) == config["num_hidden_layers"] * 4
 
 
 def test_switches_the_base_cannot_carry_are_refused(tiny):
@@ -138,7 +141,7 @@ def test_sampler_serves_a_trained_adapter_and_agrees_with_the_trainer(tiny, engi
     switches = {**architectures.supported_switches(config),
                 **({"train_mlp": False} if architectures.of_config(config).moe else {})}
     if architectures.of_config(config).moe:
-        be.create("experts", LoraShape(rank=8, seed=5))
+        be.create("experts", LoraShape(rank=8, seed=5, **architectures.supported_switches(config)))
         be.save("experts", str(tmp_path / "experts"), overwrite=False, with_optimizer=False)
         on_experts = AdapterRef(key=str(tmp_path / "experts"), path=str(tmp_path / "experts"), model_id="experts",
                                 name="experts")
