@@ -14,7 +14,8 @@ spans: varlen over its padded offsets with the stream's width as the longest row
 is not there, one SDPA call over every stream with a block-diagonal causal mask made on the device.
 
 Sliding-window layers (gpt-oss alternates them with full attention; transformers passes the layer's
-`sliding_window`) see only the last `sliding_window` tokens of their own row, the query included.
+`sliding_window`) see only the last `sliding_window` tokens of their own row, the query included
+(on a GPU, varlen only while no run is longer than the window; past it, the per-row path's mask).
 Attention sinks (gpt-oss: a learned logit per head, `s_aux`, that joins each query's softmax and
 then is dropped) have no SDPA or varlen form here, so a layer with sinks takes explicit softmax
 attention, row by row or masked, on every device; it is the eager formula transformers uses, the
@@ -81,10 +82,12 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     window: int | None = kwargs.get("sliding_window")
     sinks: torch.Tensor | None = kwargs.get("s_aux")
     global _varlen
+    # varlen where the layer has no sinks and no row is longer than its window (the window then
+    # changes nothing); a longer row takes the exact per-row path below
     if query.is_cuda and rows.cu_seqlens is not None and _varlen and sinks is None \
-            and (window is None or "window_size" in _varlen_keywords()):
+            and (window is None or rows.max_len <= window):
         try:
-            return _varlen_attention(query, key, value, rows, scaling, window), None
+            return _varlen_attention(query, key, value, rows, scaling), None
         except (ImportError, RuntimeError, TypeError, NotImplementedError) as exc:
             _varlen = False
             log.warning("varlen attention unavailable (%s: %s); packed rows take one SDPA call each",
@@ -172,10 +175,10 @@ def _varlen_keywords() -> frozenset[str]:
 
 
 def _varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: Rows,
-                      scaling: float | None, window: int | None = None) -> torch.Tensor:
+                      scaling: float | None) -> torch.Tensor:
     """One varlen kernel over every row of the pass (its keyword names differ across torch releases:
-    `window_size=(-1, 0)` or `is_causal=True` for causal, `(window - 1, 0)` for a sliding window;
-    keys and values repeated where it has no `enable_gqa`)."""
+    `window_size=(-1, 0)` or `is_causal=True` for causal; keys and values repeated where it has no
+    `enable_gqa`)."""
     from torch.nn.attention.varlen import varlen_attn
 
     B, H, L, D = query.shape
@@ -186,7 +189,7 @@ def _varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if key.shape[1] != H:
         kw["enable_gqa"] = True
     if "window_size" in accepts:
-        kw["window_size"] = (window - 1 if window else -1, 0)
+        kw["window_size"] = (-1, 0)
     else:
         kw["is_causal"] = True
     q, k, v = (t.transpose(1, 2).reshape(B * L, t.shape[1], D) for t in (query, key, value))
