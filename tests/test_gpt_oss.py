@@ -158,3 +158,39 @@ def test_parameter_counts_match_the_published_gpt_oss_sizes(layers, experts, tot
     assert abs(counted_active - embedding - active) / active < 1e-3, counted_active
     # `quilt models plan` sizes it: how many GPUs its trainer and its sampler need
     assert memory_plan.fewest_ranks(config, memory_plan.PlanInputs(device_bytes=80 * memory_plan.GiB)) == gpus
+
+
+def test_both_packed_attention_paths_equal_transformers_eager_attention_row_by_row():
+    """The per-row path and the captured pass's masked path, over two streams of three rows (one
+    longer than the window), equal gpt-oss's own eager attention (sinks, its sliding mask) run on
+    each row alone."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from batcher.engine import packed_attention as pa
+
+    g = torch.Generator().manual_seed(0)
+    B, H, KV, L, D, window = 2, 4, 2, 16, 8, 5
+    q, k, v = (torch.randn(B, n, L, D, generator=g, dtype=torch.float64) for n in (H, KV, KV))
+    sinks = torch.randn(H, generator=g, dtype=torch.float64)
+    spans = ((0, 0, 9), (0, 9, 14), (1, 0, 16))  # (stream, start, end); stream 0 ends in 2 tokens of padding
+    cu = pa.boundaries([0, 9, 16], [9, 5, 16], B, L)
+    segments = torch.tensor(pa.segments_of(cu, B * L))
+    module = SimpleNamespace(sinks=sinks, num_key_value_groups=H // KV, training=False)
+    outs = {}
+    for name, rows in (("rows", pa.Rows(spans, L)), ("masked", pa.Rows(spans, L, segments=segments))):
+        pa._current = rows
+        try:
+            outs[name] = pa._attention(module, q, k, v, None, scaling=D ** -0.5, sliding_window=window, s_aux=sinks)[0]
+        finally:
+            pa._current = None
+    for b, s, e in spans:
+        n = e - s
+        i = torch.arange(n)
+        seen = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+        mask = torch.zeros(n, n, dtype=torch.float64).masked_fill(~seen, float("-inf"))
+        want, _ = eager_attention_forward(module, q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e],
+                                          mask, scaling=D ** -0.5)
+        for name, got in outs.items():
+            torch.testing.assert_close(got[b, s:e], want[0], rtol=0, atol=1e-12, msg=name)
