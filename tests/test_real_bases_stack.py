@@ -16,7 +16,8 @@ from tinker import types  # noqa: E402
 from stack.ephemeral import ROOT, ephemeral_stack, new_tenant  # noqa: E402
 from stack.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
 
-pytestmark = pytest.mark.stack
+# four `quilt` commands and three bases' workers start before the first test (minutes on a loaded machine)
+pytestmark = [pytest.mark.stack, pytest.mark.timeout(900)]
 
 LLAMA = "quilt/tiny-llama"
 MOE = "acme/moe-mini"
