@@ -63,6 +63,11 @@ class Architecture:
     norms_per_layer: int = 2
     mla: bool = False  # multi-head latent attention (MLA_MODULES, not q/k/v)
     vision: bool = False  # takes images (a vision tower before the decoder: api.images)
+    # gpt-oss: a learned sink logit per attention head, biases on o_proj, every expert and the router
+    # (parameter counts; the trainer's packed attention reads the sinks from the layer); every layer
+    # is MoE, its experts' LoRA on the fused 3-D weights, exported as PEFT target_parameters
+    # (batcher.engine.expert_lora), which is how vLLM loads a LoRA for it
+    experts_3d: bool = False
 
     @property
     def attn_modules(self) -> tuple[str, ...]:
@@ -72,7 +77,7 @@ class Architecture:
     @property
     def mlp_modules(self) -> tuple[str, ...]:
         """What `train_mlp` targets: the MLP's Linears, and on MoE bases the experts too."""
-        return MLP_MODULES + (EXPERT_MODULES if self.moe else ())
+        return (() if self.experts_3d else MLP_MODULES) + (EXPERT_MODULES if self.moe else ())
 
     def targets(self, *, tied: bool) -> tuple[str, ...]:
         """Every module name LoRA can target on this architecture (the trainer wraps these)."""
@@ -92,6 +97,8 @@ SUPPORTED: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("deepseek_v3", "DeepSeek-V3 / Kimi-K2", moe=True, unembed_lora=False, mla=True),
     Architecture("qwen3_vl", "Qwen3-VL", qk_norm=True, vision=True),
     Architecture("qwen3_vl_moe", "Qwen3-VL-MoE", moe=True, qk_norm=True, vision=True),
+    # vLLM's GptOssForCausalLM lists no lm_head among its LoRA modules
+    Architecture("gpt_oss", "gpt-oss", moe=True, unembed_lora=False, experts_3d=True),
 )}
 # A vision base's text_config names its decoder's own model_type; it has the base's row.
 TEXT_MODEL_TYPES = {"qwen3_vl_text": "qwen3_vl", "qwen3_vl_moe_text": "qwen3_vl_moe"}
@@ -154,6 +161,14 @@ def peft_modules(targets: list[str]) -> list[str]:
     return [t for t in targets if t not in EXPERT_MODULES]
 
 
+def peft_parameters(config: Mapping, targets: list[str]) -> list[str]:
+    """The `target_parameters` of a PEFT adapter_config: a 3-D experts base's fused expert weights
+    where the experts are a target (gate_up first: PEFT nests its wrapper inside down's)."""
+    if of_config(config).experts_3d and EXPERT_MODULES[0] in targets:
+        return ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    return []
+
+
 def trains_experts(config: Mapping, lora_config: Mapping) -> bool:
     """Whether a model's LoRA goes on a MoE base's experts (its `train_mlp`, on a MoE base)."""
     return of_config(config).moe and bool(lora_config.get("train_mlp", True))
@@ -207,6 +222,7 @@ class Shape:
     dense_layers: int = 0  # MoE: the first layers, with a dense MLP of dense_intermediate (first_k_dense_replace)
     dense_intermediate: int = 0
     shared_intermediate: int = 0  # MoE: the shared experts' MLP width beside the routed ones (0: none)
+    o_bias: bool = False
 
     @classmethod
     def of(cls, config: Mapping) -> Shape:
@@ -232,7 +248,8 @@ class Shape:
         return cls(arch, h, int(text["num_hidden_layers"]), heads, int(text.get("num_key_value_heads") or heads),
                    head_dim, int(text["vocab_size"]), inter, tied=is_tied(config),
                    # Qwen2 has q/k/v biases without saying so
-                   qkv_bias=bool(text.get("attention_bias")) or text.get("model_type") == "qwen2", **moe)
+                   qkv_bias=bool(text.get("attention_bias")) or text.get("model_type") == "qwen2",
+                   o_bias=bool(text.get("attention_bias")), **moe)
 
     @property
     def active_mlp_width(self) -> int:
@@ -285,15 +302,17 @@ def parameter_counts(config: Mapping) -> tuple[int, int]:
     """
     s = Shape.of(config)
     q = s.heads * s.head_dim
-    attn = s.hidden * (q + s.kv_width) + q * s.hidden + (q + s.kv_width if s.qkv_bias else 0)
+    attn = s.hidden * (q + s.kv_width) + q * s.hidden + (q + s.kv_width if s.qkv_bias else 0) \
+        + (s.hidden if s.o_bias else 0) + (s.heads if s.arch.experts_3d else 0)  # gpt-oss: a sink per head
     norms = s.layers * (s.arch.norms_per_layer * s.hidden + (2 * s.head_dim if s.arch.qk_norm else 0)) + s.hidden
     if s.latent is not None:  # its Linears, and the norms of the query's and the latent's low-rank
         attn = sum(i * o for i, o in s.latent.linears(s.hidden, s.heads).values())
         norms += s.layers * (s.latent.q_rank + s.latent.kv_rank)
-    expert = 3 * s.hidden * s.intermediate
+    expert = 3 * s.hidden * s.intermediate + (2 * s.intermediate + s.hidden if s.arch.experts_3d else 0)
     if s.arch.moe:
-        # the router, its score-correction bias (DeepSeek-V3's), the shared experts
-        router = s.hidden * s.experts + (s.experts if s.arch.mla else 0) + 3 * s.hidden * s.shared_intermediate
+        # the router, its bias (gpt-oss's) or score-correction bias (DeepSeek-V3's), the shared experts
+        router = s.hidden * s.experts + (s.experts if s.arch.mla or s.arch.experts_3d else 0) \
+            + 3 * s.hidden * s.shared_intermediate
         mlp_total, mlp_active = s.experts * expert + router, s.experts_per_token * expert + router
     else:
         mlp_total = mlp_active = expert
@@ -336,5 +355,8 @@ def lora_parameters(config: Mapping, rank: int, targets: list[str], tensor_paral
         total += s.dense_layers * lora(mlp(s.dense_intermediate))
         total += s.moe_layers * (lora(mlp(s.shared_intermediate)) if s.shared_intermediate else 0)
         if EXPERT_MODULES[0] in targets:
-            total += s.moe_layers * s.experts * sum(rank * (i + o) for i, o in mlp(s.intermediate).values())
+            # gpt-oss: one LoRA on each expert's fused gate_up [H -> 2I], one on its down
+            experts = ({"gate_up_proj": (s.hidden, 2 * s.intermediate), "down_proj": (s.intermediate, s.hidden)}
+                       if s.arch.experts_3d else mlp(s.intermediate))
+            total += s.moe_layers * s.experts * sum(rank * (i + o) for i, o in experts.values())
     return total + (rank * (s.hidden + s.vocab) if "lm_head" in targets else 0)

@@ -2,8 +2,10 @@
 
 W' = W + scaling * (B @ A) for every weight the adapter wraps (scaling = lora_alpha / r, or
 lora_alpha / sqrt(r) with rsLoRA, per module where PEFT's rank/alpha patterns say so), computed in
-float32 and stored in the base's dtype. Everything else of the base (config, tokenizer, generation
-config, the safetensors index) is sent as it is.
+float32 (float64 for a float64 base) and stored in the base's dtype. A PEFT `target_parameters`
+LoRA on a 3-D experts weight (gpt-oss) merges each expert's B @ A into its [E, in, out] slice.
+Everything else of the base (config, tokenizer, generation config, the safetensors index) is sent
+as it is.
 
 Why not PEFT's `merge_and_unload`: it needs the whole base in memory, and then a second copy to
 save it. Here only the adapter's low-rank factors stay in memory; each weight's dense delta is
@@ -62,19 +64,27 @@ class Factors:
     MB for a whole adapter) until that weight is written, so a merge holds one dense delta at a
     time: all of them at once are an fp32 copy of every wrapped weight (about 30 GB for an 8B base)."""
 
-    b: Any  # torch.Tensor (out, r)
-    a: Any  # torch.Tensor (r, in)
+    b: Any  # torch.Tensor (out, r); a 3-D experts weight's: (out, r * E), expert-minor as PEFT keeps it
+    a: Any  # torch.Tensor (r, in); a 3-D experts weight's: (E * r, in)
     scaling: float
+    experts: int = 0  # a PEFT target parameter's [E, in, out] experts weight (gpt-oss): its E
 
     @property
-    def shape(self) -> tuple[int, int]:
+    def shape(self) -> tuple[int, ...]:
+        if self.experts:
+            return self.experts, self.a.shape[1], self.b.shape[0]
         return self.b.shape[0], self.a.shape[1]
 
-    def delta(self):
-        """The dense float32 delta, computed now."""
+    def delta(self, dtype: Any = None):
+        """The dense delta, computed now in `dtype` (float32 unless given)."""
         import torch
 
-        return (self.b.to(torch.float32) @ self.a.to(torch.float32)) * self.scaling
+        a, b = self.a.to(dtype or torch.float32), self.b.to(dtype or torch.float32)
+        if self.experts:  # each expert's B @ A, stored [in, out] as the weight is
+            e = self.experts
+            a, b = a.reshape(e, -1, a.shape[1]), b.reshape(b.shape[0], -1, e).permute(2, 0, 1)
+            return (b @ a).transpose(1, 2) * self.scaling
+        return (b @ a) * self.scaling
 
 
 def lora_factors(adapter_dir: Path) -> dict[str, Factors]:
@@ -95,8 +105,38 @@ def lora_factors(adapter_dir: Path) -> dict[str, Factors]:
         b = tensors.get(key.replace(".lora_A.", ".lora_B."))
         if b is None or b.ndim != 2 or a.ndim != 2 or b.shape[1] != a.shape[0]:
             raise ValueError(f"adapter tensor {key!r} has no matching lora_B of rank {a.shape[0]}")
-        factors[module + ".weight"] = Factors(b, a, _scaling(config, module))
+        param = _target_parameter(config, module)
+        if param is None:
+            factors[module + ".weight"] = Factors(b, a, _scaling(config, module))
+        else:
+            owner = module.split(".base_layer")[0]
+            rank = int(_scaling_rank(config, owner))
+            if a.shape[0] % rank:
+                raise ValueError(f"adapter tensor {key!r} of {a.shape[0]} rows is not experts of rank {rank}")
+            factors[f"{owner}.{param}"] = Factors(b, a, _scaling(config, owner), experts=a.shape[0] // rank)
     return factors
+
+
+def _scaling_rank(config: dict, module: str) -> int:
+    for k, v in (config.get("rank_pattern") or {}).items():
+        if module == k or module.endswith("." + k):
+            return int(v)
+    return int(config["r"])
+
+
+def _target_parameter(config: dict, module: str) -> str | None:
+    """The parameter a PEFT `target_parameters` wrapper at `module` adapts, or None for a module's
+    own weight. Several parameters of one module nest their wrappers, the first listed innermost:
+    the wrapper reached through k `.base_layer` steps adapts the (n - 1 - k)-th of its n."""
+    owner = module.split(".base_layer")[0]
+    mine = [t.rpartition(".")[2] for t in config.get("target_parameters") or ()
+            if owner == t.rpartition(".")[0] or owner.endswith("." + t.rpartition(".")[0])]
+    if not mine:
+        return None
+    depth = module.count(".base_layer")
+    if depth >= len(mine):
+        raise ValueError(f"adapter module {module!r} nests deeper than its {len(mine)} target parameters")
+    return mine[len(mine) - 1 - depth]
 
 
 def _header(path: Path) -> tuple[int, dict]:
@@ -124,7 +164,8 @@ def _merged_shard(path: Path, deltas: dict[str, Factors], data_start: int, heade
                 raw.seek(data_start + start)
                 dtype = getattr(torch, MERGEABLE_DTYPES[header[name]["dtype"]])
                 weight = torch.frombuffer(bytearray(raw.read(end - start)), dtype=dtype).view(header[name]["shape"])
-                merged = weight.to(torch.float32).add_(deltas[name].delta()).to(dtype).contiguous()
+                wide = torch.promote_types(dtype, torch.float32)  # a float64 base merges in float64
+                merged = weight.to(wide).add_(deltas[name].delta(wide)).to(dtype).contiguous()
                 del weight
                 data = merged.view(torch.uint8).numpy().tobytes() if merged.numel() else b""
                 del merged

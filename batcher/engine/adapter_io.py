@@ -48,9 +48,10 @@ def peft_config(adapter: Adapter, config: dict[str, Any], base_path: str) -> Any
     """The adapter_config.json that PEFT and vLLM read."""
     from peft import LoraConfig
 
+    targets = architectures.lora_targets(config, adapter.lora_config)
     return LoraConfig(r=int(adapter.lora_config["rank"]), lora_alpha=LORA_ALPHA, lora_dropout=0.0,
-                      target_modules=architectures.peft_modules(architectures.lora_targets(config,
-                                                                                           adapter.lora_config)),
+                      target_modules=architectures.peft_modules(targets),
+                      target_parameters=architectures.peft_parameters(config, targets) or None,
                       bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_path)
 
 

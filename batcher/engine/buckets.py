@@ -90,7 +90,7 @@ def refusal(*, device: str, enabled: bool, gang: int, packed: bool, experts: boo
     if gang > 1:
         return "a trainer gang's collectives are not captured"
     if not packed:
-        return "padded rows (a sliding window shorter than a row) keep the model's own masks"
+        return "padded rows keep the model's own masks"
     if experts:
         return "expert LoRA groups its rows by the routing of each pass"
     if not grouped:

@@ -28,6 +28,14 @@ splits each expert's width, which this layout does not follow: it refuses expert
 Exports name each expert's factors as published MoE checkpoints do
 (`model.layers.L.mlp.experts.{e}.gate_proj.lora_A.weight`), what vLLM's fused-MoE LoRA loads and
 what `checkpoints.adapter_merge` merges into the per-expert weights of the saved base.
+
+Experts stored transposed ([E, in, out]: gpt-oss, whose checkpoints keep the fused 3-D weights and
+whose gate and up columns interleave, with a bias on each expert) take LoRA as PEFT's
+`target_parameters` puts it on those weights, and as vLLM loads it for such a model
+(`is_3d_moe_weight`): one part on the fused `gate_up_proj` (its B's rows in the weight's own
+interleaved column order) and one on `down_proj`, exported as PEFT's nested wrappers name them
+(`mlp.experts.base_layer.lora_A.weight` [E*r, H] for gate_up, `mlp.experts.lora_A.weight` for down;
+each B [out, r*E], expert-minor). The experts' biases are the base's and stay frozen.
 """
 
 from __future__ import annotations
@@ -43,6 +51,15 @@ from batcher.engine import grouped
 
 IMPLEMENTATION = "quilt_lora"
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+FUSED_PROJECTIONS = ("gate_up_proj", "down_proj")  # experts stored transposed: LoRA on the 3-D weights
+# PEFT's names for a fused 3-D part: target_parameters nest, gate_up's wrapper inside down's
+_FUSED_PEFT = {"gate_up_proj": ".base_layer", "down_proj": ""}
+
+
+def projections(experts: nn.Module) -> tuple[str, ...]:
+    """The parts an experts module's LoRA has: gate, up and down, or, stored transposed (gpt-oss),
+    the fused gate_up and down as its checkpoint and PEFT's target_parameters hold them."""
+    return FUSED_PROJECTIONS if getattr(experts, "is_transposed", False) else PROJECTIONS
 
 
 class ExpertPart:
@@ -55,8 +72,12 @@ class ExpertPart:
         self.split = split
         weight = _param(experts, "down_proj")  # (an FSDP-sharded base's at rest: its whole shape is what counts)
         self.whole_experts, hidden, inter = (int(n) for n in weight.shape)
+        self.fused = proj in _FUSED_PEFT and getattr(experts, "is_transposed", False)
+        if getattr(experts, "is_transposed", False):  # [E, I, H]
+            hidden, inter = inter, hidden
         self.experts = self.whole_experts // (split.count if split else 1)  # this rank's
-        self.in_features, self.out_features = (inter, hidden) if proj == "down_proj" else (hidden, inter)
+        self.in_features, self.out_features = ((inter, hidden) if proj == "down_proj"
+                                               else (hidden, 2 * inter if proj == "gate_up_proj" else inter))
         self.device, self.dtype = weight.device, weight.dtype
         self.slabs: dict[int, grouped.Slab] = {}
 
@@ -71,8 +92,13 @@ class ExpertPart:
                                                                                          generator=generator)
 
     def peft(self, path: str, A: torch.Tensor, B: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Whole [E, r, in] / [E, out, r] factors under each expert's PEFT names."""
+        """Whole [E, r, in] / [E, out, r] factors under each expert's PEFT names (a fused part: under
+        PEFT's names of a target parameter)."""
         block = path.rpartition(".")[0]
+        if self.fused:
+            name = f"base_model.model.{block}{_FUSED_PEFT[self.proj]}"
+            return {f"{name}.lora_A.weight": A.reshape(-1, A.shape[-1]),
+                    f"{name}.lora_B.weight": B.permute(1, 2, 0).reshape(B.shape[1], -1)}
         out = {}
         for e in range(A.shape[0]):
             out[f"base_model.model.{block}.{e}.{self.proj}.lora_A.weight"] = A[e]
@@ -82,6 +108,13 @@ class ExpertPart:
     def unpeft(self, path: str, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole factors from each expert's PEFT tensors (KeyError where one is missing)."""
         block = path.rpartition(".")[0]
+        if self.fused:
+            name = f"base_model.model.{block}{_FUSED_PEFT[self.proj]}"
+            a, b = state[f"{name}.lora_A.weight"], state[f"{name}.lora_B.weight"]
+            E = self.whole_experts
+            if a.shape[0] % E or b.shape[1] != a.shape[0]:
+                raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not {E} experts' factors")
+            return a.reshape(E, -1, a.shape[1]), b.reshape(b.shape[0], -1, E).permute(2, 0, 1)
         pair = []
         for which in ("A", "B"):
             tensors = [state[f"base_model.model.{block}.{e}.{self.proj}.lora_{which}.weight"]
@@ -102,10 +135,11 @@ def wrap(model: nn.Module, context: grouped.PassContext, splits: dict[str, group
     for path, module in model.named_modules():
         if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and hasattr(module, "config")):
             continue
-        if getattr(module, "is_transposed", False) or not getattr(module, "has_gate", True) \
-                or getattr(module, "has_bias", False):
-            raise ValueError(f"{path}: experts laid out transposed, without a gate or with biases have no LoRA here")
-        mine = {proj: ExpertPart(module, proj, splits.get(path)) for proj in PROJECTIONS}
+        if not getattr(module, "has_gate", True) or not (getattr(module, "is_concatenated", True)
+                                                          or getattr(module, "is_transposed", False)):
+            raise ValueError(f"{path}: experts without a gate, or with gate and up interleaved in [E, out, in] "
+                             "weights, have no LoRA here")
+        mine = {proj: ExpertPart(module, proj, splits.get(path)) for proj in projections(module)}
         config: Any = module.config  # (transformers' config of the block)
         module._quilt_lora = _Block(mine, context, config._experts_implementation)
         parts.update({f"{path}.{proj}": part for proj, part in mine.items()})
@@ -266,7 +300,7 @@ def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     experts_module: Any = module  # transformers' experts block: its weights and gate are its own attributes
     block: _Block = experts_module._quilt_lora
     routes = block.context.routes or {}
-    gate = block.parts["gate_proj"]
+    gate = next(iter(block.parts.values()))
     classes = [(rank, route) for (kind, rank), route in routes.items() if kind == "experts" and rank in gate.slabs]
     if not classes:
         base = ALL_EXPERTS_FUNCTIONS.get_interface(block.base, cast(Any, type(module).forward).__wrapped__)
@@ -302,12 +336,19 @@ def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
         return groups.put(groups.mm(groups.mm(groups.take(rows.to(A.dtype)), A) * scale, B))
 
     w_gate_up, w_down = _local(experts_module.gate_up_proj), _local(experts_module.down_proj)
+    if getattr(experts_module, "is_transposed", False):  # [E, in, out]: the grouped product takes [E, out, in]
+        w_gate_up, w_down = w_gate_up.transpose(1, 2), w_down.transpose(1, 2)
+    bias = _biases(experts_module, pairs.take(expert), pairs.take(sentinel))
     gate_up = by_expert.mm(x, w_gate_up)
+    if bias:
+        gate_up = gate_up + bias[0]
     for groups, f in lora:
-        gate_up = gate_up + torch.cat([delta(groups, x, *f["gate_proj"]), delta(groups, x, *f["up_proj"])],
-                                      dim=-1).to(gate_up.dtype)
+        gate_up = gate_up + (delta(groups, x, *f["gate_up_proj"]) if "gate_up_proj" in f else torch.cat(
+            [delta(groups, x, *f["gate_proj"]), delta(groups, x, *f["up_proj"])], dim=-1)).to(gate_up.dtype)
     mid = experts_module._apply_gate(gate_up)
     out = by_expert.mm(mid, w_down)
+    if bias:
+        out = out + bias[1]
     for groups, f in lora:
         out = out + delta(groups, mid, *f["down_proj"]).to(out.dtype)
     out = pairs.put(out) * top_k_weights.reshape(-1, 1).to(out.dtype)
@@ -344,3 +385,13 @@ def _float64_route(router: Any, hidden_states: torch.Tensor) -> tuple[torch.Tens
     if router.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return logits, weights * router.routed_scaling_factor, index
+
+
+def _biases(module: nn.Module, expert: torch.Tensor, sentinel: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The gate_up and down biases of each sorted row's expert (none where the experts have none;
+    0 on rows routed to another rank's experts)."""
+    if not getattr(module, "has_bias", False):
+        return ()
+    rows = expert.masked_fill(sentinel, 0)
+    return tuple(_local(_param(module, name)).index_select(0, rows).masked_fill(sentinel.unsqueeze(1), 0)
+                 for name in ("gate_up_proj_bias", "down_proj_bias"))

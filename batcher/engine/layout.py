@@ -46,15 +46,12 @@ def round_up(n: int, multiple: int) -> int:
 def can_pack(config: Mapping[str, Any], longest: int) -> bool:
     """Whether a packed stream computes what separate rows would, for rows of up to `longest` tokens.
 
-    A block-diagonal mask replaces the model's own masks, sliding windows included: that is exact
-    only while every row fits in the smallest window (within a row no two positions are then further
-    apart than the window). Longer rows on a sliding-window base go padded.
+    It does on every supported base: the packed attention (batcher.engine.packed_attention) applies
+    each layer's own sliding window (transformers hands it `sliding_window`) and attention sinks
+    within each row, so a row longer than the window packs too. Kept as the one place a base whose
+    attention could not be packed exactly would say so (`config`, `longest`).
     """
-    window: Any = config.get("sliding_window")
-    # Qwen2/Qwen3 declare a window but apply it only with use_sliding_window; Mistral and Gemma 3
-    # have no such switch.
-    sliding = window is not None and config.get("use_sliding_window", True) is not False
-    return not sliding or longest <= int(window)
+    return True
 
 
 def micro_batches(lengths: Sequence[int], keys: Sequence[object], *, budget: int, pack: bool, pack_width: int,

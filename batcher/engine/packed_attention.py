@@ -13,6 +13,14 @@ attention is the same whatever else shares its stream (the exactness the fused-e
 hold the trainer to); padding positions get zeros. A captured pass (`batcher.engine.graphs`) reads no host
 spans: varlen over its padded offsets with the stream's width as the longest row, or, where varlen
 is not there, one SDPA call over every stream with a block-diagonal causal mask made on the device.
+
+Sliding-window layers (gpt-oss alternates them with full attention; transformers passes the layer's
+`sliding_window`) see only the last `sliding_window` tokens of their own row, the query included
+(on a GPU, varlen only while no run is longer than the window; past it, the per-row path's mask).
+Attention sinks (gpt-oss: a learned logit per head, `s_aux`, that joins each query's softmax and
+then is dropped) have no SDPA or varlen form here, so a layer with sinks takes explicit softmax
+attention, row by row or masked, on every device; it is the eager formula transformers uses, the
+score matrix of one row group at a time in memory.
 """
 
 from __future__ import annotations
@@ -73,8 +81,13 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     B, H, L, _ = query.shape
     D = value.shape[-1]  # the output's head width (latent attention's values are narrower than its queries)
     gqa = key.shape[1] != H
+    window: int | None = kwargs.get("sliding_window")
+    sinks: torch.Tensor | None = kwargs.get("s_aux")
     global _varlen
-    if query.is_cuda and rows.cu_seqlens is not None and _varlen:
+    # varlen where the layer has no sinks and no row is longer than its window (the window then
+    # changes nothing); a longer row takes the exact per-row path below
+    if query.is_cuda and rows.cu_seqlens is not None and _varlen and sinks is None \
+            and (window is None or rows.max_len <= window):
         try:
             return _varlen_attention(query, key, value, rows, scaling), None
         except (ImportError, RuntimeError, TypeError, NotImplementedError) as exc:
@@ -82,7 +95,7 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
             log.warning("varlen attention unavailable (%s: %s); packed rows take one SDPA call each",
                         type(exc).__name__, exc)
     if rows.segments is not None:
-        return _masked_attention(query, key, value, rows.segments, scaling, gqa), None
+        return _masked_attention(query, key, value, rows.segments, scaling, gqa, window, sinks), None
     # Rows of one length share a call: stacked, they are a batch of equal causal rows.
     by_length: dict[int, list[int]] = {}
     for i, (_, s, e) in enumerate(rows.spans):
@@ -91,7 +104,7 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     for same in by_length.values():
         q, k, v = (torch.stack([t[rows.spans[i][0], :, rows.spans[i][1]:rows.spans[i][2]] for i in same])
                    for t in (query, key, value))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        out = _causal(q, k, v, scaling, gqa, window, sinks)
         for j, i in enumerate(same):
             outputs[i] = out[j].transpose(0, 1)
     pieces: list[torch.Tensor] = []
@@ -108,16 +121,43 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return torch.cat(pieces).view(B, L, H, D), None
 
 
+def _visible(L: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[L, L]: whether query i sees key j in one row (causal; within the last `window` tokens)."""
+    i = torch.arange(L, device=device)
+    seen = i.unsqueeze(0) <= i.unsqueeze(1)
+    return seen & (i.unsqueeze(0) > i.unsqueeze(1) - window) if window else seen
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None, gqa: bool,
+            window: int | None, sinks: torch.Tensor | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention over [n, H, L, D] rows (`mask`: also only these pairs), with the layer's
+    sliding window and sinks where it has them."""
+    if window is None and sinks is None and mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+    allowed = _visible(q.shape[-2], window, q.device)
+    if mask is not None:
+        allowed = allowed & mask
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=gqa)
+    n, H, L, D = q.shape
+    if gqa:
+        k, v = (t.repeat_interleave(H // t.shape[1], dim=1) for t in (k, v))
+    logits = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else D ** -0.5)
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    sink = sinks.to(logits.dtype).view(1, H, 1, 1).expand(n, H, L, 1)
+    probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
+
+
 def _masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: torch.Tensor,
-                      scaling: float | None, gqa: bool) -> torch.Tensor:
+                      scaling: float | None, gqa: bool, window: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Every row of every stream in one SDPA call, a token seeing the earlier tokens of its own run
     (a block-diagonal causal mask built on the device from `segments`: nothing from the host). Each
     token sees at least itself, so no softmax is empty."""
     B, H, L, D = query.shape
     seg = segments.view(B, 1, L)
-    causal = torch.ones(L, L, dtype=torch.bool, device=query.device).tril_()
-    mask = (seg.unsqueeze(-1) == seg.unsqueeze(-2)) & causal
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    out = _causal(query, key, value, scaling, gqa, window, sinks, mask=seg.unsqueeze(-1) == seg.unsqueeze(-2))
     return out.transpose(1, 2)
 
 
