@@ -20,6 +20,14 @@ or Mistral, whose vLLM models list no lm_head among their LoRA modules), and nev
 `lm_head` is tied to the input embeddings (Gemma; also small Qwen3 checkpoints, whose configs say
 `tie_word_embeddings: true`). A LoRA the sampler cannot apply would make trainer and sampler
 disagree, so `train_unembed` is refused on those.
+
+Qwen3.5 (`qwen3_5_text`, `qwen3_5_moe_text`; the multimodal `qwen3_5` / `qwen3_5_moe` checkpoints
+train their language model here) puts linear-attention layers (a gated delta rule with a short
+causal convolution) beside full attention. `train_attn` covers both kinds: the full-attention
+projections and the linear-attention block's five Linears, which vLLM's Qwen3.5 model serves with
+LoRA (`in_proj_qkv` and `in_proj_z` into its `in_proj_qkvz`, `in_proj_b` and `in_proj_a` into its
+`in_proj_ba`, and `out_proj`). A packed pass runs each row's recurrence from a zero state
+(batcher.engine.linear_attention).
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
 EXPERT_MODULES = ("experts",)  # a MoE block's fused experts (batcher.engine.expert_lora)
+# A gated-delta-rule block's Linears (Qwen3.5): its conv1d, decay and norm stay frozen.
+LINEAR_ATTN_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,12 @@ class Architecture:
     unembed_lora: bool = True  # vLLM applies an lm_head LoRA on this architecture (when untied)
     qk_norm: bool = False  # RMSNorm on each head's queries and keys (parameter counts)
     norms_per_layer: int = 2
+    linear_attention: bool = False  # gated-delta-rule layers beside full attention (config.layer_types)
+
+    @property
+    def attn_modules(self) -> tuple[str, ...]:
+        """What `train_attn` targets: the attention projections, and the linear-attention block's."""
+        return ATTN_MODULES + (LINEAR_ATTN_MODULES if self.linear_attention else ())
 
     @property
     def mlp_modules(self) -> tuple[str, ...]:
@@ -53,7 +69,7 @@ class Architecture:
 
     def targets(self, *, tied: bool) -> tuple[str, ...]:
         """Every module name LoRA can target on this architecture (the trainer wraps these)."""
-        mods = ATTN_MODULES + self.mlp_modules
+        mods = self.attn_modules + self.mlp_modules
         return mods + (UNEMBED_MODULES if self.unembed_lora and not (tied or self.ties_embeddings) else ())
 
 
@@ -65,6 +81,9 @@ SUPPORTED: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("gemma3_text", "Gemma 3", ties_embeddings=True, unembed_lora=False, qk_norm=True,
                  norms_per_layer=4),
     Architecture("qwen3_moe", "Qwen3-MoE", moe=True, qk_norm=True),
+    *(Architecture(t, f, moe=moe, qk_norm=True, linear_attention=True)
+      for t, f, moe in (("qwen3_5_text", "Qwen3.5", False), ("qwen3_5", "Qwen3.5", False),
+                        ("qwen3_5_moe_text", "Qwen3.5-MoE", True), ("qwen3_5_moe", "Qwen3.5-MoE", True))),
 )}
 
 
@@ -115,7 +134,7 @@ def lora_targets(config: Mapping, lora_config: Mapping, *, expert_lora: bool = T
     tied = is_tied(config)
     mods: list[str] = []
     if lora_config.get("train_attn", True):
-        mods += ATTN_MODULES
+        mods += arch.attn_modules
     if lora_config.get("train_mlp", True):
         if arch.moe and not expert_lora:
             raise InvalidInput(f"this {arch.family} base is served without LoRA on its experts (its operator's "

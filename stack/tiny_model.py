@@ -285,6 +285,14 @@ def _config(spec: TinyModelSpec, *, vocab_size: int, eos_id: int):
         extra = {"num_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok,
                  "moe_intermediate_size": spec.moe_intermediate_size, "decoder_sparse_step": 1,
                  "mlp_only_layers": [], "norm_topk_prob": True}
+    if arch.linear_attention:
+        # linear, full, linear, full...: both kinds in every model of two or more layers; a shared
+        # expert as wide as one routed expert (Qwen3.5-MoE has one)
+        extra |= {"layer_types": ["full_attention" if i % 2 else "linear_attention" for i in range(spec.num_layers)],
+                  "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+                  "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4}
+        if arch.moe:
+            extra["shared_expert_intermediate_size"] = spec.moe_intermediate_size
     return AutoConfig.for_model(
         spec.architecture,
         vocab_size=vocab_size,
