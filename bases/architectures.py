@@ -155,6 +155,25 @@ def lora_targets(config: Mapping, lora_config: Mapping, *, expert_lora: bool = T
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """A gated-delta-rule block's sizes (Qwen3.5), and how many of the decoder's layers are one."""
+
+    layers: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    def parameters(self, hidden: int) -> int:
+        """One block's: in_proj_qkv, _z, _b, _a, the depthwise conv, dt_bias, A_log, the gated norm, out_proj."""
+        keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        conv = 2 * keys + values
+        return hidden * (conv + values + 2 * self.value_heads) + conv * self.conv_kernel + 2 * self.value_heads \
+            + self.value_dim + values * hidden
+
+
+@dataclass(frozen=True)
 class Shape:
     """The sizes of a decoder-only transformer, read from its config.json (or its text_config)."""
 
@@ -170,19 +189,27 @@ class Shape:
     experts_per_token: int = 0
     tied: bool = False
     qkv_bias: bool = False
+    linear: LinearAttention | None = None  # the linear-attention layers (the rest are full attention)
+    shared_expert: int = 0  # a MoE block's always-on expert's width (with its sigmoid gate)
 
     @classmethod
     def of(cls, config: Mapping) -> Shape:
         text = config.get("text_config") or config
         arch = of_config(text)
         h, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
-        moe = {}
+        moe: dict[str, Any] = {}
         if arch.moe:
             experts: Any = text.get("num_experts") or text.get("num_local_experts")
             moe = {"experts": int(experts),
                    "experts_per_token": int(text["num_experts_per_tok"])}
         inter = int(text.get("moe_intermediate_size") or text["intermediate_size"]) if arch.moe \
             else int(text["intermediate_size"])
+        if arch.linear_attention:
+            moe["linear"] = LinearAttention(
+                sum(t == "linear_attention" for t in text.get("layer_types") or ()), int(text["linear_num_key_heads"]),
+                int(text["linear_num_value_heads"]), int(text["linear_key_head_dim"]),
+                int(text["linear_value_head_dim"]), int(text.get("linear_conv_kernel_dim", 4)))
+            moe["shared_expert"] = int(text.get("shared_expert_intermediate_size") or 0)
         return cls(arch, h, int(text["num_hidden_layers"]), heads, int(text.get("num_key_value_heads") or heads),
                    int(text.get("head_dim") or h // heads), int(text["vocab_size"]), inter, tied=is_tied(text),
                    # Qwen2 has q/k/v biases without saying so
@@ -198,6 +225,11 @@ class Shape:
         """Key plus value elements of one token in one layer."""
         return 2 * self.kv_heads * self.head_dim
 
+    @property
+    def attention_layers(self) -> int:
+        """Layers of full attention: the ones with a KV cache (a linear-attention layer's state is fixed)."""
+        return self.layers - (self.linear.layers if self.linear else 0)
+
 
 def parameter_counts(config: Mapping) -> tuple[int, int]:
     """(total, active per token) parameters from the config alone (no weights read).
@@ -208,16 +240,20 @@ def parameter_counts(config: Mapping) -> tuple[int, int]:
     """
     s = Shape.of(config)
     q = s.heads * s.head_dim
-    attn = s.hidden * (q + s.kv_width) + q * s.hidden + (q + s.kv_width if s.qkv_bias else 0)
+    # Qwen3.5's attention gates its output per channel: q_proj yields the gate beside the queries
+    q_out = 2 * q if s.arch.linear_attention else q
+    attn = s.hidden * (q_out + s.kv_width) + q * s.hidden + (q + s.kv_width if s.qkv_bias else 0)
     expert = 3 * s.hidden * s.intermediate
     if s.arch.moe:
-        router = s.hidden * s.experts
+        router = s.hidden * s.experts + (3 * s.hidden * s.shared_expert + s.hidden if s.shared_expert else 0)
         mlp_total, mlp_active = s.experts * expert + router, s.experts_per_token * expert + router
     else:
         mlp_total = mlp_active = expert
-    norms = s.layers * (s.arch.norms_per_layer * s.hidden + (2 * s.head_dim if s.arch.qk_norm else 0)) + s.hidden
+    qk_norms = s.attention_layers * 2 * s.head_dim if s.arch.qk_norm else 0
+    norms = s.layers * s.arch.norms_per_layer * s.hidden + qk_norms + s.hidden
     fixed = s.vocab * s.hidden * (1 if s.tied else 2) + norms
-    return fixed + s.layers * (attn + mlp_total), fixed + s.layers * (attn + mlp_active)
+    mixers = s.attention_layers * attn + (s.linear.layers * s.linear.parameters(s.hidden) if s.linear else 0)
+    return fixed + mixers + s.layers * mlp_total, fixed + mixers + s.layers * mlp_active
 
 
 # The Linears a tensor-parallel plan splits by their output (column parallel) and by their input
@@ -232,15 +268,24 @@ def lora_parameters(config: Mapping, rank: int, targets: list[str], tensor_paral
     a gang of that many tensor-parallel ranks (a column-parallel layer's B and a row-parallel
     layer's A split; A, respectively B, and the head's LoRA whole; the experts counted whole)."""
     s = Shape.of(config)
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    shapes = {"q_proj": (s.hidden, q), "k_proj": (s.hidden, kv), "v_proj": (s.hidden, kv), "o_proj": (q, s.hidden)}
-    mlp = {"gate_proj": (s.hidden, s.intermediate), "up_proj": (s.hidden, s.intermediate),
-           "down_proj": (s.intermediate, s.hidden)}
-    if not s.arch.moe:
-        shapes.update(mlp)
+    h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    attn = {"q_proj": (h, 2 * q if s.arch.linear_attention else q), "k_proj": (h, kv), "v_proj": (h, kv),
+            "o_proj": (q, h)}
+    mlp = {"gate_proj": (h, s.intermediate), "up_proj": (h, s.intermediate), "down_proj": (s.intermediate, h)}
+    # the dense MLP, or a MoE block's shared expert (Qwen3.5-MoE; Qwen3-MoE has none)
+    dense = s.shared_expert if s.arch.moe else s.intermediate
+    dense_mlp = {"gate_proj": (h, dense), "up_proj": (h, dense), "down_proj": (dense, h)} if dense else {}
+    linear: dict[str, tuple[int, int]] = {}
+    if s.linear:
+        keys, values = s.linear.key_heads * s.linear.key_dim, s.linear.value_heads * s.linear.value_dim
+        linear = {"in_proj_qkv": (h, 2 * keys + values), "in_proj_z": (h, values), "in_proj_b": (h, s.linear.value_heads),
+                  "in_proj_a": (h, s.linear.value_heads), "out_proj": (values, h)}
     tp = tensor_parallel
-    per_layer = sum(rank * (i // (tp if name in ROW_PARALLEL else 1) + o // (tp if name in COLUMN_PARALLEL else 1))
-                    for name, (i, o) in shapes.items() if name in targets)
+
+    def part(shapes: dict[str, tuple[int, int]]) -> int:
+        return sum(rank * (i // (tp if name in ROW_PARALLEL else 1) + o // (tp if name in COLUMN_PARALLEL else 1))
+                   for name, (i, o) in shapes.items() if name in targets)
+    total = s.attention_layers * part(attn) + s.layers * part(dense_mlp) + (s.linear.layers * part(linear) if s.linear else 0)
     if s.arch.moe and EXPERT_MODULES[0] in targets:
-        per_layer += s.experts * sum(rank * (i + o) for i, o in mlp.values())
-    return s.layers * per_layer + (rank * (s.hidden + s.vocab) if "lm_head" in targets else 0)
+        total += s.layers * s.experts * sum(rank * (i + o) for i, o in mlp.values())
+    return total + (rank * (s.hidden + s.vocab) if "lm_head" in targets else 0)

@@ -158,3 +158,61 @@ def _merged_float64(base: Path, adapter: Path, out: Path) -> Path:
         weights[name] = weights[name] + (f.b @ f.a) * f.scaling
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def _layer_types(n: int) -> list[str]:
+    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+
+
+# The language models of published Qwen3.5 checkpoints (their config.json's text_config)
+QWEN3_5_27B = {"model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408,
+               "num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+               "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+               "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "layer_types": _layer_types(64),
+               "tie_word_embeddings": False}
+QWEN3_5_35B_A3B = {"model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+                   "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+                   "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                   "linear_conv_kernel_dim": 4, "layer_types": _layer_types(40), "num_experts": 256,
+                   "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                   "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("config, total_b, active_b", [
+    # published: 27 B and 35 B total, 3 B active, each with a vision tower of about 0.4 B beside the language model
+    (QWEN3_5_27B, (26.5, 27.0), (26.5, 27.0)),
+    (QWEN3_5_35B_A3B, (34.4, 35.0), (3.0, 3.6)),
+    ({"model_type": "qwen3_5", "text_config": QWEN3_5_27B}, (26.5, 27.0), (26.5, 27.0)),
+])
+def test_parameter_counts_match_published_sizes(config, total_b, active_b):
+    total, active = architectures.parameter_counts(config)
+    assert total_b[0] * 1e9 < total < total_b[1] * 1e9 and active_b[0] * 1e9 < active < active_b[1] * 1e9
+
+
+def test_counts_are_the_tiny_models_exactly(hybrid):
+    """Base and adapter parameters from config.json alone equal what transformers and the trainer build."""
+    from bases.model_sources import weights_parameters
+
+    config = json.loads((hybrid / "config.json").read_text())
+    assert architectures.parameter_counts(config)[0] == weights_parameters(hybrid)
+    be = LoraBackend(hybrid)
+    for switches in ({}, {"train_mlp": False}, {"train_attn": False, "train_unembed": False}):
+        be.create("m", LoraShape(rank=4, seed=1, **switches))
+        targets = architectures.lora_targets(config, switches)
+        assert sum(t.numel() for t in be.adapter_state("m").values()) == architectures.lora_parameters(config, 4, targets)
+
+
+def test_the_plan_sizes_the_kv_cache_of_the_full_attention_layers_only():
+    from bases import memory_plan
+
+    # the trainer and the sampler each on an 80 GiB GPU of their own
+    plan = memory_plan.plan_memory(QWEN3_5_27B, memory_plan.PlanInputs(device_bytes=80 * memory_plan.GiB,
+                                                                       shared_device=False))
+    assert not plan.problems, plan.problems
+    assert plan.base_bytes == architectures.parameter_counts(QWEN3_5_27B)[0] * 2
+    # 16 of the 64 layers keep keys and values: 16 x 2 x 4 heads x 256 x 2 bytes
+    assert plan.kv_bytes_per_token == 16 * 2 * 4 * 256 * 2
+    assert plan.max_sequences >= 4, plan.rows()
+    small = memory_plan.plan_memory(QWEN3_5_27B, memory_plan.PlanInputs(device_bytes=48 * memory_plan.GiB,
+                                                                        shared_device=False))
+    assert small.problems and "base weights" in small.problems[0]
