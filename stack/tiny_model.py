@@ -143,6 +143,11 @@ class TinyModelSpec:
 
         if self.architecture not in SUPPORTED:
             raise ValueError(f"architecture={self.architecture!r} must be one of {sorted(SUPPORTED)}")
+        if self.architecture in ("qwen3_5", "qwen3_5_moe"):
+            # multimodal configs: their text shape lives in a text_config this spec does not fill (built as
+            # is, it would be the default 9 B language model)
+            raise ValueError(f"architecture={self.architecture!r}: build its language model, "
+                             f"{self.architecture}_text, instead")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts]")
         if self.dtype not in ("float32", "bfloat16"):
