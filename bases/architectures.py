@@ -34,6 +34,14 @@ Vision-language bases (Qwen3-VL) keep the decoder's config under `text_config` (
 `qwen3_vl_text`) beside a `vision_config`. LoRA goes on the language model only; the vision tower
 stays frozen (its Linears are named `qkv`, `proj`, `linear_fc1`, so no target name reaches it).
 `text_config(config)` is where every size is read.
+
+Qwen3.5 (`qwen3_5_text`, `qwen3_5_moe_text`; the multimodal `qwen3_5` / `qwen3_5_moe` checkpoints
+train their language model here) puts linear-attention layers (a gated delta rule with a short
+causal convolution) beside full attention. `train_attn` covers both kinds: the full-attention
+projections and the linear-attention block's five Linears, which vLLM's Qwen3.5 model serves with
+LoRA (`in_proj_qkv` and `in_proj_z` into its `in_proj_qkvz`, `in_proj_b` and `in_proj_a` into its
+`in_proj_ba`, and `out_proj`). A packed pass runs each row's recurrence from a zero state
+(batcher.engine.linear_attention).
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 MLA_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 UNEMBED_MODULES = ("lm_head",)
 EXPERT_MODULES = ("experts",)  # a MoE block's fused experts (batcher.engine.expert_lora)
+# A gated-delta-rule block's Linears (Qwen3.5): its conv1d, decay and norm stay frozen.
+LINEAR_ATTN_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
 @dataclass(frozen=True)
@@ -68,11 +78,12 @@ class Architecture:
     # is MoE, its experts' LoRA on the fused 3-D weights, exported as PEFT target_parameters
     # (batcher.engine.expert_lora), which is how vLLM loads a LoRA for it
     experts_3d: bool = False
+    linear_attention: bool = False  # gated-delta-rule layers beside full attention (config.layer_types)
 
     @property
     def attn_modules(self) -> tuple[str, ...]:
-        """What `train_attn` targets."""
-        return MLA_MODULES if self.mla else ATTN_MODULES
+        """What `train_attn` targets: the attention projections, and the linear-attention block's."""
+        return (MLA_MODULES if self.mla else ATTN_MODULES) + (LINEAR_ATTN_MODULES if self.linear_attention else ())
 
     @property
     def mlp_modules(self) -> tuple[str, ...]:
@@ -99,6 +110,9 @@ SUPPORTED: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("qwen3_vl_moe", "Qwen3-VL-MoE", moe=True, qk_norm=True, vision=True),
     # vLLM's GptOssForCausalLM lists no lm_head among its LoRA modules
     Architecture("gpt_oss", "gpt-oss", moe=True, unembed_lora=False, experts_3d=True),
+    *(Architecture(t, f, moe=moe, qk_norm=True, linear_attention=True)
+      for t, f, moe in (("qwen3_5_text", "Qwen3.5", False), ("qwen3_5", "Qwen3.5", False),
+                        ("qwen3_5_moe_text", "Qwen3.5-MoE", True), ("qwen3_5_moe", "Qwen3.5-MoE", True))),
 )}
 # A vision base's text_config names its decoder's own model_type; it has the base's row.
 TEXT_MODEL_TYPES = {"qwen3_vl_text": "qwen3_vl", "qwen3_vl_moe_text": "qwen3_vl_moe"}
@@ -203,6 +217,25 @@ def lora_targets(config: Mapping, lora_config: Mapping, *, expert_lora: bool = T
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """A gated-delta-rule block's sizes (Qwen3.5), and how many of the decoder's layers are one."""
+
+    layers: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    def parameters(self, hidden: int) -> int:
+        """One block's: in_proj_qkv, _z, _b, _a, the depthwise conv, dt_bias, A_log, the gated norm, out_proj."""
+        keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        conv = 2 * keys + values
+        return hidden * (conv + values + 2 * self.value_heads) + conv * self.conv_kernel + 2 * self.value_heads \
+            + self.value_dim + values * hidden
+
+
+@dataclass(frozen=True)
 class Shape:
     """The sizes of a decoder-only transformer, read from its config.json (or its text_config)."""
 
@@ -222,7 +255,9 @@ class Shape:
     dense_layers: int = 0  # MoE: the first layers, with a dense MLP of dense_intermediate (first_k_dense_replace)
     dense_intermediate: int = 0
     shared_intermediate: int = 0  # MoE: the shared experts' MLP width beside the routed ones (0: none)
+    shared_gate: bool = False  # Qwen3.5-MoE: a sigmoid gate (Linear hidden -> 1) on the shared expert
     o_bias: bool = False
+    linear: LinearAttention | None = None  # the linear-attention layers (the rest are full attention)
 
     @classmethod
     def of(cls, config: Mapping) -> Shape:
@@ -245,6 +280,13 @@ class Shape:
             head_dim = latent.qk_nope + latent.qk_rope
         else:
             head_dim = int(text.get("head_dim") or h // heads)
+        if arch.linear_attention:
+            moe["linear"] = LinearAttention(
+                sum(t == "linear_attention" for t in text.get("layer_types") or ()), int(text["linear_num_key_heads"]),
+                int(text["linear_num_value_heads"]), int(text["linear_key_head_dim"]),
+                int(text["linear_value_head_dim"]), int(text.get("linear_conv_kernel_dim", 4)))
+            shared = int(text.get("shared_expert_intermediate_size") or 0) if arch.moe else 0
+            moe.update(shared_intermediate=shared, shared_gate=shared > 0)
         return cls(arch, h, int(text["num_hidden_layers"]), heads, int(text.get("num_key_value_heads") or heads),
                    head_dim, int(text["vocab_size"]), inter, tied=is_tied(config),
                    # Qwen2 has q/k/v biases without saying so
@@ -268,6 +310,11 @@ class Shape:
     def moe_layers(self) -> int:
         """Layers whose MLP is the experts (the rest have a dense MLP of dense_intermediate)."""
         return self.layers - self.dense_layers if self.arch.moe else 0
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers of full attention: the ones with a KV cache (a linear-attention layer's state is fixed)."""
+        return self.layers - (self.linear.layers if self.linear else 0)
 
 
 @dataclass(frozen=True)
@@ -302,22 +349,27 @@ def parameter_counts(config: Mapping) -> tuple[int, int]:
     """
     s = Shape.of(config)
     q = s.heads * s.head_dim
-    attn = s.hidden * (q + s.kv_width) + q * s.hidden + (q + s.kv_width if s.qkv_bias else 0) \
+    # Qwen3.5's attention gates its output per channel: q_proj yields the gate beside the queries
+    q_out = 2 * q if s.arch.linear_attention else q
+    attn = s.hidden * (q_out + s.kv_width) + q * s.hidden + (q + s.kv_width if s.qkv_bias else 0) \
         + (s.hidden if s.o_bias else 0) + (s.heads if s.arch.experts_3d else 0)  # gpt-oss: a sink per head
-    norms = s.layers * (s.arch.norms_per_layer * s.hidden + (2 * s.head_dim if s.arch.qk_norm else 0)) + s.hidden
+    qk_norms = s.attention_layers * 2 * s.head_dim if s.arch.qk_norm else 0
+    norms = s.layers * s.arch.norms_per_layer * s.hidden + qk_norms + s.hidden
     if s.latent is not None:  # its Linears, and the norms of the query's and the latent's low-rank
         attn = sum(i * o for i, o in s.latent.linears(s.hidden, s.heads).values())
         norms += s.layers * (s.latent.q_rank + s.latent.kv_rank)
     expert = 3 * s.hidden * s.intermediate + (2 * s.intermediate + s.hidden if s.arch.experts_3d else 0)
     if s.arch.moe:
         # the router, its bias (gpt-oss's) or score-correction bias (DeepSeek-V3's), the shared experts
+        # and Qwen3.5's gate on them
         router = s.hidden * s.experts + (s.experts if s.arch.mla or s.arch.experts_3d else 0) \
-            + 3 * s.hidden * s.shared_intermediate
+            + 3 * s.hidden * s.shared_intermediate + (s.hidden if s.shared_gate else 0)
         mlp_total, mlp_active = s.experts * expert + router, s.experts_per_token * expert + router
     else:
         mlp_total = mlp_active = expert
     dense = s.dense_layers * 3 * s.hidden * s.dense_intermediate
-    fixed = s.vocab * s.hidden * (1 if s.tied else 2) + norms + s.layers * attn + dense
+    mixers = s.attention_layers * attn + (s.linear.layers * s.linear.parameters(s.hidden) if s.linear else 0)
+    fixed = s.vocab * s.hidden * (1 if s.tied else 2) + norms + mixers + dense
     moe_layers = s.moe_layers if s.arch.moe else s.layers
     return fixed + moe_layers * mlp_total, fixed + moe_layers * mlp_active
 
@@ -334,13 +386,19 @@ def lora_parameters(config: Mapping, rank: int, targets: list[str], tensor_paral
     a gang of that many tensor-parallel ranks (a column-parallel layer's B and a row-parallel
     layer's A split; A, respectively B, and the head's LoRA whole; the experts counted whole)."""
     s = Shape.of(config)
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    shapes = {"q_proj": (s.hidden, q), "k_proj": (s.hidden, kv), "v_proj": (s.hidden, kv), "o_proj": (q, s.hidden)}
+    h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    attn = {"q_proj": (h, 2 * q if s.arch.linear_attention else q), "k_proj": (h, kv), "v_proj": (h, kv),
+            "o_proj": (q, h)}
     if s.latent is not None:
-        shapes = s.latent.linears(s.hidden, s.heads)
+        attn = s.latent.linears(h, s.heads)
+    linear: dict[str, tuple[int, int]] = {}
+    if s.linear:
+        keys, values = s.linear.key_heads * s.linear.key_dim, s.linear.value_heads * s.linear.value_dim
+        linear = {"in_proj_qkv": (h, 2 * keys + values), "in_proj_z": (h, values), "in_proj_b": (h, s.linear.value_heads),
+                  "in_proj_a": (h, s.linear.value_heads), "out_proj": (values, h)}
 
     def mlp(width: int) -> dict[str, tuple[int, int]]:
-        return {"gate_proj": (s.hidden, width), "up_proj": (s.hidden, width), "down_proj": (width, s.hidden)}
+        return {"gate_proj": (h, width), "up_proj": (h, width), "down_proj": (width, h)}
 
     tp = tensor_parallel
 
@@ -348,7 +406,7 @@ def lora_parameters(config: Mapping, rank: int, targets: list[str], tensor_paral
         return sum(rank * (i // (tp if name in ROW_PARALLEL else 1) + o // (tp if name in COLUMN_PARALLEL else 1))
                    for name, (i, o) in linears.items() if name in targets)
 
-    total = s.layers * lora(shapes)
+    total = s.attention_layers * lora(attn) + (s.linear.layers * lora(linear) if s.linear else 0)
     if not s.arch.moe:
         total += s.layers * lora(mlp(s.intermediate))
     else:  # the first dense layers' MLP, the shared experts', each expert's gate, up and down
@@ -356,7 +414,7 @@ def lora_parameters(config: Mapping, rank: int, targets: list[str], tensor_paral
         total += s.moe_layers * (lora(mlp(s.shared_intermediate)) if s.shared_intermediate else 0)
         if EXPERT_MODULES[0] in targets:
             # gpt-oss: one LoRA on each expert's fused gate_up [H -> 2I], one on its down
-            experts = ({"gate_up_proj": (s.hidden, 2 * s.intermediate), "down_proj": (s.intermediate, s.hidden)}
+            experts = ({"gate_up_proj": (h, 2 * s.intermediate), "down_proj": (s.intermediate, h)}
                        if s.arch.experts_3d else mlp(s.intermediate))
             total += s.moe_layers * s.experts * sum(rank * (i + o) for i, o in experts.values())
     return total + (rank * (s.hidden + s.vocab) if "lm_head" in targets else 0)

@@ -232,8 +232,9 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
         problems.append("token_budget: no adapter fits beside the activations; lower QUILT_TRAINER_TOKEN_BUDGET")
 
     # vLLM splits the KV heads over its GPUs (past their count, each GPU keeps one head's copy; a
-    # latent attention's one latent is on every GPU)
-    kv_per_token = layers * shape.kv_width * width // min(inputs.sampler_ranks, 1 if shape.latent else shape.kv_heads)
+    # latent attention's one latent is on every GPU); only full-attention layers have a KV cache
+    kv_per_token = (shape.attention_layers * shape.kv_width * width
+                    // min(inputs.sampler_ranks, 1 if shape.latent else shape.kv_heads))
     lora_slots = inputs.max_loras * _adapter_parameters(config, inputs.max_lora_rank, inputs.expert_lora,
                                                         inputs.sampler_ranks) * width
     # vLLM's own activation peak at its batch: about one max_context prefill's worth
@@ -365,7 +366,7 @@ def sampler_problems(config: Mapping, *, accelerator: bool, dtype: str, gen_memo
                                               expert_lora=expert_lora))
         return list(plan.sampler_problems)
     shape = architectures.Shape.of(config)
-    per_token = shape.layers * shape.kv_width * DTYPE_BYTES[resolved]
+    per_token = shape.attention_layers * shape.kv_width * DTYPE_BYTES[resolved]
     if per_token * max_context > kv_cache_bytes:
         return [f"kv_cache_gib: one sequence of {max_context:,} tokens needs "
                 f"{per_token * max_context / GiB:.2f} GiB of KV cache, more than the {kv_cache_bytes / GiB:.0f} GiB set; "

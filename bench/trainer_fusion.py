@@ -18,6 +18,10 @@
    `core.custom_loss`, run node by node per datum in its rows of the pass, and never from a
    captured graph), against all 8 on the built-in; interleaved, as a ratio of round times.
    `--only custom` runs this section alone.
+5. `--only hybrid`: section 2's fused/sequential and fused/ceiling ratios on a random Qwen3.5 base
+   (gated-delta-rule layers, three in four, beside full attention: each packed row's recurrence
+   runs from a zero state, batcher.engine.linear_attention) and on the Qwen3 base of the same width
+   and depth, side by side in one run.
 
 Model FLOPs utilisation counts 4·P·T per trained token pass (forward 2PT + backward to the
 activations 2PT; the base's weight gradients are never computed) against a float32 matmul peak
@@ -70,6 +74,21 @@ def build_base(directory: Path, *, hidden: int, layers: int, vocab: int) -> int:
                          intermediate_size=3 * hidden, max_position_embeddings=4096, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config)
+    model.save_pretrained(directory)
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_hybrid(directory: Path, *, hidden: int, layers: int, vocab: int) -> int:
+    """A random-weight Qwen3.5 (text) base of the same width: every fourth layer full attention."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                               num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128), head_dim=64,
+                               intermediate_size=3 * hidden, linear_num_key_heads=max(1, hidden // 128),
+                               linear_num_value_heads=hidden // 64, linear_key_head_dim=64, linear_value_head_dim=64,
+                               max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(config)
     model.save_pretrained(directory)
     return sum(p.numel() for p in model.parameters())
 
@@ -241,7 +260,8 @@ def main() -> None:
                         help="leave glibc's allocator as it is instead of keeping freed memory in the heap, as the "
                              "trainer does (batcher.heap, QUILT_TRAINER_KEEP_FREED_MEMORY)")
     parser.add_argument("--layers", type=int, help="base depth (default 8; --quick 4)")
-    parser.add_argument("--only", choices=["custom"], help="run one section alone (4: a custom loss's cost)")
+    parser.add_argument("--only", choices=["custom", "hybrid"],
+                        help="run one section alone (4: a custom loss's cost; 5: a hybrid-attention base)")
     args = parser.parse_args()
     global DEVICE, DTYPE
     DEVICE, DTYPE = torch.device(args.device), getattr(torch, args.dtype)
@@ -250,6 +270,9 @@ def main() -> None:
     hidden, layers = args.hidden or hidden, args.layers or layers
     reps = 2 if args.quick else args.reps
 
+    if args.only == "hybrid":
+        print(json.dumps(hybrid_section(hidden, layers, vocab, reps, args)))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         params = build_base(Path(tmp), hidden=hidden, layers=layers, vocab=vocab)
         be = LoraBackend(tmp, max_tokens_per_pass=1 << 20, device=args.device, dtype=DTYPE)
@@ -352,6 +375,35 @@ def custom_section(be: LoraBackend, reps: int, params: int, args: argparse.Names
         print(f"{rows:>15} {figures[rows]:>16.3f}")
     return {"custom_over_builtin_8": round(figures[1], 3), "custom_over_builtin_8x4": round(figures[4], 3),
             "device": args.device, "parameters": params}
+
+
+def hybrid_section(hidden: int, layers: int, vocab: int, reps: int, args: argparse.Namespace) -> dict:
+    """5. N tenants x one sequence on a hybrid-attention base and on a full-attention one."""
+    sizes = (1, 2, 4, 8, 16)
+    ratios: dict[str, dict[int, tuple[float, float]]] = {}
+    params = {}
+    for kind, build in (("qwen3", build_base), ("qwen3_5", build_hybrid)):
+        with tempfile.TemporaryDirectory() as tmp:
+            params[kind] = build(Path(tmp), hidden=hidden, layers=layers, vocab=vocab)
+            be = LoraBackend(tmp, max_tokens_per_pass=1 << 20, device=args.device, dtype=DTYPE)
+            for i in range(max(sizes)):
+                be.create(f"t{i}", LoraShape(rank=args.rank, seed=i))
+            ratios[kind] = {}
+            for n in sizes:
+                _, over_fused = measure_modes(be, [1] * n, reps)
+                ratios[kind][n] = (over_fused["sequential"], over_fused["ceiling"])
+    print(f"\n5. N tenants x one {ROW}-token sequence, fused against one tenant at a time: Qwen3 "
+          f"({params['qwen3'] / 1e6:.1f}M) and Qwen3.5 hybrid attention ({params['qwen3_5'] / 1e6:.1f}M), "
+          f"hidden {hidden}, {layers} layers (median of {reps} interleaved ratios)")
+    print(f"{'tenants':>8} {'Qwen3 fused/seq':>16} {'Qwen3.5 fused/seq':>18} {'Qwen3 fused/ceil':>17} "
+          f"{'Qwen3.5 fused/ceil':>19}")
+    for n in sizes:
+        a, b = ratios["qwen3"][n], ratios["qwen3_5"][n]
+        print(f"{n:>8} {a[0]:>16.2f} {b[0]:>18.2f} {a[1]:>17.2f} {b[1]:>19.2f}")
+    return {"section": "hybrid", "device": args.device, "dtype": args.dtype, "hidden": hidden, "layers": layers,
+            "parameters": params, "tenant_tokens": ROW,
+            "fused_over_sequential": {k: {str(n): round(v[0], 3) for n, v in r.items()} for k, r in ratios.items()},
+            "fused_over_ceiling": {k: {str(n): round(v[1], 3) for n, v in r.items()} for k, r in ratios.items()}}
 
 
 if __name__ == "__main__":

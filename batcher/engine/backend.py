@@ -28,7 +28,17 @@ from typing import Any, cast
 import torch
 
 from bases import architectures, memory_plan
-from batcher.engine import adapter_io, custom_losses, data_parallel, gang, head, optimizers, sharded_snapshots, vision
+from batcher.engine import (
+    adapter_io,
+    custom_losses,
+    data_parallel,
+    gang,
+    head,
+    linear_attention,
+    optimizers,
+    sharded_snapshots,
+    vision,
+)
 from batcher.engine.adapter import LORA_ALPHA, Adapter
 from batcher.engine.collective import Mirror, collective
 from batcher.engine.device_pass import DevicePass
@@ -103,6 +113,10 @@ class LoraBackend:
             self.experts_refused = ("this base's trainer gang is tensor parallel, which splits each expert over its "
                                     "ranks; LoRA on the experts needs an expert-parallel gang (quilt models add "
                                     "--trainer-parallel ep)")
+        if linear_attention.uses_row_state(self.config):
+            # a packed row's recurrence starts from zero (its rows are host spans, which a replayed graph cannot follow)
+            linear_attention.register()
+            cuda_graphs = emulate_graphs = False
         targets = self._targets()
         self.lora = MultiLoraModel(self.base, targets, gang.splits(self.base, targets) if self.gang_size > 1 else None,
                                    SHARED_INPUT if shared_shrinks else ())

@@ -59,6 +59,12 @@ _current: Rows | None = None
 _varlen = True  # until the build's kernel refuses a call (then every pass takes the per-row path)
 
 
+def current() -> Rows | None:
+    """The rows of the packed pass under way (None outside one): layers with state along the
+    sequence (batcher.engine.linear_attention) split at them too."""
+    return _current
+
+
 def varlen_works() -> bool:
     """Whether packed passes on a GPU use the varlen kernel (until a call of it fails)."""
     return _varlen
