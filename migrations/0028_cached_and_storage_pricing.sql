@@ -15,7 +15,7 @@ ALTER TABLE usage_ledger
     ADD COLUMN cached_micro_usd   bigint NOT NULL DEFAULT 0 CHECK (cached_micro_usd >= 0),
     ADD COLUMN storage_byte_hours bigint NOT NULL DEFAULT 0 CHECK (storage_byte_hours >= 0),
     ADD COLUMN storage_micro_usd  bigint NOT NULL DEFAULT 0 CHECK (storage_micro_usd >= 0),
-    DROP CONSTRAINT usage_ledger_check,
+    DROP CONSTRAINT usage_ledger_cost_micro_usd_check,
     ADD CONSTRAINT usage_ledger_cost_is_the_sum CHECK (
         cost_micro_usd = prefill_micro_usd + sample_micro_usd + train_micro_usd + cached_micro_usd + storage_micro_usd);
 
