@@ -10,12 +10,21 @@ ALTER TABLE price_book
     ADD COLUMN storage_micro_usd_per_gb_month bigint NOT NULL DEFAULT 100000
         CHECK (storage_micro_usd_per_gb_month >= 0);
 
+-- The cost check of 0003 was declared on its column, unnamed: drop it by what it says.
+DO $$
+DECLARE name text;
+BEGIN
+    SELECT conname INTO name FROM pg_constraint
+    WHERE conrelid = 'usage_ledger'::regclass AND contype = 'c'
+      AND pg_get_constraintdef(oid) LIKE '%cost_micro_usd = %';
+    EXECUTE format('ALTER TABLE usage_ledger DROP CONSTRAINT %I', name);
+END $$;
+
 ALTER TABLE usage_ledger
     ADD COLUMN cached_tokens      bigint NOT NULL DEFAULT 0 CHECK (cached_tokens >= 0),
     ADD COLUMN cached_micro_usd   bigint NOT NULL DEFAULT 0 CHECK (cached_micro_usd >= 0),
     ADD COLUMN storage_byte_hours bigint NOT NULL DEFAULT 0 CHECK (storage_byte_hours >= 0),
     ADD COLUMN storage_micro_usd  bigint NOT NULL DEFAULT 0 CHECK (storage_micro_usd >= 0),
-    DROP CONSTRAINT usage_ledger_cost_micro_usd_check,
     ADD CONSTRAINT usage_ledger_cost_is_the_sum CHECK (
         cost_micro_usd = prefill_micro_usd + sample_micro_usd + train_micro_usd + cached_micro_usd + storage_micro_usd);
 
