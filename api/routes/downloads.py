@@ -185,8 +185,8 @@ async def trace_export(session_id: str, request: Request, who: Who, pool: Pool, 
     trace-event JSON, which Perfetto opens; api.session_trace), built when the link is followed, so
     it shows the session as it is then. At most MAX_TRACE_REQUESTS requests, the latest; the trace
     says when it holds fewer. Only the session's own tenant can export it (404 otherwise)."""
-    if len(session_id) > 128:
-        raise InvalidInput("session_id is at most 128 characters", field="session_id")
+    if len(session_id) > 128 or not session_id.isprintable():
+        raise InvalidInput("session_id is at most 128 printable characters", field="session_id")
     async with pool.connection() as conn:
         await scoped.session_requests(conn, who.tenant_id, session_id, 0)  # 404 now, not at the download
     expires = int(time.time()) + settings.download_url_ttl_s
