@@ -10,9 +10,11 @@ request is an async slice from its admission to its end, holding two slices in t
                  `export` (save_weights, save_weights_for_sampler, save_weights_external), `sampling`,
                  or the kind's own name (create_model, load_weights)
 
-and an instant `admitted` mark at its start. A request never taken (failed in the queue) has the
-wait only; one still running ends at the trace's end. Times are microseconds from the session's
-first request; `otherData.start` gives that instant in UTC.
+and an instant `admitted` mark at its start. The generation pool records no start on its rows, so a
+finished sample is one `sampling` slice from admission to its end (its wait in the pool inside it).
+A request never taken (failed in the queue) has the wait only; one still running ends at the
+trace's end. Times are microseconds from the session's first request; `otherData.start` gives that
+instant in UTC.
 
 Bounded: at most MAX_TRACE_REQUESTS requests, the latest ones; a trace holding fewer than the
 session has says so in `otherData` (`truncated`, `shown`, `limit`) and with an instant event named
@@ -77,6 +79,8 @@ def _request_events(r: dict, tid: int, origin: datetime, now: datetime) -> list[
     if r.get("queue_state"):
         args["queue_state"] = r["queue_state"]
     taken = started
+    if taken is None and r["kind"] == "sample" and finished is not None and r["status"] == "done":
+        taken = admitted  # the generation pool records no start: its slice holds its wait in the pool
     wait_end = taken or end
 
     def span(name: str, begin: datetime, stop: datetime, extra: dict | None = None) -> list[dict[str, Any]]:
@@ -88,7 +92,8 @@ def _request_events(r: dict, tid: int, origin: datetime, now: datetime) -> list[
                "args": {"request_id": r["id"], "kind": r["kind"]}}]
     outer = span(f"{r['kind']} {r['id']}", admitted, end, args)
     events.append(outer[0])
-    events.extend(span("queue wait", admitted, wait_end))
+    if started is not None or taken is None:
+        events.extend(span("queue wait", admitted, wait_end))
     if taken is not None:
         events.extend(span(work, taken, end))
     events.append(outer[1])

@@ -56,7 +56,10 @@ def test_each_request_is_a_wait_then_its_work_inside_its_own_slice():
     assert got[("r1", "queue wait")] == (1_000_000, 1_250_000)
     assert got[("r1", "trainer pass")] == (1_250_000, 3_250_000)
     assert got[("r1", "forward_backward r1")] == (1_000_000, 3_250_000)
-    assert ("r3", "export") in got and ("r4", "sampling") in got
+    assert ("r3", "export") in got and got[("r4", "sampling")] == (4_000_000, 4_500_000)
+    # The generation pool records no start: a done sample is one slice from admission to its end.
+    unstarted = slices(build_trace("s", [row(0, "sample", started=False, run=0.75)], truncated=False, now=T0))
+    assert unstarted == {("r0", "sample r0"): (0, 750_000), ("r0", "sampling"): (0, 750_000)}
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert names == {"session sess", "model m1", "sampler s1"}
     assert [e["args"]["request_id"] for e in trace["traceEvents"] if e["name"] == "admitted"] == [f"r{i}" for i in range(5)]
