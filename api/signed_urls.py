@@ -38,6 +38,7 @@ from core.signing_keys import KEYS_REREAD_S, SigningKeys, configured_keys, deriv
 
 ARCHIVE = ""  # `file` of a token for the whole adapter as a .tar.gz
 MERGED = "*merged"  # `file` of a token for the adapter merged into its base, as a .tar
+TRACE = "*trace:"  # `file` of a token for a session's trace: this, then the session id (checkpoint_id 0)
 
 
 @dataclass(frozen=True)

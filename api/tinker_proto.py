@@ -192,6 +192,7 @@ def encode_sample_response(result: dict) -> bytes:
         _fill_topk(out.topk_prompt_logprobs, topk)
     if result.get("target_prompt_logprobs") is not None:
         _fill_tensor(pb, out.target_prompt_logprobs, result["target_prompt_logprobs"])
+    out.prompt_cache_hit_tokens = int(result.get("prompt_cache_hit_tokens") or 0)
     alts = result.get("prompt_alt_tokens")
     if alts is not None:
         _fill_tensor(pb, out.prompt_alt_tokens.tokens, alts["tokens"])

@@ -77,7 +77,9 @@ def cmd_usage(args, prepared: Callable) -> int:
             print(f"  {model:<{width}}  {usd_short(v['cost_micro_usd']):>12}  tokens: {tokens}")
         print("\nBy unit:")
         for line in summary.by_unit():
-            print(f"  {line['unit']:<8} {usd_short(line['cost_micro_usd']):>12}  {line['tokens']:,} tokens")
+            amount = (f"{line['gigabyte_hours']:,.3f} GB-hours" if line["unit"] == "storage"
+                      else f"{line['tokens']:,} tokens")
+            print(f"  {line['unit']:<8} {usd_short(line['cost_micro_usd']):>12}  {amount}")
     for b in limits:
         who = "tenant" if b["api_key_id"] is None else f"key {b['prefix']}..."
         print(f"\nBudget ({who}): {usd_short(b['spent_micro_usd'])} spent of "
@@ -167,10 +169,11 @@ def cmd_prices_list(args, prepared: Callable) -> int:
 
     with db.connect(prepared(args)) as conn:
         prices = price_book.list_prices_sync(conn)
-    print("base model\teffective from\tprefill\tsample\ttrain   (USD per million tokens)")
+    print("base model\teffective from\tprefill\tcached\tsample\ttrain   (USD per million tokens)\tstorage (USD per GB-month)")
     for p in prices:
         print(f"{p.base_model}\t{p.effective_from:%Y-%m-%d %H:%M}\t{usd(p.prefill_micro_usd_per_mtok)}\t"
-              f"{usd(p.sample_micro_usd_per_mtok)}\t{usd(p.train_micro_usd_per_mtok)}\t{p.note}")
+              f"{usd(p.rate('cached'))}\t{usd(p.sample_micro_usd_per_mtok)}\t{usd(p.train_micro_usd_per_mtok)}\t"
+              f"{usd(p.storage_micro_usd_per_gb_month)}\t{p.note}")
     return 0
 
 
@@ -180,7 +183,9 @@ def cmd_prices_set(args, prepared: Callable) -> int:
     from core import db
 
     rates = {}
-    for unit in ("prefill", "sample", "train"):
+    for unit in ("prefill", "sample", "train", "cached", "storage"):
+        if getattr(args, unit, None) is None:  # cached: 20% of prefill; storage: the table's default
+            continue
         try:
             rates[unit] = parse_usd(getattr(args, unit))
         except ValueError as exc:
@@ -298,6 +303,8 @@ def add_commands(sub, data_dir_option: Callable, prepared: Callable) -> None:
     p.add_argument("--prefill", required=True)
     p.add_argument("--sample", required=True)
     p.add_argument("--train", required=True)
+    p.add_argument("--cached", help="USD per million prefix-cache hits (default: 20%% of --prefill)")
+    p.add_argument("--storage", help="USD per GB-month of checkpoints (default: the price book's default)")
     p.add_argument("--from", dest="effective_from", type=_when, help="ISO time (default: now)")
     p.add_argument("--note", default="")
     command(p, cmd_prices_set)

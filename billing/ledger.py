@@ -35,12 +35,13 @@ class LedgerEntry:
 
 _INSERT = """
 INSERT INTO usage_ledger (request_id, tenant_id, api_key_id, model_id, base_model,
-                          prefill_tokens, sample_tokens, train_tokens, price_id,
-                          prefill_micro_usd, sample_micro_usd, train_micro_usd, cost_micro_usd)
+                          prefill_tokens, sample_tokens, train_tokens, cached_tokens, storage_byte_hours, price_id,
+                          prefill_micro_usd, sample_micro_usd, train_micro_usd, cached_micro_usd, storage_micro_usd,
+                          cost_micro_usd)
 VALUES (%(request_id)s, %(tenant_id)s,
         COALESCE(%(api_key_id)s, (SELECT api_key_id FROM requests WHERE id = %(request_id)s)),
-        %(model_id)s, %(base_model)s, %(prefill)s, %(sample)s, %(train)s, %(price_id)s,
-        %(prefill_cost)s, %(sample_cost)s, %(train_cost)s, %(cost)s)
+        %(model_id)s, %(base_model)s, %(prefill)s, %(sample)s, %(train)s, %(cached)s, %(storage)s, %(price_id)s,
+        %(prefill_cost)s, %(sample_cost)s, %(train_cost)s, %(cached_cost)s, %(storage_cost)s, %(cost)s)
 ON CONFLICT (request_id) DO NOTHING
 RETURNING id, api_key_id, created_at
 """
@@ -50,35 +51,39 @@ def _adding(alias: str, columns: str) -> str:
     return ",\n    ".join(f"{c} = {alias}.{c} + EXCLUDED.{c}" for c in columns.split())
 
 
-_UNIT_SUMS = "prefill_tokens sample_tokens train_tokens prefill_micro_usd sample_micro_usd train_micro_usd"
+_UNIT_SUMS = ("prefill_tokens sample_tokens train_tokens cached_tokens storage_byte_hours prefill_micro_usd "
+              "sample_micro_usd train_micro_usd cached_micro_usd storage_micro_usd")
+_UNIT_VALUES = ("%(prefill)s, %(sample)s, %(train)s, %(cached)s, %(storage)s, %(prefill_cost)s, %(sample_cost)s, "
+                "%(train_cost)s, %(cached_cost)s, %(storage_cost)s")
 
 _DAILY = f"""
-INSERT INTO usage_daily AS d (tenant_id, api_key_id, day, base_model, requests, prefill_tokens, sample_tokens,
-                              train_tokens, prefill_micro_usd, sample_micro_usd, train_micro_usd, cost_micro_usd)
-VALUES (%(tenant_id)s, %(key)s, (%(at)s::timestamptz AT TIME ZONE 'UTC')::date, %(base_model)s, 1,
-        %(prefill)s, %(sample)s, %(train)s, %(prefill_cost)s, %(sample_cost)s, %(train_cost)s, %(cost)s)
+INSERT INTO usage_daily AS d (tenant_id, api_key_id, day, base_model, requests, {", ".join(_UNIT_SUMS.split())},
+                              cost_micro_usd)
+VALUES (%(tenant_id)s, %(key)s, (%(at)s::timestamptz AT TIME ZONE 'UTC')::date, %(base_model)s, %(requests)s,
+        {_UNIT_VALUES}, %(cost)s)
 ON CONFLICT (tenant_id, day, base_model, api_key_id) DO UPDATE SET
-    requests = d.requests + 1,
+    requests = d.requests + EXCLUDED.requests,
     {_adding("d", _UNIT_SUMS + " cost_micro_usd")}
 """
 
 _HOURLY = f"""
-INSERT INTO usage_hourly AS h (tenant_id, hour, requests, prefill_tokens, sample_tokens, train_tokens, cost_micro_usd)
-VALUES (%(tenant_id)s, date_trunc('hour', %(at)s::timestamptz, 'UTC'), 1, %(prefill)s, %(sample)s, %(train)s, %(cost)s)
+INSERT INTO usage_hourly AS h (tenant_id, hour, requests, prefill_tokens, sample_tokens, train_tokens, cached_tokens,
+                               storage_byte_hours, cost_micro_usd)
+VALUES (%(tenant_id)s, date_trunc('hour', %(at)s::timestamptz, 'UTC'), %(requests)s, %(prefill)s, %(sample)s,
+        %(train)s, %(cached)s, %(storage)s, %(cost)s)
 ON CONFLICT (tenant_id, hour) DO UPDATE SET
-    requests = h.requests + 1,
-    {_adding("h", "prefill_tokens sample_tokens train_tokens cost_micro_usd")}
+    requests = h.requests + EXCLUDED.requests,
+    {_adding("h", "prefill_tokens sample_tokens train_tokens cached_tokens storage_byte_hours cost_micro_usd")}
 """
 
 # model_id is a training model or a sampler (or neither); either belongs to one client session.
 _HOURLY_SESSIONS = f"""
-INSERT INTO usage_hourly_sessions AS u (tenant_id, hour, base_model, session_id, api_key_id, prefill_tokens,
-                                        sample_tokens, train_tokens, prefill_micro_usd, sample_micro_usd,
-                                        train_micro_usd)
+INSERT INTO usage_hourly_sessions AS u (tenant_id, hour, base_model, session_id, api_key_id,
+                                        {", ".join(_UNIT_SUMS.split())})
 VALUES (%(tenant_id)s, date_trunc('hour', %(at)s::timestamptz, 'UTC'), %(base_model)s,
         COALESCE((SELECT session_id FROM training_models WHERE id = %(model_id)s),
                  (SELECT session_id FROM sampling_sessions WHERE id = %(model_id)s), ''),
-        %(key)s, %(prefill)s, %(sample)s, %(train)s, %(prefill_cost)s, %(sample_cost)s, %(train_cost)s)
+        %(key)s, {_UNIT_VALUES})
 ON CONFLICT (tenant_id, hour, base_model, session_id, api_key_id) DO UPDATE SET
     {_adding("u", _UNIT_SUMS)}
 """
@@ -106,10 +111,12 @@ def record_usage(conn: psycopg.Connection[DictRow], *, request_id: str, tenant_i
         model_id: the training model or sampler the request ran on (informational).
         base_model: catalogue name of the base model; selects the price.
         units: metered tokens. Trainer: `forward_backward` -> train_tokens = model-input tokens;
-            `forward` -> prefill_tokens. Sampler: prefill_tokens = prompt tokens actually prefilled
-            (x n sequences unless the prompt is shared), sample_tokens = tokens generated across all
-            sequences. Requests with no tokens (optim_step, save, ...) are recorded at zero cost so
-            every completed request has a row.
+            `forward` -> prefill_tokens. Sampler (`billing.pricing.sampling_units`): each sequence's
+            prompt tokens, the engine's prefix-cache hits as cached_tokens and the rest as
+            prefill_tokens; sample_tokens = tokens generated across all sequences. Storage
+            (`billing.storage`): storage_byte_hours, under a `storage:` id per tenant, base and hour.
+            Requests with no tokens (optim_step, save, ...) are recorded at zero cost so every
+            completed request has a row.
 
     The price is the price-book entry for `base_model` in force at the transaction's `now()`; a base
     model without any price is recorded at zero cost with `price_id` NULL (and logged), so usage is
@@ -122,9 +129,13 @@ def record_usage(conn: psycopg.Connection[DictRow], *, request_id: str, tenant_i
     params = {
         "request_id": request_id, "tenant_id": tenant_id, "api_key_id": api_key_id, "model_id": model_id,
         "base_model": base_model, "prefill": units.prefill_tokens, "sample": units.sample_tokens,
-        "train": units.train_tokens, "price_id": price.id if price else None,
+        "train": units.train_tokens, "cached": units.cached_tokens, "storage": units.storage_byte_hours,
+        "price_id": price.id if price else None,
         "prefill_cost": cost.prefill_micro_usd, "sample_cost": cost.sample_micro_usd,
-        "train_cost": cost.train_micro_usd, "cost": cost.total_micro_usd,
+        "train_cost": cost.train_micro_usd, "cached_cost": cost.cached_micro_usd,
+        "storage_cost": cost.storage_micro_usd, "cost": cost.total_micro_usd,
+        # A storage row (billing.storage) is a period's charge, not a request.
+        "requests": 0 if units.storage_byte_hours else 1,
     }
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(_INSERT, params).fetchone()

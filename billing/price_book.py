@@ -15,7 +15,7 @@ from billing.pricing import Price, size_rates
 from core import db
 
 _COLUMNS = ("id, base_model, effective_from, prefill_micro_usd_per_mtok, sample_micro_usd_per_mtok, "
-            "train_micro_usd_per_mtok, note")
+            "train_micro_usd_per_mtok, note, cached_micro_usd_per_mtok, storage_micro_usd_per_gb_month")
 
 _CURRENT_ONE = f"""
 SELECT {_COLUMNS} FROM price_book
@@ -49,14 +49,18 @@ def list_prices_sync(conn: psycopg.Connection[DictRow]) -> list[Price]:
 
 
 def add_price(conn: psycopg.Connection[DictRow], *, base_model: str, effective_from: datetime, prefill: int, sample: int,
-              train: int, note: str = "") -> Price:
-    """Add an entry (rates in micro-USD per million tokens). Raises if one already starts then."""
+              train: int, note: str = "", cached: int | None = None, storage: int | None = None) -> Price:
+    """Add an entry (token rates in micro-USD per million tokens; `cached` None = 20% of prefill;
+    `storage` in micro-USD per GB-month, None = the table's default). Raises if one already starts then."""
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(
             f"INSERT INTO price_book (base_model, effective_from, prefill_micro_usd_per_mtok, "
-            f"sample_micro_usd_per_mtok, train_micro_usd_per_mtok, note) VALUES (%s, %s, %s, %s, %s, %s) "
-            f"RETURNING {_COLUMNS}",
-            (base_model, effective_from, prefill, sample, train, note),
+            f"sample_micro_usd_per_mtok, train_micro_usd_per_mtok, note, cached_micro_usd_per_mtok, "
+            f"storage_micro_usd_per_gb_month) VALUES (%s, %s, %s, %s, %s, %s, %s, "
+            # the column's default (migration 0028) when no storage rate is given
+            f"{'DEFAULT' if storage is None else '%s'}) RETURNING {_COLUMNS}",
+            (base_model, effective_from, prefill, sample, train, note, cached,
+             *(() if storage is None else (storage,))),
         ).fetchone()
     return _price(db.one(row))
 

@@ -3,11 +3,18 @@
 Money is integer micro-USD (1 USD = 1,000,000 micro-USD). Rates are micro-USD per million tokens,
 so a rate of 195,000 is $0.195 per million tokens.
 
-Rounding rule (the one place it is defined): for each unit (prefill, sample, train) of one request,
+Rounding rule (the one place it is defined): for each token unit (prefill, cached, sample, train) of
+one request,
 
     cost_unit = round_half_up(tokens_unit * rate_unit / 1,000,000)   micro-USD
 
-and the request's cost is the sum of its three unit costs. Rounding per unit and per request keeps
+and the request's cost is the sum of its unit costs. Cached prompt tokens (prefix-cache hits) have
+their own rate, by default 20% of the base's prefill rate. Checkpoint storage is metered in
+byte-hours and priced per GB-month (10^9 bytes for 720 hours):
+
+    cost_storage = round_half_up(byte_hours * rate_per_gb_month / (10^9 * 720))   micro-USD
+
+one ledger row per tenant, base model and hour. Rounding per unit and per request keeps
 every ledger row exact and self-contained (the ledger's own columns reproduce its cost); the
 difference from unrounded arithmetic is at most 0.5 micro-USD per unit per request.
 """
@@ -21,36 +28,43 @@ from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
 MICRO_PER_USD = 1_000_000
 TOKENS_PER_RATE = 1_000_000  # rates are per million tokens
 
-UNITS = ("prefill", "sample", "train")
+UNITS = ("prefill", "cached", "sample", "train")  # the token units, each with a per-million rate
+CACHED_PERCENT_OF_PREFILL = 20  # a cache hit's default rate, in percent of the base's prefill rate
+BYTES_PER_GB = 10**9
+HOURS_PER_MONTH = 720  # a GB-month is 720 GB-hours (the tinker SDK's storage unit)
 
 
 @dataclass(frozen=True)
 class Units:
     """Metered tokens of one request (or a sum of requests)."""
 
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed (not served from the prefix cache)
     sample_tokens: int = 0
     train_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    storage_byte_hours: int = 0  # checkpoint bytes kept, times the hours they were kept
 
     def __post_init__(self) -> None:
-        for name in ("prefill_tokens", "sample_tokens", "train_tokens"):
+        for name in _UNITS_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
 
     def __add__(self, other: Units) -> Units:
-        return Units(self.prefill_tokens + other.prefill_tokens, self.sample_tokens + other.sample_tokens,
-                     self.train_tokens + other.train_tokens)
+        return Units(**{f: getattr(self, f) + getattr(other, f) for f in _UNITS_FIELDS})
 
     def times(self, n: int) -> Units:
-        return Units(self.prefill_tokens * n, self.sample_tokens * n, self.train_tokens * n)
+        return Units(**{f: getattr(self, f) * n for f in _UNITS_FIELDS})
 
     def of(self, unit: str) -> int:
         return getattr(self, f"{unit}_tokens")
 
     @property
     def empty(self) -> bool:
-        return not (self.prefill_tokens or self.sample_tokens or self.train_tokens)
+        return not any(getattr(self, f) for f in _UNITS_FIELDS)
+
+
+_UNITS_FIELDS = ("prefill_tokens", "sample_tokens", "train_tokens", "cached_tokens", "storage_byte_hours")
 
 
 @dataclass(frozen=True)
@@ -64,13 +78,23 @@ class Price:
     train_micro_usd_per_mtok: int
     id: int | None = None
     note: str = ""
+    cached_micro_usd_per_mtok: int | None = None  # None: CACHED_PERCENT_OF_PREFILL of the prefill rate
+    storage_micro_usd_per_gb_month: int = 0
 
     def rate(self, unit: str) -> int:
+        if unit == "cached" and self.cached_micro_usd_per_mtok is None:
+            return default_cached_rate(self.prefill_micro_usd_per_mtok)
         return getattr(self, f"{unit}_micro_usd_per_mtok")
 
     @property
     def max_rate(self) -> int:
         return max(self.rate(u) for u in UNITS)
+
+
+def default_cached_rate(prefill_micro_usd_per_mtok: int) -> int:
+    """A prefix-cache hit's rate when the price book names none: CACHED_PERCENT_OF_PREFILL of the
+    prefill rate, rounded half up."""
+    return div_round_half_up(prefill_micro_usd_per_mtok * CACHED_PERCENT_OF_PREFILL, 100)
 
 
 @dataclass(frozen=True)
@@ -80,10 +104,13 @@ class Cost:
     prefill_micro_usd: int = 0
     sample_micro_usd: int = 0
     train_micro_usd: int = 0
+    cached_micro_usd: int = 0
+    storage_micro_usd: int = 0
 
     @property
     def total_micro_usd(self) -> int:
-        return self.prefill_micro_usd + self.sample_micro_usd + self.train_micro_usd
+        return (self.prefill_micro_usd + self.sample_micro_usd + self.train_micro_usd + self.cached_micro_usd
+                + self.storage_micro_usd)
 
     def of(self, unit: str) -> int:
         return getattr(self, f"{unit}_micro_usd")
@@ -104,11 +131,31 @@ def unit_cost(tokens: int, rate_micro_usd_per_mtok: int) -> int:
     return div_round_half_up(tokens * rate_micro_usd_per_mtok, TOKENS_PER_RATE)
 
 
+def storage_cost(byte_hours: int, rate_micro_usd_per_gb_month: int) -> int:
+    """micro-USD for `byte_hours` of checkpoint storage at a per-GB-month rate, rounded half up."""
+    return div_round_half_up(byte_hours * rate_micro_usd_per_gb_month, BYTES_PER_GB * HOURS_PER_MONTH)
+
+
 def cost_of(units: Units, price: Price | None) -> Cost:
-    """The cost of one request. No price (an unpriced base model) costs nothing."""
+    """The cost of one ledger row. No price (an unpriced base model) costs nothing."""
     if price is None:
         return FREE
-    return Cost(*(unit_cost(units.of(u), price.rate(u)) for u in UNITS))
+    return Cost(**{f"{u}_micro_usd": unit_cost(units.of(u), price.rate(u)) for u in UNITS},
+                storage_micro_usd=storage_cost(units.storage_byte_hours, price.storage_micro_usd_per_gb_month))
+
+
+def sampling_units(prompt_tokens: int, cache_hits: tuple[int, ...], sampled_tokens: int) -> Units:
+    """Metered units of a finished sampling request of len(cache_hits) sequences, each of which read
+    the prompt: the tokens the engine found in its prefix cache (its own count per sequence, at most
+    the prompt) are cached, the rest prefill."""
+    hits = sum(min(max(h, 0), prompt_tokens) for h in cache_hits)
+    return Units(prefill_tokens=prompt_tokens * len(cache_hits) - hits, cached_tokens=hits,
+                 sample_tokens=sampled_tokens)
+
+
+def storage_units(size_bytes: int, hours: int = 1) -> Units:
+    """Metered units of `size_bytes` of checkpoints kept for `hours`."""
+    return Units(storage_byte_hours=size_bytes * hours)
 
 
 def estimate(units_per_step: Units, steps: int, price: Price) -> Cost:

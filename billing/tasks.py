@@ -13,7 +13,7 @@ from datetime import datetime
 import psycopg
 from psycopg.rows import dict_row
 
-from billing import customers, payments, stripe_sync
+from billing import customers, payments, storage, stripe_sync
 from billing.stripe_api import StripeGateway
 from core import db
 from core.celery_app import app
@@ -89,3 +89,13 @@ def reconcile(as_of: str | None = None, with_stripe: bool = True) -> dict:
     if not check.ok:
         log.warning("%s", check.text())
     return {"ok": check.ok, "gaps": [line.explain() for line in check.gaps] + check.rollup_drift}
+
+
+@app.task(name="quilt.billing.accrue_storage")
+def accrue_storage(hour: str | None = None) -> int:
+    """Hourly (Celery beat): bill the hour that just ended (or `hour`, ISO 8601) for every tenant's
+    live checkpoint bytes (billing.storage); running it again for the same hour bills nothing."""
+    with psycopg.connect(db.resolve_url(), autocommit=True, row_factory=dict_row) as conn:
+        now = db.one(conn.execute("SELECT now() AS now").fetchone())["now"]
+        start = storage.hour_of(datetime.fromisoformat(hour)) if hour else storage.last_hour(now)
+        return storage.accrue(conn, start)

@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import DictRow, dict_row
 
-from billing.pricing import MICRO_PER_USD, UNITS, usd
+from billing.pricing import BYTES_PER_GB, HOURS_PER_MONTH, MICRO_PER_USD, UNITS, usd
 from core.errors import InvalidInput
 
 _ROWS = """
@@ -24,14 +24,17 @@ SELECT day, base_model,
        sum(prefill_tokens)::bigint AS prefill_tokens, sum(sample_tokens)::bigint AS sample_tokens,
        sum(train_tokens)::bigint AS train_tokens,
        sum(prefill_micro_usd)::bigint AS prefill_micro_usd, sum(sample_micro_usd)::bigint AS sample_micro_usd,
-       sum(train_micro_usd)::bigint AS train_micro_usd, sum(cost_micro_usd)::bigint AS cost_micro_usd
+       sum(train_micro_usd)::bigint AS train_micro_usd, sum(cost_micro_usd)::bigint AS cost_micro_usd,
+       sum(cached_tokens)::bigint AS cached_tokens, sum(cached_micro_usd)::bigint AS cached_micro_usd,
+       sum(storage_byte_hours)::bigint AS storage_byte_hours, sum(storage_micro_usd)::bigint AS storage_micro_usd
 FROM usage_daily
 WHERE tenant_id = %s AND day >= %s AND day < %s
 GROUP BY day, base_model ORDER BY day, base_model
 """
 
-_NUMBERS = ("requests", "prefill_tokens", "sample_tokens", "train_tokens", "prefill_micro_usd",
-            "sample_micro_usd", "train_micro_usd", "cost_micro_usd")
+_NUMBERS = ("requests", "prefill_tokens", "sample_tokens", "train_tokens", "cached_tokens", "storage_byte_hours",
+            "prefill_micro_usd", "sample_micro_usd", "train_micro_usd", "cached_micro_usd", "storage_micro_usd",
+            "cost_micro_usd")
 
 
 def _zero() -> dict:
@@ -55,8 +58,12 @@ class UsageSummary:
     total: dict = field(default_factory=_zero)
 
     def by_unit(self) -> list[dict]:
-        return [{"unit": u, "tokens": self.total[f"{u}_tokens"], "cost_micro_usd": self.total[f"{u}_micro_usd"],
-                 "cost_usd": usd(self.total[f"{u}_micro_usd"])} for u in UNITS]
+        """The token units, then checkpoint storage (in GB-hours, not tokens)."""
+        tokens = [{"unit": u, "tokens": self.total[f"{u}_tokens"], "cost_micro_usd": self.total[f"{u}_micro_usd"],
+                   "cost_usd": usd(self.total[f"{u}_micro_usd"])} for u in UNITS]
+        storage = self.total["storage_micro_usd"]
+        return [*tokens, {"unit": "storage", "tokens": 0, "gigabyte_hours": self.total["storage_byte_hours"] / BYTES_PER_GB,
+                          "cost_micro_usd": storage, "cost_usd": usd(storage)}]
 
     def to_json(self) -> dict:
         def money(d: dict) -> dict:
@@ -131,17 +138,19 @@ def event_window(starting_on: datetime, ending_before: datetime, now: datetime) 
 # The hourly rollup by session and key (usage_hourly_sessions, written with the ledger).
 _HOURLY = """
 SELECT u.hour, u.base_model, NULLIF(u.session_id, '') AS session_id, k.prefix AS key_prefix, k.name AS key_name,
-       u.prefill_tokens, u.sample_tokens, u.train_tokens, u.prefill_micro_usd, u.sample_micro_usd, u.train_micro_usd
+       u.prefill_tokens, u.sample_tokens, u.train_tokens, u.prefill_micro_usd, u.sample_micro_usd, u.train_micro_usd,
+       u.cached_tokens, u.cached_micro_usd, u.storage_byte_hours, u.storage_micro_usd
 FROM usage_hourly_sessions u LEFT JOIN api_keys k ON k.id = NULLIF(u.api_key_id, '')
 WHERE u.tenant_id = %s AND u.hour >= %s AND u.hour < %s
 ORDER BY u.hour LIMIT %s
 """
 
 # Quilt's units as tinker's event types. Prefill is every token read without training on it: sampling
-# prompts and `forward` passes, both at the prefill rate; no prefill is served from a cache here.
+# prompts and `forward` passes, both at the prefill rate; prompt tokens the engine found in its
+# prefix cache are the cached unit, at its own rate. Storage is the fourth kind (`storage_event`).
 _EVENT_OF_UNIT: dict[str, dict[str, Any]] = {
     "train": {"type": "training"}, "prefill": {"type": "sampling_prefill", "cached": False},
-    "sample": {"type": "sampling_sample"}}
+    "cached": {"type": "sampling_prefill", "cached": True}, "sample": {"type": "sampling_sample"}}
 
 
 def within_report_limit(rows: list[dict], start: datetime, limit: int = MAX_EVENT_ROWS) -> list[dict]:
@@ -166,21 +175,31 @@ def hourly_events(rows: list[dict]) -> list[dict]:
     events = []
     for r in rows:
         start = r["hour"].astimezone(UTC)
+        envelope = {"bucket_start": start, "bucket_end": start + timedelta(hours=1), "base_model": r["base_model"],
+                    "session_id": r["session_id"], "key_prefix": r["key_prefix"], "user_name": r["key_name"] or None}
         for unit, info in _EVENT_OF_UNIT.items():
-            tokens, micro_usd = int(r[f"{unit}_tokens"]), int(r[f"{unit}_micro_usd"])
+            tokens, micro_usd = int(r.get(f"{unit}_tokens") or 0), int(r.get(f"{unit}_micro_usd") or 0)
             if tokens == 0:
                 continue
             events.append({
-                "bucket_start": start, "bucket_end": start + timedelta(hours=1),
-                "base_model": r["base_model"], "session_id": r["session_id"],
-                "key_prefix": r["key_prefix"], "user_name": r["key_name"] or None,
-                "estimated_cost_usd": micro_usd / MICRO_PER_USD,
+                **envelope, "estimated_cost_usd": micro_usd / MICRO_PER_USD,
                 # USD per million tokens: micro-USD per token.
                 "effective_rate_usd_per_million_tokens": micro_usd / tokens,
                 "event_info": {**info, "token_count": tokens},
             })
-    events.sort(key=lambda e: (e["bucket_start"], -e["event_info"]["token_count"]))
+        if int(r.get("storage_byte_hours") or 0):
+            events.append({**envelope, **storage_event(int(r["storage_byte_hours"]), int(r["storage_micro_usd"]))})
+    events.sort(key=lambda e: (e["bucket_start"], -e["event_info"].get("token_count", 0)))
     return events
+
+
+def storage_event(byte_hours: int, micro_usd: int) -> dict:
+    """tinker's storage event body: GB-hours and their cost, with the rate they came to per
+    GB-month (720 GB-hours), as the SDK computes `estimated_cost_usd` from them."""
+    gb_hours = byte_hours / BYTES_PER_GB
+    return {"estimated_cost_usd": micro_usd / MICRO_PER_USD,
+            "effective_rate_usd_per_gigabyte_month": micro_usd / MICRO_PER_USD * HOURS_PER_MONTH / gb_hours,
+            "event_info": {"type": "storage", "free": micro_usd == 0, "gigabyte_hours": gb_hours}}
 
 
 async def usage_events(conn, tenant_id: str, start: datetime, end: datetime) -> tuple[list[dict], dict[str, dict]]:

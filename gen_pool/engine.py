@@ -108,6 +108,7 @@ class SeqResult:
     first_token_s: float | None = None  # seconds from submission to the first output (the end, unless streamed)
     prompt_topk: tuple[TopK | None, ...] | None = None  # None at position 0; (token, logprob) by rank
     sample_topk: tuple[TopK | None, ...] | None = None  # per sampled token, when asked for
+    cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache (its own count)
 
 
 @dataclass(frozen=True)
@@ -376,10 +377,12 @@ class GenEngine:
         logprobs: list[float] = []
         prompt_lps = prompt_topk = None
         sample_topk: list[TopK | None] = []
+        cached = 0
         reason = "abort"
         try:
             stream = self.llm.generate(self._prompt(req), params, req.engine_id, lora_request=lora)
             async for out in stream:
+                cached = max(cached, getattr(out, "num_cached_tokens", None) or 0)
                 if out.prompt_logprobs is not None and prompt_lps is None:
                     prompt_lps = _prompt_logprobs(req.prompt, out.prompt_logprobs)
                     if req.prompt_topk:
@@ -411,7 +414,7 @@ class GenEngine:
             await asyncio.shield(self.kinds.leave(kind))
         stop_reason: StopReason = "stop" if reason == "stop" else "length" if reason == "length" else "abort"
         return SeqResult(tuple(tokens), tuple(logprobs), stop_reason, prompt_lps, first_token_s, prompt_topk,
-                         tuple(sample_topk) if req.sample_topk else None)
+                         tuple(sample_topk) if req.sample_topk else None, min(cached, len(req.prompt)))
 
     async def probe(self, req: ProbeRequest) -> tuple[dict[int, float], tuple[tuple[int, float], ...]]:
         """One probe (gen_pool.outputs): ({id: raw logprob} for `req.ids`, the draws). An ordinary

@@ -362,7 +362,8 @@ class Scheduler:
         except (KeyError, ValueError) as exc:  # a probe's answer missing what it asked for: the engine's fault
             self.on_finish(g, ServerError(f"sampling outputs of {g.request_id} are incomplete: {exc}"))
             return
-        self.on_finish(g, wire.SampleOutcome(seqs, prompt_lps, topk, targets, alts))
+        hits = sum(r.cached_tokens for r in g.results if r is not None)
+        self.on_finish(g, wire.SampleOutcome(seqs, prompt_lps, topk, targets, alts, prompt_cache_hit_tokens=hits))
 
     def _fail(self, g: Group, err: QuiltError) -> None:
         if g.done:

@@ -31,6 +31,8 @@ class SampleOutcome:
     # tinker TensorData as JSON (gen_pool.outputs): logprobs in the request's layout, and the draws.
     target_prompt_logprobs: dict[str, Any] | None = None
     prompt_alt_tokens: dict[str, Any] | None = None  # {"tokens": TensorData, "logprobs": TensorData}
+    # Prompt tokens billed as prefix-cache hits: the engine's own count, summed over the sequences.
+    prompt_cache_hit_tokens: int = 0
 
 
 def _num(x: float | None) -> float | None:
@@ -52,8 +54,9 @@ def _sequence(s: SampledSequence) -> dict[str, Any]:
 def to_json(outcome: SampleOutcome) -> dict[str, Any]:
     """`{"type": "sample", "sequences": [{..., "topk_logprobs"?}], "prompt_logprobs"?: [null, ...],
     "topk_prompt_logprobs"?: [null, [[token, logprob], ...], ...], "target_prompt_logprobs"?: TensorData,
-    "prompt_alt_tokens"?: {"tokens", "logprobs"}}`; NaN becomes null."""
-    body: dict[str, Any] = {"type": "sample", "sequences": [_sequence(s) for s in outcome.sequences]}
+    "prompt_alt_tokens"?: {"tokens", "logprobs"}, "prompt_cache_hit_tokens"}`; NaN becomes null."""
+    body: dict[str, Any] = {"type": "sample", "sequences": [_sequence(s) for s in outcome.sequences],
+                            "prompt_cache_hit_tokens": outcome.prompt_cache_hit_tokens}
     if outcome.prompt_logprobs is not None:
         body["prompt_logprobs"] = [_num(x) for x in outcome.prompt_logprobs]
     if outcome.topk_prompt_logprobs is not None:

@@ -28,7 +28,7 @@ from psycopg.rows import DictRow
 
 from bases import catalog
 from billing.ledger import settle
-from billing.pricing import Units
+from billing.pricing import Units, sampling_units
 from core import db, health, process_end, queue, redis_client, result_bytes, stores
 from core.consumer import AsyncStreamConsumer, Delivery, StreamConsumer
 from core.errors import QuiltError, ServerError
@@ -222,11 +222,12 @@ class GenWorker:
             result, usage = queue.failure(g.request_id, outcome), None
         else:
             result = queue.Outcome(g.request_id, result=wire.to_json(outcome))
-            # Billed as any sample: the prompt once per sequence and the sampled tokens. Top-k, target
-            # logprobs, alternatives and stability records add nothing (their probes reread the prompt,
-            # mostly from the prefix cache; QUILT_GEN_MAX_PROBE_ROWS bounds them).
-            usage = Units(prefill_tokens=len(g.prompt) * g.n,
-                          sample_tokens=sum(len(s.tokens) for s in outcome.sequences))
+            # Billed as any sample: the prompt once per sequence, its prefix-cache hits (the engine's
+            # count per sequence) at the cached rate, and the sampled tokens. Top-k, target logprobs,
+            # alternatives and stability records add nothing (their probes reread the prompt, mostly
+            # from the prefix cache; QUILT_GEN_MAX_PROBE_ROWS bounds them).
+            usage = sampling_units(len(g.prompt), tuple(r.cached_tokens if r else 0 for r in g.results),
+                                   sum(len(s.tokens) for s in outcome.sequences))
             if g.record_stability:
                 records = stability.records(g.request_id, outcome, len(g.prompt))
         self.scheduler.spawn(self._finish(g.context, result, usage, g.tenant_id, records))

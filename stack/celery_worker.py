@@ -23,6 +23,8 @@ app.conf.beat_schedule = {
     "sweep-orphan-checkpoints": {"task": "quilt.upkeep.sweep_orphan_checkpoints", "schedule": crontab(minute="35")},
     # Hourly, after the previous hour's window has settled (QUILT_BILLING_SETTLE_S, 5 min).
     "billing-stripe-sync": {"task": "quilt.billing.sync_stripe", "schedule": crontab(minute="10")},
+    # Hourly, just after each hour ends: its checkpoint storage onto the ledger (once per hour).
+    "billing-accrue-storage": {"task": "quilt.billing.accrue_storage", "schedule": crontab(minute="2")},
     "billing-stripe-customers": {"task": "quilt.billing.ensure_customers", "schedule": 900.0},
     "billing-suspend-overdue": {"task": "quilt.billing.suspend_overdue", "schedule": 300.0},
     # Returns at once unless QUILT_SCALER_ACT is on.

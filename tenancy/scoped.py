@@ -300,3 +300,33 @@ async def list_run_metrics(conn: AsyncConnection[DictRow], who: Principal, model
         (model_id, who.tenant_id, limit),
     )
     return await cur.fetchall()
+
+
+async def session_requests(conn: AsyncConnection[DictRow], tenant_id: str, session_id: str,
+                           limit: int) -> tuple[list[dict], bool]:
+    """The latest `limit` requests of tenant `tenant_id`'s session (on its training models and
+    samplers), with their timestamps, and whether it has more. 404 when the session is not theirs."""
+    await _one(conn, "SELECT id FROM sessions WHERE id = %s AND tenant_id = %s", (session_id, tenant_id),
+               NotFound(f"session {session_id!r} not found", field="session_id"))
+    cur = await conn.execute(
+        "SELECT r.id, r.kind, r.status, r.model_id, r.seq_id, r.n_tokens, r.queue_state, r.created_at, r.started_at, "
+        "r.finished_at FROM requests r WHERE r.tenant_id = %s AND r.model_id IN ("
+        " SELECT id FROM training_models WHERE session_id = %s AND tenant_id = %s"
+        " UNION ALL SELECT id FROM sampling_sessions WHERE session_id = %s AND tenant_id = %s) "
+        "ORDER BY r.created_at DESC, r.id DESC LIMIT %s",
+        (tenant_id, session_id, tenant_id, session_id, tenant_id, limit + 1))
+    rows = await cur.fetchall()
+    return rows[:limit], len(rows) > limit
+
+
+async def trace_link_holds(conn: AsyncConnection[DictRow], tenant_id: str, api_key_id: str) -> None:
+    """A session trace's signed link holds while the key that minted it is not revoked and no
+    operator has suspended its tenant (as a checkpoint's, `download_checkpoint`)."""
+    cur = await conn.execute(
+        "SELECT t.suspended_kind, k.id AS minted_by, k.revoked_at FROM tenants t "
+        "LEFT JOIN api_keys k ON k.id = %s AND k.tenant_id = t.id WHERE t.id = %s", (api_key_id, tenant_id))
+    row = await cur.fetchone()
+    if row is None or (api_key_id and (row["minted_by"] is None or row["revoked_at"] is not None)):
+        raise NotFound("the API key that made this trace link was revoked; ask for a new link", field="token")
+    if row["suspended_kind"] == "operator":
+        raise Forbidden("this tenant is suspended by an operator: its download links do not work", field="token")

@@ -126,7 +126,8 @@ def ledger_rows(database_url: str, tenant_ids: list[str]) -> list[dict]:
         return conn.execute(
             "SELECT l.*, p.base_model AS p_base_model, p.effective_from AS p_effective_from, "
             "p.prefill_micro_usd_per_mtok AS p_prefill, p.sample_micro_usd_per_mtok AS p_sample, "
-            "p.train_micro_usd_per_mtok AS p_train "
+            "p.train_micro_usd_per_mtok AS p_train, p.cached_micro_usd_per_mtok AS p_cached, "
+            "p.storage_micro_usd_per_gb_month AS p_storage "
             "FROM usage_ledger l LEFT JOIN price_book p ON p.id = l.price_id WHERE l.tenant_id = ANY(%s)",
             (tenant_ids,),
         ).fetchall()
@@ -137,8 +138,10 @@ def recomputed_cost(row: dict) -> int:
     price = None
     if row["price_id"] is not None:
         price = Price(row["p_base_model"], row["p_effective_from"], row["p_prefill"], row["p_sample"],
-                      row["p_train"], id=row["price_id"])
-    units = Units(row["prefill_tokens"], row["sample_tokens"], row["train_tokens"])
+                      row["p_train"], id=row["price_id"], cached_micro_usd_per_mtok=row["p_cached"],
+                      storage_micro_usd_per_gb_month=row["p_storage"])
+    units = Units(row["prefill_tokens"], row["sample_tokens"], row["train_tokens"], row["cached_tokens"],
+                  row["storage_byte_hours"])
     return cost_of(units, price).total_micro_usd
 
 

@@ -138,7 +138,7 @@ def test_usage_report_by_day_model_and_unit(stack, workload):
     today = datetime.now(UTC).date().isoformat()
     assert [d["day"] for d in report["by_day"]] == [today]
     assert [m["base_model"] for m in report["by_model"]] == [TINY]
-    assert {u["unit"] for u in report["by_unit"]} == {"prefill", "sample", "train"}
+    assert {u["unit"] for u in report["by_unit"]} == {"prefill", "cached", "sample", "train", "storage"}
     assert report["by_day"][0]["cost_micro_usd"] == report["total_micro_usd"] == report["month_to_date_micro_usd"]
     assert report["by_day"][0]["requests"] == sum(1 for s in workload.requests
                                                   if s.tenant_id == tenant.tenant_id and s.expect_ok) + 1  # + create
@@ -170,7 +170,7 @@ def test_sdk_estimate_cost_and_usage(stack, workload):
     with stack.sdk(tenant.key) as client:
         est = client.estimate_cost("Qwen/Qwen3-8B", steps=10, train_tokens=100_000)
         assert est.cost_micro_usd == 440_000 and str(est.cost_usd) == "0.44"
-        assert est.by_unit == {"prefill": 0, "sample": 0, "train": 440_000}
+        assert est.by_unit == {"prefill": 0, "cached": 0, "sample": 0, "train": 440_000}
         report = client.usage()
         assert report.total_micro_usd == sum(r["cost_micro_usd"]
                                              for r in ledger_rows(stack.database_url, [tenant.tenant_id]))

@@ -134,8 +134,9 @@ def test_the_sdk_decodes_every_output_from_protobuf():
     probes = {0: Probe({7: -1.5}, ((3, -1.0),)), 1: Probe({}, ((4, -2.0),)), 2: Probe({9: -0.25}, ((5, -0.5),))}
     seq = wire.SampledSequence((11, 12), (-0.5, -0.75), "length", "m", 0, (((11, -0.5), (13, -0.9)), ((12, -0.75),)))
     outcome = wire.SampleOutcome((seq,), target_prompt_logprobs=outputs.target_tensor(targets, probes),
-                                 prompt_alt_tokens=outputs.alt_tensors(3, 1, probes))
+                                 prompt_alt_tokens=outputs.alt_tensors(3, 1, probes), prompt_cache_hit_tokens=37)
     got = deserialize_sample_response(encode_sample_response(wire.to_json(outcome)))
+    assert got.prompt_cache_hit_tokens == 37
     assert got.sequences[0].topk_logprobs == [[(11, -0.5), (13, pytest.approx(-0.9))], [(12, -0.75)]]
     assert got.target_prompt_logprobs.to_torch().tolist() == [[0.0, -1.5], [0.0, 0.0], [0.0, -0.25]]
     assert got.target_prompt_logprobs.sparse_crow_indices == [0, 1, 1, 3]

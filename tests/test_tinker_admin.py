@@ -41,7 +41,8 @@ def _window() -> tuple[datetime, datetime]:
 def _ledger(stack, tenant_id: str) -> dict:
     with db.connect(stack.database_url) as conn:
         return conn.execute(
-            "SELECT coalesce(sum(train_tokens), 0) AS training, coalesce(sum(prefill_tokens), 0) AS sampling_prefill, "
+            "SELECT coalesce(sum(train_tokens), 0) AS training, "
+            "coalesce(sum(prefill_tokens + cached_tokens), 0) AS sampling_prefill, "
             "coalesce(sum(sample_tokens), 0) AS sampling_sample, coalesce(sum(cost_micro_usd), 0) AS micro_usd "
             "FROM usage_ledger WHERE tenant_id = %s", (tenant_id,)).fetchone()
 
@@ -92,12 +93,13 @@ def test_sessions_bill_and_storage_through_the_official_sdk(stack):
         assert usage.sessions[session_id].user_metadata == {"experiment": "grpo-7"}
         assert all(e.bucket_end - e.bucket_start == timedelta(hours=1) for e in usage.data)
 
-        # Checkpoint storage: what list_user_checkpoints lists, in count and bytes, at no charge.
+        # Checkpoint storage: what list_user_checkpoints lists, in count and bytes, at the storage rate.
         storage = admin.get_current_checkpoint_storage_usage().result()
         listed = rest.list_user_checkpoints().result().checkpoints
         (row,) = storage.data
         assert (row.checkpoint_count, row.size_bytes) == (len(listed), sum(c.size_bytes for c in listed))
-        assert row.size_bytes > 0 and row.estimated_monthly_cost_usd == 0.0
+        assert row.size_bytes > 0 and storage.effective_rate_usd_per_gigabyte_month > 0
+        assert row.estimated_monthly_cost_usd == pytest.approx(row.size_gigabytes * storage.effective_rate_usd_per_gigabyte_month)
         with pytest.raises(tinker.NotFoundError, match="no projects"):
             admin.get_current_checkpoint_storage_usage(project_id="p-1").result()
 

@@ -15,14 +15,14 @@ from fastapi import APIRouter, Query
 from api.deps import Pool, Who
 from api.input_guard import GuardedRoute
 from api.routes.runs import metadata_text
-from billing import usage
+from billing import storage, usage
+from billing.pricing import BYTES_PER_GB, MICRO_PER_USD
 from core.errors import NotFound
 from tenancy import accounts, scoped
 
 router = APIRouter(route_class=GuardedRoute, tags=["admin"])
 
 AUDIT_ENTRIES = 1000
-BYTES_PER_GIGABYTE = 10**9
 # tinker's audit categories as the resources of Quilt's audit actions (`budget` of `budget.set`).
 # Quilt records no checkpoint or project events, so those two categories are always empty.
 RESOURCES_OF_EVENT_TYPE = {"all": None, "checkpoints": ["checkpoint"], "projects": ["project"],
@@ -54,18 +54,20 @@ async def billing_usage_events(who: Who, pool: Pool, starting_on: datetime, endi
 
 @router.get("/billing/usage/checkpoints/current")
 async def checkpoint_storage(who: Who, pool: Pool, project_id: str | None = Query(None, max_length=128)) -> dict:
-    """Your live checkpoints, counted and sized by the API key whose session made them. Storage is
-    not billed here: its rate and cost are 0."""
+    """Your live checkpoints, counted and sized by the API key whose session made them, with the
+    storage rate in force (USD per GB-month of 720 hours; each base's rate, weighted by bytes) and
+    what a month of them costs at it. Storage is billed hourly onto the ledger (billing.storage)."""
     if project_id is not None:
         raise NotFound(f"project {project_id!r} not found: Quilt has no projects; leave project_id out",
                        field="project_id")
     async with pool.connection() as conn:
         rows = await scoped.checkpoint_storage(conn, who)
-    return {"effective_rate_usd_per_gigabyte_month": 0.0,
+        rate = await storage.tenant_rate_micro_usd_per_gb_month(conn, who.tenant_id) / MICRO_PER_USD
+    return {"effective_rate_usd_per_gigabyte_month": rate,
             "data": [{"project_id": None, "org_user_urn": _key_urn(r["key_prefix"]), "user_email": None,
                       "user_name": r["key_name"] or None, "checkpoint_count": r["checkpoints"],
-                      "size_bytes": r["size_bytes"], "size_gigabytes": r["size_bytes"] / BYTES_PER_GIGABYTE,
-                      "estimated_monthly_cost_usd": 0.0} for r in rows]}
+                      "size_bytes": r["size_bytes"], "size_gigabytes": r["size_bytes"] / BYTES_PER_GB,
+                      "estimated_monthly_cost_usd": r["size_bytes"] / BYTES_PER_GB * rate} for r in rows]}
 
 
 @router.get("/audit")

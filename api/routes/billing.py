@@ -50,6 +50,8 @@ def price_json(p: Price, current: bool | None = None) -> dict:
     for u in UNITS:
         out[f"{u}_micro_usd_per_mtok"] = p.rate(u)
         out[f"{u}_usd_per_mtok"] = usd(p.rate(u))
+    out["storage_micro_usd_per_gb_month"] = p.storage_micro_usd_per_gb_month
+    out["storage_usd_per_gb_month"] = usd(p.storage_micro_usd_per_gb_month)
     return out
 
 

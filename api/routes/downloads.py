@@ -7,6 +7,8 @@ fetches.
     GET training_runs/{run}/checkpoints/{kind}/{name}/external_weights_urls  {"urls": {file: url}, "expires"}
     GET training_runs/{run}/checkpoints/{kind}/{name}/merged                302 to the adapter merged into its
                                                                              base, a Hugging Face model (.tar)
+    GET sessions/{session}/trace_export                                     {"status": "ready", "url"} of the
+                                                                             session's trace (api.session_trace)
     GET downloads/{token}/{file name}                                         the bytes; no API key
 
 Every kind of checkpoint can be fetched; what is sent is the PEFT adapter directory
@@ -19,15 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
+import json
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import RedirectResponse, StreamingResponse
+from fastapi.responses import RedirectResponse, Response, StreamingResponse
 
-from api import links, signed_urls, signing
+from api import links, session_trace, signed_urls, signing
 from api.dashboard import adapter_archive
 from api.deps import Pool, Settings, Who
 from api.input_guard import GuardedRoute
@@ -161,6 +164,8 @@ async def download(token: str, filename: str, request: Request, pool: Pool, sett
     """The file (or archive) a signed URL names, while it is unexpired, its checkpoint lives, the
     key that minted it is not revoked and its tenant is not suspended by an operator."""
     grant = signed_urls.verify(await _key(request, pool, settings), token)
+    if grant.file.startswith(signed_urls.TRACE):
+        return await _trace_response(pool, grant)
     async with db.autocommit(pool) as conn:
         ckpt = await scoped.download_checkpoint(conn, grant.tenant_id, grant.checkpoint_id, grant.api_key_id)
     if grant.file == signed_urls.MERGED:
@@ -172,3 +177,31 @@ async def download(token: str, filename: str, request: Request, pool: Pool, sett
         raise NotFound(f"file {grant.file!r} is not part of this checkpoint", field="token")
     with _while_its_files_last(ckpt):
         return await run_in_threadpool(adapter_archive.file_response, path)
+
+
+@router.get("/sessions/{session_id}/trace_export")
+async def trace_export(session_id: str, request: Request, who: Who, pool: Pool, settings: Settings) -> dict:
+    """The tinker SDK's `export_session_trace`: a signed URL of your session's trace (Chrome
+    trace-event JSON, which Perfetto opens; api.session_trace), built when the link is followed, so
+    it shows the session as it is then. At most MAX_TRACE_REQUESTS requests, the latest; the trace
+    says when it holds fewer. Only the session's own tenant can export it (404 otherwise)."""
+    if len(session_id) > 128 or not session_id.isprintable():
+        raise InvalidInput("session_id is at most 128 printable characters", field="session_id")
+    async with pool.connection() as conn:
+        await scoped.session_requests(conn, who.tenant_id, session_id, 0)  # 404 now, not at the download
+    expires = int(time.time()) + settings.download_url_ttl_s
+    grant = signed_urls.Grant(who.tenant_id, 0, signed_urls.TRACE + session_id, expires, who.key_id)
+    return {"status": "ready", "url": _url(request, await _key(request, pool, settings), grant, f"{session_id}.pftrace"),
+            "error": None}
+
+
+async def _trace_response(pool, grant: signed_urls.Grant) -> Response:
+    session_id = grant.file.removeprefix(signed_urls.TRACE)
+    async with db.autocommit(pool) as conn:
+        await scoped.trace_link_holds(conn, grant.tenant_id, grant.api_key_id)
+        rows, more = await scoped.session_requests(conn, grant.tenant_id, session_id, session_trace.MAX_TRACE_REQUESTS)
+        now = db.one(await (await conn.execute("SELECT now() AS now")).fetchone())["now"]
+    body = json.dumps(session_trace.build_trace(session_id, rows, truncated=more, now=now), separators=(",", ":"))
+    return Response(body, media_type="application/json",
+                    headers={"Content-Disposition": f'attachment; filename="{session_id}.pftrace"',
+                             "Cache-Control": "no-store"})

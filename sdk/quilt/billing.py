@@ -28,7 +28,7 @@ class CostEstimate:
         base_model: the priced base model.
         steps: number of steps estimated.
         cost_micro_usd: expected cost in micro-USD (1 USD = 1,000,000).
-        by_unit: ``{"prefill"|"sample"|"train": micro-USD}``.
+        by_unit: ``{"prefill"|"cached"|"sample"|"train": micro-USD}`` (cached: prompt tokens served from the prefix cache).
         tokens: ``{"prefill"|"sample"|"train": tokens over the whole run}``.
         rates_usd_per_mtok: the prices used, USD per million tokens by unit.
         budget_remaining_micro_usd: what is left of your tightest monthly budget (None: no budget).
