@@ -334,16 +334,18 @@ async def checkpoint_bytes(conn: AsyncConnection[DictRow], who: Principal) -> in
     return db.one(await cur.fetchone())["n"]
 
 
-async def checkpoint_storage(conn: AsyncConnection[DictRow], who: Principal) -> list[dict]:
-    """Your live checkpoints' count and bytes by the key that created their session (`key_prefix`,
-    `key_name`; None where the session records no key), most bytes first."""
+async def checkpoint_storage(conn: AsyncConnection[DictRow], who: Principal, *, project_id: str | None = None) -> list[dict]:
+    """Your live checkpoints' count and bytes by project and by the key that created their session
+    (`key_prefix`, `key_name`; None where the session records no key), most bytes first; only
+    `project_id`'s, given one."""
     cur = await conn.execute(
-        "SELECT k.prefix AS key_prefix, k.name AS key_name, count(*) AS checkpoints, "
+        "SELECT s.project_id, k.prefix AS key_prefix, k.name AS key_name, count(*) AS checkpoints, "
         "sum(c.size_bytes)::bigint AS size_bytes "
         "FROM checkpoints c JOIN training_models m ON m.id = c.model_id JOIN sessions s ON s.id = m.session_id "
         f"LEFT JOIN api_keys k ON k.id = s.api_key_id WHERE c.tenant_id = %s AND {retention.LIVE} "
-        "GROUP BY k.prefix, k.name ORDER BY size_bytes DESC, k.prefix",
-        (who.tenant_id,),
+        "AND (%s::text IS NULL OR s.project_id = %s) "
+        "GROUP BY s.project_id, k.prefix, k.name ORDER BY size_bytes DESC, s.project_id, k.prefix",
+        (who.tenant_id, project_id, project_id),
     )
     return await cur.fetchall()
 
