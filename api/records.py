@@ -363,7 +363,7 @@ async def insert_copy_session(conn: AsyncConnection[DictRow], who: Principal, se
     await conn.execute(
         "INSERT INTO sessions (id, tenant_id, api_key_id, tags, project_id, finished_at, finish_reason, sdk_version) "
         "VALUES (%s, %s, %s, %s, %s, now(), 'success', 'copy_weights') ON CONFLICT (id) DO NOTHING",
-        (session_id, who.tenant_id, who.key_id, Jsonb(["copy_weights"]), project_id))
+        (session_id, who.tenant_id, who.key_id or None, Jsonb(["copy_weights"]), project_id))
 
 
 async def insert_copy(conn: AsyncConnection[DictRow], who: Principal, source: dict, *, model_id: str, session_id: str,

@@ -143,7 +143,9 @@ async def _copy(conn, who: Principal, body: CopyWeightsRequest, source: tuple[st
     await accounts.record_async(conn, who.tenant_id, who.actor, "checkpoint.copied", source=body.source_path,
                                 copy=copy_path, access=access)
     if token_id is not None:
-        await accounts.record_async(conn, ckpt["tenant_id"], who.actor, "checkpoint.token_used", token_id=token_id,
+        # In the owner's log, the copier named by tenant only (its key names are its own business).
+        await accounts.record_async(conn, ckpt["tenant_id"], f"tenant:{who.tenant_id}", "checkpoint.token_used",
+                                    token_id=token_id,
                                     tinker_path=body.source_path, by_tenant=who.tenant_id)
     return copy_path
 
