@@ -66,8 +66,7 @@ def test_publish_copy_and_unpublish_through_the_sdk(stack):
 
     stored = _bytes(stack, a.tenant_id)
     rest_a.publish_checkpoint_from_tinker_path(weights).result()
-    with pytest.raises(tinker.ConflictError):
-        rest_a.publish_checkpoint_from_tinker_path(weights).result()
+    rest_a.publish_checkpoint_from_tinker_path(weights).result()  # again: nothing changes
     assert [c.public for c in rest_a.list_checkpoints(tc.model_id).result().checkpoints] == [True]
     assert _bytes(stack, a.tenant_id) == stored > 0  # still the owner's storage
 
@@ -87,8 +86,7 @@ def test_publish_copy_and_unpublish_through_the_sdk(stack):
     with pytest.raises(tinker.NotFoundError):
         service_b.copy_weights(weights).result()
     assert _download(http_b, weights).status_code == 404 and httpx.get(link).status_code == 404
-    with pytest.raises(tinker.ConflictError):
-        rest_a.unpublish_checkpoint_from_tinker_path(weights).result()
+    rest_a.unpublish_checkpoint_from_tinker_path(weights).result()
 
     # The files are shared and counted by reference: A deleting its checkpoint leaves B's copy whole.
     rest_a.delete_checkpoint_from_tinker_path(weights).result()
@@ -101,7 +99,7 @@ def test_publish_copy_and_unpublish_through_the_sdk(stack):
     assert refused.status_code == 400 and "copy_weights" in refused.text, refused.text
     rest_b.delete_checkpoint_from_tinker_path(copy).result()
     audit = [e["action"] for e in http_a.get("/quilt/audit").json()["entries"]]
-    assert {"checkpoint.published", "checkpoint.unpublished"} <= set(audit)
+    assert (audit.count("checkpoint.published"), audit.count("checkpoint.unpublished")) == (1, 1)
 
 
 def test_projects_search_and_access_tokens(stack):

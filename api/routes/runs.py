@@ -16,7 +16,7 @@ from api.schemas import CheckpointTtlRequest, WeightsInfoRequest
 from checkpoints import storage
 from checkpoints.layout import EXTERNAL_KIND, SAMPLER_KIND, TRAINING_KIND
 from core import ids
-from core.errors import Conflict, InvalidInput, NotFound
+from core.errors import InvalidInput, NotFound
 from core.numbers import INT32_MAX
 from core.work import OPTIMIZERS
 from tenancy import accounts, scoped
@@ -124,17 +124,18 @@ def split_checkpoint_id(checkpoint_id: str) -> tuple[str, str]:
                   status_code=204)
 async def publish_checkpoint(run_id: str, kind: str, name: str, request: Request, who: Who, pool: Pool) -> Response:
     """Publish (POST) one of your checkpoints: every tenant may then sample, copy and download it
-    through its tinker path; or unpublish it (DELETE), which stops all three at once. 409 when it
-    already is so; recorded in your audit log."""
+    through its tinker path; or unpublish it (DELETE), which stops all three at once. Repeating
+    either changes nothing; each change is recorded in your audit log."""
     kind, name = split_checkpoint_id(f"{kind}/{name}")
     publish = request.method == "POST"
     async with pool.connection() as conn:
         ckpt = await scoped.get_checkpoint(conn, who, run_id, kind, name)
         path = ids.tinker_path(run_id, kind, name)
-        if not await records.set_published(conn, ckpt["id"], publish):
-            raise Conflict(f"checkpoint {path} is already {'public' if publish else 'private'}", field="tinker_path")
-        await accounts.record_async(conn, who.tenant_id, who.actor,
-                                    "checkpoint.published" if publish else "checkpoint.unpublished", tinker_path=path)
+        # Already so: done, not a 409 (tinker's documents say 409, but its SDK retries a 409 until it
+        # gives up, so a repeated publish would hang the caller for minutes).
+        if await records.set_published(conn, ckpt["id"], publish):
+            await accounts.record_async(conn, who.tenant_id, who.actor,
+                                        "checkpoint.published" if publish else "checkpoint.unpublished", tinker_path=path)
     return Response(status_code=204)
 
 
