@@ -39,7 +39,9 @@ from tenancy.auth import Principal
 
 # Model statuses that take no call, and why.
 UNUSABLE = {"failed": "failed to be created",
-            "lost": "was lost when its trainer restarted; load a checkpoint into a new model"}
+            "lost": "was lost when its trainer restarted; load a checkpoint into a new model",
+            "copy": "holds copied weights (copy_weights) and takes no training call; load its checkpoint into a "
+                    "new model (create_training_client_from_state) to train on it"}
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from api.routes import (
     sampling,
     service,
     sessions,
+    sharing,
     status,
     stripe_webhook,
     training,
@@ -94,7 +95,7 @@ def create_app() -> FastAPI:
     # every client makes most come first (retrieve_future was the 28th route tried). The order
     # decides nothing else: no path is answered by two of these modules (tests/test_route_order.py).
     for module in (futures, training, sessions, sampling, service, billing, account, runs, admin, downloads,
-                   run_metrics, auth, stripe_webhook, status):
+                   run_metrics, auth, sharing, stripe_webhook, status):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(metrics.router)
     app.include_router(status.page_router)  # /status, the public page

@@ -15,6 +15,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
 
+from checkpoints import retention
 from core.errors import QuotaExceeded
 from core.work import ADAMW
 from tenancy import scoped
@@ -90,18 +91,20 @@ async def _drop(conn: AsyncConnection[DictRow]) -> None:
 
 
 async def insert_session(conn: AsyncConnection[DictRow], who: Principal, session_id: str, *, tags: list, user_metadata: dict,
-                         sdk_version: str | None, display_name: str | None, max_live: int, live_s: int) -> None:
+                         sdk_version: str | None, display_name: str | None, max_live: int, live_s: int,
+                         project_id: str | None = None) -> None:
     """Record a session, unless the tenant already has `max_live` live ones (unfinished, with a
     heartbeat in the last `live_s` seconds): 429 naming the limit. Counted and written under the
     tenant's quota lock, so a burst of creations cannot pass the limit."""
     cur = await locked_statement(
         conn, who.tenant_id,
-        "INSERT INTO sessions (id, tenant_id, api_key_id, tags, user_metadata, sdk_version, display_name) "
-        "SELECT %(id)s, %(tenant)s, %(key)s, %(tags)s, %(meta)s, %(sdk)s, %(name)s WHERE (SELECT count(*) FROM sessions "
+        "INSERT INTO sessions (id, tenant_id, api_key_id, tags, user_metadata, sdk_version, display_name, project_id) "
+        "SELECT %(id)s, %(tenant)s, %(key)s, %(tags)s, %(meta)s, %(sdk)s, %(name)s, %(project)s "
+        "WHERE (SELECT count(*) FROM sessions "
         "WHERE tenant_id = %(tenant)s AND finished_at IS NULL AND last_heartbeat_at > now() - make_interval(secs => "
         "%(live_s)s)) < %(max_live)s RETURNING id",
         {"id": session_id, "tenant": who.tenant_id, "key": who.key_id, "tags": Jsonb(tags), "meta": Jsonb(user_metadata),
-         "sdk": sdk_version, "name": display_name, "live_s": live_s, "max_live": max_live})
+         "sdk": sdk_version, "name": display_name, "live_s": live_s, "max_live": max_live, "project": project_id})
     if await cur.fetchone() is None:
         raise QuotaExceeded(f"sessions: your tenant has {max_live} live sessions, the most it may hold; finish "
                             f"one (or let it lapse: {live_s} s without a heartbeat)", field="session_id",
@@ -276,9 +279,26 @@ async def finish_session(conn: AsyncConnection[DictRow], session_id: str, reason
                        (reason, session_id))
 
 
-async def delete_checkpoint(conn: AsyncConnection[DictRow], checkpoint_id: int) -> None:
-    """Delete a checkpoint's row (its files are the store's: checkpoints.storage)."""
-    await conn.execute("DELETE FROM checkpoints WHERE id = %s", (checkpoint_id,))
+async def delete_checkpoint(conn: AsyncConnection[DictRow], checkpoint_id: int) -> bool:
+    """Delete a checkpoint's row; True if its files may go too, False while another row (a copy,
+    or the source of one) still names them (checkpoints.retention). Two statements in the caller's
+    transaction (`pool.connection()`), not one: a copy being
+    made holds its source row until it commits, and the count, read after the delete got the row,
+    sees that copy."""
+    cur = await conn.execute("DELETE FROM checkpoints WHERE id = %s RETURNING storage_path", (checkpoint_id,))
+    gone = await cur.fetchone()
+    if gone is None:
+        return False
+    cur = await conn.execute("SELECT 1 FROM checkpoints WHERE storage_path = %s LIMIT 1", (gone["storage_path"],))
+    return await cur.fetchone() is None
+
+
+async def set_published(conn: AsyncConnection[DictRow], checkpoint_id: int, published: bool) -> bool:
+    """Publish or unpublish a checkpoint; False if it already was so."""
+    cur = await conn.execute(
+        "UPDATE checkpoints SET published_at = CASE WHEN %(pub)s THEN now() END WHERE id = %(id)s "
+        "AND (published_at IS NOT NULL) <> %(pub)s RETURNING id", {"id": checkpoint_id, "pub": published})
+    return await cur.fetchone() is not None
 
 
 async def expire_checkpoint(conn: AsyncConnection[DictRow], checkpoint_id: int, ttl_s: int | None) -> None:
@@ -291,3 +311,104 @@ async def slide_checkpoint(conn: AsyncConnection[DictRow], checkpoint_id: int) -
     """A use of a checkpoint with a sliding lifetime restarts its clock (checkpoints.retention)."""
     await conn.execute("UPDATE checkpoints SET expires_at = now() + make_interval(secs => sliding_ttl_s) WHERE id = %s",
                        (checkpoint_id,))
+
+
+# ------------------------------------------------------------------ projects, copies, access tokens
+
+async def insert_project(conn: AsyncConnection[DictRow], who: Principal, project_id: str, name: str,
+                         max_projects: int) -> bool:
+    """Record a project; False if the tenant has one of that name already. QuotaExceeded past
+    `max_projects` (counted under the tenant's quota lock)."""
+    cur = await locked_statement(
+        conn, who.tenant_id,
+        "WITH n AS (SELECT count(*) AS n FROM projects WHERE tenant_id = %(tenant)s), "
+        "ins AS (INSERT INTO projects (id, tenant_id, name) SELECT %(id)s, %(tenant)s, %(name)s FROM n "
+        "WHERE n.n < %(most)s ON CONFLICT (tenant_id, name) DO NOTHING RETURNING id) "
+        "SELECT (SELECT n FROM n) AS n, (SELECT id FROM ins) AS id",
+        {"tenant": who.tenant_id, "id": project_id, "name": name, "most": max_projects})
+    row = await cur.fetchone()
+    if row is not None and row["id"] is None and row["n"] >= max_projects:
+        raise QuotaExceeded(f"projects: your tenant has {row['n']} projects, the most it may hold ({max_projects})",
+                            field="name", retry_after_s=3600)
+    return row is not None and row["id"] is not None
+
+
+async def assign_session_project(conn: AsyncConnection[DictRow], who: Principal, session_id: str, project_id: str) -> None:
+    """Move a session of the tenant (with its runs and samplers) into one of its projects."""
+    await conn.execute("UPDATE sessions SET project_id = %s WHERE id = %s AND tenant_id = %s",
+                       (project_id, session_id, who.tenant_id))
+
+
+async def lock_copy_source(conn: AsyncConnection[DictRow], checkpoint_id: int) -> dict | None:
+    """The source row of a copy, locked until the copy commits (so deleting the source, which
+    takes the row, waits for the copy and then sees it), or None if it went meanwhile."""
+    cur = await conn.execute(f"SELECT * FROM checkpoints WHERE id = %s AND {retention.LIVE} FOR SHARE",
+                             (checkpoint_id,))
+    return await cur.fetchone()
+
+
+async def use_weights_token(conn: AsyncConnection[DictRow], token_sha256: bytes, checkpoint_id: int) -> str | None:
+    """The id of a live (unrevoked, unexpired) weights access token for this checkpoint, locked
+    until the copy commits (a revocation waits for it), or None."""
+    cur = await conn.execute(
+        "SELECT id FROM weights_access_tokens WHERE token_sha256 = %s AND checkpoint_id = %s AND revoked_at IS NULL "
+        "AND (expires_at IS NULL OR expires_at > now()) FOR SHARE", (token_sha256, checkpoint_id))
+    row = await cur.fetchone()
+    return row["id"] if row else None
+
+
+async def insert_copy_session(conn: AsyncConnection[DictRow], who: Principal, session_id: str, project_id: str) -> None:
+    """The session a copy into a project lives in: finished at once (nothing runs in it), so it
+    counts against no live-session limit. A retry with the same id finds it there."""
+    await conn.execute(
+        "INSERT INTO sessions (id, tenant_id, api_key_id, tags, project_id, finished_at, finish_reason, sdk_version) "
+        "VALUES (%s, %s, %s, %s, %s, now(), 'success', 'copy_weights') ON CONFLICT (id) DO NOTHING",
+        (session_id, who.tenant_id, who.key_id or None, Jsonb(["copy_weights"]), project_id))
+
+
+async def insert_copy(conn: AsyncConnection[DictRow], who: Principal, source: dict, *, model_id: str, session_id: str,
+                      model_seq_id: int, copied_from: str, ttl_s: int | None) -> bool:
+    """A copy of checkpoint row `source` (with its run's `base_model`, `lora_config`, `optimizer`):
+    a training run of status 'copy' holding one checkpoint row that names the same files. False
+    if `model_id` exists already (a retry, or a slot taken: the caller tells which)."""
+    cur = await conn.execute(
+        "INSERT INTO training_models (id, tenant_id, session_id, model_seq_id, base_model, lora_config, status, "
+        "optimizer, copied_from) VALUES (%s, %s, %s, %s, %s, %s, 'copy', %s, %s) ON CONFLICT DO NOTHING RETURNING id",
+        (model_id, who.tenant_id, session_id, model_seq_id, source["base_model"], Jsonb(source["lora_config"]),
+         source["optimizer"], copied_from))
+    if await cur.fetchone() is None:
+        return False
+    await conn.execute(
+        "INSERT INTO checkpoints (tenant_id, model_id, kind, name, storage_path, size_bytes, expires_at, user_metadata) "
+        "VALUES (%s, %s, %s, %s, %s, %s, now() + make_interval(secs => %s), %s)",
+        (who.tenant_id, model_id, source["kind"], source["name"], source["storage_path"], source["size_bytes"], ttl_s,
+         None if source["user_metadata"] is None else Jsonb(source["user_metadata"])))
+    return True
+
+
+async def holds_files(conn: AsyncConnection[DictRow], tenant_id: str, storage_path: str) -> bool:
+    """Whether a live checkpoint of the tenant already names these files (a copy then adds no bytes)."""
+    cur = await conn.execute(f"SELECT 1 FROM checkpoints WHERE tenant_id = %s AND storage_path = %s AND {retention.LIVE} "
+                             "LIMIT 1", (tenant_id, storage_path))
+    return await cur.fetchone() is not None
+
+
+async def insert_weights_token(conn: AsyncConnection[DictRow], who: Principal, token_id: str, checkpoint_id: int,
+                               token_sha256: bytes, ttl_s: int | None) -> dict:
+    cur = await conn.execute(
+        "INSERT INTO weights_access_tokens (id, tenant_id, checkpoint_id, token_sha256, created_by, expires_at) "
+        "VALUES (%s, %s, %s, %s, %s, now() + make_interval(secs => %s)) RETURNING created_at, expires_at",
+        (token_id, who.tenant_id, checkpoint_id, token_sha256, who.actor, ttl_s))
+    row = await cur.fetchone()
+    assert row is not None
+    return row
+
+
+async def revoke_weights_token(conn: AsyncConnection[DictRow], who: Principal, token_id: str) -> dict | None:
+    """Revoke a token of the tenant's; its row (with the checkpoint's tinker path parts), or None
+    if there is none or it was revoked already."""
+    cur = await conn.execute(
+        "UPDATE weights_access_tokens w SET revoked_at = now() FROM checkpoints c WHERE w.id = %s AND w.tenant_id = %s "
+        "AND w.revoked_at IS NULL AND c.id = w.checkpoint_id RETURNING w.id, c.model_id, c.kind, c.name",
+        (token_id, who.tenant_id))
+    return await cur.fetchone()

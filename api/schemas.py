@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -61,15 +62,8 @@ class CreateSessionRequest(_Body):
     user_metadata: UserMetadata = Field(default_factory=dict)
     sdk_version: str | None = Field(None, max_length=64)
     display_name: str | None = Field(None, max_length=256)
-    # The tinker SDK sends TINKER_PROJECT_ID here. A Quilt tenant has no projects: refused, not dropped.
-    project_id: str | None = Field(None, max_length=256)
-
-    @field_validator("project_id")
-    @classmethod
-    def _no_projects(cls, value: str | None) -> None:
-        if value is not None:
-            raise ValueError("projects are not supported here (a tenant's sessions are all in one); leave "
-                             "project_id out (unset TINKER_PROJECT_ID)")
+    # The tinker SDK sends TINKER_PROJECT_ID here: a project of the caller's tenant (None: its default).
+    project_id: str | None = Field(None, max_length=128)
 
 
 class SessionHeartbeatRequest(_Body):
@@ -343,6 +337,94 @@ class LoadWeightsRequest(_Body):
         elif self.session_id is None or self.model_seq_id is None:
             raise ValueError("send model_id and seq_id, or session_id and model_seq_id to create a model from the checkpoint")
         return self
+
+
+class CopyWeightsRequest(_Body):
+    """tinker's CopyWeightsRequest: a destination project, or a session (and its model slot)."""
+
+    source_path: str = Field(max_length=1024)
+    destination_project_id: str | None = Field(None, max_length=128)
+    session_id: str | None = Field(None, max_length=128)
+    model_seq_id: int | None = Field(None, ge=0, le=1_000_000)
+    ttl_seconds: int | None = Field(None, ge=retention.MIN_TTL_S, le=retention.MAX_TTL_S)
+    weights_access_token: str | None = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def _one_destination(self) -> CopyWeightsRequest:
+        if self.session_id is not None:
+            if self.model_seq_id is None:
+                raise ValueError("model_seq_id is required with session_id")
+            if self.destination_project_id is not None:
+                raise ValueError("give destination_project_id or session_id, not both (a copy into a session "
+                                 "lands in the session's project)")
+        elif self.destination_project_id is None:
+            raise ValueError("give destination_project_id, or session_id and model_seq_id")
+        return self
+
+
+class CreateProjectRequest(_Body):
+    name: str = Field(min_length=1, max_length=128)
+
+    @field_validator("name")
+    @classmethod
+    def _a_name(cls, value: str) -> str:
+        return check_name(value, "project name")
+
+
+class AssignProjectRequest(_Body):
+    project_id: str = Field(min_length=1, max_length=128)
+
+
+class SearchOwnerIn(_Body):
+    """tinker's SearchOwner: `own`, `accessible`, or `user` with 1 to 10 `owner_urns` (`key:<prefix>`)."""
+
+    type: Literal["own", "accessible", "user"] = "own"
+    owner_urns: list[Annotated[str, StringConstraints(max_length=128)]] | None = Field(None, min_length=1, max_length=10)
+
+    @model_validator(mode="after")
+    def _urns_with_user(self) -> SearchOwnerIn:
+        if (self.type == "user") != (self.owner_urns is not None):
+            raise ValueError("owner_urns goes with type 'user', and only with it")
+        return self
+
+
+class StatusQueryIn(_Body):
+    type: Literal["active", "cancelled", "failed", "client_finished"]
+    reasons: list[Literal["success", "errored", "interrupted"]] | None = Field(None, min_length=1, max_length=3)
+
+
+class SearchCursorIn(_Body):
+    last_created_at: datetime
+    last_session_id: str = Field(max_length=128)
+
+    @field_validator("last_created_at")
+    @classmethod
+    def _aware(cls, value: datetime) -> datetime:
+        if value.tzinfo is None:
+            raise ValueError("must carry a time zone (pass a response's next_cursor back unchanged)")
+        return value
+
+
+class SessionSearchRequest(_Body):
+    """tinker's SessionSearchRequest (RestClient.search_sessions)."""
+
+    session_id: str | None = Field(None, max_length=128)
+    project_ids: list[Annotated[str, StringConstraints(max_length=128)]] | None = Field(None, max_length=100)
+    user_metadata: dict[Annotated[str, StringConstraints(max_length=128)],
+                        Annotated[str, StringConstraints(max_length=1024)]] = Field(default_factory=dict, max_length=64)
+    display_name: str | None = Field(None, min_length=1, max_length=256)
+    owner: SearchOwnerIn = Field(default_factory=SearchOwnerIn)
+    statuses: list[StatusQueryIn] | None = Field(None, min_length=1, max_length=16)
+    limit: int = Field(50, ge=1, le=200)
+    cursor: SearchCursorIn | None = None
+
+
+class WeightsTokenRequest(_Body):
+    """An access token to one of your checkpoints, for another tenant's copy_weights."""
+
+    tinker_path: str = Field(max_length=1024)
+    ttl_seconds: int | None = Field(None, ge=60, le=retention.MAX_TTL_S,
+                                    description="seconds until the token stops working; null: until revoked")
 
 
 class WeightsInfoRequest(_Body):

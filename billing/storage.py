@@ -48,11 +48,19 @@ def storage_charges(live: list[dict], hour: datetime) -> list[StorageCharge]:
             for (tenant, base), size in sorted(total.items()) if size > 0]
 
 
-_LIVE_BYTES = f"""
-SELECT c.tenant_id, m.base_model, sum(c.size_bytes)::bigint AS size_bytes
+# A tenant's live checkpoint files, each directory once: copies inside a tenant (copy_weights, the
+# rows of status `copy`) name the same files, and the bytes are stored once (the quota counts them
+# so too, tenancy.sharing). A copy in another tenant is that tenant's storage as well.
+_LIVE_FILES = f"""
+SELECT DISTINCT ON (c.tenant_id, c.storage_path) c.tenant_id, m.base_model, c.size_bytes
 FROM checkpoints c JOIN training_models m ON m.id = c.model_id
 WHERE {retention.LIVE}
-GROUP BY c.tenant_id, m.base_model
+ORDER BY c.tenant_id, c.storage_path, c.id
+"""
+
+_LIVE_BYTES = f"""
+SELECT tenant_id, base_model, sum(size_bytes)::bigint AS size_bytes FROM ({_LIVE_FILES}) f
+GROUP BY tenant_id, base_model
 """
 
 
@@ -71,13 +79,13 @@ def last_hour(now: datetime) -> datetime:
 
 
 _TENANT_RATE = f"""
-SELECT sum(c.size_bytes)::bigint AS size_bytes,
-       sum(c.size_bytes * COALESCE(p.storage_micro_usd_per_gb_month, 0))::numeric AS weighted
-FROM checkpoints c JOIN training_models m ON m.id = c.model_id
+SELECT sum(f.size_bytes)::bigint AS size_bytes,
+       sum(f.size_bytes * COALESCE(p.storage_micro_usd_per_gb_month, 0))::numeric AS weighted
+FROM ({_LIVE_FILES}) f
 LEFT JOIN LATERAL (SELECT storage_micro_usd_per_gb_month FROM price_book
-                   WHERE base_model = m.base_model AND effective_from <= now()
+                   WHERE base_model = f.base_model AND effective_from <= now()
                    ORDER BY effective_from DESC LIMIT 1) p ON true
-WHERE c.tenant_id = %s AND {retention.LIVE}
+WHERE f.tenant_id = %s
 """
 
 

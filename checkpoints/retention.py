@@ -8,6 +8,8 @@ whatever a concurrent save does. Files become garbage three ways:
   * a checkpoint expires (`ttl_seconds` from the client, or the sliding default of anonymous
     sampler snapshots): hidden at once by every query, files removed by the next sweep;
   * a client deletes it (removed at once by the route);
+Copies (copy_weights) name their source's directory: a directory is removed only once no checkpoint
+row names it, whichever row goes last (the rows are the reference count).
   * nobody recorded it (a worker died between writing the files and recording them): found by
     `sweep_orphans` once an hour has passed (on this machine's disk, and in the bucket with S3).
 `sweep` (Celery beat, every minute) expires rows and removes due directories; `sweep_orphans`
@@ -98,11 +100,15 @@ def sweep(conn: psycopg.Connection[DictRow], store: LocalStore, *, batch: int = 
             "INSERT INTO storage_garbage (tenant_id, path, delete_after) "
             "SELECT tenant_id, storage_path, now() FROM gone RETURNING id"
         ).fetchall()
+    # A path another checkpoint row still names (a copy: copy_weights shares its source's files) is
+    # forgotten, not removed: the files go with the last row that names them.
     due = conn.execute(
-        "SELECT id, path FROM storage_garbage WHERE delete_after <= now() ORDER BY delete_after LIMIT %s", (batch,)
+        "SELECT g.id, g.path, EXISTS (SELECT 1 FROM checkpoints c WHERE c.storage_path = g.path) AS shared "
+        "FROM storage_garbage g WHERE g.delete_after <= now() ORDER BY g.delete_after LIMIT %s", (batch,)
     ).fetchall()
     for row in due:
-        store.remove(row["path"])
+        if not row["shared"]:
+            store.remove(row["path"])
     if due:
         with conn.transaction():
             conn.execute("DELETE FROM storage_garbage WHERE id = ANY(%s)", ([r["id"] for r in due],))

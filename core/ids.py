@@ -40,6 +40,19 @@ def new_member_id() -> str:
     return "mem-" + uuid.uuid4().hex[:16]
 
 
+def new_project_id() -> str:
+    return "proj-" + uuid.uuid4().hex[:16]
+
+
+def new_weights_token_id() -> str:
+    return "wat-" + uuid.uuid4().hex[:16]
+
+
+def new_weights_token() -> str:
+    """A weights access token (copy_weights' `weights_access_token`): a bearer secret, kept hashed."""
+    return "qwt-" + secrets.token_urlsafe(32)
+
+
 def new_api_key() -> str:
     # The tinker SDK refuses keys that do not start with "tml-".
     return "tml-" + secrets.token_urlsafe(32)

@@ -3,8 +3,12 @@ tenant's resource is indistinguishable from a missing one (404), and no route co
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from datetime import datetime
+
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
+from psycopg.types.json import Jsonb
 
 from checkpoints import retention
 from core import db
@@ -42,13 +46,93 @@ async def get_session(conn: AsyncConnection[DictRow], who: Principal, session_id
     )
 
 
-async def list_sessions(conn: AsyncConnection[DictRow], who: Principal, *, limit: int, offset: int) -> list[str]:
-    """Your sessions' ids, newest first."""
+# A session is the caller's own when the calling key made it, or another key of the same member
+# account did (the tinker SDK's `owned` scope); `accessible` is every session of the tenant.
+# Parameters: key, member.
+_OWNED = ("(s.api_key_id = %(key)s OR (%(member)s::text IS NOT NULL AND s.api_key_id IN "
+          "(SELECT id FROM api_keys WHERE member_id = %(member)s)))")
+ACCESS_SCOPES = ("owned", "accessible")
+
+
+async def list_sessions(conn: AsyncConnection[DictRow], who: Principal, *, limit: int, offset: int,
+                        access_scope: str = "owned") -> list[str]:
+    """Your sessions' ids, newest first: those you made (`owned`) or all of your tenant's (`accessible`)."""
+    owned = _OWNED if access_scope == "owned" else "true"
     cur = await conn.execute(
-        "SELECT id FROM sessions WHERE tenant_id = %s ORDER BY created_at DESC, id LIMIT %s OFFSET %s",
-        (who.tenant_id, limit, offset),
+        f"SELECT s.id FROM sessions s WHERE s.tenant_id = %(tenant)s AND {owned} "
+        "ORDER BY s.created_at DESC, s.id LIMIT %(limit)s OFFSET %(offset)s",
+        {"tenant": who.tenant_id, "key": who.key_id, "member": who.member_id, "limit": limit, "offset": offset},
     )
     return [row["id"] for row in await cur.fetchall()]
+
+
+@dataclass(frozen=True)
+class SessionSearch:
+    """A session search (the tinker SDK's SessionSearchRequest), checked: `owner` is `own`,
+    `accessible`, or the key prefixes of `key:<prefix>` owner URNs; `statuses` lists `active` and
+    `client_finished:<reason>` (None: any status); `after` the cursor (created_at, session id)."""
+
+    limit: int
+    owner: str = "own"
+    owner_prefixes: tuple[str, ...] = ()
+    session_id: str | None = None
+    display_words: tuple[str, ...] = ()
+    project_ids: tuple[str, ...] | None = None
+    user_metadata: dict[str, str] = field(default_factory=dict)
+    statuses: tuple[str, ...] | None = None
+    after: tuple[datetime, str] | None = None
+
+
+def _like(word: str) -> str:
+    return "%" + word.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
+async def search_sessions(conn: AsyncConnection[DictRow], who: Principal, q: SessionSearch) -> list[dict]:
+    """One page of your tenant's sessions matching `q`, newest first, with their owner's key prefix,
+    live checkpoint count and bytes. `q.project_ids` must all be the tenant's (checked by the caller)."""
+    p: dict = {"tenant": who.tenant_id, "key": who.key_id, "member": who.member_id, "limit": q.limit,
+               "sid": q.session_id, "projects": list(q.project_ids) if q.project_ids is not None else None,
+               "meta": Jsonb(q.user_metadata), "prefixes": list(q.owner_prefixes),
+               "statuses": list(q.statuses) if q.statuses is not None else None,
+               "after_at": q.after[0] if q.after else None, "after_id": q.after[1] if q.after else None}
+    words = " AND ".join(f"s.display_name ILIKE %(w{i})s" for i in range(len(q.display_words)))
+    p.update({f"w{i}": _like(w) for i, w in enumerate(q.display_words)})
+    if q.session_id is not None and words:
+        match = f"(s.id = %(sid)s OR ({words}))"
+    else:
+        match = "s.id = %(sid)s" if q.session_id is not None else (f"({words})" if words else "true")
+    owner = {"own": _OWNED, "accessible": "true", "user": "k.prefix = ANY(%(prefixes)s)"}[q.owner]
+    status = ("CASE WHEN s.finished_at IS NULL THEN 'active' WHEN s.finish_reason IN ('success', 'errored', 'interrupted') "
+              "THEN 'client_finished:' || s.finish_reason END")
+    cur = await conn.execute(
+        "SELECT s.id, s.created_at, s.project_id, s.display_name, s.user_metadata, s.finished_at, s.finish_reason, "
+        "k.prefix AS key_prefix, "
+        f"(SELECT count(*) FROM checkpoints c JOIN training_models m ON m.id = c.model_id WHERE m.session_id = s.id "
+        f"AND {retention.LIVE}) AS checkpoints, "
+        f"(SELECT COALESCE(sum(c.size_bytes), 0)::bigint FROM checkpoints c JOIN training_models m ON m.id = c.model_id "
+        f"WHERE m.session_id = s.id AND {retention.LIVE}) AS checkpoint_bytes "
+        "FROM sessions s LEFT JOIN api_keys k ON k.id = s.api_key_id "
+        f"WHERE s.tenant_id = %(tenant)s AND {match} AND {owner} "
+        "AND (%(projects)s::text[] IS NULL OR s.project_id = ANY(%(projects)s)) AND s.user_metadata @> %(meta)s "
+        f"AND (%(statuses)s::text[] IS NULL OR {status} = ANY(%(statuses)s)) "
+        "AND (%(after_at)s::timestamptz IS NULL OR (s.created_at, s.id) < (%(after_at)s, %(after_id)s)) "
+        "ORDER BY s.created_at DESC, s.id DESC LIMIT %(limit)s", p)
+    return await cur.fetchall()
+
+
+async def get_project(conn: AsyncConnection[DictRow], who: Principal, project_id: str, field: str = "project_id") -> dict:
+    """A project of your tenant (404 for another tenant's, like a missing one)."""
+    return await _one(conn, "SELECT * FROM projects WHERE id = %s AND tenant_id = %s", (project_id, who.tenant_id),
+                      NotFound(f"project {project_id!r} not found", field=field))
+
+
+async def list_projects(conn: AsyncConnection[DictRow], who: Principal) -> list[dict]:
+    """Your tenant's projects, the default first, then by creation, with their sessions counted."""
+    cur = await conn.execute(
+        "SELECT p.id, p.name, p.is_default, p.created_at, (SELECT count(*) FROM sessions s WHERE s.project_id = p.id) "
+        "AS sessions FROM projects p WHERE p.tenant_id = %s ORDER BY p.is_default DESC, p.created_at, p.id",
+        (who.tenant_id,))
+    return await cur.fetchall()
 
 
 async def session_contents(conn: AsyncConnection[DictRow], who: Principal, session_id: str) -> tuple[dict, list[str], list[str]]:
@@ -114,17 +198,35 @@ async def get_checkpoint(conn: AsyncConnection[DictRow], who: Principal, model_i
     )
 
 
+async def readable_checkpoint(conn: AsyncConnection[DictRow], who: Principal, model_id: str, kind: str, name: str,
+                              field: str = "path") -> dict:
+    """A live checkpoint you may read (sample, copy, download): yours, or another tenant's while it
+    is published. With its run's `base_model`, `lora_config` and `optimizer`. Another tenant's
+    unpublished checkpoint is a 404, like a missing one."""
+    return await _one(
+        conn,
+        "SELECT c.*, m.base_model, m.lora_config, m.optimizer FROM checkpoints c JOIN training_models m "
+        "ON m.id = c.model_id WHERE c.model_id = %s AND c.kind = %s AND c.name = %s "
+        f"AND (c.tenant_id = %s OR c.published_at IS NOT NULL) AND {retention.LIVE}",
+        (model_id, kind, name, who.tenant_id),
+        NotFound(f"checkpoint tinker://{model_id}/{kind}/{name} not found", field=field),
+    )
+
+
 async def download_checkpoint(conn: AsyncConnection[DictRow], tenant_id: str, checkpoint_id: int, api_key_id: str) -> dict:
-    """The checkpoint a signed URL names, if the link still holds: the checkpoint lives, the key that
-    minted it (`api_key_id`, "" for none) is not revoked, and no operator has suspended the tenant
-    (a payment suspension keeps downloads working). NotFound or Forbidden saying which otherwise."""
+    """The checkpoint a signed URL names, if the link still holds: the checkpoint lives and is the
+    link's tenant's or still published, the key that minted it (`api_key_id`, "" for none; a key of
+    the link's tenant) is not revoked, and no operator has suspended the checkpoint's owner (a
+    payment suspension keeps downloads working). NotFound or Forbidden saying which otherwise."""
     cur = await conn.execute(
         "SELECT c.*, t.suspended_kind, k.id AS minted_by, k.revoked_at AS minted_by_revoked_at FROM checkpoints c "
-        "JOIN tenants t ON t.id = c.tenant_id LEFT JOIN api_keys k ON k.id = %s AND k.tenant_id = c.tenant_id "
-        f"WHERE c.id = %s AND c.tenant_id = %s AND {retention.LIVE}", (api_key_id, checkpoint_id, tenant_id))
+        "JOIN tenants t ON t.id = c.tenant_id LEFT JOIN api_keys k ON k.id = %(key)s AND k.tenant_id = %(tenant)s "
+        f"WHERE c.id = %(id)s AND (c.tenant_id = %(tenant)s OR c.published_at IS NOT NULL) AND {retention.LIVE}",
+        {"key": api_key_id, "id": checkpoint_id, "tenant": tenant_id})
     row = await cur.fetchone()
     if row is None:
-        raise NotFound("the checkpoint of this download link was deleted or has expired", field="token")
+        raise NotFound("the checkpoint of this download link was deleted, has expired or is no longer published",
+                       field="token")
     if api_key_id and (row["minted_by"] is None or row["minted_by_revoked_at"] is not None):
         raise NotFound("the API key that made this download link was revoked; ask for a new link", field="token")
     if row["suspended_kind"] == "operator":
@@ -226,21 +328,26 @@ async def list_checkpoints(conn: AsyncConnection[DictRow], who: Principal, *, mo
 
 async def checkpoint_bytes(conn: AsyncConnection[DictRow], who: Principal) -> int:
     """The bytes of the caller's tenant's live checkpoints (its max_checkpoint_bytes quota)."""
-    cur = await conn.execute(f"SELECT COALESCE(sum(size_bytes), 0)::bigint AS n FROM checkpoints "
-                             f"WHERE tenant_id = %s AND {retention.LIVE}", (who.tenant_id,))
+    # Each stored directory once: copies inside a tenant share their source's files (copy_weights).
+    cur = await conn.execute(f"SELECT COALESCE(sum(size_bytes), 0)::bigint AS n FROM (SELECT DISTINCT ON (storage_path) "
+                             f"size_bytes FROM checkpoints WHERE tenant_id = %s AND {retention.LIVE}) c", (who.tenant_id,))
     return db.one(await cur.fetchone())["n"]
 
 
-async def checkpoint_storage(conn: AsyncConnection[DictRow], who: Principal) -> list[dict]:
-    """Your live checkpoints' count and bytes by the key that created their session (`key_prefix`,
-    `key_name`; None where the session records no key), most bytes first."""
+async def checkpoint_storage(conn: AsyncConnection[DictRow], who: Principal, *, project_id: str | None = None) -> list[dict]:
+    """Your live checkpoints' count and bytes by project and by the key that created their session
+    (`key_prefix`, `key_name`; None where the session records no key), most bytes first; only
+    `project_id`'s, given one. Each stored directory counts once, with the first checkpoint that
+    names it (copies inside the tenant share files, and storage bills them once: billing.storage)."""
     cur = await conn.execute(
-        "SELECT k.prefix AS key_prefix, k.name AS key_name, count(*) AS checkpoints, "
-        "sum(c.size_bytes)::bigint AS size_bytes "
-        "FROM checkpoints c JOIN training_models m ON m.id = c.model_id JOIN sessions s ON s.id = m.session_id "
-        f"LEFT JOIN api_keys k ON k.id = s.api_key_id WHERE c.tenant_id = %s AND {retention.LIVE} "
-        "GROUP BY k.prefix, k.name ORDER BY size_bytes DESC, k.prefix",
-        (who.tenant_id,),
+        "SELECT project_id, key_prefix, key_name, count(*) AS checkpoints, sum(size_bytes)::bigint AS size_bytes "
+        "FROM (SELECT DISTINCT ON (c.storage_path) s.project_id, k.prefix AS key_prefix, k.name AS key_name, "
+        "c.size_bytes FROM checkpoints c JOIN training_models m ON m.id = c.model_id "
+        "JOIN sessions s ON s.id = m.session_id LEFT JOIN api_keys k ON k.id = s.api_key_id "
+        f"WHERE c.tenant_id = %s AND {retention.LIVE} ORDER BY c.storage_path, c.id) f "
+        "WHERE (%s::text IS NULL OR project_id = %s) "
+        "GROUP BY project_id, key_prefix, key_name ORDER BY size_bytes DESC, project_id, key_prefix",
+        (who.tenant_id, project_id, project_id),
     )
     return await cur.fetchall()
 

@@ -1,8 +1,7 @@
 """What the official tinker SDK (0.38) reads beside training, against a running embedded Quilt:
 sessions (`RestClient.list_sessions` / `get_session`), checkpoints' `user_metadata`, the bill (`AdminClient.get_billing_usage`,
 `get_current_checkpoint_storage_usage` and `tinker billing ...`), the audit log
-(`AdminClient.get_audit_log`), and the refusal of checkpoint publishing. Each shows one tenant
-only its own."""
+(`AdminClient.get_audit_log`). Each shows one tenant only its own."""
 
 from __future__ import annotations
 
@@ -100,14 +99,12 @@ def test_sessions_bill_and_storage_through_the_official_sdk(stack):
         assert (row.checkpoint_count, row.size_bytes) == (len(listed), sum(c.size_bytes for c in listed))
         assert row.size_bytes > 0 and storage.effective_rate_usd_per_gigabyte_month > 0
         assert row.estimated_monthly_cost_usd == pytest.approx(row.size_gigabytes * storage.effective_rate_usd_per_gigabyte_month)
-        with pytest.raises(tinker.NotFoundError, match="no projects"):
+        assert row.project_id is not None  # every session is in a project: here the tenant's default one
+        assert admin.get_current_checkpoint_storage_usage(project_id=row.project_id).result().data == [row]
+        with pytest.raises(tinker.NotFoundError, match="project"):
             admin.get_current_checkpoint_storage_usage(project_id="p-1").result()
 
-        # Publishing is refused by name; a checkpoint that happens to be called "publish" still deletes.
-        with pytest.raises(tinker.NotFoundError, match="publishing checkpoints is not supported"):
-            rest.publish_checkpoint_from_tinker_path(state.path).result()
-        with pytest.raises(tinker.NotFoundError, match="publishing checkpoints is not supported"):
-            rest.unpublish_checkpoint_from_tinker_path(state.path).result()
+        # A checkpoint that happens to be called "publish" still deletes (publishing: test_sharing_sdk.py).
         named_publish = tc.save_state("publish").result().path
         rest.delete_checkpoint_from_tinker_path(named_publish).result()
         assert named_publish not in {c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
@@ -120,6 +117,8 @@ def test_sessions_bill_and_storage_through_the_official_sdk(stack):
     assert session_id not in rest_b.list_sessions().result().sessions
     assert admin_b.get_billing_usage(start, end).result().data == []
     assert admin_b.get_current_checkpoint_storage_usage().result().data == []
+    with pytest.raises(tinker.NotFoundError):
+        admin_b.get_current_checkpoint_storage_usage(project_id=row.project_id).result()
 
 
 def test_the_tinker_cli_prints_the_bill(stack, tenant):

@@ -94,13 +94,17 @@ def test_storage_is_accrued_once_per_hour_and_reported(stack, run):
         price_book.add_price(conn, base_model=TINY, effective_from=now, prefill=old.prefill_micro_usd_per_mtok,
                              sample=old.sample_micro_usd_per_mtok, train=old.train_micro_usd_per_mtok,
                              cached=old.cached_micro_usd_per_mtok, storage=10**9, note="storage test")
+        # A copy inside the tenant names the same files (as copy_weights makes it): stored, and billed, once.
+        conn.execute("INSERT INTO checkpoints (tenant_id, model_id, kind, name, storage_path, size_bytes) "
+                     "SELECT tenant_id, model_id, kind, name || '-copy', storage_path, size_bytes FROM checkpoints "
+                     "WHERE tenant_id = %s ORDER BY id LIMIT 1", (tenant.tenant_id,))
         hour = storage.last_hour(now) + timedelta(hours=1)  # this hour: the test's own period
         assert storage.accrue(conn, hour) >= 1
         assert storage.accrue(conn, hour) == 0
         (row,) = conn.execute("SELECT * FROM usage_ledger WHERE tenant_id = %s AND storage_byte_hours > 0",
                               (tenant.tenant_id,)).fetchall()
-        live = conn.execute("SELECT sum(size_bytes)::bigint AS b FROM checkpoints WHERE tenant_id = %s",
-                            (tenant.tenant_id,)).fetchone()["b"]
+        live = conn.execute("SELECT sum(size_bytes)::bigint AS b FROM (SELECT DISTINCT ON (storage_path) size_bytes "
+                            "FROM checkpoints WHERE tenant_id = %s) f", (tenant.tenant_id,)).fetchone()["b"]
     assert row["request_id"] == f"storage:{tenant.tenant_id}:{TINY}:{hour:%Y-%m-%dT%H}"
     assert row["storage_byte_hours"] == live > 0
     assert row["storage_micro_usd"] == row["cost_micro_usd"] == storage_cost(live, 10**9) > 0

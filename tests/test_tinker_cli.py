@@ -188,11 +188,14 @@ def test_checkpoint_delete(stack, made):
     assert "not found" in _fails(env, "checkpoint", "info", made.doomed_path).lower()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 62 item 5 (publishing): Quilt answers 404 'publishing checkpoints is "
-                                       "not supported here'")
 @pytest.mark.parametrize("command", ["publish", "unpublish"])
 def test_checkpoint_publish_and_unpublish(stack, made, command):
-    _ok(_env(stack.base_url, made.key), "checkpoint", command, made.state_path)
+    """In this order: publish makes the checkpoint public, unpublish private again."""
+    env = _env(stack.base_url, made.key)
+    _ok(env, "checkpoint", command, made.state_path)
+    listed = _json(env, "checkpoint", "list", "--run-id", made.run_id)
+    (row,) = [c for c in listed["checkpoints"] if c["tinker_path"] == made.state_path]
+    assert row["public"] is (command == "publish")
 
 
 def test_checkpoint_push_hf():

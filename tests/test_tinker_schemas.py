@@ -32,6 +32,8 @@ PAIRS = {
     "SampleRequest": schemas.SampleRequest,
     "FutureRetrieveRequest": schemas.RetrieveFutureRequest,
     "FuturesRetrieveRequest": schemas.RetrieveFuturesRequest,
+    "CopyWeightsRequest": schemas.CopyWeightsRequest,
+    "SessionSearchRequest": schemas.SessionSearchRequest,
     # nested objects
     "ForwardBackwardInput": schemas.ForwardBackwardInput,
     "Datum": schemas.DatumIn,
@@ -46,10 +48,8 @@ PAIRS = {
 # tinker request types with no JSON body model here, and why.
 NOT_SERVED = {
     "ClientConfigRequest": "answered without reading a body (api.routes.service: the handshake's flags are the server's)",
-    "CopyWeightsRequest": "copy_weights is not built (no route): 404",
     "GetBillingUsageRequest": "a GET: its fields are query parameters of billing/usage/events",
     "GetCurrentCheckpointStorageUsageRequest": "a GET of billing/usage/checkpoints/current; a tenant has no projects",
-    "SessionSearchRequest": "session search is not built (no route): 404",
     "TelemetrySendRequest": "telemetry is not collected (the SDK's telemetry is off against Quilt: client/config)",
     "UnloadModelRequest": "adapters are parked by the trainer itself (QUILT_TRAINER_OFFLOAD_IDLE_S)",
 }
@@ -102,7 +102,8 @@ def test_every_tinker_request_type_is_placed():
 
 
 @pytest.mark.parametrize(("model", "body", "field"), [
-    (schemas.CreateSessionRequest, {"project_id": "p-1"}, "project_id"),
+    (schemas.CopyWeightsRequest, {"source_path": "tinker://r/weights/a"}, "destination_project_id"),
+    (schemas.CopyWeightsRequest, {"source_path": "tinker://r/weights/a", "session_id": "s"}, "model_seq_id"),
     (schemas.OptimStepRequest, {"model_id": "m", "seq_id": 1, "optimizer_params": {"type": "dimuon"}},
      "optimizer_params"),
     (schemas.CreateSamplingSessionRequest, {"session_id": "s", "sampling_session_seq_id": 0}, None),

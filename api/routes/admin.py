@@ -2,7 +2,7 @@
 with its cost, its checkpoint storage, and its audit log.
 
 Each answers for the caller's own tenant, operators included (an operator reads every tenant's
-audit log through `/api/v1/quilt/audit`). Quilt has no projects, so nothing is attributed to one.
+audit log through `/api/v1/quilt/audit`). Storage is attributed to the project of the session that holds it.
 """
 
 from __future__ import annotations
@@ -17,14 +17,13 @@ from api.input_guard import GuardedRoute
 from api.routes.runs import metadata_text
 from billing import storage, usage
 from billing.pricing import BYTES_PER_GB, MICRO_PER_USD
-from core.errors import NotFound
 from tenancy import accounts, scoped
 
 router = APIRouter(route_class=GuardedRoute, tags=["admin"])
 
 AUDIT_ENTRIES = 1000
 # tinker's audit categories as the resources of Quilt's audit actions (`budget` of `budget.set`).
-# Quilt records no checkpoint or project events, so those two categories are always empty.
+# `checkpoints`: publishing, copies and weights access tokens; `projects`: projects made.
 RESOURCES_OF_EVENT_TYPE = {"all": None, "checkpoints": ["checkpoint"], "projects": ["project"],
                            "teams": ["member"],
                            "organizations": ["tenant", "key", "budget", "credit", "card", "invoice"]}
@@ -54,17 +53,17 @@ async def billing_usage_events(who: Who, pool: Pool, starting_on: datetime, endi
 
 @router.get("/billing/usage/checkpoints/current")
 async def checkpoint_storage(who: Who, pool: Pool, project_id: str | None = Query(None, max_length=128)) -> dict:
-    """Your live checkpoints, counted and sized by the API key whose session made them, with the
-    storage rate in force (USD per GB-month of 720 hours; each base's rate, weighted by bytes) and
-    what a month of them costs at it. Storage is billed hourly onto the ledger (billing.storage)."""
-    if project_id is not None:
-        raise NotFound(f"project {project_id!r} not found: Quilt has no projects; leave project_id out",
-                       field="project_id")
+    """Your live checkpoints (of one of your projects, given `project_id`), counted and sized by
+    project and by the API key whose session made them, with the storage rate in force (USD per
+    GB-month of 720 hours; each base's rate, weighted by bytes) and what a month of them costs at it.
+    Storage is billed hourly onto the ledger (billing.storage)."""
     async with pool.connection() as conn:
-        rows = await scoped.checkpoint_storage(conn, who)
+        if project_id is not None:
+            await scoped.get_project(conn, who, project_id)
+        rows = await scoped.checkpoint_storage(conn, who, project_id=project_id)
         rate = await storage.tenant_rate_micro_usd_per_gb_month(conn, who.tenant_id) / MICRO_PER_USD
     return {"effective_rate_usd_per_gigabyte_month": rate,
-            "data": [{"project_id": None, "org_user_urn": _key_urn(r["key_prefix"]), "user_email": None,
+            "data": [{"project_id": r["project_id"], "org_user_urn": _key_urn(r["key_prefix"]), "user_email": None,
                       "user_name": r["key_name"] or None, "checkpoint_count": r["checkpoints"],
                       "size_bytes": r["size_bytes"], "size_gigabytes": r["size_bytes"] / BYTES_PER_GB,
                       "estimated_monthly_cost_usd": r["size_bytes"] / BYTES_PER_GB * rate} for r in rows]}

@@ -11,7 +11,8 @@ fetches.
                                                                              session's trace (api.session_trace)
     GET downloads/{token}/{file name}                                         the bytes; no API key
 
-Every kind of checkpoint can be fetched; what is sent is the PEFT adapter directory
+Every kind of checkpoint can be fetched, the caller's own or another tenant's published one (a link
+stops working the moment it is unpublished); what is sent is the PEFT adapter directory
 (adapter_config.json, adapter_model.safetensors) and Quilt's metadata, never optimizer state, or
 for `merged` the base's files with the adapter merged into its weights (checkpoints.adapter_merge), which
 needs the base's files on this API's machine.
@@ -90,7 +91,7 @@ async def adapter_download(ckpt: dict) -> StreamingResponse:
 async def _checkpoint(pool, who, run_id: str, checkpoint_id: str) -> dict:
     kind, name = split_checkpoint_id(checkpoint_id)
     async with pool.connection() as conn:
-        return await scoped.get_checkpoint(conn, who, run_id, kind, name)
+        return await scoped.readable_checkpoint(conn, who, run_id, kind, name, field="checkpoint_id")
 
 
 def _url(request: Request, key: signed_urls.SigningKeys, grant: signed_urls.Grant, filename: str) -> str:

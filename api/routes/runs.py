@@ -6,7 +6,7 @@ also the first part of its checkpoints' `tinker://` paths.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from api import records
@@ -19,7 +19,7 @@ from core import ids
 from core.errors import InvalidInput, NotFound
 from core.numbers import INT32_MAX
 from core.work import OPTIMIZERS
-from tenancy import scoped
+from tenancy import accounts, scoped
 from tenancy.auth import Principal
 
 router = APIRouter(route_class=GuardedRoute, tags=["runs"])
@@ -34,7 +34,7 @@ def checkpoint_json(row: dict) -> dict:
         "time": row["created_at"].isoformat(),
         "tinker_path": ids.tinker_path(row["model_id"], row["kind"], row["name"]),
         "size_bytes": row["size_bytes"],
-        "public": False,
+        "public": row.get("published_at") is not None,
         **({"expires_at": row["expires_at"].isoformat()} if row["expires_at"] else {}),
         **({"user_metadata": row["user_metadata"]} if row["user_metadata"] is not None else {}),
     }
@@ -118,19 +118,25 @@ def split_checkpoint_id(checkpoint_id: str) -> tuple[str, str]:
     return kind, name
 
 
-def _not_published() -> NotFound:
-    return NotFound("publishing checkpoints is not supported here: a checkpoint stays private to its tenant "
-                    "(download it with get_external_weights_urls or the checkpoint archive to share it)",
-                    field="checkpoint_id")
-
-
 # Before the DELETE of `{checkpoint_id:path}`, which would take `<kind>/<name>/publish` for a
 # checkpoint id; a checkpoint named `publish` (`<kind>/publish`, two segments) still reaches it.
-@router.api_route("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", methods=["POST", "DELETE"])
-async def publish_checkpoint(run_id: str, kind: str, name: str, who: Who) -> None:
-    """Publish (POST) and unpublish (DELETE), the tinker SDK's: not supported (404), since
-    checkpoints are never readable by another tenant."""
-    raise _not_published()
+@router.api_route("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", methods=["POST", "DELETE"],
+                  status_code=204)
+async def publish_checkpoint(run_id: str, kind: str, name: str, request: Request, who: Who, pool: Pool) -> Response:
+    """Publish (POST) one of your checkpoints: every tenant may then sample, copy and download it
+    through its tinker path; or unpublish it (DELETE), which stops all three at once. Repeating
+    either changes nothing; each change is recorded in your audit log."""
+    kind, name = split_checkpoint_id(f"{kind}/{name}")
+    publish = request.method == "POST"
+    async with pool.connection() as conn:
+        ckpt = await scoped.get_checkpoint(conn, who, run_id, kind, name)
+        path = ids.tinker_path(run_id, kind, name)
+        # Already so: done, not a 409 (tinker's documents say 409, but its SDK retries a 409 until it
+        # gives up, so a repeated publish would hang the caller for minutes).
+        if await records.set_published(conn, ckpt["id"], publish):
+            await accounts.record_async(conn, who.tenant_id, who.actor,
+                                        "checkpoint.published" if publish else "checkpoint.unpublished", tinker_path=path)
+    return Response(status_code=204)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", status_code=204)
@@ -139,9 +145,11 @@ async def delete_checkpoint(run_id: str, checkpoint_id: str, who: Who, pool: Poo
     kind, name = split_checkpoint_id(checkpoint_id)
     async with pool.connection() as conn:
         ckpt = await scoped.get_checkpoint(conn, who, run_id, kind, name)
-        await records.delete_checkpoint(conn, ckpt["id"])
-    # Earlier versions of the name are already queued for deletion (checkpoints.retention).
-    await run_in_threadpool(storage.get_store().remove, ckpt["storage_path"])
+        last = await records.delete_checkpoint(conn, ckpt["id"])
+    # Earlier versions of the name are already queued for deletion (checkpoints.retention); files a
+    # copy still names stay for it (copy_weights).
+    if last:
+        await run_in_threadpool(storage.get_store().remove, ckpt["storage_path"])
     return Response(status_code=204)
 
 
@@ -159,8 +167,8 @@ async def set_checkpoint_ttl(run_id: str, checkpoint_id: str, body: CheckpointTt
 
 @router.post("/weights_info")
 async def weights_info(body: WeightsInfoRequest, who: Who, pool: Pool) -> dict:
-    """What a `tinker://` checkpoint of yours holds: its base model, LoRA shape and optimizer (its
-    run's, as `optimizer_config`)."""
+    """What a `tinker://` checkpoint of yours (or a published one) holds: its base model, LoRA shape
+    and optimizer (its run's, as `optimizer_config`)."""
     try:
         run, kind, name = ids.parse_tinker_path(body.tinker_path)
     except ValueError as exc:
@@ -168,8 +176,7 @@ async def weights_info(body: WeightsInfoRequest, who: Who, pool: Pool) -> dict:
     if kind not in _CHECKPOINT_TYPE:
         raise NotFound(f"checkpoint {body.tinker_path!r} not found", field="tinker_path")
     async with pool.connection() as conn:
-        await scoped.get_checkpoint(conn, who, run, kind, name)
-        model = await scoped.get_model(conn, who, run)
+        model = await scoped.readable_checkpoint(conn, who, run, kind, name, field="tinker_path")
     lora = model["lora_config"]
     return {"base_model": model["base_model"], "is_lora": True, "lora_rank": lora["rank"],
             "train_unembed": lora.get("train_unembed", True), "train_mlp": lora.get("train_mlp", True),

@@ -132,7 +132,8 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, request: 
 
 @router.post("/create_sampling_session")
 async def create_sampling_session(body: CreateSamplingSessionRequest, who: Who, pool: Pool) -> dict:
-    """A sampler on your published weights (`model_path`) or on a base model (`base_model`). Both
+    """A sampler on your sampler weights, or another tenant's published ones (`model_path`), or on a
+    base model (`base_model`). Both
     may be given, as the tinker SDK sends them: the weights decide, and `base_model` must then be
     their base (400 naming it otherwise)."""
     sid = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
@@ -143,9 +144,8 @@ async def create_sampling_session(body: CreateSamplingSessionRequest, who: Who, 
         model_id = None
         if body.model_path is not None:
             run, name = _sampler_path(body.model_path)
-            await scoped.get_checkpoint(conn, who, run, SAMPLER_KIND, name)
-            base_name = _weights_base(await scoped.model_base(conn, who.tenant_id, run), body.base_model,
-                                      body.model_path)
+            ckpt = await scoped.readable_checkpoint(conn, who, run, SAMPLER_KIND, name, field="model_path")
+            base_name = _weights_base(ckpt["base_model"], body.base_model, body.model_path)
             model_id = run
         else:
             base_name = (await _sampleable(conn, body.base_model)).name
@@ -191,12 +191,13 @@ async def resolve(conn, who, *, sampling_session_id: str | None = None, model_pa
         return await _sampleable(conn, base_name), None
     run, name = _sampler_path(path)
     try:
-        ckpt = await scoped.get_checkpoint(conn, who, run, SAMPLER_KIND, name)
+        ckpt = await scoped.readable_checkpoint(conn, who, run, SAMPLER_KIND, name)
     except NotFound:
-        raise NotFound(f"sampler weights {path} not found: not published yet (a save still running), deleted, "
+        raise NotFound(f"sampler weights {path} not found: not saved yet (a save still running), deleted, "
+                       "unpublished by their owner, "
                        f"or expired (anonymous snapshots expire {get_core_settings().anon_sampler_ttl_s} s "
                        f"after their last use)", field="model_path") from None
-    base = await _sampleable(conn, await scoped.model_base(conn, who.tenant_id, run))
+    base = await _sampleable(conn, ckpt["base_model"])
     if model_path is not None:
         _weights_base(base.name, base_model, model_path)
     if retention.due_to_slide(ckpt["expires_at"], ckpt["sliding_ttl_s"], datetime.now(UTC)):
