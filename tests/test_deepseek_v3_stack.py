@@ -9,6 +9,7 @@ import pytest
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
+from tinkerutil import sampler_mismatch, sft_row  # noqa: E402
 
 from stack.ephemeral import ephemeral_stack, new_tenant  # noqa: E402
 
@@ -30,12 +31,6 @@ def _offline_sdk(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def _sft(start: int) -> types.Datum:
-    toks = list(range(start, start + 17))
-    return types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                       loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 16})
-
-
 def test_deepseek_v3_trains_and_samples_through_the_official_sdk(dsv3_stack):
     _, key = new_tenant(dsv3_stack, "dsv3")
     with tinker.ServiceClient(base_url=dsv3_stack.base_url, api_key=key) as service:
@@ -47,7 +42,7 @@ def test_deepseek_v3_trains_and_samples_through_the_official_sdk(dsv3_stack):
         tc = service.create_lora_training_client(base_model=BASE, rank=8, train_mlp=False,
                                                  train_unembed=False).result()
         assert tc.get_info().model_data.arch == "deepseek_v3"
-        data = [_sft(s) for s in (40, 80, 120)]
+        data = [sft_row(s) for s in (40, 80, 120)]
         losses = []
         for _ in range(4):
             fb = tc.forward_backward(data, "cross_entropy")
@@ -55,17 +50,6 @@ def test_deepseek_v3_trains_and_samples_through_the_official_sdk(dsv3_stack):
             losses.append(fb.result().metrics["loss:sum"])
         assert losses[-1] < 0.8 * losses[0], losses
 
-        sampler = tc.save_weights_and_get_sampling_client().result()
-        prompt = [40, 41, 42, 43]
-        out = sampler.sample(types.ModelInput.from_ints(prompt), 2,
-                             types.SamplingParams(max_tokens=8, temperature=1.0, seed=5, stop=[])).result()
-        rl = []
-        for seq in out.sequences:
-            assert len(seq.tokens) == 8 and len(seq.logprobs) == 8
-            tokens = prompt + list(seq.tokens)
-            rl.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
-                "target_tokens": tokens[1:], "logprobs": [0.0] * 3 + list(seq.logprobs),
-                "advantages": [0.0] * 3 + [1.0] * 8}))
         # the trainer scores the sampler's tokens as the sampler did (both float32 on this machine)
-        metrics = tc.forward(rl, "importance_sampling").result().metrics
+        metrics = sampler_mismatch(tc, [40, 41, 42, 43])
         assert metrics["mismatch_kl:mean"] < 1e-4 and metrics["logprob_diff_abs:mean"] < 1e-3, metrics

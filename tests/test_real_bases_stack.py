@@ -14,6 +14,7 @@ import pytest
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
+from tinkerutil import sampler_mismatch, sft_row  # noqa: E402
 
 from stack.ephemeral import ROOT, ephemeral_stack, new_tenant  # noqa: E402
 from stack.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
@@ -47,12 +48,6 @@ def _offline_sdk(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def _sft(start: int) -> types.Datum:
-    toks = list(range(start, start + 17))
-    return types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                       loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 16})
-
-
 def test_a_llama_trains_and_samples_through_the_official_sdk(bases_stack):
     _, key = new_tenant(bases_stack, "llama")
     with tinker.ServiceClient(base_url=bases_stack.base_url, api_key=key) as service:
@@ -63,7 +58,7 @@ def test_a_llama_trains_and_samples_through_the_official_sdk(bases_stack):
         assert (info.model_data.model_name, info.model_data.arch) == (LLAMA, "llama")
         tokenizer = tc.get_tokenizer()  # the local path the server names, loaded offline
         assert tokenizer.decode(tokenizer.encode("bob has 7 cats")).strip() == "bob has 7 cats"
-        data = [_sft(s) for s in (40, 80, 120)]
+        data = [sft_row(s) for s in (40, 80, 120)]
         losses = []
         for _ in range(4):
             fb = tc.forward_backward(data, "cross_entropy")
@@ -71,19 +66,8 @@ def test_a_llama_trains_and_samples_through_the_official_sdk(bases_stack):
             losses.append(fb.result().metrics["loss:sum"])
         assert losses[-1] < 0.8 * losses[0], losses
 
-        sampler = tc.save_weights_and_get_sampling_client().result()
-        prompt = [40, 41, 42, 43]
-        out = sampler.sample(types.ModelInput.from_ints(prompt), 2,
-                             types.SamplingParams(max_tokens=8, temperature=1.0, seed=5, stop=[])).result()
-        rl = []
-        for seq in out.sequences:
-            assert len(seq.tokens) == 8 and len(seq.logprobs) == 8
-            tokens = prompt + list(seq.tokens)
-            rl.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
-                "target_tokens": tokens[1:], "logprobs": [0.0] * 3 + list(seq.logprobs),
-                "advantages": [0.0] * 3 + [1.0] * 8}))
         # The trainer scores the sampler's tokens as the sampler did (both float32 on this machine).
-        metrics = tc.forward(rl, "importance_sampling").result().metrics
+        metrics = sampler_mismatch(tc, [40, 41, 42, 43])
         assert metrics["mismatch_kl:mean"] < 1e-4 and metrics["logprob_diff_abs:mean"] < 1e-3, metrics
 
         # A base with live models cannot be removed.
@@ -99,7 +83,7 @@ def test_a_moe_base_trains_lora_on_its_experts_by_default(bases_stack):
     with tinker.ServiceClient(base_url=bases_stack.base_url, api_key=key) as service:
         tc = service.create_lora_training_client(base_model=MOE, rank=4).result()  # train_mlp=True: the experts
         assert tc.get_info().model_data.arch == "qwen3_moe"
-        data = [_sft(s) for s in (40, 80)]
+        data = [sft_row(s) for s in (40, 80)]
         first = tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         for _ in range(2):
@@ -119,7 +103,7 @@ def test_a_gpt_oss_trains_on_its_experts_and_samples_an_attention_adapter(bases_
             service.create_lora_training_client(base_model=OSS, rank=4).result()
         experts = service.create_lora_training_client(base_model=OSS, rank=4, train_unembed=False).result()
         assert experts.get_info().model_data.arch == "gpt_oss"
-        data = [_sft(s) for s in (40, 80)]
+        data = [sft_row(s) for s in (40, 80)]
         fb = experts.forward_backward(data, "cross_entropy").result()
         experts.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         assert experts.forward(data, "cross_entropy").result().metrics["loss:sum"] < fb.metrics["loss:sum"]
@@ -129,16 +113,8 @@ def test_a_gpt_oss_trains_on_its_experts_and_samples_an_attention_adapter(bases_
         for _ in range(2):
             tc.forward_backward(data, "cross_entropy").result()
             tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        sampler = tc.save_weights_and_get_sampling_client().result()
-        prompt = list(range(40, 52))  # with the completion, longer than the sliding window (8)
-        out = sampler.sample(types.ModelInput.from_ints(prompt), 1,
-                             types.SamplingParams(max_tokens=8, temperature=1.0, seed=3, stop=[])).result()
-        seq = out.sequences[0]
-        tokens = prompt + list(seq.tokens)
-        rl = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
-            "target_tokens": tokens[1:], "logprobs": [0.0] * (len(prompt) - 1) + list(seq.logprobs),
-            "advantages": [0.0] * (len(prompt) - 1) + [1.0] * 8})
-        metrics = tc.forward([rl], "importance_sampling").result().metrics
+        # with the completion, longer than the sliding window (8)
+        metrics = sampler_mismatch(tc, list(range(40, 52)), n=1, seed=3)
         assert metrics["mismatch_kl:mean"] < 1e-4 and metrics["logprob_diff_abs:mean"] < 1e-3, metrics
 
 
@@ -147,7 +123,7 @@ def test_a_hybrid_attention_base_trains_through_the_official_sdk(bases_stack):
     with tinker.ServiceClient(base_url=bases_stack.base_url, api_key=key) as service:
         tc = service.create_lora_training_client(base_model=HYBRID, rank=4).result()
         assert tc.get_info().model_data.arch == "qwen3_5_text"
-        data = [_sft(s) for s in (40, 80, 120)]  # three rows packed into one stream: each from a zero state
+        data = [sft_row(s) for s in (40, 80, 120)]  # three rows packed into one stream: each from a zero state
         first = tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         for _ in range(2):

@@ -19,11 +19,30 @@ def ready(made):
     return made.result() if hasattr(made, "result") else made
 
 
+def sft_row(start: int) -> types.Datum:
+    """A 16-token row of consecutive ids from `start`, every target weighted."""
+    toks = list(range(start, start + 17))
+    return types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
+                       loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 16})
+
+
 def sft_data() -> list[types.Datum]:
     """Four 16-token rows of consecutive ids: a task the tiny base learns in a few steps."""
-    out = []
-    for start in (40, 80, 120, 160):
-        toks = list(range(start, start + 17))
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                               loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 16}))
-    return out
+    return [sft_row(start) for start in (40, 80, 120, 160)]
+
+
+def sampler_mismatch(tc, prompt: list[int], *, n: int = 2, max_tokens: int = 8, seed: int = 5) -> dict:
+    """Save `tc`'s weights for sampling, sample `n` completions of `prompt`, and score the sampled
+    tokens with the trainer: the `importance_sampling` metrics (`mismatch_kl:mean`,
+    `logprob_diff_abs:mean`) say how far trainer and sampler disagree on them."""
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    out = sampler.sample(types.ModelInput.from_ints(prompt), n,
+                         types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, stop=[])).result()
+    pad = [0.0] * (len(prompt) - 1)
+    rows = []
+    for seq in out.sequences:
+        assert len(seq.tokens) == max_tokens and len(seq.logprobs) == max_tokens
+        tokens = prompt + list(seq.tokens)
+        rows.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+            "target_tokens": tokens[1:], "logprobs": pad + list(seq.logprobs), "advantages": pad + [1.0] * max_tokens}))
+    return tc.forward(rows, "importance_sampling").result().metrics
