@@ -35,9 +35,13 @@ PROMPT = types.ModelInput.from_ints([40, 41, 42, 43])
 PARAMS = types.SamplingParams(max_tokens=4, temperature=1.0, seed=7, stop=[])
 ADAM = types.AdamParams(learning_rate=1e-3)
 
-# Calls that fail against Quilt today, each with why: checked strictly, so an entry that starts
-# answering fails the test until it is taken off this list.
-EXPECTED_FAILURES: dict[str, str] = {}
+# Calls that fail against Quilt today, each with words of the error it gives: checked strictly, so
+# an entry that starts answering (or fails otherwise) fails the test until this list is changed.
+EXPECTED_FAILURES: dict[str, str] = {
+    # The SDK loads a sampler's tokenizer from its base model's name alone (no tokenizer_id from the
+    # server, unlike TrainingClient.get_tokenizer), and the tiny base's name is no Hugging Face repo.
+    "SamplingClient.get_tokenizer": "huggingface.co",
+}
 
 
 def sdk_methods() -> set[str]:
@@ -352,12 +356,22 @@ def test_every_public_sdk_method_answers(stack, tenant, tmp_path_factory):
                 call()
             except Exception as exc:  # noqa: BLE001 - each failure is reported by name below
                 failed[name] = f"{type(exc).__name__}: {exc}"
-    unexpected = {k: v for k, v in failed.items() if k not in EXPECTED_FAILURES}
-    now_passing = set(EXPECTED_FAILURES) - set(failed)
+    _as_expected(failed, EXPECTED_FAILURES)
+
+
+def _as_expected(failed: dict[str, str], expected: dict[str, str]) -> None:
+    """The calls that failed are exactly the listed ones, each with its listed words."""
+    unexpected = {k: v for k, v in failed.items() if k not in expected or expected[k] not in v}
+    now_passing = set(expected) - set(failed)
     assert not unexpected and not now_passing, {"failed": unexpected, "listed as failing but answered": now_passing}
 
 
-IMAGE_FAILURES: dict[str, str] = {}
+# Image refusals that do not yet name both images and the base, with words of what they say instead.
+IMAGE_FAILURES: dict[str, str] = {
+    # api/schemas.py ModelInputIn.text_tokens refuses every image in a sampling prompt before the
+    # base is looked at: a 400 naming images but not the base.
+    "SamplingClient.sample": "images in sampling prompts are not served yet",
+}
 
 
 def test_images_on_the_text_base_are_refused_naming_images_and_base(stack, tenant):
@@ -380,4 +394,4 @@ def test_images_on_the_text_base_are_refused_naming_images_and_base(stack, tenan
                 wrong[name] = f"{err.status_code}: {message}"
         # Still serving text after both refusals.
         assert "loss:sum" in tc.forward_backward(sft_data()[:1], "cross_entropy").result(timeout=120).metrics
-    assert set(wrong) == set(IMAGE_FAILURES), wrong
+    _as_expected(wrong, IMAGE_FAILURES)
