@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import io
+import shutil
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +27,8 @@ from tinker.lib.api_future_impl import QueueState  # noqa: E402
 from tinker.lib.public_interfaces.api_future import APIFuture  # noqa: E402
 from tinkerutil import sft_data  # noqa: E402
 
+from core import db  # noqa: E402
+
 pytestmark = [pytest.mark.stack,
               # The *_async twins and a few sync methods are deprecated in 0.38: still public, still called.
               pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -37,11 +41,7 @@ ADAM = types.AdamParams(learning_rate=1e-3)
 
 # Calls that fail against Quilt today, each with words of the error it gives: checked strictly, so
 # an entry that starts answering (or fails otherwise) fails the test until this list is changed.
-EXPECTED_FAILURES: dict[str, str] = {
-    # The SDK loads a sampler's tokenizer from its base model's name alone (no tokenizer_id from the
-    # server, unlike TrainingClient.get_tokenizer), and the tiny base's name is no Hugging Face repo.
-    "SamplingClient.get_tokenizer": "huggingface.co",
-}
+EXPECTED_FAILURES: dict[str, str] = {}
 
 
 def sdk_methods() -> set[str]:
@@ -333,12 +333,36 @@ def _default_project(http) -> str:
     return default["project_id"]
 
 
-def test_every_public_sdk_method_answers(stack, tenant, tmp_path_factory):
+def hub_cache_with(monkeypatch, root: Path, repo: str, base_dir: Path) -> None:
+    """A Hugging Face hub cache at `root` holding the config and tokenizer of the base in `base_dir`
+    as repo `repo`, read offline.
+
+    SamplingClient.get_tokenizer (0.38) loads a sampler's tokenizer from the hub by its base's name
+    alone: against a deployment whose bases have hub names (Qwen/Qwen3-8B) that is the hub or its
+    cache; the tiny base exists only here, so the test's cache stands in for the hub."""
+    import huggingface_hub.constants
+
+    revision = "0" * 40
+    repo_dir = root / f"models--{repo.replace('/', '--')}"
+    snapshot = repo_dir / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(revision)
+    for f in base_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, snapshot / f.name)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(root))
+
+
+def test_every_public_sdk_method_answers(stack, tenant, tmp_path_factory, monkeypatch):
     http = stack.http(tenant.key)
     default = _default_project(http)
     project = http.post("/quilt/projects", json={"name": "surface"}).raise_for_status().json()["project_id"]
     service = tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key, project_id=default)
     tc = service.create_lora_training_client(base_model=TINY, rank=4).result()
+    with db.connect(stack.database_url) as conn:
+        base_dir = Path(conn.execute("SELECT path FROM base_models WHERE name = %s", (TINY,)).fetchone()["path"])
+    hub_cache_with(monkeypatch, tmp_path_factory.mktemp("hub"), TINY, base_dir)
     ctx: dict[str, Any] = {"service": service, "rest": tinker.RestClient(base_url=stack.base_url, api_key=tenant.key),
                            "tc": tc, "key": tenant.key, "tenant_id": tenant.tenant_id, "session": tc.model_id.split(":")[0],
                            "project": project, "default_project": default}
@@ -367,11 +391,7 @@ def _as_expected(failed: dict[str, str], expected: dict[str, str]) -> None:
 
 
 # Image refusals that do not yet name both images and the base, with words of what they say instead.
-IMAGE_FAILURES: dict[str, str] = {
-    # api/schemas.py ModelInputIn.text_tokens refuses every image in a sampling prompt before the
-    # base is looked at: a 400 naming images but not the base.
-    "SamplingClient.sample": "images in sampling prompts are not served yet",
-}
+IMAGE_FAILURES: dict[str, str] = {}
 
 
 def test_images_on_the_text_base_are_refused_naming_images_and_base(stack, tenant):

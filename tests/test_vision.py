@@ -274,6 +274,6 @@ def test_sampling_prompts_with_images_are_refused_by_name():
 
     prompt = ModelInputIn.model_validate({"chunks": [{"type": "encoded_text", "tokens": [1]}, {
         "type": "image_asset_pointer", "location": "data:image/png;base64,AAAA", "format": "png"}]})
-    with pytest.raises(InvalidInput, match="images in sampling prompts are not served") as exc:
-        prompt.text_tokens("prompt")
+    with pytest.raises(InvalidInput, match="images in sampling prompts are not served for base model 'b'") as exc:
+        prompt.text_tokens("prompt", "b")
     assert exc.value.field == "prompt"

@@ -268,7 +268,7 @@ async def asample(body: SampleRequest, who: Who, pool: Pool, redis: RedisDep, se
         base, adapter = await resolve(conn, who, sampling_session_id=body.sampling_session_id,
                                       model_path=body.model_path, base_model=body.base_model)
         limits = group_limits(base)
-        prompt = params.check_prompt(body.prompt.text_tokens("prompt"), limits)
+        prompt = params.check_prompt(body.prompt.text_tokens("prompt", base.name), limits)
         spec = params.normalise(body.sampling_params.model_dump(), len(prompt), limits)
         targets, probe_rows = _outputs(body, len(prompt), base.vocab_size)
         now = time.time()
