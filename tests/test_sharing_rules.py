@@ -39,3 +39,16 @@ def test_copy_quota(stored, adds, limit, refused):
 def test_a_token_is_kept_as_its_hash_only():
     assert sharing.token_hash("qwt-a") != sharing.token_hash("qwt-b")
     assert len(sharing.token_hash("qwt-a")) == 32 and b"qwt" not in sharing.token_hash("qwt-a")
+
+
+@pytest.mark.parametrize(("owner", "holder", "refused"), [
+    (None, None, None),
+    ("payment", None, None),
+    (None, "payment", None),
+    ("operator", None, "owner"),
+    (None, "operator", "your tenant"),  # a link minted before the holder was suspended
+    ("operator", "operator", "your tenant"),
+])
+def test_a_download_link_stops_when_owner_or_holder_is_suspended_by_an_operator(owner, holder, refused):
+    got = sharing.download_link_refusal(owner_suspended=owner, holder_suspended=holder)
+    assert (got is None) if refused is None else (refused in got)

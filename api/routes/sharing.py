@@ -118,7 +118,7 @@ async def _copy(conn, who: Principal, body: CopyWeightsRequest, source: tuple[st
         raise missing
     token_id = None
     if ckpt["tenant_id"] != who.tenant_id and ckpt["published_at"] is None and token:
-        token_id = await records.use_weights_token(conn, sharing.token_hash(token), ckpt["id"])
+        token_id = await records.use_weights_token(conn, sharing.token_hash(token), ckpt["id"], ckpt["storage_path"])
     access = sharing.copy_access(owner_tenant=ckpt["tenant_id"], caller_tenant=who.tenant_id,
                                  published=ckpt["published_at"] is not None, token_grants_it=token_id is not None)
     if access is None:
@@ -137,8 +137,9 @@ async def _copy(conn, who: Principal, body: CopyWeightsRequest, source: tuple[st
         existing = await (await conn.execute("SELECT copied_from FROM training_models WHERE id = %s AND tenant_id = %s",
                                              (model_id, who.tenant_id))).fetchone()
         if existing is None or existing["copied_from"] != body.source_path:
-            raise Conflict(f"model_seq_id {seq} of session {session_id!r} is taken; pick a free one",
-                           field="model_seq_id")
+            # 400, not 409: the SDK retries a 409 for minutes, and a taken slot stays taken.
+            raise InvalidInput(f"model_seq_id {seq} of session {session_id!r} is taken; pick a free one",
+                               field="model_seq_id")
         return copy_path  # a retry of this copy
     await accounts.record_async(conn, who.tenant_id, who.actor, "checkpoint.copied", source=body.source_path,
                                 copy=copy_path, access=access)
@@ -174,7 +175,7 @@ async def create_weights_token(body: WeightsTokenRequest, who: Who, pool: Pool) 
     token, token_id = ids.new_weights_token(), ids.new_weights_token_id()
     async with pool.connection() as conn:
         ckpt = await scoped.get_checkpoint(conn, who, run, kind, name)
-        row = await records.insert_weights_token(conn, who, token_id, ckpt["id"], sharing.token_hash(token),
+        row = await records.insert_weights_token(conn, who, token_id, ckpt, sharing.token_hash(token),
                                                  body.ttl_seconds)
         await accounts.record_async(conn, who.tenant_id, who.actor, "checkpoint.token_created", token_id=token_id,
                                     tinker_path=body.tinker_path)
