@@ -9,3 +9,6 @@ ALTER TABLE weights_access_tokens ALTER COLUMN storage_path SET NOT NULL;
 
 -- list_projects counts each project's sessions; the foreign key had no index.
 CREATE INDEX sessions_project ON sessions (project_id);
+
+-- billing.storage.newest_accrued_hour: the watermark the hourly storage accrual catches up from.
+CREATE INDEX usage_ledger_storage_hour ON usage_ledger (created_at) WHERE storage_byte_hours > 0;

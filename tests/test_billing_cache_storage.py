@@ -18,7 +18,7 @@ from billing.pricing import (
     storage_cost,
     storage_units,
 )
-from billing.storage import hour_of, last_hour, storage_charges
+from billing.storage import MAX_CATCH_UP_HOURS, hour_of, hours_to_accrue, last_hour, storage_charges
 from billing.usage import hourly_events
 
 JAN = datetime(2026, 1, 1, tzinfo=UTC)
@@ -111,6 +111,24 @@ def test_a_storage_period_starts_on_an_hour():
         storage_charges([], H + timedelta(minutes=1))
     assert hour_of(H + timedelta(minutes=59)) == H
     assert last_hour(H + timedelta(minutes=2)) == H - timedelta(hours=1)
+
+
+def _h(n: int) -> datetime:
+    return H + timedelta(hours=n)
+
+
+@pytest.mark.parametrize(("newest", "now", "hours"), [
+    (None, _h(0) + timedelta(minutes=2), [_h(-1)]),  # nothing billed yet: the last hour only
+    (_h(-2), _h(0) + timedelta(minutes=2), [_h(-1)]),  # on time
+    (_h(-1), _h(0) + timedelta(minutes=2), []),  # that hour is billed already
+    (_h(-1), _h(0) + timedelta(minutes=59), []),
+    (_h(-4), _h(0) + timedelta(minutes=2), [_h(-3), _h(-2), _h(-1)]),  # beat was down three hours
+    (_h(-2), _h(1) + timedelta(minutes=30), [_h(-1), _h(0)]),  # ran late: the skipped hour too
+    (_h(-1000), _h(0), [_h(-MAX_CATCH_UP_HOURS + i) for i in range(MAX_CATCH_UP_HOURS)]),  # capped
+    (_h(3), _h(0), []),  # a clock that went back bills nothing twice
+])
+def test_missed_storage_hours_are_accrued_from_the_newest_billed_one(newest, now, hours):
+    assert hours_to_accrue(newest, now) == hours
 
 
 def test_usage_events_show_cached_prefill_and_storage_as_the_sdk_reads_them():
