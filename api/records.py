@@ -397,6 +397,21 @@ async def holds_files(conn: AsyncConnection[DictRow], tenant_id: str, storage_pa
     return await cur.fetchone() is not None
 
 
+async def live_copies(conn: AsyncConnection[DictRow], tenant_id: str) -> int:
+    """How many live checkpoints of the tenant copy_weights made (QUILT_TENANT_MAX_COPIES)."""
+    cur = await conn.execute("SELECT count(*) AS n FROM checkpoints c JOIN training_models m ON m.id = c.model_id "
+                             "WHERE c.tenant_id = %s AND m.status = 'copy' AND (c.expires_at IS NULL OR c.expires_at > now())",
+                             (tenant_id,))
+    return int((await cur.fetchone() or {"n": 0})["n"])
+
+
+async def live_weights_tokens(conn: AsyncConnection[DictRow], tenant_id: str) -> int:
+    """How many unrevoked, unexpired weights access tokens the tenant has (QUILT_TENANT_MAX_WEIGHTS_TOKENS)."""
+    cur = await conn.execute("SELECT count(*) AS n FROM weights_access_tokens WHERE tenant_id = %s AND revoked_at IS NULL "
+                             "AND (expires_at IS NULL OR expires_at > now())", (tenant_id,))
+    return int((await cur.fetchone() or {"n": 0})["n"])
+
+
 async def insert_weights_token(conn: AsyncConnection[DictRow], who: Principal, token_id: str, checkpoint: dict,
                                token_sha256: bytes, ttl_s: int | None) -> dict:
     """Record a token to checkpoint row `checkpoint`'s files as they are now."""

@@ -342,14 +342,19 @@ async def checkpoint_bytes(conn: AsyncConnection[DictRow], who: Principal) -> in
 async def checkpoint_storage(conn: AsyncConnection[DictRow], who: Principal, *, project_id: str | None = None) -> list[dict]:
     """Your live checkpoints' count and bytes by project and by the key that created their session
     (`key_prefix`, `key_name`; None where the session records no key), most bytes first; only
-    `project_id`'s, given one. Each stored directory counts once, with the first checkpoint that
-    names it (copies inside the tenant share files, and storage bills them once: billing.storage)."""
+    `project_id`'s, given one (that project's lines of the whole report). `checkpoints` counts
+    checkpoints, copies included; `size_bytes` counts each stored directory once, in the line of
+    the first checkpoint that names it (copies inside the tenant share files, and storage bills
+    them once so: billing.storage), so a line of copies only has checkpoints and no bytes, and the
+    lines' bytes add up to what is billed."""
     cur = await conn.execute(
-        "SELECT project_id, key_prefix, key_name, count(*) AS checkpoints, sum(size_bytes)::bigint AS size_bytes "
-        "FROM (SELECT DISTINCT ON (c.storage_path) s.project_id, k.prefix AS key_prefix, k.name AS key_name, "
-        "c.size_bytes FROM checkpoints c JOIN training_models m ON m.id = c.model_id "
+        "SELECT project_id, key_prefix, key_name, count(*) AS checkpoints, "
+        "COALESCE(sum(size_bytes) FILTER (WHERE first), 0)::bigint AS size_bytes "
+        "FROM (SELECT s.project_id, k.prefix AS key_prefix, k.name AS key_name, c.size_bytes, "
+        "row_number() OVER (PARTITION BY c.storage_path ORDER BY c.id) = 1 AS first "
+        "FROM checkpoints c JOIN training_models m ON m.id = c.model_id "
         "JOIN sessions s ON s.id = m.session_id LEFT JOIN api_keys k ON k.id = s.api_key_id "
-        f"WHERE c.tenant_id = %s AND {retention.LIVE} ORDER BY c.storage_path, c.id) f "
+        f"WHERE c.tenant_id = %s AND {retention.LIVE}) f "
         "WHERE (%s::text IS NULL OR project_id = %s) "
         "GROUP BY project_id, key_prefix, key_name ORDER BY size_bytes DESC, project_id, key_prefix",
         (who.tenant_id, project_id, project_id),

@@ -50,3 +50,11 @@ def download_link_refusal(*, owner_suspended: str | None, holder_suspended: str 
     if owner_suspended == "operator":
         return "this checkpoint's owner is suspended by an operator: its download links do not work"
     return None
+
+
+def cap_refusal(*, what: str, held: int, most: int, setting: str) -> str | None:
+    """Why one more `what` is refused when the tenant holds `held` of at most `most` (the setting
+    `setting` names), or None."""
+    if held >= most:
+        return f"{what}: your tenant holds {held}, the most it may ({setting}={most}); delete or revoke some first"
+    return None
