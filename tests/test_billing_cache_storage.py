@@ -14,6 +14,7 @@ from billing.pricing import (
     Units,
     cost_of,
     default_cached_rate,
+    prompt_cache_hits,
     sampling_units,
     storage_cost,
     storage_units,
@@ -46,13 +47,22 @@ def test_a_price_entry_may_name_its_own_cached_rate():
 @pytest.mark.parametrize("prompt,hits,sampled,units", [
     (40, (0,), 5, Units(prefill_tokens=40, sample_tokens=5)),                    # a first prompt: nothing cached
     (40, (32,), 5, Units(prefill_tokens=8, cached_tokens=32, sample_tokens=5)),  # the same prompt again
-    (40, (0, 32, 32), 9, Units(prefill_tokens=56, cached_tokens=64, sample_tokens=9)),  # n=3, each its own count
+    (40, (0, 0, 0), 9, Units(prefill_tokens=40, cached_tokens=80, sample_tokens=9)),  # n=3 started together: one prefill
+    (40, (32, 0, 0), 9, Units(prefill_tokens=8, cached_tokens=112, sample_tokens=9)),  # the prompt seen before
+    (40, (0, 32, 32), 9, Units(prefill_tokens=8, cached_tokens=112, sample_tokens=9)),  # whichever sequence hit
     (40, (99,), 1, Units(cached_tokens=40, sample_tokens=1)),                    # a count past the prompt is capped
     (40, (-3,), 1, Units(prefill_tokens=40, sample_tokens=1)),                   # and a negative one is none
     (0, (0, 0), 0, Units()),
 ])
 def test_sampling_units_split_the_prompt_by_the_engines_hits(prompt, hits, sampled, units):
     assert sampling_units(prompt, hits, sampled) == units
+
+
+@pytest.mark.parametrize(("prompt", "hits", "reported"), [
+    (40, (), 0), (40, (0, 0, 0), 0), (40, (32,), 32), (40, (0, 32, 31), 32), (40, (99, 0), 40), (40, (-3,), 0),
+])
+def test_the_sdk_is_told_the_prompts_hits_once_per_request(prompt, hits, reported):
+    assert prompt_cache_hits(prompt, hits) == reported
 
 
 def test_cached_tokens_cost_a_fifth_of_prefill_and_each_unit_rounds_apart():
