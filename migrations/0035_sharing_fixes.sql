@@ -12,3 +12,7 @@ CREATE INDEX sessions_project ON sessions (project_id);
 
 -- billing.storage.newest_accrued_hour: the watermark the hourly storage accrual catches up from.
 CREATE INDEX usage_ledger_storage_hour ON usage_ledger (created_at) WHERE storage_byte_hours > 0;
+
+-- Whether a directory is still used counts rows naming a path inside it (checkpoints.retention.USES_PATH):
+-- a prefix LIKE, which the plain index on storage_path cannot serve outside the C collation.
+CREATE INDEX checkpoints_storage_path_prefix ON checkpoints (storage_path text_pattern_ops);
