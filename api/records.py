@@ -289,7 +289,8 @@ async def delete_checkpoint(conn: AsyncConnection[DictRow], checkpoint_id: int) 
     gone = await cur.fetchone()
     if gone is None:
         return False
-    cur = await conn.execute("SELECT 1 FROM checkpoints WHERE storage_path = %s LIMIT 1", (gone["storage_path"],))
+    cur = await conn.execute(f"SELECT 1 FROM checkpoints WHERE {retention.USES_PATH} LIMIT 1",
+                             {"path": gone["storage_path"], "under": retention.under_pattern(gone["storage_path"])})
     return await cur.fetchone() is None
 
 
@@ -347,12 +348,15 @@ async def lock_copy_source(conn: AsyncConnection[DictRow], checkpoint_id: int) -
     return await cur.fetchone()
 
 
-async def use_weights_token(conn: AsyncConnection[DictRow], token_sha256: bytes, checkpoint_id: int) -> str | None:
-    """The id of a live (unrevoked, unexpired) weights access token for this checkpoint, locked
-    until the copy commits (a revocation waits for it), or None."""
+async def use_weights_token(conn: AsyncConnection[DictRow], token_sha256: bytes, checkpoint_id: int,
+                            storage_path: str) -> str | None:
+    """The id of a live (unrevoked, unexpired) weights access token for this checkpoint as it was
+    when the token was made (a later save under the name keeps the row's id but names new files,
+    which the token does not grant), locked until the copy commits (a revocation waits for it), or None."""
     cur = await conn.execute(
-        "SELECT id FROM weights_access_tokens WHERE token_sha256 = %s AND checkpoint_id = %s AND revoked_at IS NULL "
-        "AND (expires_at IS NULL OR expires_at > now()) FOR SHARE", (token_sha256, checkpoint_id))
+        "SELECT id FROM weights_access_tokens WHERE token_sha256 = %s AND checkpoint_id = %s AND storage_path = %s "
+        "AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > now()) FOR SHARE",
+        (token_sha256, checkpoint_id, storage_path))
     row = await cur.fetchone()
     return row["id"] if row else None
 
@@ -393,12 +397,28 @@ async def holds_files(conn: AsyncConnection[DictRow], tenant_id: str, storage_pa
     return await cur.fetchone() is not None
 
 
-async def insert_weights_token(conn: AsyncConnection[DictRow], who: Principal, token_id: str, checkpoint_id: int,
+async def live_copies(conn: AsyncConnection[DictRow], tenant_id: str) -> int:
+    """How many live checkpoints of the tenant copy_weights made (QUILT_TENANT_MAX_COPIES)."""
+    cur = await conn.execute("SELECT count(*) AS n FROM checkpoints c JOIN training_models m ON m.id = c.model_id "
+                             "WHERE c.tenant_id = %s AND m.status = 'copy' AND (c.expires_at IS NULL OR c.expires_at > now())",
+                             (tenant_id,))
+    return int((await cur.fetchone() or {"n": 0})["n"])
+
+
+async def live_weights_tokens(conn: AsyncConnection[DictRow], tenant_id: str) -> int:
+    """How many unrevoked, unexpired weights access tokens the tenant has (QUILT_TENANT_MAX_WEIGHTS_TOKENS)."""
+    cur = await conn.execute("SELECT count(*) AS n FROM weights_access_tokens WHERE tenant_id = %s AND revoked_at IS NULL "
+                             "AND (expires_at IS NULL OR expires_at > now())", (tenant_id,))
+    return int((await cur.fetchone() or {"n": 0})["n"])
+
+
+async def insert_weights_token(conn: AsyncConnection[DictRow], who: Principal, token_id: str, checkpoint: dict,
                                token_sha256: bytes, ttl_s: int | None) -> dict:
+    """Record a token to checkpoint row `checkpoint`'s files as they are now."""
     cur = await conn.execute(
-        "INSERT INTO weights_access_tokens (id, tenant_id, checkpoint_id, token_sha256, created_by, expires_at) "
-        "VALUES (%s, %s, %s, %s, %s, now() + make_interval(secs => %s)) RETURNING created_at, expires_at",
-        (token_id, who.tenant_id, checkpoint_id, token_sha256, who.actor, ttl_s))
+        "INSERT INTO weights_access_tokens (id, tenant_id, checkpoint_id, storage_path, token_sha256, created_by, expires_at) "
+        "VALUES (%s, %s, %s, %s, %s, %s, now() + make_interval(secs => %s)) RETURNING created_at, expires_at",
+        (token_id, who.tenant_id, checkpoint["id"], checkpoint["storage_path"], token_sha256, who.actor, ttl_s))
     row = await cur.fetchone()
     assert row is not None
     return row

@@ -37,11 +37,12 @@ _INSERT = """
 INSERT INTO usage_ledger (request_id, tenant_id, api_key_id, model_id, base_model,
                           prefill_tokens, sample_tokens, train_tokens, cached_tokens, storage_byte_hours, price_id,
                           prefill_micro_usd, sample_micro_usd, train_micro_usd, cached_micro_usd, storage_micro_usd,
-                          cost_micro_usd)
+                          cost_micro_usd, created_at)
 VALUES (%(request_id)s, %(tenant_id)s,
         COALESCE(%(api_key_id)s, (SELECT api_key_id FROM requests WHERE id = %(request_id)s)),
         %(model_id)s, %(base_model)s, %(prefill)s, %(sample)s, %(train)s, %(cached)s, %(storage)s, %(price_id)s,
-        %(prefill_cost)s, %(sample_cost)s, %(train_cost)s, %(cached_cost)s, %(storage_cost)s, %(cost)s)
+        %(prefill_cost)s, %(sample_cost)s, %(train_cost)s, %(cached_cost)s, %(storage_cost)s, %(cost)s,
+        COALESCE(%(billed_at)s, now()))
 ON CONFLICT (request_id) DO NOTHING
 RETURNING id, api_key_id, created_at
 """
@@ -90,7 +91,8 @@ ON CONFLICT (tenant_id, hour, base_model, session_id, api_key_id) DO UPDATE SET
 
 
 def record_usage(conn: psycopg.Connection[DictRow], *, request_id: str, tenant_id: str, api_key_id: str | None,
-                 model_id: str | None, base_model: str, units: Units) -> LedgerEntry | None:
+                 model_id: str | None, base_model: str, units: Units,
+                 billed_at: datetime | None = None) -> LedgerEntry | None:
     """Price and record one successfully completed request; returns its entry, or None if this
     request was already recorded (a redelivery): it is never billed twice.
 
@@ -115,6 +117,9 @@ def record_usage(conn: psycopg.Connection[DictRow], *, request_id: str, tenant_i
             prompt tokens, the engine's prefix-cache hits as cached_tokens and the rest as
             prefill_tokens; sample_tokens = tokens generated across all sequences. Storage
             (`billing.storage`): storage_byte_hours, under a `storage:` id per tenant, base and hour.
+        billed_at: when the usage happened, if not now: a storage row is dated at the start of the
+            hour it bills (it is written after that hour ends), so every rollup (usage_daily and
+            usage_hourly, the Stripe window, the month) puts Dec 31 23:00 in December.
             Requests with no tokens (optim_step, save, ...) are recorded at zero cost so every
             completed request has a row.
 
@@ -136,6 +141,7 @@ def record_usage(conn: psycopg.Connection[DictRow], *, request_id: str, tenant_i
         "storage_cost": cost.storage_micro_usd, "cost": cost.total_micro_usd,
         # A storage row (billing.storage) is a period's charge, not a request.
         "requests": 0 if units.storage_byte_hours else 1,
+        "billed_at": billed_at,
     }
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(_INSERT, params).fetchone()

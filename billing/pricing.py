@@ -144,12 +144,22 @@ def cost_of(units: Units, price: Price | None) -> Cost:
                 storage_micro_usd=storage_cost(units.storage_byte_hours, price.storage_micro_usd_per_gb_month))
 
 
+def prompt_cache_hits(prompt_tokens: int, cache_hits: tuple[int, ...]) -> int:
+    """The prompt's prefix-cache hits, once per request (what the SDK's `prompt_cache_hit_tokens`
+    means): the best of the engine's counts per sequence, at most the prompt. A request's n sequences
+    start together, so vLLM reports no hits for the copies computed alongside the first."""
+    return min(max((max(h, 0) for h in cache_hits), default=0), prompt_tokens)
+
+
 def sampling_units(prompt_tokens: int, cache_hits: tuple[int, ...], sampled_tokens: int) -> Units:
     """Metered units of a finished sampling request of len(cache_hits) sequences, each of which read
-    the prompt: the tokens the engine found in its prefix cache (its own count per sequence, at most
-    the prompt) are cached, the rest prefill."""
-    hits = sum(min(max(h, 0), prompt_tokens) for h in cache_hits)
-    return Units(prefill_tokens=prompt_tokens * len(cache_hits) - hits, cached_tokens=hits,
+    the prompt. The prompt is computed once per request (a GPU engine with prefix caching shares it
+    among the sequences): its tokens not in the prefix cache (`prompt_cache_hits`) are prefill once,
+    and every other prompt token read, the other sequences' whole prompts included, is cached."""
+    if not cache_hits:
+        return Units(sample_tokens=sampled_tokens)
+    prefill = prompt_tokens - prompt_cache_hits(prompt_tokens, cache_hits)
+    return Units(prefill_tokens=prefill, cached_tokens=prompt_tokens * len(cache_hits) - prefill,
                  sample_tokens=sampled_tokens)
 
 

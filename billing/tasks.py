@@ -93,9 +93,11 @@ def reconcile(as_of: str | None = None, with_stripe: bool = True) -> dict:
 
 @app.task(name="quilt.billing.accrue_storage")
 def accrue_storage(hour: str | None = None) -> int:
-    """Hourly (Celery beat): bill the hour that just ended (or `hour`, ISO 8601) for every tenant's
+    """Hourly (Celery beat): bill every hour ended since the newest one billed (`storage.hours_to_accrue`:
+    an hour missed while beat was down is billed now), or only `hour` (ISO 8601), for every tenant's
     live checkpoint bytes (billing.storage); running it again for the same hour bills nothing."""
     with psycopg.connect(db.resolve_url(), autocommit=True, row_factory=dict_row) as conn:
+        if hour:
+            return storage.accrue(conn, storage.hour_of(datetime.fromisoformat(hour)))
         now = db.one(conn.execute("SELECT now() AS now").fetchone())["now"]
-        start = storage.hour_of(datetime.fromisoformat(hour)) if hour else storage.last_hour(now)
-        return storage.accrue(conn, start)
+        return sum(storage.accrue(conn, h) for h in storage.hours_to_accrue(storage.newest_accrued_hour(conn), now))

@@ -28,7 +28,9 @@ def upsert_checkpoint(conn: psycopg.Connection[DictRow], *, tenant_id: str, mode
             "sliding_ttl_s, user_metadata) VALUES (%s, %s, %s, %s, %s, %s, now() + make_interval(secs => %s), %s, %s) "
             "ON CONFLICT (model_id, kind, name) DO UPDATE SET storage_path = EXCLUDED.storage_path, "
             "size_bytes = EXCLUDED.size_bytes, created_at = now(), expires_at = EXCLUDED.expires_at, "
-            "sliding_ttl_s = EXCLUDED.sliding_ttl_s, user_metadata = EXCLUDED.user_metadata",
+            "sliding_ttl_s = EXCLUDED.sliding_ttl_s, user_metadata = EXCLUDED.user_metadata, "
+            # An expired row the sweep has not reached yet is a new checkpoint, not a published one.
+            "published_at = CASE WHEN checkpoints.expires_at <= now() THEN NULL ELSE checkpoints.published_at END",
             (tenant_id, model_id, kind, name, storage_path, size_bytes, ttl_s, ttl_s if sliding else None,
              None if user_metadata is None else Jsonb(user_metadata)),
         )

@@ -45,6 +45,18 @@ ORPHAN_MIN_AGE_S = 3600
 LIVE = "(expires_at IS NULL OR expires_at > now())"
 
 
+# Whether a checkpoint row uses directory %(path)s: names it, or (a checkpoint saved before
+# per-save directories holds its files in the name's directory, and its newer versions live under
+# it) names a directory inside it, which removing it would take along. %(under)s is `under_pattern`.
+USES_PATH = "(storage_path = %(path)s OR storage_path LIKE %(under)s ESCAPE '\\')"
+
+
+def under_pattern(path: str) -> str:
+    """The LIKE pattern of the paths strictly inside directory `path`, its own wildcards escaped."""
+    escaped = path.rstrip("/").replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return escaped + "/%"
+
+
 @dataclass(frozen=True)
 class Lifetime:
     ttl_s: int | None  # expires this long after the save; None: kept until deleted
@@ -62,10 +74,11 @@ def lifetime(*, anonymous: bool, ttl_seconds: int | None, anon_ttl_s: int) -> Li
     return Lifetime(None)
 
 
-def due_to_slide(expires_at: datetime | None, sliding_ttl_s: int | None, now: datetime) -> bool:
+def due_to_slide(expires_at: datetime | None, sliding_ttl_s: int | None, now: datetime, *, by_owner: bool = True) -> bool:
     """Whether a use at `now` should move a sliding expiry out (at most once a SLIDE_SLACK_S, so a
-    busy sampler costs no write per request)."""
-    if not sliding_ttl_s or expires_at is None:
+    busy sampler costs no write per request). Only the owner's uses count: another tenant sampling
+    a published snapshot must not keep the owner's storage (and its bill) alive."""
+    if not by_owner or not sliding_ttl_s or expires_at is None:
         return False
     return expires_at < now + timedelta(seconds=sliding_ttl_s - SLIDE_SLACK_S)
 
@@ -103,11 +116,11 @@ def sweep(conn: psycopg.Connection[DictRow], store: LocalStore, *, batch: int = 
     # A path another checkpoint row still names (a copy: copy_weights shares its source's files) is
     # forgotten, not removed: the files go with the last row that names them.
     due = conn.execute(
-        "SELECT g.id, g.path, EXISTS (SELECT 1 FROM checkpoints c WHERE c.storage_path = g.path) AS shared "
-        "FROM storage_garbage g WHERE g.delete_after <= now() ORDER BY g.delete_after LIMIT %s", (batch,)
+        "SELECT g.id, g.path FROM storage_garbage g WHERE g.delete_after <= now() ORDER BY g.delete_after LIMIT %s",
+        (batch,)
     ).fetchall()
     for row in due:
-        if not row["shared"]:
+        if not path_in_use(conn, row["path"]):
             store.remove(row["path"])
     if due:
         with conn.transaction():
@@ -116,3 +129,10 @@ def sweep(conn: psycopg.Connection[DictRow], store: LocalStore, *, batch: int = 
         log.info("checkpoint sweep: %d expired, %d directories removed", len(gone), len(due))
     return SweepResult(expired=len(gone), removed=len(due))
 
+
+
+def path_in_use(conn: psycopg.Connection[DictRow], path: str) -> bool:
+    """Whether any checkpoint row still uses directory `path` (`USES_PATH`)."""
+    row = conn.execute(f"SELECT 1 FROM checkpoints WHERE {USES_PATH} LIMIT 1",
+                       {"path": path, "under": under_pattern(path)}).fetchone()
+    return row is not None

@@ -389,6 +389,11 @@ class TenancySettings(BaseSettings):
     tokens_per_minute: int = Field(2_000_000, ge=1, description="rate limit on submitted tokens")
     max_checkpoint_bytes: int = Field(100 * 2**30, ge=1, le=2**63 - 1,
                                       description="bytes of live checkpoints per tenant; past them saves are refused")
+    max_copies: int = Field(1000, ge=0, le=10**7,
+                            description="live checkpoints made by copy_weights a tenant may hold (a copy of the "
+                                        "tenant's own files adds no bytes, and its run counts in no live-model limit)")
+    max_weights_tokens: int = Field(1000, ge=0, le=10**7,
+                                    description="live (unrevoked, unexpired) weights access tokens per tenant")
     max_result_bytes: int = Field(2 * 2**30, ge=1, le=2**63 - 1,
                                   description="bytes of Redis a tenant's stored results and token streams may take "
                                               "(core.result_bytes); past them new work is refused (429)")

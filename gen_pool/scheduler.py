@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from billing.pricing import prompt_cache_hits
 from checkpoints.layout import policy_version
 from core import health
 from core.errors import QuiltError, ServerError, UserError
@@ -362,7 +363,7 @@ class Scheduler:
         except (KeyError, ValueError) as exc:  # a probe's answer missing what it asked for: the engine's fault
             self.on_finish(g, ServerError(f"sampling outputs of {g.request_id} are incomplete: {exc}"))
             return
-        hits = sum(r.cached_tokens for r in g.results if r is not None)
+        hits = prompt_cache_hits(len(g.prompt), tuple(r.cached_tokens for r in g.results if r is not None))
         self.on_finish(g, wire.SampleOutcome(seqs, prompt_lps, topk, targets, alts, prompt_cache_hit_tokens=hits))
 
     def _fail(self, g: Group, err: QuiltError) -> None:

@@ -222,8 +222,9 @@ class GenWorker:
             result, usage = queue.failure(g.request_id, outcome), None
         else:
             result = queue.Outcome(g.request_id, result=wire.to_json(outcome))
-            # Billed as any sample: the prompt once per sequence, its prefix-cache hits (the engine's
-            # count per sequence) at the cached rate, and the sampled tokens. Top-k, target logprobs,
+            # Billed as any sample (billing.pricing.sampling_units): the prompt's tokens not in the
+            # prefix cache once at the prefill rate, every other prompt token read at the cached
+            # rate, and the sampled tokens. Top-k, target logprobs,
             # alternatives and stability records add nothing (their probes reread the prompt, mostly
             # from the prefix cache; QUILT_GEN_MAX_PROBE_ROWS bounds them).
             usage = sampling_units(len(g.prompt), tuple(r.cached_tokens if r else 0 for r in g.results),

@@ -14,6 +14,7 @@ from checkpoints import retention
 from core import db
 from core.errors import Conflict, Forbidden, NotFound
 from core.queue import MAX_CLONE
+from tenancy import sharing
 from tenancy.auth import Principal
 
 # Admission's reads: the tenant's requests in flight, its calls waiting in a queue state
@@ -217,10 +218,12 @@ async def download_checkpoint(conn: AsyncConnection[DictRow], tenant_id: str, ch
     """The checkpoint a signed URL names, if the link still holds: the checkpoint lives and is the
     link's tenant's or still published, the key that minted it (`api_key_id`, "" for none; a key of
     the link's tenant) is not revoked, and no operator has suspended the checkpoint's owner (a
-    payment suspension keeps downloads working). NotFound or Forbidden saying which otherwise."""
+    payment suspension keeps downloads working), nor the link's own tenant (`sharing.download_link_refusal`).
+    NotFound or Forbidden saying which otherwise."""
     cur = await conn.execute(
-        "SELECT c.*, t.suspended_kind, k.id AS minted_by, k.revoked_at AS minted_by_revoked_at FROM checkpoints c "
-        "JOIN tenants t ON t.id = c.tenant_id LEFT JOIN api_keys k ON k.id = %(key)s AND k.tenant_id = %(tenant)s "
+        "SELECT c.*, t.suspended_kind, h.suspended_kind AS holder_suspended_kind, k.id AS minted_by, "
+        "k.revoked_at AS minted_by_revoked_at FROM checkpoints c JOIN tenants t ON t.id = c.tenant_id "
+        "LEFT JOIN tenants h ON h.id = %(tenant)s LEFT JOIN api_keys k ON k.id = %(key)s AND k.tenant_id = %(tenant)s "
         f"WHERE c.id = %(id)s AND (c.tenant_id = %(tenant)s OR c.published_at IS NOT NULL) AND {retention.LIVE}",
         {"key": api_key_id, "id": checkpoint_id, "tenant": tenant_id})
     row = await cur.fetchone()
@@ -229,8 +232,10 @@ async def download_checkpoint(conn: AsyncConnection[DictRow], tenant_id: str, ch
                        field="token")
     if api_key_id and (row["minted_by"] is None or row["minted_by_revoked_at"] is not None):
         raise NotFound("the API key that made this download link was revoked; ask for a new link", field="token")
-    if row["suspended_kind"] == "operator":
-        raise Forbidden("this tenant is suspended by an operator: its download links do not work", field="token")
+    refusal = sharing.download_link_refusal(owner_suspended=row["suspended_kind"],
+                                            holder_suspended=row["holder_suspended_kind"])
+    if refusal:
+        raise Forbidden(refusal, field="token")
     return row
 
 
@@ -337,14 +342,19 @@ async def checkpoint_bytes(conn: AsyncConnection[DictRow], who: Principal) -> in
 async def checkpoint_storage(conn: AsyncConnection[DictRow], who: Principal, *, project_id: str | None = None) -> list[dict]:
     """Your live checkpoints' count and bytes by project and by the key that created their session
     (`key_prefix`, `key_name`; None where the session records no key), most bytes first; only
-    `project_id`'s, given one. Each stored directory counts once, with the first checkpoint that
-    names it (copies inside the tenant share files, and storage bills them once: billing.storage)."""
+    `project_id`'s, given one (that project's lines of the whole report). `checkpoints` counts
+    checkpoints, copies included; `size_bytes` counts each stored directory once, in the line of
+    the first checkpoint that names it (copies inside the tenant share files, and storage bills
+    them once so: billing.storage), so a line of copies only has checkpoints and no bytes, and the
+    lines' bytes add up to what is billed."""
     cur = await conn.execute(
-        "SELECT project_id, key_prefix, key_name, count(*) AS checkpoints, sum(size_bytes)::bigint AS size_bytes "
-        "FROM (SELECT DISTINCT ON (c.storage_path) s.project_id, k.prefix AS key_prefix, k.name AS key_name, "
-        "c.size_bytes FROM checkpoints c JOIN training_models m ON m.id = c.model_id "
+        "SELECT project_id, key_prefix, key_name, count(*) AS checkpoints, "
+        "COALESCE(sum(size_bytes) FILTER (WHERE first), 0)::bigint AS size_bytes "
+        "FROM (SELECT s.project_id, k.prefix AS key_prefix, k.name AS key_name, c.size_bytes, "
+        "row_number() OVER (PARTITION BY c.storage_path ORDER BY c.id) = 1 AS first "
+        "FROM checkpoints c JOIN training_models m ON m.id = c.model_id "
         "JOIN sessions s ON s.id = m.session_id LEFT JOIN api_keys k ON k.id = s.api_key_id "
-        f"WHERE c.tenant_id = %s AND {retention.LIVE} ORDER BY c.storage_path, c.id) f "
+        f"WHERE c.tenant_id = %s AND {retention.LIVE}) f "
         "WHERE (%s::text IS NULL OR project_id = %s) "
         "GROUP BY project_id, key_prefix, key_name ORDER BY size_bytes DESC, project_id, key_prefix",
         (who.tenant_id, project_id, project_id),

@@ -38,3 +38,23 @@ def copy_quota_refusal(*, stored_bytes: int, adds_bytes: int, limit: int) -> str
         return (f"max_checkpoint_bytes: the copy adds {adds_bytes:,} bytes to the {stored_bytes:,} your live "
                 f"checkpoints hold, past your limit of {limit:,}; delete checkpoints you no longer need")
     return None
+
+
+def download_link_refusal(*, owner_suspended: str | None, holder_suspended: str | None) -> str | None:
+    """Why a download link no longer works given the suspension kinds (None, 'operator', 'payment')
+    of the checkpoint's owner and of the link's own tenant, or None if it works. An operator's
+    suspension of either stops it (a holder suspended for abuse must not keep pulling a published
+    checkpoint with a link minted before); a payment suspension stops neither."""
+    if holder_suspended == "operator":
+        return "your tenant is suspended by an operator: its download links do not work"
+    if owner_suspended == "operator":
+        return "this checkpoint's owner is suspended by an operator: its download links do not work"
+    return None
+
+
+def cap_refusal(*, what: str, held: int, most: int, setting: str) -> str | None:
+    """Why one more `what` is refused when the tenant holds `held` of at most `most` (the setting
+    `setting` names), or None."""
+    if held >= most:
+        return f"{what}: your tenant holds {held}, the most it may ({setting}={most}); delete or revoke some first"
+    return None

@@ -14,11 +14,12 @@ from billing.pricing import (
     Units,
     cost_of,
     default_cached_rate,
+    prompt_cache_hits,
     sampling_units,
     storage_cost,
     storage_units,
 )
-from billing.storage import hour_of, last_hour, storage_charges
+from billing.storage import MAX_CATCH_UP_HOURS, hour_of, hours_to_accrue, last_hour, storage_charges
 from billing.usage import hourly_events
 
 JAN = datetime(2026, 1, 1, tzinfo=UTC)
@@ -46,13 +47,22 @@ def test_a_price_entry_may_name_its_own_cached_rate():
 @pytest.mark.parametrize("prompt,hits,sampled,units", [
     (40, (0,), 5, Units(prefill_tokens=40, sample_tokens=5)),                    # a first prompt: nothing cached
     (40, (32,), 5, Units(prefill_tokens=8, cached_tokens=32, sample_tokens=5)),  # the same prompt again
-    (40, (0, 32, 32), 9, Units(prefill_tokens=56, cached_tokens=64, sample_tokens=9)),  # n=3, each its own count
+    (40, (0, 0, 0), 9, Units(prefill_tokens=40, cached_tokens=80, sample_tokens=9)),  # n=3 started together: one prefill
+    (40, (32, 0, 0), 9, Units(prefill_tokens=8, cached_tokens=112, sample_tokens=9)),  # the prompt seen before
+    (40, (0, 32, 32), 9, Units(prefill_tokens=8, cached_tokens=112, sample_tokens=9)),  # whichever sequence hit
     (40, (99,), 1, Units(cached_tokens=40, sample_tokens=1)),                    # a count past the prompt is capped
     (40, (-3,), 1, Units(prefill_tokens=40, sample_tokens=1)),                   # and a negative one is none
     (0, (0, 0), 0, Units()),
 ])
 def test_sampling_units_split_the_prompt_by_the_engines_hits(prompt, hits, sampled, units):
     assert sampling_units(prompt, hits, sampled) == units
+
+
+@pytest.mark.parametrize(("prompt", "hits", "reported"), [
+    (40, (), 0), (40, (0, 0, 0), 0), (40, (32,), 32), (40, (0, 32, 31), 32), (40, (99, 0), 40), (40, (-3,), 0),
+])
+def test_the_sdk_is_told_the_prompts_hits_once_per_request(prompt, hits, reported):
+    assert prompt_cache_hits(prompt, hits) == reported
 
 
 def test_cached_tokens_cost_a_fifth_of_prefill_and_each_unit_rounds_apart():
@@ -111,6 +121,24 @@ def test_a_storage_period_starts_on_an_hour():
         storage_charges([], H + timedelta(minutes=1))
     assert hour_of(H + timedelta(minutes=59)) == H
     assert last_hour(H + timedelta(minutes=2)) == H - timedelta(hours=1)
+
+
+def _h(n: int) -> datetime:
+    return H + timedelta(hours=n)
+
+
+@pytest.mark.parametrize(("newest", "now", "hours"), [
+    (None, _h(0) + timedelta(minutes=2), [_h(-1)]),  # nothing billed yet: the last hour only
+    (_h(-2), _h(0) + timedelta(minutes=2), [_h(-1)]),  # on time
+    (_h(-1), _h(0) + timedelta(minutes=2), []),  # that hour is billed already
+    (_h(-1), _h(0) + timedelta(minutes=59), []),
+    (_h(-4), _h(0) + timedelta(minutes=2), [_h(-3), _h(-2), _h(-1)]),  # beat was down three hours
+    (_h(-2), _h(1) + timedelta(minutes=30), [_h(-1), _h(0)]),  # ran late: the skipped hour too
+    (_h(-1000), _h(0), [_h(-MAX_CATCH_UP_HOURS + i) for i in range(MAX_CATCH_UP_HOURS)]),  # capped
+    (_h(3), _h(0), []),  # a clock that went back bills nothing twice
+])
+def test_missed_storage_hours_are_accrued_from_the_newest_billed_one(newest, now, hours):
+    assert hours_to_accrue(newest, now) == hours
 
 
 def test_usage_events_show_cached_prefill_and_storage_as_the_sdk_reads_them():

@@ -44,6 +44,22 @@ def test_a_sliding_expiry_moves_at_most_once_a_minute():
     assert not retention.due_to_slide(None, None, now)
 
 
+@pytest.mark.parametrize(("by_owner", "slides"), [(True, True), (False, False)])
+def test_only_the_owners_use_slides_a_published_snapshot(by_owner, slides):
+    now = datetime(2026, 12, 1, tzinfo=UTC)
+    assert retention.due_to_slide(now + timedelta(seconds=30), 7200, now, by_owner=by_owner) is slides
+
+
+@pytest.mark.parametrize(("path", "pattern"), [
+    ("/data/ck/t1/run/weights/a", "/data/ck/t1/run/weights/a/%"),
+    ("/data/ck/t1/run/weights/a/", "/data/ck/t1/run/weights/a/%"),
+    ("/d/my_run/50%", "/d/my\\_run/50\\%/%"),
+    ("/d/back\\slash", "/d/back\\\\slash/%"),
+])
+def test_the_paths_inside_a_directory_escape_its_wildcards(path, pattern):
+    assert retention.under_pattern(path) == pattern
+
+
 def test_remove_dir_stays_inside_the_checkpoint_root(tmp_path):
     root, outside = tmp_path / "checkpoints", tmp_path / "elsewhere"
     version = root / "t" / "m" / "sampler_weights" / "name" / "v1"

@@ -4,6 +4,8 @@ everything tenant A has not shared, and the hostile inputs of the new routes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 from stackutil import datum, fb_body
@@ -45,6 +47,12 @@ def _bytes(stack, tenant_id: str) -> int:
                             (tenant_id,)).fetchone()["n"]
 
 
+def _sql(stack, query: str, params: tuple = ()) -> list[dict]:
+    with db.connect(stack.database_url) as conn:
+        cur = conn.execute(query, params)
+        return cur.fetchall() if cur.description else []
+
+
 def test_publish_copy_and_unpublish_through_the_sdk(stack):
     a, b = stack.create_tenant("pub"), stack.create_tenant("pub")
     http_a, http_b = stack.http(a.key), stack.http(b.key)
@@ -78,6 +86,23 @@ def test_publish_copy_and_unpublish_through_the_sdk(stack):
     assert copied.public is False and copied.expires_at is not None and copied.size_bytes == stored
     link = next(iter(_download(http_b, weights).raise_for_status().json()["urls"].values()))
     assert httpx.get(link).status_code == 200
+    # An operator suspending B stops the link B minted before; lifting it, it works again.
+    _sql(stack, "UPDATE tenants SET suspended_at = now(), suspended_kind = 'operator', suspended_reason = 'abuse' "
+                "WHERE id = %s", (b.tenant_id,))
+    stopped = httpx.get(link)
+    assert stopped.status_code == 403 and "your tenant is suspended" in stopped.text, stopped.text
+    _sql(stack, "UPDATE tenants SET suspended_at = NULL, suspended_kind = NULL, suspended_reason = NULL WHERE id = %s",
+         (b.tenant_id,))
+    assert httpx.get(link).status_code == 200
+    # B sampling A's published snapshot of a sliding lifetime leaves A's expiry where it is.
+    _sql(stack, "UPDATE checkpoints SET sliding_ttl_s = 7200, expires_at = now() + interval '1 hour' "
+                "WHERE tenant_id = %s AND name = 'shared'", (a.tenant_id,))
+    before = _sql(stack, "SELECT expires_at FROM checkpoints WHERE tenant_id = %s AND name = 'shared'", (a.tenant_id,))
+    assert len(sampler_b.sample(PROMPT, 1, PARAMS).result().sequences[0].tokens) == 3
+    assert _sql(stack, "SELECT expires_at FROM checkpoints WHERE tenant_id = %s AND name = 'shared'",
+                (a.tenant_id,)) == before
+    _sql(stack, "UPDATE checkpoints SET sliding_ttl_s = NULL, expires_at = NULL WHERE tenant_id = %s AND name = 'shared'",
+         (a.tenant_id,))
 
     # Unpublishing stops all three at once, for B's existing sampler and link too; B's copy stays.
     rest_a.unpublish_checkpoint_from_tinker_path(weights).result()
@@ -153,11 +178,35 @@ def test_projects_search_and_access_tokens(stack):
         r = http_b.post("/copy_weights", json={"source_path": state, "session_id": session_b, "model_seq_id": 5},
                         headers={"X-Tinker-Weights-Access-Token": made["token"]})
         assert r.status_code == 200 and r.json()["tinker_path"] == f"tinker://{session_b}:train:5/weights/kept"
+        # A taken slot is a 400 naming model_seq_id (a 409 the SDK would retry for minutes).
+        taken = http_b.post("/copy_weights", json={"source_path": copy, "session_id": session_b, "model_seq_id": 5})
+        assert taken.status_code == 400 and "model_seq_id" in taken.text, taken.text
+        # B's storage report: two checkpoints, one stored directory (as billed).
+        (line,) = tinker.AdminClient(base_url=stack.base_url, api_key=b.key).get_current_checkpoint_storage_usage() \
+            .result().data
+        assert line.checkpoint_count == 2 and line.size_bytes * 2 == _bytes(stack, b.tenant_id) > 0
+
+        # The token grants the files it was made for: A saving a new version under the name is not granted.
+        # (A save over a name keeps the row and replaces its storage_path: as here.)
+        _sql(stack, "UPDATE checkpoints SET storage_path = storage_path || '-v2' WHERE model_id = %s AND name = 'kept'",
+             (tc.model_id,))
+        with pytest.raises(tinker.NotFoundError):
+            rest_b.copy_weights(state, _default_project(http_b), weights_access_token=made["token"]).result()
+        _sql(stack, "UPDATE checkpoints SET storage_path = left(storage_path, -3) WHERE model_id = %s AND name = 'kept'",
+             (tc.model_id,))
         assert http_a.delete(f"/quilt/weights_access_tokens/{made['id']}").status_code == 204
         with pytest.raises(tinker.NotFoundError):
             rest_b.copy_weights(state, _default_project(http_b), weights_access_token=made["token"]).result()
     audit = [e["action"] for e in http_a.get("/quilt/audit").json()["entries"]]
     assert audit.count("checkpoint.token_used") == 2
+
+    # A checkpoint of the old layout (files in the name's directory, newer versions under it):
+    # deleting it leaves the live version inside that directory whole.
+    (kept,) = _sql(stack, "SELECT storage_path FROM checkpoints WHERE model_id = %s AND name = 'kept'", (tc.model_id,))
+    _sql(stack, "INSERT INTO checkpoints (tenant_id, model_id, kind, name, storage_path, size_bytes) "
+                "VALUES (%s, %s, 'weights', 'old', %s, 1)", (a.tenant_id, tc.model_id, str(Path(kept["storage_path"]).parent)))
+    rest_a.delete_checkpoint_from_tinker_path(f"tinker://{tc.model_id}/weights/old").result()
+    assert Path(kept["storage_path"]).is_dir() and any(Path(kept["storage_path"]).iterdir())
     assert {"project.created", "checkpoint.token_created", "checkpoint.token_revoked"} <= set(audit)
 
 

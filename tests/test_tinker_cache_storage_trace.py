@@ -101,11 +101,17 @@ def test_storage_is_accrued_once_per_hour_and_reported(stack, run):
         hour = storage.last_hour(now) + timedelta(hours=1)  # this hour: the test's own period
         assert storage.accrue(conn, hour) >= 1
         assert storage.accrue(conn, hour) == 0
+        # An hour accrued late bills only what was saved before it ended: nothing of this tenant's.
+        storage.accrue(conn, hour - timedelta(hours=1))
         (row,) = conn.execute("SELECT * FROM usage_ledger WHERE tenant_id = %s AND storage_byte_hours > 0",
+                              (tenant.tenant_id,)).fetchall()
+        # Dated at the hour it bills, not when it was written (an hour later): so are the rollups.
+        hourly = conn.execute("SELECT hour FROM usage_hourly WHERE tenant_id = %s AND storage_byte_hours > 0",
                               (tenant.tenant_id,)).fetchall()
         live = conn.execute("SELECT sum(size_bytes)::bigint AS b FROM (SELECT DISTINCT ON (storage_path) size_bytes "
                             "FROM checkpoints WHERE tenant_id = %s) f", (tenant.tenant_id,)).fetchone()["b"]
     assert row["request_id"] == f"storage:{tenant.tenant_id}:{TINY}:{hour:%Y-%m-%dT%H}"
+    assert row["created_at"] == hour and [h["hour"] for h in hourly] == [hour]
     assert row["storage_byte_hours"] == live > 0
     assert row["storage_micro_usd"] == row["cost_micro_usd"] == storage_cost(live, 10**9) > 0
 

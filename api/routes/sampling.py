@@ -200,7 +200,8 @@ async def resolve(conn, who, *, sampling_session_id: str | None = None, model_pa
     base = await _sampleable(conn, ckpt["base_model"])
     if model_path is not None:
         _weights_base(base.name, base_model, model_path)
-    if retention.due_to_slide(ckpt["expires_at"], ckpt["sliding_ttl_s"], datetime.now(UTC)):
+    if retention.due_to_slide(ckpt["expires_at"], ckpt["sliding_ttl_s"], datetime.now(UTC),
+                              by_owner=ckpt["tenant_id"] == who.tenant_id):
         await records.slide_checkpoint(conn, ckpt["id"])
     return base, AdapterRef(key=ckpt["storage_path"], path=ckpt["storage_path"], model_id=run, name=name)
 

@@ -28,6 +28,7 @@ from api.input_guard import GuardedRoute
 from api.schemas import CopyWeightsRequest, CreateProjectRequest, WeightsTokenRequest
 from core import db, ids
 from core.errors import Conflict, Forbidden, InvalidInput, NotFound
+from core.settings import get_tenancy_settings
 from tenancy import accounts, scoped, sharing
 from tenancy.auth import Principal
 
@@ -118,12 +119,19 @@ async def _copy(conn, who: Principal, body: CopyWeightsRequest, source: tuple[st
         raise missing
     token_id = None
     if ckpt["tenant_id"] != who.tenant_id and ckpt["published_at"] is None and token:
-        token_id = await records.use_weights_token(conn, sharing.token_hash(token), ckpt["id"])
+        token_id = await records.use_weights_token(conn, sharing.token_hash(token), ckpt["id"], ckpt["storage_path"])
     access = sharing.copy_access(owner_tenant=ckpt["tenant_id"], caller_tenant=who.tenant_id,
                                  published=ckpt["published_at"] is not None, token_grants_it=token_id is not None)
     if access is None:
         raise missing
     copy_path = ids.tinker_path(model_id, kind, name)
+    most = get_tenancy_settings().max_copies
+    if await _already_copied(conn, who, model_id, body.source_path):
+        return copy_path  # a retry of this copy: no cap applies to it
+    refusal = sharing.cap_refusal(what="copies", held=await records.live_copies(conn, who.tenant_id), most=most,
+                                  setting="QUILT_TENANT_MAX_COPIES")
+    if refusal:
+        raise Forbidden(refusal, field="max_copies")
     adds = 0 if await records.holds_files(conn, who.tenant_id, ckpt["storage_path"]) else ckpt["size_bytes"]
     refusal = sharing.copy_quota_refusal(stored_bytes=await scoped.checkpoint_bytes(conn, who), adds_bytes=adds,
                                          limit=who.max_checkpoint_bytes)
@@ -134,11 +142,10 @@ async def _copy(conn, who: Principal, body: CopyWeightsRequest, source: tuple[st
     made = await records.insert_copy(conn, who, ckpt, model_id=model_id, session_id=session_id, model_seq_id=seq,
                                      copied_from=body.source_path, ttl_s=body.ttl_seconds)
     if not made:
-        existing = await (await conn.execute("SELECT copied_from FROM training_models WHERE id = %s AND tenant_id = %s",
-                                             (model_id, who.tenant_id))).fetchone()
-        if existing is None or existing["copied_from"] != body.source_path:
-            raise Conflict(f"model_seq_id {seq} of session {session_id!r} is taken; pick a free one",
-                           field="model_seq_id")
+        if not await _already_copied(conn, who, model_id, body.source_path):
+            # 400, not 409: the SDK retries a 409 for minutes, and a taken slot stays taken.
+            raise InvalidInput(f"model_seq_id {seq} of session {session_id!r} is taken; pick a free one",
+                               field="model_seq_id")
         return copy_path  # a retry of this copy
     await accounts.record_async(conn, who.tenant_id, who.actor, "checkpoint.copied", source=body.source_path,
                                 copy=copy_path, access=access)
@@ -148,6 +155,13 @@ async def _copy(conn, who: Principal, body: CopyWeightsRequest, source: tuple[st
                                     token_id=token_id,
                                     tinker_path=body.source_path, by_tenant=who.tenant_id)
     return copy_path
+
+
+async def _already_copied(conn, who: Principal, model_id: str, source_path: str) -> bool:
+    """Whether run `model_id` of the caller's is a copy of `source_path` already (a retried copy)."""
+    existing = await (await conn.execute("SELECT copied_from FROM training_models WHERE id = %s AND tenant_id = %s",
+                                         (model_id, who.tenant_id))).fetchone()
+    return existing is not None and existing["copied_from"] == source_path
 
 
 async def _locked_source(conn, run: str, kind: str, name: str) -> dict | None:
@@ -172,9 +186,14 @@ async def create_weights_token(body: WeightsTokenRequest, who: Who, pool: Pool) 
     except ValueError as exc:
         raise InvalidInput(str(exc), field="tinker_path") from None
     token, token_id = ids.new_weights_token(), ids.new_weights_token_id()
-    async with pool.connection() as conn:
+    async with db.autocommit(pool) as conn, records.quota_lock(conn, who.tenant_id), conn.transaction():
         ckpt = await scoped.get_checkpoint(conn, who, run, kind, name)
-        row = await records.insert_weights_token(conn, who, token_id, ckpt["id"], sharing.token_hash(token),
+        most = get_tenancy_settings().max_weights_tokens
+        refusal = sharing.cap_refusal(what="weights access tokens", held=await records.live_weights_tokens(conn, who.tenant_id),
+                                      most=most, setting="QUILT_TENANT_MAX_WEIGHTS_TOKENS")
+        if refusal:
+            raise Forbidden(refusal, field="max_weights_tokens")
+        row = await records.insert_weights_token(conn, who, token_id, ckpt, sharing.token_hash(token),
                                                  body.ttl_seconds)
         await accounts.record_async(conn, who.tenant_id, who.actor, "checkpoint.token_created", token_id=token_id,
                                     tinker_path=body.tinker_path)
