@@ -4,6 +4,7 @@ size-based prices, without services: every refusal names its field and the fix."
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import shutil
 
@@ -27,7 +28,8 @@ QWEN3_30B_A3B = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size":
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("sources")
-    return {a: build_tiny_model(root / a, spec=TinyModelSpec(architecture=a)).path for a in ("qwen3", "llama")}
+    return {a: build_tiny_model(root / a, spec=TinyModelSpec(architecture=a)).path
+            for a in ("qwen3", "llama", "qwen3_5_text", "qwen3_vl")}
 
 
 def _copy(src: str, dest) -> str:
@@ -105,6 +107,33 @@ def test_arguments_are_checked(built):
     with pytest.raises(InvalidInput) as exc:
         model_sources.locate(path="/nonexistent/model")
     assert exc.value.field == "path"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_vl"])
+def test_a_base_vllm_serves_only_with_torchvision_is_added_sampleable_only_when_it_is_installed(built, arch):
+    # vLLM's Qwen3-VL imports torchvision and its Qwen3.5 imports its Qwen3-VL (tests/test_architectures.py
+    # TRAINER_ONLY): without torchvision a sampleable entry would wait for a generation worker that never starts.
+    if importlib.util.find_spec("torchvision") is None:
+        with pytest.raises(InvalidInput, match="--no-sample") as exc:
+            _describe(built[arch], renderer="chatml")
+        assert exc.value.field == "sampleable"
+    else:
+        assert _describe(built[arch], renderer="chatml").sampleable
+    assert not _describe(built[arch], renderer="chatml", sampleable=False).sampleable
+
+
+@pytest.mark.parametrize(("arch", "ranks", "refused"), [
+    ("qwen3_vl", 2, True), ("qwen3_vl", 1, False), ("qwen3_5_text", 2, False), ("qwen3", 4, False),
+])
+def test_a_vision_base_is_refused_a_trainer_gang(built, arch, ranks, refused):
+    # a gang loads the causal LM without its vision tower (batcher.engine.gang.check_shape says so too)
+    kw = {"renderer": "chatml", "sampleable": False, "serving": {"trainer_ranks": ranks}}
+    if refused:
+        with pytest.raises(InvalidInput, match="--trainer-ranks") as exc:
+            _describe(built[arch], **kw)
+        assert exc.value.field == "trainer_ranks"
+    else:
+        assert _describe(built[arch], **kw).serving["trainer_ranks"] == ranks
 
 
 def test_hub_models_come_from_the_hub_cache_offline(built, tmp_path, monkeypatch):
