@@ -153,6 +153,10 @@ class MemoryPlan:
 
 def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     shape = architectures.Shape.of(config)
+    if shape.arch.linear_attention and inputs.cuda_graphs:
+        # the trainer captures no graphs of a linear-attention base (its rows' recurrences follow host
+        # spans a replay cannot: batcher.engine.backend), so its activations have one copy
+        inputs = dataclasses.replace(inputs, cuda_graphs=False)
     h, layers, vocab = shape.hidden, shape.layers, shape.vocab
     width = DTYPE_BYTES[inputs.dtype]
     total, _active = architectures.parameter_counts(config)

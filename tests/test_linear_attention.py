@@ -216,3 +216,24 @@ def test_the_plan_sizes_the_kv_cache_of_the_full_attention_layers_only():
     small = memory_plan.plan_memory(QWEN3_5_27B, memory_plan.PlanInputs(device_bytes=48 * memory_plan.GiB,
                                                                         shared_device=False))
     assert small.problems and "base weights" in small.problems[0]
+
+
+@pytest.mark.parametrize("config, graphed", [
+    (QWEN3_5_27B, False),  # the trainer captures no graphs of a linear-attention base (batcher.engine.backend)
+    (QWEN3_5_35B_A3B, False),
+    ({"model_type": "qwen3_5", "text_config": QWEN3_5_27B}, False),
+    ({**QWEN3_5_27B, "model_type": "qwen3", "layer_types": None}, True),  # the same sizes, full attention only
+])
+def test_the_plan_doubles_activations_for_cuda_graphs_only_where_the_trainer_captures_them(config, graphed):
+    from bases import memory_plan
+
+    eager, asked = (memory_plan.plan_memory(config, memory_plan.PlanInputs(device_bytes=80 * memory_plan.GiB,
+                                                                         shared_device=False, cuda_graphs=graphs))
+                    for graphs in (False, True))
+    assert asked.inputs.cuda_graphs is graphed
+    tokens = asked.token_budget
+    assert asked.activation_bytes(tokens) == eager.activation_bytes(tokens) * (2 if graphed else 1)
+    assert (asked.token_budget < eager.token_budget) is graphed  # (budgets are rounded: not exactly half)
+    worker = memory_plan.for_worker(config, device="cuda:0", dtype="bfloat16", configured_memory="80GiB",
+                                    cuda_graphs=True)
+    assert worker.inputs.cuda_graphs is graphed

@@ -173,6 +173,23 @@ def test_parameter_counts_match_published_sizes():
     assert 3.0e9 < active < 3.5e9  # 3.3 B active
 
 
+# Qwen3-VL-8B's published config: Qwen3-8B's decoder under text_config beside its vision tower
+QWEN3_VL_8B = {"model_type": "qwen3_vl", "tie_word_embeddings": False,
+               "text_config": {**QWEN3_8B, "model_type": "qwen3_vl_text", "max_position_embeddings": 262144},
+               "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                                 "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2,
+                                 "temporal_patch_size": 2, "num_position_embeddings": 2304, "in_channels": 3,
+                                 "deepstack_visual_indexes": [8, 16, 24]}}
+
+
+def test_a_vision_bases_count_and_plan_hold_its_vision_tower():
+    total, active = architectures.parameter_counts(QWEN3_VL_8B)
+    assert abs(total - 8.77e9) / 8.77e9 < 1e-3 and active == total  # published: 8.77 B
+    assert 0.55e9 < total - architectures.parameter_counts(QWEN3_8B)[0] < 0.6e9  # the vision tower: about 0.58 B
+    plan = memory_plan.plan_memory(QWEN3_VL_8B, memory_plan.PlanInputs(device_bytes=80 * memory_plan.GiB))
+    assert plan.base_bytes == plan.sampler_base_bytes == total * 2
+
+
 def test_memory_plan_fits_an_8b_on_80_gib_and_refuses_it_on_16():
     plan = memory_plan.plan_memory(QWEN3_8B, memory_plan.PlanInputs(device_bytes=80 * memory_plan.GiB))
     assert not plan.problems, plan.problems
