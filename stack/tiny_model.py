@@ -312,6 +312,13 @@ def _build_into(dest: Path, *, seed: int, spec: TinyModelSpec) -> None:
                 for name, p in model.named_parameters():
                     if name.endswith("bias") and not p.any():
                         p.normal_(0.0, spec.initializer_range)
+        if spec.architecture == "deepseek_v3":
+            # transformers starts the routers' score-correction bias (a buffer) at zero; a random one makes
+            # the biased choice of experts differ from the unbiased scores' (what the tests must follow)
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    if name.endswith("e_score_correction_bias"):
+                        b.normal_(0.0, spec.initializer_range)
     model.generation_config = GenerationConfig(
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id
     )
