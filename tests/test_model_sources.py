@@ -190,6 +190,19 @@ def test_a_vision_bases_count_and_plan_hold_its_vision_tower():
     assert plan.base_bytes == plan.sampler_base_bytes == total * 2
 
 
+@pytest.mark.parametrize(("config", "ranks", "gib", "trainer_gpus"), [
+    (QWEN3_VL_8B, 2, 80, 1),
+    (QWEN3_VL_8B, 1, 16, None),  # a trainer gang would fit it, but a vision base trains in one process
+    (QWEN3_8B, 1, 16, 2),
+])
+def test_a_vision_bases_plan_refuses_a_trainer_gang(config, ranks, gib, trainer_gpus):
+    inputs = memory_plan.PlanInputs(device_bytes=gib * memory_plan.GiB, shared_device=False)
+    gang = memory_plan.plan_memory(config, dataclasses.replace(inputs, trainer_ranks=2))
+    refused = [p for p in gang.trainer_problems if p.startswith("trainer_ranks:")]
+    assert bool(refused) is ("vision_config" in config), gang.trainer_problems
+    assert memory_plan.fewest_ranks(config, dataclasses.replace(inputs, trainer_ranks=ranks))[0] == trainer_gpus
+
+
 def test_memory_plan_fits_an_8b_on_80_gib_and_refuses_it_on_16():
     plan = memory_plan.plan_memory(QWEN3_8B, memory_plan.PlanInputs(device_bytes=80 * memory_plan.GiB))
     assert not plan.problems, plan.problems
