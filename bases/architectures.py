@@ -371,7 +371,28 @@ def parameter_counts(config: Mapping) -> tuple[int, int]:
     mixers = s.attention_layers * attn + (s.linear.layers * s.linear.parameters(s.hidden) if s.linear else 0)
     fixed = s.vocab * s.hidden * (1 if s.tied else 2) + norms + mixers + dense
     moe_layers = s.moe_layers if s.arch.moe else s.layers
-    return fixed + moe_layers * mlp_total, fixed + moe_layers * mlp_active
+    vision = vision_parameters(config) if s.arch.vision else 0  # loaded, and computed on images, beside the decoder
+    return fixed + moe_layers * mlp_total + vision, fixed + moe_layers * mlp_active + vision
+
+
+def vision_parameters(config: Mapping) -> int:
+    """A Qwen3-VL vision tower's parameters, from its config.json's `vision_config` (transformers'
+    defaults where a size is left out): the patch embedding (a biased Conv3d) and position table,
+    `depth` blocks (two LayerNorms, biased qkv and proj, a biased two-Linear MLP), the merger into
+    the decoder's width and one deepstack merger per `deepstack_visual_indexes`."""
+    v = config.get("vision_config") or {}
+    h, inter, merge = int(v.get("hidden_size", 1152)), int(v.get("intermediate_size", 4304)), \
+        int(v.get("spatial_merge_size", 2))
+    patch = int(v.get("in_channels", 3)) * int(v.get("temporal_patch_size", 2)) * int(v.get("patch_size", 16)) ** 2
+    embed = patch * h + h + int(v.get("num_position_embeddings", 2304)) * h
+    block = 2 * 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * inter + inter) + (inter * h + h)
+    merged, out = h * merge**2, int(v.get("out_hidden_size", 3584))
+
+    def merger(norm: int) -> int:
+        return 2 * norm + (merged * merged + merged) + (merged * out + out)
+
+    deepstack = len(v.get("deepstack_visual_indexes", (8, 16, 24)))
+    return embed + int(v.get("depth", 27)) * block + merger(h) + deepstack * merger(merged)
 
 
 # The Linears a tensor-parallel plan splits by their output (column parallel) and by their input

@@ -153,6 +153,10 @@ class MemoryPlan:
 
 def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     shape = architectures.Shape.of(config)
+    if shape.arch.linear_attention and inputs.cuda_graphs:
+        # the trainer captures no graphs of a linear-attention base (its rows' recurrences follow host
+        # spans a replay cannot: batcher.engine.backend), so its activations have one copy
+        inputs = dataclasses.replace(inputs, cuda_graphs=False)
     h, layers, vocab = shape.hidden, shape.layers, shape.vocab
     width = DTYPE_BYTES[inputs.dtype]
     total, _active = architectures.parameter_counts(config)
@@ -160,6 +164,10 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
 
     problems: list[str] = []  # the trainer's
     sampler: list[str] = []
+    if shape.arch.vision and inputs.trainer_ranks > 1:
+        # a gang loads the causal LM alone, without the vision tower (batcher.engine.gang.check_shape)
+        problems.append(f"trainer_ranks: {inputs.trainer_ranks} ranks cannot split a vision base; it trains in one "
+                        "process (trainer_ranks 1)")
     if inputs.shared_device and not 0 < inputs.gen_memory_share < 1:
         sampler.append(f"gen_memory_share: {inputs.gen_memory_share} must be between 0 and 1 on a shared device")
     usable = int(inputs.device_bytes * (1 - RESERVE_FRACTION))

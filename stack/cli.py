@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import QuiltError
+from stack.tiny_model import buildable_architectures
 
 
 def _data_dir_option(parser: argparse.ArgumentParser) -> None:
@@ -322,12 +323,6 @@ def _env(name: str, default: str, convert: Callable[[str], Any] = str) -> Built:
     return Built(lambda: convert(os.environ.get(name, default)))
 
 
-def _architectures() -> list[str]:
-    from bases.architectures import SUPPORTED
-
-    return sorted(SUPPORTED)
-
-
 @dataclass(frozen=True)
 class Arg:
     """One `add_argument` call: its names and keywords (a keyword's `Built` is made at build time)."""
@@ -390,7 +385,7 @@ COMMANDS: tuple[Command | Group, ...] = (
     Group("models", "base models", (
         Command("create-tiny", "build a tiny local random-weight base and add it to the catalogue",
                 cmd_models_create_tiny, (
-            arg("--architecture", default="qwen3", choices=Built(_architectures)),
+            arg("--architecture", default="qwen3", choices=Built(buildable_architectures)),
             arg("--sample", action=_BOOL, default=True,
                 help="serve sampling (--no-sample: training only, no generation worker)"),
         )),

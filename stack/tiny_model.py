@@ -46,6 +46,9 @@ VLLM_CPU_HEAD_DIMS = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 51
 # A tiny gpt-oss's sliding-window width (tokens a query sees, itself included): shorter than the
 # test rows, so the sliding layers' masks matter.
 GPT_OSS_TINY_WINDOW = 8
+# Multimodal configs whose text shape lives in a text_config this spec does not fill (built as is,
+# one would be the default 9 B language model): their `_text` language models are built instead.
+NOT_BUILT = ("qwen3_5", "qwen3_5_moe")
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
@@ -163,15 +166,20 @@ class TinyModelSpec:
 
         if self.architecture not in SUPPORTED:
             raise ValueError(f"architecture={self.architecture!r} must be one of {sorted(SUPPORTED)}")
-        if self.architecture in ("qwen3_5", "qwen3_5_moe"):
-            # multimodal configs: their text shape lives in a text_config this spec does not fill (built as
-            # is, it would be the default 9 B language model)
+        if self.architecture in NOT_BUILT:
             raise ValueError(f"architecture={self.architecture!r}: build its language model, "
                              f"{self.architecture}_text, instead")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts]")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} must be float32 or bfloat16")
+
+
+def buildable_architectures() -> list[str]:
+    """The architectures a tiny model is built of (`quilt models create-tiny --architecture`)."""
+    from bases.architectures import SUPPORTED
+
+    return sorted(a for a in SUPPORTED if a not in NOT_BUILT)
 
 
 @dataclass(frozen=True)
@@ -304,6 +312,13 @@ def _build_into(dest: Path, *, seed: int, spec: TinyModelSpec) -> None:
                 for name, p in model.named_parameters():
                     if name.endswith("bias") and not p.any():
                         p.normal_(0.0, spec.initializer_range)
+        if spec.architecture == "deepseek_v3":
+            # transformers starts the routers' score-correction bias (a buffer) at zero; a random one makes
+            # the biased choice of experts differ from the unbiased scores' (what the tests must follow)
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    if name.endswith("e_score_correction_bias"):
+                        b.normal_(0.0, spec.initializer_range)
     model.generation_config = GenerationConfig(
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id
     )

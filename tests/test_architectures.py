@@ -99,10 +99,13 @@ def test_fused_step_equals_training_alone(tiny):
     # (gpt-oss's experts: PEFT target_parameters, `mlp.experts[.base_layer].lora_A`, not modules)
     wrapped = {k.split(".")[-3] for k in fused.adapter_state("a")} - {"base_layer", "experts"}
     assert wrapped == set(architectures.peft_modules(architectures.lora_targets(config, specs["a"][0]))), wrapped
-    if arch in ("qwen3_moe", "qwen3_5_moe_text"):  # every expert of every block, under its own PEFT names
-        experts = config.get("num_local_experts") or config["num_experts"]
-        assert sum(".mlp.experts." in k for k in fused.adapter_state("a")) == config["num_hidden_layers"] * experts * 6
-    if arch == "gpt_oss":  # one gate_up and one down LoRA over all experts of every block
+    shape = architectures.Shape.of(config)  # (a vision base's sizes are under text_config)
+    if shape.arch.moe and not shape.arch.experts_3d:
+        # every routed expert of every MoE block (DeepSeek-V3's first layers are dense), under its own
+        # PEFT names; shared experts are MLP modules of their own (`mlp.shared_experts.gate_proj`)
+        assert shape.moe_layers and shape.experts > 1
+        assert sum(".mlp.experts." in k for k in fused.adapter_state("a")) == shape.moe_layers * shape.experts * 6
+    if shape.arch.experts_3d:  # gpt-oss: one gate_up and one down LoRA over all experts of every block
         assert sum(".mlp.experts" in k for k in fused.adapter_state("a")) == config["num_hidden_layers"] * 4
 
 

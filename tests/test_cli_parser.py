@@ -16,6 +16,7 @@ import pytest
 
 from bases.architectures import SUPPORTED
 from stack.cli import build_parser
+from stack.tiny_model import buildable_architectures
 
 GOLDEN = Path(__file__).with_name("quilt_cli_parser.json")
 
@@ -47,8 +48,8 @@ def structure(parser: argparse.ArgumentParser, into: dict | None = None) -> dict
             entry["choice_help"] = {choice.dest: choice.help for choice in action._choices_actions}
         else:
             entry["choices"] = list(action.choices) if action.choices is not None else None
-            if entry["choices"] == sorted(SUPPORTED):  # grows with bases.architectures, not with the CLI
-                entry["choices"] = "sorted(bases.architectures.SUPPORTED)"
+            if entry["choices"] == buildable_architectures():  # grows with bases.architectures, not with the CLI
+                entry["choices"] = "stack.tiny_model.buildable_architectures()"
         actions.append(entry)
     into[parser.prog] = {
         "parser": {"description": parser.description, "usage": parser.usage,
@@ -96,3 +97,18 @@ def test_up_reads_its_defaults_from_the_environment_when_the_parser_is_built(mon
                                                                               expected):
     monkeypatch.setenv(name, value)
     assert getattr(build_parser().parse_args(["up"]), dest) == expected
+
+
+@pytest.mark.parametrize(("architecture", "accepted"), [
+    ("qwen3_5_text", True), ("qwen3_5_moe_text", True), ("qwen3_vl", True),
+    ("qwen3_5", False), ("qwen3_5_moe", False),  # multimodal configs a tiny spec cannot fill: argparse refuses them
+])
+def test_create_tiny_offers_only_the_architectures_a_tiny_model_is_built_of(architecture, accepted, capsys):
+    argv = ["models", "create-tiny", "--architecture", architecture]
+    if accepted:
+        assert build_parser().parse_args(argv).architecture == architecture
+        assert architecture in SUPPORTED
+    else:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+        assert "invalid choice" in capsys.readouterr().err

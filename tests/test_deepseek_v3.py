@@ -52,6 +52,22 @@ def test_quilt_models_add_describes_the_directory(base):
     assert entry.num_parameters == total and entry.active_parameters == active < total
 
 
+def test_the_tiny_bases_score_correction_bias_changes_which_experts_are_chosen(base):
+    """The tiny build randomises each router's score-correction bias (transformers starts it at zero), so
+    the tests here follow biased routing: for some tokens the biased top-k differs from the scores' own."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float64, experts_implementation="eager").eval()
+    routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    assert len(routers) == 2 and all(r.e_score_correction_bias.abs().min() > 0 for r in routers)
+    assert route_in_float64(model) == 2
+    x = model.get_input_embeddings()(torch.arange(5, 200).unsqueeze(0))[0]
+    for router in routers:
+        _logits, _weights, chosen = router(x)
+        unbiased = torch.nn.functional.linear(x, router.weight.double()).sigmoid().topk(router.top_k, dim=-1)[1]
+        assert (chosen.sort(dim=-1)[0] != unbiased.sort(dim=-1)[0]).any(dim=-1).sum() > 0
+
+
 def _datum(tokens: tuple[int, ...]) -> Datum:
     return Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": (1.0,) * (len(tokens) - 1)})
 

@@ -216,3 +216,51 @@ def test_the_plan_sizes_the_kv_cache_of_the_full_attention_layers_only():
     small = memory_plan.plan_memory(QWEN3_5_27B, memory_plan.PlanInputs(device_bytes=48 * memory_plan.GiB,
                                                                         shared_device=False))
     assert small.problems and "base weights" in small.problems[0]
+
+
+@pytest.mark.parametrize("config, graphed", [
+    (QWEN3_5_27B, False),  # the trainer captures no graphs of a linear-attention base (batcher.engine.backend)
+    (QWEN3_5_35B_A3B, False),
+    ({"model_type": "qwen3_5", "text_config": QWEN3_5_27B}, False),
+    ({**QWEN3_5_27B, "model_type": "qwen3", "layer_types": None}, True),  # the same sizes, full attention only
+])
+def test_the_plan_doubles_activations_for_cuda_graphs_only_where_the_trainer_captures_them(config, graphed):
+    from bases import memory_plan
+
+    eager, asked = (memory_plan.plan_memory(config, memory_plan.PlanInputs(device_bytes=80 * memory_plan.GiB,
+                                                                         shared_device=False, cuda_graphs=graphs))
+                    for graphs in (False, True))
+    assert asked.inputs.cuda_graphs is graphed
+    tokens = asked.token_budget
+    assert asked.activation_bytes(tokens) == eager.activation_bytes(tokens) * (2 if graphed else 1)
+    assert (asked.token_budget < eager.token_budget) is graphed  # (budgets are rounded: not exactly half)
+    worker = memory_plan.for_worker(config, device="cuda:0", dtype="bfloat16", configured_memory="80GiB",
+                                    cuda_graphs=True)
+    assert worker.inputs.cuda_graphs is graphed
+
+
+def test_the_linear_attention_projections_share_one_shrink(hybrid):
+    """in_proj_qkv, in_proj_z, in_proj_b and in_proj_a read one input (multilora.SHARED_INPUT): their A rows
+    lie in one tensor and a pass shrinks it once per layer, scoring as a shrink per layer does."""
+    from tests.test_shared_shrink import counting_shrinks
+
+    config = json.loads((hybrid / "config.json").read_text())
+    kinds = config["layer_types"]
+    linear = kinds.index("linear_attention")
+    trainers = [LoraBackend(hybrid, dtype=torch.float64, shared_shrinks=shared) for shared in (True, False)]
+    counts, outs = [], []
+    for be in trainers:
+        be.create("m", LoraShape(rank=4, seed=1, train_mlp=False, train_unembed=False))
+        with counting_shrinks() as calls:
+            outs.append(_pass(be, [("m", ROWS[0]), ("m", ROWS[2])], forward_only=True))
+        counts.append(len(calls))
+    layers = trainers[0].lora.layers
+    storages = {layers[f"model.layers.{linear}.linear_attn.{n}"].slabs[4].A.untyped_storage().data_ptr()
+                for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+    assert len(storages) == 1
+    # shared: one shrink for the four in_proj and one for out_proj (q/k/v and o_proj on full attention); alone: five
+    assert counts == [2 * len(kinds), 5 * kinds.count("linear_attention") + 4 * kinds.count("full_attention")]
+    for a, b in zip(*outs):
+        assert a["metrics"]["loss:sum"] == pytest.approx(b["metrics"]["loss:sum"], rel=1e-12)
+        torch.testing.assert_close(torch.tensor(a["loss_fn_outputs"][0]["logprobs"]["data"]),
+                                   torch.tensor(b["loss_fn_outputs"][0]["logprobs"]["data"]), rtol=0, atol=1e-12)

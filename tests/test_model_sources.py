@@ -4,6 +4,7 @@ size-based prices, without services: every refusal names its field and the fix."
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import shutil
 
@@ -27,7 +28,8 @@ QWEN3_30B_A3B = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size":
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("sources")
-    return {a: build_tiny_model(root / a, spec=TinyModelSpec(architecture=a)).path for a in ("qwen3", "llama")}
+    return {a: build_tiny_model(root / a, spec=TinyModelSpec(architecture=a)).path
+            for a in ("qwen3", "llama", "qwen3_5_text", "qwen3_vl")}
 
 
 def _copy(src: str, dest) -> str:
@@ -107,6 +109,33 @@ def test_arguments_are_checked(built):
     assert exc.value.field == "path"
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_vl"])
+def test_a_base_vllm_serves_only_with_torchvision_is_added_sampleable_only_when_it_is_installed(built, arch):
+    # vLLM's Qwen3-VL imports torchvision and its Qwen3.5 imports its Qwen3-VL (tests/test_architectures.py
+    # TRAINER_ONLY): without torchvision a sampleable entry would wait for a generation worker that never starts.
+    if importlib.util.find_spec("torchvision") is None:
+        with pytest.raises(InvalidInput, match="--no-sample") as exc:
+            _describe(built[arch], renderer="chatml")
+        assert exc.value.field == "sampleable"
+    else:
+        assert _describe(built[arch], renderer="chatml").sampleable
+    assert not _describe(built[arch], renderer="chatml", sampleable=False).sampleable
+
+
+@pytest.mark.parametrize(("arch", "ranks", "refused"), [
+    ("qwen3_vl", 2, True), ("qwen3_vl", 1, False), ("qwen3_5_text", 2, False), ("qwen3", 4, False),
+])
+def test_a_vision_base_is_refused_a_trainer_gang(built, arch, ranks, refused):
+    # a gang loads the causal LM without its vision tower (batcher.engine.gang.check_shape says so too)
+    kw = {"renderer": "chatml", "sampleable": False, "serving": {"trainer_ranks": ranks}}
+    if refused:
+        with pytest.raises(InvalidInput, match="--trainer-ranks") as exc:
+            _describe(built[arch], **kw)
+        assert exc.value.field == "trainer_ranks"
+    else:
+        assert _describe(built[arch], **kw).serving["trainer_ranks"] == ranks
+
+
 def test_hub_models_come_from_the_hub_cache_offline(built, tmp_path, monkeypatch):
     cache = tmp_path / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
@@ -142,6 +171,36 @@ def test_parameter_counts_match_published_sizes():
     total, active = architectures.parameter_counts(QWEN3_30B_A3B)
     assert abs(total - 30_532_122_624) / 30_532_122_624 < 1e-3  # Qwen3-30B-A3B: 30.5 B total
     assert 3.0e9 < active < 3.5e9  # 3.3 B active
+
+
+# Qwen3-VL-8B's published config: Qwen3-8B's decoder under text_config beside its vision tower
+QWEN3_VL_8B = {"model_type": "qwen3_vl", "tie_word_embeddings": False,
+               "text_config": {**QWEN3_8B, "model_type": "qwen3_vl_text", "max_position_embeddings": 262144},
+               "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                                 "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2,
+                                 "temporal_patch_size": 2, "num_position_embeddings": 2304, "in_channels": 3,
+                                 "deepstack_visual_indexes": [8, 16, 24]}}
+
+
+def test_a_vision_bases_count_and_plan_hold_its_vision_tower():
+    total, active = architectures.parameter_counts(QWEN3_VL_8B)
+    assert abs(total - 8.77e9) / 8.77e9 < 1e-3 and active == total  # published: 8.77 B
+    assert 0.55e9 < total - architectures.parameter_counts(QWEN3_8B)[0] < 0.6e9  # the vision tower: about 0.58 B
+    plan = memory_plan.plan_memory(QWEN3_VL_8B, memory_plan.PlanInputs(device_bytes=80 * memory_plan.GiB))
+    assert plan.base_bytes == plan.sampler_base_bytes == total * 2
+
+
+@pytest.mark.parametrize(("config", "ranks", "gib", "trainer_gpus"), [
+    (QWEN3_VL_8B, 2, 80, 1),
+    (QWEN3_VL_8B, 1, 16, None),  # a trainer gang would fit it, but a vision base trains in one process
+    (QWEN3_8B, 1, 16, 2),
+])
+def test_a_vision_bases_plan_refuses_a_trainer_gang(config, ranks, gib, trainer_gpus):
+    inputs = memory_plan.PlanInputs(device_bytes=gib * memory_plan.GiB, shared_device=False)
+    gang = memory_plan.plan_memory(config, dataclasses.replace(inputs, trainer_ranks=2))
+    refused = [p for p in gang.trainer_problems if p.startswith("trainer_ranks:")]
+    assert bool(refused) is ("vision_config" in config), gang.trainer_problems
+    assert memory_plan.fewest_ranks(config, dataclasses.replace(inputs, trainer_ranks=ranks))[0] == trainer_gpus
 
 
 def test_memory_plan_fits_an_8b_on_80_gib_and_refuses_it_on_16():

@@ -19,8 +19,9 @@ from tinkerutil import sampler_mismatch, sft_row  # noqa: E402
 from stack.ephemeral import ROOT, ephemeral_stack, new_tenant  # noqa: E402
 from stack.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
 
-# four `quilt` commands and three bases' workers start before the first test (minutes on a loaded machine)
-pytestmark = [pytest.mark.stack, pytest.mark.timeout(900)]
+# five `quilt` commands, then four bases' trainers and two vLLM workers (Llama's and gpt-oss's) start
+# before the first test (minutes on a loaded machine)
+pytestmark = [pytest.mark.stack, pytest.mark.timeout(1200)]
 
 LLAMA = "quilt/tiny-llama"
 MOE = "acme/moe-mini"

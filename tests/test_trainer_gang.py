@@ -163,6 +163,12 @@ def test_a_two_rank_gang_trains_as_one_process_does(bases, tmp_path, arch, paral
     (gang.GangShape(4, "ep"), {"num_attention_heads": 8, "num_key_value_heads": 4, "num_experts": 8,
                                "moe_intermediate_size": 6}, "moe_intermediate_size=6 is not divisible by 4"),
     (gang.GangShape(1, "tp"), {"num_attention_heads": 3}, None),
+    # a gang loads the causal LM alone: a vision base's tower would be missing
+    (gang.GangShape(2, "fsdp"), {"text_config": {"num_attention_heads": 4}, "vision_config": {"depth": 2}},
+     "trainer_ranks=2: a vision base trains in one process"),
+    (gang.GangShape(2, "tp"), {"text_config": {"num_attention_heads": 4, "num_key_value_heads": 2},
+                               "vision_config": {"depth": 2}}, "a vision base"),
+    (gang.GangShape(1, "tp"), {"text_config": {"num_attention_heads": 4}, "vision_config": {"depth": 2}}, None),
 ])
 def test_which_bases_a_gang_shape_can_split(shape, config, problem):
     problems = gang.check_shape(shape, config)

@@ -277,3 +277,17 @@ def test_sampling_prompts_with_images_are_refused_by_name():
     with pytest.raises(InvalidInput, match="images in sampling prompts are not served for base model 'b'") as exc:
         prompt.text_tokens("prompt", "b")
     assert exc.value.field == "prompt"
+
+
+def test_the_parameter_count_and_the_plan_hold_the_vision_tower(each_vl):
+    """The trainer loads the vision tower beside the decoder (and vLLM serves it): config.json alone
+    counts what the weights hold, and the memory plan's base weights are all of them."""
+    from bases import memory_plan
+
+    config = json.loads((Path(each_vl) / "config.json").read_text())
+    total = model_sources.weights_parameters(each_vl)
+    assert architectures.parameter_counts(config)[0] == total
+    assert architectures.vision_parameters(config) == sum(
+        p.numel() for n, p in LoraBackend(each_vl).base.named_parameters() if ".visual." in f".{n}")
+    plan = memory_plan.plan_memory(config, memory_plan.PlanInputs(device_bytes=8 * memory_plan.GiB, dtype="float32"))
+    assert plan.base_bytes == plan.sampler_base_bytes == total * 4

@@ -107,6 +107,9 @@ def check_shape(shape: GangShape, config: dict[str, Any]) -> list[str]:
         return []
     text = config.get("text_config", config)
     problems = []
+    if "vision_config" in config:
+        # load_base builds the causal LM alone (no vision tower) and its expert plan names the text model's layers
+        problems.append(f"trainer_ranks={shape.ranks}: a vision base trains in one process (trainer_ranks 1)")
     if shape.parallel in ("tp", "ep"):
         # heads and MLP widths split over the ranks; the vocabulary too (the unembedding's plan
         # splits it and gathers the logits)

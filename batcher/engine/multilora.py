@@ -60,9 +60,10 @@ from batcher.engine.grouped import (
 )
 
 # Sibling Linears that the supported decoders call on one input (attention's q/k/v, the gated MLP's
-# gate/up, latent attention's two down-projections): their A slabs lie side by side in one tensor, so
-# one shrink serves them all.
-SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"))
+# gate/up, latent attention's two down-projections, Qwen3.5's linear attention's four input projections):
+# their A slabs lie side by side in one tensor, so one shrink serves them all.
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"),
+                ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
 
 
 @dataclass
