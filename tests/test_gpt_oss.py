@@ -273,3 +273,20 @@ def test_sink_attention_keeps_no_score_matrix_for_the_backward(path):
         pa._current = None
     # the longest row's scores alone would be H x 40 x 40 = 6,400 values; q is 1,024, the mask L x L = 4,096
     assert saved and max(saved) <= max(q.numel(), L * L) < H * 40 * 40, saved
+
+
+@pytest.mark.parametrize("ranks, parallel, per_layer", [
+    (1, "tp", 64 * 8),   # 64 heads, a float32 log-sum-exp and gate each
+    (2, "tp", 32 * 8),   # a tensor-parallel rank holds half the heads
+    (4, "ep", 16 * 8),
+    (2, "fsdp", 64 * 8),  # an FSDP rank computes every head of its tokens
+])
+def test_the_plan_counts_the_sinks_per_token_and_head(ranks, parallel, per_layer, monkeypatch):
+    """gpt-oss's sink layers keep two float32 values per token and head for the backward (and no
+    score matrix): the plan's activations per token carry exactly that per layer."""
+    config = {**GPT_OSS, "num_hidden_layers": 24, "num_local_experts": 32}  # gpt-oss-20b
+    inputs = memory_plan.PlanInputs(device_bytes=80 * memory_plan.GiB, trainer_ranks=ranks, trainer_parallel=parallel)
+    with_sinks = memory_plan.plan_memory(config, inputs).activation_bytes_per_token
+    monkeypatch.setattr(memory_plan, "SINK_BYTES_PER_HEAD", 0)
+    without = memory_plan.plan_memory(config, inputs).activation_bytes_per_token
+    assert with_sinks - without == 24 * per_layer

@@ -153,8 +153,14 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | 
     if not q.is_cuda:
         if gqa:
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
-        kernel = _CpuFlash(bias, scaling if scaling is not None else q.shape[-1] ** -0.5)
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        if mask is None and (window is None or window >= q.shape[-2]):
+            kernel = _CpuFlash(None, scale)  # causal: no mask at all
+        elif mask is None:  # one banded mask per row length, shared by every layer of the pass
+            kernel = _CpuFlash(_band(q.shape[-2], window, q.dtype, q.device), scale)
+        else:
+            kernel = _CpuFlash(torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf")),
+                               scale)
         return sink_attention(q, k, v, sinks.view(1, -1, 1), kernel)
     return _causal_reference(q, k, v, scaling, gqa, allowed, sinks)
 
@@ -184,22 +190,30 @@ class _Kernel:
         raise NotImplementedError
 
 
+@functools.lru_cache(maxsize=4)
+def _band(L: int, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive mask (0 or -inf) of one row of `L` tokens under a sliding window."""
+    return torch.zeros(L, L, dtype=dtype, device=device).masked_fill(~_visible(L, window, device), float("-inf"))
+
+
 @dataclass
 class _CpuFlash(_Kernel):
-    """The CPU flash kernel over [n, H, L, D] (equal heads), `bias` the additive mask (0 or -inf)."""
+    """The CPU flash kernel over [n, H, L, D] (equal heads): causal, or under `bias`, an additive mask
+    (0 or -inf) that already holds causality."""
 
-    bias: torch.Tensor
+    bias: torch.Tensor | None
     scale: float
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=self.bias,
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, self.bias is None,
+                                                                               attn_mask=self.bias,
                                                                                scale=self.scale)
         return out, lse
 
     def backward(self, grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, lse, 0.0, False, attn_mask=self.bias, scale=self.scale)
+            grad, q, k, v, out, lse, 0.0, self.bias is None, attn_mask=self.bias, scale=self.scale)
         return dq, dk, dv
 
 
