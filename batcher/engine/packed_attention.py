@@ -324,7 +324,7 @@ class _Varlen(_Kernel):
         out, lse = varlen_attn(q, k, v, self.cu, self.cu, self.max_len, self.max_len, return_aux=AuxRequest(lse=True),
                                **self.kw)
         # flash's varlen log-sum-exp is [H, T]: seen as [T, H] here, and given back to its backward as it came
-        self.transposed = lse.shape == (q.shape[1], q.shape[0]) and q.shape[0] != q.shape[1]
+        self.transposed = lse.shape == (q.shape[1], q.shape[0])
         return out, lse.t() if self.transposed else lse
 
     def backward(self, grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
