@@ -25,6 +25,7 @@ from core.errors import InvalidInput
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SINK_BYTES_PER_HEAD = 2 * 4  # float32 log-sum-exp and gate per token, head and sink layer
 ADAPTER_STATE_COPIES = 4  # weights, gradients, AdamW exp_avg and exp_avg_sq, all float32
 # ... and on a half-precision base one more copy of the weights in that dtype, which the slabs
 # compute with (batcher.engine.multilora).
@@ -192,6 +193,10 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
         # vectors (measured on the tiny Qwen3-MoE, batcher.engine.expert_lora), each pair on one rank
         split_width += shape.experts_per_token * (2 * h + 2 * shape.intermediate) // split
     layer = (10 * h + split_width) * width
+    if shape.arch.experts_3d:
+        # gpt-oss's sinks (batcher.engine.packed_attention.SinkAttention): per token and head, the
+        # kernel's float32 log-sum-exp and the float32 gate it scales the output by; no score matrix
+        layer += SINK_BYTES_PER_HEAD * shape.heads // split
     # The head computes a chunk of tokens at a time (batcher.engine.head): per token it keeps its input,
     # the final norm's float32 one and the gradient flowing back (about four float32 hidden-wide
     # vectors); one chunk's logits, their log-softmax and its gradient are live at once (`chunk_bytes`).

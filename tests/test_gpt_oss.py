@@ -194,3 +194,99 @@ def test_both_packed_attention_paths_equal_transformers_eager_attention_row_by_r
                                           mask, scaling=D ** -0.5)
         for name, got in outs.items():
             torch.testing.assert_close(got[b, s:e], want[0], rtol=0, atol=1e-12, msg=name)
+
+
+def _sink_case(dtype=torch.float64):
+    """Two streams of packed rows, shorter and longer than the window (5), GQA heads, random sinks."""
+    from batcher.engine import packed_attention as pa
+
+    g = torch.Generator().manual_seed(1)
+    B, H, KV, L, D, window = 2, 4, 2, 16, 8, 5
+    q, k, v = (torch.randn(B, n, L, D, generator=g, dtype=dtype).requires_grad_() for n in (H, KV, KV))
+    sinks = torch.randn(H, generator=g, dtype=dtype).requires_grad_()
+    spans = ((0, 0, 3), (0, 3, 12), (0, 12, 14), (1, 0, 16))  # lengths 3, 9, 2, 16; stream 0 ends in padding
+    cu = pa.boundaries([0, 3, 12, 16], [3, 9, 2, 16], B, L)
+    return q, k, v, sinks, spans, torch.tensor(pa.segments_of(cu, B * L)), window, D
+
+
+@pytest.mark.parametrize("path", ["rows", "masked"])
+def test_sink_attention_equals_transformers_eager_attention_in_output_and_every_gradient(path):
+    """The log-sum-exp form of sinks (the CPU flash kernel's output scaled by sigmoid(lse - sink)),
+    on the per-row and the captured pass's masked path, equals gpt-oss's own eager attention (sinks,
+    its sliding mask) run on each row alone: outputs, and gradients w.r.t. queries, keys, values and
+    sinks, in float64 to 1e-12, over rows shorter and longer than the window."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from batcher.engine import packed_attention as pa
+
+    q, k, v, sinks, spans, segments, window, D = _sink_case()
+    weights = torch.randn(q.shape[0], q.shape[2], q.shape[1], D, generator=torch.Generator().manual_seed(2),
+                          dtype=q.dtype)  # an arbitrary loss over the read positions
+    pa._current = pa.Rows(spans, q.shape[2], segments=segments if path == "masked" else None)
+    try:
+        got = pa._attention(SimpleNamespace(), q, k, v, None, scaling=D ** -0.5, sliding_window=window, s_aux=sinks)[0]
+    finally:
+        pa._current = None
+    read = torch.zeros_like(got, dtype=torch.bool)
+    for b, s, e in spans:
+        read[b, s:e] = True
+    got_grads = torch.autograd.grad((got * weights * read).sum(), (q, k, v, sinks))
+    module = SimpleNamespace(sinks=sinks, num_key_value_groups=q.shape[1] // k.shape[1], training=False)
+    want_loss = 0
+    for b, s, e in spans:
+        i = torch.arange(e - s)
+        seen = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+        mask = torch.zeros(e - s, e - s, dtype=q.dtype).masked_fill(~seen, float("-inf"))
+        want, _ = eager_attention_forward(module, q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e],
+                                          mask, scaling=D ** -0.5)
+        torch.testing.assert_close(got[b, s:e], want[0], rtol=0, atol=1e-12)
+        want_loss = want_loss + (want[0] * weights[b, s:e]).sum()
+    want_grads = torch.autograd.grad(want_loss, (q, k, v, sinks))
+    for name, g_, w_ in zip("qkv", got_grads, want_grads):
+        torch.testing.assert_close(g_, w_, rtol=0, atol=1e-12, msg=name)
+    torch.testing.assert_close(got_grads[3], want_grads[3], rtol=0, atol=1e-12, msg="sinks")
+
+
+@pytest.mark.parametrize("path", ["rows", "masked"])
+def test_sink_attention_keeps_no_score_matrix_for_the_backward(path):
+    """What autograd keeps for the backward of a sink layer is per token (queries, keys, values,
+    output, log-sum-exp, gate) plus one head-less mask: nothing of heads x L x L, which for a
+    4,096-token row of gpt-oss-20b would be 2 GiB per layer."""
+    from types import SimpleNamespace
+
+    from batcher.engine import packed_attention as pa
+
+    g = torch.Generator().manual_seed(3)
+    H, KV, L, D, window = 4, 2, 64, 4, 5
+    q, k, v = (torch.randn(1, n, L, D, generator=g, dtype=torch.float64).requires_grad_() for n in (H, KV, KV))
+    sinks = torch.randn(H, generator=g, dtype=torch.float64).requires_grad_()
+    spans = ((0, 0, 40), (0, 40, 64))
+    segments = torch.tensor(pa.segments_of(pa.boundaries([0, 40], [40, 24], 1, L), L))
+    saved: list[int] = []
+    pa._current = pa.Rows(spans, L, segments=segments if path == "masked" else None)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            pa._attention(SimpleNamespace(), q, k, v, None, scaling=D ** -0.5, sliding_window=window, s_aux=sinks)
+    finally:
+        pa._current = None
+    # the longest row's scores alone would be H x 40 x 40 = 6,400 values; q is 1,024, the mask L x L = 4,096
+    assert saved and max(saved) <= max(q.numel(), L * L) < H * 40 * 40, saved
+
+
+@pytest.mark.parametrize("ranks, parallel, per_layer", [
+    (1, "tp", 64 * 8),   # 64 heads, a float32 log-sum-exp and gate each
+    (2, "tp", 32 * 8),   # a tensor-parallel rank holds half the heads
+    (4, "ep", 16 * 8),
+    (2, "fsdp", 64 * 8),  # an FSDP rank computes every head of its tokens
+])
+def test_the_plan_counts_the_sinks_per_token_and_head(ranks, parallel, per_layer, monkeypatch):
+    """gpt-oss's sink layers keep two float32 values per token and head for the backward (and no
+    score matrix): the plan's activations per token carry exactly that per layer."""
+    config = {**GPT_OSS, "num_hidden_layers": 24, "num_local_experts": 32}  # gpt-oss-20b
+    inputs = memory_plan.PlanInputs(device_bytes=80 * memory_plan.GiB, trainer_ranks=ranks, trainer_parallel=parallel)
+    with_sinks = memory_plan.plan_memory(config, inputs).activation_bytes_per_token
+    monkeypatch.setattr(memory_plan, "SINK_BYTES_PER_HEAD", 0)
+    without = memory_plan.plan_memory(config, inputs).activation_bytes_per_token
+    assert with_sinks - without == 24 * per_layer
