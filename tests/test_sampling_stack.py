@@ -305,13 +305,15 @@ def test_sampling_outputs_as_json(stack, tenant):
     again = results[1]
     assert again["prompt_alt_tokens"]["tokens"] == alts["tokens"]
     assert again["target_prompt_logprobs"]["data"] == pytest.approx(got["data"], abs=1e-4)
-    # Billed as any sample: the prompt once per sequence and the sampled tokens, nothing for the outputs.
+    # Billed as any sample: the prompt once at the prefill rate, its read by the second sequence at the
+    # cached rate, and the sampled tokens; nothing for the outputs.
     from core import db
 
     with db.connect(stack.database_url) as conn:
-        rows = conn.execute("SELECT prefill_tokens, sample_tokens, train_tokens FROM usage_ledger "
+        rows = conn.execute("SELECT prefill_tokens, cached_tokens, sample_tokens, train_tokens FROM usage_ledger "
                             "WHERE request_id = ANY(%s)", (request_ids,)).fetchall()
-    assert [(r["prefill_tokens"], r["sample_tokens"], r["train_tokens"]) for r in rows] == [(len(PROMPT) * 2, 6, 0)] * 2
+    billed = [(r["prefill_tokens"], r["cached_tokens"], r["sample_tokens"], r["train_tokens"]) for r in rows]
+    assert billed == [(len(PROMPT), len(PROMPT), 6, 0)] * 2
 
 
 def test_a_seed_reproduces_a_sample(stack, tenant):
