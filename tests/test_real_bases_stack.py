@@ -49,6 +49,15 @@ def _offline_sdk(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
+def _assert_three_steps_lower_the_loss(tc, data: list[types.Datum]) -> None:
+    first = tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    for _ in range(2):
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] < first
+
+
 def test_a_llama_trains_and_samples_through_the_official_sdk(bases_stack):
     _, key = new_tenant(bases_stack, "llama")
     with tinker.ServiceClient(base_url=bases_stack.base_url, api_key=key) as service:
@@ -85,12 +94,7 @@ def test_a_moe_base_trains_lora_on_its_experts_by_default(bases_stack):
         tc = service.create_lora_training_client(base_model=MOE, rank=4).result()  # train_mlp=True: the experts
         assert tc.get_info().model_data.arch == "qwen3_moe"
         data = [sft_row(s) for s in (40, 80)]
-        first = tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
-        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        for _ in range(2):
-            tc.forward_backward(data, "cross_entropy").result()
-            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] < first
+        _assert_three_steps_lower_the_loss(tc, data)
         with pytest.raises(tinker.NotFoundError, match="not served here"):
             service.create_sampling_client(base_model=MOE).sample(
                 types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
@@ -125,9 +129,4 @@ def test_a_hybrid_attention_base_trains_through_the_official_sdk(bases_stack):
         tc = service.create_lora_training_client(base_model=HYBRID, rank=4).result()
         assert tc.get_info().model_data.arch == "qwen3_5_text"
         data = [sft_row(s) for s in (40, 80, 120)]  # three rows packed into one stream: each from a zero state
-        first = tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
-        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        for _ in range(2):
-            tc.forward_backward(data, "cross_entropy").result()
-            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] < first
+        _assert_three_steps_lower_the_loss(tc, data)

@@ -17,7 +17,7 @@ tinker = pytest.importorskip("tinker")
 if not hasattr(tinker, "AdminClient"):
     pytest.skip("the storage report and trace export are tinker 0.38's", allow_module_level=True)
 from tinker import types  # noqa: E402
-from tinkerutil import ready  # noqa: E402
+from tinkerutil import ready, sft_row  # noqa: E402
 
 from billing import price_book, storage  # noqa: E402
 from billing.pricing import storage_cost, unit_cost  # noqa: E402
@@ -41,10 +41,7 @@ def run(stack):
     tenant = stack.create_tenant("cache")
     with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
         tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))
-        toks = list(range(40, 57))
-        datum = types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                            loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 16})
-        tc.forward_backward([datum], "cross_entropy").result()
+        tc.forward_backward([sft_row(40)], "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
         sampler = ready(tc.save_weights_and_get_sampling_client())
         params = types.SamplingParams(max_tokens=2, temperature=1.0, seed=3, stop=[])

@@ -26,7 +26,7 @@ if not hasattr(tinker, "AdminClient"):
     pytest.skip("the tinker command line with these commands is 0.38's", allow_module_level=True)
 from safetensors.torch import load_file  # noqa: E402
 from tinker import types  # noqa: E402
-from tinkerutil import ready  # noqa: E402
+from tinkerutil import ready, sft_row  # noqa: E402
 
 pytestmark = pytest.mark.stack
 
@@ -55,10 +55,7 @@ def made(stack) -> Made:
     tenant = stack.create_tenant("cli")
     with tinker.ServiceClient(base_url=stack.base_url, api_key=tenant.key) as service:
         tc = ready(service.create_lora_training_client(base_model=TINY, rank=4))
-        toks = list(range(40, 57))
-        datum = types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                            loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 16})
-        tc.forward_backward([datum], "cross_entropy").result()
+        tc.forward_backward([sft_row(40)], "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         state = tc.save_state("cli-state").result().path
         doomed = tc.save_state("cli-doomed").result().path

@@ -96,6 +96,7 @@ class LoraBackend:
         # Which modules can carry LoRA is the architecture's (bases.architectures); a model's own
         # lora_config picks among them. Adapters and their optimizer state are float32 on any base dtype.
         self.config = json.loads((Path(base_path) / "config.json").read_text())
+        self.arch = architectures.of_config(self.config)
         self.base_path = str(base_path)
         self.base = self._load_base(model, member, dtype)
         # An FSDP gang computes each rank's share of a pass (batcher.engine.data_parallel).
@@ -108,7 +109,7 @@ class LoraBackend:
         # Why a model's LoRA may not go on this MoE base's experts ("": it may). A tensor-parallel
         # gang splits each expert's width, which expert LoRA does not follow (batcher.engine.expert_lora).
         self.experts_refused = ""
-        if architectures.of_config(self.config).moe and member is not None and self.gang_size > 1 \
+        if self.arch.moe and member is not None and self.gang_size > 1 \
                 and member.shape.parallel == "tp":
             self.experts_refused = ("this base's trainer gang is tensor parallel, which splits each expert over its "
                                     "ranks; LoRA on the experts needs an expert-parallel gang (quilt models add "
@@ -143,7 +144,7 @@ class LoraBackend:
             # gather its layers' weights again in the backward while another did not, and the ranks'
             # collectives would part. Its passes keep their activations instead (rank_tokens is 1/N).
             checkpoint_tokens=0 if self.data_parallel is not None else checkpoint_tokens,
-            images=vision.ImageProcessor(self.base_path) if architectures.of_config(self.config).vision else None)
+            images=vision.ImageProcessor(self.base_path) if self.arch.vision else None)
 
     def _load_base(self, model: torch.nn.Module | None, member: gang.Member | None, dtype: torch.dtype) -> Any:
         """The frozen base: `model` (a base already built from this config.json: benchmarks make
@@ -152,10 +153,8 @@ class LoraBackend:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-        # A vision base loads with its vision tower (frozen with the rest; batcher.engine.vision).
-        auto: Any = AutoModelForImageTextToText if architectures.of_config(self.config).vision else AutoModelForCausalLM
         kw = {}
-        if architectures.of_config(self.config).moe and dtype == torch.float64:
+        if self.arch.moe and dtype == torch.float64:
             kw["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel (float64 is for tests)
         shape = member.shape if member is not None and member.size > 1 else None
         if shape is not None:
@@ -167,7 +166,8 @@ class LoraBackend:
             base = model
         elif shape is not None:
             base = gang.load_base(self.base_path, shape, str(self.device), dtype=dtype, **kw)
-        else:
+        else:  # a vision base with its vision tower (frozen with the rest; batcher.engine.vision)
+            auto: Any = AutoModelForImageTextToText if self.arch.vision else AutoModelForCausalLM
             base = auto.from_pretrained(self.base_path, dtype=dtype, **kw)
         base.requires_grad_(False)
         if dtype == torch.float64:
@@ -175,7 +175,7 @@ class LoraBackend:
         return (base if shape is not None else base.to(self.device)).eval()
 
     def _targets(self) -> tuple[str, ...]:
-        targets = architectures.of_config(self.config).targets(tied=architectures.is_tied(self.config))
+        targets = self.arch.targets(tied=architectures.is_tied(self.config))
         if self.experts_refused or not self.expert_lora:
             targets = tuple(t for t in targets if t not in architectures.EXPERT_MODULES)
         return targets
