@@ -2,20 +2,26 @@
 # Install what the tests need, lint and type-check, then run them all: pure policy tests, LoRA math on
 # the tiny model, and the real embedded stack (Postgres, Redis, API, trainer, Celery) driven over HTTP and the SDK.
 #
-#   ./scripts/test.sh            everything (CI runs this)
-#   ./scripts/test.sh --quick    the fast tier: no embedded stack, no other processes, no vLLM engine
-#                                (pytest markers `stack` and `engine`), no minutes-long test (`slow`); skips the
-#                                install when .venv is there
+#   ./scripts/test.sh              everything but the extended tier, within about 45 minutes on 2 cores
+#   ./scripts/test.sh --extended   only the extended tier (pytest marker `extended`): the slowest cookbook
+#                                  recipe families, each minutes of a real stack; CI runs it after the above
+#   ./scripts/test.sh --quick      the fast tier: no embedded stack, no other processes, no vLLM engine
+#                                  (pytest markers `stack` and `engine`), no minutes-long test (`slow`)
+# --quick and --extended skip the install when .venv is there.
 # Both first run ruff (`ruff check .`) and mypy (`mypy`, strict over batcher/ and core/), configured in
 # pyproject.toml; either failing fails the command before any test runs. Any other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 args=()
-quick=0
+tier=full
 for arg in "$@"; do
-  if [ "$arg" = --quick ]; then quick=1; else args+=("$arg"); fi
+  case "$arg" in
+    --quick) tier=quick ;;
+    --extended) tier=extended ;;
+    *) args+=("$arg") ;;
+  esac
 done
-if [ "$quick" = 0 ] || [ ! -x .venv/bin/python ]; then
+if [ "$tier" = full ] || [ ! -x .venv/bin/python ]; then
   bash scripts/install.sh
 fi
 # A .venv made before the linters joined the test extra lacks them: add just those.
@@ -27,7 +33,9 @@ echo "test.sh: ruff check ." >&2
 echo "test.sh: mypy" >&2
 .venv/bin/python -m mypy
 export HF_HUB_OFFLINE=1
-if [ "$quick" = 1 ]; then
-  args=(-m "not stack and not engine and not slow" ${args[@]+"${args[@]}"})
-fi
+case "$tier" in
+  quick) args=(-m "not stack and not engine and not slow and not extended" ${args[@]+"${args[@]}"}) ;;
+  extended) args=(-m extended ${args[@]+"${args[@]}"}) ;;
+  full) args=(-m "not extended" ${args[@]+"${args[@]}"}) ;;
+esac
 exec .venv/bin/python -m pytest -q ${args[@]+"${args[@]}"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import chz
+import pytest
 from recipes import CHAT, RENDERER, TINY, chat_builder, first_last, metrics, series
 from tinker_cookbook import renderers
 from tinker_cookbook.distillation import train_off_policy, train_on_policy
@@ -32,6 +33,7 @@ class LocalPrompts(RLDatasetBuilder):
         return PromptOnlyDataset(prompts, self.groups_per_batch, self.group_size, renderer, tokenizer), None
 
 
+@pytest.mark.extended
 def test_on_policy_distillation_closes_the_gap_to_the_teacher(cookbook, sft_run, tmp_path):
     # The student starts from the supervised run's early weights: a random-weight student samples
     # almost nothing the teacher would say, and reverse KL only teaches through what is sampled.
@@ -51,6 +53,7 @@ def test_on_policy_distillation_closes_the_gap_to_the_teacher(cookbook, sft_run,
     assert last < 0.75 * first
 
 
+@pytest.mark.extended
 def test_off_policy_distillation_learns_the_teachers_top_k(cookbook, sft_run, tmp_path):
     data = train_off_policy.DatasetWithTeacher(
         dataset_builder=chat_builder(tmp_path / "chat.jsonl", copies=6),

@@ -11,6 +11,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
 import tinker
 import tinker_cookbook
 from recipes import RENDERER, TINY, common, first_last, metrics, series, write_jsonl
@@ -35,6 +36,7 @@ def _sentences() -> list[tuple[str, str]]:
     return [(line.strip(), LABELS.get(XNLI[i % len(XNLI)], "ot")) for i, line in enumerate(lines)]
 
 
+@pytest.mark.extended
 def test_prompt_distillation_student_answers_without_the_instruction(cookbook, tmp_path, monkeypatch):
     sentences = _sentences()
     # The teacher: the instruction in context, answers in the recipe's form.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import chz
+import pytest
 from recipes import RENDERER, TINY, BandDatasetBuilder, first_last, metrics, series
 from tinker_cookbook.rl import train
 
@@ -28,6 +29,7 @@ def _kl(rows: list[dict]) -> tuple[float, float]:
     return max(abs(v) for v in v1), max(v2)
 
 
+@pytest.mark.extended
 def test_multiplayer_guess_number_plays_multi_turn_episodes(cookbook, tmp_path):
     from tinker_cookbook.recipes.multiplayer_rl.guess_number import train as guess
 

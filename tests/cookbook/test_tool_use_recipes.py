@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import chz
+import pytest
 from recipes import RENDERER, TINY, common, metrics, series, write_jsonl
 from tinker_cookbook import checkpoint_utils, renderers
 from tinker_cookbook.renderers import get_text_content
@@ -82,6 +83,7 @@ class SecretDatasetBuilder(RLDatasetBuilder):
         return SecretDataset(self.batches, groups=4, group_size=4), None
 
 
+@pytest.mark.extended
 def test_tool_use_environment_runs_the_tools_the_policy_calls(cookbook, tmp_path):
     renderer = renderers.get_renderer(RENDERER, get_tokenizer(TINY))
     # The lesson ends at the call: what follows the tool's answer is left to the RL run.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from recipes import RENDERER, TINY, first_last, metrics, series
 from tinker_cookbook.recipes.verifiers_rl import train as vf_train
 from tinker_cookbook.rl import rollouts
@@ -29,6 +30,7 @@ def _without_termination_argument(main):
     return run
 
 
+@pytest.mark.extended
 def test_verifiers_environment_trains_through_the_bridge(cookbook, tmp_path, monkeypatch):
     # The recipe swaps the rollout function module-wide; put it back for the other tests.
     monkeypatch.setattr(rollouts, "do_group_rollout", rollouts.do_group_rollout)
