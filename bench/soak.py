@@ -73,8 +73,8 @@ from stack import leftovers  # noqa: E402
 from stack.ephemeral import TINY, RunningStack, ephemeral_stack, new_tenant  # noqa: E402
 
 ROLES = ("rl", "sft", "checkpoints", "downloads", "dashboard", "abandoned", "over_budget", "sft_second_key")
-TABLES = ("requests", "ledger", "audit_log", "checkpoints", "storage_garbage", "sessions", "training_models",
-          "sampling_sessions", "run_metrics")
+TABLES = ("requests", "usage_ledger", "usage_hourly", "usage_daily", "usage_hourly_sessions", "audit_log", "checkpoints",
+          "storage_garbage", "sessions", "training_models", "sampling_sessions", "run_metrics")
 LOST_AFTER_S = 600
 
 
@@ -295,6 +295,10 @@ def sample(stack: RunningStack, r: redis.Redis) -> dict[str, float]:
     with psycopg.connect(stack.database_url) as conn:
         out["pg_connections"] = float(conn.execute("SELECT count(*) FROM pg_stat_activity").fetchone()[0])
         out["pg_database_bytes"] = float(conn.execute("SELECT pg_database_size(current_database())").fetchone()[0])
+        # Requests the server accepted (every row ever put in `requests`, retention or not): what
+        # growth is counted per. A client's polls, reads and refused calls write no row.
+        row = conn.execute("SELECT n_tup_ins FROM pg_stat_user_tables WHERE relname = 'requests'").fetchone()
+        out["pg_requests_inserted"] = float(row[0]) if row else 0.0
         for table in TABLES:
             row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
             if row[0]:
@@ -372,7 +376,7 @@ def main() -> None:
         started = time.monotonic()
         end, warm, restart_at = (started + args.minutes * 60, started + args.warmup_minutes * 60,
                                  started + args.minutes * 30)
-        first = last = None
+        looks: list[tuple[float, dict[str, float], int]] = []  # (seconds in, the look, client calls so far)
         restarted = args.no_restart
         while time.monotonic() < end:
             _expire_soon(stack, tenant_ids, expired)
@@ -384,8 +388,7 @@ def main() -> None:
                 at = time.monotonic() - started
                 for name, value in look.items():
                     series.setdefault(name, []).append((at, value))
-                first = first or (look, sum(t.tally.calls for t in tenants))
-                last = (look, sum(t.tally.calls for t in tenants))
+                looks.append((at, look, sum(t.tally.calls for t in tenants)))
             time.sleep(args.every_s)
         stop.set()
         for t in threads:
@@ -396,7 +399,7 @@ def main() -> None:
         with psycopg.connect(stack.database_url) as conn:
             live = {row[0] for row in conn.execute("SELECT storage_path FROM checkpoints").fetchall()}
         on_disk = [p for p in expired - live if store.local_dir(p).exists()]
-    report(args, tenants, series, first, last, on_disk, restarted)
+    report(args, tenants, series, looks, on_disk, restarted)
 
 
 def settled(series: dict[str, list[tuple[float, float]]], warmup_s: float) -> dict[str, list[tuple[float, float]]]:
@@ -411,8 +414,42 @@ def settled(series: dict[str, list[tuple[float, float]]], warmup_s: float) -> di
     return out
 
 
-def report(args, tenants: list[Tenant], series: dict[str, list[tuple[float, float]]], first, last,
-           on_disk: list[str], restarted: bool) -> None:
+# The bounds a run must keep (docs/operations/soak.md says why each is what it is). Growth is counted
+# per 1,000 requests the server accepted, over the window in which everything the stack keeps for a
+# while (futures, finished requests: `--retention-s`) has reached its steady population.
+BOUNDS = {"max_rss_slope_mib_per_h": 48.0, "redis_bytes_per_1k_requests": 256 * 1024.0,
+          "postgres_bytes_per_1k_requests": 1536 * 1024.0}
+MUST_BE_ZERO = ("http_5xx", "lost", "expired_on_disk")
+
+
+def judge(figures: dict, bounds: dict[str, float] = BOUNDS) -> list[str]:
+    """The bounds a soak's figures break, each as `key value > bound` (pure); empty when within.
+    A figure that could not be measured (None) breaks its bound: a run too short to tell passes nothing."""
+    failed = []
+    for key, bound in bounds.items():
+        value = figures.get(key)
+        if value is None or value > bound:
+            failed.append(f"{key} {value} > {bound:g}")
+    failed += [f"{key} {figures.get(key)} > 0" for key in MUST_BE_ZERO if figures.get(key) != 0]
+    return failed
+
+
+def growth_window(looks: list[tuple[float, dict[str, float], int]], steady_from_s: float, min_span_s: float):
+    """The looks growth is measured between (pure): from the first at or after `steady_from_s` (the
+    warm-up plus the retention, when what is kept for a while has reached its steady population) to
+    the last, if they are `min_span_s` apart; else from the first look (a short run: the figure then
+    includes that filling up, and says so by its window)."""
+    if not looks:
+        return None
+    last = looks[-1]
+    steady = next((look for look in looks if look[0] >= steady_from_s), None)
+    if steady is not None and last[0] - steady[0] >= min_span_s:
+        return steady, last
+    return looks[0], last
+
+
+def report(args, tenants: list[Tenant], series: dict[str, list[tuple[float, float]]],
+           looks: list[tuple[float, dict[str, float], int]], on_disk: list[str], restarted: bool) -> None:
     series = settled(series, args.warmup_minutes * 60)
     slopes = {name: s for name, points in series.items() if (s := slope_per_hour(points)) is not None}
     print(f"soak: {args.minutes:g} min, {len(tenants)} tenants, looks every {args.every_s:g} s after "
@@ -429,21 +466,30 @@ def report(args, tenants: list[Tenant], series: dict[str, list[tuple[float, floa
         print(f"{name:<60}{b:>14.2f}{ci:>12.2f}{series[name][-1][1]:>14.1f}")
     rss = {n: s for n, s in slopes.items() if n.startswith("rss_mib:") and len(series[n]) >= 8}
     worst = max(rss, key=lambda n: rss[n][0]) if rss else None
-    requests = (last[1] - first[1]) if first and last else 0
-    per_1k = {}
-    for key in ("redis_used_memory", "pg_database_bytes"):
-        grew = (last[0].get(key, 0.0) - first[0].get(key, 0.0)) if first and last else 0.0
-        per_1k[key] = grew / max(requests, 1) * 1000
+    window = growth_window(looks, (args.warmup_minutes * 60 + args.retention_s), min_span_s=240.0)
+    per_1k: dict[str, float | None] = {"redis_used_memory": None, "pg_database_bytes": None}
+    requests = calls = 0
+    if window is not None:
+        (t0, first, calls0), (t1, last, calls1) = window
+        requests, calls = int(last.get("pg_requests_inserted", 0) - first.get("pg_requests_inserted", 0)), calls1 - calls0
+        for key in per_1k:
+            grew = last.get(key, 0.0) - first.get(key, 0.0)
+            per_1k[key] = round(grew / requests * 1000, 1) if requests > 0 else None
     out = {"minutes": args.minutes, "tenants": len(tenants), "calls": sum(t.tally.calls for t in tenants),
-           "requests_after_warmup": requests,
+           "growth_window_s": [round(t0), round(t1)] if window is not None else None,
+           "requests_in_window": requests, "calls_in_window": calls,
            "max_rss_slope_mib_per_h": round(rss[worst][0], 2) if worst else None,
            "max_rss_slope_ci_mib_per_h": round(rss[worst][1], 2) if worst else None, "max_rss_slope_of": worst,
-           "redis_bytes_per_1k_requests": round(per_1k["redis_used_memory"], 1),
-           "postgres_bytes_per_1k_requests": round(per_1k["pg_database_bytes"], 1),
+           "redis_bytes_per_1k_requests": per_1k["redis_used_memory"],
+           "postgres_bytes_per_1k_requests": per_1k["pg_database_bytes"],
            "http_5xx": sum(t.tally.server_errors for t in tenants), "lost": sum(t.tally.lost for t in tenants),
            "client_errors": sum(len(t.tally.errors) for t in tenants), "expired_on_disk": len(on_disk),
            "trainer_restarted": restarted,
-           "slopes_per_h": {n: [round(b, 3), round(ci, 3)] for n, (b, ci) in sorted(slopes.items())}}
+           "bounds": BOUNDS}
+    failed = judge(out)
+    out.update(within_bounds=not failed, failed_bounds=failed,
+               slopes_per_h={n: [round(b, 3), round(ci, 3)] for n, (b, ci) in sorted(slopes.items())})
+    print(f"\nbounds (docs/operations/soak.md): {'all kept' if not failed else 'BROKEN: ' + '; '.join(failed)}")
     print(json.dumps(out))
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from soak import settled, slope_per_hour  # noqa: E402
+from soak import BOUNDS, growth_window, judge, settled, slope_per_hour  # noqa: E402
 
 
 @pytest.mark.parametrize(("points", "slope", "ci_below"), [
@@ -35,3 +35,34 @@ def test_a_process_born_late_is_fitted_after_its_own_warmup():
     assert out["rss_mib:trainer:1"] == series["rss_mib:trainer:1"]
     assert out["redis_used_memory"] == series["redis_used_memory"]
     assert [t for t, _ in out["rss_mib:trainer:2"]] == list(range(480, 900, 60))
+
+
+def _figures(**over):
+    good = {"max_rss_slope_mib_per_h": 3.0, "redis_bytes_per_1k_requests": 1000.0,
+            "postgres_bytes_per_1k_requests": 400_000.0, "http_5xx": 0, "lost": 0, "expired_on_disk": 0}
+    return {**good, **over}
+
+
+@pytest.mark.parametrize(("over", "broken"), [
+    ({}, []),
+    ({"max_rss_slope_mib_per_h": BOUNDS["max_rss_slope_mib_per_h"]}, []),  # at the bound is within it
+    ({"max_rss_slope_mib_per_h": BOUNDS["max_rss_slope_mib_per_h"] + 0.01}, ["max_rss_slope_mib_per_h"]),
+    ({"redis_bytes_per_1k_requests": 10 * BOUNDS["redis_bytes_per_1k_requests"]}, ["redis_bytes_per_1k_requests"]),
+    ({"postgres_bytes_per_1k_requests": None}, ["postgres_bytes_per_1k_requests"]),  # not measured: not kept
+    ({"redis_bytes_per_1k_requests": -5e5}, []),  # shrinking is within
+    ({"http_5xx": 1, "lost": 2}, ["http_5xx", "lost"]),
+    ({"expired_on_disk": 3, "max_rss_slope_mib_per_h": None}, ["max_rss_slope_mib_per_h", "expired_on_disk"]),
+])
+def test_judge_names_each_broken_bound(over, broken):
+    failed = judge(_figures(**over))
+    assert [f.split()[0] for f in failed] == broken
+
+
+def test_growth_is_measured_once_what_is_kept_for_a_while_has_filled_up():
+    looks = [(float(t), {"x": float(t)}, t) for t in range(180, 1200, 15)]
+    (t0, _, _), (t1, _, _) = growth_window(looks, steady_from_s=480.0, min_span_s=240.0)
+    assert (t0, t1) == (480.0, 1185.0)
+    # too short a run for a steady window: from the first look
+    (t0, _, _), _ = growth_window(looks[:30], steady_from_s=480.0, min_span_s=240.0)
+    assert t0 == 180.0
+    assert growth_window([], steady_from_s=0.0, min_span_s=0.0) is None

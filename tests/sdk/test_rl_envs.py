@@ -249,6 +249,23 @@ def test_an_auto_pool_grows_with_demand():
     run(main())
 
 
+def test_a_pool_starts_nothing_ahead_past_its_limit_but_still_starts_a_group_taken_past_it():
+    async def main():
+        async def start(index):
+            await asyncio.sleep(0.01)
+            return rl.StartedGroup(index, [])
+
+        pool = rl.WarmPool(start, 8, burst=2, limit=6)
+        for i in range(6):
+            await pool.take(i)
+        assert pool.started == 6  # 8 ahead were wanted; the run uses 6
+        extra = await pool.take(9)  # a replacement past the limit starts on demand (with those before it)
+        assert extra.index == 9 and pool.started == 10
+        await pool.aclose()
+
+    run(main())
+
+
 # -- bounds in a rollout ------------------------------------------------------------------
 
 

@@ -241,7 +241,9 @@ class _Pipeline:
         self._owns_executor = config.executor is None or isinstance(config.executor, str)
         self.pool: WarmPool | None = None
         if config.warm_groups:
-            self.pool = WarmPool(self._start, config.warm_groups, burst=config.concurrency)
+            # Never ahead past the groups the run's steps can use: each is a sandbox started for nothing.
+            self.pool = WarmPool(self._start, config.warm_groups, burst=config.concurrency,
+                                 limit=steps * config.groups_per_batch)
         self._batch_taken = False  # the trainer holds step `version`'s batch and has not published yet
 
     # -- producers ----------------------------------------------------------------------

@@ -195,10 +195,13 @@ class WarmPool:
     """
 
     def __init__(self, start: Callable[[int], Awaitable[StartedGroup]], target: int | Literal["auto"], *,
-                 burst: int, cap: int = 256) -> None:
+                 burst: int, cap: int = 256, limit: int | None = None) -> None:
         if target != "auto" and (not isinstance(target, int) or target < 1):
             raise ValueError(f"warm pool target must be a positive integer or 'auto', got {target!r}")
         self._start, self._target, self._burst, self._cap = start, target, burst, cap
+        # Groups past `limit` are never started ahead (a run's last steps need no more); one taken
+        # past it (a group dropped at the staleness bound is replaced) still starts on demand.
+        self._limit = limit
         self._tasks: dict[int, asyncio.Task] = {}
         self._next = 0  # the next index to start
         self._start_s: float | None = None  # moving average of one group's start
@@ -223,7 +226,9 @@ class WarmPool:
         self._start_s = took if self._start_s is None else 0.8 * self._start_s + 0.2 * took
         return group
 
-    def _fill(self, upto: int) -> None:
+    def _fill(self, upto: int, ahead: bool = True) -> None:
+        if ahead and self._limit is not None:
+            upto = min(upto, self._limit)
         while self._next < upto:
             self._tasks[self._next] = asyncio.ensure_future(self._timed(self._next))
             self._next += 1
@@ -233,7 +238,7 @@ class WarmPool:
         """Group ``index``, started ahead if the pool had it; the wait is its ``start_s``."""
         asked = time.monotonic()
         self._takes.append(asked)
-        self._fill(max(self._next, index + 1))
+        self._fill(max(self._next, index + 1), ahead=False)
         task = self._tasks.pop(index)
         ready = task.done()
         self._fill(index + 1 + self.target)
