@@ -66,3 +66,34 @@ def test_growth_is_measured_once_what_is_kept_for_a_while_has_filled_up():
     (t0, _, _), _ = growth_window(looks[:30], steady_from_s=480.0, min_span_s=240.0)
     assert t0 == 180.0
     assert growth_window([], steady_from_s=0.0, min_span_s=0.0) is None
+
+
+def _run_report(capsys, pg_bytes_per_request: float) -> dict:
+    import json
+    from types import SimpleNamespace
+
+    from soak import Tally, report
+
+    args = SimpleNamespace(minutes=20.0, every_s=15.0, warmup_minutes=3.0, retention_s=300)
+    tenants = [SimpleNamespace(role="sft", tally=Tally(calls=100))]
+    looks, series = [], {}
+    for i, t in enumerate(range(180, 1200, 15)):
+        requests = 1000.0 + 6 * (t - 180)  # 6 accepted a second
+        look = {"pg_requests_inserted": requests, "redis_used_memory": 9e6 + (i % 3) * 1e4,
+                "pg_database_bytes": 1e7 + pg_bytes_per_request * requests, "anon_mib:api:1": 300.0}
+        looks.append((float(t), look, 10 * i))
+        for name, value in look.items():
+            series.setdefault(name, []).append((float(t), value))
+    report(args, tenants, series, looks, on_disk=[], restarted=True)
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_the_report_judges_its_figures_over_the_steady_window(capsys):
+    out = _run_report(capsys, pg_bytes_per_request=800.0)  # a ledger row and a share of run metrics
+    assert out["growth_window_s"] == [480, 1185] and out["requests_in_window"] == 6 * 705
+    assert out["postgres_bytes_per_1k_requests"] == pytest.approx(800_000, rel=1e-3)
+    assert abs(out["redis_bytes_per_1k_requests"]) < 10_000 and out["max_rss_slope_mib_per_h"] == 0.0
+    assert out["within_bounds"] is True and out["failed_bounds"] == []
+    leak = _run_report(capsys, pg_bytes_per_request=800.0 + 730.0)  # and each request's row kept
+    assert leak["within_bounds"] is False
+    assert [f.split()[0] for f in leak["failed_bounds"]] == ["postgres_bytes_per_1k_requests"]
