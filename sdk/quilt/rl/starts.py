@@ -191,7 +191,9 @@ class WarmPool:
 
     ``start(index)`` starts one group (an executor's ``start_group`` with the run's builder).
     ``target`` is a fixed depth, or ``"auto"`` for :func:`pool_target` over the measured start
-    time and the rate of :meth:`take`. Groups still starting count towards the depth.
+    time and the rate of :meth:`take`. Groups still starting count towards the depth. With
+    ``limit``, no group from index ``limit`` on is started ahead (the groups a run can use; one
+    taken past it still starts, on demand).
     """
 
     def __init__(self, start: Callable[[int], Awaitable[StartedGroup]], target: int | Literal["auto"], *,
@@ -199,8 +201,7 @@ class WarmPool:
         if target != "auto" and (not isinstance(target, int) or target < 1):
             raise ValueError(f"warm pool target must be a positive integer or 'auto', got {target!r}")
         self._start, self._target, self._burst, self._cap = start, target, burst, cap
-        # Groups past `limit` are never started ahead (a run's last steps need no more); one taken
-        # past it (a group dropped at the staleness bound is replaced) still starts on demand.
+        # A group dropped at the staleness bound is replaced by one past `limit`: taken, it starts.
         self._limit = limit
         self._tasks: dict[int, asyncio.Task] = {}
         self._next = 0  # the next index to start
