@@ -4,7 +4,6 @@ size-based prices, without services: every refusal names its field and the fix."
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import shutil
 
