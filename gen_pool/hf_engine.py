@@ -79,7 +79,7 @@ class HFEngine:
     @classmethod
     def _load(cls, path: str, settings: GenPoolSettings) -> HFEngine:
         import torch
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, GenerationConfig
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         arch = architectures.of_config(json.loads((Path(path) / "config.json").read_text()))
@@ -91,6 +91,9 @@ class HFEngine:
         own = model.generation_config.eos_token_id
         eos = {*(own if isinstance(own, list) else [own] if own is not None else []),
                *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])}
+        # Every sampling setting is the request's: transformers would otherwise put the checkpoint's own
+        # generation_config.json values (a top_p of 0.95, say) in place of a request's that equal its defaults.
+        model.generation_config = GenerationConfig()
         return cls(model, tokenizer, settings, ImageProcessor(path) if arch.vision else None, tuple(sorted(eos)))
 
     # ------------------------------------------------------------------ adapters
@@ -162,7 +165,10 @@ class HFEngine:
     async def generate(self, req: SeqRequest) -> SeqResult:
         """Run one sequence to its end. Cancelling the calling task aborts it (at its next token)."""
         key = self._factors_of(req.adapter)
-        return await self._on_thread(req.engine_id, self._generate, req, key, time.monotonic())
+        result: SeqResult = await self._on_thread(req.engine_id, self._generate, req, key, time.monotonic())
+        if req.on_tokens is not None and result.tokens:  # on the loop: the worker's delta queue is not thread-safe
+            req.on_tokens(result.tokens)
+        return result
 
     async def probe(self, req: ProbeRequest) -> tuple[dict[int, float], tuple[tuple[int, float], ...]]:
         """One token after `req.prompt`: the raw logprobs of `req.ids`, and `req.draws` draws at its temperature."""
@@ -237,8 +243,6 @@ class HFEngine:
             if req.sample_topk:
                 sample_topk.append(_topk(lps, req.sample_topk))
         reason = self._stop_reason(req, tokens, stops)
-        if req.on_tokens is not None and tokens:
-            req.on_tokens(tokens)
         return SeqResult(tokens, tuple(logprobs), reason, prompt_lps, time.monotonic() - submitted, prompt_topk,
                          tuple(sample_topk) if req.sample_topk else None, 0)
 
