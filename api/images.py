@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 from api.datums import RawDatum, RawImage
+from api.schemas import ModelInputIn
 from bases import architectures
 from bases.vision import ImageGeometry, ImageLimits, check_image
 from core.errors import InvalidInput
@@ -107,3 +108,20 @@ def prepare(data: list[RawDatum], base, settings: ApiSettings) -> list[RawDatum]
     if not arch.vision:
         refuse_images(data, base.name, arch.family)
     return expand(data, geometry(base.path), limits_of(settings), settings.max_images_per_request)
+
+
+def sample_prompt(prompt: ModelInputIn, base, settings: ApiSettings) -> tuple[list[int | float], tuple[ImageInput, ...]]:
+    """A sampling prompt on `base`: its tokens with any images in place as image tokens (a vision
+    base, sampled by the trainer-side sampler, gen_pool.hf_engine), and those images."""
+    tokens, raw = prompt.parts("prompt")
+    if not raw:
+        return tokens, ()
+    arch = architectures.of_config(base.config)
+    if not arch.vision:
+        raise InvalidInput(f"prompt: images are not accepted by base model {base.name!r} ({arch.family} takes text "
+                           "only); use a vision base such as Qwen3-VL", field="prompt")
+    if len(raw) > settings.max_images_per_request:
+        raise InvalidInput(f"prompt: {len(raw)} images exceed the limit of {settings.max_images_per_request} images a "
+                           "request (QUILT_MAX_IMAGES_PER_REQUEST)", field="prompt")
+    expanded = _expand("prompt", RawDatum(tokens, {}, None, raw), geometry(base.path), limits_of(settings))
+    return list(expanded.tokens), expanded.images

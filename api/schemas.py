@@ -184,16 +184,6 @@ class ModelInputIn(_Body):
                 images.append(chunk.raw(len(tokens), f"{field}.chunks[{k}]"))
         return tokens, tuple(images)
 
-    def text_tokens(self, field: str, base: str) -> list[int | float]:
-        """Its tokens, where only text is taken (sampling: images go through training only); an
-        image is a 400 naming images and `base`."""
-        tokens, images = self.parts(field)
-        if images:
-            raise InvalidInput(f"{field}: images in sampling prompts are not served for base model {base!r} (this "
-                               "server samples text prompts only; forward and forward_backward take images on a "
-                               "vision base)", field=field)
-        return tokens
-
 
 class DatumIn(_Body):
     model_input: ModelInputIn

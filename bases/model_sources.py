@@ -13,7 +13,6 @@ transformers is imported inside the functions: the CLI's other commands stay qui
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -98,12 +97,6 @@ def describe(name: str, local_dir: str, source: dict, *, dtype: str = "auto", ma
             # a gang loads the causal LM alone and plans its experts by the text model's names (batcher.engine.gang)
             raise InvalidInput(f"--trainer-ranks must be 1 for a vision base ({arch.family}): a trainer gang cannot "
                                "split its vision tower", field="trainer_ranks")
-    if (arch.vision or arch.linear_attention) and sampleable and importlib.util.find_spec("torchvision") is None:
-        # vLLM's Qwen3-VL imports torchvision, and its Qwen3.5 imports its Qwen3-VL: without it the
-        # generation worker could never start.
-        raise InvalidInput(f"{arch.family} cannot be sampled here: vLLM's model of it needs torchvision, which is "
-                           "not installed; add it with --no-sample (trained, exported and downloaded as any base)",
-                           field="sampleable")
     if not template and renderer is None:
         raise InvalidInput(f"the tokenizer has no chat template; pass --renderer (one of {RENDERERS}) to say how "
                            "conversations are rendered", field="renderer")

@@ -20,8 +20,13 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from core.errors import InvalidInput
+from core.work import ImageInput
+
+if TYPE_CHECKING:
+    import torch
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG"}
 MAX_ASPECT = 200  # the processor refuses a longer side over 200 times the shorter
@@ -118,3 +123,24 @@ def check_image(field: str, data: bytes, fmt: str, limits: ImageLimits) -> tuple
 def _short(exc: Exception) -> str:
     text = str(exc)
     return text if len(text) <= 120 else text[:117] + "..."
+
+
+class ImageProcessor:
+    """A vision base's image processor (its preprocessor_config.json) and token geometry: what the
+    trainer and the trainer-side sampler make an image's pixels with."""
+
+    def __init__(self, base_path: str | Path):
+        from transformers import Qwen2VLImageProcessorPil
+
+        # The PIL processor: torchvision is not a dependency, and its pixels are the same.
+        self.processor: Any = Qwen2VLImageProcessorPil.from_pretrained(str(base_path))
+        self.geometry = ImageGeometry.of_directory(base_path)
+
+    def pixels(self, image: ImageInput) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """One image's patches and grid, as the base's processor makes them."""
+        from PIL import Image
+
+        with Image.open(io.BytesIO(image.data)) as img:
+            out = self.processor(images=[img.convert("RGB")], return_tensors="pt")
+        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        return out["pixel_values"].float(), (grid[0], grid[1], grid[2])

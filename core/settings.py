@@ -327,6 +327,10 @@ class GenPoolSettings(BaseSettings):
     device_threads_reserved: int = Field(0, ge=0, le=64,
                                          description="CPU only: cores kept from the engine (VLLM_CPU_NUM_OF_RESERVED_CPU)")
     seed: int = Field(0, description="engine seed (requests without a seed are still random)")
+    engine: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", description="which engine samples the base: vllm, or transformers (the trainer-side sampler, "
+                            "gen_pool.hf_engine); auto = transformers for a vision base and for a base vLLM cannot "
+                            "import here, vllm otherwise (bases.architectures.sampler_engine)")
 
     # --- admission
     tenant_cap: int = Field(0, ge=0, description="running sequences per tenant; 0 = no cap beyond the target")

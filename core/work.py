@@ -397,8 +397,15 @@ class SampleWork:
     stream: bool = False  # publish tokens as they are sampled (core.queue.delta_key), not only at the end
     episode_id: str | None = None  # the multi-turn episode it is a call of (gen_pool.episodes)
     episode_hint: str | None = None  # "promote" / "demote": the client's word on that episode
+    images: tuple[ImageInput, ...] = ()  # a vision base's prompt images, their tokens in `prompt` (as a Datum's)
 
     def to_json(self) -> dict[str, Any]:
+        out = self._fields()
+        if self.images:
+            out["images"] = [image.to_json() for image in self.images]
+        return out
+
+    def _fields(self) -> dict[str, Any]:
         return {"prompt": list(self.prompt), "n": self.n, "spec": self.spec.to_json(),
                 "adapter": self.adapter.to_json() if self.adapter else None, "submitted_at": self.submitted_at,
                 "deadline_at": self.deadline_at, "prompt_logprobs": self.prompt_logprobs,
@@ -414,7 +421,7 @@ class SampleWork:
                    bool(obj.get("prompt_logprobs")), obj.get("prompt_logprobs_last_n"), int(obj.get("prompt_topk", 0)),
                    int(obj.get("sample_topk", 0)), obj.get("prompt_targets"), int(obj.get("prompt_alt_k", 0)),
                    bool(obj.get("record_stability", False)), bool(obj.get("stream", False)), obj.get("episode_id"),
-                   obj.get("episode_hint"))
+                   obj.get("episode_hint"), tuple(ImageInput.from_json(i) for i in obj.get("images", ())))
 
 
 # ----------------------------------------------------------------------------------- the item

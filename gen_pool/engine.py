@@ -44,7 +44,7 @@ from bases.memory_plan import resolve_dtype
 from checkpoints import storage
 from core.errors import NotFound, ServerError
 from core.settings import GenPoolSettings
-from core.work import AdapterRef, SamplingSpec
+from core.work import AdapterRef, ImageInput, SamplingSpec
 from gen_pool.adapters import (
     IDENTITY_ID,
     IDENTITY_NAME,
@@ -92,6 +92,7 @@ class SeqRequest:
     sample_topk: int = 0  # the k most likely tokens at each sampled position
     on_tokens: Callable[[tuple[int, ...]], None] | None = None  # streamed: called with each step's new tokens
     tenant_id: str = ""  # whose prefix-cache blocks it may reuse (cache_salt), unless caches are shared
+    images: tuple[ImageInput, ...] = ()  # a vision base's prompt images (served by gen_pool.hf_engine only)
 
 
 TopK = tuple[tuple[int, float], ...]
@@ -360,6 +361,8 @@ class GenEngine:
 
     async def generate(self, req: SeqRequest) -> SeqResult:
         """Run one sequence to its end. Cancelling the calling task aborts it in the engine."""
+        if req.images:  # bases.architectures.sampler_engine sends every vision base to gen_pool.hf_engine
+            raise ServerError("images reached the vLLM engine, which Quilt gives token ids only")
         lora = self._lora_for(req.adapter)
         params = self.vllm_params(req)
         exclusive = req.prompt_logprobs and self.settings.serialise_prompt_logprobs

@@ -27,7 +27,7 @@ from billing.pricing import prompt_cache_hits
 from checkpoints.layout import policy_version
 from core import health
 from core.errors import QuiltError, ServerError, UserError
-from core.work import AdapterRef, SamplingSpec
+from core.work import AdapterRef, ImageInput, SamplingSpec
 from gen_pool import outputs, wire
 from gen_pool.adapters import AdapterError
 from gen_pool.admission import (
@@ -40,6 +40,7 @@ from gen_pool.admission import (
 )
 from gen_pool.engine import GenEngine, ProbeRequest, SeqRequest, SeqResult
 from gen_pool.episodes import EpisodeLedger, FeedbackLevels
+from gen_pool.hf_engine import HFEngine
 
 log = logging.getLogger("quilt.gen.scheduler")
 
@@ -77,6 +78,7 @@ class Group:
     episode: str | None = None  # the multi-turn episode it is a call of (gen_pool.episodes)
     episode_hint: str | None = None  # the client's "promote" / "demote" for that episode
     context: Any = None  # the caller's (the worker keeps its stream entry here)
+    images: tuple[ImageInput, ...] = ()  # a vision base's prompt images (the trainer-side sampler's)
     # --- progress
     ready: bool = False
     cancelled: bool = False
@@ -136,7 +138,7 @@ class Occupancy:
 
 
 class Scheduler:
-    def __init__(self, engine: GenEngine, *, target: int, on_finish: OnFinish, default_cap: int = 0,
+    def __init__(self, engine: GenEngine | HFEngine, *, target: int, on_finish: OnFinish, default_cap: int = 0,
                  tenant_caps: dict[str, int] | None = None, levels: FeedbackLevels = FeedbackLevels(),  # noqa: B008
                  clock: Callable[[], float] = time.time):
         self.engine = engine
@@ -280,7 +282,7 @@ class Scheduler:
         req = SeqRequest(engine_id=f"{g.request_id}:{index}", prompt=g.prompt, spec=spec,
                          seed=g.spec.sample_seed(index), adapter=g.adapter,
                          prompt_logprobs=(g.prompt_logprobs or g.prompt_topk > 0) and index == 0,
-                         prompt_topk=g.prompt_topk, sample_topk=g.sample_topk, tenant_id=g.tenant_id,
+                         prompt_topk=g.prompt_topk, sample_topk=g.sample_topk, tenant_id=g.tenant_id, images=g.images,
                          on_tokens=None if g.on_tokens is None else _with_offsets(functools.partial(g.on_tokens,
                                                                                                      index)))
         try:

@@ -26,7 +26,7 @@ import psutil
 import psycopg
 from psycopg.rows import DictRow
 
-from bases import catalog
+from bases import architectures, catalog
 from billing.ledger import settle
 from billing.pricing import Units, sampling_units
 from core import db, health, process_end, queue, redis_client, result_bytes, stores
@@ -43,6 +43,7 @@ from core.settings import (
 from core.work import SampleWork, WorkItem
 from gen_pool import episodes, outputs, stability, wire
 from gen_pool.engine import GenEngine
+from gen_pool.hf_engine import HFEngine
 from gen_pool.router import Locality, reroute_dead_peers
 from gen_pool.routing import Policy
 from gen_pool.scheduler import Group, Scheduler
@@ -65,11 +66,12 @@ def group_from_delivery(d: Delivery, base_model: str) -> Group:
                  prompt_topk=work.prompt_topk, sample_topk=work.sample_topk,
                  targets=outputs.PromptTargets.from_json(work.prompt_targets), alt_k=work.prompt_alt_k,
                  record_stability=work.record_stability, episode=work.episode_id, episode_hint=work.episode_hint,
+                 images=work.images,
                  arrival=work.submitted_at, deadline=work.deadline_at, context=d)
 
 
 class GenWorker:
-    def __init__(self, *, base_model: str, engine: GenEngine, redis, sync_redis, db_url: str,
+    def __init__(self, *, base_model: str, engine: GenEngine | HFEngine, redis, sync_redis, db_url: str,
                  settings: GenPoolSettings, result_ttl_s: int, replicas: int = 1, routing: Policy = "affinity"):
         self.base_model = base_model
         self.engine = engine
@@ -284,6 +286,16 @@ class GenWorker:
             await self.consumer.heartbeat()
 
 
+def sampler_engine(base: catalog.BaseModel, settings: GenPoolSettings) -> architectures.SamplerEngine:
+    """Which engine serves `base` here (bases.architectures.sampler_engine, QUILT_GEN_ENGINE)."""
+    try:
+        return architectures.sampler_engine(architectures.of_config(base.config),
+                                            vllm_vision_imports=architectures.vllm_vision_imports(),
+                                            choice=settings.engine)
+    except ValueError as exc:
+        raise SystemExit(f"base {base.name!r}: {exc}") from None
+
+
 def _check_memory(base: catalog.BaseModel, settings) -> None:
     """Refuse, before vLLM loads anything, an engine that cannot fit (bases.memory_plan), naming the
     setting to change."""
@@ -324,8 +336,12 @@ async def _main_async() -> None:
     # waiting 10-25 s (here) for nothing.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _end_while_starting)
-    _check_memory(base, settings)
-    engine = await GenEngine.start(base.path, settings, workdir)
+    engine: GenEngine | HFEngine
+    if sampler_engine(base, settings) == "transformers":
+        engine = await HFEngine.start(base.path, settings, workdir)
+    else:
+        _check_memory(base, settings)
+        engine = await GenEngine.start(base.path, settings, workdir)
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

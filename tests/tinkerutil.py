@@ -31,18 +31,23 @@ def sft_data() -> list[types.Datum]:
     return [sft_row(start) for start in (40, 80, 120, 160)]
 
 
-def sampler_mismatch(tc, prompt: list[int], *, n: int = 2, max_tokens: int = 8, seed: int = 5) -> dict:
-    """Save `tc`'s weights for sampling, sample `n` completions of `prompt`, and score the sampled
-    tokens with the trainer: the `importance_sampling` metrics (`mismatch_kl:mean`,
-    `logprob_diff_abs:mean`) say how far trainer and sampler disagree on them."""
+def sampler_mismatch(tc, prompt: list[int] | types.ModelInput, *, n: int = 2, max_tokens: int = 8, seed: int = 5) -> dict:
+    """Save `tc`'s weights for sampling, sample `n` completions of `prompt` (token ids, or a
+    ModelInput with image chunks), and score the sampled tokens with the trainer: the
+    `importance_sampling` metrics (`mismatch_kl:mean`, `logprob_diff_abs:mean`) say how far trainer
+    and sampler disagree on them."""
+    model_input = prompt if isinstance(prompt, types.ModelInput) else types.ModelInput.from_ints(prompt)
     sampler = tc.save_weights_and_get_sampling_client().result()
-    out = sampler.sample(types.ModelInput.from_ints(prompt), n,
+    out = sampler.sample(model_input, n,
                          types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, stop=[])).result()
-    pad = [0.0] * (len(prompt) - 1)
+    pad = [0.0] * (model_input.length - 1)
+    # the prompt's own targets carry no weight (advantage 0): an image's positions get token 0
+    prompt_targets = list(prompt[1:]) if isinstance(prompt, list) else [0] * (model_input.length - 1)
     rows = []
     for seq in out.sequences:
         assert len(seq.tokens) == max_tokens and len(seq.logprobs) == max_tokens
-        tokens = prompt + list(seq.tokens)
-        rows.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
-            "target_tokens": tokens[1:], "logprobs": pad + list(seq.logprobs), "advantages": pad + [1.0] * max_tokens}))
+        chunks = [*model_input.chunks, types.EncodedTextChunk(tokens=list(seq.tokens[:-1]))]
+        rows.append(types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs={
+            "target_tokens": prompt_targets + list(seq.tokens), "logprobs": pad + list(seq.logprobs),
+            "advantages": pad + [1.0] * max_tokens}))
     return tc.forward(rows, "importance_sampling").result().metrics

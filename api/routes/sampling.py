@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 
 from fastapi import APIRouter, Request
 
-from api import admission, records, seq_gaps
+from api import admission, images, records, seq_gaps
 from api.deps import Pool, RedisDep, Settings, Who
 from api.input_guard import GuardedRoute
 from api.schemas import (
@@ -269,9 +269,14 @@ async def asample(body: SampleRequest, who: Who, pool: Pool, redis: RedisDep, se
         base, adapter = await resolve(conn, who, sampling_session_id=body.sampling_session_id,
                                       model_path=body.model_path, base_model=body.base_model)
         limits = group_limits(base)
-        prompt = params.check_prompt(body.prompt.text_tokens("prompt", base.name), limits)
+        tokens, image_inputs = images.sample_prompt(body.prompt, base, settings)
+        prompt = params.check_prompt(tokens, limits)
         spec = params.normalise(body.sampling_params.model_dump(), len(prompt), limits)
         targets, probe_rows = _outputs(body, len(prompt), base.vocab_size)
+        if image_inputs and probe_rows:  # a probe scores a prefix of the prompt, which may cut an image
+            raise InvalidInput("target_prompt_logprobs and prompt_alt_tokens_k are not served for prompts with images",
+                               field="target_prompt_logprobs" if body.target_prompt_logprobs is not None
+                               else "prompt_alt_tokens_k")
         now = time.time()
         work = SampleWork(prompt=tuple(prompt), n=body.num_samples, spec=spec, adapter=adapter, submitted_at=now,
                           deadline_at=now + deadline_s, prompt_logprobs=body.prompt_logprobs,
@@ -280,7 +285,7 @@ async def asample(body: SampleRequest, who: Who, pool: Pool, redis: RedisDep, se
                           prompt_targets=None if targets is None else targets.to_json(),
                           prompt_alt_k=body.prompt_alt_tokens_k, record_stability=bool(body.record_stability_info),
                           episode_id=body.episode_id,
-                          episode_hint=body.episode_hint)
+                          episode_hint=body.episode_hint, images=image_inputs)
         item = WorkItem(ids.new_request_id(), who.tenant_id, body.sampling_session_id or "", body.seq_id or 0,
                         WorkKind.SAMPLE, len(prompt) * body.num_samples, work)
         slot = None

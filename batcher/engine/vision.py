@@ -13,16 +13,14 @@ and compute exactly what they compute alone.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from bases.vision import ImageGeometry
+from bases.vision import ImageProcessor as ImageProcessor  # where the plan and backend name it
 from core.work import ImageInput
 
 
@@ -38,26 +36,6 @@ class VisionTensors:
 
 
 pytree.register_dataclass(VisionTensors)
-
-
-class ImageProcessor:
-    """A vision base's image processor (its preprocessor_config.json) and token geometry."""
-
-    def __init__(self, base_path: str | Path):
-        from transformers import Qwen2VLImageProcessorPil
-
-        # The PIL processor: torchvision is not a dependency, and its pixels are the same.
-        self.processor: Any = Qwen2VLImageProcessorPil.from_pretrained(str(base_path))
-        self.geometry = ImageGeometry.of_directory(base_path)
-
-    def pixels(self, image: ImageInput) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """One image's patches and grid, as the base's processor makes them."""
-        from PIL import Image
-
-        with Image.open(io.BytesIO(image.data)) as img:
-            out = self.processor(images=[img.convert("RGB")], return_tensors="pt")
-        grid = tuple(int(x) for x in out["image_grid_thw"][0])
-        return out["pixel_values"].float(), (grid[0], grid[1], grid[2])
 
 
 def mrope_positions(n: int, images: Sequence[tuple[int, tuple[int, int, int]]], merge: int) -> torch.Tensor:
