@@ -64,6 +64,9 @@ class CoreSettings(BaseSettings):
     s3_region: str = Field("", description="the bucket's region; empty = boto3's default chain")
     s3_snapshot_prefix: str = Field("quilt/snapshots", description="key prefix of trainer snapshots in the bucket "
                                                                    "(QUILT_TRAINER_SNAPSHOTS_IN_STORE)")
+    s3_asset_prefix: str = Field("quilt/assets", max_length=512,
+                                 description="key prefix of tenants' own assets in the bucket: an image pointer may "
+                                             "name s3://<bucket>/<this>/<tenant id>/<name> (checkpoints.assets)")
     s3_cache_max_gib: float = Field(50.0, gt=0, le=2**20, allow_inf_nan=False,
                                     description="the most this machine keeps of checkpoint versions fetched from or "
                                                 "written to the bucket; least recently used ones go first")

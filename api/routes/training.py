@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from fastapi import APIRouter, Request
@@ -169,7 +170,9 @@ async def _forward(request: Request, who, pool, redis, settings, callers, *, for
             base = await catalog.get_model(conn, model["base_model"])
             if base is None:
                 raise NotFound(f"base model {model['base_model']!r} is no longer served")
-            req = dataclasses.replace(req, data=images.prepare(req.data, base, settings))
+            # Off the event loop: decoding, and reading pointed-at assets from the object store, block.
+            req = dataclasses.replace(req, data=await asyncio.to_thread(images.prepare, req.data, base, settings,
+                                                                        who.tenant_id))
         if spec is None:
             graph = await _custom_loss(conn, who, model, req.loss_fn_config)
             work, n_tokens = datums.custom_pass_work(graph, req.data, limits)
