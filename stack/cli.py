@@ -121,6 +121,7 @@ def cmd_models_plan(args) -> int:
     import json
 
     from bases import catalog
+    from bases.architectures import loaded_as
     from bases.memory_plan import (
         PlanInputs,
         fewest_ranks,
@@ -158,7 +159,7 @@ def cmd_models_plan(args) -> int:
         inputs = dataclasses.replace(inputs, shared_device=False, **ranks)
     plan = plan_memory(base.config, inputs)
     print(f"{base.name} ({base.architecture}, {_params(base.num_parameters)} parameters) on {args.gpu_memory}, "
-          f"{inputs.dtype}, {'one device shared' if inputs.shared_device else 'one device each'}")
+          f"{loaded_as(base.config, inputs.dtype)}, {'one device shared' if inputs.shared_device else 'one device each'}")
     def need(n: int | None) -> str:
         return f"{n} GPU{'s' if n > 1 else ''}" if n else "more GPUs than its heads can be split over"
 
