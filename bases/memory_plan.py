@@ -366,6 +366,17 @@ def for_worker(config: Mapping, *, device: str, dtype: str, configured_memory: s
         cuda_graphs=cuda_graphs and device.startswith("cuda") and ranks == 1, checkpoint_tokens=checkpoint_tokens))
 
 
+def trainer_plan(config: Mapping, settings, gen, *, max_context: int) -> MemoryPlan:
+    """The plan a trainer of these settings (core.settings.TrainerSettings; `gen`: GenPoolSettings,
+    for the device it shares) checks at start; the API plans the same to bound a model's context."""
+    return for_worker(config, device=settings.device, dtype=settings.dtype, configured_memory=settings.gpu_memory,
+                      token_budget=settings.token_budget, max_lora_rank=settings.max_rank, max_loras=gen.max_loras,
+                      gen_memory_share=gen.gpu_memory_share, max_context=max_context,
+                      shares_device=settings.shares_device, ranks=settings.ranks, expert_lora=settings.expert_lora,
+                      cuda_graphs=settings.cuda_graphs, parallel=settings.parallel,
+                      checkpoint_tokens=settings.checkpoint_tokens)
+
+
 def sampler_problems(config: Mapping, *, accelerator: bool, dtype: str, gen_memory_share: float,
                      kv_cache_bytes: int, max_loras: int, max_lora_rank: int, max_context: int,
                      device_memory: int = 0, ranks: int = 1, expert_lora: bool = True) -> list[str]:
@@ -396,3 +407,48 @@ def rank_tokens(budget: int, ways: int) -> int:
     """One rank's tokens per micro-batch when `ways` ranks split a pass's `budget`: its share,
     rounded up (a row longer than that still goes alone)."""
     return max(1, -(-budget // ways))
+
+
+def longest_row(config: Mapping, inputs: PlanInputs) -> int:
+    """The longest single row a trainer planned by `inputs` can train: its pass alone (checkpointed
+    where `inputs.checkpoint_tokens` says a row that long is; graphs are never captured for it) beside
+    the base weights and one resident adapter. 0 when the weights alone do not fit."""
+    probe_tokens = inputs.checkpoint_tokens if inputs.checkpoint_tokens > 0 else MIN_TOKEN_BUDGET
+    probe = plan_memory(config, dataclasses.replace(inputs, token_budget=probe_tokens, resident_adapters=1,
+                                                    cuda_graphs=False))
+    room = probe.trainer_bytes - probe.base_bytes - probe.adapter_bytes - 3 * HEAD_CHUNK_BYTES
+    if room <= 0:
+        return 0
+    return int(room // probe.activation_bytes_per_token)
+
+
+def context_gpus(config: Mapping, context: int, inputs: PlanInputs) -> int | None:
+    """The fewest GPUs of `inputs.device_bytes` (a trainer gang split `inputs.trainer_parallel`, on
+    devices of its own) on which one row of `context` tokens trains; None where no gang of up to 64
+    does (the layers' checkpointed inputs are whole on every rank of a tensor-parallel gang, and an
+    FSDP gang runs a row on one rank: past that, a row needs context parallelism, which Quilt has not)."""
+    shape = architectures.Shape.of(config)
+    for n in RANK_CHOICES:
+        if shape.heads % n or shape.kv_heads % n:
+            continue
+        plan_inputs = dataclasses.replace(inputs, shared_device=False, trainer_ranks=n)
+        if not plan_memory(config, plan_inputs).trainer_problems and longest_row(config, plan_inputs) >= context:
+            return n
+    return None
+
+
+def model_context(requested: int | None, *, base_context: int, standard: int, plan_longest: int | None) -> int:
+    """A new training model's context length. Asked for (`requested`): at most the base's own
+    (`base_context`) and the longest row the trainer's memory plan can train (`plan_longest`, None
+    where the plan is not known here), else a 400 naming `max_context_length` and the limit. Not asked
+    for: the `standard` context (0: the base's), never more than the base's or the plan's."""
+    limit, why = base_context, f"base model's context length {base_context:,}"
+    if plan_longest is not None and plan_longest < limit:
+        limit, why = max(plan_longest, 1), (f"longest row the trainer's memory plan can train on this base "
+                                            f"({max(plan_longest, 1):,} tokens; quilt models plan --context)")
+    if requested is None:
+        return min(standard or base_context, limit)
+    if requested > limit:
+        raise InvalidInput(f"max_context_length: {requested:,} tokens exceed the limit of {limit:,}, the {why}",
+                           field="max_context_length")
+    return requested

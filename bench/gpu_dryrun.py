@@ -143,6 +143,12 @@ SHAPES = {
     "70b-fsdp8": Shape("70b", "fsdp", 8),
     "235b-ep8": Shape("235b", "ep", 8),
     "32b-128k": Shape("32b", row_tokens=131072),
+    # one long row (docs/benchmarks/long_context.md: the GPUs 8B and 32B need at each context)
+    "8b-32k": Shape("8b", row_tokens=32768),
+    "8b-128k": Shape("8b", row_tokens=131072),
+    "8b-256k": Shape("8b", row_tokens=262144),
+    "32b-32k": Shape("32b", row_tokens=32768),
+    "32b-256k": Shape("32b", row_tokens=262144),
 }
 
 
@@ -587,8 +593,12 @@ def _plan(config: dict[str, Any], shape: Shape, ranks: int, tenants: int, tokens
     peak = plan.trainer_bytes - plan.trainer_free_bytes  # base, slabs' zero row, activations, adapters
     trainer, _ = memory_plan.fewest_ranks(config, dataclasses.replace(inputs, token_budget=None, resident_adapters=None,
                                                                        trainer_ranks=1))
-    return {"plan_peak_gib_per_rank": round(peak / GiB, 2), "plan_gpu_gb": gib,
-            "plan_trainer_gpus": trainer, "plan_fits": not plan.trainer_problems}
+    out = {"plan_peak_gib_per_rank": round(peak / GiB, 2), "plan_gpu_gb": gib,
+           "plan_trainer_gpus": trainer, "plan_fits": not plan.trainer_problems}
+    if shape.row_tokens:  # a long row: the fewest GPUs of each size that train it (None: no gang does)
+        out["plan_context_gpus"] = {f"{gb}GiB": memory_plan.context_gpus(config, shape.row_tokens, dataclasses.replace(
+            inputs, device_bytes=gb * GiB, token_budget=None, resident_adapters=None, trainer_ranks=1)) for gb in (80, 141)}
+    return out
 
 
 def main() -> None:

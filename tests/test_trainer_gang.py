@@ -30,7 +30,7 @@ pytestmark = pytest.mark.stack  # several real processes
 def bases(tmp_path_factory):
     root = tmp_path_factory.mktemp("gang")
     return {arch: build_tiny_model(root / arch, spec=TinyModelSpec(architecture=arch)).path
-            for arch in ("qwen3", "qwen3_moe", "llama", "qwen2", "mistral", "gemma3_text")}
+            for arch in ("qwen3", "qwen3_moe", "llama", "qwen2", "mistral", "gemma3_text", "gpt_oss")}
 
 
 def _gang(base: Path, parallel: str, out: Path) -> dict:
@@ -72,7 +72,8 @@ def test_a_gang_over_two_nodes_trains_as_one_process_does(bases, tmp_path):
                                        atol=1e-9 * tensor.abs().max().item() + 1e-15, msg=f"{model_id} {key}")
 
 
-@pytest.mark.parametrize("arch,parallel", [("qwen3", "tp"), ("qwen3_moe", "ep"), ("qwen3_moe", "fsdp"), ("qwen3", "fsdp"),
+@pytest.mark.parametrize("arch,parallel", [("qwen3", "tp"), ("qwen3_moe", "ep"), ("gpt_oss", "ep"), ("qwen3_moe", "fsdp"),
+                                           ("qwen3", "fsdp"),
                                            ("qwen3_moe", "tp"), ("llama", "tp"), ("qwen2", "tp"), ("mistral", "tp"),
                                            ("gemma3_text", "tp")])
 def test_a_two_rank_gang_trains_as_one_process_does(bases, tmp_path, arch, parallel):
