@@ -410,31 +410,39 @@ def rank_tokens(budget: int, ways: int) -> int:
 
 
 def longest_row(config: Mapping, inputs: PlanInputs) -> int:
-    """The longest single row a trainer planned by `inputs` can train: its pass alone (checkpointed
-    where `inputs.checkpoint_tokens` says a row that long is; graphs are never captured for it) beside
-    the base weights and one resident adapter. 0 when the weights alone do not fit."""
-    probe_tokens = inputs.checkpoint_tokens if inputs.checkpoint_tokens > 0 else MIN_TOKEN_BUDGET
-    probe = plan_memory(config, dataclasses.replace(inputs, token_budget=probe_tokens, resident_adapters=1,
-                                                    cuda_graphs=False))
-    room = probe.trainer_bytes - probe.base_bytes - probe.adapter_bytes - 3 * HEAD_CHUNK_BYTES
-    if room <= 0:
+    """The longest single row a trainer planned by `inputs` can train: a pass of that row alone
+    (checkpointed where `inputs.checkpoint_tokens` says a row that long is; graphs are never captured
+    for it) beside the base weights and one resident adapter, as `plan_memory` counts them. 0 when
+    not even MIN_TOKEN_BUDGET tokens fit."""
+    def fits(tokens: int) -> bool:
+        return not plan_memory(config, dataclasses.replace(inputs, token_budget=tokens, resident_adapters=1,
+                                                           cuda_graphs=False)).trainer_problems
+
+    # Fitting is monotonic in the length on each side of the checkpointing threshold (a row past it
+    # keeps a few vectors a token, one below it every layer's intermediates): search above it first.
+    low = max(MIN_TOKEN_BUDGET, inputs.checkpoint_tokens)
+    if fits(low):
+        high = 2 * low
+        while fits(high) and high < 1 << 31:
+            low, high = high, high * 2
+    elif low > MIN_TOKEN_BUDGET and fits(MIN_TOKEN_BUDGET):
+        low, high = MIN_TOKEN_BUDGET, low
+    else:
         return 0
-    return int(room // probe.activation_bytes_per_token)
+    while high - low > 1:  # fits(low), not fits(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def context_gpus(config: Mapping, context: int, inputs: PlanInputs) -> int | None:
-    """The fewest GPUs of `inputs.device_bytes` (a trainer gang split `inputs.trainer_parallel`, on
-    devices of its own) on which one row of `context` tokens trains; None where no gang of up to 64
-    does (the layers' checkpointed inputs are whole on every rank of a tensor-parallel gang, and an
-    FSDP gang runs a row on one rank: past that, a row needs context parallelism, which Quilt has not)."""
-    shape = architectures.Shape.of(config)
-    for n in RANK_CHOICES:
-        if shape.heads % n or shape.kv_heads % n:
-            continue
-        plan_inputs = dataclasses.replace(inputs, shared_device=False, trainer_ranks=n)
-        if not plan_memory(config, plan_inputs).trainer_problems and longest_row(config, plan_inputs) >= context:
-            return n
-    return None
+    """The fewest GPUs of `inputs.device_bytes` (a tensor-parallel trainer gang on devices of its
+    own) on which one row of `context` tokens trains beside one adapter; None where no gang of up to
+    64 does: a layer's checkpointed input is whole on every rank of a tensor-parallel gang (and an
+    FSDP gang runs a row on one rank), so past that a row needs context parallelism, which Quilt has not."""
+    single = dataclasses.replace(inputs, token_budget=context, resident_adapters=1, trainer_parallel="tp",
+                                 cuda_graphs=False)
+    return fewest_ranks(config, single)[0]
 
 
 def model_context(requested: int | None, *, base_context: int, standard: int, plan_longest: int | None) -> int:
