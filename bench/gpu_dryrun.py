@@ -149,6 +149,11 @@ SHAPES = {
     "8b-256k": Shape("8b", row_tokens=262144),
     "32b-32k": Shape("32b", row_tokens=32768),
     "32b-256k": Shape("32b", row_tokens=262144),
+    # ... on the gangs the plan gives them (GPUs of 80 GiB; 8b-256k-tp4 and 32b-128k-tp8 on 141)
+    "8b-128k-tp2": Shape("8b", "tp", 2, row_tokens=131072),
+    "8b-256k-tp4": Shape("8b", "tp", 4, row_tokens=262144),
+    "32b-32k-tp2": Shape("32b", "tp", 2, row_tokens=32768),
+    "32b-128k-tp8": Shape("32b", "tp", 8, row_tokens=131072),
 }
 
 
@@ -647,6 +652,9 @@ def report(name: str, r: dict[str, Any]) -> None:
           f"plan {r['plan_peak_gib_per_rank']:,.2f} GiB; planned on {r['plan_gpu_gb']} GiB GPUs, the trainer needs "
           f"{r['plan_trainer_gpus'] or 'more than any gang its heads allow'}"
           + ("" if r["plan_fits"] else f"; these tenants at this rank do not fit {r['ranks']} of them"))
+    if "plan_context_gpus" in r:
+        print("  this row, GPUs the plan gives it: " + ", ".join(f"{size} {n or 'no gang'}"
+                                                            for size, n in r["plan_context_gpus"].items()))
     print()
 
 

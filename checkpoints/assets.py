@@ -128,10 +128,11 @@ def _read_local(field: str, place: AssetPlace, tenant_id: str, name: str, max_by
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO would block an open
     except OSError:
         raise _missing(field) from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):  # a directory, a FIFO, a device
+        os.close(fd)
+        raise _missing(field)
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise _missing(field)
         size = info.st_size
         if size > max_bytes:
             raise _too_big(field, size, max_bytes)
