@@ -175,6 +175,8 @@ class LoraBackend:
         else:  # a vision base with its vision tower (frozen with the rest; batcher.engine.vision)
             auto: Any = AutoModelForImageTextToText if self.arch.vision else AutoModelForCausalLM
             base = auto.from_pretrained(self.base_path, dtype=dtype, **kw)
+        if "quantization_config" in kw:
+            base = base.to(dtype)  # transformers dequantizes MXFP4 to bfloat16 whatever dtype it was asked for
         base.requires_grad_(False)
         if dtype == torch.float64:
             route_in_float64(base)  # (DeepSeek-V3: batcher.engine.expert_lora says why)
