@@ -3,7 +3,8 @@ torch.distributed.run as `quilt up --trainer-ranks 2` starts them, train four te
 steps in float64 and must match one process to 1e-9: every adapter, every AdamW moment, every
 datum's loss outputs; a checkpoint it saves loads back exactly. Tensor parallel on all six tiny
 architectures, FSDP and expert parallel on the tiny Qwen3-MoE with LoRA on its experts (which a
-tensor-parallel gang, splitting each expert, refuses). Rank 0 drives the other rank through the
+tensor-parallel gang, splitting each expert, refuses), and expert parallel on the tiny gpt-oss (its router is
+`mlp.router`, not `mlp.gate`: batcher.engine.gang.expert_plan). Rank 0 drives the other rank through the
 same protocol the trainer loop uses."""
 
 from __future__ import annotations
