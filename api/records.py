@@ -32,6 +32,7 @@ class NewModel:
     lora_config: dict
     user_metadata: dict
     optimizer: str = ADAMW  # its optimizer family (core.work.OPTIMIZERS), kept for its life
+    context_length: int | None = None  # the longest datum it takes (bases.memory_plan.model_context)
 
 
 # The lock's key: one per tenant, shared by quota_lock (a session lock) and locked_statement (a
@@ -141,9 +142,10 @@ async def insert_training_model(conn: AsyncConnection[DictRow], who: Principal, 
     """Record a new model, placed on trainer shard `shard` (None: one trainer per base)."""
     await conn.execute(
         "INSERT INTO training_models (id, tenant_id, session_id, model_seq_id, base_model, lora_config, "
-        "user_metadata, trainer_shard, optimizer) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
+        "user_metadata, trainer_shard, optimizer, context_length) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+        "ON CONFLICT (id) DO NOTHING",
         (model_id, who.tenant_id, model.session_id, model.model_seq_id, model.base_model, Jsonb(model.lora_config),
-         Jsonb(model.user_metadata), shard, model.optimizer),
+         Jsonb(model.user_metadata), shard, model.optimizer, model.context_length),
     )
 
 

@@ -104,6 +104,10 @@ class CreateModelRequest(_Body):
     lora_config: LoraConfig
     optimizer_config: OptimizerConfig | None = Field(None, description="AdamW when left out")
     user_metadata: UserMetadata | None = None
+    # Quilt's own (the tinker SDK sends none): the longest datum the model takes, up to what the base
+    # and the trainer's memory plan allow (bases.memory_plan.model_context); left out, the standard
+    # context (QUILT_STANDARD_CONTEXT_LENGTH) or the base's, whichever is shorter.
+    max_context_length: int | None = Field(None, ge=1, le=2**31 - 1)
 
 
 class ModelRef(_Body):

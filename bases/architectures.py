@@ -79,6 +79,9 @@ class Architecture:
     # (batcher.engine.expert_lora), which is how vLLM loads a LoRA for it
     experts_3d: bool = False
     linear_attention: bool = False  # gated-delta-rule layers beside full attention (config.layer_types)
+    # The MoE block's router, `mlp.<router>` (transformers' module name): what an expert-parallel
+    # gang masks to each rank's experts (batcher.engine.gang.expert_plan). gpt-oss calls it `router`.
+    router: str = "gate"
 
     @property
     def attn_modules(self) -> tuple[str, ...]:
@@ -109,7 +112,7 @@ SUPPORTED: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("qwen3_vl", "Qwen3-VL", qk_norm=True, vision=True),
     Architecture("qwen3_vl_moe", "Qwen3-VL-MoE", moe=True, qk_norm=True, vision=True),
     # vLLM's GptOssForCausalLM lists no lm_head among its LoRA modules
-    Architecture("gpt_oss", "gpt-oss", moe=True, unembed_lora=False, experts_3d=True),
+    Architecture("gpt_oss", "gpt-oss", moe=True, unembed_lora=False, experts_3d=True, router="router"),
     *(Architecture(t, f, moe=moe, qk_norm=True, linear_attention=True)
       for t, f, moe in (("qwen3_5_text", "Qwen3.5", False), ("qwen3_5", "Qwen3.5", False),
                         ("qwen3_5_moe_text", "Qwen3.5-MoE", True), ("qwen3_5_moe", "Qwen3.5-MoE", True))),
@@ -148,6 +151,25 @@ def of_config(config: Mapping) -> Architecture:
                            f"'noaux_tc' (as the published configs do), got {config.get('scoring_func')!r} and "
                            f"{config.get('topk_method')!r}", field="config.scoring_func")
     return arch
+
+
+def checkpoint_quantization(config: Mapping) -> str | None:
+    """The quantization a checkpoint's weights are stored in (config.json's
+    `quantization_config.quant_method`: "mxfp4" on OpenAI's gpt-oss checkpoints, whose experts are
+    4-bit blocks with a shared 8-bit scale per 32 values), or None for plain weights."""
+    quant = config.get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, Mapping) else None
+    return str(method).lower() if method else None
+
+
+def loaded_as(config: Mapping, dtype: str) -> str:
+    """What the trainer holds a checkpoint's weights as, in words (`quilt models plan` prints it).
+    MXFP4 experts are dequantized at load (batcher.engine.backend): expert LoRA runs the experts as
+    plain `gate_up_proj`/`down_proj` parameters, which transformers' MXFP4 kernels replace."""
+    quant = checkpoint_quantization(config)
+    if quant == "mxfp4":
+        return f"{dtype} (the checkpoint's MXFP4 experts dequantized at load; 4x their stored size)"
+    return dtype
 
 
 def is_tied(config: Mapping) -> bool:

@@ -366,6 +366,17 @@ def for_worker(config: Mapping, *, device: str, dtype: str, configured_memory: s
         cuda_graphs=cuda_graphs and device.startswith("cuda") and ranks == 1, checkpoint_tokens=checkpoint_tokens))
 
 
+def trainer_plan(config: Mapping, settings, gen, *, max_context: int) -> MemoryPlan:
+    """The plan a trainer of these settings (core.settings.TrainerSettings; `gen`: GenPoolSettings,
+    for the device it shares) checks at start; the API plans the same to bound a model's context."""
+    return for_worker(config, device=settings.device, dtype=settings.dtype, configured_memory=settings.gpu_memory,
+                      token_budget=settings.token_budget, max_lora_rank=settings.max_rank, max_loras=gen.max_loras,
+                      gen_memory_share=gen.gpu_memory_share, max_context=max_context,
+                      shares_device=settings.shares_device, ranks=settings.ranks, expert_lora=settings.expert_lora,
+                      cuda_graphs=settings.cuda_graphs, parallel=settings.parallel,
+                      checkpoint_tokens=settings.checkpoint_tokens)
+
+
 def sampler_problems(config: Mapping, *, accelerator: bool, dtype: str, gen_memory_share: float,
                      kv_cache_bytes: int, max_loras: int, max_lora_rank: int, max_context: int,
                      device_memory: int = 0, ranks: int = 1, expert_lora: bool = True) -> list[str]:
@@ -396,3 +407,56 @@ def rank_tokens(budget: int, ways: int) -> int:
     """One rank's tokens per micro-batch when `ways` ranks split a pass's `budget`: its share,
     rounded up (a row longer than that still goes alone)."""
     return max(1, -(-budget // ways))
+
+
+def longest_row(config: Mapping, inputs: PlanInputs) -> int:
+    """The longest single row a trainer planned by `inputs` can train: a pass of that row alone
+    (checkpointed where `inputs.checkpoint_tokens` says a row that long is; graphs are never captured
+    for it) beside the base weights and one resident adapter, as `plan_memory` counts them. 0 when
+    not even MIN_TOKEN_BUDGET tokens fit."""
+    def fits(tokens: int) -> bool:
+        return not plan_memory(config, dataclasses.replace(inputs, token_budget=tokens, resident_adapters=1,
+                                                           cuda_graphs=False)).trainer_problems
+
+    # Fitting is monotonic in the length on each side of the checkpointing threshold (a row past it
+    # keeps a few vectors a token, one below it every layer's intermediates): search above it first.
+    low = max(MIN_TOKEN_BUDGET, inputs.checkpoint_tokens)
+    if fits(low):
+        high = 2 * low
+        while fits(high) and high < 1 << 31:
+            low, high = high, high * 2
+    elif low > MIN_TOKEN_BUDGET and fits(MIN_TOKEN_BUDGET):
+        low, high = MIN_TOKEN_BUDGET, low
+    else:
+        return 0
+    while high - low > 1:  # fits(low), not fits(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def context_gpus(config: Mapping, context: int, inputs: PlanInputs) -> int | None:
+    """The fewest GPUs of `inputs.device_bytes` (a tensor-parallel trainer gang on devices of its
+    own) on which one row of `context` tokens trains beside one adapter; None where no gang of up to
+    64 does: a layer's checkpointed input is whole on every rank of a tensor-parallel gang (and an
+    FSDP gang runs a row on one rank), so past that a row needs context parallelism, which Quilt has not."""
+    single = dataclasses.replace(inputs, token_budget=context, resident_adapters=1, trainer_parallel="tp",
+                                 cuda_graphs=False)
+    return fewest_ranks(config, single)[0]
+
+
+def model_context(requested: int | None, *, base_context: int, standard: int, plan_longest: int | None) -> int:
+    """A new training model's context length. Asked for (`requested`): at most the base's own
+    (`base_context`) and the longest row the trainer's memory plan can train (`plan_longest`, None
+    where the plan is not known here), else a 400 naming `max_context_length` and the limit. Not asked
+    for: the `standard` context (0: the base's), never more than the base's or the plan's."""
+    limit, why = base_context, f"base model's context length {base_context:,}"
+    if plan_longest is not None and plan_longest < limit:
+        limit, why = max(plan_longest, 1), (f"longest row the trainer's memory plan can train on this base "
+                                            f"({max(plan_longest, 1):,} tokens; quilt models plan --context)")
+    if requested is None:
+        return min(standard or base_context, limit)
+    if requested > limit:
+        raise InvalidInput(f"max_context_length: {requested:,} tokens exceed the limit of {limit:,}, the {why}",
+                           field="max_context_length")
+    return requested

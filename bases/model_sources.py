@@ -214,10 +214,18 @@ def weights_parameters(directory: str | Path) -> int:
             header = safetensors_header(directory / shard)
         except (OSError, ValueError, struct.error) as exc:
             raise InvalidInput(f"{shard} is not a readable safetensors file: {exc}", field="weights") from None
-        for key, meta in header.items():
-            if key != "__metadata__":
-                total += math.prod(meta["shape"])
+        total += sum(_stored_parameters(key, meta, header) for key, meta in header.items() if key != "__metadata__")
     return total
+
+
+def _stored_parameters(key: str, meta: dict, header: dict) -> int:
+    """The parameters a stored tensor holds. MXFP4 (gpt-oss's experts: `<name>_blocks` bytes beside
+    `<name>_scales`) packs two 4-bit values a byte, and its scales are no parameters of their own."""
+    if key.endswith("_blocks") and meta.get("dtype") == "U8" and key[:-len("_blocks")] + "_scales" in header:
+        return 2 * math.prod(meta["shape"])
+    if key.endswith("_scales") and meta.get("dtype") == "U8" and key[:-len("_scales")] + "_blocks" in header:
+        return 0
+    return math.prod(meta["shape"])
 
 
 def _tokenizer_template(directory: Path, vocab_size: int) -> str | None:

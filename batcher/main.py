@@ -41,13 +41,7 @@ def check_memory(base: catalog.BaseModel, settings: TrainerSettings) -> memory_p
     """Check, before loading anything, that the base fits this trainer's device; exits naming the
     setting to change when it does not (bases.memory_plan)."""
     gen = get_gen_pool_settings()
-    plan = memory_plan.for_worker(base.config, device=settings.device, dtype=settings.dtype,
-                                  configured_memory=settings.gpu_memory, token_budget=settings.token_budget,
-                                  max_lora_rank=settings.max_rank, max_loras=gen.max_loras,
-                                  gen_memory_share=gen.gpu_memory_share, max_context=base.max_context_length,
-                                  shares_device=settings.shares_device, ranks=settings.ranks,
-                                  expert_lora=settings.expert_lora, cuda_graphs=settings.cuda_graphs,
-                                  parallel=settings.parallel, checkpoint_tokens=settings.checkpoint_tokens)
+    plan = memory_plan.trainer_plan(base.config, settings, gen, max_context=base.max_context_length)
     if plan.trainer_problems:
         raise SystemExit(f"base {base.name!r} does not fit this trainer: " + "; ".join(plan.trainer_problems))
     log.info("memory plan for %s: %s", base.name, ", ".join(f"{k.strip()}={v}" for k, v in plan.rows()[:8]))

@@ -143,6 +143,17 @@ SHAPES = {
     "70b-fsdp8": Shape("70b", "fsdp", 8),
     "235b-ep8": Shape("235b", "ep", 8),
     "32b-128k": Shape("32b", row_tokens=131072),
+    # one long row (docs/benchmarks/long_context.md: the GPUs 8B and 32B need at each context)
+    "8b-32k": Shape("8b", row_tokens=32768),
+    "8b-128k": Shape("8b", row_tokens=131072),
+    "8b-256k": Shape("8b", row_tokens=262144),
+    "32b-32k": Shape("32b", row_tokens=32768),
+    "32b-256k": Shape("32b", row_tokens=262144),
+    # ... on the gangs the plan gives them (GPUs of 80 GiB; 8b-256k-tp4 and 32b-128k-tp8 on 141)
+    "8b-128k-tp2": Shape("8b", "tp", 2, row_tokens=131072),
+    "8b-256k-tp4": Shape("8b", "tp", 4, row_tokens=262144),
+    "32b-32k-tp2": Shape("32b", "tp", 2, row_tokens=32768),
+    "32b-128k-tp8": Shape("32b", "tp", 8, row_tokens=131072),
 }
 
 
@@ -587,8 +598,12 @@ def _plan(config: dict[str, Any], shape: Shape, ranks: int, tenants: int, tokens
     peak = plan.trainer_bytes - plan.trainer_free_bytes  # base, slabs' zero row, activations, adapters
     trainer, _ = memory_plan.fewest_ranks(config, dataclasses.replace(inputs, token_budget=None, resident_adapters=None,
                                                                        trainer_ranks=1))
-    return {"plan_peak_gib_per_rank": round(peak / GiB, 2), "plan_gpu_gb": gib,
-            "plan_trainer_gpus": trainer, "plan_fits": not plan.trainer_problems}
+    out = {"plan_peak_gib_per_rank": round(peak / GiB, 2), "plan_gpu_gb": gib,
+           "plan_trainer_gpus": trainer, "plan_fits": not plan.trainer_problems}
+    if shape.row_tokens:  # a long row: the fewest GPUs of each size that train it (None: no gang does)
+        out["plan_context_gpus"] = {f"{gb}GiB": memory_plan.context_gpus(config, shape.row_tokens, dataclasses.replace(
+            inputs, device_bytes=gb * GiB, token_budget=None, resident_adapters=None, trainer_ranks=1)) for gb in (80, 141)}
+    return out
 
 
 def main() -> None:
@@ -637,6 +652,9 @@ def report(name: str, r: dict[str, Any]) -> None:
           f"plan {r['plan_peak_gib_per_rank']:,.2f} GiB; planned on {r['plan_gpu_gb']} GiB GPUs, the trainer needs "
           f"{r['plan_trainer_gpus'] or 'more than any gang its heads allow'}"
           + ("" if r["plan_fits"] else f"; these tenants at this rank do not fit {r['ranks']} of them"))
+    if "plan_context_gpus" in r:
+        print("  this row, GPUs the plan gives it: " + ", ".join(f"{size} {n or 'no gang'}"
+                                                            for size, n in r["plan_context_gpus"].items()))
     print()
 
 

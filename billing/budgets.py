@@ -16,7 +16,7 @@ import psycopg
 from psycopg.rows import DictRow, dict_row
 
 from billing import price_book
-from billing.pricing import Price, inflight_cost, usd
+from billing.pricing import Price, context_percent, inflight_cost, usd
 from core.errors import BudgetExceeded
 
 _MONTH_START = "(date_trunc('month', now() AT TIME ZONE 'UTC'))::date"
@@ -100,7 +100,7 @@ GROUP BY api_key_id
 """
 
 _INFLIGHT = """
-SELECT r.kind, r.api_key_id, r.n_tokens, tm.base_model
+SELECT r.kind, r.api_key_id, r.n_tokens, tm.base_model, tm.context_length
 FROM requests r LEFT JOIN training_models tm ON tm.id = r.model_id
 WHERE r.tenant_id = %s AND r.status IN ('queued', 'running') AND r.n_tokens > 0
 """
@@ -117,7 +117,9 @@ def _states(budgets: list[dict], spent_rows: list[dict], inflight_rows: list[dic
     fallback = max((p.max_rate for p in served_prices), default=0)
     inflight_by_key: dict[str | None, int] = {}
     for r in inflight_rows:
-        cost = inflight_cost(r["kind"], r["n_tokens"], prices.get(r["base_model"] or ""), fallback)
+        price = prices.get(r["base_model"] or "")
+        percent = context_percent(r.get("context_length"), price.context_tiers) if price is not None else 100
+        cost = inflight_cost(r["kind"], r["n_tokens"], price, fallback, percent)
         inflight_by_key[r["api_key_id"]] = inflight_by_key.get(r["api_key_id"], 0) + cost
     out = []
     for b in budgets:

@@ -173,13 +173,14 @@ def cmd_prices_list(args, prepared: Callable) -> int:
     for p in prices:
         print(f"{p.base_model}\t{p.effective_from:%Y-%m-%d %H:%M}\t{usd(p.prefill_micro_usd_per_mtok)}\t"
               f"{usd(p.rate('cached'))}\t{usd(p.sample_micro_usd_per_mtok)}\t{usd(p.train_micro_usd_per_mtok)}\t"
-              f"{usd(p.storage_micro_usd_per_gb_month)}\t{p.note}")
+              f"{usd(p.storage_micro_usd_per_gb_month)}\t{p.note}"
+              + "".join(f"\tcontext > {above:,}: {percent}%" for above, percent in p.context_tiers))
     return 0
 
 
 def cmd_prices_set(args, prepared: Callable) -> int:
     from billing import price_book
-    from billing.pricing import parse_usd
+    from billing.pricing import check_context_tiers, parse_usd
     from core import db
 
     rates = {}
@@ -190,9 +191,20 @@ def cmd_prices_set(args, prepared: Callable) -> int:
             rates[unit] = parse_usd(getattr(args, unit))
         except ValueError as exc:
             raise InvalidInput(str(exc), field=unit) from None
+    tiers = []
+    for text in getattr(args, "context_tier", None) or ():
+        above, _, percent = text.partition(":")
+        if not (above.strip().isdigit() and percent.strip().isdigit()):
+            raise InvalidInput(f"--context-tier {text!r} is not ABOVE_TOKENS:PERCENT (e.g. 32768:150)", field="context_tier")
+        tiers.append([int(above), int(percent)])
+    try:
+        tiers = [list(t) for t in check_context_tiers(tiers)]
+    except ValueError as exc:
+        raise InvalidInput(str(exc), field="context_tier") from None
     start = args.effective_from or datetime.now(UTC)
     with db.connect(prepared(args)) as conn:
-        p = price_book.add_price(conn, base_model=args.base_model, effective_from=start, note=args.note, **rates)
+        p = price_book.add_price(conn, base_model=args.base_model, effective_from=start, note=args.note,
+                                 context_tiers=tiers, **rates)
     print(f"price of {p.base_model} from {p.effective_from:%Y-%m-%d %H:%M %Z}: prefill {args.prefill}, "
           f"sample {args.sample}, train {args.train} USD per million tokens")
     return 0
@@ -305,6 +317,9 @@ def add_commands(sub, data_dir_option: Callable, prepared: Callable) -> None:
     p.add_argument("--train", required=True)
     p.add_argument("--cached", help="USD per million prefix-cache hits (default: 20%% of --prefill)")
     p.add_argument("--storage", help="USD per GB-month of checkpoints (default: the price book's default)")
+    p.add_argument("--context-tier", action="append", metavar="ABOVE_TOKENS:PERCENT",
+                   help="models with a context above ABOVE_TOKENS pay PERCENT of every token rate (repeat for more "
+                        "tiers, e.g. 32768:150 131072:200; default: 100 at any context)")
     p.add_argument("--from", dest="effective_from", type=_when, help="ISO time (default: now)")
     p.add_argument("--note", default="")
     command(p, cmd_prices_set)

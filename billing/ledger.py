@@ -15,7 +15,7 @@ import psycopg
 from psycopg.rows import DictRow, dict_row
 
 from billing.price_book import current_price_sync
-from billing.pricing import Cost, Units, cost_of
+from billing.pricing import Cost, Units, context_percent, cost_of
 from core import records, run_metrics
 
 log = logging.getLogger("quilt.billing")
@@ -37,12 +37,12 @@ _INSERT = """
 INSERT INTO usage_ledger (request_id, tenant_id, api_key_id, model_id, base_model,
                           prefill_tokens, sample_tokens, train_tokens, cached_tokens, storage_byte_hours, price_id,
                           prefill_micro_usd, sample_micro_usd, train_micro_usd, cached_micro_usd, storage_micro_usd,
-                          cost_micro_usd, created_at)
+                          cost_micro_usd, context_percent, created_at)
 VALUES (%(request_id)s, %(tenant_id)s,
         COALESCE(%(api_key_id)s, (SELECT api_key_id FROM requests WHERE id = %(request_id)s)),
         %(model_id)s, %(base_model)s, %(prefill)s, %(sample)s, %(train)s, %(cached)s, %(storage)s, %(price_id)s,
         %(prefill_cost)s, %(sample_cost)s, %(train_cost)s, %(cached_cost)s, %(storage_cost)s, %(cost)s,
-        COALESCE(%(billed_at)s, now()))
+        %(context_percent)s, COALESCE(%(billed_at)s, now()))
 ON CONFLICT (request_id) DO NOTHING
 RETURNING id, api_key_id, created_at
 """
@@ -130,7 +130,13 @@ def record_usage(conn: psycopg.Connection[DictRow], *, request_id: str, tenant_i
     price = current_price_sync(conn, base_model)
     if price is None and not units.empty:
         log.warning("no price for base model %r: request %s recorded at zero cost", base_model, request_id)
-    cost = cost_of(units, price)
+    percent = 100
+    if price is not None and price.context_tiers and model_id is not None and not units.empty:
+        # a training model's context tier (a sampler's or storage's model_id names no training model)
+        with conn.cursor(row_factory=dict_row) as cur:
+            row = cur.execute("SELECT context_length FROM training_models WHERE id = %s", (model_id,)).fetchone()
+        percent = context_percent(row["context_length"] if row else None, price.context_tiers)
+    cost = cost_of(units, price, percent)
     params = {
         "request_id": request_id, "tenant_id": tenant_id, "api_key_id": api_key_id, "model_id": model_id,
         "base_model": base_model, "prefill": units.prefill_tokens, "sample": units.sample_tokens,
@@ -138,7 +144,7 @@ def record_usage(conn: psycopg.Connection[DictRow], *, request_id: str, tenant_i
         "price_id": price.id if price else None,
         "prefill_cost": cost.prefill_micro_usd, "sample_cost": cost.sample_micro_usd,
         "train_cost": cost.train_micro_usd, "cached_cost": cost.cached_micro_usd,
-        "storage_cost": cost.storage_micro_usd, "cost": cost.total_micro_usd,
+        "storage_cost": cost.storage_micro_usd, "cost": cost.total_micro_usd, "context_percent": percent,
         # A storage row (billing.storage) is a period's charge, not a request.
         "requests": 0 if units.storage_byte_hours else 1,
         "billed_at": billed_at,

@@ -10,12 +10,13 @@ from datetime import datetime
 
 import psycopg
 from psycopg.rows import DictRow, dict_row
+from psycopg.types.json import Jsonb
 
-from billing.pricing import Price, size_rates
+from billing.pricing import Price, check_context_tiers, size_rates
 from core import db
 
 _COLUMNS = ("id, base_model, effective_from, prefill_micro_usd_per_mtok, sample_micro_usd_per_mtok, "
-            "train_micro_usd_per_mtok, note, cached_micro_usd_per_mtok, storage_micro_usd_per_gb_month")
+            "train_micro_usd_per_mtok, note, cached_micro_usd_per_mtok, storage_micro_usd_per_gb_month, context_tiers")
 
 _CURRENT_ONE = f"""
 SELECT {_COLUMNS} FROM price_book
@@ -33,7 +34,7 @@ _ALL = f"SELECT {_COLUMNS} FROM price_book ORDER BY base_model, effective_from"
 
 
 def _price(row: dict) -> Price:
-    return Price(**row)
+    return Price(**{**row, "context_tiers": tuple(tuple(t) for t in row.get("context_tiers") or ())})
 
 
 def current_price_sync(conn: psycopg.Connection[DictRow], base_model: str) -> Price | None:
@@ -49,17 +50,20 @@ def list_prices_sync(conn: psycopg.Connection[DictRow]) -> list[Price]:
 
 
 def add_price(conn: psycopg.Connection[DictRow], *, base_model: str, effective_from: datetime, prefill: int, sample: int,
-              train: int, note: str = "", cached: int | None = None, storage: int | None = None) -> Price:
+              train: int, note: str = "", cached: int | None = None, storage: int | None = None,
+              context_tiers: tuple | list = ()) -> Price:
     """Add an entry (token rates in micro-USD per million tokens; `cached` None = 20% of prefill;
-    `storage` in micro-USD per GB-month, None = the table's default). Raises if one already starts then."""
+    `storage` in micro-USD per GB-month, None = the table's default; `context_tiers` [[above_tokens,
+    percent], ...], checked by billing.pricing.check_context_tiers). Raises if one already starts then."""
+    tiers = check_context_tiers(list(context_tiers))
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(
             f"INSERT INTO price_book (base_model, effective_from, prefill_micro_usd_per_mtok, "
-            f"sample_micro_usd_per_mtok, train_micro_usd_per_mtok, note, cached_micro_usd_per_mtok, "
-            f"storage_micro_usd_per_gb_month) VALUES (%s, %s, %s, %s, %s, %s, %s, "
+            f"sample_micro_usd_per_mtok, train_micro_usd_per_mtok, note, cached_micro_usd_per_mtok, context_tiers, "
+            f"storage_micro_usd_per_gb_month) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, "
             # the column's default (migration 0028) when no storage rate is given
             f"{'DEFAULT' if storage is None else '%s'}) RETURNING {_COLUMNS}",
-            (base_model, effective_from, prefill, sample, train, note, cached,
+            (base_model, effective_from, prefill, sample, train, note, cached, Jsonb([list(t) for t in tiers]),
              *(() if storage is None else (storage,))),
         ).fetchone()
     return _price(db.one(row))

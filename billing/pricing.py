@@ -14,7 +14,13 @@ byte-hours and priced per GB-month (10^9 bytes for 720 hours):
 
     cost_storage = round_half_up(byte_hours * rate_per_gb_month / (10^9 * 720))   micro-USD
 
-one ledger row per tenant, base model and hour. Rounding per unit and per request keeps
+one ledger row per tenant, base model and hour. A training model with a longer context (chosen at
+create_model) may pay a percent of every token rate (its price-book entry's context tiers,
+`context_percent`; 100 unless a tier says more, so no tier means no change on the bill):
+
+    cost_unit = round_half_up(tokens_unit * rate_unit * percent / (1,000,000 * 100))   micro-USD
+
+Rounding per unit and per request keeps
 every ledger row exact and self-contained (the ledger's own columns reproduce its cost); the
 difference from unrounded arithmetic is at most 0.5 micro-USD per unit per request.
 """
@@ -80,6 +86,9 @@ class Price:
     note: str = ""
     cached_micro_usd_per_mtok: int | None = None  # None: CACHED_PERCENT_OF_PREFILL of the prefill rate
     storage_micro_usd_per_gb_month: int = 0
+    # ((above_tokens, percent), ...) ascending: a model whose context is above a tier's tokens pays its
+    # percent of every token rate (`context_percent`); () = 100 percent at any context.
+    context_tiers: tuple[tuple[int, int], ...] = ()
 
     def rate(self, unit: str) -> int:
         if unit == "cached" and self.cached_micro_usd_per_mtok is None:
@@ -136,11 +145,46 @@ def storage_cost(byte_hours: int, rate_micro_usd_per_gb_month: int) -> int:
     return div_round_half_up(byte_hours * rate_micro_usd_per_gb_month, BYTES_PER_GB * HOURS_PER_MONTH)
 
 
-def cost_of(units: Units, price: Price | None) -> Cost:
-    """The cost of one ledger row. No price (an unpriced base model) costs nothing."""
+MAX_CONTEXT_PERCENT = 10_000  # a tier charges at most 100 times the base rates
+MAX_CONTEXT_TIERS = 16
+
+
+def check_context_tiers(tiers: object) -> tuple[tuple[int, int], ...]:
+    """A price-book entry's context tiers, checked: a list of [above_tokens, percent] pairs with
+    above_tokens rising (>= 1) and percent in [100, MAX_CONTEXT_PERCENT], not falling. ValueError
+    naming what is wrong."""
+    if not isinstance(tiers, list | tuple) or len(tiers) > MAX_CONTEXT_TIERS:
+        raise ValueError(f"context tiers must be a list of at most {MAX_CONTEXT_TIERS} [above_tokens, percent] pairs")
+    out: list[tuple[int, int]] = []
+    for tier in tiers:
+        if (not isinstance(tier, list | tuple) or len(tier) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in tier)):
+            raise ValueError(f"context tier {tier!r} is not an [above_tokens, percent] pair of integers")
+        above, percent = tier
+        if above < 1 or not 100 <= percent <= MAX_CONTEXT_PERCENT:
+            raise ValueError(f"context tier {list(tier)}: above_tokens must be >= 1 and percent in [100, "
+                             f"{MAX_CONTEXT_PERCENT}]")
+        if out and (above <= out[-1][0] or percent < out[-1][1]):
+            raise ValueError(f"context tier {list(tier)}: tiers must rise in above_tokens and never fall in percent")
+        out.append((above, percent))
+    return tuple(out)
+
+
+def context_percent(context_length: int | None, tiers: tuple[tuple[int, int], ...]) -> int:
+    """The percent of the token rates a model of `context_length` pays: the highest tier it is above,
+    100 with no tier (or no context: sampling, storage, a model made before contexts were chosen)."""
+    if context_length is None:
+        return 100
+    return max((percent for above, percent in tiers if context_length > above), default=100)
+
+
+def cost_of(units: Units, price: Price | None, percent: int = 100) -> Cost:
+    """The cost of one ledger row, its token units at `percent` of their rates (`context_percent`).
+    No price (an unpriced base model) costs nothing."""
     if price is None:
         return FREE
-    return Cost(**{f"{u}_micro_usd": unit_cost(units.of(u), price.rate(u)) for u in UNITS},
+    return Cost(**{f"{u}_micro_usd": div_round_half_up(units.of(u) * price.rate(u) * percent, TOKENS_PER_RATE * 100)
+                   for u in UNITS},
                 storage_micro_usd=storage_cost(units.storage_byte_hours, price.storage_micro_usd_per_gb_month))
 
 
@@ -202,19 +246,19 @@ def training_units(kind: str, n_tokens: int) -> Units:
     return Units()
 
 
-def inflight_cost(kind: str, n_tokens: int, price: Price | None, fallback_rate: int) -> int:
+def inflight_cost(kind: str, n_tokens: int, price: Price | None, fallback_rate: int, percent: int = 100) -> int:
     """Conservative estimate (micro-USD) of a queued or running request, for budget admission.
 
     Trainer kinds are priced as they will be billed. Any other kind with tokens (sampling,
     compute_logprobs, ...) is priced at the model's highest rate, so the estimate is an upper bound
     as long as `requests.n_tokens` holds an upper bound of its metered tokens (for sampling: prompt
     tokens x n + max_tokens x n). Without a price for the model, `fallback_rate` (the highest rate in
-    the book) is used.
+    the book) is used. `percent`: the model's context tier (`context_percent`).
     """
     if n_tokens <= 0:
         return 0
     if price is not None and kind in ("forward_backward", "forward"):
-        return cost_of(training_units(kind, n_tokens), price).total_micro_usd
+        return cost_of(training_units(kind, n_tokens), price, percent).total_micro_usd
     rate = price.max_rate if price is not None else fallback_rate
     return unit_cost(n_tokens, rate)
 

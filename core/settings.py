@@ -64,6 +64,9 @@ class CoreSettings(BaseSettings):
     s3_region: str = Field("", description="the bucket's region; empty = boto3's default chain")
     s3_snapshot_prefix: str = Field("quilt/snapshots", description="key prefix of trainer snapshots in the bucket "
                                                                    "(QUILT_TRAINER_SNAPSHOTS_IN_STORE)")
+    s3_asset_prefix: str = Field("quilt/assets", max_length=512,
+                                 description="key prefix of tenants' own assets in the bucket: an image pointer may "
+                                             "name s3://<bucket>/<this>/<tenant id>/<name> (checkpoints.assets)")
     s3_cache_max_gib: float = Field(50.0, gt=0, le=2**20, allow_inf_nan=False,
                                     description="the most this machine keeps of checkpoint versions fetched from or "
                                                 "written to the bucket; least recently used ones go first")
@@ -142,6 +145,10 @@ class ApiSettings(BaseSettings):
     # Images on a vision base (api.images, bases.vision): each one's encoded bytes and declared
     # pixels (checked before it is decoded: a decompression bomb declares many in few bytes), and
     # how many one request carries.
+    standard_context_length: int = Field(
+        32768, ge=0, le=2**31 - 1, description="the context a training model gets when create_model asks for none "
+                                               "(or the base's, if shorter); a longer one is asked for with "
+                                               "max_context_length and may be priced higher; 0 = the base's own")
     max_image_bytes: int = Field(4_000_000, ge=1, description="encoded bytes of one image")
     max_image_pixels: int = Field(16_777_216, ge=1, description="width x height of one image, as its file declares")
     max_images_per_request: int = Field(64, ge=0, description="images in one forward, forward_backward or sample")

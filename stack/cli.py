@@ -121,9 +121,12 @@ def cmd_models_plan(args) -> int:
     import json
 
     from bases import catalog
+    from bases.architectures import loaded_as
     from bases.memory_plan import (
         PlanInputs,
+        context_gpus,
         fewest_ranks,
+        longest_row,
         parse_bytes,
         plan_memory,
         resolve_dtype,
@@ -158,7 +161,7 @@ def cmd_models_plan(args) -> int:
         inputs = dataclasses.replace(inputs, shared_device=False, **ranks)
     plan = plan_memory(base.config, inputs)
     print(f"{base.name} ({base.architecture}, {_params(base.num_parameters)} parameters) on {args.gpu_memory}, "
-          f"{inputs.dtype}, {'one device shared' if inputs.shared_device else 'one device each'}")
+          f"{loaded_as(base.config, inputs.dtype)}, {'one device shared' if inputs.shared_device else 'one device each'}")
     def need(n: int | None) -> str:
         return f"{n} GPU{'s' if n > 1 else ''}" if n else "more GPUs than its heads can be split over"
 
@@ -168,12 +171,21 @@ def cmd_models_plan(args) -> int:
     width = max(len(k) for k, _ in plan.rows())
     for k, v in plan.rows():
         print(f"  {k.ljust(width)}  {v}")
+    longest = longest_row(base.config, inputs)
+    print(f"  longest training row (one adapter beside it)  {longest:,} tokens")
+    context = {}
+    if args.context:
+        gpus = context_gpus(base.config, args.context, dataclasses.replace(inputs, trainer_ranks=1))
+        print(f"  a row of {args.context:,} tokens: "
+              + (f"a trainer gang of {gpus} GPU{'s' if gpus > 1 else ''}" if gpus else
+                 "no trainer gang of these GPUs (a layer's checkpointed input is whole on every rank)"))
+        context = {"context": args.context, "context_gpus": gpus}
     for p in plan.problems:
         print(f"does not fit: {p}")
     print(json.dumps({"model": base.name, "fits": not plan.problems, "trainer_gpus": trainer_n,
                       "sampler_gpus": sampler_n, "token_budget": plan.token_budget,
                       "resident_adapters": plan.resident_adapters, "kv_tokens": plan.kv_tokens,
-                      "max_sequences": plan.max_sequences}))
+                      "max_sequences": plan.max_sequences, "longest_row": longest, **context}))
     return 0 if not plan.problems else 2
 
 
@@ -437,6 +449,8 @@ COMMANDS: tuple[Command | Group, ...] = (
                                                                    "planned at (default 32, Tinker's)"),
             arg("--expert-lora", action=_BOOL, default=None,
                 help="MoE: plan adapters and LoRA slots with every expert's LoRA (default: the base's setting)"),
+            arg("--context", type=_positive, help="also say how many GPUs one training row of this many tokens "
+                                                  "needs (a model's max_context_length: docs/http-api.md)"),
         )),
     )),
     Group("tenants", "tenants", (

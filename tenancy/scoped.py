@@ -152,7 +152,9 @@ async def session_contents(conn: AsyncConnection[DictRow], who: Principal, sessi
 
 def _model_read(admission: bool) -> str:
     quota = f", {_ADMISSION_READS}" if admission else ""
-    return ("SELECT m.*, b.vocab_size, b.max_context_length, r.id AS seq_holder_id, r.kind AS seq_holder_kind, "
+    # a model's own context (chosen at create_model), or its base's for a model made before it was chosen
+    return ("SELECT m.*, b.vocab_size, COALESCE(m.context_length, b.max_context_length) AS max_context_length, "
+            "r.id AS seq_holder_id, r.kind AS seq_holder_kind, "
             f"r.status AS seq_holder_status{quota} "
             "FROM training_models m JOIN base_models b ON b.name = m.base_model "
             "LEFT JOIN requests r ON r.model_id = m.id AND r.seq_id = %(seq)s "

@@ -149,3 +149,96 @@ def test_budget_states_split_spend_and_in_flight_by_key():
     assert (tenant.spent_micro_usd, tenant.inflight_micro_usd) == (550, 44_600)
     assert (key.spent_micro_usd, key.inflight_micro_usd) == (50, 44_000)
     assert not key.exhausted and key.remaining_micro_usd == 6
+
+
+# ---------------------------------------------------------------------------------- context tiers
+
+TIERS = ((32_768, 150), (131_072, 200))
+
+
+@pytest.mark.parametrize("context,tiers,percent", [
+    (None, TIERS, 100),  # no context (sampling, storage, a model from before contexts were chosen)
+    (4_096, TIERS, 100),
+    (32_768, TIERS, 100),  # a tier charges contexts above its tokens, not at them
+    (32_769, TIERS, 150),
+    (131_072, TIERS, 150),
+    (131_073, TIERS, 200),
+    (1_000_000, TIERS, 200),
+    (1_000_000, (), 100),  # no tiers: no change on the bill at any context
+])
+def test_context_percent(context, tiers, percent):
+    from billing.pricing import context_percent
+
+    assert context_percent(context, tiers) == percent
+
+
+@pytest.mark.parametrize("tiers,words", [
+    ([[0, 150]], "above_tokens must be >= 1"),
+    ([[1000, 99]], "percent in [100"),  # a tier never discounts
+    ([[1000, 10_001]], "percent in [100"),
+    ([[1000, 150], [1000, 200]], "must rise"),
+    ([[2000, 150], [1000, 200]], "must rise"),
+    ([[1000, 200], [2000, 150]], "never fall"),
+    ([[1000]], "pair"),
+    ([[1000, 1.5]], "pair of integers"),
+    ([[1000, True]], "pair of integers"),
+    ([["1000", 150]], "pair of integers"),
+    ({"above": 1000}, "list"),
+    ([[i + 1, 100] for i in range(17)], "at most 16"),
+])
+def test_bad_context_tiers_are_refused_by_name(tiers, words):
+    from billing.pricing import check_context_tiers
+
+    with pytest.raises(ValueError) as exc:
+        check_context_tiers(tiers)
+    assert words in str(exc.value), str(exc.value)
+
+
+def test_good_context_tiers_come_back_as_tuples():
+    from billing.pricing import check_context_tiers
+
+    assert check_context_tiers([[32_768, 150], [131_072, 200]]) == TIERS
+    assert check_context_tiers([]) == ()
+
+
+@pytest.mark.parametrize("units", [
+    Units(train_tokens=1), Units(train_tokens=3, prefill_tokens=7), Units(prefill_tokens=1_234_567, sample_tokens=89,
+                                                                          cached_tokens=5, train_tokens=999_999),
+    Units(storage_byte_hours=10**12),
+])
+def test_percent_100_bills_exactly_what_it_did(units):
+    """A model at 100 percent (no tier) is billed to the micro-USD what the rule before tiers gave."""
+    before = {u: unit_cost(units.of(u), Q8B.rate(u)) for u in ("prefill", "cached", "sample", "train")}
+    cost = cost_of(units, Q8B, 100)
+    assert {u: cost.of(u) for u in before} == before
+    assert cost == cost_of(units, Q8B)
+
+
+@pytest.mark.parametrize("train,percent,micro", [
+    (1_000_000, 150, 660_000),  # 440,000 x 1.5
+    (1_000_000, 200, 880_000),
+    (1, 150, 1),  # 0.66 micro-USD rounds up
+    (1, 100, 0),  # 0.44 rounds down
+    (3, 150, 2),  # 1.98
+])
+def test_a_context_tier_scales_every_token_rate_and_rounds_once(train, percent, micro):
+    assert cost_of(Units(train_tokens=train), Q8B, percent).train_micro_usd == micro
+    # storage is not a token unit: never scaled
+    assert cost_of(Units(storage_byte_hours=10**12), Q8B, percent).storage_micro_usd == \
+        cost_of(Units(storage_byte_hours=10**12), Q8B).storage_micro_usd
+
+
+def test_inflight_cost_charges_the_context_tier():
+    assert inflight_cost("forward_backward", 1_000_000, Q8B, 0, 150) == 660_000
+    assert inflight_cost("forward_backward", 1_000_000, Q8B, 0) == 440_000
+
+
+def test_budgets_count_inflight_training_at_its_models_context_tier():
+    import dataclasses
+
+    price = dataclasses.replace(Q8B, context_tiers=TIERS)
+    rows = [{"kind": "forward_backward", "api_key_id": None, "n_tokens": 1_000_000, "base_model": Q8B.base_model,
+             "context_length": context} for context in (65_536, 4_096, None)]
+    [state] = _states([{"api_key_id": None, "monthly_limit_micro_usd": 10**9, "prefix": None}], [], rows,
+                      {Q8B.base_model: price})
+    assert state.inflight_micro_usd == 660_000 + 440_000 + 440_000

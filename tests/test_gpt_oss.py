@@ -290,3 +290,78 @@ def test_the_plan_counts_the_sinks_per_token_and_head(ranks, parallel, per_layer
     monkeypatch.setattr(memory_plan, "SINK_BYTES_PER_HEAD", 0)
     without = memory_plan.plan_memory(config, inputs).activation_bytes_per_token
     assert with_sinks - without == 24 * per_layer
+
+
+@pytest.mark.parametrize("model_type", sorted(t for t, a in architectures.SUPPORTED.items() if a.moe and not a.vision))
+def test_the_expert_parallel_plan_names_each_moe_architectures_router(model_type):
+    """The masked expert-parallel plan a gang loads with (batcher.engine.gang.expert_plan) names
+    modules the causal LM has: its MoE blocks' router (gpt-oss's is `mlp.router`, the others'
+    `mlp.gate`) and experts. transformers refuses a plan key that matches nothing."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.distributed.tensor_parallel import replace_layer_number_by_wildcard
+
+    from batcher.engine import gang
+    from stack.tiny_model import _config
+
+    config = _config(TinyModelSpec(architecture=model_type, num_layers=2), vocab_size=512, eos_id=0)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config.to_dict()))
+    modules = {replace_layer_number_by_wildcard(n): type(m).__name__ for n, m in model.named_modules()}
+    plan = gang.expert_plan(architectures.SUPPORTED[model_type].router)
+    assert set(plan) <= set(modules), sorted(set(plan) - set(modules))
+    router = next(k for k, v in plan.items() if v == "ep_router")
+    # the module the plan masks is the one that chooses experts (transformers' EpRouterParallel reads
+    # its num_experts and its (logits, scores, indices) output)
+    assert "Router" in modules[router] or "Gate" in modules[router], modules[router]
+
+
+def _as_mxfp4(directory: Path) -> dict[str, torch.Tensor]:
+    """Rewrite a tiny gpt-oss directory as OpenAI's checkpoints are: every expert weight as MXFP4
+    blocks and scales (values from the FP4 table, scale 2^0 so they are exact), config.json's
+    quantization_config saying so. Returns the experts' weights as transformers holds them."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import FP4_VALUES
+
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    tensors = load_file(directory / "model.safetensors")
+    expected, gen = {}, torch.Generator().manual_seed(3)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, rows_in, cols_out = tensors.pop(name).shape  # [E, in, out]
+        idx = torch.randint(0, 16, (e, cols_out, rows_in), generator=gen, dtype=torch.uint8)  # stored [E, out, in]
+        expected[name] = lut[idx.long()].transpose(1, 2).contiguous()
+        packed = (idx[..., 0::2] | (idx[..., 1::2] << 4)).reshape(e, cols_out, rows_in // 32, 16)
+        tensors[name + "_blocks"] = packed
+        tensors[name + "_scales"] = torch.full((e, cols_out, rows_in // 32), 127, dtype=torch.uint8)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    return expected
+
+
+def test_an_mxfp4_checkpoint_is_counted_whole_and_trained_dequantized(tmp_path):
+    """OpenAI's gpt-oss checkpoints store the experts in MXFP4. Its parameters count as the published
+    ones (two values a byte; the scales are no parameters), the plan says what the trainer holds, and
+    the trainer loads the experts dequantized (their exact FP4 values) as the plain parameters expert
+    LoRA runs, and trains them."""
+    from bases import model_sources
+
+    spec = TinyModelSpec(architecture="gpt_oss", num_experts=4, num_experts_per_tok=2, num_layers=2)
+    path = Path(build_tiny_model(tmp_path / "base", spec=spec).path)
+    plain = model_sources.weights_parameters(path)
+    expected = _as_mxfp4(path)
+    config = json.loads((path / "config.json").read_text())
+    assert model_sources.weights_parameters(path) == plain == architectures.parameter_counts(config)[0]
+    assert architectures.checkpoint_quantization(config) == "mxfp4"
+    assert "MXFP4 experts dequantized" in architectures.loaded_as(config, "bfloat16")
+    assert architectures.loaded_as({"model_type": "gpt_oss"}, "bfloat16") == "bfloat16"
+
+    be = LoraBackend(str(path), dtype=torch.float32)
+    held = dict(be.base.named_parameters())
+    for name, values in expected.items():
+        torch.testing.assert_close(held[name], values, rtol=0, atol=0)
+    be.create("m", LoraShape(rank=4, seed=1, train_unembed=False))
+    out = be.run_pass([PassRequest("m", "m", PassWork("cross_entropy", LossConfig(), (_datum(7, 20),)), False)])
+    assert isinstance(out[0], dict) and out[0]["metrics"]["loss:sum"] > 0, out
+    assert any(".experts." in k for k in be.adapter_state("m"))

@@ -214,3 +214,60 @@ def test_a_131072_token_row_trains_on_the_tiny_base(tmp_path, monkeypatch):
 def test_a_row_past_the_threshold_trains_checkpointed(tmp_path, monkeypatch):
     """The long row's test at a length the fast tier affords."""
     _train_one_row(tmp_path, monkeypatch, 8192)
+
+
+# The GPUs one row needs (docs/benchmarks/long_context.md's table): the fewest of a tensor-parallel
+# gang on which the row trains beside one adapter, checkpointed past 8,192 tokens; None past any gang.
+@pytest.mark.parametrize("config, gib, gpus", [
+    (QWEN3_8B, 80, {32768: 1, 131072: 2, 262144: None}),
+    (QWEN3_8B, 141, {32768: 1, 131072: 1, 262144: 4}),
+    (QWEN3_32B, 80, {32768: 2, 131072: None, 262144: None}),
+    (QWEN3_32B, 141, {32768: 1, 131072: 8, 262144: None}),
+])
+def test_the_gpus_each_context_needs(config, gib, gpus):
+    inputs = memory_plan.PlanInputs(device_bytes=gib * memory_plan.GiB, shared_device=False, checkpoint_tokens=8192)
+    assert {context: memory_plan.context_gpus(config, context, inputs) for context in gpus} == gpus
+
+
+@pytest.mark.parametrize("config, gib, checkpoint_tokens", [
+    (QWEN3_8B, 80, 8192), (QWEN3_8B, 80, 0), (QWEN3_8B, 141, 8192), (QWEN3_32B, 141, 8192), (QWEN3_32B, 141, 0),
+])
+def test_the_longest_row_is_the_last_that_fits(config, gib, checkpoint_tokens):
+    inputs = memory_plan.PlanInputs(device_bytes=gib * memory_plan.GiB, shared_device=False,
+                                    checkpoint_tokens=checkpoint_tokens)
+    longest = memory_plan.longest_row(config, inputs)
+
+    def fits(tokens):
+        return not memory_plan.plan_memory(config, dataclasses.replace(inputs, token_budget=tokens,
+                                                                       resident_adapters=1)).trainer_problems
+
+    assert longest > 0 and fits(longest) and not fits(longest + 1), longest
+    assert memory_plan.longest_row(QWEN3_32B, dataclasses.replace(inputs, device_bytes=80 * memory_plan.GiB)) == 0
+
+
+@pytest.mark.parametrize("requested, base, standard, plan_longest, expect", [
+    (None, 40960, 32768, None, 32768),  # not asked: the standard context
+    (None, 4096, 32768, None, 4096),  # ... or the base's, if shorter
+    (None, 40960, 0, None, 40960),  # standard 0: the base's own
+    (None, 131072, 32768, 20000, 20000),  # never more than the plan trains
+    (131072, 131072, 32768, None, 131072),  # asked: up to the base's
+    (100000, 131072, 32768, 106828, 100000),
+    (1, 4096, 32768, None, 1),
+    (131073, 131072, 32768, None, "the base model's context length 131,072"),
+    (120000, 131072, 32768, 106828, "longest row the trainer's memory plan can train on this base (106,828"),
+    (10**9, 131072, 32768, 0, "limit of 1,"),
+])
+def test_a_models_context_is_bounded_by_the_base_and_the_plan(requested, base, standard, plan_longest, expect):
+    from core.errors import InvalidInput
+
+    def context():
+        return memory_plan.model_context(requested, base_context=base, standard=standard, plan_longest=plan_longest)
+
+    if isinstance(expect, int):
+        assert context() == expect
+        return
+    with pytest.raises(InvalidInput) as exc:
+        context()
+    assert exc.value.field == "max_context_length"
+    assert f"max_context_length: {requested:,} tokens exceed the limit of" in str(exc.value)
+    assert expect in str(exc.value), str(exc.value)

@@ -149,6 +149,27 @@ def test_a_readers_copies_stay_under_its_limit_and_come_back_from_the_bucket(s3_
     assert len(_objects(s3_server, "cache/")) == 3
 
 
+def test_image_assets_are_read_from_the_own_prefix_only_and_bounded(s3_server, aws_env):
+    """An image pointer's object (checkpoints.assets) comes from the caller's own asset prefix, its
+    size checked before it is read; another tenant's object of the same name is never reached."""
+    from checkpoints.assets import AssetPlace, asset_name, read_asset
+    from core.errors import InvalidInput
+
+    client, place = _client(s3_server), AssetPlace("s3", bucket=BUCKET, prefix="assets")
+    client.put_object(Bucket=BUCKET, Key="assets/ten-a/img/cat.png", Body=b"a" * 300)
+    client.put_object(Bucket=BUCKET, Key="assets/ten-b/img/cat.png", Body=b"b" * 10)
+    field = "data[0].model_input.images[0].location"
+    name = asset_name(field, f"s3://{BUCKET}/assets/ten-a/img/cat.png", "ten-a", place)
+    assert read_asset(field, place, "ten-a", name, 300, client=client) == b"a" * 300
+    with pytest.raises(InvalidInput, match="holds 300 bytes, over the limit of 299 bytes") as exc:
+        read_asset(field, place, "ten-a", name, 299, client=client)
+    assert exc.value.field == field
+    with pytest.raises(NotFound):
+        read_asset(field, place, "ten-a", "img/absent.png", 300, client=client)
+    with pytest.raises(InvalidInput, match="outside your asset prefix"):
+        asset_name(field, f"s3://{BUCKET}/assets/ten-b/img/cat.png", "ten-a", place)
+
+
 def test_the_orphan_sweep_finds_versions_in_the_bucket_that_no_row_names(s3_server, aws_env, tmp_path):
     """A trainer that uploaded a save and died before recording it leaves objects only the bucket
     holds (its machine is gone): the hourly sweep finds them by key and age, and removes them."""

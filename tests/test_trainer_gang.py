@@ -3,7 +3,8 @@ torch.distributed.run as `quilt up --trainer-ranks 2` starts them, train four te
 steps in float64 and must match one process to 1e-9: every adapter, every AdamW moment, every
 datum's loss outputs; a checkpoint it saves loads back exactly. Tensor parallel on all six tiny
 architectures, FSDP and expert parallel on the tiny Qwen3-MoE with LoRA on its experts (which a
-tensor-parallel gang, splitting each expert, refuses). Rank 0 drives the other rank through the
+tensor-parallel gang, splitting each expert, refuses), and expert parallel on the tiny gpt-oss (its router is
+`mlp.router`, not `mlp.gate`: batcher.engine.gang.expert_plan). Rank 0 drives the other rank through the
 same protocol the trainer loop uses."""
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.stack  # several real processes
 def bases(tmp_path_factory):
     root = tmp_path_factory.mktemp("gang")
     return {arch: build_tiny_model(root / arch, spec=TinyModelSpec(architecture=arch)).path
-            for arch in ("qwen3", "qwen3_moe", "llama", "qwen2", "mistral", "gemma3_text")}
+            for arch in ("qwen3", "qwen3_moe", "llama", "qwen2", "mistral", "gemma3_text", "gpt_oss")}
 
 
 def _gang(base: Path, parallel: str, out: Path) -> dict:
@@ -72,7 +73,8 @@ def test_a_gang_over_two_nodes_trains_as_one_process_does(bases, tmp_path):
                                        atol=1e-9 * tensor.abs().max().item() + 1e-15, msg=f"{model_id} {key}")
 
 
-@pytest.mark.parametrize("arch,parallel", [("qwen3", "tp"), ("qwen3_moe", "ep"), ("qwen3_moe", "fsdp"), ("qwen3", "fsdp"),
+@pytest.mark.parametrize("arch,parallel", [("qwen3", "tp"), ("qwen3_moe", "ep"), ("gpt_oss", "ep"), ("qwen3_moe", "fsdp"),
+                                           ("qwen3", "fsdp"),
                                            ("qwen3_moe", "tp"), ("llama", "tp"), ("qwen2", "tp"), ("mistral", "tp"),
                                            ("gemma3_text", "tp")])
 def test_a_two_rank_gang_trains_as_one_process_does(bases, tmp_path, arch, parallel):

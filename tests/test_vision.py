@@ -282,21 +282,21 @@ def test_sampling_prompts_take_images_on_a_vision_base_only(vl):
 
     settings = ApiSettings(max_images_per_request=2)
     vision = SimpleNamespace(name="v", path=vl, config=json.loads((Path(vl) / "config.json").read_text()))
-    tokens, made = images.sample_prompt(prompt(n), vision, settings)
+    tokens, made = images.sample_prompt(prompt(n), vision, settings, "t1")
     assert tokens == [1, geo.vision_start_id, *[geo.image_token_id] * n, 2]
     assert made == (ImageInput(2, n, "png", pic),)
     with pytest.raises(InvalidInput, match=f"expects {n + 1} tokens but this 64x32 image takes {n}") as exc:
-        images.sample_prompt(prompt(n + 1), vision, settings)
+        images.sample_prompt(prompt(n + 1), vision, settings, "t1")
     assert exc.value.field == "prompt.images[0].expected_tokens"
     with pytest.raises(InvalidInput, match="3 images exceed the limit of 2") as exc:
-        images.sample_prompt(prompt(count=3), vision, settings)
+        images.sample_prompt(prompt(count=3), vision, settings, "t1")
     assert exc.value.field == "prompt"
     text = SimpleNamespace(name="t", path=vl, config={"model_type": "qwen3"})
     with pytest.raises(InvalidInput, match="images are not accepted by base model 't'") as exc:
-        images.sample_prompt(prompt(), text, settings)
+        images.sample_prompt(prompt(), text, settings, "t1")
     assert exc.value.field == "prompt"
     assert images.sample_prompt(ModelInputIn.model_validate({"chunks": [{"type": "encoded_text", "tokens": [3]}]}),
-                                text, settings) == ([3], ())
+                                text, settings, "t1") == ([3], ())
 
 
 def test_the_parameter_count_and_the_plan_hold_the_vision_tower(each_vl):

@@ -139,3 +139,71 @@ def test_a_hybrid_attention_base_trains_and_samples_through_the_sdk(vl_stack):
             tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         metrics = sampler_mismatch(tc, list(range(40, 50)), n=2, max_tokens=8)
         assert all(metrics[k] <= bound for k, bound in BOUND.items()), metrics
+
+
+def _json_datum(geo: ImageGeometry, image: dict, n: int) -> dict:
+    chunks = [{"type": "encoded_text", "tokens": [5, geo.vision_start_id]}, image,
+              {"type": "encoded_text", "tokens": [geo.vision_end_id, 7, 8]}]
+    length = 2 + n + 3
+    return {"model_input": {"chunks": chunks}, "loss_fn_inputs": {
+        "target_tokens": {"data": [0] * (length - 1) + [50], "dtype": "int64", "shape": [length]},
+        "weights": {"data": [0.0] * (length - 1) + [1.0], "dtype": "float32", "shape": [length]}}}
+
+
+def test_image_pointers_read_only_the_tenants_own_assets(vl_stack):
+    """An `ImageAssetPointerChunk` naming an object under the caller's own asset prefix (the local
+    store: <data dir>/assets/<tenant id>/) gives the same logprobs as the image's bytes sent inline, in
+    forward and forward_backward; another tenant's object, another host, a climbing name and an
+    over-size object are 400s naming the field. The tinker SDK's protobuf encoder carries pointers in
+    `sample` only, so forward and forward_backward go as JSON, the other wire form the protocol has."""
+    import base64
+
+    import httpx
+    from stackutil import wait_future
+
+    stack, geo = vl_stack
+    tenant, key = new_tenant(stack, "assets")
+    other, _ = new_tenant(stack, "assets-other")
+    pic = _shape((220, 30, 30), 64, 48)
+    n = geo.tokens(48, 64)
+    for owner, name, data in ((tenant, "red.png", pic), (other, "red.png", pic), (tenant, "big.png", b"\0" * 4_000_001)):
+        (stack.data_dir / "assets" / owner).mkdir(parents=True, exist_ok=True)
+        (stack.data_dir / "assets" / owner / name).write_bytes(data)
+    own = f"{stack.data_dir}/assets/{tenant}/"
+
+    def pointer(location: str) -> dict:
+        return _json_datum(geo, {"type": "image_asset_pointer", "location": location, "format": "png",
+                                 "expected_tokens": n}, n)
+
+    inline = _json_datum(geo, {"type": "image", "data": base64.b64encode(pic).decode(), "format": "png",
+                               "expected_tokens": n}, n)
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=key) as service, \
+            httpx.Client(base_url=stack.base_url + "/api/v1", headers={"X-API-Key": key}, timeout=60) as http:
+        model_id = service.create_lora_training_client(base_model=VL, rank=4).result().model_id
+        seq = iter(range(1, 100))
+
+        def call(route: str, data: list[dict]) -> httpx.Response:
+            field = "forward_input" if route == "forward" else "forward_backward_input"
+            return http.post(f"/{route}", json={"model_id": model_id, "seq_id": next(seq),
+                                                field: {"data": data, "loss_fn": "cross_entropy"}})
+
+        def logprobs(data: list[dict]) -> list[float]:
+            r = call("forward", data)
+            assert r.status_code == 200, r.text
+            result = wait_future(http, r.json()["request_id"])
+            return result["loss_fn_outputs"][0]["logprobs"]["data"]
+
+        assert logprobs([pointer(own + "red.png")]) == logprobs([inline])
+        r = call("forward_backward", [pointer(own + "red.png")])
+        assert r.status_code == 200, r.text
+        assert wait_future(http, r.json()["request_id"])["metrics"]["loss:sum"] > 0
+        field = "data[0].model_input.images[0].location"
+        nul = "data[0].model_input.chunks[1].location"  # the input guard refuses a NUL before images are read
+        for location, words, where in ((f"{stack.data_dir}/assets/{other}/red.png", "outside your asset prefix", field),
+                                       ("https://example.com/red.png", "fetches nothing from another host", field),
+                                       (own + f"../{other}/red.png", "'..' parts", field),
+                                       (own + "red.png\x00", "NUL", nul),
+                                       (own + "big.png", "over the limit of 4000000 bytes", field)):
+            for route in ("forward", "forward_backward"):
+                r = call(route, [pointer(location)])
+                assert r.status_code == 400 and words in r.text and where in r.text, (location, r.text)

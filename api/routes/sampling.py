@@ -16,6 +16,7 @@ Anything that is not the caller's is 404, like a missing thing.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -269,7 +270,7 @@ async def asample(body: SampleRequest, who: Who, pool: Pool, redis: RedisDep, se
         base, adapter = await resolve(conn, who, sampling_session_id=body.sampling_session_id,
                                       model_path=body.model_path, base_model=body.base_model)
         limits = group_limits(base)
-        tokens, image_inputs = images.sample_prompt(body.prompt, base, settings)
+        tokens, image_inputs = await asyncio.to_thread(images.sample_prompt, body.prompt, base, settings, who.tenant_id)
         prompt = params.check_prompt(tokens, limits)
         spec = params.normalise(body.sampling_params.model_dump(), len(prompt), limits)
         targets, probe_rows = _outputs(body, len(prompt), base.vocab_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from fastapi import APIRouter, Request
@@ -23,14 +24,14 @@ from api.schemas import (
     SaveWeightsExternalRequest,
     SaveWeightsRequest,
 )
-from bases import architectures, catalog
+from bases import architectures, catalog, memory_plan
 from checkpoints import encryption
 from checkpoints.layout import EXTERNAL_KIND, TRAINING_KIND, new_version_dir
 from core import custom_loss, db, health, ids, queue
 from core.errors import InvalidInput, NotFound
 from core.loss_spec import CUSTOM, spec_of
 from core.numbers import INT32_MAX
-from core.settings import get_core_settings, get_trainer_settings
+from core.settings import get_api_settings, get_core_settings, get_gen_pool_settings, get_trainer_settings
 from core.work import (
     ADAMW,
     OPTIMIZERS,
@@ -52,11 +53,23 @@ from tenancy import scoped
 router = APIRouter(route_class=GuardedRoute, tags=["training"])
 
 
+def _plan_longest_row(base) -> int | None:
+    """The longest row the base's trainer can train by its memory plan, where this process knows the
+    trainer's device memory (QUILT_TRAINER_GPU_MEMORY); None where it does not."""
+    trainer = get_trainer_settings()
+    if not trainer.gpu_memory or not base.config:
+        return None
+    plan = memory_plan.trainer_plan(base.config, trainer, get_gen_pool_settings(), max_context=base.max_context_length)
+    return memory_plan.longest_row(base.config, plan.inputs)
+
+
 async def _new_model(pool, redis, who, *, session_id: str, model_seq_id: int, base_model: str, lora: LoraShape,
-                     user_metadata: dict | None, load: LoadWeights | None, optimizer: str) -> dict:
-    """Record a new training model with its optimizer family and queue its first request (seq_id
-    0): a create, or a create-from-checkpoint. A repeat of the same (session, model_seq_id) returns
-    the first future."""
+                     user_metadata: dict | None, load: LoadWeights | None, optimizer: str,
+                     context: int | None = None) -> dict:
+    """Record a new training model with its optimizer family and context length (`context` asked
+    for, else the standard one: bases.memory_plan.model_context) and queue its first request
+    (seq_id 0): a create, or a create-from-checkpoint. A repeat of the same (session,
+    model_seq_id) returns the first future."""
     model_id = ids.training_model_id(session_id, model_seq_id)
     async with pool.connection() as conn:
         session = await scoped.get_session(conn, who, session_id)
@@ -68,10 +81,14 @@ async def _new_model(pool, redis, who, *, session_id: str, model_seq_id: int, ba
             raise NotFound(f"base_model {base_model!r} is not served here; choose one of {names}", field="base_model")
         if base.config:  # a LoRA this base cannot carry: 400 now, not a failed future later
             architectures.lora_targets(base.config, lora.to_json(), expert_lora=base.serving.get("expert_lora", True))
+        context_length = memory_plan.model_context(context, base_context=base.max_context_length,
+                                                   standard=get_api_settings().standard_context_length,
+                                                   plan_longest=_plan_longest_row(base))
         slot = admission.SeqSlot(model_id, 0, *await records.seq_holder(conn, model_id, 0))
         item = WorkItem(ids.new_request_id(), who.tenant_id, model_id, 0, WorkKind.CREATE_MODEL, 0,
                         CreateModel(lora, load, optimizer))
-        new = records.NewModel(session_id, model_seq_id, base.name, lora.to_json(), user_metadata or {}, optimizer)
+        new = records.NewModel(session_id, model_seq_id, base.name, lora.to_json(), user_metadata or {}, optimizer,
+                               context_length)
         request_id = await admission.admit(conn, redis, who, admission.Ticket(item, base.name, slot, new_model=new))
     return admission.future_response(request_id, model_id)
 
@@ -99,7 +116,8 @@ async def create_model(body: CreateModelRequest, who: Who, pool: Pool, redis: Re
                            field="lora_config.rank")
     return await _new_model(pool, redis, who, session_id=body.session_id, model_seq_id=body.model_seq_id,
                             base_model=body.base_model, lora=LoraShape(**body.lora_config.model_dump()),
-                            user_metadata=body.user_metadata, load=None, optimizer=_family(body.optimizer_config))
+                            user_metadata=body.user_metadata, load=None, optimizer=_family(body.optimizer_config),
+                            context=body.max_context_length)
 
 
 @router.post("/get_info")
@@ -169,7 +187,9 @@ async def _forward(request: Request, who, pool, redis, settings, callers, *, for
             base = await catalog.get_model(conn, model["base_model"])
             if base is None:
                 raise NotFound(f"base model {model['base_model']!r} is no longer served")
-            req = dataclasses.replace(req, data=images.prepare(req.data, base, settings))
+            # Off the event loop: decoding, and reading pointed-at assets from the object store, block.
+            req = dataclasses.replace(req, data=await asyncio.to_thread(images.prepare, req.data, base, settings,
+                                                                        who.tenant_id))
         if spec is None:
             graph = await _custom_loss(conn, who, model, req.loss_fn_config)
             work, n_tokens = datums.custom_pass_work(graph, req.data, limits)

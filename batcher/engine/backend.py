@@ -153,9 +153,15 @@ class LoraBackend:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-        kw = {}
+        kw: dict[str, Any] = {}
         if self.arch.moe and dtype == torch.float64:
             kw["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel (float64 is for tests)
+        if architectures.checkpoint_quantization(self.config) == "mxfp4":
+            # Dequantized on every machine: with its MXFP4 kernels transformers swaps the experts for a
+            # module without the gate_up_proj/down_proj parameters expert LoRA runs (batcher.engine.expert_lora).
+            from transformers.utils.quantization_config import Mxfp4Config
+
+            kw["quantization_config"] = Mxfp4Config(dequantize=True)
         shape = member.shape if member is not None and member.size > 1 else None
         if shape is not None:
             problems = gang.check_shape(shape, self.config)
@@ -165,10 +171,12 @@ class LoraBackend:
         if model is not None:
             base = model
         elif shape is not None:
-            base = gang.load_base(self.base_path, shape, str(self.device), dtype=dtype, **kw)
+            base = gang.load_base(self.base_path, shape, str(self.device), router=self.arch.router, dtype=dtype, **kw)
         else:  # a vision base with its vision tower (frozen with the rest; batcher.engine.vision)
             auto: Any = AutoModelForImageTextToText if self.arch.vision else AutoModelForCausalLM
             base = auto.from_pretrained(self.base_path, dtype=dtype, **kw)
+        if "quantization_config" in kw:
+            base = base.to(dtype)  # transformers dequantizes MXFP4 to bfloat16 whatever dtype it was asked for
         base.requires_grad_(False)
         if dtype == torch.float64:
             route_in_float64(base)  # (DeepSeek-V3: batcher.engine.expert_lora says why)

@@ -69,7 +69,15 @@ class GangShape:
             raise ValueError(f"trainer parallel must be tp, ep or fsdp, not {self.parallel!r}")
 
 
-def load_base(path: str, shape: GangShape, device: str, **kw: Any) -> Any:
+def expert_plan(router: str) -> dict[str, str]:
+    """The masked expert-parallel plan for a causal LM whose MoE blocks are `model.layers.*.mlp`, its
+    router `mlp.<router>` (architectures.Architecture.router: `gate` on most, `router` on gpt-oss).
+    transformers refuses a plan key that names no module, and an unmasked router would send each
+    rank's tokens to experts by their global index."""
+    return {f"model.layers.*.mlp.{router}": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"}
+
+
+def load_base(path: str, shape: GangShape, device: str, *, router: str = "gate", **kw: Any) -> Any:
     """This rank's part of the base.
 
     "tp" and "ep" load through transformers' `DistributedConfig` with the plans the architecture
@@ -78,7 +86,7 @@ def load_base(path: str, shape: GangShape, device: str, **kw: Any) -> Any:
     brings FSDP's root module with it. "fsdp" is torch's `fully_shard` on each decoder layer and on
     the decoder (the trainer calls the decoder and the unembedding apart, so transformers' own FSDP
     plan, whose root is the whole causal LM, does not fit); the unembedding stays whole per rank.
-    Returns the transformers causal LM."""
+    `router` names the MoE blocks' router module (`expert_plan`). Returns the transformers causal LM."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
@@ -94,8 +102,7 @@ def load_base(path: str, shape: GangShape, device: str, **kw: Any) -> Any:
         fully_shard(decoder, mesh=mesh)
         return model.to(device)
     if shape.parallel == "ep":
-        config = DistributedConfig(tp_size=shape.ranks, ep_size=shape.ranks, ep_plan={
-            "model.layers.*.mlp.gate": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"})
+        config = DistributedConfig(tp_size=shape.ranks, ep_size=shape.ranks, ep_plan=expert_plan(router))
     else:
         config = DistributedConfig(tp_size=shape.ranks)
     return AutoModelForCausalLM.from_pretrained(path, distributed_config=config, **kw)

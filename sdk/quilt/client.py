@@ -162,6 +162,7 @@ class Client:
         train_unembed: bool = True,
         seed: int | None = None,
         user_metadata: dict[str, Any] | None = None,
+        max_context_length: int | None = None,
     ) -> TrainingClient:
         """Create a new LoRA model on ``base_model`` and return its TrainingClient.
 
@@ -171,10 +172,14 @@ class Client:
             train_mlp, train_attn, train_unembed: which layers get adapters (at least one).
             seed: seed for the adapter's initial weights; the server picks one if None.
             user_metadata: free-form JSON stored with the model (e.g. a run name).
+            max_context_length: the longest datum the model takes, up to what the base and the
+                server's memory plan allow; None: the server's standard context (docs/http-api.md).
+                A longer context may be priced higher (docs/billing.md).
 
         Blocks until the server has created the model.
         """
-        body = _create_model_body(base_model, rank, train_mlp, train_attn, train_unembed, seed, user_metadata)
+        body = _create_model_body(base_model, rank, train_mlp, train_attn, train_unembed, seed, user_metadata,
+                                  max_context_length)
         return self._runner.run(self._create_training_client(body))
 
     async def create_training_client_async(
@@ -187,9 +192,11 @@ class Client:
         train_unembed: bool = True,
         seed: int | None = None,
         user_metadata: dict[str, Any] | None = None,
+        max_context_length: int | None = None,
     ) -> TrainingClient:
         """Async form of :meth:`create_training_client`."""
-        body = _create_model_body(base_model, rank, train_mlp, train_attn, train_unembed, seed, user_metadata)
+        body = _create_model_body(base_model, rank, train_mlp, train_attn, train_unembed, seed, user_metadata,
+                                  max_context_length)
         return await self._runner.run_async(self._create_training_client(body))
 
     async def _create_training_client(self, body: dict[str, Any]) -> TrainingClient:
@@ -370,6 +377,7 @@ def _create_model_body(
     train_unembed: bool,
     seed: int | None,
     user_metadata: dict[str, Any] | None,
+    max_context_length: int | None = None,
 ) -> dict[str, Any]:
     if not base_model:
         raise ValueError("base_model is required; see client.get_server_capabilities() for names")
@@ -393,4 +401,8 @@ def _create_model_body(
     }
     if user_metadata is not None:
         body["user_metadata"] = dict(user_metadata)
+    if max_context_length is not None:
+        if not isinstance(max_context_length, int) or max_context_length <= 0:
+            raise ValueError(f"max_context_length must be a positive int, got {max_context_length!r}")
+        body["max_context_length"] = max_context_length
     return body
