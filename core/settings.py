@@ -146,9 +146,10 @@ class ApiSettings(BaseSettings):
     # pixels (checked before it is decoded: a decompression bomb declares many in few bytes), and
     # how many one request carries.
     standard_context_length: int = Field(
-        32768, ge=0, le=2**31 - 1, description="the context a training model gets when create_model asks for none "
-                                               "(or the base's, if shorter); a longer one is asked for with "
-                                               "max_context_length and may be priced higher; 0 = the base's own")
+        0, ge=0, le=2**31 - 1, description="the context a training model gets when create_model asks for none "
+                                           "(or the base's, if shorter); a longer one is asked for with "
+                                           "max_context_length and may be priced higher; 0 (the default) = the "
+                                           "base's own, so a model made without asking trains what it always did")
     max_image_bytes: int = Field(4_000_000, ge=1, description="encoded bytes of one image")
     max_image_pixels: int = Field(16_777_216, ge=1, description="width x height of one image, as its file declares")
     max_images_per_request: int = Field(64, ge=0, description="images in one forward, forward_backward or sample")
