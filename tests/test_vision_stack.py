@@ -25,7 +25,7 @@ from stack.ephemeral import ephemeral_stack, new_tenant  # noqa: E402
 from stack.tiny_model import TINY_MODEL_NAME, TinyModelSpec, build_tiny_model  # noqa: E402
 
 # Its own stack (a vision base added before `quilt up`): minutes of startup, so in the slow tier.
-pytestmark = [pytest.mark.stack, pytest.mark.slow]
+pytestmark = [pytest.mark.stack, pytest.mark.slow, pytest.mark.extended]  # its own stack of two trainer-only bases: minutes
 
 VL = "acme/vl-mini"
 TEXT = "acme/text-mini"
