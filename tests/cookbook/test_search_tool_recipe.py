@@ -4,7 +4,8 @@ Replaced: the hosted Wikipedia index by a local one, a Chroma server (`chroma ru
 package's own) on local documents, found through the recipe's `chroma_host`/`chroma_port`; the
 hosted Gemini embeddings by `local_embedding` (hashed bag of words), in place of the recipe's
 `get_gemini_client`/`get_gemini_embedding`; and the hub's NQ/HotpotQA parquet by a local parquet in
-its columns (the recipe's `hf_hub_download` answers its path)."""
+its columns (the recipe's `hf_hub_download` answers its path). `offline_eval.py`, which fixes the
+index's address in code (localhost:8000), is pointed at the local server's port."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ FACTS = [("What is the capital of Norway?", "Oslo", "Oslo is the capital and lar
          ("What is the capital of Peru?", "Lima", "Lima is the capital of Peru, on the Pacific coast."),
          ("Which river flows through Hanoi?", "Red River", "Hanoi lies on the banks of the Red River."),
          ("What is the capital of Latvia?", "Riga", "Riga, on the Gulf of Riga, is the capital of Latvia.")]
-DIM = 64
-COLLECTION = "local_wiki"
+# The recipe's defaults, which offline_eval.py fixes in code.
+DIM = 768
+COLLECTION = "wiki_embeddings"
 
 
 def local_embedding(texts: list[str]) -> list[list[float]]:
@@ -75,13 +77,15 @@ def local_chroma(tmp_path) -> Iterator[int]:
 
 
 @pytest.mark.extended
-def test_search_tool_runs_the_protocol_on_a_local_index(cookbook, tmp_path, monkeypatch, local_chroma):
+def test_search_tool_runs_the_protocol_on_a_local_index(cookbook, tmp_path, monkeypatch, local_chroma, capsys):
     """The random tiny model makes no well-formed search call and never writes "Answer:", so this
     runs the protocol to the end (steps done, kl_sample_train small). The recipe's own search tool
     (`ChromaTool.build` with the recipe's settings) is first asked a question on the local index and
-    must return the document that answers it."""
+    must return the document that answers it. The recipe's offline_eval.py then scores the final
+    weights on the same questions."""
     import pandas as pd
-    from tinker_cookbook.recipes.search_tool import search_env, tools
+    from tinker_cookbook import checkpoint_utils
+    from tinker_cookbook.recipes.search_tool import offline_eval, search_env, tools
     from tinker_cookbook.recipes.search_tool import train as search
     from tinker_cookbook.tool_use.types import ToolInput
 
@@ -114,3 +118,15 @@ def test_search_tool_runs_the_protocol_on_a_local_index(cookbook, tmp_path, monk
     print(f"search_tool: {len(rewards)} steps, reward {rewards}, kl_sample_train_v1 {kl:.1e}")
     assert len(rewards) == 2
     assert kl < 1e-3
+
+    build = tools.ChromaTool.build
+    monkeypatch.setattr(offline_eval.ChromaTool, "build",
+                        lambda chroma_host, chroma_port, **kw: build(chroma_host, local_chroma, **kw))
+    final = checkpoint_utils.load_checkpoints_file(str(tmp_path / "run"))[-1].sampler_path
+    capsys.readouterr()
+    asyncio.run(offline_eval.cli_main(offline_eval.CLIConfig(
+        max_eval_samples=2, split="test", base_model=TINY, renderer_name=RENDERER, tinker_checkpoint_url=final,
+        max_tokens=16, max_trajectory_tokens=1800)))
+    report = capsys.readouterr().out
+    print(report)
+    assert "OVERALL" in report and "local" in report
