@@ -49,15 +49,15 @@ def test_decisions_forecasting_learns_the_local_markets(cookbook, tmp_path):
     from tinker_cookbook.recipes.decisions import forecasting as decide
 
     cfg = decide.Config(model_name=TINY, renderer_name=RENDERER, lora_rank=8,
-                        data_path=prophet_csv(tmp_path / "markets.csv", train=16, validation=4),
-                        max_train_questions=16, max_validation_questions=4, batch_size=8, learning_rate=5e-3,
-                        epochs=3, max_steps=6, eval_every=0, log_path=str(tmp_path / "run"), base_url=cookbook)
+                        data_path=prophet_csv(tmp_path / "markets.csv", train=8, validation=2),
+                        max_train_questions=8, max_validation_questions=2, batch_size=4, learning_rate=5e-3,
+                        epochs=2, max_steps=4, eval_every=0, log_path=str(tmp_path / "run"), base_url=cookbook)
     asyncio.run(decide.main(cfg))
     rows = metrics(tmp_path / "run")
     loss = series(rows, "train/loss")
     brier = series(rows, "test/brier_reward")
     print(f"decisions.forecasting: Brier loss {loss[0]:.3f} -> {loss[-1]:.3f}, test Brier reward {brier}")
-    assert len(loss) == 6 and len(brier) == 2
+    assert len(loss) == 4 and len(brier) == 2
     assert loss[-1] < loss[0]
 
 
