@@ -105,3 +105,13 @@ class BandDatasetBuilder(RLDatasetBuilder):
         return BandDataset(self.batches, self.groups, self.group_size, self.answer_tokens), None
 
 
+
+
+def name_tiny_renderer(monkeypatch) -> None:
+    """The cookbook's model registry (`model_info`) knows only hosted bases: recipes that look up a
+    base's recommended renderer get RENDERER for the tiny base, the others what the registry says."""
+    from tinker_cookbook import model_info
+
+    known = model_info.get_recommended_renderer_names
+    monkeypatch.setattr(model_info, "get_recommended_renderer_names",
+                        lambda name: [RENDERER] if name == TINY else known(name))
