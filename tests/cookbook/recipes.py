@@ -105,13 +105,18 @@ class BandDatasetBuilder(RLDatasetBuilder):
         return BandDataset(self.batches, self.groups, self.group_size, self.answer_tokens), None
 
 
-
-
-def name_tiny_renderer(monkeypatch) -> None:
-    """The cookbook's model registry (`model_info`) knows only hosted bases: recipes that look up a
-    base's recommended renderer get RENDERER for the tiny base, the others what the registry says."""
+def know_the_tiny_base(monkeypatch, renderer: str = RENDERER) -> None:
+    """Tell the cookbook's model table (`model_info`) which renderer the tiny base takes, for the
+    scripts that ask the table instead of taking a `renderer_name` (the tokenizer is named the same
+    way, by the cookbook fixture's `register_tokenizer`)."""
     from tinker_cookbook import model_info
 
-    known = model_info.get_recommended_renderer_names
-    monkeypatch.setattr(model_info, "get_recommended_renderer_names",
-                        lambda name: [RENDERER] if name == TINY else known(name))
+    known = model_info.get_model_attributes
+
+    def attributes(model_name: str) -> model_info.ModelAttributes:
+        if model_name.split(":", 1)[0] == TINY:
+            return model_info.ModelAttributes(organization="quilt", version_str="3", size_str="tiny", is_chat=True,
+                                              recommended_renderers=(renderer,))
+        return known(model_name)
+
+    monkeypatch.setattr(model_info, "get_model_attributes", attributes)

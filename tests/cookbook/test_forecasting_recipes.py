@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from recipes import RENDERER, TINY, metrics, name_tiny_renderer, series
+from recipes import RENDERER, TINY, know_the_tiny_base, metrics, series
 
 COLUMNS = ["submission_id", "event_ticker", "title", "snapshot_time", "close_time", "market_outcome", "category",
            "markets", "sources"]
@@ -66,7 +66,7 @@ def test_decisions_demo_routes_questions(cookbook, monkeypatch):
     the cookbook's model registry) and its questions typed on stdin by the test."""
     from tinker_cookbook.recipes.decisions import demo
 
-    name_tiny_renderer(monkeypatch)
+    know_the_tiny_base(monkeypatch)
     questions = iter(["How do I pick a learning rate for LoRA?", "Why was my card charged twice?", ""])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(questions))
     printed = io.StringIO()

@@ -12,7 +12,7 @@ import asyncio
 
 import chz
 import pytest
-from recipes import RENDERER, TINY, metrics, name_tiny_renderer, series
+from recipes import RENDERER, TINY, know_the_tiny_base, metrics, series
 from tinker_cookbook.rl import train
 
 
@@ -43,10 +43,10 @@ def test_text_arena_tictactoe_self_play(cookbook, tmp_path):
 @pytest.mark.extended
 def test_twenty_questions_with_the_tiny_base_as_answerer(cookbook, tmp_path, monkeypatch):
     """The hosted answerer (Qwen3.5-9B) is the tiny base, with RENDERER named for it in the
-    cookbook's model registry (recipes.name_tiny_renderer). The word list is the recipe's own."""
+    cookbook's model registry (recipes.know_the_tiny_base). The word list is the recipe's own."""
     from tinker_cookbook.recipes.multiplayer_rl.twenty_questions import train as twenty
 
-    name_tiny_renderer(monkeypatch)
+    know_the_tiny_base(monkeypatch)
     config = twenty.build_config(twenty.CLIConfig(
         model_name=TINY, renderer_name=RENDERER, group_size=2, batch_size=1, num_epochs=1, learning_rate=1e-3,
         max_tokens=8, eval_every=0, save_every=0, log_path=str(tmp_path), max_steps=2))
