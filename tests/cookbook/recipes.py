@@ -105,3 +105,36 @@ class BandDatasetBuilder(RLDatasetBuilder):
         return BandDataset(self.batches, self.groups, self.group_size, self.answer_tokens), None
 
 
+
+
+def name_tiny_in_model_table(monkeypatch) -> None:
+    """Give the tiny base an entry in the cookbook's model table (`model_info`), which lists only the
+    hosted service's official ids: the scripts that look their renderer up there by model name
+    (`get_recommended_renderer_name`) find RENDERER for TINY, as `register_tokenizer` finds its
+    tokenizer. A base added under its official name needs nothing of the kind."""
+    from tinker_cookbook import model_info
+
+    known = model_info.get_model_attributes
+    entry = model_info.ModelAttributes(organization="quilt", version_str="tiny", size_str="tiny", is_chat=True,
+                                       recommended_renderers=(RENDERER,))
+    monkeypatch.setattr(model_info, "get_model_attributes",
+                        lambda name: entry if name.split(":", 1)[0] == TINY else known(name))
+
+
+def local_hub(monkeypatch, root: Path, hub: dict[str, dict[str, list[dict]]], *modules) -> None:
+    """Serve hub datasets from JSONL files written here: `hub` maps a hub id to its splits' rows, and
+    `datasets.load_dataset(id, ...)` (and the same name in `modules`, which import it by name) loads
+    those files with the `json` builder instead. A hub id the test did not give fails loudly."""
+    import datasets
+
+    load = datasets.load_dataset
+    files = {repo: {split: write_jsonl(root / f"{repo.replace('/', '--')}.{split}.jsonl", rows)
+                    for split, rows in splits.items()} for repo, splits in hub.items()}
+
+    def from_files(path, name=None, split=None, **_):
+        assert path in files, f"the test gave no local rows for the hub dataset {path!r}"
+        return load("json", data_files=files[path], split=split, cache_dir=str(root / "datasets-cache"))
+
+    monkeypatch.setattr(datasets, "load_dataset", from_files)
+    for module in modules:
+        monkeypatch.setattr(module, "load_dataset", from_files)
