@@ -7,13 +7,13 @@ import asyncio
 import random
 
 import pytest
-from recipes import RENDERER, TINY, first_last, metrics, series, write_jsonl
+from recipes import RENDERER, TINY, common, first_last, metrics, series, write_jsonl
 from tinker_cookbook import checkpoint_utils
 from tinker_cookbook.recipes.math_rl import arithmetic_env
 from tinker_cookbook.recipes.math_rl import train as math_rl
+from tinker_cookbook.renderers import TrainOnWhat
 from tinker_cookbook.supervised import train as sft
 from tinker_cookbook.supervised.data import FromConversationFileBuilder
-from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 
 
 def _warmup_rows(count: int) -> list[dict]:
@@ -37,8 +37,7 @@ def test_math_rl_arithmetic_reward_rises(cookbook, tmp_path):
     reward then rises as RL makes the stop (and the format reward) the rule."""
     data = FromConversationFileBuilder(
         file_path=write_jsonl(tmp_path / "sums.jsonl", _warmup_rows(32)),
-        common_config=ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=TINY, renderer_name=RENDERER,
-                                                     max_length=256, batch_size=8, train_on_what="last_assistant_message"))
+        common_config=common(8, train_on_what=TrainOnWhat.LAST_ASSISTANT_MESSAGE))
     asyncio.run(sft.main(sft.Config(
         log_path=str(tmp_path / "sft"), model_name=TINY, recipe_name="quilt_math_warmup", renderer_name=RENDERER,
         dataset_builder=data, learning_rate=5e-3, num_epochs=1, lora_rank=16, save_every=0, eval_every=0,
