@@ -30,7 +30,7 @@ def _gsm8k(monkeypatch, root) -> None:
 @pytest.mark.extended
 def test_sl_basic_lowers_the_nll(cookbook, tmp_path, monkeypatch):
     name_tiny_in_model_table(monkeypatch)
-    _no_robots(monkeypatch, tmp_path, copies=4)
+    _no_robots(monkeypatch, tmp_path, copies=2)
     config = sl_basic.build_config_blueprint(TINY).apply({
         "log_path": str(tmp_path / "run"), "base_url": cookbook, "learning_rate": 5e-3, "num_epochs": 3,
         "lora_rank": 16, "save_every": 0}).make()
@@ -39,23 +39,23 @@ def test_sl_basic_lowers_the_nll(cookbook, tmp_path, monkeypatch):
         data, common_config=chz.replace(data.common_config, batch_size=8, max_length=256)))
     sl_basic.main(config)
     nll = series(metrics(tmp_path / "run"), "train_mean_nll")
-    first, last = first_last(nll)
+    first, last = first_last(nll, k=2)
     print(f"sl_basic: {len(nll)} steps, train nll {first:.3f} -> {last:.3f}")
-    assert len(nll) == 12
-    assert last < 0.5 * first
+    assert len(nll) == 6
+    assert last < 0.7 * first
 
 
 @pytest.mark.extended
 def test_sl_loop_lowers_the_nll(cookbook, tmp_path, monkeypatch):
     name_tiny_in_model_table(monkeypatch)
-    _no_robots(monkeypatch, tmp_path, copies=8)
+    _no_robots(monkeypatch, tmp_path, copies=5)
     sl_loop.main(sl_loop.Config(base_url=cookbook, log_path=str(tmp_path / "run"), model_name=TINY, batch_size=8,
                                 learning_rate=5e-3, max_length=256, lora_rank=16, save_every=0))
     nll = series(metrics(tmp_path / "run"), "train_mean_nll")
-    first, last = first_last(nll)
+    first, last = first_last(nll, k=2)
     print(f"sl_loop: {len(nll)} steps, train nll {first:.3f} -> {last:.3f}")
-    assert len(nll) == 8
-    assert last < 0.7 * first
+    assert len(nll) == 5
+    assert last < 0.8 * first
     final = checkpoint_utils.get_last_checkpoint(str(tmp_path / "run"))
     assert final is not None and final.state_path.startswith("tinker://")
 

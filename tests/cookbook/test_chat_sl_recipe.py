@@ -16,18 +16,18 @@ def _rows(copies: int) -> list[dict]:
 def test_chat_sl_no_robots_lowers_the_nll(cookbook, tmp_path, monkeypatch):
     """Replaced: the hub's HuggingFaceH4/no_robots by JSONL files of the same columns written here
     (`datasets.load_dataset` reads them)."""
-    local_hub(monkeypatch, tmp_path, {"HuggingFaceH4/no_robots": {"train": _rows(4), "test": _rows(1)}})
+    local_hub(monkeypatch, tmp_path, {"HuggingFaceH4/no_robots": {"train": _rows(2), "test": _rows(1)}})
     chat_sl.cli_main(chat_sl.CLIConfig(
         log_path=str(tmp_path / "run"), model_name=TINY, renderer_name=RENDERER, dataset="no_robots",
-        learning_rate=5e-3, num_epochs=3, lora_rank=16, batch_size=8, max_length=256, save_every=0, eval_every=6,
+        learning_rate=5e-3, num_epochs=3, lora_rank=16, batch_size=8, max_length=256, save_every=0, eval_every=3,
         base_url=cookbook))
     rows = metrics(tmp_path / "run")
-    first, last = first_last(series(rows, "train_mean_nll"))
+    first, last = first_last(series(rows, "train_mean_nll"), k=2)
     key = next(k for row in rows for k in row if k.startswith("test/") and k.endswith("/nll"))
     tests = series(rows, key)
     print(f"chat_sl no_robots: train nll {first:.3f} -> {last:.3f}, test nll {tests}")
-    assert len(series(rows, "train_mean_nll")) == 12
-    assert last < 0.5 * first
+    assert len(series(rows, "train_mean_nll")) == 6
+    assert last < 0.7 * first
     assert tests and tests[-1] < tests[0]
 
 
