@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import chz
+import datasets
 import tinker
 from stackutil import TINY
 from tinker_cookbook.rl.types import Env, EnvGroupBuilder, RLDataset, RLDatasetBuilder, StepResult
@@ -24,6 +25,8 @@ CHAT = [[{"role": "user", "content": f"Say {w} twice."}, {"role": "assistant", "
 # model scores about 0.1 and nothing but the reward teaches it (examples/rl_tiny.py's task).
 BAND = (256, 352)
 INSTRUCTION = [11, 87, 140, 201, 33]
+# The real loader, captured before any test replaces it (local_hub).
+_HUB_LOAD = datasets.load_dataset
 
 
 def common(batch_size: int, max_length: int = 256, train_on_what=None) -> ChatDatasetBuilderCommonConfig:
@@ -120,3 +123,25 @@ def know_the_tiny_base(monkeypatch, renderer: str = RENDERER) -> None:
         return known(model_name)
 
     monkeypatch.setattr(model_info, "get_model_attributes", attributes)
+
+
+def local_hub(monkeypatch, root: Path, hub: dict[str, dict[str, list[dict]]], *modules) -> None:
+    """Serve hub datasets from JSONL files written here: `hub` maps a hub id to its splits' rows, and
+    `datasets.load_dataset(id, ...)` (and the same name in `modules`, which import it by name) loads
+    those files with the `json` builder instead. Later calls add to earlier ones; a hub id no call
+    gave fails loudly instead of reaching for the network."""
+    import datasets
+
+    earlier = datasets.load_dataset
+    files = {repo: {split: write_jsonl(root / f"{repo.replace('/', '--')}.{split}.jsonl", rows)
+                    for split, rows in splits.items()} for repo, splits in hub.items()}
+
+    def from_files(path, name=None, split=None, **kwargs):
+        if path in files:
+            return _HUB_LOAD("json", data_files=files[path], split=split, cache_dir=str(root / "datasets-cache"))
+        assert earlier is not _HUB_LOAD, f"the test gave no local rows for the hub dataset {path!r}"
+        return earlier(path, name=name, split=split, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", from_files)
+    for module in modules:
+        monkeypatch.setattr(module, "load_dataset", from_files)
