@@ -10,6 +10,7 @@ tiny base; get_access_token's credential command by `echo` of a tenant's key.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import sys
 from datetime import UTC, datetime
@@ -98,7 +99,7 @@ def test_merge_tinker_adapter_script_merges_what_quilt_samples(cookbook, tiny_pa
     from tinker_cookbook.scripts import merge_tinker_adapter_to_hf_model as merge
     from transformers import AutoModelForCausalLM
 
-    state = _trained_state(cookbook, cookbook_key())
+    state = _trained_state(cookbook, os.environ["TINKER_API_KEY"])
     adapter = weights.download(tinker_path=state, output_dir=str(tmp_path / "adapter"))
     _run_main(monkeypatch, merge, "--hf-model", tiny_path, "--tinker-adapter-path", adapter,
               "--output-path", str(tmp_path / "merged"))
@@ -117,12 +118,6 @@ def test_merge_tinker_adapter_script_merges_what_quilt_samples(cookbook, tiny_pa
     assert gap < 1e-3
 
 
-def cookbook_key() -> str:
-    import os
-
-    return os.environ["TINKER_API_KEY"]
-
-
 def test_save_audit_log_writes_the_days_entries(cookbook, stack, tmp_path, monkeypatch):
     import json
 
@@ -139,7 +134,8 @@ def test_save_audit_log_writes_the_days_entries(cookbook, stack, tmp_path, monke
     entries = [json.loads(line) for line in (tmp_path / f"audit_log_{today.isoformat()}.jsonl").read_text().splitlines()]
     print(f"save_audit_log: files {files}, today's events {[e['event'] for e in entries]}")
     assert len(files) == 2  # today and the day before (empty)
-    assert "checkpoint_token_created" in [e["event"] for e in entries]
+    (made,) = [e for e in entries if e["event"] == "checkpoint_token_created"]
+    assert made["tinker_path"] == state and made["model_id"] == state.split("/")[2]
 
 
 def test_tool_calling_e2e_script_runs_on_the_tiny_base(cookbook, monkeypatch, capsys):
