@@ -1,9 +1,10 @@
-"""`recipes/audio` (asr, emotion, medical_asr) cannot run here, for two reasons this test records:
-the recipes render Inkling with `tml_renderers` >= 0.4.1, which the package registry here lacks, and
-no base in Quilt takes audio, so Quilt refuses an audio (`DmelChunk`) input by name with a 400.
+"""`recipes/audio` (asr, emotion, medical_asr) cannot run here: no base in Quilt takes audio. The
+recipes train Inkling (rendered with `tml_renderers` >= 0.4.1, which the package registry here lacks
+too), which Quilt does not serve, and Quilt refuses an audio (`DmelChunk`) input on every base by name.
 
-Nothing is replaced: the recipe's own entry point runs on its own default model and stops at its
-renderer; the SDK sends the tiny base an audio chunk and Quilt answers the 400 docs/sdk/cookbook.md quotes.
+Nothing is replaced: the recipe's own entry point runs on its own default model and stops at the
+training client Quilt cannot make; the SDK sends the tiny base an audio chunk and Quilt answers the
+400. docs/sdk/cookbook.md quotes both errors.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ def test_audio_asr_recipe_stops_at_its_renderer_and_quilt_refuses_audio(cookbook
 
     config = sl_train.Config(log_path=str(tmp_path / "run"), base_url=cookbook, behavior_if_log_dir_exists="delete",
                              n_train=2, n_eval=0, batch_size=2, max_steps=1, audio_cache_dir=str(tmp_path / "wav"))
-    with pytest.raises(ModuleNotFoundError, match="tml_renderers"):
+    # The recipe asks for its training client first: Quilt serves no Inkling, the recipes' audio base.
+    with pytest.raises(tinker.NotFoundError, match="'thinkingmachines/Inkling' is not served here") as missing:
         sl_train.cli_main(config)
+    print(f"audio recipe: {missing.value}")
 
     # 4 frames of 80 mel bins, int8: a well-formed TensorContainer header the SDK reads the length from.
     audio = tinker.DmelChunk(dmel=bytes([1, 2, 4, 80]) + bytes(4 * 80))
