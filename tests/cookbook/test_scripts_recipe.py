@@ -85,6 +85,8 @@ def test_get_access_token_exchanges_a_key_for_a_token_the_api_takes(cookbook, st
         monkeypatch.setattr(get_access_token, "BASE_URL", url)
         monkeypatch.setenv("TINKER_CREDENTIAL_CMD", f"echo {tenant.key}")
         get_access_token.main()
+    # The SDK reads the same variable: the token is used as a plain key from here on.
+    monkeypatch.delenv("TINKER_CREDENTIAL_CMD")
     line = capsys.readouterr().out.strip()
     jwt = line.removeprefix("export TINKER_API_KEY=")
     assert line.startswith("export TINKER_API_KEY=eyJ") and tenant.key not in jwt
