@@ -316,14 +316,8 @@ class LoadWeightsRequest(_Body):
     base_model: str | None = Field(None, max_length=256, description="if given, the checkpoint's own base")
     optimizer_config: OptimizerConfig | None = Field(None, description="a new weights-only model's optimizer "
                                                      "(AdamW when left out); a full-state load keeps the checkpoint's")
-    weights_access_token: str | None = Field(None, max_length=4096)
-
-    @field_validator("weights_access_token")
-    @classmethod
-    def _own_weights_only(cls, value: str | None) -> None:
-        if value is not None:
-            raise ValueError("loading another account's checkpoint is not supported: checkpoints are private to "
-                             "their tenant; leave weights_access_token out")
+    weights_access_token: str | None = Field(None, max_length=256, description="another tenant's grant to read "
+                                             "the checkpoint (POST quilt/weights_access_tokens)")
 
     @model_validator(mode="after")
     def _one_addressing(self) -> LoadWeightsRequest:

@@ -97,7 +97,7 @@ def test_load_options_it_cannot_honour_are_refused_by_name(stack, tenant):
     session_id = model_id.split(":")[0]
     for extra, field in [({"optimizer_config": {"type": "lion"}}, "optimizer_config.type"),
                          ({"optimizer": True, "optimizer_config": {"type": "dimuon"}}, "optimizer_config"),
-                         ({"weights_access_token": "tok"}, "weights_access_token"),
+                         ({"weights_access_token": "t" * 257}, "weights_access_token"),
                          ({"base_model": "quilt/some-other-base"}, "base_model")]:
         r = client.post("/load_weights", json={"session_id": session_id, "model_seq_id": 7, "path": saved["path"],
                                                "optimizer": False} | extra)

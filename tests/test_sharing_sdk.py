@@ -14,7 +14,7 @@ tinker = pytest.importorskip("tinker")
 if not hasattr(tinker, "AdminClient"):
     pytest.skip("copy_weights, publishing and session search are tinker 0.38's", allow_module_level=True)
 from tinker import types  # noqa: E402
-from tinkerutil import ready  # noqa: E402
+from tinkerutil import ready, sft_row  # noqa: E402
 
 from core import db  # noqa: E402
 
@@ -208,6 +208,37 @@ def test_projects_search_and_access_tokens(stack):
     rest_a.delete_checkpoint_from_tinker_path(f"tinker://{tc.model_id}/weights/old").result()
     assert Path(kept["storage_path"]).is_dir() and any(Path(kept["storage_path"]).iterdir())
     assert {"project.created", "checkpoint.token_created", "checkpoint.token_revoked"} <= set(audit)
+
+
+def test_an_access_token_lets_another_tenant_load_the_checkpoint_into_its_own_training_client(stack):
+    """create_training_client_from_state(..., weights_access_token=) (the cookbook's cross-account
+    copy_checkpoint): the token's holder trains from the owner's weights; without it, or with a
+    wrong one, the checkpoint reads as missing; the owner's audit log records the use."""
+    a, b = stack.create_tenant("load"), stack.create_tenant("load")
+    http_a = stack.http(a.key)
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=a.key) as service_a:
+        tc = ready(service_a.create_lora_training_client(base_model=TINY, rank=4))
+        tc.forward_backward([sft_row(40)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+        state = tc.save_state("granted").result().path
+        owners = tc.save_weights_and_get_sampling_client("owners").compute_logprobs(PROMPT).result()
+    made = http_a.post("/quilt/weights_access_tokens", json={"tinker_path": state}).raise_for_status().json()
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=b.key) as service_b:
+        for token in (None, "qwt-wrong"):
+            with pytest.raises(tinker.NotFoundError):
+                service_b.create_training_client_from_state(state, weights_access_token=token).result()
+        loaded = service_b.create_training_client_from_state(state, weights_access_token=made["token"]).result()
+        info = loaded.get_info()
+        assert info.model_data.model_name == TINY and info.lora_rank == 4
+        mine = loaded.save_state("mine").result().path
+        theirs = loaded.save_weights_and_get_sampling_client("theirs").compute_logprobs(PROMPT).result()
+    assert mine.startswith(f"tinker://{loaded.model_id}/") and theirs == pytest.approx(owners, abs=1e-5)
+    used = [e for e in http_a.get("/quilt/audit").json()["entries"] if e["action"] == "checkpoint.token_used"]
+    assert [e["detail"]["tinker_path"] for e in used] == [state]
+    # The owner revokes the token: it loads no more.
+    assert http_a.delete(f"/quilt/weights_access_tokens/{made['id']}").status_code == 204
+    with tinker.ServiceClient(base_url=stack.base_url, api_key=b.key) as service_b, pytest.raises(tinker.NotFoundError):
+        service_b.create_training_client_from_state(state, weights_access_token=made["token"]).result()
 
 
 def test_hostile_inputs_are_refused_naming_field_and_limit(stack, tenant):

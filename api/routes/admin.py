@@ -17,6 +17,7 @@ from api.input_guard import GuardedRoute
 from api.routes.runs import metadata_text
 from billing import storage, usage
 from billing.pricing import BYTES_PER_GB, MICRO_PER_USD
+from core import ids
 from tenancy import accounts, scoped
 
 router = APIRouter(route_class=GuardedRoute, tags=["admin"])
@@ -82,5 +83,20 @@ async def audit_log(who: Who, pool: Pool,
     async with pool.connection() as conn:
         rows = await accounts.audit_rows(conn, who.tenant_id, limit=AUDIT_ENTRIES, since=since, until=until,
                                          resources=RESOURCES_OF_EVENT_TYPE[event_type])
-    return {"entries": [{"timestamp": r["at"], "event": r["action"].replace(".", "_"),
-                         "event_details": {**r["detail"], "actor": r["actor"]}} for r in reversed(rows)]}
+    return {"entries": [audit_entry(r["at"], r["action"], r["detail"], r["actor"]) for r in reversed(rows)]}
+
+
+def audit_entry(at: datetime, action: str, detail: dict, actor: str) -> dict:
+    """One audit row as tinker's AuditLogEntry: `event` is the action with `_` for `.`,
+    `event_details` its detail and actor. A checkpoint event also carries the checkpoint it is about
+    (a copy's source) as the top-level `tinker_path` and `model_id`, which the SDK marks deprecated
+    but still reads (the cookbook's save_audit_log writes them and nothing of `event_details`)."""
+    entry: dict = {"timestamp": at, "event": action.replace(".", "_"), "event_details": {**detail, "actor": actor}}
+    path = (detail.get("tinker_path") or detail.get("source")) if action.startswith("checkpoint.") else None
+    try:
+        run, _, _ = ids.parse_tinker_path(path) if isinstance(path, str) else ("", "", "")
+    except ValueError:
+        run = ""
+    if run:
+        entry |= {"tinker_path": path, "model_id": run}
+    return entry

@@ -177,6 +177,28 @@ async def _locked_source(conn, run: str, kind: str, name: str) -> dict | None:
     return await cur.fetchone()
 
 
+async def granted_checkpoint(conn, who: Principal, path: str, token: str) -> dict:
+    """The training checkpoint `path` a weights access token lets the caller load into a model of its
+    own (the SDK's `create_training_client_from_state(..., weights_access_token=)`, the cookbook's
+    cross-account copy_checkpoint): the copy's grant (`sharing.copy_access`: yours, published, or the
+    token's), with its run's base, LoRA shape and optimizer. A use by another tenant is written to the
+    owner's audit log as a copy's is. One the caller may not read is a 404, like a missing one."""
+    run, kind, name = ids.parse_tinker_path(path)
+    async with conn.transaction():
+        ckpt = await _locked_source(conn, run, kind, name)
+        token_id = None
+        if ckpt is not None and ckpt["tenant_id"] != who.tenant_id and ckpt["published_at"] is None:
+            token_id = await records.use_weights_token(conn, sharing.token_hash(token), ckpt["id"], ckpt["storage_path"])
+        if ckpt is None or sharing.copy_access(owner_tenant=ckpt["tenant_id"], caller_tenant=who.tenant_id,
+                                               published=ckpt["published_at"] is not None,
+                                               token_grants_it=token_id is not None) is None:
+            raise NotFound(f"checkpoint {path} not found", field="path")
+        if token_id is not None:
+            await accounts.record_async(conn, ckpt["tenant_id"], f"tenant:{who.tenant_id}", "checkpoint.token_used",
+                                        token_id=token_id, tinker_path=path, by_tenant=who.tenant_id)
+    return ckpt
+
+
 @router.post("/quilt/weights_access_tokens")
 async def create_weights_token(body: WeightsTokenRequest, who: Who, pool: Pool) -> dict:
     """A token that lets whoever holds it copy one of your checkpoints (copy_weights'

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from api import admission, caller_cache, datums, images, records, seq_gaps, tinker_proto
 from api.deps import Callers, Pool, RedisDep, Settings, Who
 from api.input_guard import DenseBodyRoute, GuardedRoute
+from api.routes.sharing import granted_checkpoint
 from api.schemas import (
     CreateCustomLossRequest,
     CreateModelRequest,
@@ -327,9 +328,9 @@ async def save_weights_external(body: SaveWeightsExternalRequest, request: Reque
 
 @router.post("/load_weights")
 async def load_weights(body: LoadWeightsRequest, request: Request, who: Who, pool: Pool, redis: RedisDep) -> dict:
-    """Load a `tinker://.../weights/...` checkpoint of yours (a future): into an existing model
-    (`model_id`, `seq_id`), or as a new model `{session_id}:train:{model_seq_id}` whose LoRA shape
-    and base come from the checkpoint."""
+    """Load a `tinker://.../weights/...` checkpoint of yours, or another tenant's that its
+    `weights_access_token` grants (a future): into an existing model (`model_id`, `seq_id`), or as a
+    new model `{session_id}:train:{model_seq_id}` whose LoRA shape and base come from the checkpoint."""
     seq_gaps.claim(request, body.model_id, body.seq_id)
     try:
         run, kind, name = ids.parse_tinker_path(body.path)
@@ -338,10 +339,14 @@ async def load_weights(body: LoadWeightsRequest, request: Request, who: Who, poo
     if kind != TRAINING_KIND:
         raise InvalidInput(f"path must name a training checkpoint (.../weights/...), got kind {kind!r}", field="path")
     async with pool.connection() as conn:
-        ckpt = await scoped.get_checkpoint(conn, who, run, kind, name)
+        if body.weights_access_token is None:
+            ckpt = await scoped.get_checkpoint(conn, who, run, kind, name)
+        else:
+            ckpt = await granted_checkpoint(conn, who, body.path, body.weights_access_token)
         target = await scoped.get_model(conn, who, body.model_id) if body.model_id is not None else None
         try:
-            source = await scoped.get_model(conn, who, run)
+            # Another tenant's checkpoint carries its run's base, LoRA shape and optimizer (granted_checkpoint).
+            source = ckpt if ckpt["tenant_id"] != who.tenant_id else await scoped.get_model(conn, who, run)
         except NotFound:
             if target is None:
                 raise
