@@ -44,6 +44,7 @@ def _rows(store: str, run_id: str) -> list[dict]:
 
 
 @pytest.mark.extended
+@pytest.mark.unproven
 def test_capture_to_store_records_every_sample_and_train_op_of_an_rl_run(cookbook, tmp_path):
     from tinker_cookbook.capture.store import capture_to_store
     from tinker_cookbook.rl import train
@@ -111,6 +112,7 @@ def _proxy(tiny_path: str, data_dir: Path, log: Path) -> Iterator[str]:
 
 
 @pytest.mark.extended
+@pytest.mark.unproven
 def test_capture_proxy_serves_an_openai_and_an_anthropic_harness_from_quilt(cookbook, tiny_path, tmp_path):
     import anthropic
     import openai

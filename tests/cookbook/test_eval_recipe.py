@@ -30,6 +30,7 @@ def _score(rows: list[dict], suffix: str) -> list[float]:
 
 
 @pytest.mark.extended
+@pytest.mark.unproven
 def test_benchmark_and_custom_evaluators_measure_what_the_loop_teaches(cookbook, tmp_path, monkeypatch):
     from tinker_cookbook import renderers
     from tinker_cookbook.eval import custom_evaluators as custom

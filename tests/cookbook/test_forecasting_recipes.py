@@ -43,6 +43,7 @@ def prophet_csv(path: Path, train: int, validation: int) -> str:
 
 
 @pytest.mark.extended
+@pytest.mark.unproven
 def test_decisions_forecasting_learns_the_local_markets(cookbook, tmp_path):
     """`recipes.decisions.forecasting.main`: Brier-loss training on the yes/no choice distribution
     (`forward_backward_custom` over (N, K) targets) and scoring through `target_prompt_logprobs`."""
@@ -61,6 +62,7 @@ def test_decisions_forecasting_learns_the_local_markets(cookbook, tmp_path):
     assert loss[-1] < loss[0]
 
 
+@pytest.mark.extended
 def test_decisions_demo_routes_questions(cookbook, monkeypatch):
     """`recipes.decisions.demo.main` with the tiny base as the decision model (RENDERER named for it in
     the cookbook's model registry) and its questions typed on stdin by the test."""

@@ -104,7 +104,16 @@ def _task(root: Path, name: str):
     return HarborTask(task_name=name, instruction=instruction, task_dir=task_dir, config={})
 
 
+def _namespaces_allowed() -> bool:
+    """Whether this machine lets the test make the user and mount namespaces its sandboxes need."""
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0
+
+
 @pytest.mark.extended
+@pytest.mark.skipif(not _namespaces_allowed(), reason="the local sandbox needs `unshare -rm` (user and mount "
+                    "namespaces), which this machine refuses")
 def test_harbor_rl_runs_the_protocol_in_local_sandboxes(cookbook, tmp_path):
     """The random tiny model makes no well-formed bash call, so every episode is graded 0: this runs
     the protocol to the end (steps done, the recipe's grader run in each sandbox, kl_sample_train
