@@ -28,7 +28,6 @@ def _gsm8k(monkeypatch, root) -> None:
 
 
 @pytest.mark.extended
-@pytest.mark.unproven
 def test_sl_basic_lowers_the_nll(cookbook, tmp_path, monkeypatch):
     know_the_tiny_base(monkeypatch)
     _no_robots(monkeypatch, tmp_path, copies=2)
@@ -47,7 +46,6 @@ def test_sl_basic_lowers_the_nll(cookbook, tmp_path, monkeypatch):
 
 
 @pytest.mark.extended
-@pytest.mark.unproven
 def test_sl_loop_lowers_the_nll(cookbook, tmp_path, monkeypatch):
     know_the_tiny_base(monkeypatch)
     _no_robots(monkeypatch, tmp_path, copies=5)

@@ -112,7 +112,6 @@ def _proxy(tiny_path: str, data_dir: Path, log: Path) -> Iterator[str]:
 
 
 @pytest.mark.extended
-@pytest.mark.unproven
 def test_capture_proxy_serves_an_openai_and_an_anthropic_harness_from_quilt(cookbook, tiny_path, tmp_path):
     import anthropic
     import openai

@@ -13,7 +13,6 @@ def _rows(copies: int) -> list[dict]:
 
 
 @pytest.mark.extended
-@pytest.mark.unproven
 def test_chat_sl_no_robots_lowers_the_nll(cookbook, tmp_path, monkeypatch):
     """Replaced: the hub's HuggingFaceH4/no_robots by JSONL files of the same columns written here
     (`datasets.load_dataset` reads them)."""

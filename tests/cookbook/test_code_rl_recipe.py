@@ -78,7 +78,6 @@ def _rows() -> list[dict]:
 
 
 @pytest.mark.extended
-@pytest.mark.unproven
 def test_code_rl_runs_the_protocol_with_a_local_sandbox(cookbook, tmp_path, monkeypatch, local_sandboxfusion):
     """The random tiny model writes no code block, so every episode earns the recipe's format
     penalty: this runs the protocol to the end (steps done, kl_sample_train small). That the

@@ -41,7 +41,6 @@ def test_text_arena_tictactoe_self_play(cookbook, tmp_path):
 
 
 @pytest.mark.extended
-@pytest.mark.unproven
 def test_twenty_questions_with_the_tiny_base_as_answerer(cookbook, tmp_path, monkeypatch):
     """The hosted answerer (Qwen3.5-9B) is the tiny base, with RENDERER named for it in the
     cookbook's model registry (recipes.know_the_tiny_base). The word list is the recipe's own."""

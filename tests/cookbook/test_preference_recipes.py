@@ -20,7 +20,6 @@ def _hh_rows(words: list[str]) -> list[dict]:
 
 
 @pytest.mark.extended
-@pytest.mark.unproven
 def test_dpo_recipe_prefers_the_chosen_answers(cookbook, tmp_path, monkeypatch):
     """Replaced: the hub's Anthropic/hh-rlhf by JSONL files of its columns written here; the recipe's
     own `HHHComparisonBuilder` parses the transcripts."""

@@ -24,7 +24,6 @@ GRADER_MAX_TOKENS = 24
 
 
 @pytest.mark.extended
-@pytest.mark.unproven
 def test_rubric_recipe_generates_data_and_trains_against_a_grader(cookbook, tmp_path, monkeypatch):
     from tinker_cookbook.recipes.rubric import env as rubric_env
     from tinker_cookbook.recipes.rubric import generate_data

@@ -74,7 +74,6 @@ def test_sdft_train_distils_the_demonstration_conditioned_teacher(cookbook, tmp_
 
 
 @pytest.mark.extended
-@pytest.mark.unproven
 def test_sdft_continual_learning_chains_two_stages_for_sft_and_sdft(cookbook, tmp_path, monkeypatch):
     from tinker_cookbook.recipes.sdft import run_continual_learning as script
 

@@ -77,7 +77,6 @@ def local_chroma(tmp_path) -> Iterator[int]:
 
 
 @pytest.mark.extended
-@pytest.mark.unproven
 def test_search_tool_runs_the_protocol_on_a_local_index(cookbook, tmp_path, monkeypatch, local_chroma, capsys):
     """The random tiny model makes no well-formed search call and never writes "Answer:", so this
     runs the protocol to the end (steps done, kl_sample_train small). The recipe's own search tool

@@ -31,7 +31,6 @@ def _check_problem(summary: dict) -> None:
 
 
 @pytest.mark.extended
-@pytest.mark.unproven
 def test_run_small_experiment_scores_every_step(cookbook, tmp_path, monkeypatch):
     from tinker_cookbook.recipes.true_thinking_score import run_small_experiment as script
 
