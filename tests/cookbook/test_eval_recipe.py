@@ -30,12 +30,11 @@ def _score(rows: list[dict], suffix: str) -> list[float]:
 
 
 @pytest.mark.extended
-@pytest.mark.unproven
 def test_benchmark_and_custom_evaluators_measure_what_the_loop_teaches(cookbook, tmp_path, monkeypatch):
     from tinker_cookbook import renderers
     from tinker_cookbook.eval import custom_evaluators as custom
     from tinker_cookbook.eval.benchmark_evaluator import BenchmarkEvaluator
-    from tinker_cookbook.eval.benchmarks import REGISTRY
+    from tinker_cookbook.eval.benchmarks import REGISTRY, gsm8k  # noqa: F401 (importing gsm8k registers it)
     from tinker_cookbook.eval.benchmarks._common import build_messages
     from tinker_cookbook.supervised import train as sft
     from tinker_cookbook.supervised.data import FromConversationFileBuilder
