@@ -4,7 +4,8 @@
 #
 #   ./scripts/test.sh              everything but the extended tier, within about 45 minutes on 2 cores
 #   ./scripts/test.sh --extended   only the extended tier (pytest marker `extended`): the slowest cookbook
-#                                  recipe families, each minutes of a real stack; CI runs it after the above
+#                                  recipe families, the vision stack and the fault runs, each minutes of real
+#                                  processes; CI runs it after the above
 #   ./scripts/test.sh --quick      the fast tier: no embedded stack, no other processes, no vLLM engine
 #                                  (pytest markers `stack` and `engine`), no minutes-long test (`slow`)
 # --quick and --extended skip the install when .venv is there. No tier runs a test marked `unproven`

@@ -17,6 +17,7 @@ from stackutil import ROOT
 pytestmark = pytest.mark.stack
 
 
+@pytest.mark.extended  # minutes of killed and restarted processes: CI runs it with --extended
 @pytest.mark.timeout(1800)
 def test_the_quick_fault_run_loses_nothing():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "faults.py"), "--quick"], cwd=ROOT,

@@ -62,6 +62,7 @@ QUILT_ONLY = {
     ("Datum", "policy_version"): "Quilt: the policy version a datum was sampled with (staleness)",
     ("TensorData", "data"): "tinker's TensorData keeps its values in data on the wire",
     ("EncodedTextChunk", "type"): "the chunk's discriminator, as tinker sends it",
+    ("CreateModelRequest", "max_context_length"): "Quilt: the model's context, which the price book may tier",
 }
 
 

@@ -26,6 +26,7 @@ POINTS = ("trainer.after_read", "trainer.after_pass", "trainer.after_optim", "tr
           "trainers.after_settle", "trainers.after_publish", "trainer.during_export")
 
 
+@pytest.mark.extended  # minutes of killed and restarted processes: CI runs it with --extended
 @pytest.mark.timeout(1200)
 def test_a_trainer_killed_at_every_crash_point_loses_nothing():
     import httpx
