@@ -38,7 +38,6 @@ def test_dpo_recipe_prefers_the_chosen_answers(cookbook, tmp_path, monkeypatch):
 
 
 @pytest.mark.extended
-@pytest.mark.unproven
 def test_rlhf_pipeline_runs_its_three_stages(cookbook, tmp_path, monkeypatch):
     """The pipeline's `cli_main`, all three stages at tiny sizes: SFT on NoRobots, a reward model
     trained through the API on HHH comparisons (supervised, on the preference token), and RL of the

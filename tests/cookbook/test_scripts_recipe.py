@@ -123,7 +123,6 @@ def test_merge_tinker_adapter_script_merges_what_quilt_samples(cookbook, tiny_pa
     assert gap < 1e-3
 
 
-@pytest.mark.unproven  # in-process, today's file held no entries: tinker's per-process REST client kept an earlier key
 def test_save_audit_log_writes_the_days_entries(cookbook, stack, tmp_path, monkeypatch):
     import json
 
