@@ -125,6 +125,14 @@ def _short(exc: Exception) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
+def pretrained_class(vision: bool) -> Any:
+    """The transformers class a base loads with: a vision base with its vision tower (the trainer
+    keeps it frozen; the trainer-side sampler runs it), any other as a causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if vision else AutoModelForCausalLM
+
+
 class ImageProcessor:
     """A vision base's image processor (its preprocessor_config.json) and token geometry: what the
     trainer and the trainer-side sampler make an image's pixels with."""

@@ -36,7 +36,7 @@ from typing import Any
 
 from bases import architectures
 from bases.memory_plan import resolve_dtype
-from bases.vision import ImageProcessor
+from bases.vision import ImageProcessor, pretrained_class
 from checkpoints import storage
 from checkpoints.adapter_merge import Factors, lora_factors
 from core.errors import NotFound, ServerError
@@ -79,13 +79,13 @@ class HFEngine:
     @classmethod
     def _load(cls, path: str, settings: GenPoolSettings) -> HFEngine:
         import torch
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, GenerationConfig
+        from transformers import AutoTokenizer, GenerationConfig
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         arch = architectures.of_config(json.loads((Path(path) / "config.json").read_text()))
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        auto: Any = AutoModelForImageTextToText if arch.vision else AutoModelForCausalLM
-        model = auto.from_pretrained(path, dtype=getattr(torch, resolve_dtype(settings.dtype, device))).to(device)
+        dtype = getattr(torch, resolve_dtype(settings.dtype, device))
+        model = pretrained_class(arch.vision).from_pretrained(path, dtype=dtype).to(device)
         model.eval().requires_grad_(False)
         tokenizer = AutoTokenizer.from_pretrained(path)
         own = model.generation_config.eos_token_id

@@ -28,6 +28,7 @@ from typing import Any, cast
 import torch
 
 from bases import architectures, memory_plan
+from bases.vision import pretrained_class
 from batcher.engine import (
     adapter_io,
     custom_losses,
@@ -151,17 +152,7 @@ class LoraBackend:
         random ones on the device), this rank's part of it in a gang, or the whole checkpoint: a
         transformers causal LM, whose decoder and head the pass calls apart."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-        kw: dict[str, Any] = {}
-        if self.arch.moe and dtype == torch.float64:
-            kw["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel (float64 is for tests)
-        if architectures.checkpoint_quantization(self.config) == "mxfp4":
-            # Dequantized on every machine: with its MXFP4 kernels transformers swaps the experts for a
-            # module without the gate_up_proj/down_proj parameters expert LoRA runs (batcher.engine.expert_lora).
-            from transformers.utils.quantization_config import Mxfp4Config
-
-            kw["quantization_config"] = Mxfp4Config(dequantize=True)
+        kw = _load_kwargs(self.arch, self.config, dtype)
         shape = member.shape if member is not None and member.size > 1 else None
         if shape is not None:
             problems = gang.check_shape(shape, self.config)
@@ -173,8 +164,7 @@ class LoraBackend:
         elif shape is not None:
             base = gang.load_base(self.base_path, shape, str(self.device), router=self.arch.router, dtype=dtype, **kw)
         else:  # a vision base with its vision tower (frozen with the rest; batcher.engine.vision)
-            auto: Any = AutoModelForImageTextToText if self.arch.vision else AutoModelForCausalLM
-            base = auto.from_pretrained(self.base_path, dtype=dtype, **kw)
+            base = pretrained_class(self.arch.vision).from_pretrained(self.base_path, dtype=dtype, **kw)
         if "quantization_config" in kw:
             base = base.to(dtype)  # transformers dequantizes MXFP4 to bfloat16 whatever dtype it was asked for
         base.requires_grad_(False)
@@ -509,3 +499,17 @@ def _move_state(adapter: Adapter, device: torch.device) -> None:
         for key, value in state.items():
             if torch.is_tensor(value) and key != "step":
                 state[key] = value.to(device)
+
+
+def _load_kwargs(arch: architectures.Architecture, config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """from_pretrained's arguments for a trainer's base beyond its dtype."""
+    kw: dict[str, Any] = {}
+    if arch.moe and dtype == torch.float64:
+        kw["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel (float64 is for tests)
+    if architectures.checkpoint_quantization(config) == "mxfp4":
+        # Dequantized on every machine: with its MXFP4 kernels transformers swaps the experts for a
+        # module without the gate_up_proj/down_proj parameters expert LoRA runs (batcher.engine.expert_lora).
+        from transformers.utils.quantization_config import Mxfp4Config
+
+        kw["quantization_config"] = Mxfp4Config(dequantize=True)
+    return kw
