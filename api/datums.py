@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from api.provenance import Provenance
 from core import numbers
 from core.custom_loss import LossGraph
 from core.errors import InvalidInput
@@ -39,6 +40,7 @@ class RawDatum:
     # and ImageInputs), then the checked ones.
     raw_images: tuple[RawImage, ...] = ()
     images: tuple[ImageInput, ...] = ()
+    provenance: Provenance | None = None  # which sampled sequence each token came from (api.provenance)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from api import provenance
 from api.datums import RawDatum, RawImage, RawTensor
 from checkpoints import retention
 from core.errors import InvalidInput
@@ -193,9 +194,9 @@ class DatumIn(_Body):
     model_input: ModelInputIn
     loss_fn_inputs: dict[str, TensorDataIn | list[float | int]]
     policy_version: int | None = Field(None, ge=0, description="policy version the datum was sampled with")
-    # tinker's provenance spans (which sampled sequence each token came from): attribution for the
-    # hosted service's own accounting; what a pass computes does not depend on them. Accepted
-    # (bounded) and not kept.
+    # tinker's provenance spans (which sampled sequence each token came from), in the protobuf's JSON
+    # form: `{"sampled_tokens": {"sequence_id", "offset", "length"}}` or `{"prompt_tokens": {...}}`.
+    # Checked for every loss; read by stable_reinforce (api.provenance).
     model_input_spans: list[dict[str, Any]] | None = Field(None, max_length=4096)
     loss_fn_input_spans: list[dict[str, Any]] | None = Field(None, max_length=4096)
 
@@ -205,7 +206,12 @@ class DatumIn(_Body):
             k: RawTensor(v, "", None) if isinstance(v, list) else RawTensor(v.data, v.dtype or "", v.shape)
             for k, v in self.loss_fn_inputs.items()
         }
-        return RawDatum(tokens, inputs, self.policy_version, images)
+        datum = where.removesuffix(".model_input")
+        model_spans, loss_spans = (None if raw is None else provenance.from_json(raw, f"{datum}.{name}")
+                                   for name, raw in (("model_input_spans", self.model_input_spans),
+                                                     ("loss_fn_input_spans", self.loss_fn_input_spans)))
+        return RawDatum(tokens, inputs, self.policy_version, images,
+                        provenance=provenance.pair(model_spans, loss_spans, datum))
 
 
 class ForwardBackwardInput(_Body):

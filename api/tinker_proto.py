@@ -10,10 +10,12 @@ wire format is exactly what that SDK version reads and writes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from api import provenance
 from api.datums import RawDatum, RawImage, RawTensor
 from api.input_guard import check_text
 from core.errors import InvalidInput
@@ -102,9 +104,12 @@ def _dense_from_csr(t, np_dtype, field: str, rows: int, budget: _SparseBudget) -
     return dense.ravel()
 
 
-def decode_forward_backward(body: bytes, *, max_sparse_values: int) -> ForwardBackwardProto:
+def decode_forward_backward(body: bytes, *, max_sparse_values: int,
+                            on_ids: Callable[[str, int], None] | None = None) -> ForwardBackwardProto:
     """A ForwardBackwardRequest (already decompressed, within the body limit: api.body_limit).
-    Its sparse tensors may expand to `max_sparse_values` values in all."""
+    Its sparse tensors may expand to `max_sparse_values` values in all. `on_ids` hears the model
+    and seq_id as soon as they are read, before the data is checked (a refusal of the data then
+    uses up the seq_id: api.seq_gaps)."""
     pb = _pb()
     msg = pb.ForwardBackwardRequest()
     try:
@@ -112,6 +117,8 @@ def decode_forward_backward(body: bytes, *, max_sparse_values: int) -> ForwardBa
     except Exception as exc:  # DecodeError and friends: the body is not this message
         raise InvalidInput(f"body: not a ForwardBackwardRequest protobuf ({exc})", field="body") from None
     check_text(msg.model_id, "model_id")
+    if on_ids is not None and 1 <= msg.seq_id < 2**31:
+        on_ids(msg.model_id, msg.seq_id)
     check_text(msg.loss_fn, "loss_fn")
     config: dict[str, float | str] = {k: v for k, v in msg.loss_fn_config.items()}
     for key in (*msg.loss_fn_config, *msg.loss_fn_config_v2):
@@ -149,7 +156,11 @@ def decode_forward_backward(body: bytes, *, max_sparse_values: int) -> ForwardBa
         rows = len(tokens) + sum(image.expected_tokens or 0 for image in images)
         inputs = {k: _tensor(pb, t, f"data[{i}].loss_fn_inputs.{k}", rows, budget)
                   for k, t in d.loss_fn_inputs.items()}
-        data.append(RawDatum(tokens, inputs, raw_images=tuple(images)))
+        model_spans, loss_spans = (provenance.from_proto(spans, f"data[{i}].{name}") if spans else None
+                                   for name, spans in (("model_input_spans", d.model_input_spans),
+                                                       ("loss_fn_input_spans", d.loss_fn_input_spans)))
+        data.append(RawDatum(tokens, inputs, raw_images=tuple(images),
+                             provenance=provenance.pair(model_spans, loss_spans, f"data[{i}]")))
     return ForwardBackwardProto(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only, data)
 
 

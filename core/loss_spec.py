@@ -37,6 +37,12 @@ class LossSpec:
 
 
 _RL_REQUIRED = frozenset({"target_tokens", "logprobs", "advantages"})
+
+# Tinker's off-policy REINFORCE (alpha): the loss reads what the sampler recorded, not the client's
+# logprobs. Tinker does not publish its formula; Quilt's is in batcher.engine.losses. Its importance
+# ratio is kept only inside [1/C, C]; C is `is_weight_cap`, this by default.
+STABLE_REINFORCE = "stable_reinforce"
+STABLE_REINFORCE_CAP = 2.0
 _CLIP_INPUTS = frozenset({"clip_low_threshold", "clip_high_threshold"})
 
 # `weights` is accepted everywhere (Tinker's RL examples send it); on RL losses it only masks the
@@ -48,6 +54,10 @@ LOSS_FUNCTIONS: Mapping[str, LossSpec] = MappingProxyType(
         "ppo": LossSpec("ppo", _RL_REQUIRED, frozenset({"weights"}) | _CLIP_INPUTS),
         "cispo": LossSpec("cispo", _RL_REQUIRED, frozenset({"weights"}) | _CLIP_INPUTS),
         "dro": LossSpec("dro", _RL_REQUIRED, frozenset({"weights"})),
+        # GSPO-token: the sequence's ratio over the positions `sequence_ratio_mask` marks.
+        "gspo": LossSpec("gspo", _RL_REQUIRED | {"sequence_ratio_mask"}, frozenset({"weights"}) | _CLIP_INPUTS),
+        # Needs provenance naming sequences sampled with record_stability_info (api.provenance).
+        STABLE_REINFORCE: LossSpec(STABLE_REINFORCE, _RL_REQUIRED, frozenset({"weights"})),
     }
 )
 
@@ -96,10 +106,11 @@ def _check_int(name: str, value: object, *, low: int) -> None:
 class LossConfig:
     """`loss_fn_config`, parsed. Keys that do not apply to the chosen loss have no effect."""
 
-    clip_low_threshold: float = 0.8  # ratio clip floor, 0 <= lo <= 1 (ppo, cispo)
-    clip_high_threshold: float = 1.2  # ratio clip ceiling, hi >= 1 (ppo, cispo)
+    clip_low_threshold: float = 0.8  # ratio clip floor, 0 <= lo <= 1 (ppo, cispo, gspo)
+    clip_high_threshold: float = 1.2  # ratio clip ceiling, hi >= 1 (ppo, cispo, gspo)
     beta: float = 1.0  # DRO quadratic-penalty coefficient, >= 0 (see batcher.engine.losses)
     is_weight_cap: float | None = None  # TIS cap C > 0 on the importance ratio; None = no cap
+    # (stable_reinforce: its band [1/C, C], STABLE_REINFORCE_CAP when None)
     max_staleness: int | None = None  # datums with policy lag > this get zero loss; >= 0
     current_policy_version: int | None = None  # set by the trainer, never by the user
     policy_version: int | None = None  # version the request's data was sampled with (a datum's own wins)
@@ -158,4 +169,8 @@ def parse_loss_config(spec: LossSpec, raw: Mapping[str, Any] | None) -> LossConf
         if key in ("max_staleness", "policy_version") and isinstance(value, float) and value.is_integer():
             value = int(value)
         values[key] = value
-    return LossConfig(**values)
+    config = LossConfig(**values)
+    if loss_fn == STABLE_REINFORCE and config.is_weight_cap is not None and config.is_weight_cap < 1:
+        raise _config_error("is_weight_cap", f"must be >= 1 for {STABLE_REINFORCE} (the ratio is kept inside "
+                                             f"[1/C, C]), got {config.is_weight_cap!r}")
+    return config

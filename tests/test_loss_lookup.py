@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import sys
+from types import SimpleNamespace
 
 import pytest
 from starlette.requests import Request
@@ -81,7 +82,8 @@ def calls(monkeypatch) -> dict:
 
 
 def _forward(body: dict) -> dict:
-    return asyncio.run(training._forward(_request(body), None, None, None, ApiSettings(), None, forward_only=False))
+    who = SimpleNamespace(tenant_id="tenant-1")
+    return asyncio.run(training._forward(_request(body), who, None, None, ApiSettings(), None, forward_only=False))
 
 
 def test_a_forward_backward_looks_its_loss_up_once(calls):

@@ -104,6 +104,81 @@ def test_importance_sampling_cap_truncates_value_and_gradient():
     _assert_close(grad, expected_grad)
 
 
+def _literal_stable_reinforce(lp, slp, adv, cap):
+    loss, grad, kept = 0.0, [], 0
+    for t in range(len(lp)):
+        ratio = math.exp(min(lp[t] - slp[t], 700.0))  # past e^700 is past any band
+        weight = ratio if 1 / cap <= ratio <= cap else 0.0
+        kept += weight > 0
+        loss += -weight * adv[t]
+        grad.append(-weight * adv[t])  # sg(m · ratio) · ∇lp
+    return loss, grad, kept
+
+
+@pytest.mark.parametrize("cap", [None, 1.3])
+def test_stable_reinforce_keeps_the_ratio_inside_its_band(cap):
+    lp, slp, adv = _rl_datum(5)
+    slp[0], slp[1] = lp[0] - 800.0, lp[1] + 800.0  # ratios that overflow and underflow: outside, no NaN
+    result, grad = _run("stable_reinforce", lp, _rl_inputs(slp, adv), LossConfig(is_weight_cap=cap))
+    loss, expected_grad, kept = _literal_stable_reinforce(lp, slp, adv, cap or 2.0)
+    assert 0 < kept < N - 2
+    _assert_close(result.loss.item(), loss)
+    _assert_close(grad, expected_grad)
+    assert grad[0] == grad[1] == 0.0
+
+
+def test_stable_reinforce_band_must_hold_one():
+    with pytest.raises(InvalidInput) as err:
+        parse_loss_config(spec_of("stable_reinforce"), {"is_weight_cap": 0.5})
+    assert err.value.field == "loss_fn_config.is_weight_cap" and ">= 1" in str(err.value)
+    assert parse_loss_config(spec_of("stable_reinforce"), {"is_weight_cap": 1.0}).is_weight_cap == 1.0
+    assert parse_loss_config(spec_of("importance_sampling"), {"is_weight_cap": 0.5}).is_weight_cap == 0.5
+
+
+def test_gspo_matches_the_documented_token_variant():
+    lp, slp, adv = _rl_datum(6)
+    mask = [0.0] * 4 + [1.0] * (N - 4)  # the first four positions are the prompt's: outside the ratio
+    slp[:4] = [-50.0] * 4  # and their log-ratios would dominate the mean if counted
+    lo, hi = 0.97, 1.05
+    result, grad = _run("gspo", lp, _rl_inputs(slp, adv, sequence_ratio_mask=torch.tensor(mask)),
+                        LossConfig(clip_low_threshold=lo, clip_high_threshold=hi))
+    masked = [lp[t] - slp[t] for t in range(N) if mask[t]]
+    s = math.exp(sum(masked) / len(masked))
+    loss, expected_grad = 0.0, []
+    for t in range(N):
+        unclipped, clipped = s * adv[t], min(max(s, lo), hi) * adv[t]
+        loss += -min(unclipped, clipped)
+        # d s_t / d lp_t = s (the token's own gradient); the clipped branch is flat outside [lo, hi]
+        expected_grad.append(-s * adv[t] if unclipped <= clipped or lo < s < hi else 0.0)
+    assert not lo < s < hi  # the case where clipping decides
+    _assert_close(result.loss.item(), loss)
+    _assert_close(grad, expected_grad)
+
+
+def test_gspo_sequences_of_one_pass_keep_their_own_ratio():
+    from batcher.engine.losses import DatumSpec, LossPlan, pass_losses
+
+    specs, lps, expected = [], [], []
+    for seed in (7, 8):
+        lp, slp, adv = _rl_datum(seed, n=6)
+        x = {"logprobs": torch.tensor(slp, dtype=torch.float64), "advantages": torch.tensor(adv, dtype=torch.float64),
+             "sequence_ratio_mask": torch.ones(6)}
+        specs.append(DatumSpec("gspo", x, 6, 1, LossConfig(clip_low_threshold=0.0, clip_high_threshold=1e9)))
+        lps += lp
+        s = math.exp(sum(a - b for a, b in zip(lp, slp)) / 6)
+        expected.append(-s * sum(adv))
+    plan = LossPlan.build(specs)
+    out = pass_losses(torch.tensor(lps, dtype=torch.float64).view(-1, 1), plan, plan.tensors)
+    _assert_close(out.loss.tolist(), expected)
+
+
+def test_a_datum_with_nothing_in_its_sequence_ratio_has_ratio_one():
+    lp, slp, adv = _rl_datum(9)
+    result, _ = _run("gspo", lp, _rl_inputs(slp, adv, sequence_ratio_mask=torch.zeros(N)),
+                     LossConfig(clip_low_threshold=0.0, clip_high_threshold=1e9))
+    _assert_close(result.loss.item(), -sum(adv))
+
+
 def _literal_ppo(lp, slp, adv, lo, hi):
     loss, grad, n_clipped = 0.0, [], 0
     for t in range(len(lp)):

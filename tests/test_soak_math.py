@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from soak import BOUNDS, growth_window, judge, settled, slope_per_hour  # noqa: E402
+from soak import BOUNDS, growth_window, judge, judged_heaps, key_family, settled, slope_per_hour  # noqa: E402
 
 
 @pytest.mark.parametrize(("points", "slope", "ci_below"), [
@@ -97,3 +97,19 @@ def test_the_report_judges_its_figures_over_the_steady_window(capsys):
     leak = _run_report(capsys, pg_bytes_per_request=800.0 + 730.0)  # and each request's row kept
     assert leak["within_bounds"] is False
     assert [f.split()[0] for f in leak["failed_bounds"]] == ["postgres_bytes_per_1k_requests"]
+
+
+def test_the_rss_bound_judges_the_processes_alive_at_the_end():
+    looks = [float(t) for t in range(180, 1200, 15)]
+    series = {"anon_mib:trainer:1": [(t, 300 + t / 10) for t in looks if t < 600],  # killed mid-run
+              "anon_mib:trainer:2": [(t, 640.0) for t in looks if t >= 780],  # its replacement
+              "anon_mib:api:3": [(t, 200.0) for t in looks],
+              "anon_mib:postgres:4": [(t, 3.0) for t in looks[-5:]],  # too few looks to fit
+              "redis_used_memory": [(t, 9e6) for t in looks]}
+    assert judged_heaps(series, ended_s=looks[-1]) == {"anon_mib:trainer:2", "anon_mib:api:3"}
+
+
+@pytest.mark.parametrize("key, family", [("quilt:future:req-1", "quilt:future"), ("quilt:stability:t:req-1:0", "quilt:stability"),
+                                         ("celery", "celery"), ("_kombu.binding.celery", "_kombu.binding.celery")])
+def test_keys_are_counted_by_family(key, family):
+    assert key_family(key) == family

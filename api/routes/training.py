@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from api import admission, caller_cache, datums, images, records, seq_gaps, tinker_proto
+from api import admission, caller_cache, datums, images, provenance, records, seq_gaps, tinker_proto
 from api.deps import Callers, Pool, RedisDep, Settings, Who
 from api.input_guard import DenseBodyRoute, GuardedRoute
 from api.routes.sharing import granted_checkpoint
@@ -153,10 +153,14 @@ async def _parse_forward(request: Request, settings, *, forward_only: bool) -> t
     """The same request from either encoding: JSON (Quilt SDK) or protobuf (tinker SDK)."""
     if tinker_proto.PROTOBUF in request.headers.get("content-type", ""):
         # Sparse tensors expand to at most what the largest dense body could carry.
-        parsed = tinker_proto.decode_forward_backward(await request.body(),
-                                                      max_sparse_values=settings.max_body_bytes // 4)
+        parsed = tinker_proto.decode_forward_backward(
+            await request.body(), max_sparse_values=settings.max_body_bytes // 4,
+            on_ids=lambda model_id, seq_id: seq_gaps.claim(request, model_id, seq_id))
         return dataclasses.replace(parsed, forward_only=parsed.forward_only or forward_only)
     raw = await request.json()  # parsed and checked by the route's guard (api.input_guard)
+    # From here a refusal uses up the call's seq_id: a datum's bad provenance is refused while the
+    # datums are read, and the model's later calls must not wait for it.
+    seq_gaps.claim_from_body(request, raw)
     # /forward takes tinker's ForwardRequest (`forward_input`); a Quilt SDK before 0.2 sent
     # `forward_backward_input` there, read when `forward_input` is absent.
     tinker_forward = forward_only and not (isinstance(raw, dict) and "forward_backward_input" in raw
@@ -196,6 +200,8 @@ async def _forward(request: Request, who, pool, redis, settings, callers, *, for
             work, n_tokens = datums.custom_pass_work(graph, req.data, limits)
         else:
             work, n_tokens = datums.pass_work(spec, req.loss_fn_config, req.data, limits)
+        work = await provenance.apply(redis, who.tenant_id, work, [d.provenance for d in req.data],
+                                      get_gen_pool_settings().stability_ttl_s)
         kind = WorkKind.FORWARD if req.forward_only else WorkKind.FORWARD_BACKWARD
         return await _model_call(conn, redis, who, req.model_id, seq_id=req.seq_id, kind=kind, body=work,
                                  n_tokens=n_tokens)

@@ -18,6 +18,8 @@ Notation: `lp` = trainer logprobs (`target_logprobs_T`), `slp` = sampler logprob
 | `ppo`                 | `−min(ratio·A, clip(ratio, lo, hi)·A)`                |
 | `cispo`               | `−sg(clip(ratio, lo, hi))·lp·A`                       |
 | `dro`                 | `−(lp·A − ½β(lp − slp)²)`                             |
+| `gspo`                | `−min(s_t·A, clip(s_t, lo, hi)·A)`, `s_t = exp(mean_M(sg(lp) − slp) + lp − sg(lp))` |
+| `stable_reinforce`    | `−m·ratio·A`, `m = [1/C ≤ ratio ≤ C]` (C = `is_weight_cap`, 2 by default), gradient `−m·ratio·A·∇lp` |
 
 Conventions chosen here (Tinker does not publish them):
 
@@ -26,6 +28,17 @@ Conventions chosen here (Tinker does not publish them):
   and gradient `min(ratio, C)·∇lp`, i.e. `r̃ = sg(min(ratio, C))·exp(lp − sg(lp))`. This equals
   `ratio·min(1, C/sg(ratio))` but never forms `inf·0` when the ratio overflows. For
   `importance_sampling` it is exactly TIS-REINFORCE: `∇L = −Σ min(ratio, C)·A·∇lp`.
+* `gspo` is GSPO-token as Tinker documents it: `M` = the datum's positions where
+  `sequence_ratio_mask ≠ 0`; every position carries the sequence ratio's value and its own
+  logprob's gradient. A datum with no masked position has ratio 1 (log-ratio 0), not 0/0.
+  Its thresholds are `clip_low_threshold`/`clip_high_threshold` (`1 − ε_low`, `1 + ε_high`).
+* `stable_reinforce` is Tinker's name; Tinker does not publish the objective. Quilt's: REINFORCE
+  with the importance ratio against the logprobs the sampler recorded (`api.provenance` puts them in
+  `logprobs`, and zeroes `advantages` on every position no sampled span covers), kept where it lies
+  inside `[1/C, C]` and zero outside. A token whose trainer and sampler disagree past the band
+  (stale weights, another numeric precision, a kernel's bug) drops out of the gradient instead of
+  scaling it; inside the band the estimator is unbiased importance-weighted REINFORCE. Its cap is
+  the band, so `C` must be >= 1 (`core.loss_spec.parse_loss_config`).
 * `weights` is accepted by every loss (Tinker's docs send it with RL datums) but only
   `cross_entropy` multiplies by it, as in Tinker's published formulas. All losses use it for the
   mismatch mask below.
@@ -63,7 +76,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from core.loss_spec import CUSTOM, LOSS_FUNCTIONS, LossConfig, spec_of
+from core.loss_spec import CUSTOM, LOSS_FUNCTIONS, STABLE_REINFORCE, STABLE_REINFORCE_CAP, LossConfig, spec_of
 
 __all__ = ["DatumLoss", "GradGate", "LossInputs", "LossPlan", "LossTensors", "compute_loss", "pass_losses", "reduce_metrics"]
 
@@ -112,6 +125,7 @@ class LossInputs:
     hi: Tensor
     cap: Tensor  # the truncated importance weight's cap (inf: none)
     beta: Tensor  # DRO's
+    seq_mask: Tensor  # GSPO's sequence_ratio_mask (1: in the sequence ratio)
 
     def select(self, at: Tensor) -> LossInputs:
         return LossInputs(*(t.index_select(0, at) for t in self._values()))
@@ -120,7 +134,7 @@ class LossInputs:
         return LossInputs(*(t.to(dtype) for t in self._values()))
 
     def _values(self) -> tuple[Tensor, ...]:
-        return (self.weights, self.logprobs, self.advantages, self.lo, self.hi, self.cap, self.beta)
+        return (self.weights, self.logprobs, self.advantages, self.lo, self.hi, self.cap, self.beta, self.seq_mask)
 
 
 @dataclass
@@ -151,7 +165,7 @@ class _Columns:
 
     width: int
     inputs: dict[str, list[Tensor]] = field(default_factory=lambda: {
-        k: [] for k in ("weights", "logprobs", "advantages", "lo", "hi", "cap", "beta")})
+        k: [] for k in ("weights", "logprobs", "advantages", "lo", "hi", "cap", "beta", "seq_mask")})
     datum: list[Tensor] = field(default_factory=list)
     keep: list[Tensor] = field(default_factory=list)
     mismatch: list[Tensor] = field(default_factory=list)
@@ -173,9 +187,11 @@ class _Columns:
         for key, name, default in (("clip_low_threshold", "lo", c.clip_low_threshold),
                                    ("clip_high_threshold", "hi", c.clip_high_threshold)):
             col[name].append(x[key].double() if key in x else torch.full((n,), default, dtype=torch.float64))
-        col["cap"].append(torch.full((n,), c.is_weight_cap if c.is_weight_cap is not None else float("inf"),
-                                     dtype=torch.float64))
+        cap = c.is_weight_cap if c.is_weight_cap is not None else (
+            STABLE_REINFORCE_CAP if d.loss_fn == STABLE_REINFORCE else float("inf"))
+        col["cap"].append(torch.full((n,), cap, dtype=torch.float64))
         col["beta"].append(torch.full((n,), c.beta, dtype=torch.float64))
+        col["seq_mask"].append((x["sequence_ratio_mask"] != 0).double() if "sequence_ratio_mask" in x else zeros)
         self.datum.append(torch.full((n,), index, dtype=torch.int64))
         self.keep.append(torch.full((n,), not d.dropped, dtype=torch.bool))
         self.fn += [LOSS_FUNCTIONS_INDEX.get(d.loss_fn, -1)] * n  # a custom loss: no built-in computes it
@@ -193,7 +209,7 @@ class _Columns:
     def pad(self, extra: int, datum: int) -> None:
         """`extra` padding positions of the padding datum `datum`: they weigh nothing and are never kept."""
         self.inputs["weights"].append(torch.zeros(extra, self.width, dtype=torch.float64))
-        for k in ("logprobs", "advantages", "lo", "hi", "beta"):
+        for k in ("logprobs", "advantages", "lo", "hi", "beta", "seq_mask"):
             self.inputs[k].append(torch.zeros(extra, dtype=torch.float64))
         self.inputs["cap"].append(torch.full((extra,), float("inf"), dtype=torch.float64))
         self.datum.append(torch.full((extra,), datum, dtype=torch.int64))
@@ -209,7 +225,8 @@ class _Columns:
 
         f64 = torch.zeros(0, dtype=torch.float64)
         inputs = LossInputs(cat(self.inputs["weights"], torch.zeros(0, self.width, dtype=torch.float64)),
-                            *(cat(self.inputs[k], f64) for k in ("logprobs", "advantages", "lo", "hi", "cap", "beta")))
+                            *(cat(self.inputs[k], f64)
+                              for k in ("logprobs", "advantages", "lo", "hi", "cap", "beta", "seq_mask")))
         fn_of = torch.tensor(self.fn, dtype=torch.int64)
         at = {}
         for fn in fns:
@@ -314,7 +331,25 @@ def _dro(lp: Tensor, x: LossInputs) -> Tensor:
     return -(lp * x.advantages - penalty)
 
 
-_ELEMENTWISE = {"importance_sampling": _importance_sampling, "ppo": _ppo, "cispo": _cispo, "dro": _dro}
+def _gspo(lp: Tensor, x: LossInputs, datum: Tensor, datums: int) -> Tensor:
+    """`datum`: each position's datum (of `datums`), for the per-sequence mean of the log-ratio."""
+    log_ratio = (lp.detach() - x.logprobs) * x.seq_mask
+    total = lp.new_zeros(datums).index_add(0, datum, log_ratio)
+    count = lp.new_zeros(datums).index_add(0, datum, x.seq_mask)
+    sequence = (total / count.clamp_min(1.0)).index_select(0, datum)
+    ratio = torch.exp(sequence + lp - lp.detach())
+    clipped = torch.minimum(torch.maximum(ratio, x.lo), x.hi) * x.advantages
+    return -torch.minimum(ratio * x.advantages, clipped)
+
+
+def _stable_reinforce(lp: Tensor, x: LossInputs) -> Tensor:
+    ratio = torch.exp(lp.detach() - x.logprobs)
+    kept = torch.where((ratio >= 1 / x.cap) & (ratio <= x.cap), ratio, 0.0)  # an overflowed ratio is outside
+    return -kept * torch.exp(lp - lp.detach()) * x.advantages
+
+
+_ELEMENTWISE = {"importance_sampling": _importance_sampling, "ppo": _ppo, "cispo": _cispo, "dro": _dro,
+                STABLE_REINFORCE: _stable_reinforce}
 
 
 @dataclass
@@ -341,6 +376,9 @@ def pass_losses(lp_M_K: Tensor, plan: LossPlan, t: LossTensors) -> PassLosses:
         lp = lp_M_K.index_select(0, at)
         if fn == "cross_entropy":
             part = _cross_entropy(lp, xs)
+        elif fn == "gspo":
+            gspo = _gspo(lp[:, 0], xs, t.datum.index_select(0, at), plan.size)
+            part = torch.nn.functional.pad(gspo.unsqueeze(1), (0, lp.shape[1] - 1))
         else:
             part = torch.nn.functional.pad(_ELEMENTWISE[fn](lp[:, 0], xs).unsqueeze(1), (0, lp.shape[1] - 1))
         elementwise = elementwise.index_copy(0, at, part)
