@@ -338,6 +338,9 @@ class GenEngine:
         try:
             asked_at = next(self._uses)
             held_ids = await self.llm.list_loras()
+        except Exception as exc:  # noqa: BLE001 - the records wait for the next try; no group fails for them
+            log.warning("could not ask the engine which adapters it holds: %s: %s", type(exc).__name__, exc)
+            return
         finally:
             self._trimming = False
         held = {key for key, v in self._loaded.items() if v.request.lora_int_id in held_ids}
