@@ -4,9 +4,14 @@ before vLLM ever sees an adapter.
 Identity: one adapter *version* is one published `sampler_weights` directory. The API gives every
 publication its own directory (`.../sampler_weights/<name>/<version>/`) and never rewrites it, so a
 version's key (its path) names fixed bytes: vLLM may evict it from its host cache and reload it
-later from the same path without ever mixing versions. vLLM keys adapters by (name, int id); both
-are derived here from the version key, and a new version always gets a new id, because vLLM
+later from the same path without ever mixing versions. vLLM keys adapters by (name, int id); the
+engine gives each version it tracks a new id (`AdapterIds`), never one used before, because vLLM
 silently keeps the old weights when an id is reused with a new path.
+
+Bounds: every `save_weights_for_sampler` is a new version, so a day of RL brings thousands. An
+engine tracks a version (its id, its vLLM request) only while vLLM's host cache may hold it or an
+unfinished group names it (`versions_to_forget`); one forgotten and asked for again is loaded
+afresh from its unchanged directory, under a new id.
 
 Safety: a request that names an adapter vLLM cannot load (missing files, rank above
 max_lora_rank, bad tensors) kills the engine. So every version is checked here and then loaded
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from bases.model_sources import safetensors_header
@@ -129,14 +135,29 @@ def header_adapter(base_path: str | Path, out_dir: str | Path, *, rank: int, mod
 
 
 class AdapterIds:
-    """Version key -> vLLM int id; a new key always gets a new id (ids are never reused)."""
+    """vLLM int ids for adapter versions: each call a new one, never reused, so an id names one
+    version's bytes for as long as vLLM may hold it. No map is kept here: the engine keeps each
+    version's id only while it tracks the version (`versions_to_forget`); a version forgotten and
+    asked for again gets a new id."""
 
     def __init__(self) -> None:
-        self._ids: dict[str, int] = {}
         self._next = IDENTITY_ID + 1
 
-    def get(self, key: str) -> int:
-        if key not in self._ids:
-            self._ids[key] = self._next
-            self._next += 1
-        return self._ids[key]
+    def new(self) -> int:
+        lora_id, self._next = self._next, self._next + 1
+        return lora_id
+
+
+def versions_to_forget(last_use: Mapping[str, int], *, held: Collection[str], in_use: Collection[str],
+                       asked_at: int) -> frozenset[str]:
+    """The adapter versions an engine can stop tracking: none its host cache still holds (`held`,
+    as read when the engine's use counter stood at `asked_at`), none an unfinished group names
+    (`in_use`), and none used at or after `asked_at` (loaded while the answer was on its way, so
+    held though `held` does not say so). `last_use`: each tracked version's use count when last
+    loaded. What is forgotten costs only a reload, under a new id, when it is asked for again."""
+    return frozenset(k for k, used in last_use.items() if k not in held and k not in in_use and used < asked_at)
+
+
+def newest(last_use: Mapping[str, int], n: int) -> frozenset[str]:
+    """The `n` most recently used keys: what a least-recently-used cache of `n` holds."""
+    return frozenset(sorted(last_use, key=last_use.__getitem__)[max(len(last_use) - n, 0):]) if n > 0 else frozenset()

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -53,6 +54,7 @@ from gen_pool.adapters import (
     check_adapter,
     experts_refused,
     identity_adapter,
+    versions_to_forget,
 )
 from gen_pool.routing import Recent
 from gen_pool.speculation import speculative_config
@@ -210,6 +212,17 @@ class KindGate:
             self._cond.notify_all()
 
 
+@dataclass
+class _Version:
+    request: Any  # the vllm LoRARequest that add_lora accepted
+    used: int  # the engine's use counter when the version was last loaded
+
+
+def no_groups() -> Collection[str]:
+    """`load`'s `in_use` where no scheduler says what its groups name."""
+    return ()
+
+
 class GenEngine:
     def __init__(self, llm, settings: GenPoolSettings, identity_path: str, experts_refused: str = "") -> None:
         """`experts_refused`: why this engine applies no LoRA to a MoE base's experts ("": it does)."""
@@ -221,7 +234,11 @@ class GenEngine:
         self.kinds = KindGate()
         self.ids = AdapterIds()
         self._identity = LoRARequest(IDENTITY_NAME, IDENTITY_ID, identity_path)
-        self._loaded: dict[str, object] = {}  # version key -> LoRARequest that add_lora accepted
+        # Version key -> what add_lora accepted: only versions vLLM's host cache may hold or an
+        # unfinished group names (_forget_evicted), so not every version a day of RL publishes.
+        self._loaded: dict[str, _Version] = {}
+        self._uses = itertools.count()
+        self._trimming = False
         # Version keys by last use, oldest first: vLLM evicts least recently used adapters from its
         # slots and its CPU cache, so the tail approximates what each holds (for routing).
         self._used = Recent(settings.max_cpu_loras)
@@ -276,11 +293,12 @@ class GenEngine:
 
     # ------------------------------------------------------------------ adapters
 
-    async def load(self, ref: AdapterRef) -> None:
+    async def load(self, ref: AdapterRef, in_use: Callable[[], Collection[str]] = no_groups) -> None:
         """Make `ref` usable: check its files, then `add_lora` it (a no-op when it is cached).
 
         Called before every group that uses it, so a version evicted from vLLM's host cache and
         since deleted from disk fails here, as a user error, instead of killing the engine.
+        `in_use`: the version keys unfinished groups name (the scheduler's), which stay tracked.
         """
         if ref.key in self.resident_adapters():
             self.adapter_hits += 1
@@ -294,19 +312,51 @@ class GenEngine:
         # used out (checkpoints.cache): a fetch marks the use, or brings back a removed copy.
         with contextlib.suppress(NotFound):  # then check_adapter (or vLLM) names what is missing
             path = await asyncio.to_thread(store.fetch, ref.path)  # from S3 once per replica
-        if ref.key not in self._loaded:
+        known = self._loaded.get(ref.key)
+        if known is None:
             check_adapter(path, max_rank=self.settings.max_lora_rank, experts_refused=self.experts_refused)
         from vllm.lora.request import LoRARequest
 
-        lora_id = self.ids.get(ref.key)
-        request = self._loaded.get(ref.key) or LoRARequest(f"v{lora_id}", lora_id, str(path))
+        lora_id = known.request.lora_int_id if known else self.ids.new()
+        request = known.request if known else LoRARequest(f"v{lora_id}", lora_id, str(path))
         try:
             await self.llm.add_lora(request)
         except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds; any of them means "not servable"
             self._loaded.pop(ref.key, None)
             raise AdapterError(f"adapter {ref.name or ref.key!r} cannot be loaded: {type(exc).__name__}: {exc}",
                                field="model_path") from None
-        self._loaded[ref.key] = request
+        self._loaded[ref.key] = _Version(request, next(self._uses))
+        # At twice the host cache's size, so vLLM is asked what it holds once per max_cpu_loras
+        # new versions rather than on every group's load.
+        if len(self._loaded) > 2 * self.settings.max_cpu_loras and not self._trimming:
+            await self._forget_evicted({ref.key, *in_use()})
+
+    async def _forget_evicted(self, in_use: Collection[str]) -> None:
+        """Stop tracking the versions vLLM has evicted from its host cache that no unfinished group
+        names (gen_pool.adapters.versions_to_forget)."""
+        self._trimming = True
+        try:
+            asked_at = next(self._uses)
+            held_ids = await self.llm.list_loras()
+        except Exception as exc:  # noqa: BLE001 - the records wait for the next try; no group fails for them
+            log.warning("could not ask the engine which adapters it holds: %s: %s", type(exc).__name__, exc)
+            return
+        finally:
+            self._trimming = False
+        held = {key for key, v in self._loaded.items() if v.request.lora_int_id in held_ids}
+        last_use = {key: v.used for key, v in self._loaded.items()}
+        for key in versions_to_forget(last_use, held=held, in_use=in_use, asked_at=asked_at):
+            del self._loaded[key]
+
+    def lora_id(self, key: str) -> int | None:
+        """The vLLM id of a tracked version (None: not tracked; its next load gives it a new one)."""
+        version = self._loaded.get(key)
+        return None if version is None else version.request.lora_int_id
+
+    def tracked_adapters(self) -> int:
+        """Adapter versions this engine keeps a record of (at most about twice QUILT_GEN_MAX_CPU_LORAS,
+        plus those unfinished groups name)."""
+        return len(self._loaded)
 
     def resident_adapters(self) -> list[str]:
         """The adapter versions likely in an engine slot (one slot is the identity adapter's)."""
@@ -316,14 +366,14 @@ class GenEngine:
         """The adapter versions likely in vLLM's CPU cache."""
         return list(self._used)
 
-    def _lora_for(self, ref: AdapterRef | None):
+    async def _lora_for(self, ref: AdapterRef | None):
         if ref is None:
             return self._identity
-        request = self._loaded.get(ref.key)
-        if request is None:
-            # Never hand vLLM an adapter it has not accepted: that can kill the engine.
-            raise ServerError(f"adapter {ref.key!r} was not loaded before use")
-        return request
+        if ref.key not in self._loaded:
+            # Forgotten since its group's load (a caller that did not say the group was in use):
+            # loaded again, so vLLM is never handed an adapter it has not accepted.
+            await self.load(ref)
+        return self._loaded[ref.key].request
 
     # ------------------------------------------------------------------ sequences
 
@@ -363,7 +413,7 @@ class GenEngine:
         """Run one sequence to its end. Cancelling the calling task aborts it in the engine."""
         if req.images:  # bases.architectures.sampler_engine sends every vision base to gen_pool.hf_engine
             raise ServerError("images reached the vLLM engine, which Quilt gives token ids only")
-        lora = self._lora_for(req.adapter)
+        lora = await self._lora_for(req.adapter)
         params = self.vllm_params(req)
         exclusive = req.prompt_logprobs and self.settings.serialise_prompt_logprobs
         kind = "topk" if req.sample_topk else None
@@ -434,7 +484,7 @@ class GenEngine:
             # Named ids come with the drawn token's logprob besides; without ids, logprobs=0 gives that alone.
             logprobs=None if req.ids else 0, logprob_token_ids=list(req.ids) or None,
             detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
-        lora = self._lora_for(req.adapter)
+        lora = await self._lora_for(req.adapter)
         kind = "ids" if req.ids else None
         await self.kinds.enter(kind)
         try:

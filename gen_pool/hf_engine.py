@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -42,11 +42,13 @@ from checkpoints.adapter_merge import Factors, lora_factors
 from core.errors import NotFound, ServerError
 from core.settings import GenPoolSettings
 from core.work import AdapterRef, ImageInput
-from gen_pool.adapters import AdapterError, check_adapter
-from gen_pool.engine import GREEDY_BELOW, ProbeRequest, SeqRequest, SeqResult, StopReason, TopK
+from gen_pool.adapters import AdapterError, check_adapter, newest, versions_to_forget
+from gen_pool.engine import GREEDY_BELOW, ProbeRequest, SeqRequest, SeqResult, StopReason, TopK, no_groups
 from gen_pool.routing import Recent
 
 log = logging.getLogger("quilt.gen.hf_engine")
+
+Adapter = tuple[str, dict[str, Factors]]  # a version's key and its factors, as a sequence carries them
 
 ABORTED_KEPT = 4096  # ids of cancelled sequences remembered (one cancelled before it ran is never looked up)
 
@@ -98,8 +100,10 @@ class HFEngine:
 
     # ------------------------------------------------------------------ adapters
 
-    async def load(self, ref: AdapterRef) -> None:
-        """Make `ref` usable: its files checked and its factors read (kept, least recently used out)."""
+    async def load(self, ref: AdapterRef, in_use: Callable[[], Collection[str]] = no_groups) -> None:
+        """Make `ref` usable: its files checked and its factors read. QUILT_GEN_MAX_CPU_LORAS versions
+        are kept, least recently used out, and besides them those unfinished groups name (`in_use`,
+        the scheduler's), so a group queued behind newer versions finds its own."""
         if ref.key in self._factors:
             self.adapter_hits += 1
             self._factors.move_to_end(ref.key)
@@ -115,8 +119,15 @@ class HFEngine:
         check_adapter(path, max_rank=self.settings.max_lora_rank)
         factors = await asyncio.to_thread(self._read_factors, ref, Path(path))
         self._factors[ref.key] = factors
-        while len(self._factors) > self.settings.max_cpu_loras:
-            self._factors.popitem(last=False)
+        if len(self._factors) > self.settings.max_cpu_loras:
+            order = {key: i for i, key in enumerate(self._factors)}  # least recently used first
+            for key in versions_to_forget(order, held=newest(order, self.settings.max_cpu_loras),
+                                          in_use={ref.key, *in_use()}, asked_at=len(order)):
+                del self._factors[key]
+
+    def tracked_adapters(self) -> int:
+        """Adapter versions whose factors are kept."""
+        return len(self._factors)
 
     def _read_factors(self, ref: AdapterRef, path: Path) -> dict[str, Factors]:
         try:
@@ -138,13 +149,13 @@ class HFEngine:
     def cached_adapters(self) -> list[str]:
         return list(self._used)
 
-    def _merge(self, key: str | None) -> None:
-        """Put adapter `key`'s weights in place (None: the base's). On the engine's thread only."""
+    def _merge(self, adapter: Adapter | None) -> None:
+        """Put `adapter`'s weights in place (None: the base's). On the engine's thread only."""
         import torch
 
+        key, factors = adapter or (None, {})
         if self._merged[0] == key:
             return
-        factors = {} if key is None else self._factors[key]
         with torch.no_grad():
             for name in self._merged[1] - factors.keys():
                 self.params[name].copy_(self._pristine[name])
@@ -155,25 +166,29 @@ class HFEngine:
                 param.copy_(base.to(wide) + f.delta(wide).to(param.device))
         self._merged = (key, frozenset(factors))
 
-    def _factors_of(self, ref: AdapterRef | None) -> str | None:
-        if ref is not None and ref.key not in self._factors:
-            raise ServerError(f"adapter {ref.key!r} was not loaded before use")
-        return None if ref is None else ref.key
+    async def _adapter_of(self, ref: AdapterRef | None) -> Adapter | None:
+        """The factors a sequence runs with, taken now: a version dropped from the cache while the
+        sequence waits for the engine's thread is still applied."""
+        if ref is None:
+            return None
+        if ref.key not in self._factors:  # dropped since its group's load (a caller that named no groups in use)
+            await self.load(ref)
+        return ref.key, self._factors[ref.key]
 
     # ------------------------------------------------------------------ sequences
 
     async def generate(self, req: SeqRequest) -> SeqResult:
         """Run one sequence to its end. Cancelling the calling task aborts it (at its next token)."""
-        key = self._factors_of(req.adapter)
-        result: SeqResult = await self._on_thread(req.engine_id, self._generate, req, key, time.monotonic())
+        adapter = await self._adapter_of(req.adapter)
+        result: SeqResult = await self._on_thread(req.engine_id, self._generate, req, adapter, time.monotonic())
         if req.on_tokens is not None and result.tokens:  # on the loop: the worker's delta queue is not thread-safe
             req.on_tokens(result.tokens)
         return result
 
     async def probe(self, req: ProbeRequest) -> tuple[dict[int, float], tuple[tuple[int, float], ...]]:
         """One token after `req.prompt`: the raw logprobs of `req.ids`, and `req.draws` draws at its temperature."""
-        key = self._factors_of(req.adapter)
-        return await self._on_thread(req.engine_id, self._probe, req, key)
+        adapter = await self._adapter_of(req.adapter)
+        return await self._on_thread(req.engine_id, self._probe, req, adapter)
 
     async def _on_thread(self, engine_id: str, fn: Any, *args: Any) -> Any:
         future = asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -204,13 +219,13 @@ class HFEngine:
             out["mm_token_type_ids"] = (ids == self.images.geometry.image_token_id).int()
         return out
 
-    def _generate(self, req: SeqRequest, key: str | None, submitted: float) -> SeqResult:
+    def _generate(self, req: SeqRequest, adapter: Adapter | None, submitted: float) -> SeqResult:
         import torch
         from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
         if self._aborted.pop(req.engine_id, 0) is None:
             return SeqResult((), (), "abort")
-        self._merge(key)
+        self._merge(adapter)
         spec = req.spec
         inputs = self._inputs(req.prompt, req.images)
         prompt_lps = prompt_topk = None
@@ -257,10 +272,10 @@ class HFEngine:
                 return "stop"
         return "length" if len(tokens) >= req.spec.max_tokens else "stop"
 
-    def _probe(self, req: ProbeRequest, key: str | None) -> tuple[dict[int, float], tuple[tuple[int, float], ...]]:
+    def _probe(self, req: ProbeRequest, adapter: Adapter | None) -> tuple[dict[int, float], tuple[tuple[int, float], ...]]:
         import torch
 
-        self._merge(key)
+        self._merge(adapter)
         with torch.no_grad():
             logits = self.model(**self._inputs(req.prompt, ())).logits[0, -1].float()
         lps = torch.log_softmax(logits, -1)

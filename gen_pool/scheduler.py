@@ -19,7 +19,7 @@ import logging
 import statistics
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,7 +183,7 @@ class Scheduler:
     async def _prepare(self, g: Group) -> None:
         try:
             if g.adapter is not None:
-                await self.engine.load(g.adapter)
+                await self.engine.load(g.adapter, in_use=self.adapters_in_use)
                 g.version = policy_version(g.adapter.path)
             g.ready = True
         except AdapterError as exc:
@@ -192,6 +192,11 @@ class Scheduler:
             log.exception("preparing %s failed", g.request_id)
             self._fail(g, ServerError(f"could not prepare the adapter: {type(exc).__name__}: {exc}"))
         self.wake()
+
+    def adapters_in_use(self) -> frozenset[str]:
+        """The adapter versions unfinished groups name: the engine keeps these loaded however many
+        newer versions arrive after them."""
+        return adapters_named(self.groups.values())
 
     # ------------------------------------------------------------------ the step
 
@@ -398,6 +403,11 @@ class Scheduler:
         for g in list(self.groups.values()):
             for t in g.tasks.values():
                 t.cancel()
+
+
+def adapters_named(groups: Iterable[Group]) -> frozenset[str]:
+    """The adapter version keys of the unfinished groups among `groups`."""
+    return frozenset(g.adapter.key for g in groups if g.adapter is not None and not g.done)
 
 
 def _with_offsets(emit: Callable[[int, tuple[int, ...]], None]) -> Callable[[tuple[int, ...]], None]:

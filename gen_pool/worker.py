@@ -280,6 +280,7 @@ class GenWorker:
             **self.locality.report()}}
         self.heartbeat.update(running=s.running(), waiting=s.waiting(), target=s.target, **s.report(),
                               adapter_hits=self.engine.adapter_hits, adapter_misses=self.engine.adapter_misses,
+                              adapters_tracked=self.engine.tracked_adapters(),
                               push=self.replica is not None, **routing)
         if self.replica is None or now - getattr(self, "_last_liveness", 0.0) >= 2.0:
             self._last_liveness = now

@@ -259,3 +259,48 @@ def test_the_prefix_cache_is_scoped_per_tenant(pool):
         assert cached("tenant-d") > 0  # the operator's setting shares them again
     finally:
         engine.settings = kept
+
+
+def test_adapter_records_stay_bounded_while_old_versions_still_sample(pool):
+    """Every save_weights_for_sampler is a new version. Through three times as many as vLLM's host
+    cache holds, the engine's records stay within twice that cache; ids are never reused; a version
+    a queued group names stays loaded under its id; and a version forgotten meanwhile, asked for
+    again without a load, is loaded afresh and samples exactly as it did at first (greedy)."""
+    from gen_pool.adapters import header_adapter
+
+    engine, loop, root, base = pool["engine"], pool["loop"], pool["root"], pool["base"]
+    cap = engine.settings.max_cpu_loras
+
+    def ref_of(path: str, name: str) -> AdapterRef:
+        return AdapterRef(key=path, path=path, model_id="rl", name=name)
+
+    # The two old versions move logprobs by nats (genutil.make_adapter); the many newer ones are quick to write.
+    forgotten = ref_of(make_adapter(base, root / "rl-v0", rank=4, seed=40), "v0")
+    queued = ref_of(make_adapter(base, root / "rl-v1", rank=4, seed=41), "v1")
+    greedy = {"temperature": 0.0, "max_tokens": 10}
+    for ref in (forgotten, queued):
+        loop.run(engine.load(ref))
+    first = run_all(pool, [req(forgotten, **greedy)])[0]
+    ids = {engine.lora_id(forgotten.key), engine.lora_id(queued.key)}
+    queued_id = engine.lora_id(queued.key)
+    sizes = []
+    for i in range(3 * cap):
+        path = header_adapter(base, root / f"rl-v{i + 2}", rank=4, modules=("q_proj", "v_proj"), seed=100 + i)
+        newer = ref_of(path, f"v{i + 2}")
+        loop.run(engine.load(newer, in_use=lambda: {queued.key}))
+        ids.add(engine.lora_id(newer.key))
+        sizes.append(engine.tracked_adapters())
+    assert max(sizes) <= 2 * cap and min(sizes[2 * cap:]) < 2 * cap, sizes
+    assert len(ids) == 3 * cap + 2, "every version got an id of its own"
+    assert engine.lora_id(forgotten.key) is None
+    assert engine.lora_id(queued.key) == queued_id  # in use: kept, though vLLM evicted it long ago
+    assert queued_id not in loop.run(engine.llm.list_loras())
+
+    again, later = run_all(pool, [req(forgotten, **greedy), req(queued, **greedy)])  # no load first
+    assert again.tokens == first.tokens
+    assert max(abs(a - b) for a, b in zip(again.logprobs, first.logprobs)) < 1e-4
+    assert engine.lora_id(forgotten.key) not in ids, "a forgotten version comes back under a new id"
+    for ref, out in ((forgotten, again), (queued, later)):
+        expected = pool["ref"].continuation_logprobs(ref.path, list(PROMPT), list(out.tokens))
+        assert max(abs(a - b) for a, b in zip(out.logprobs, expected)) < LOGPROB_TOL, ref.name
+    assert not engine.dead

@@ -7,6 +7,7 @@ other's sequences, and the base comes back exactly once an adapter leaves the we
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,3 +121,34 @@ def test_a_sequence_aborted_before_it_runs_ends_as_aborted(setup):
     r = loop.run(engine.generate(SeqRequest("gone", prompt, SamplingSpec(max_tokens=4), 1, refs["a"],
                                             images=(image,))))
     assert r.stop_reason == "abort" and r.tokens == ()
+
+
+def test_factors_kept_are_bounded_and_a_queued_groups_version_stays(setup):
+    """Through three times QUILT_GEN_MAX_CPU_LORAS new versions: the factors kept are the newest
+    that many and the version an unfinished group names (gen_pool.adapters.versions_to_forget);
+    a version dropped meanwhile, asked for without a load, is read again and samples as before."""
+    be, engine, loop, refs, prompt, image = setup
+    greedy = SamplingSpec(max_tokens=6, temperature=0.0, eos_stops=False)
+
+    def run(ref):
+        return loop.run(engine.generate(SeqRequest("h", prompt, greedy, None, ref, images=(image,))))
+
+    cap = engine.settings.max_cpu_loras
+    for ref in refs.values():
+        loop.run(engine.load(ref))
+    before = run(refs["b"])
+    sizes = []
+    for i in range(3 * cap):
+        name = f"filler-{i}"
+        be.create(name, LoraShape(rank=4, seed=100 + i))
+        path = str(Path(refs["a"].path).parent / name)
+        be.save(name, path, overwrite=False, with_optimizer=False)
+        be.delete(name)
+        loop.run(engine.load(AdapterRef(key=path, path=path, model_id=name, name=name),
+                             in_use=lambda: {refs["a"].key}))
+        sizes.append(engine.tracked_adapters())
+    assert max(sizes) <= cap + 1, sizes
+    assert refs["a"].key in engine.resident_adapters() and refs["b"].key not in engine.resident_adapters()
+    again = run(refs["b"])
+    assert again.tokens == before.tokens and again.logprobs == before.logprobs
+    assert run(refs["a"]).tokens
