@@ -308,6 +308,11 @@ class GenEngine:
                                field="model_path") from None
         self._loaded[ref.key] = request
 
+    def release(self, ref: AdapterRef) -> None:
+        """The group that loaded `ref` is done. Nothing to undo here: vLLM reads an adapter it has dropped
+        from its host cache again from the request's path, so a group queued behind newer adapters
+        still runs (the trainer-side sampler holds its adapters instead: gen_pool.hf_engine)."""
+
     def resident_adapters(self) -> list[str]:
         """The adapter versions likely in an engine slot (one slot is the identity adapter's)."""
         return self._used.last(self.settings.max_loras - 1)

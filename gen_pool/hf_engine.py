@@ -5,8 +5,9 @@ generate, probe, abort, dead, shutdown and the adapter figures), so the schedule
 queue, billing and the futures are the same for both engines.
 
     engine = await HFEngine.start(model_path, settings, workdir)
-    await engine.load(adapter_ref)                      # checked, its factors read (LRU of max_cpu_loras)
+    await engine.load(adapter_ref)                      # checked, its factors read, held for one group
     result = await engine.generate(SeqRequest(...))     # one sequence, images too on a vision base
+    engine.release(adapter_ref)                         # the group is done: evictable again
 
 How an adapter is applied: every sequence runs on one worker thread, one at a time, and before it
 runs the weights its adapter wraps hold W + scaling * B @ A (checkpoints.adapter_merge's factors,
@@ -14,6 +15,17 @@ computed from the pristine W kept aside); weights the previous adapter wrapped a
 get their W back. A tenant's adapter is therefore in the weights only while that tenant's own
 sequence runs. The cost: one copy of each wrapped weight, and a merge when consecutive sequences use
 different adapters (sequences of one group share theirs).
+
+LoRA on a MoE base's experts (train_mlp=True; batcher.engine.expert_lora) is exported per expert
+(`mlp.experts.{e}.gate_proj`, ...), while transformers keeps each block's experts fused
+(`gate_up_proj` [E, 2I, H], gate rows then up rows; `down_proj` [E, H, I]): `fused_experts` stacks
+the experts' factors onto the fused weight they change, which then merges and comes back like any
+other (so a base with expert LoRA holds a copy of its experts while an adapter is in).
+
+Which adapters stay read: each group holds its adapter from `load` to `release` (the scheduler
+calls them when the group is prepared and when it is done), and a held adapter is never evicted;
+past max_cpu_loras the least recently used of the others go (`evictions`). With more groups' distinct
+adapters held than that, the cache runs over it until they finish, rather than fail a queued group.
 
 Logprobs are the raw model's (before temperature, top-k and top-p), as vLLM's: the logits transformers
 returns at each step, log-softmaxed in float32. There is no prefix cache (every prompt token is
@@ -27,10 +39,12 @@ import contextlib
 import json
 import logging
 import os
+import re
 import time
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections import Counter, OrderedDict
+from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +63,81 @@ from gen_pool.routing import Recent
 log = logging.getLogger("quilt.gen.hf_engine")
 
 ABORTED_KEPT = 4096  # ids of cancelled sequences remembered (one cancelled before it ran is never looked up)
+# One expert's projection as an export names it (batcher.engine.expert_lora, as published MoE checkpoints do)
+_EXPERT = re.compile(r"(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+
+
+@dataclass(frozen=True)
+class ExpertFactors:
+    """Every expert's LoRA on one fused experts weight [E, out, in]: per block of its rows (gate_up_proj's
+    gate half and up half; all of down_proj) the first row, the experts' A [E, r, in] and B [E, rows, r]
+    stacked (zeros for an expert the adapter leaves out, or past a lower rank) and their scalings [E]."""
+
+    shape: tuple[int, int, int]
+    blocks: tuple[tuple[int, Any, Any, Any], ...]
+
+    def delta(self, dtype: Any, device: Any = None) -> Any:
+        """The dense delta [E, out, in], computed now in `dtype` on `device`."""
+        import torch
+
+        out = torch.zeros(self.shape, dtype=dtype, device=device)
+        for row, *factors in self.blocks:
+            a, b, scaling = (t.to(device=device, dtype=dtype) for t in factors)
+            out[:, row:row + b.shape[1]] = (b @ a) * scaling[:, None, None]
+        return out
+
+
+Delta = Factors | ExpertFactors
+
+
+def fused_experts(factors: dict[str, Factors], shapes: dict[str, tuple[int, ...]]) -> dict[str, Delta]:
+    """An adapter's factors by the weights of the model in memory (`shapes`: name -> shape): each
+    expert's projection gathered onto the fused experts weight it changes, the rest as they are (a
+    weight the model lacks too: the caller names it). ValueError where an expert's factors do not
+    fit that weight."""
+    out: dict[str, Delta] = {}
+    experts: dict[str, dict[tuple[int, int], dict[int, Factors]]] = {}  # weight -> (row, rows) -> expert -> factors
+    for name, f in factors.items():
+        m = _EXPERT.fullmatch(name)
+        fused = "" if m is None else f"{m['block']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}"
+        if m is None or name in shapes or len(shapes.get(fused, ())) != 3:
+            out[name] = f
+            continue
+        rows = shapes[fused][1] // (1 if m["proj"] == "down_proj" else 2)
+        block = (rows if m["proj"] == "up_proj" else 0, rows)
+        experts.setdefault(fused, {}).setdefault(block, {})[int(m["expert"])] = f
+    for fused, blocks in experts.items():
+        shape = shapes[fused]
+        out[fused] = ExpertFactors((shape[0], shape[1], shape[2]),
+                                   tuple(_stacked(fused, shape, row, rows, per) for (row, rows), per in sorted(blocks.items())))
+    return out
+
+
+def _stacked(name: str, shape: tuple[int, ...], row: int, rows: int, per: dict[int, Factors]) -> tuple[int, Any, Any, Any]:
+    """One row block's (first row, A [E, r, in], B [E, rows, r], scalings [E])."""
+    import torch
+
+    count, width = shape[0], shape[2]
+    for e, f in per.items():
+        if e >= count or tuple(f.shape) != (rows, width):
+            raise ValueError(f"expert {e}'s LoRA {tuple(f.shape)} does not fit {name!r} {tuple(shape)} "
+                             f"({count} experts of {rows} x {width} per projection)")
+    rank = max(f.a.shape[0] for f in per.values())
+    dtype = next(iter(per.values())).a.dtype
+    a, b = torch.zeros(count, rank, width, dtype=dtype), torch.zeros(count, rows, rank, dtype=dtype)
+    scaling = torch.zeros(count, dtype=torch.float64)
+    for e, f in per.items():
+        r = f.a.shape[0]
+        a[e, :r], b[e, :, :r], scaling[e] = f.a, f.b, f.scaling
+    return row, a, b, scaling
+
+
+def evictions(resident: Sequence[str], held: Collection[str], cap: int) -> list[str]:
+    """The adapters to drop from `resident` (least recently used first) to keep `cap`: the least
+    recently used of those no group holds. Fewer where too many are held: the cache then stays
+    over `cap` until their groups finish, rather than fail one."""
+    over = len(resident) - cap
+    return [key for key in resident if key not in held][:max(over, 0)]
 
 
 class HFEngine:
@@ -59,8 +148,10 @@ class HFEngine:
         self.model, self.tokenizer, self.settings, self.images = model, tokenizer, settings, images
         self.eos = eos  # the base's end-of-sequence ids (its generation config's and its tokenizer's)
         self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.shapes = {name: tuple(p.shape) for name, p in self.params.items()}
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="hf-engine")  # one sequence at a time
-        self._factors: OrderedDict[str, dict[str, Factors]] = OrderedDict()  # version key -> factors, LRU
+        self._factors: OrderedDict[str, dict[str, Delta]] = OrderedDict()  # version key -> factors, LRU
+        self._holds: Counter[str] = Counter()  # version key -> groups between its load and release
         self._pristine: dict[str, Any] = {}  # weight name -> its base value, once an adapter has changed it
         self._merged: tuple[str | None, frozenset[str]] = (None, frozenset())  # the adapter in the weights
         self._aborted: OrderedDict[str, None] = OrderedDict()
@@ -99,7 +190,29 @@ class HFEngine:
     # ------------------------------------------------------------------ adapters
 
     async def load(self, ref: AdapterRef) -> None:
-        """Make `ref` usable: its files checked and its factors read (kept, least recently used out)."""
+        """Make `ref` usable, and hold it for one group until `release(ref)`: its files checked and its
+        factors read, kept while held (past that, max_cpu_loras of them, least recently used out)."""
+        self._holds[ref.key] += 1
+        try:
+            await self._read(ref)
+        except BaseException:
+            self.release(ref)
+            raise
+        self._evict()
+
+    def release(self, ref: AdapterRef) -> None:
+        """End one group's hold on `ref` (taken by `load`): unheld, it may be evicted."""
+        if self._holds[ref.key] > 1:
+            self._holds[ref.key] -= 1
+        else:
+            self._holds.pop(ref.key, None)
+        self._evict()
+
+    def _evict(self) -> None:
+        for key in evictions(list(self._factors), self._holds.keys(), self.settings.max_cpu_loras):
+            del self._factors[key]
+
+    async def _read(self, ref: AdapterRef) -> None:
         if ref.key in self._factors:
             self.adapter_hits += 1
             self._factors.move_to_end(ref.key)
@@ -113,20 +226,17 @@ class HFEngine:
         if ref.key in self._factors:
             return
         check_adapter(path, max_rank=self.settings.max_lora_rank)
-        factors = await asyncio.to_thread(self._read_factors, ref, Path(path))
-        self._factors[ref.key] = factors
-        while len(self._factors) > self.settings.max_cpu_loras:
-            self._factors.popitem(last=False)
+        self._factors[ref.key] = await asyncio.to_thread(self._read_factors, ref, Path(path))
 
-    def _read_factors(self, ref: AdapterRef, path: Path) -> dict[str, Factors]:
+    def _read_factors(self, ref: AdapterRef, path: Path) -> dict[str, Delta]:
         try:
-            factors = lora_factors(path)
+            factors = fused_experts(lora_factors(path), self.shapes)
         except (OSError, ValueError, KeyError) as exc:
             raise AdapterError(f"adapter {ref.name or ref.key!r} cannot be loaded: {exc}", field="model_path") from None
         for name, f in factors.items():
-            param = self.params.get(name)
-            if param is None or tuple(param.shape) != tuple(f.shape):
-                found = "no such weight" if param is None else f"the weight is {tuple(param.shape)}"
+            shape = self.shapes.get(name)
+            if shape != tuple(f.shape):
+                found = "no such weight" if shape is None else f"the weight is {shape}"
                 raise AdapterError(f"adapter {ref.name or ref.key!r} wraps {name!r} {tuple(f.shape)}, which this base's "
                                    f"trainer-side sampler cannot apply ({found})", field="model_path")
         return factors
@@ -138,13 +248,12 @@ class HFEngine:
     def cached_adapters(self) -> list[str]:
         return list(self._used)
 
-    def _merge(self, key: str | None) -> None:
-        """Put adapter `key`'s weights in place (None: the base's). On the engine's thread only."""
+    def _merge(self, key: str | None, factors: dict[str, Delta]) -> None:
+        """Put adapter `key`'s weights (its `factors`) in place (None: the base's). On the engine's thread only."""
         import torch
 
         if self._merged[0] == key:
             return
-        factors = {} if key is None else self._factors[key]
         with torch.no_grad():
             for name in self._merged[1] - factors.keys():
                 self.params[name].copy_(self._pristine[name])
@@ -152,28 +261,31 @@ class HFEngine:
                 param = self.params[name]
                 base = self._pristine.setdefault(name, param.detach().clone())
                 wide = torch.promote_types(param.dtype, torch.float32)
-                param.copy_(base.to(wide) + f.delta(wide).to(param.device))
+                param.copy_(base.to(wide) + f.delta(wide, param.device))
         self._merged = (key, frozenset(factors))
 
-    def _factors_of(self, ref: AdapterRef | None) -> str | None:
-        if ref is not None and ref.key not in self._factors:
+    def _factors_of(self, ref: AdapterRef | None) -> tuple[str | None, dict[str, Delta]]:
+        """The adapter's key and factors, taken on the loop: the engine's thread never reads the cache."""
+        if ref is None:
+            return None, {}
+        factors = self._factors.get(ref.key)
+        if factors is None:
             raise ServerError(f"adapter {ref.key!r} was not loaded before use")
-        return None if ref is None else ref.key
+        return ref.key, factors
 
     # ------------------------------------------------------------------ sequences
 
     async def generate(self, req: SeqRequest) -> SeqResult:
         """Run one sequence to its end. Cancelling the calling task aborts it (at its next token)."""
-        key = self._factors_of(req.adapter)
-        result: SeqResult = await self._on_thread(req.engine_id, self._generate, req, key, time.monotonic())
+        adapter = self._factors_of(req.adapter)
+        result: SeqResult = await self._on_thread(req.engine_id, self._generate, req, adapter, time.monotonic())
         if req.on_tokens is not None and result.tokens:  # on the loop: the worker's delta queue is not thread-safe
             req.on_tokens(result.tokens)
         return result
 
     async def probe(self, req: ProbeRequest) -> tuple[dict[int, float], tuple[tuple[int, float], ...]]:
         """One token after `req.prompt`: the raw logprobs of `req.ids`, and `req.draws` draws at its temperature."""
-        key = self._factors_of(req.adapter)
-        return await self._on_thread(req.engine_id, self._probe, req, key)
+        return await self._on_thread(req.engine_id, self._probe, req, self._factors_of(req.adapter))
 
     async def _on_thread(self, engine_id: str, fn: Any, *args: Any) -> Any:
         future = asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -204,13 +316,13 @@ class HFEngine:
             out["mm_token_type_ids"] = (ids == self.images.geometry.image_token_id).int()
         return out
 
-    def _generate(self, req: SeqRequest, key: str | None, submitted: float) -> SeqResult:
+    def _generate(self, req: SeqRequest, adapter: tuple[str | None, dict[str, Delta]], submitted: float) -> SeqResult:
         import torch
         from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
         if self._aborted.pop(req.engine_id, 0) is None:
             return SeqResult((), (), "abort")
-        self._merge(key)
+        self._merge(*adapter)
         spec = req.spec
         inputs = self._inputs(req.prompt, req.images)
         prompt_lps = prompt_topk = None
@@ -257,10 +369,11 @@ class HFEngine:
                 return "stop"
         return "length" if len(tokens) >= req.spec.max_tokens else "stop"
 
-    def _probe(self, req: ProbeRequest, key: str | None) -> tuple[dict[int, float], tuple[tuple[int, float], ...]]:
+    def _probe(self, req: ProbeRequest, adapter: tuple[str | None, dict[str, Delta]]
+               ) -> tuple[dict[int, float], tuple[tuple[int, float], ...]]:
         import torch
 
-        self._merge(key)
+        self._merge(*adapter)
         with torch.no_grad():
             logits = self.model(**self._inputs(req.prompt, ())).logits[0, -1].float()
         lps = torch.log_softmax(logits, -1)

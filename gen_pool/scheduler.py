@@ -81,6 +81,7 @@ class Group:
     images: tuple[ImageInput, ...] = ()  # a vision base's prompt images (the trainer-side sampler's)
     # --- progress
     ready: bool = False
+    held: bool = False  # the engine holds its adapter for it (loaded, not released yet)
     cancelled: bool = False
     n_admitted: int = 0
     n_finished: int = 0
@@ -184,6 +185,10 @@ class Scheduler:
         try:
             if g.adapter is not None:
                 await self.engine.load(g.adapter)
+                g.held = True
+                if g.done:  # failed (a deadline, a cancel) while its adapter loaded
+                    self._release(g)
+                    return
                 g.version = policy_version(g.adapter.path)
             g.ready = True
         except AdapterError as exc:
@@ -339,8 +344,14 @@ class Scheduler:
             await asyncio.gather(*(one(row, ids) for row, ids in batch))
         return found
 
+    def _release(self, g: Group) -> None:
+        if g.held and g.adapter is not None:
+            g.held = False
+            self.engine.release(g.adapter)
+
     def _done(self, g: Group) -> None:
         g.done = True
+        self._release(g)
         self.groups.pop(g.request_id, None)
         if not any(x.tenant_id == g.tenant_id for x in self.groups.values()):
             self.ledger.close(g.tenant_id)
