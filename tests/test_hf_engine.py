@@ -261,12 +261,13 @@ def test_groups_queued_behind_more_adapters_than_the_cache_holds_all_run(setup, 
 
     try:
         queued = loop.run(drive())
+        assert all(isinstance(out, wire.SampleOutcome) for out in outcomes.values()), outcomes
         assert len(queued) == 4  # over the cap while all four are held
         assert len(engine.resident_adapters()) == 2  # and back to it once their groups are done
         tokens = {}
         for i, ref in enumerate(refs_by_scale):
             out = outcomes[f"g{i}"]
-            assert isinstance(out, wire.SampleOutcome), out
+            assert isinstance(out, wire.SampleOutcome)
             tokens[i] = {s.tokens for s in out.sequences}
             loop.run(engine.load(ref))  # the group's adapter, sampled directly, gives the same tokens
             alone = loop.run(engine.generate(SeqRequest(f"d{i}", prompt, spec, None, ref, images=(image,))))
