@@ -7,7 +7,7 @@ TRAINER_ONLY) samples with a trained adapter, the trainer scoring the same token
 MISMATCH tolerances (the `mismatch_kl:mean` and `logprob_diff_abs:mean` metrics clients see).
 
 Tolerances: trainer and sampler both run float32 here; measured logprob_diff_abs:mean is 1e-6 to
-4e-6 nats and mismatch_kl:mean under 1e-10 on every architecture. We allow 1e-4 and 1e-6; the
+6e-6 nats and mismatch_kl:mean under 1e-10 on every architecture. We allow 1e-4 and 1e-6; the
 adapter moves the same tokens' logprobs by far more (checked), so agreement cannot be an accident.
 """
 
