@@ -75,11 +75,11 @@ class Factors:
             return self.experts, self.a.shape[1], self.b.shape[0]
         return self.b.shape[0], self.a.shape[1]
 
-    def delta(self, dtype: Any = None):
-        """The dense delta, computed now in `dtype` (float32 unless given)."""
+    def delta(self, dtype: Any = None, device: Any = None):
+        """The dense delta, computed now in `dtype` (float32 unless given), on `device` (the factors' unless given)."""
         import torch
 
-        a, b = self.a.to(dtype or torch.float32), self.b.to(dtype or torch.float32)
+        a, b = (t.to(device=device, dtype=dtype or torch.float32) for t in (self.a, self.b))
         if self.experts:  # each expert's B @ A, stored [in, out] as the weight is
             e = self.experts
             a, b = a.reshape(e, -1, a.shape[1]), b.reshape(b.shape[0], -1, e).permute(2, 0, 1)

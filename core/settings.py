@@ -312,7 +312,9 @@ class GenPoolSettings(BaseSettings):
                                     description="sequences the engine runs at once (vLLM max_num_seqs)")
     max_loras: int = Field(8, ge=2, le=256,
                            description="adapters in one batch (accelerator slots); one is the base's identity adapter")
-    max_cpu_loras: int = Field(64, ge=2, le=100_000, description="adapters kept loaded in host memory (LRU)")
+    max_cpu_loras: int = Field(64, ge=2, le=100_000,
+                               description="adapters kept loaded in host memory (LRU; the engines keep past it "
+                                           "those unfinished groups name: gen_pool.adapters)")
     tensor_parallel: int = Field(1, ge=1, le=64, description="vLLM's tensor-parallel size: GPUs the engine splits "
                                                              "each layer over (a base bigger than one GPU)")
     pipeline_parallel: int = Field(1, ge=1, le=64, description="vLLM's pipeline-parallel size: GPUs (or nodes) "

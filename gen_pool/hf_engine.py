@@ -5,7 +5,7 @@ generate, probe, abort, dead, shutdown and the adapter figures), so the schedule
 queue, billing and the futures are the same for both engines.
 
     engine = await HFEngine.start(model_path, settings, workdir)
-    await engine.load(adapter_ref)                      # checked, its factors read (LRU of max_cpu_loras)
+    await engine.load(adapter_ref, in_use)              # checked, its factors read
     result = await engine.generate(SeqRequest(...))     # one sequence, images too on a vision base
 
 How an adapter is applied: every sequence runs on one worker thread, one at a time, and before it
@@ -14,6 +14,17 @@ computed from the pristine W kept aside); weights the previous adapter wrapped a
 get their W back. A tenant's adapter is therefore in the weights only while that tenant's own
 sequence runs. The cost: one copy of each wrapped weight, and a merge when consecutive sequences use
 different adapters (sequences of one group share theirs).
+
+LoRA on a MoE base's experts (train_mlp=True; batcher.engine.expert_lora) is exported per expert
+(`mlp.experts.{e}.gate_proj`, ...), while transformers keeps each block's experts fused
+(`gate_up_proj` [E, 2I, H], gate rows then up rows; `down_proj` [E, H, I]): `fused_experts` stacks
+the experts' factors onto the fused weight they change, which then merges and comes back like any
+other (so a base with expert LoRA holds a copy of its experts while an adapter is in).
+
+Which adapters stay read: the newest max_cpu_loras, and besides them every version an unfinished
+group names (the scheduler's `in_use`), by the rule both engines share (gen_pool.adapters). With
+more groups' distinct adapters queued than that, the cache runs over it until they finish, rather
+than fail a queued group.
 
 Logprobs are the raw model's (before temperature, top-k and top-p), as vLLM's: the logits transformers
 returns at each step, log-softmaxed in float32. There is no prefix cache (every prompt token is
@@ -27,10 +38,12 @@ import contextlib
 import json
 import logging
 import os
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +61,76 @@ from gen_pool.routing import Recent
 
 log = logging.getLogger("quilt.gen.hf_engine")
 
-Adapter = tuple[str, dict[str, Factors]]  # a version's key and its factors, as a sequence carries them
+Adapter = tuple[str, dict[str, 'Delta']]  # a version's key and its factors, as a sequence carries them
 
 ABORTED_KEPT = 4096  # ids of cancelled sequences remembered (one cancelled before it ran is never looked up)
+# One expert's projection as an export names it (batcher.engine.expert_lora, as published MoE checkpoints do)
+_EXPERT = re.compile(r"(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+
+
+@dataclass(frozen=True)
+class ExpertFactors:
+    """Every expert's LoRA on one fused experts weight [E, out, in]: per block of its rows (gate_up_proj's
+    gate half and up half; all of down_proj) the first row, the experts' A [E, r, in] and B [E, rows, r]
+    stacked (zeros for an expert the adapter leaves out, or past a lower rank) and their scalings [E]."""
+
+    shape: tuple[int, int, int]
+    blocks: tuple[tuple[int, Any, Any, Any], ...]
+
+    def delta(self, dtype: Any, device: Any = None) -> Any:
+        """The dense delta [E, out, in], computed now in `dtype` on `device`."""
+        import torch
+
+        out = torch.zeros(self.shape, dtype=dtype, device=device)
+        for row, *factors in self.blocks:
+            a, b, scaling = (t.to(device=device, dtype=dtype) for t in factors)
+            out[:, row:row + b.shape[1]] = (b @ a) * scaling[:, None, None]
+        return out
+
+
+Delta = Factors | ExpertFactors
+
+
+def fused_experts(factors: dict[str, Factors], shapes: dict[str, tuple[int, ...]]) -> dict[str, Delta]:
+    """An adapter's factors by the weights of the model in memory (`shapes`: name -> shape): each
+    expert's projection gathered onto the fused experts weight it changes, the rest as they are (a
+    weight the model lacks too: the caller names it). ValueError where an expert's factors do not
+    fit that weight."""
+    out: dict[str, Delta] = {}
+    experts: dict[str, dict[tuple[int, int], dict[int, Factors]]] = {}  # weight -> (row, rows) -> expert -> factors
+    for name, f in factors.items():
+        m = _EXPERT.fullmatch(name)
+        fused = "" if m is None else f"{m['block']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}"
+        if m is None or name in shapes or len(shapes.get(fused, ())) != 3:
+            out[name] = f
+            continue
+        rows = shapes[fused][1] // (1 if m["proj"] == "down_proj" else 2)
+        block = (rows if m["proj"] == "up_proj" else 0, rows)
+        experts.setdefault(fused, {}).setdefault(block, {})[int(m["expert"])] = f
+    for fused, blocks in experts.items():
+        shape = shapes[fused]
+        out[fused] = ExpertFactors((shape[0], shape[1], shape[2]),
+                                   tuple(_stacked(fused, shape, row, rows, per) for (row, rows), per in sorted(blocks.items())))
+    return out
+
+
+def _stacked(name: str, shape: tuple[int, ...], row: int, rows: int, per: dict[int, Factors]) -> tuple[int, Any, Any, Any]:
+    """One row block's (first row, A [E, r, in], B [E, rows, r], scalings [E])."""
+    import torch
+
+    count, width = shape[0], shape[2]
+    for e, f in per.items():
+        if e >= count or tuple(f.shape) != (rows, width):
+            raise ValueError(f"expert {e}'s LoRA {tuple(f.shape)} does not fit {name!r} {tuple(shape)} "
+                             f"({count} experts of {rows} x {width} per projection)")
+    rank = max(f.a.shape[0] for f in per.values())
+    dtype = next(iter(per.values())).a.dtype
+    a, b = torch.zeros(count, rank, width, dtype=dtype), torch.zeros(count, rows, rank, dtype=dtype)
+    scaling = torch.zeros(count, dtype=torch.float64)
+    for e, f in per.items():
+        r = f.a.shape[0]
+        a[e, :r], b[e, :, :r], scaling[e] = f.a, f.b, f.scaling
+    return row, a, b, scaling
 
 
 class HFEngine:
@@ -61,8 +141,9 @@ class HFEngine:
         self.model, self.tokenizer, self.settings, self.images = model, tokenizer, settings, images
         self.eos = eos  # the base's end-of-sequence ids (its generation config's and its tokenizer's)
         self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.shapes = {name: tuple(p.shape) for name, p in self.params.items()}
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="hf-engine")  # one sequence at a time
-        self._factors: OrderedDict[str, dict[str, Factors]] = OrderedDict()  # version key -> factors, LRU
+        self._factors: OrderedDict[str, dict[str, Delta]] = OrderedDict()  # version key -> factors, LRU
         self._pristine: dict[str, Any] = {}  # weight name -> its base value, once an adapter has changed it
         self._merged: tuple[str | None, frozenset[str]] = (None, frozenset())  # the adapter in the weights
         self._aborted: OrderedDict[str, None] = OrderedDict()
@@ -129,15 +210,15 @@ class HFEngine:
         """Adapter versions whose factors are kept."""
         return len(self._factors)
 
-    def _read_factors(self, ref: AdapterRef, path: Path) -> dict[str, Factors]:
+    def _read_factors(self, ref: AdapterRef, path: Path) -> dict[str, Delta]:
         try:
-            factors = lora_factors(path)
+            factors = fused_experts(lora_factors(path), self.shapes)
         except (OSError, ValueError, KeyError) as exc:
             raise AdapterError(f"adapter {ref.name or ref.key!r} cannot be loaded: {exc}", field="model_path") from None
         for name, f in factors.items():
-            param = self.params.get(name)
-            if param is None or tuple(param.shape) != tuple(f.shape):
-                found = "no such weight" if param is None else f"the weight is {tuple(param.shape)}"
+            shape = self.shapes.get(name)
+            if shape != tuple(f.shape):
+                found = "no such weight" if shape is None else f"the weight is {shape}"
                 raise AdapterError(f"adapter {ref.name or ref.key!r} wraps {name!r} {tuple(f.shape)}, which this base's "
                                    f"trainer-side sampler cannot apply ({found})", field="model_path")
         return factors
@@ -163,7 +244,7 @@ class HFEngine:
                 param = self.params[name]
                 base = self._pristine.setdefault(name, param.detach().clone())
                 wide = torch.promote_types(param.dtype, torch.float32)
-                param.copy_(base.to(wide) + f.delta(wide).to(param.device))
+                param.copy_(base.to(wide) + f.delta(wide, param.device))
         self._merged = (key, frozenset(factors))
 
     async def _adapter_of(self, ref: AdapterRef | None) -> Adapter | None:

