@@ -3,7 +3,9 @@
 W' = W + scaling * (B @ A) for every weight the adapter wraps (scaling = lora_alpha / r, or
 lora_alpha / sqrt(r) with rsLoRA, per module where PEFT's rank/alpha patterns say so), computed in
 float32 (float64 for a float64 base) and stored in the base's dtype. A PEFT `target_parameters`
-LoRA on a 3-D experts weight (gpt-oss) merges each expert's B @ A into its [E, in, out] slice.
+LoRA on a 3-D experts weight (gpt-oss) merges each expert's B @ A into its [E, in, out] slice, and
+per-expert LoRA (the trainer's export) onto a base that fuses its experts (Qwen3-VL-MoE's
+`experts.gate_up_proj`) merges into each expert's rows of the fused weight (`fused_experts`).
 Everything else of the base (config, tokenizer, generation config, the safetensors index) is sent
 as it is.
 
@@ -23,6 +25,7 @@ import functools
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -87,6 +90,93 @@ class Factors:
         return (b @ a) * self.scaling
 
 
+# One expert's projection as the trainer exports it (batcher.engine.expert_lora; vLLM and published
+# per-expert MoE checkpoints name them so).
+_EXPERT = re.compile(r"(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+
+
+@dataclass(frozen=True)
+class ExpertFactors:
+    """Every expert's LoRA on one fused experts weight [E, out, in] (gate_up_proj: gate rows, then up
+    rows; down_proj): per block of its rows (the gate half, the up half; all of down_proj) the first
+    row, the experts' A [E, r, in] and B [E, rows, r] stacked (zeros for an expert the adapter
+    leaves out, or past a lower rank) and their scalings [E]. `transposed`: the weight is stored
+    [E, in, out] (as published Qwen3-VL-MoE checkpoints are), and so is the delta."""
+
+    out_in: tuple[int, int, int]  # [E, out, in]
+    blocks: tuple[tuple[int, Any, Any, Any], ...]
+    transposed: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, rows, cols = self.out_in
+        return (e, cols, rows) if self.transposed else self.out_in
+
+    def delta(self, dtype: Any = None, device: Any = None) -> Any:
+        """The dense delta in the weight's layout, computed now in `dtype` (float32 unless given) on `device`."""
+        import torch
+
+        dtype = dtype or torch.float32
+        out = torch.zeros(self.out_in, dtype=dtype, device=device)
+        for row, *factors in self.blocks:
+            a, b, scaling = (t.to(device=device, dtype=dtype) for t in factors)
+            out[:, row:row + b.shape[1]] = (b @ a) * scaling[:, None, None]
+        return out.transpose(1, 2) if self.transposed else out
+
+
+Delta = Factors | ExpertFactors
+
+
+def fused_experts(factors: dict[str, Factors], shapes: dict[str, tuple[int, ...]], *,
+                  stored: bool = False) -> dict[str, Delta]:
+    """An adapter's factors by the weights of the model (`shapes`: name -> shape): each expert's
+    projection gathered onto the fused experts weight it changes, where the model fuses them (a 3-D
+    `….experts.gate_up_proj` / `down_proj`), the rest as they are (a weight the model lacks too:
+    the caller names it). In memory (transformers) a fused weight is [E, out, in]; `stored`: the
+    shapes are a checkpoint's, which may hold it [E, in, out] (told apart by the factors' shapes; a
+    square one is read [E, out, in], as transformers loads it). ValueError where an expert's
+    factors do not fit."""
+    out: dict[str, Delta] = {}
+    experts: dict[str, dict[tuple[int, int], dict[int, Factors]]] = {}  # weight -> (row, rows) -> expert -> factors
+    for name, f in factors.items():
+        m = _EXPERT.fullmatch(name)
+        fused = "" if m is None else f"{m['block']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}"
+        if m is None or name in shapes or len(shapes.get(fused, ())) != 3:
+            out[name] = f
+            continue
+        rows = f.shape[0]
+        block = (rows if m["proj"] == "up_proj" else 0, rows)
+        experts.setdefault(fused, {}).setdefault(block, {})[int(m["expert"])] = f
+    for fused, blocks in experts.items():
+        rows = next(iter(blocks))[1] * (1 if fused.endswith("down_proj") else 2)  # gate_up: gate rows, up rows
+        width = next(iter(next(iter(blocks.values())).values())).shape[1]
+        shape = shapes[fused]
+        transposed = stored and tuple(shape[1:]) != (rows, width) and tuple(shape[1:]) == (width, rows)
+        out_in = (shape[0], rows, width) if transposed else (shape[0], shape[1], shape[2])
+        out[fused] = ExpertFactors(out_in, tuple(_stacked(fused, out_in, row, n, per)
+                                                 for (row, n), per in sorted(blocks.items())), transposed)
+    return out
+
+
+def _stacked(name: str, shape: tuple[int, int, int], row: int, rows: int, per: dict[int, Factors]) -> tuple[int, Any, Any, Any]:
+    """One row block's (first row, A [E, r, in], B [E, rows, r], scalings [E])."""
+    import torch
+
+    count, height, width = shape
+    for e, f in per.items():
+        if e >= count or tuple(f.shape) != (rows, width) or row + rows > height:
+            raise ValueError(f"expert {e}'s LoRA {tuple(f.shape)} does not fit {name!r} {tuple(shape)} "
+                             f"({count} experts of {height} x {width})")
+    rank = max(f.a.shape[0] for f in per.values())
+    dtype = next(iter(per.values())).a.dtype
+    a, b = torch.zeros(count, rank, width, dtype=dtype), torch.zeros(count, rows, rank, dtype=dtype)
+    scaling = torch.zeros(count, dtype=torch.float64)
+    for e, f in per.items():
+        r = f.a.shape[0]
+        a[e, :r], b[e, :, :r], scaling[e] = f.a, f.b, f.scaling
+    return row, a, b, scaling
+
+
 def lora_factors(adapter_dir: Path) -> dict[str, Factors]:
     """Base weight name -> the factors of the delta the adapter adds to it."""
     from safetensors.torch import load_file
@@ -145,7 +235,7 @@ def _header(path: Path) -> tuple[int, dict]:
         return 8 + n, json.loads(f.read(n))
 
 
-def _merged_shard(path: Path, deltas: dict[str, Factors], data_start: int, header: dict) -> Iterator[bytes]:
+def _merged_shard(path: Path, deltas: dict[str, Delta], data_start: int, header: dict) -> Iterator[bytes]:
     """The base shard's bytes with each wrapped weight replaced by its merged value, same layout;
     one weight's dense delta in memory at a time."""
     import torch
@@ -196,11 +286,12 @@ def _file_chunks(path: Path) -> Callable[[], Iterator[bytes]]:
 def merged_members(base_dir: Path, adapter_dir: Path) -> list[Member]:
     """The merged model's files. Checked before anything is sent: every wrapped weight exists in
     the base with the delta's shape, so a download never stops halfway over a mismatch."""
-    deltas = lora_factors(adapter_dir)
     files = sorted(p for p in base_dir.iterdir() if p.is_file() and not p.name.startswith("."))
     shards = [p for p in files if p.suffix == ".safetensors"]
     if not shards:
         raise ValueError(f"base model {base_dir} has no .safetensors weights; only those can be merged")
+    shapes = {k: tuple(v["shape"]) for p in shards for k, v in _header(p)[1].items() if k != "__metadata__"}
+    deltas = fused_experts(lora_factors(adapter_dir), shapes, stored=True)
     members: list[Member] = []
     found: set[str] = set()
     for p in files:

@@ -38,12 +38,10 @@ import contextlib
 import json
 import logging
 import os
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +49,7 @@ from bases import architectures
 from bases.memory_plan import resolve_dtype
 from bases.vision import ImageProcessor, pretrained_class
 from checkpoints import storage
-from checkpoints.adapter_merge import Factors, lora_factors
+from checkpoints.adapter_merge import Delta, fused_experts, lora_factors
 from core.errors import NotFound, ServerError
 from core.settings import GenPoolSettings
 from core.work import AdapterRef, ImageInput
@@ -61,78 +59,9 @@ from gen_pool.routing import Recent
 
 log = logging.getLogger("quilt.gen.hf_engine")
 
-Adapter = tuple[str, dict[str, 'Delta']]  # a version's key and its factors, as a sequence carries them
+Adapter = tuple[str, dict[str, Delta]]  # a version's key and its factors, as a sequence carries them
 
 ABORTED_KEPT = 4096  # ids of cancelled sequences remembered (one cancelled before it ran is never looked up)
-# One expert's projection as an export names it (batcher.engine.expert_lora, as published MoE checkpoints do)
-_EXPERT = re.compile(r"(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
-
-
-@dataclass(frozen=True)
-class ExpertFactors:
-    """Every expert's LoRA on one fused experts weight [E, out, in]: per block of its rows (gate_up_proj's
-    gate half and up half; all of down_proj) the first row, the experts' A [E, r, in] and B [E, rows, r]
-    stacked (zeros for an expert the adapter leaves out, or past a lower rank) and their scalings [E]."""
-
-    shape: tuple[int, int, int]
-    blocks: tuple[tuple[int, Any, Any, Any], ...]
-
-    def delta(self, dtype: Any, device: Any = None) -> Any:
-        """The dense delta [E, out, in], computed now in `dtype` on `device`."""
-        import torch
-
-        out = torch.zeros(self.shape, dtype=dtype, device=device)
-        for row, *factors in self.blocks:
-            a, b, scaling = (t.to(device=device, dtype=dtype) for t in factors)
-            out[:, row:row + b.shape[1]] = (b @ a) * scaling[:, None, None]
-        return out
-
-
-Delta = Factors | ExpertFactors
-
-
-def fused_experts(factors: dict[str, Factors], shapes: dict[str, tuple[int, ...]]) -> dict[str, Delta]:
-    """An adapter's factors by the weights of the model in memory (`shapes`: name -> shape): each
-    expert's projection gathered onto the fused experts weight it changes, the rest as they are (a
-    weight the model lacks too: the caller names it). ValueError where an expert's factors do not
-    fit that weight."""
-    out: dict[str, Delta] = {}
-    experts: dict[str, dict[tuple[int, int], dict[int, Factors]]] = {}  # weight -> (row, rows) -> expert -> factors
-    for name, f in factors.items():
-        m = _EXPERT.fullmatch(name)
-        fused = "" if m is None else f"{m['block']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}"
-        if m is None or name in shapes or len(shapes.get(fused, ())) != 3:
-            out[name] = f
-            continue
-        rows = shapes[fused][1] // (1 if m["proj"] == "down_proj" else 2)
-        block = (rows if m["proj"] == "up_proj" else 0, rows)
-        experts.setdefault(fused, {}).setdefault(block, {})[int(m["expert"])] = f
-    for fused, blocks in experts.items():
-        shape = shapes[fused]
-        out[fused] = ExpertFactors((shape[0], shape[1], shape[2]),
-                                   tuple(_stacked(fused, shape, row, rows, per) for (row, rows), per in sorted(blocks.items())))
-    return out
-
-
-def _stacked(name: str, shape: tuple[int, ...], row: int, rows: int, per: dict[int, Factors]) -> tuple[int, Any, Any, Any]:
-    """One row block's (first row, A [E, r, in], B [E, rows, r], scalings [E])."""
-    import torch
-
-    count, width = shape[0], shape[2]
-    for e, f in per.items():
-        if e >= count or tuple(f.shape) != (rows, width):
-            raise ValueError(f"expert {e}'s LoRA {tuple(f.shape)} does not fit {name!r} {tuple(shape)} "
-                             f"({count} experts of {rows} x {width} per projection)")
-    rank = max(f.a.shape[0] for f in per.values())
-    dtype = next(iter(per.values())).a.dtype
-    a, b = torch.zeros(count, rank, width, dtype=dtype), torch.zeros(count, rows, rank, dtype=dtype)
-    scaling = torch.zeros(count, dtype=torch.float64)
-    for e, f in per.items():
-        r = f.a.shape[0]
-        a[e, :r], b[e, :, :r], scaling[e] = f.a, f.b, f.scaling
-    return row, a, b, scaling
-
-
 class HFEngine:
     """One base in transformers, every tenant's adapter merged in only while its sequence runs."""
 

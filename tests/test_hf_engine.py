@@ -21,14 +21,14 @@ from safetensors.torch import load_file, save_file
 from bases.vision import ImageGeometry
 from batcher.engine.backend import LoraBackend
 from batcher.engine.protocol import PassRequest
-from checkpoints.adapter_merge import Factors
+from checkpoints.adapter_merge import Factors, fused_experts
 from core.errors import QuiltError
 from core.loss_spec import LossConfig
 from core.settings import GenPoolSettings
 from core.work import AdamParams, AdapterRef, Datum, ImageInput, LoraShape, PassWork, SamplingSpec
 from gen_pool import wire
 from gen_pool.engine import SeqRequest
-from gen_pool.hf_engine import HFEngine, fused_experts
+from gen_pool.hf_engine import HFEngine
 from gen_pool.scheduler import Group, Scheduler
 from stack.tiny_model import TinyModelSpec, build_tiny_model
 

@@ -192,3 +192,66 @@ def test_a_merge_keeps_only_the_low_rank_factors(tmp_path):
     f = factors["layer.q.weight"]
     assert f.shape == (2048, 1024) and f.a.numel() + f.b.numel() == 4 * (1024 + 2048)
     assert torch.equal(f.delta(), torch.full((2048, 1024), 8.0))  # scaling 8/4 times rank 4 of ones
+
+
+def _transposed_experts(src: Path, dest: Path) -> None:
+    """`src` with its fused experts stored [E, in, out], as published Qwen3-VL-MoE checkpoints are."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dest)
+    for shard in dest.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        save_file({k: v.transpose(1, 2).contiguous() if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+                   else v for k, v in tensors.items()}, str(shard), metadata={"format": "pt"})
+
+
+def test_expert_lora_merges_into_a_base_that_fuses_its_experts(tmp_path):
+    """The trainer exports expert LoRA per expert (`….experts.{e}.gate_proj`); Qwen3-VL-MoE fuses a
+    block's experts (`gate_up_proj`, gate rows then up rows; `down_proj`), in memory [E, out, in] and
+    in published checkpoints [E, in, out]. The merge puts each expert's delta in its rows in either
+    layout, and transformers loads both merged models to the same logits."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText
+
+    from batcher.engine.backend import LoraBackend
+    from core.work import LoraShape
+    from stack.tiny_model import TinyModelSpec, build_tiny_model
+
+    base = build_tiny_model(tmp_path / "base", spec=TinyModelSpec(architecture="qwen3_vl_moe", num_layers=1)).path
+    be = LoraBackend(base)
+    be.create("x", LoraShape(rank=4, seed=1, train_attn=False, train_mlp=True, train_unembed=False))
+    adapter = tmp_path / "adapter"
+    be.save("x", str(adapter), overwrite=False, with_optimizer=False)
+    weights = adapter / "adapter_model.safetensors"
+    gen = torch.Generator().manual_seed(0)  # a fresh adapter's B is zero: give it some
+    save_file({k: torch.randn(v.shape, generator=gen, dtype=v.dtype) if ".lora_B." in k else v
+               for k, v in load_file(str(weights)).items()}, str(weights))
+
+    factors = adapter_merge.lora_factors(adapter)
+    assert any(".experts.0.gate_proj" in k for k in factors)
+    adapter_merge.write_merged(Path(base), adapter, tmp_path / "merged")
+    merged, pristine = load_file(str(tmp_path / "merged" / "model.safetensors")), load_file(f"{base}/model.safetensors")
+    prefix = "model.language_model.layers.0.mlp.experts"
+    inter = factors[f"{prefix}.0.gate_proj.weight"].shape[0]
+    for e in range(pristine[f"{prefix}.gate_up_proj"].shape[0]):  # each expert's rows, by hand
+        want = {"gate_up_proj": torch.cat([factors[f"{prefix}.{e}.{p}.weight"].delta() for p in ("gate_proj", "up_proj")]),
+                "down_proj": factors[f"{prefix}.{e}.down_proj.weight"].delta()}
+        for name, delta in want.items():
+            got = merged[f"{prefix}.{name}"][e] - pristine[f"{prefix}.{name}"][e]
+            torch.testing.assert_close(got, delta, rtol=1e-5, atol=1e-6)
+    assert merged[f"{prefix}.gate_up_proj"].shape[1] == 2 * inter
+
+    _transposed_experts(Path(base), tmp_path / "published")
+    adapter_merge.write_merged(tmp_path / "published", adapter, tmp_path / "merged-published")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    logits = []
+    for d in ("merged", "merged-published"):
+        model = AutoModelForImageTextToText.from_pretrained(str(tmp_path / d), dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    plain = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (plain(input_ids=ids).logits - logits[0]).abs().max() > 1e-3  # the adapter did change them
