@@ -1,9 +1,10 @@
 """Four tenants x three steps on one backend: the trainer gang tests run it on a single process and
-on a gang (`python -m torch.distributed.run --nproc-per-node 2 tests/gang_scenario.py BASE PARALLEL OUT`),
+on a gang (`python -m torch.distributed.run --nproc-per-node N tests/gang_scenario.py BASE PARALLEL OUT`),
 whose rank 0 saves what it saw for the test to compare (and alone reads and writes checkpoints)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -110,7 +111,7 @@ def _whole_grads(backend, model_id: str) -> list[torch.Tensor] | None:
 
 def main() -> None:
     base, parallel, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    member = gang.join(gang.GangShape(2, parallel), "cpu")
+    member = gang.join(gang.GangShape(int(os.environ["WORLD_SIZE"]), parallel), "cpu")
     backend = LoraBackend(base, dtype=torch.float64, member=member)
     if member.leader:
         leader = gang.lead(backend, member)

@@ -293,10 +293,10 @@ def test_the_plan_counts_the_sinks_per_token_and_head(ranks, parallel, per_layer
 
 
 @pytest.mark.parametrize("model_type", sorted(t for t, a in architectures.SUPPORTED.items() if a.moe and not a.vision))
-def test_the_expert_parallel_plan_names_each_moe_architectures_router(model_type):
-    """The masked expert-parallel plan a gang loads with (batcher.engine.gang.expert_plan) names
-    modules the causal LM has: its MoE blocks' router (gpt-oss's is `mlp.router`, the others'
-    `mlp.gate`) and experts. transformers refuses a plan key that matches nothing."""
+def test_the_expert_parallel_plans_name_each_moe_architectures_modules(model_type, tmp_path):
+    """The plans an expert-parallel gang loads with (batcher.engine.gang.expert_plan, attention_plan)
+    name modules the causal LM has (transformers refuses a plan key that matches nothing): its MoE
+    blocks' experts, whose weights split over the ranks, and attention's rules kept whole."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.distributed.tensor_parallel import replace_layer_number_by_wildcard
 
@@ -307,12 +307,15 @@ def test_the_expert_parallel_plan_names_each_moe_architectures_router(model_type
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config.to_dict()))
     modules = {replace_layer_number_by_wildcard(n): type(m).__name__ for n, m in model.named_modules()}
-    plan = gang.expert_plan(architectures.SUPPORTED[model_type].router)
+    plan = gang.expert_plan()
     assert set(plan) <= set(modules), sorted(set(plan) - set(modules))
-    router = next(k for k, v in plan.items() if v == "ep_router")
-    # the module the plan masks is the one that chooses experts (transformers' EpRouterParallel reads
-    # its num_experts and its (logits, scores, indices) output)
-    assert "Router" in modules[router] or "Gate" in modules[router], modules[router]
+    assert all(hasattr(model.get_submodule(n), "gate_up_proj") for n, _ in model.named_modules()
+               if replace_layer_number_by_wildcard(n) in plan)
+    assert set(model.ep_plan) >= {f"{k}.gate_up_proj" for k in plan}  # (the architecture's own split of their weights)
+    config.save_pretrained(tmp_path)
+    whole = gang.attention_plan(str(tmp_path))
+    assert set(whole) <= set(model.tp_plan) and all(".self_attn." in k for k in whole), whole
+    assert set(whole) == {k for k in model.tp_plan if ".self_attn." in k}
 
 
 def _as_mxfp4(directory: Path) -> dict[str, torch.Tensor]:
