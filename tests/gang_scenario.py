@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from bases import architectures
-from batcher.engine import gang
+from batcher.engine import dispatch, gang
 from batcher.engine.backend import LoraBackend
 from batcher.engine.protocol import PassRequest
 from core.errors import InvalidInput, UserError
@@ -112,6 +112,14 @@ def _whole_grads(backend, model_id: str) -> list[torch.Tensor] | None:
 def main() -> None:
     base, parallel, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     member = gang.join(gang.GangShape(int(os.environ["WORLD_SIZE"]), parallel), "cpu")
+    dispatches = [0]  # how many MoE blocks' tokens this rank dispatched to their experts' ranks (an "ep" gang's)
+    dispatch_run = dispatch.run
+
+    def counted(*args, **kwargs):
+        dispatches[0] += 1
+        return dispatch_run(*args, **kwargs)
+
+    dispatch.run = counted
     backend = LoraBackend(base, dtype=torch.float64, member=member)
     if member.leader:
         leader = gang.lead(backend, member)
@@ -125,6 +133,7 @@ def main() -> None:
         result["overflow"] = overflow(backend)
         leader.close()
         # how much of the base this rank holds (a DTensor's local share, a plain tensor whole)
+        result["dispatches"] = dispatches[0]
         result["held"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                              for p in backend.base.parameters())
         torch.save(result, out)

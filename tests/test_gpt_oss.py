@@ -293,10 +293,11 @@ def test_the_plan_counts_the_sinks_per_token_and_head(ranks, parallel, per_layer
 
 
 @pytest.mark.parametrize("model_type", sorted(t for t, a in architectures.SUPPORTED.items() if a.moe and not a.vision))
-def test_the_expert_parallel_plans_name_each_moe_architectures_modules(model_type, tmp_path):
-    """The plans an expert-parallel gang loads with (batcher.engine.gang.expert_plan, attention_plan)
-    name modules the causal LM has (transformers refuses a plan key that matches nothing): its MoE
-    blocks' experts, whose weights split over the ranks, and attention's rules kept whole."""
+def test_the_expert_parallel_plan_names_each_moe_architectures_modules(model_type, tmp_path):
+    """The plan an expert-parallel gang loads with (batcher.engine.gang.expert_plan) names what the
+    causal LM has (transformers refuses a plan key that matches nothing): its MoE blocks' experts,
+    whose weights split by expert (every weight the architecture's own expert-parallel plan splits),
+    and its attention's rules, kept whole; its routers are left as they are."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.distributed.tensor_parallel import replace_layer_number_by_wildcard
 
@@ -306,16 +307,16 @@ def test_the_expert_parallel_plans_name_each_moe_architectures_modules(model_typ
     config = _config(TinyModelSpec(architecture=model_type, num_layers=2), vocab_size=512, eos_id=0)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config.to_dict()))
-    modules = {replace_layer_number_by_wildcard(n): type(m).__name__ for n, m in model.named_modules()}
-    plan = gang.expert_plan()
-    assert set(plan) <= set(modules), sorted(set(plan) - set(modules))
-    assert all(hasattr(model.get_submodule(n), "gate_up_proj") for n, _ in model.named_modules()
-               if replace_layer_number_by_wildcard(n) in plan)
-    assert set(model.ep_plan) >= {f"{k}.gate_up_proj" for k in plan}  # (the architecture's own split of their weights)
+    names = {replace_layer_number_by_wildcard(n) for n, _ in [*model.named_modules(), *model.named_parameters()]}
     config.save_pretrained(tmp_path)
-    whole = gang.attention_plan(str(tmp_path))
-    assert set(whole) <= set(model.tp_plan) and all(".self_attn." in k for k in whole), whole
-    assert set(whole) == {k for k in model.tp_plan if ".self_attn." in k}
+    plan = gang.expert_plan(str(tmp_path))
+    assert set(plan) <= names, sorted(set(plan) - names)
+    experts = {k for k, v in plan.items() if v == "moe_tp_experts"}
+    assert experts and all(hasattr(model.get_submodule(n), "gate_up_proj") for n, _ in model.named_modules()
+                           if replace_layer_number_by_wildcard(n) in experts)
+    assert {k for k, v in plan.items() if v == "grouped_gemm"} == {k for k, v in model.ep_plan.items() if v == "grouped_gemm"}
+    assert {k for k, v in plan.items() if v == gang.REPLICATED} == {k for k in model.tp_plan if ".self_attn." in k}
+    assert not any(".router" in k or k.endswith(".gate") for k in plan)
 
 
 def _as_mxfp4(directory: Path) -> dict[str, torch.Tensor]:

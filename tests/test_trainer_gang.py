@@ -85,8 +85,10 @@ def test_a_gang_trains_as_one_process_does(bases, tmp_path, arch, parallel, rank
     alone = LoraBackend(bases[arch], dtype=torch.float64)
     expected = run(alone, tmp_path, experts=not (arch == "qwen3_moe" and parallel == "tp"))
 
-    # Each rank held only its part of the base.
+    # Each rank held only its part of the base; an expert-parallel gang sent its MoE blocks' tokens to
+    # their experts' ranks (batcher.engine.dispatch), every pass and every layer.
     assert got["held"] < 0.75 * sum(p.numel() for p in alone.base.parameters()), got["held"]
+    assert (got["dispatches"] > 0) == (parallel == "ep"), got["dispatches"]
     for model_id, state in expected["adapters"].items():
         assert got["adapters"][model_id].keys() == state.keys()
         for key, tensor in state.items():

@@ -236,7 +236,10 @@ def _histogram(keys: torch.Tensor, count: int) -> torch.Tensor:
     """How many keys fall in each of 0..count-1 (keys past it are left out). histc, not bincount:
     bincount sizes its output from the keys' maximum, read on the host (a sync). (Integer keys on
     CUDA, float ones elsewhere.)"""
-    return torch.histc(keys.int() if keys.is_cuda else keys.float(), bins=count, min=0, max=count - 1)
+    keys = keys.int() if keys.is_cuda else keys.float()
+    if count == 1:  # (histc given min == max takes the keys' own range, and would count keys past it: one
+        return (keys == 0).sum().reshape(1).to(keys.dtype)  # expert a rank with one member, a gang's rank)
+    return torch.histc(keys, bins=count, min=0, max=count - 1)
 
 
 class _Groups:

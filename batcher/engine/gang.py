@@ -75,18 +75,16 @@ class GangShape:
 REPLICATED = "quilt_replicated"
 
 
-def expert_plan() -> dict[str, str]:
-    """The expert-parallel plan of a causal LM whose MoE blocks' experts are `model.layers.*.mlp.experts`:
-    the experts split over the ranks (the architecture's own "grouped_gemm" sharding of their
-    weights), run by Quilt's token dispatch (`expert_lora.dispatch_tokens`) inside transformers'
-    `moe_tp_experts` (which sums the ranks' outputs, and their input gradients). The router is left
-    as it is: it chooses among all the experts, by their global index."""
-    return {"model.layers.*.mlp.experts": "moe_tp_experts"}
-
-
-def attention_plan(path: str) -> dict[str, str]:
-    """The tensor-parallel plan overrides that keep a base's attention whole on every rank (its KV
-    heads need not divide by the ranks): every rule of its plan under `self_attn`."""
+def expert_plan(path: str) -> dict[str, str]:
+    """The tensor-parallel plan overrides an "ep" gang loads the base at `path` with: each MoE block's
+    experts split over the ranks, whole (the "grouped_gemm" rules of the architecture's own
+    expert-parallel plan, applied over the tensor-parallel group), run by Quilt's token dispatch
+    (`expert_lora.dispatch_tokens`) inside transformers' `moe_tp_experts` style (which sums the ranks'
+    outputs, and their input's and routing weights' gradients); the router left as it is, choosing
+    among all the experts; attention whole on every rank (its rules made `REPLICATED`: its KV heads
+    need not divide by the ranks). Its rules go in the tensor-parallel plan, not the expert-parallel
+    one: transformers applies an expert-parallel plan only in its masked form (the router masked
+    to each rank's experts) or its own dispatch (which knows no tenants)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
 
@@ -95,15 +93,18 @@ def attention_plan(path: str) -> dict[str, str]:
     auto: Any = AutoModelForCausalLM  # (untyped)
     with torch.device("meta"):
         model = auto.from_config(AutoConfig.from_pretrained(path))
-    return {key: REPLICATED for key in model.tp_plan if ".self_attn." in key}
+    plan = {key: REPLICATED for key in model.tp_plan if ".self_attn." in key}
+    weights = {key: style for key, style in model.ep_plan.items() if style == "grouped_gemm"}
+    blocks = {key.rpartition(".")[0] for key in weights}
+    return {**plan, **weights, **{block: "moe_tp_experts" for block in blocks}}
 
 
 def load_base(path: str, shape: GangShape, device: str, **kw: Any) -> Any:
     """This rank's part of the base.
 
     "tp" loads through transformers' `DistributedConfig` with the tensor-parallel plan the
-    architecture ships. "ep" splits the experts over the ranks (`expert_plan`), keeps attention whole
-    on every rank (`attention_plan`; the rest of the plan, the unembedding's, splits as under "tp"),
+    architecture ships. "ep" splits the experts over the ranks and keeps attention whole on every
+    rank (`expert_plan`; the rest of the plan, the unembedding's, splits as under "tp"),
     and dispatches each MoE block's tokens to their experts' ranks (`batcher.engine.dispatch`).
     "fsdp" is torch's `fully_shard` on each decoder layer and on the decoder (the trainer calls the
     decoder and the unembedding apart, so transformers' own FSDP plan, whose root is the whole causal
@@ -123,8 +124,7 @@ def load_base(path: str, shape: GangShape, device: str, **kw: Any) -> Any:
         fully_shard(decoder, mesh=mesh)
         return model.to(device)
     if shape.parallel == "ep":
-        config = DistributedConfig(tp_size=shape.ranks, ep_size=shape.ranks, ep_plan=expert_plan(),
-                                   tp_plan=attention_plan(path))
+        config = DistributedConfig(tp_size=shape.ranks, tp_plan=expert_plan(path))
         model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config, **kw)
         expert_lora.dispatch_tokens(model)
         return model
