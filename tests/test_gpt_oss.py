@@ -278,7 +278,7 @@ def test_sink_attention_keeps_no_score_matrix_for_the_backward(path):
 @pytest.mark.parametrize("ranks, parallel, per_layer", [
     (1, "tp", 64 * 8),   # 64 heads, a float32 log-sum-exp and gate each
     (2, "tp", 32 * 8),   # a tensor-parallel rank holds half the heads
-    (4, "ep", 16 * 8),
+    (4, "ep", 64 * 8),   # an expert-parallel rank computes every head of every token (attention whole)
     (2, "fsdp", 64 * 8),  # an FSDP rank computes every head of its tokens
 ])
 def test_the_plan_counts_the_sinks_per_token_and_head(ranks, parallel, per_layer, monkeypatch):
