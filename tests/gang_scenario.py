@@ -56,7 +56,8 @@ def specs(config: dict, *, experts: bool = True) -> dict:
 def run(backend, workdir: Path, *, experts: bool = True) -> dict:
     """The scenario: three fused rounds of four tenants, an AdamW step each, a round of t1's one row, then t1 saved and
     loaded into a new model "t1-copy", and t3 snapshotted and restored into "t3-restored". Returns
-    every datum's loss outputs, each round's gradients before its steps and pass stats, then each
+    every datum's loss outputs, each round's gradients before its steps (as this rank holds them:
+    `_rank_grads`) and pass stats, then each
     adapter's whole weights and AdamW moments."""
     plan = specs(backend.config, experts=experts)
     for model_id, (lora, _, _, _) in plan.items():
@@ -69,7 +70,7 @@ def run(backend, workdir: Path, *, experts: bool = True) -> dict:
         assert all(isinstance(o, dict) for o in outs), outs
         outputs.append([o["loss_fn_outputs"] for o in outs])
         stats.append(backend.last_pass)
-        grads.append({m: _whole_grads(backend, m) for m in round_plan})
+        grads.append({m: _rank_grads(backend, m) for m in round_plan})
         for model_id, (_, adam, _, _) in round_plan.items():
             backend.optim_step(model_id, AdamParams(**adam))
     backend.save("t1", str(workdir / "t1"), overwrite=True)
@@ -98,6 +99,14 @@ def overflow(backend) -> dict:
     assert isinstance(answered, dict), answered
     return {"failed": (type(failed).__name__, failed.field), "message": str(failed), "answered": answered["loss_fn_outputs"],
             "t2_pending": backend.lora.pending(backend.adapters["t2"].name), "t3_grads": _whole_grads(backend, "t3")}
+
+
+def _rank_grads(backend, model_id: str) -> list[tuple[torch.Tensor, int | None, int, int]]:
+    """The model's accumulated gradients as this rank holds them: each with the axis its layer's split
+    splits it along (None: whole), this rank's index in the split and the split's count."""
+    name = backend.adapters[model_id].name
+    return [(g.clone(), axis, split.index if axis is not None else 0, split.count if axis is not None else 1)
+            for g, (split, axis) in zip(backend.lora.grad_rows(name), backend.lora.shares(name), strict=True)]
 
 
 def _whole_grads(backend, model_id: str) -> list[torch.Tensor] | None:
