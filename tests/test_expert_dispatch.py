@@ -67,8 +67,10 @@ def test_every_pair_reaches_its_experts_rank_once():
 
 
 def test_an_expert_id_past_the_experts_is_refused():
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match="past the 4 experts"):
         dispatch.plan(torch.tensor([[0, 4]]), 0, 2, 2)
+    with pytest.raises(RuntimeError):
+        dispatch.plan(torch.tensor([[0, -1]]), 0, 2, 2)
 
 
 # ---------------------------------------------------------------------- on two gloo processes

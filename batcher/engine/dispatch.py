@@ -60,10 +60,10 @@ def plan(top_k_index: torch.Tensor, rank: int, ranks: int, experts_per_rank: int
     start, end = share(tokens, rank, ranks)
     chosen = top_k_index[start:end].reshape(-1)
     dest = torch.div(chosen, experts_per_rank, rounding_mode="floor")
-    if chosen.numel() and (int(dest.min()) < 0 or int(dest.max()) >= ranks):
-        raise ValueError(f"an expert id outside [0, {ranks * experts_per_rank}) was routed to")
     order = torch.argsort(dest, stable=True)
-    send = torch.bincount(dest, minlength=ranks).tolist()
+    send = torch.bincount(dest, minlength=ranks).tolist()  # (the block's one read by the host; bincount refuses
+    if len(send) > ranks:                                   # a negative id, and counts past `ranks` show here)
+        raise ValueError(f"an expert id past the {ranks * experts_per_rank} experts was routed to")
     token = torch.arange(start, end, device=top_k_index.device).repeat_interleave(top_k)
     return Dispatch(start, end, order, send, token.index_select(0, order),
                     (chosen - dest * experts_per_rank).index_select(0, order))
