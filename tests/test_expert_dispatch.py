@@ -121,6 +121,7 @@ def _rank(rank: int, port: int, tokens: int, queue) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.stack  # several real processes
 @pytest.mark.parametrize("tokens", [9, 1])  # 1: rank 1 dispatches nothing, and receives little
 def test_dispatch_on_two_processes_equals_one_process_forward_and_backward(tokens):
     with socket.socket() as s:
