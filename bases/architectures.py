@@ -79,9 +79,6 @@ class Architecture:
     # (batcher.engine.expert_lora), which is how vLLM loads a LoRA for it
     experts_3d: bool = False
     linear_attention: bool = False  # gated-delta-rule layers beside full attention (config.layer_types)
-    # The MoE block's router, `mlp.<router>` (transformers' module name): what an expert-parallel
-    # gang masks to each rank's experts (batcher.engine.gang.expert_plan). gpt-oss calls it `router`.
-    router: str = "gate"
 
     @property
     def attn_modules(self) -> tuple[str, ...]:
@@ -112,7 +109,7 @@ SUPPORTED: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("qwen3_vl", "Qwen3-VL", qk_norm=True, vision=True),
     Architecture("qwen3_vl_moe", "Qwen3-VL-MoE", moe=True, qk_norm=True, vision=True),
     # vLLM's GptOssForCausalLM lists no lm_head among its LoRA modules
-    Architecture("gpt_oss", "gpt-oss", moe=True, unembed_lora=False, experts_3d=True, router="router"),
+    Architecture("gpt_oss", "gpt-oss", moe=True, unembed_lora=False, experts_3d=True),
     *(Architecture(t, f, moe=moe, qk_norm=True, linear_attention=True)
       for t, f, moe in (("qwen3_5_text", "Qwen3.5", False), ("qwen3_5", "Qwen3.5", False),
                         ("qwen3_5_moe_text", "Qwen3.5-MoE", True), ("qwen3_5_moe", "Qwen3.5-MoE", True))),
@@ -410,7 +407,7 @@ def parameter_counts(config: Mapping) -> tuple[int, int]:
     if s.latent is not None:  # its Linears, and the norms of the query's and the latent's low-rank
         attn = sum(i * o for i, o in s.latent.linears(s.hidden, s.heads).values())
         norms += s.layers * (s.latent.q_rank + s.latent.kv_rank)
-    expert = 3 * s.hidden * s.intermediate + (2 * s.intermediate + s.hidden if s.arch.experts_3d else 0)
+    expert = _expert_parameters(s)
     if s.arch.moe:
         # the router, its bias (gpt-oss's) or score-correction bias (DeepSeek-V3's), the shared experts
         # and Qwen3.5's gate on them
@@ -425,6 +422,18 @@ def parameter_counts(config: Mapping) -> tuple[int, int]:
     moe_layers = s.moe_layers if s.arch.moe else s.layers
     vision = vision_parameters(config) if s.arch.vision else 0  # loaded, and computed on images, beside the decoder
     return fixed + moe_layers * mlp_total + vision, fixed + moe_layers * mlp_active + vision
+
+
+def _expert_parameters(s: Shape) -> int:
+    """One routed expert's parameters (a dense base's MLP): gate, up and down, and gpt-oss's biases."""
+    return 3 * s.hidden * s.intermediate + (2 * s.intermediate + s.hidden if s.arch.experts_3d else 0)
+
+
+def routed_expert_parameters(config: Mapping) -> int:
+    """Every routed expert's parameters, over all MoE layers (0 on a dense base): what an
+    expert-parallel gang splits over its ranks."""
+    s = Shape.of(config)
+    return s.moe_layers * s.experts * _expert_parameters(s) if s.arch.moe else 0
 
 
 def vision_parameters(config: Mapping) -> int:

@@ -184,19 +184,26 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     # the queries and keys in float32 too; the logits and their log-softmax are float32. (Measured on
     # the meta device by bench/gpu_dryrun.py, within 3% on Qwen3-32B and Llama-3.3-70B; 8 hidden-wide
     # vectors and no float32 queries and keys had planned a 131,072-token row 16% short.)
+    # An expert-parallel gang keeps attention whole on every rank, and each rank computes the (token,
+    # expert) pairs dispatched to its experts (batcher.engine.dispatch): k / R of them per token.
     split = inputs.trainer_ranks if inputs.trainer_parallel in ("tp", "ep") else 1
-    split_width = (2 * shape.heads * shape.head_dim + 3 * inter) // split
+    attn_split = inputs.trainer_ranks if inputs.trainer_parallel == "tp" else 1
+    split_width = 2 * shape.heads * shape.head_dim // attn_split + 3 * inter // split
     if shape.arch.qk_norm:
-        split_width += 2 * (shape.heads + shape.kv_heads) * shape.head_dim // split
+        split_width += 2 * (shape.heads + shape.kv_heads) * shape.head_dim // attn_split
     if shape.arch.moe and inputs.expert_lora:
         # LoRA on the experts keeps more per (token, expert) pair: about 2 hidden- and 2 expert-wide
         # vectors (measured on the tiny Qwen3-MoE, batcher.engine.expert_lora), each pair on one rank
         split_width += shape.experts_per_token * (2 * h + 2 * shape.intermediate) // split
+    if shape.arch.moe and inputs.trainer_parallel == "ep" and inputs.trainer_ranks > 1:
+        # the dispatch's hidden-wide rows per pair: sent, received, sent back and put back in order
+        # (planned, not measured: the dry run's meta device cannot run the all-to-alls)
+        split_width += shape.experts_per_token * 4 * h // split
     layer = (10 * h + split_width) * width
     if shape.arch.experts_3d:
         # gpt-oss's sinks (batcher.engine.packed_attention.SinkAttention): per token and head, the
         # kernel's float32 log-sum-exp and the float32 gate it scales the output by; no score matrix
-        layer += SINK_BYTES_PER_HEAD * shape.heads // split
+        layer += SINK_BYTES_PER_HEAD * shape.heads // attn_split
     # The head computes a chunk of tokens at a time (batcher.engine.head): per token it keeps its input,
     # the final norm's float32 one and the gradient flowing back (about four float32 hidden-wide
     # vectors); one chunk's logits, their log-softmax and its gradient are live at once (`chunk_bytes`).
@@ -208,16 +215,16 @@ def plan_memory(config: Mapping, inputs: PlanInputs) -> MemoryPlan:
     # on Qwen3-8B 4% below: docs/benchmarks/journals/gpu_dryrun.md.)
     checkpointed = layers * h * width + layer + head
     compute_copy = width if width < 4 else 0
-    # A tensor-parallel (or expert-parallel) gang splits each dense layer's LoRA as it splits the
-    # layer; FSDP keeps every LoRA whole on every rank.
+    # A tensor-parallel gang splits each dense layer's LoRA as it splits the layer; an expert-parallel
+    # one splits only the experts' (attention's is whole, as attention is); FSDP keeps every LoRA whole.
     adapter_parameters = _adapter_parameters(config, inputs.adapter_rank, inputs.expert_lora, inputs.trainer_ranks,
-                                             split)
+                                             attn_split)
     # A pass also holds, until its backward, a compute-dtype copy of each of its adapters' rows: the
     # slots its runs read, gathered for the batched or grouped GEMM (batcher.engine.multilora); the
     # experts' twice (the rows taken, and their expert-major concatenation: batcher.engine.expert_lora).
     # Planned per resident adapter, as if every one were in the pass (bench/gpu_dryrun.py measured it).
     expert_parameters = adapter_parameters - _adapter_parameters(config, inputs.adapter_rank, False,
-                                                                 inputs.trainer_ranks, split)
+                                                                 inputs.trainer_ranks, attn_split)
     adapter = adapter_parameters * (4 * ADAPTER_STATE_COPIES + compute_copy + width) + expert_parameters * width
     # The slabs' last row, always zero (padding and non-targeting adapters read it): weights,
     # gradients and compute copy, no optimizer state (batcher.engine.multilora).
@@ -302,7 +309,9 @@ def _trainer_base_parameters(config: Mapping, ranks: int, parallel: str) -> int:
     parallel: the decoder layers split over the ranks, the input embeddings whole on each (the plans
     do not split them), the unembedding split by vocabulary ("colwise_gather_output"; whole where it
     is tied to the embeddings). FSDP: the decoder, embeddings included, sharded over the ranks, plus
-    two layers gathered whole (the one running and the one prefetched), the unembedding whole."""
+    two layers gathered whole (the one running and the one prefetched), the unembedding whole. Expert
+    parallel: the routed experts split over the ranks, the rest whole (attention, routers, norms; a
+    dense layer's MLP, which its plan splits, counted whole) but the unembedding, split as above."""
     total, _ = architectures.parameter_counts(config)
     if ranks == 1:
         return total
@@ -312,6 +321,9 @@ def _trainer_base_parameters(config: Mapping, ranks: int, parallel: str) -> int:
     if parallel == "fsdp":
         layer = (total - embed - head) // shape.layers
         return (total - head) // ranks + 2 * layer + head
+    if parallel == "ep":
+        experts = architectures.routed_expert_parameters(config)
+        return total - experts + experts // ranks - head + head // ranks
     return (total - embed - head) // ranks + embed + (head // ranks if head else 0)
 
 
@@ -322,10 +334,17 @@ def fewest_ranks(config: Mapping, inputs: PlanInputs) -> tuple[int | None, int |
     """(trainer ranks, sampler tensor-parallel size): the fewest GPUs of `inputs.device_bytes` each
     on which the trainer gang and the sampler fit, planned on separate devices (a base this big
     gives each worker its own GPUs); None where even 64 do not. Heads must divide evenly over a
-    trainer gang; vLLM also needs its attention heads divisible by its size."""
+    tensor-parallel trainer gang (an expert-parallel one keeps attention whole: its experts must
+    divide); vLLM also needs its attention heads divisible by its size."""
     shape = architectures.Shape.of(config)
     separate = dataclasses.replace(inputs, shared_device=False)
-    trainer = next((n for n in RANK_CHOICES if shape.heads % n == 0 and shape.kv_heads % n == 0
+
+    def splits(n: int) -> bool:
+        if inputs.trainer_parallel == "ep":
+            return shape.experts % n == 0
+        return shape.heads % n == 0 and shape.kv_heads % n == 0
+
+    trainer = next((n for n in RANK_CHOICES if splits(n)
                     and not plan_memory(config, dataclasses.replace(separate, trainer_ranks=n)).trainer_problems),
                    None)
     sampler = next((n for n in RANK_CHOICES if shape.heads % n == 0

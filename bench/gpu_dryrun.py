@@ -43,10 +43,10 @@ Gangs are one rank's shard (rank 0), shaped as `batcher.engine.gang` shards the 
         splits as `gang.splits` splits it (column: B's rows; row: A's columns) over a fake process
         group (`torch.testing._internal.distributed.fake_pg`), so the LoRA's all-reduces are
         dispatched; the base's own collectives (its DTensors') are not
-  ep    attention as tp; E / R whole experts per rank, each token routed to its k experts among
-        them: the (token, expert) rows as the masked expert-parallel form gathers them (all k per
-        token), the experts' GEMM FLOPs an upper bound (the masked form multiplies only the pairs
-        of this rank's experts, k / R per token when routing is even)
+  ep    attention whole on every rank (every token, every head), E / R whole experts per rank, each
+        token routed to max(1, k / R) of them: the (token, expert) pairs an even token dispatch
+        (`batcher.engine.dispatch`) brings each rank; the all-to-alls themselves (and their send and
+        receive buffers) are not dispatched, since the meta device cannot read their counts
   fsdp  data parallel (`batcher.engine.data_parallel`): rank 0 computes its share of the pass's
         rows, about 1/R of the tokens at every width, so its activations are the pass's / R; its
         weights are counted as FSDP holds them: the decoder's / R plus two layers gathered (the one
@@ -371,14 +371,17 @@ def _asker() -> tuple[str | None, str]:
 
 
 def shard_config(config: dict[str, Any], shape: Shape, ranks: int) -> dict[str, Any]:
-    """The config of rank 0's share (tp, ep: heads, KV heads and MLP widths / R; ep: E / R experts)."""
+    """The config of rank 0's share (tp: heads, KV heads and MLP widths / R; ep: the dense MLP's width
+    / R, E / R experts and k / R of them per token, at least one)."""
     if shape.parallel not in ("tp", "ep") or ranks == 1:
         return dict(config)
     local = dict(config)
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size") if shape.parallel == "tp" \
+            else ("intermediate_size",):
         local[key] = config[key] // ranks
     if shape.parallel == "ep":
         local["num_experts"] = config["num_experts"] // ranks
+        local["num_experts_per_tok"] = max(1, config["num_experts_per_tok"] // ranks)
     return local
 
 
@@ -484,7 +487,7 @@ def dry_run(name: str, *, tenants: int, tokens: int, rank: int, checkpoint_token
         member = None
         if ranks > 1:
             member = gang.Member(0, ranks, gang.GangShape(ranks, shape.parallel), None)  # type: ignore[arg-type]
-        splits = tp_splits(model, config, ranks) if shape.parallel in ("tp", "ep") and ranks > 1 else {}
+        splits = tp_splits(model, config, ranks) if shape.parallel == "tp" and ranks > 1 else {}
         saved_splits = gang.splits
 
         def rank_splits(model: torch.nn.Module, targets: tuple[str, ...]) -> dict[str, grouped.Split]:

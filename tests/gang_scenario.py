@@ -1,16 +1,17 @@
 """Four tenants x three steps on one backend: the trainer gang tests run it on a single process and
-on a gang (`python -m torch.distributed.run --nproc-per-node 2 tests/gang_scenario.py BASE PARALLEL OUT`),
+on a gang (`python -m torch.distributed.run --nproc-per-node N tests/gang_scenario.py BASE PARALLEL OUT`),
 whose rank 0 saves what it saw for the test to compare (and alone reads and writes checkpoints)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 from bases import architectures
-from batcher.engine import gang
+from batcher.engine import dispatch, gang
 from batcher.engine.backend import LoraBackend
 from batcher.engine.protocol import PassRequest
 from core.errors import InvalidInput, UserError
@@ -55,7 +56,8 @@ def specs(config: dict, *, experts: bool = True) -> dict:
 def run(backend, workdir: Path, *, experts: bool = True) -> dict:
     """The scenario: three fused rounds of four tenants, an AdamW step each, a round of t1's one row, then t1 saved and
     loaded into a new model "t1-copy", and t3 snapshotted and restored into "t3-restored". Returns
-    every datum's loss outputs, each round's gradients before its steps and pass stats, then each
+    every datum's loss outputs, each round's gradients before its steps (as this rank holds them:
+    `_rank_grads`) and pass stats, then each
     adapter's whole weights and AdamW moments."""
     plan = specs(backend.config, experts=experts)
     for model_id, (lora, _, _, _) in plan.items():
@@ -68,7 +70,7 @@ def run(backend, workdir: Path, *, experts: bool = True) -> dict:
         assert all(isinstance(o, dict) for o in outs), outs
         outputs.append([o["loss_fn_outputs"] for o in outs])
         stats.append(backend.last_pass)
-        grads.append({m: _whole_grads(backend, m) for m in round_plan})
+        grads.append({m: _rank_grads(backend, m) for m in round_plan})
         for model_id, (_, adam, _, _) in round_plan.items():
             backend.optim_step(model_id, AdamParams(**adam))
     backend.save("t1", str(workdir / "t1"), overwrite=True)
@@ -99,6 +101,14 @@ def overflow(backend) -> dict:
             "t2_pending": backend.lora.pending(backend.adapters["t2"].name), "t3_grads": _whole_grads(backend, "t3")}
 
 
+def _rank_grads(backend, model_id: str) -> list[tuple[torch.Tensor, int | None, int, int]]:
+    """The model's accumulated gradients as this rank holds them: each with the axis its layer's split
+    splits it along (None: whole), this rank's index in the split and the split's count."""
+    name = backend.adapters[model_id].name
+    return [(g.clone(), axis, split.index if axis is not None else 0, split.count if axis is not None else 1)
+            for g, (split, axis) in zip(backend.lora.grad_rows(name), backend.lora.shares(name), strict=True)]
+
+
 def _whole_grads(backend, model_id: str) -> list[torch.Tensor] | None:
     """The model's accumulated gradients, where every rank holds them whole (one process, FSDP);
     None where a tensor-parallel gang splits them."""
@@ -110,7 +120,15 @@ def _whole_grads(backend, model_id: str) -> list[torch.Tensor] | None:
 
 def main() -> None:
     base, parallel, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    member = gang.join(gang.GangShape(2, parallel), "cpu")
+    member = gang.join(gang.GangShape(int(os.environ["WORLD_SIZE"]), parallel), "cpu")
+    dispatches = [0]  # how many MoE blocks' tokens this rank dispatched to their experts' ranks (an "ep" gang's)
+    dispatch_run = dispatch.run
+
+    def counted(*args, **kwargs):
+        dispatches[0] += 1
+        return dispatch_run(*args, **kwargs)
+
+    dispatch.run = counted
     backend = LoraBackend(base, dtype=torch.float64, member=member)
     if member.leader:
         leader = gang.lead(backend, member)
@@ -124,6 +142,7 @@ def main() -> None:
         result["overflow"] = overflow(backend)
         leader.close()
         # how much of the base this rank holds (a DTensor's local share, a plain tensor whole)
+        result["dispatches"] = dispatches[0]
         result["held"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                              for p in backend.base.parameters())
         torch.save(result, out)

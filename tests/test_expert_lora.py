@@ -227,3 +227,16 @@ def test_float32_takes_the_grouped_gemm_path_and_agrees_with_float64(moe, monkey
     for model_id, grads in results[1][1].items():
         for got, want in zip(results[0][1][model_id], grads, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()) + 1e-9)
+
+
+@pytest.mark.parametrize("keys,count,sizes", [
+    ([0, 1, 0, 1, 0], 1, [3]),  # one group (an expert-parallel rank's one expert and one member): key 1 is past it
+    ([1, 1], 1, [0]),
+    ([2, 0, 2, 1], 2, [1, 1]),
+    ([], 3, [0, 0, 0]),
+])
+def test_groups_count_only_their_own_keys(keys, count, sizes):
+    from batcher.engine import expert_lora
+
+    grouping = expert_lora._Groups.by_key(torch.tensor(keys, dtype=torch.long), count, partial=True)
+    assert [int(n) for n in grouping.sizes.tolist()] == sizes

@@ -278,7 +278,7 @@ def test_sink_attention_keeps_no_score_matrix_for_the_backward(path):
 @pytest.mark.parametrize("ranks, parallel, per_layer", [
     (1, "tp", 64 * 8),   # 64 heads, a float32 log-sum-exp and gate each
     (2, "tp", 32 * 8),   # a tensor-parallel rank holds half the heads
-    (4, "ep", 16 * 8),
+    (4, "ep", 64 * 8),   # an expert-parallel rank computes every head of every token (attention whole)
     (2, "fsdp", 64 * 8),  # an FSDP rank computes every head of its tokens
 ])
 def test_the_plan_counts_the_sinks_per_token_and_head(ranks, parallel, per_layer, monkeypatch):
@@ -293,10 +293,11 @@ def test_the_plan_counts_the_sinks_per_token_and_head(ranks, parallel, per_layer
 
 
 @pytest.mark.parametrize("model_type", sorted(t for t, a in architectures.SUPPORTED.items() if a.moe and not a.vision))
-def test_the_expert_parallel_plan_names_each_moe_architectures_router(model_type):
-    """The masked expert-parallel plan a gang loads with (batcher.engine.gang.expert_plan) names
-    modules the causal LM has: its MoE blocks' router (gpt-oss's is `mlp.router`, the others'
-    `mlp.gate`) and experts. transformers refuses a plan key that matches nothing."""
+def test_the_expert_parallel_plan_names_each_moe_architectures_modules(model_type, tmp_path):
+    """The plan an expert-parallel gang loads with (batcher.engine.gang.expert_plan) names what the
+    causal LM has (transformers refuses a plan key that matches nothing): its MoE blocks' experts,
+    whose weights split by expert (every weight the architecture's own expert-parallel plan splits),
+    and its attention's rules, kept whole; its routers are left as they are."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.distributed.tensor_parallel import replace_layer_number_by_wildcard
 
@@ -306,13 +307,16 @@ def test_the_expert_parallel_plan_names_each_moe_architectures_router(model_type
     config = _config(TinyModelSpec(architecture=model_type, num_layers=2), vocab_size=512, eos_id=0)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config.to_dict()))
-    modules = {replace_layer_number_by_wildcard(n): type(m).__name__ for n, m in model.named_modules()}
-    plan = gang.expert_plan(architectures.SUPPORTED[model_type].router)
-    assert set(plan) <= set(modules), sorted(set(plan) - set(modules))
-    router = next(k for k, v in plan.items() if v == "ep_router")
-    # the module the plan masks is the one that chooses experts (transformers' EpRouterParallel reads
-    # its num_experts and its (logits, scores, indices) output)
-    assert "Router" in modules[router] or "Gate" in modules[router], modules[router]
+    names = {replace_layer_number_by_wildcard(n) for n, _ in [*model.named_modules(), *model.named_parameters()]}
+    config.save_pretrained(tmp_path)
+    plan = gang.expert_plan(str(tmp_path))
+    assert set(plan) <= names, sorted(set(plan) - names)
+    experts = {k for k, v in plan.items() if v == "moe_tp_experts"}
+    assert experts and all(hasattr(model.get_submodule(n), "gate_up_proj") for n, _ in model.named_modules()
+                           if replace_layer_number_by_wildcard(n) in experts)
+    assert {k for k, v in plan.items() if v == "grouped_gemm"} == {k for k, v in model.ep_plan.items() if v == "grouped_gemm"}
+    assert {k for k, v in plan.items() if v == gang.REPLICATED} == {k for k in model.tp_plan if ".self_attn." in k}
+    assert not any(".router" in k or k.endswith(".gate") for k in plan)
 
 
 def _as_mxfp4(directory: Path) -> dict[str, torch.Tensor]:

@@ -267,6 +267,11 @@ QWEN3_235B_A22B = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size
     (QWEN3_235B_A22B, 141, {"adapter_rank": 4}, 4, 8),
     (QWEN3_235B_A22B, 141, {"expert_lora": False}, 4, 4),
     (QWEN3_235B_A22B, 80, {"expert_lora": False}, None, 8),
+    # An expert-parallel gang keeps attention whole on every rank and dispatches the tokens to the
+    # experts (batcher.engine.dispatch): its 4 KV heads no longer bound it, and rank-32 expert LoRA
+    # fits on 8 GPUs of 141 GB (16 of 80 GB), and not on half as many.
+    (QWEN3_235B_A22B, 141, {"trainer_parallel": "ep"}, 8, 8),
+    (QWEN3_235B_A22B, 80, {"trainer_parallel": "ep"}, 16, 16),
 ])
 def test_the_plan_says_how_many_gpus_a_base_needs(config, gib, extra, trainer, sampler):
     inputs = memory_plan.PlanInputs(device_bytes=gib * memory_plan.GiB, **extra)
@@ -296,6 +301,18 @@ def test_a_gang_rank_holds_its_share_of_the_layers_and_all_of_the_embeddings():
     layers = one - 2 * embedding
     assert base(trainer_ranks=2) == layers // 2 + embedding + embedding // 2
     assert base(trainer_ranks=8, trainer_parallel="fsdp") == (one - embedding) // 8 + 2 * (layers // 80) + embedding
+
+
+def test_an_expert_parallel_rank_holds_its_share_of_the_experts_and_all_of_attention():
+    """An "ep" rank (batcher.engine.gang): 1/N of the routed experts and of the unembedding, all the rest."""
+    def base(**kw) -> int:
+        return memory_plan.plan_memory(QWEN3_235B_A22B, memory_plan.PlanInputs(device_bytes=141 * memory_plan.GiB,
+                                                                               **kw)).base_bytes
+
+    experts = 94 * 128 * 3 * 4096 * 1536 * 2
+    head = 151936 * 4096 * 2
+    assert architectures.routed_expert_parameters(QWEN3_235B_A22B) * 2 == experts
+    assert base(trainer_ranks=8, trainer_parallel="ep") == base() - experts + experts // 8 - head + head // 8
 
 
 def test_sizes_parse_and_nonsense_is_refused():

@@ -1,10 +1,11 @@
-"""A trainer gang (batcher.engine.gang) against the single-process trainer: 2-rank gangs on gloo, started by
-torch.distributed.run as `quilt up --trainer-ranks 2` starts them, train four tenants for three
+"""A trainer gang (batcher.engine.gang) against the single-process trainer: gangs on gloo, started by
+torch.distributed.run as `quilt up --trainer-ranks N` starts them, train four tenants for three
 steps in float64 and must match one process to 1e-9: every adapter, every AdamW moment, every
 datum's loss outputs; a checkpoint it saves loads back exactly. Tensor parallel on all six tiny
 architectures, FSDP and expert parallel on the tiny Qwen3-MoE with LoRA on its experts (which a
-tensor-parallel gang, splitting each expert, refuses), and expert parallel on the tiny gpt-oss (its router is
-`mlp.router`, not `mlp.gate`: batcher.engine.gang.expert_plan). Rank 0 drives the other rank through the
+tensor-parallel gang, splitting each expert, refuses), expert parallel on four ranks of it (one expert
+each: every MoE block's tokens dispatched to their experts' ranks, batcher.engine.dispatch) and on
+the tiny gpt-oss (experts stored transposed, with biases). Rank 0 drives the other ranks through the
 same protocol the trainer loop uses."""
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ def bases(tmp_path_factory):
             for arch in ("qwen3", "qwen3_moe", "llama", "qwen2", "mistral", "gemma3_text", "gpt_oss")}
 
 
-def _gang(base: Path, parallel: str, out: Path) -> dict:
+def _gang(base: Path, parallel: str, out: Path, ranks: int = 2) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "sdk"), str(ROOT / "tests")]),
            "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                            str(ROOT / "tests" / "gang_scenario.py"), str(base), parallel, str(out)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
@@ -73,18 +74,21 @@ def test_a_gang_over_two_nodes_trains_as_one_process_does(bases, tmp_path):
                                        atol=1e-9 * tensor.abs().max().item() + 1e-15, msg=f"{model_id} {key}")
 
 
-@pytest.mark.parametrize("arch,parallel", [("qwen3", "tp"), ("qwen3_moe", "ep"), ("gpt_oss", "ep"), ("qwen3_moe", "fsdp"),
-                                           ("qwen3", "fsdp"),
-                                           ("qwen3_moe", "tp"), ("llama", "tp"), ("qwen2", "tp"), ("mistral", "tp"),
-                                           ("gemma3_text", "tp")])
-def test_a_two_rank_gang_trains_as_one_process_does(bases, tmp_path, arch, parallel):
+@pytest.mark.parametrize("arch,parallel,ranks", [
+    ("qwen3", "tp", 2), ("qwen3_moe", "ep", 2), ("gpt_oss", "ep", 2), ("qwen3_moe", "fsdp", 2), ("qwen3", "fsdp", 2),
+    ("qwen3_moe", "tp", 2), ("llama", "tp", 2), ("qwen2", "tp", 2), ("mistral", "tp", 2), ("gemma3_text", "tp", 2),
+    # four ranks of one expert each, wider than the tiny base's two KV heads would let a tensor-parallel gang be
+    pytest.param("qwen3_moe", "ep", 4, marks=pytest.mark.extended)])
+def test_a_gang_trains_as_one_process_does(bases, tmp_path, arch, parallel, ranks):
     (tmp_path / "gang").mkdir()
-    got = _gang(bases[arch], parallel, tmp_path / "gang" / "result.pt")
+    got = _gang(bases[arch], parallel, tmp_path / "gang" / "result.pt", ranks)
     alone = LoraBackend(bases[arch], dtype=torch.float64)
     expected = run(alone, tmp_path, experts=not (arch == "qwen3_moe" and parallel == "tp"))
 
-    # Each rank held only its part of the base.
+    # Each rank held only its part of the base; an expert-parallel gang sent its MoE blocks' tokens to
+    # their experts' ranks (batcher.engine.dispatch), every pass and every layer.
     assert got["held"] < 0.75 * sum(p.numel() for p in alone.base.parameters()), got["held"]
+    assert (got["dispatches"] > 0) == (parallel == "ep"), got["dispatches"]
     for model_id, state in expected["adapters"].items():
         assert got["adapters"][model_id].keys() == state.keys()
         for key, tensor in state.items():
@@ -106,7 +110,7 @@ def test_a_two_rank_gang_trains_as_one_process_does(bases, tmp_path, arch, paral
         assert all(torch.equal(got["moments"]["t3-restored"][i][k], entry[k]) for k in ("exp_avg", "exp_avg_sq"))
     # The gang's snapshot holds each rank's shares (torch.distributed.checkpoint); one process reads it whole.
     snapshot = tmp_path / "gang" / "t3-snapshot"
-    assert (snapshot / ".metadata").is_file() and len(list(snapshot.glob("*.distcp"))) == 2
+    assert (snapshot / ".metadata").is_file() and len(list(snapshot.glob("*.distcp"))) == ranks
     alone.create("from-gang", LoraShape.from_json(alone.adapters["t3"].lora_config))
     alone.load_snapshot("from-gang", str(snapshot))
     for key, tensor in got["adapters"]["t3"].items():
@@ -115,11 +119,15 @@ def test_a_two_rank_gang_trains_as_one_process_does(bases, tmp_path, arch, paral
     for i, entry in got["moments"]["t3"].items():
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(alone.optimizer_state("from-gang")["state"][i][k], entry[k]), (i, k)
+    # Every round's gradients after its backward, before its steps: rank 0's shares of the whole ones
+    # (its columns or rows of a tensor-parallel layer's, its experts' under expert parallel).
     for round_got, round_expected in zip(got["grads"], expected["grads"], strict=True):
         for model_id, grads in round_expected.items():
-            if round_got[model_id] is None:  # split over a tensor-parallel gang (the adapters after the steps show them)
-                continue
-            for i, (g_got, g_expected) in enumerate(zip(round_got[model_id], grads, strict=True)):
+            for i, ((g_got, axis, index, count), (g_expected, *_)) in enumerate(zip(round_got[model_id], grads,
+                                                                                   strict=True)):
+                if axis is not None:
+                    size = g_expected.shape[axis] // count
+                    g_expected = g_expected.narrow(axis, index * size, size)
                 torch.testing.assert_close(g_got, g_expected, rtol=1e-9, atol=1e-9 * g_expected.abs().max().item() + 1e-15,
                                            msg=f"{model_id} gradient {i}")
     # A datum that overflows fails its request alone, in the gang as in one process.
@@ -139,7 +147,7 @@ def test_a_two_rank_gang_trains_as_one_process_does(bases, tmp_path, arch, paral
         assert "were discarded" in got["overflow"]["message"], got["overflow"]["message"]
         assert "no gradient of this request was accumulated" in alone_overflow["message"], alone_overflow["message"]
         # Data parallel: FSDP's gradients are whole, and rank 0 computed only its share of each pass.
-        assert all(g is not None for round_got in got["grads"] for g in round_got.values())
+        assert all(axis is None for round_got in got["grads"] for grads in round_got.values() for _, axis, _, _ in grads)
         assert got["stats"][0].tokens == expected["stats"][0].tokens
         assert got["stats"][0].padded_tokens < 0.75 * expected["stats"][0].padded_tokens, (got["stats"][0],
                                                                                            expected["stats"][0])
@@ -162,8 +170,11 @@ def test_a_two_rank_gang_trains_as_one_process_does(bases, tmp_path, arch, paral
     (gang.GangShape(8, "fsdp"), {"num_attention_heads": 4, "num_key_value_heads": 2}, None),
     (gang.GangShape(2, "tp"), {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 151655},
      "vocab_size=151655 is not divisible by 2"),
+    # an expert-parallel gang keeps attention and each expert whole: Qwen3-235B-A22B's 4 KV heads on 8 ranks
+    (gang.GangShape(8, "ep"), {"num_attention_heads": 64, "num_key_value_heads": 4, "num_experts": 128,
+                               "moe_intermediate_size": 1536, "intermediate_size": 12288, "vocab_size": 151936}, None),
     (gang.GangShape(4, "ep"), {"num_attention_heads": 8, "num_key_value_heads": 4, "num_experts": 8,
-                               "moe_intermediate_size": 6}, "moe_intermediate_size=6 is not divisible by 4"),
+                               "vocab_size": 151655}, "vocab_size=151655 is not divisible by 4"),
     (gang.GangShape(1, "tp"), {"num_attention_heads": 3}, None),
     # a gang loads the causal LM alone: a vision base's tower would be missing
     (gang.GangShape(2, "fsdp"), {"text_config": {"num_attention_heads": 4}, "vision_config": {"depth": 2}},

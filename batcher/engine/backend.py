@@ -162,7 +162,7 @@ class LoraBackend:
         if model is not None:
             base = model
         elif shape is not None:
-            base = gang.load_base(self.base_path, shape, str(self.device), router=self.arch.router, dtype=dtype, **kw)
+            base = gang.load_base(self.base_path, shape, str(self.device), dtype=dtype, **kw)
         else:  # a vision base with its vision tower (frozen with the rest; batcher.engine.vision)
             base = pretrained_class(self.arch.vision).from_pretrained(self.base_path, dtype=dtype, **kw)
         if "quantization_config" in kw:

@@ -19,11 +19,14 @@ Each projection is a part (`ExpertPart`) with the interface of `multilora.MultiL
 of its slot's rows. Gradients reach the slabs' `gA`/`gB` through an autograd leaf that aliases the
 compute copy for one pass (`_Leaf`); its gradient is added in and dropped as soon as it is whole.
 
-Under expert parallelism (a trainer gang's "ep": each rank holds E / ranks experts, the router
-masks the others as the sentinel E_local) each rank holds the LoRA of its own experts
-(`Split("experts")`): every token is on every rank, so an expert's gradient is whole where the
-expert is, and nothing but the block's own output all-reduce is needed. A tensor-parallel gang
-splits each expert's width, which this layout does not follow: it refuses expert LoRA.
+Under expert parallelism (a trainer gang's "ep": each rank holds E / ranks experts and the router
+chooses among all of them) each rank holds the LoRA of its own experts (`Split("experts")`), and each
+MoE block dispatches the tokens (`batcher.engine.dispatch`): every rank sends its share of the
+tokens' (token, expert) pairs to the experts' ranks, with each pair's member index of every rank
+class, so that the receiving rank applies the right adapter's LoRA to each row it received
+(`_expert_rows`); the outputs come back by the reverse all-to-all. An expert's gradient is whole on
+its rank, since every pair that chose it was computed there. A tensor-parallel gang splits each
+expert's width, which this layout does not follow: it refuses expert LoRA.
 
 Exports name each expert's factors as published MoE checkpoints do
 (`model.layers.L.mlp.experts.{e}.gate_proj.lora_A.weight`), what vLLM's fused-MoE LoRA loads and
@@ -47,7 +50,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from batcher.engine import grouped
+from batcher.engine import dispatch, grouped
 
 IMPLEMENTATION = "quilt_lora"
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -129,8 +132,6 @@ def wrap(model: nn.Module, context: grouped.PassContext, splits: dict[str, group
          ) -> dict[str, ExpertPart]:
     """Every MoE experts module of the model switched to the LoRA implementation; returns its parts
     by path (`<experts path>.<projection>`)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
     parts = {}
     for path, module in model.named_modules():
         if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and hasattr(module, "config")):
@@ -139,18 +140,44 @@ def wrap(model: nn.Module, context: grouped.PassContext, splits: dict[str, group
                                                           or getattr(module, "is_transposed", False)):
             raise ValueError(f"{path}: experts without a gate, or with gate and up interleaved in [E, out, in] "
                              "weights, have no LoRA here")
-        mine = {proj: ExpertPart(module, proj, splits.get(path)) for proj in projections(module)}
+        split = splits.get(path)
+        mine = {proj: ExpertPart(module, proj, split) for proj in projections(module)}
         config: Any = module.config  # (transformers' config of the block)
-        module._quilt_lora = _Block(mine, context, config._experts_implementation)
+        before: _Block | None = getattr(module, "_quilt_lora", None)  # (a gang's dispatch: `dispatch_tokens`)
+        module._quilt_lora = _Block(mine, context, before.base if before else config._experts_implementation,
+                                    split or (before.split if before else None))
         parts.update({f"{path}.{proj}": part for proj, part in mine.items()})
     if parts:
-        if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
-            ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, _experts_forward)
-        for module in model.modules():
-            if hasattr(module, "_quilt_lora"):
-                config = module.config
-                config._experts_implementation = IMPLEMENTATION
+        _install(model)
     return parts
+
+
+def dispatch_tokens(model: nn.Module) -> int:
+    """Every experts module of an expert-parallel gang's base (its experts split over the ranks, its
+    router choosing among all of them) run by this implementation, which sends each token to its
+    expert's rank (`batcher.engine.dispatch`), with or without LoRA on the experts. Returns how many."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and hasattr(module, "config"):
+            split = split_of(module)
+            if split is not None:
+                experts: Any = module  # (transformers' experts block)
+                experts._quilt_lora = _Block({}, None, experts.config._experts_implementation, split)
+                count += 1
+    if count:
+        _install(model)
+    return count
+
+
+def _install(model: nn.Module) -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, _experts_forward)
+    for module in model.modules():
+        if hasattr(module, "_quilt_lora"):
+            config: Any = module.config
+            config._experts_implementation = IMPLEMENTATION
 
 
 def split_of(module: nn.Module) -> grouped.Split | None:
@@ -174,12 +201,23 @@ def split_of(module: nn.Module) -> grouped.Split | None:
 
 
 class _Block:
-    """What a wrapped experts module reads in its forward."""
+    """What a wrapped experts module reads in its forward: its LoRA parts (none on a gang's experts
+    that carry no LoRA) and, in an expert-parallel gang, its share of the experts (`split`)."""
 
-    def __init__(self, parts: dict[str, ExpertPart], context: grouped.PassContext, base: str | None):
+    def __init__(self, parts: dict[str, ExpertPart], context: grouped.PassContext | None, base: str | None,
+                 split: grouped.Split | None):
         self.parts = parts
         self.context = context
         self.base = base or "eager"  # the implementation the base ran with
+        self.split = split
+
+    def classes(self) -> list[tuple[int, grouped.Route]]:
+        """The pass's LoRA rank classes on these experts: (rank, its experts route)."""
+        routes = (self.context.routes if self.context is not None else None) or {}
+        gate = next(iter(self.parts.values()), None)
+        if gate is None:
+            return []
+        return [(rank, route) for (kind, rank), route in routes.items() if kind == "experts" and rank in gate.slabs]
 
 
 def _param(module: nn.Module, name: str) -> torch.Tensor:
@@ -198,7 +236,10 @@ def _histogram(keys: torch.Tensor, count: int) -> torch.Tensor:
     """How many keys fall in each of 0..count-1 (keys past it are left out). histc, not bincount:
     bincount sizes its output from the keys' maximum, read on the host (a sync). (Integer keys on
     CUDA, float ones elsewhere.)"""
-    return torch.histc(keys.int() if keys.is_cuda else keys.float(), bins=count, min=0, max=count - 1)
+    keys = keys.int() if keys.is_cuda else keys.float()
+    if count == 1:  # (histc given min == max takes the keys' own range, and would count keys past it: one
+        return (keys == 0).sum().reshape(1).to(keys.dtype)  # expert a rank with one member, a gang's rank)
+    return torch.histc(keys, bins=count, min=0, max=count - 1)
 
 
 class _Groups:
@@ -267,12 +308,12 @@ class _Leaf:
         return leaf
 
 
-def _class_factors(block: _Block, i: int, rank: int, route: grouped.Route, pairs: _Groups, token: torch.Tensor,
-                   expert: torch.Tensor, sentinel: torch.Tensor, experts: int, partial: bool
-                   ) -> tuple[_Groups, dict[str, tuple[torch.Tensor, torch.Tensor, float]]]:
+def _class_factors(block: _Block, i: int, rank: int, route: grouped.Route, pairs: _Groups, member: torch.Tensor,
+                   expert: torch.Tensor, experts: int) -> tuple[_Groups, dict[str, tuple[torch.Tensor, torch.Tensor, float]]]:
     """One rank class's grouping of the sorted rows and its three parts' (A, B, scale): the first
-    class groups as the pairs were sorted, (expert, adapter) with a zero row for the others; a
-    further class regroups the sorted rows by (its adapter, expert)."""
+    class groups as the rows were sorted, (expert, adapter) with a zero row for the others; a
+    further class regroups the sorted rows by (its adapter, expert). `member`: each row's index
+    among the class's members (their count: its adapter is not of the class)."""
     members, _ = route.members_on_device()
     factors = {}
     for proj, part in block.parts.items():
@@ -285,74 +326,85 @@ def _class_factors(block: _Block, i: int, rank: int, route: grouped.Route, pairs
             A, B = A.flatten(0, 1), B.flatten(0, 1)  # [members * E, r, in]
         factors[proj] = (A, B, slab.scale)
     if i == 0:
-        return _Groups(pairs.sizes, partial=partial), factors
+        return _Groups(pairs.sizes, partial=False), factors
     n = members.shape[0]
-    m = route.member_of_token.index_select(0, pairs.take(token))
-    k = (m * experts + pairs.take(expert)).masked_fill(pairs.take(sentinel) | (m == n), n * experts)
+    m = pairs.take(member)
+    k = (m * experts + pairs.take(expert)).masked_fill(m == n, n * experts)
     return _Groups.by_key(k, n * experts, partial=True), factors
 
 
 def _experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The "quilt_lora" experts implementation (see the module's docstring)."""
+    """The "quilt_lora" experts implementation (see the module's docstring): in one process each
+    (token, chosen expert) pair's rows here; in an expert-parallel gang each pair of this rank's share
+    of the tokens on the rank of its expert (`batcher.engine.dispatch`), its adapter's member index of
+    each rank class travelling with it."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     experts_module: Any = module  # transformers' experts block: its weights and gate are its own attributes
     block: _Block = experts_module._quilt_lora
-    routes = block.context.routes or {}
-    gate = next(iter(block.parts.values()))
-    classes = [(rank, route) for (kind, rank), route in routes.items() if kind == "experts" and rank in gate.slabs]
+    classes = block.classes()
+    tokens, top_k = top_k_index.shape
+    for _, route in classes:
+        if route.runs[-1][2] != tokens:
+            raise RuntimeError(f"experts route covers {route.runs[-1][2]} tokens, the block has {tokens}")
+    tags = (torch.stack([route.member_of_token for _, route in classes], dim=1) if classes
+            else torch.zeros((tokens, 0), dtype=torch.long, device=hidden.device))
+    if block.split is not None:
+        split = block.split
+        return dispatch.run(hidden, top_k_index, top_k_weights, tags,
+                            lambda x, expert, tags: _expert_rows(experts_module, block, classes, x, expert, tags),
+                            rank=split.index, ranks=split.count, experts_per_rank=_local(experts_module.down_proj).shape[0],
+                            group=split.group)
     if not classes:
         base = ALL_EXPERTS_FUNCTIONS.get_interface(block.base, cast(Any, type(module).forward).__wrapped__)
         out: torch.Tensor = base(module, hidden, top_k_index, top_k_weights)
         return out
-
-    tokens, top_k = top_k_index.shape
-    experts = gate.experts
-    expert = top_k_index.reshape(-1)
     token = torch.arange(tokens, device=hidden.device).repeat_interleave(top_k)
-    partial = gate.split is not None  # expert parallel: pairs routed to other ranks' experts come as
-    sentinel = expert >= experts      # the sentinel E_local, are in no group and come out 0
-    for _, route in classes:
-        if route.runs[-1][2] != tokens:
-            raise RuntimeError(f"experts route covers {route.runs[-1][2]} tokens, the block has {tokens}")
+    out = _expert_rows(experts_module, block, classes, hidden.index_select(0, token), top_k_index.reshape(-1),
+                       tags.index_select(0, token))
+    out = out * top_k_weights.reshape(-1, 1).to(out.dtype)
+    return out.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
 
-    # The (token, expert) pairs are sorted once, by (expert, adapter of the first rank class): each
-    # expert's rows are contiguous for the base's grouped GEMM, and each (expert, adapter) group's
-    # for that class's LoRA, on the same rows. Adapters of the pass not on the experts, and tokens of
-    # other classes, form each expert's last group, whose LoRA weights are zero.
-    first = classes[0][1]
-    members = first.members_on_device()[0].shape[0]
-    member = first.member_of_token.index_select(0, token)
-    key = (expert * (members + 1) + member).masked_fill(sentinel, experts * (members + 1))
-    pairs = _Groups.by_key(key, experts * (members + 1), partial=partial)
-    by_expert = _Groups(_histogram(expert, experts), partial=partial)
-    x = pairs.take(hidden.index_select(0, token))
 
-    lora = [_class_factors(block, i, rank, route, pairs, token, expert, sentinel, experts, partial)
+def _expert_rows(module: Any, block: _Block, classes: list[tuple[int, grouped.Route]], x: torch.Tensor,
+                 expert: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
+    """Each row of `x` through its expert (`expert`: an index among this rank's) with the LoRA of its
+    adapter (`tags[:, i]`: its member index in rank class i), in the rows' order.
+
+    The rows are sorted once, by (expert, adapter of the first rank class): each expert's rows are
+    contiguous for the base's grouped GEMM, and each (expert, adapter) group's for that class's LoRA,
+    on the same rows. Adapters of the pass not on the experts, and rows of other classes, form each
+    expert's last group, whose LoRA weights are zero."""
+    experts = _local(module.down_proj).shape[0]
+    slots = classes[0][1].members_on_device()[0].shape[0] + 1 if classes else 1
+    key = expert * slots + (tags[:, 0] if classes else 0)
+    pairs = _Groups.by_key(key, experts * slots, partial=False)
+    by_expert = _Groups(_histogram(expert, experts), partial=False)
+    xs = pairs.take(x)
+    lora = [_class_factors(block, i, rank, route, pairs, tags[:, i], expert, experts)
             for i, (rank, route) in enumerate(classes)]
 
     def delta(groups: _Groups, rows: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
         return groups.put(groups.mm(groups.mm(groups.take(rows.to(A.dtype)), A) * scale, B))
 
-    w_gate_up, w_down = _local(experts_module.gate_up_proj), _local(experts_module.down_proj)
-    if getattr(experts_module, "is_transposed", False):  # [E, in, out]: the grouped product takes [E, out, in]
+    w_gate_up, w_down = _local(module.gate_up_proj), _local(module.down_proj)
+    if getattr(module, "is_transposed", False):  # [E, in, out]: the grouped product takes [E, out, in]
         w_gate_up, w_down = w_gate_up.transpose(1, 2), w_down.transpose(1, 2)
-    bias = _biases(experts_module, pairs.take(expert), pairs.take(sentinel))
-    gate_up = by_expert.mm(x, w_gate_up)
+    bias = _biases(module, pairs.take(expert))
+    gate_up = by_expert.mm(xs, w_gate_up)
     if bias:
         gate_up = gate_up + bias[0]
     for groups, f in lora:
-        gate_up = gate_up + (delta(groups, x, *f["gate_up_proj"]) if "gate_up_proj" in f else torch.cat(
-            [delta(groups, x, *f["gate_proj"]), delta(groups, x, *f["up_proj"])], dim=-1)).to(gate_up.dtype)
-    mid = experts_module._apply_gate(gate_up)
+        gate_up = gate_up + (delta(groups, xs, *f["gate_up_proj"]) if "gate_up_proj" in f else torch.cat(
+            [delta(groups, xs, *f["gate_proj"]), delta(groups, xs, *f["up_proj"])], dim=-1)).to(gate_up.dtype)
+    mid = module._apply_gate(gate_up)
     out = by_expert.mm(mid, w_down)
     if bias:
         out = out + bias[1]
     for groups, f in lora:
         out = out + delta(groups, mid, *f["down_proj"]).to(out.dtype)
-    out = pairs.put(out) * top_k_weights.reshape(-1, 1).to(out.dtype)
-    return out.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+    return pairs.put(out)
 
 
 def route_in_float64(model: nn.Module) -> int:
@@ -387,11 +439,8 @@ def _float64_route(router: Any, hidden_states: torch.Tensor) -> tuple[torch.Tens
     return logits, weights * router.routed_scaling_factor, index
 
 
-def _biases(module: nn.Module, expert: torch.Tensor, sentinel: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The gate_up and down biases of each sorted row's expert (none where the experts have none;
-    0 on rows routed to another rank's experts)."""
+def _biases(module: nn.Module, expert: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The gate_up and down biases of each sorted row's expert (none where the experts have none)."""
     if not getattr(module, "has_bias", False):
         return ()
-    rows = expert.masked_fill(sentinel, 0)
-    return tuple(_local(_param(module, name)).index_select(0, rows).masked_fill(sentinel.unsqueeze(1), 0)
-                 for name in ("gate_up_proj_bias", "down_proj_bias"))
+    return tuple(_local(_param(module, name)).index_select(0, expert) for name in ("gate_up_proj_bias", "down_proj_bias"))

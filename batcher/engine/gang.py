@@ -2,8 +2,9 @@
 
 The ranks are started together by `torch.distributed.run` (`quilt up --trainer-ranks N`, or a pod
 of N GPUs); each loads only its part of the base through transformers' own parallel plans
-(`DistributedConfig`: the tensor-parallel plan the architecture ships, its expert-parallel plan on
-MoE bases, or FSDP2), and its share of every LoRA layer (`batcher.engine.grouped.Split`, laid out as vLLM
+(`DistributedConfig`: the tensor-parallel plan the architecture ships, or the experts split over
+the ranks with each MoE block's tokens dispatched to them, `batcher.engine.dispatch`, or FSDP2),
+and its share of every LoRA layer (`batcher.engine.grouped.Split`, laid out as vLLM
 lays LoRA out under tensor parallelism).
 
 Rank 0 runs today's trainer loop (stream, fair share, futures, snapshots, settle). Its backend has
@@ -55,7 +56,8 @@ _WHOLE_STYLES = frozenset({"colwise_gather_output", "colwise_rep", "rowwise_rep"
 @dataclass(frozen=True)
 class GangShape:
     """How many ranks, and how they split the base: "tp" (tensor parallel over all ranks), "ep"
-    (MoE: experts split over the ranks, attention tensor parallel), "fsdp" (every weight sharded,
+    (MoE: experts split over the ranks, each block's tokens dispatched to them; attention whole on
+    every rank), "fsdp" (every weight sharded,
     gathered layer by layer; each rank computes its share of a pass's rows,
     `batcher.engine.data_parallel`)."""
 
@@ -69,24 +71,44 @@ class GangShape:
             raise ValueError(f"trainer parallel must be tp, ep or fsdp, not {self.parallel!r}")
 
 
-def expert_plan(router: str) -> dict[str, str]:
-    """The masked expert-parallel plan for a causal LM whose MoE blocks are `model.layers.*.mlp`, its
-    router `mlp.<router>` (architectures.Architecture.router: `gate` on most, `router` on gpt-oss).
-    transformers refuses a plan key that names no module, and an unmasked router would send each
-    rank's tokens to experts by their global index."""
-    return {f"model.layers.*.mlp.{router}": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"}
+# The tensor-parallel style an "ep" gang gives its attention: whole on every rank, no collective.
+REPLICATED = "quilt_replicated"
 
 
-def load_base(path: str, shape: GangShape, device: str, *, router: str = "gate", **kw: Any) -> Any:
+def expert_plan(path: str) -> dict[str, str]:
+    """The tensor-parallel plan overrides an "ep" gang loads the base at `path` with: each MoE block's
+    experts split over the ranks, whole (the "grouped_gemm" rules of the architecture's own
+    expert-parallel plan, applied over the tensor-parallel group), run by Quilt's token dispatch
+    (`expert_lora.dispatch_tokens`) inside transformers' `moe_tp_experts` style (which sums the ranks'
+    outputs, and their input's and routing weights' gradients); the router left as it is, choosing
+    among all the experts; attention whole on every rank (its rules made `REPLICATED`: its KV heads
+    need not divide by the ranks). Its rules go in the tensor-parallel plan, not the expert-parallel
+    one: transformers applies an expert-parallel plan only in its masked form (the router masked
+    to each rank's experts) or its own dispatch (which knows no tenants)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
+
+    if REPLICATED not in ALL_PARALLEL_STYLES:
+        ALL_PARALLEL_STYLES[REPLICATED] = TensorParallelLayer()  # (its every hook does nothing)
+    auto: Any = AutoModelForCausalLM  # (untyped)
+    with torch.device("meta"):
+        model = auto.from_config(AutoConfig.from_pretrained(path))
+    plan = {key: REPLICATED for key in model.tp_plan if ".self_attn." in key}
+    weights = {key: style for key, style in model.ep_plan.items() if style == "grouped_gemm"}
+    blocks = {key.rpartition(".")[0] for key in weights}
+    return {**plan, **weights, **{block: "moe_tp_experts" for block in blocks}}
+
+
+def load_base(path: str, shape: GangShape, device: str, **kw: Any) -> Any:
     """This rank's part of the base.
 
-    "tp" and "ep" load through transformers' `DistributedConfig` with the plans the architecture
-    ships; "ep" takes the masked form of its expert plan (router masked to this rank's experts, the
-    experts' outputs all-reduced over the tensor-parallel group), since the token-dispatch form
-    brings FSDP's root module with it. "fsdp" is torch's `fully_shard` on each decoder layer and on
-    the decoder (the trainer calls the decoder and the unembedding apart, so transformers' own FSDP
-    plan, whose root is the whole causal LM, does not fit); the unembedding stays whole per rank.
-    `router` names the MoE blocks' router module (`expert_plan`). Returns the transformers causal LM."""
+    "tp" loads through transformers' `DistributedConfig` with the tensor-parallel plan the
+    architecture ships. "ep" splits the experts over the ranks and keeps attention whole on every
+    rank (`expert_plan`; the rest of the plan, the unembedding's, splits as under "tp"),
+    and dispatches each MoE block's tokens to their experts' ranks (`batcher.engine.dispatch`).
+    "fsdp" is torch's `fully_shard` on each decoder layer and on the decoder (the trainer calls the
+    decoder and the unembedding apart, so transformers' own FSDP plan, whose root is the whole causal
+    LM, does not fit); the unembedding stays whole per rank. Returns the transformers causal LM."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
@@ -102,10 +124,11 @@ def load_base(path: str, shape: GangShape, device: str, *, router: str = "gate",
         fully_shard(decoder, mesh=mesh)
         return model.to(device)
     if shape.parallel == "ep":
-        config = DistributedConfig(tp_size=shape.ranks, ep_size=shape.ranks, ep_plan=expert_plan(router))
-    else:
-        config = DistributedConfig(tp_size=shape.ranks)
-    return AutoModelForCausalLM.from_pretrained(path, distributed_config=config, **kw)
+        config = DistributedConfig(tp_size=shape.ranks, tp_plan=expert_plan(path))
+        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config, **kw)
+        expert_lora.dispatch_tokens(model)
+        return model
+    return AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=shape.ranks), **kw)
 
 
 def check_shape(shape: GangShape, config: dict[str, Any]) -> list[str]:
@@ -117,14 +140,15 @@ def check_shape(shape: GangShape, config: dict[str, Any]) -> list[str]:
     if "vision_config" in config:
         # load_base builds the causal LM alone (no vision tower) and its expert plan names the text model's layers
         problems.append(f"trainer_ranks={shape.ranks}: a vision base trains in one process (trainer_ranks 1)")
-    if shape.parallel in ("tp", "ep"):
-        # heads and MLP widths split over the ranks; the vocabulary too (the unembedding's plan
-        # splits it and gathers the logits)
-        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
-                    "vocab_size"):
-            value = text.get(key)
-            if value and value % shape.ranks:
-                problems.append(f"{key}={value} is not divisible by {shape.ranks} tensor-parallel ranks")
+    # "tp" splits heads and MLP widths over the ranks, "ep" only the dense MLP's (its attention is
+    # whole on every rank, its experts whole on theirs); both split the vocabulary (the unembedding's
+    # plan splits it and gathers the logits)
+    keys = {"tp": ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
+                   "vocab_size"), "ep": ("intermediate_size", "vocab_size")}.get(shape.parallel, ())
+    for key in keys:
+        value = text.get(key)
+        if value and value % shape.ranks:
+            problems.append(f"{key}={value} is not divisible by {shape.ranks} tensor-parallel ranks")
     if shape.parallel == "ep":
         experts = text.get("num_experts") or text.get("n_routed_experts") or text.get("num_local_experts")
         if not experts:
