@@ -54,6 +54,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import statistics
 import threading
 import time
@@ -322,9 +323,13 @@ def sample(stack: RunningStack, r: redis.Redis) -> dict[str, float]:
     return out
 
 
+_UUID = re.compile(r"[-:][0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
 def key_family(key: str) -> str:
-    """A Redis key without its ids: its first two parts (`quilt:future:req-…` -> `quilt:future`)."""
-    return ":".join(key.split(":")[:2])
+    """A Redis key without its ids: its first two parts (`quilt:future:req-…` -> `quilt:future`),
+    a trailing UUID dropped (Celery's `celery-task-meta-<id>`)."""
+    return ":".join(_UUID.sub("", key).split(":")[:2])
 
 
 def redis_families(r: redis.Redis) -> dict[str, float]:
@@ -398,7 +403,7 @@ def main() -> None:
     parser.add_argument("--retention-s", type=int, default=300,
                         help="QUILT_RECORD_RETENTION_S and QUILT_FUTURE_TTL_SECONDS of the soaked stack: short, so "
                              "that finished requests and abandoned sessions leave within the run (30 days by default)")
-    parser.add_argument("--settle-s", type=float, default=150.0,
+    parser.add_argument("--settle-s", type=float, default=None,
                         help="after the tenants stop, wait this long (two retention sweeps) before looking on disk")
     parser.add_argument("--cpu-loras", type=int, default=8,
                         help="QUILT_GEN_MAX_CPU_LORAS of the soaked stack: the engine's host cache of adapter versions "
@@ -438,12 +443,15 @@ def main() -> None:
         for t in threads:
             t.join(timeout=LOST_AFTER_S)
         _expire_soon(stack, tenant_ids, expired)
-        time.sleep(args.settle_s)  # the retention task sweeps every 60 s
+        # Past every request's time to live and two retention sweeps (every 60 s): what is left in
+        # Redis now is what outlives its request.
+        time.sleep(args.settle_s if args.settle_s is not None else args.retention_s + 150)
+        after = sample(stack, r)
         store = store_for(CoreSettings(data_dir=stack.data_dir))
         with psycopg.connect(stack.database_url) as conn:
             live = {row[0] for row in conn.execute("SELECT storage_path FROM checkpoints").fetchall()}
         on_disk = [p for p in expired - live if store.local_dir(p).exists()]
-    report(args, tenants, series, looks, on_disk, restarted)
+    report(args, tenants, series, looks, on_disk, restarted, after)
 
 
 def settled(series: dict[str, list[tuple[float, float]]], warmup_s: float) -> dict[str, list[tuple[float, float]]]:
@@ -469,9 +477,11 @@ def judged_heaps(series: dict[str, list[tuple[float, float]]], ended_s: float, m
 
 
 # The bounds a run must keep (docs/operations/soak.md says why each is what it is). Growth is counted
-# per 1,000 requests the server accepted, over the window in which everything the stack keeps for a
-# while (futures, finished requests: `--retention-s`) has reached its steady population.
-BOUNDS = {"max_rss_slope_mib_per_h": 16.0, "redis_bytes_per_1k_requests": 256 * 1024.0,
+# per 1,000 requests the server accepted. Postgres's over the window in which everything the stack
+# keeps for a while (finished requests: `--retention-s`) has reached its steady population; Redis's
+# as what is left once the load has stopped and every request's time to live has passed (the
+# window's slope moves with the request rate, which the trainer's restart makes uneven).
+BOUNDS = {"max_rss_slope_mib_per_h": 16.0, "redis_left_bytes_per_1k_requests": 256 * 1024.0,
           "postgres_bytes_per_1k_requests": 1280 * 1024.0}
 MUST_BE_ZERO = ("http_5xx", "lost", "expired_on_disk")
 
@@ -502,8 +512,23 @@ def growth_window(looks: list[tuple[float, dict[str, float], int]], steady_from_
     return looks[0], last
 
 
+def left_behind(first: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What Redis holds once the load has stopped and every request's time to live has passed,
+    beside the first look after the warm-up (pure): `redis_left_bytes`, its share per 1,000
+    requests accepted in between, and the key families that hold more keys than then."""
+    requests = after.get("pg_requests_inserted", 0.0) - first.get("pg_requests_inserted", 0.0)
+    left = after.get("redis_used_memory", 0.0) - first.get("redis_used_memory", 0.0)
+    out = {"redis_left_bytes": left,
+           "redis_left_bytes_per_1k_requests": round(left / requests * 1000, 1) if requests > 0 else None}
+    for key, value in after.items():
+        if key.startswith("redis_keys:") and value > first.get(key, 0.0):
+            out[f"left:{key.removeprefix('redis_keys:')}"] = value - first.get(key, 0.0)
+    return out
+
+
 def report(args, tenants: list[Tenant], series: dict[str, list[tuple[float, float]]],
-           looks: list[tuple[float, dict[str, float], int]], on_disk: list[str], restarted: bool) -> None:
+           looks: list[tuple[float, dict[str, float], int]], on_disk: list[str], restarted: bool,
+           after: dict[str, float] | None = None) -> None:
     series = settled(series, args.warmup_minutes * 60)
     slopes = {name: s for name, points in series.items() if (s := slope_per_hour(points)) is not None}
     print(f"soak: {args.minutes:g} min, {len(tenants)} tenants, looks every {args.every_s:g} s after "
@@ -549,6 +574,7 @@ def report(args, tenants: list[Tenant], series: dict[str, list[tuple[float, floa
            "http_5xx": sum(t.tally.server_errors for t in tenants), "lost": sum(t.tally.lost for t in tenants),
            "client_errors": sum(len(t.tally.errors) for t in tenants), "expired_on_disk": len(on_disk),
            "trainer_restarted": restarted,
+           **(left_behind(looks[0][1], after) if looks and after is not None else {"redis_left_bytes_per_1k_requests": None}),
            "bounds": BOUNDS}
     failed = judge(out)
     out.update(within_bounds=not failed, failed_bounds=failed,

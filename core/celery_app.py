@@ -21,6 +21,9 @@ def _configure(sender: Celery, **_: object) -> None:
     sender.conf.update(
         broker_url=url,
         result_backend=url,
+        # Nothing in Quilt reads a task's result after it ends (tests read theirs at once): an hour,
+        # not Celery's day, of beat's dozen results a minute in Redis.
+        result_expires=3600,
         task_acks_late=True,  # a task killed mid-run is redelivered, not lost
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from soak import BOUNDS, growth_window, judge, judged_heaps, key_family, settled, slope_per_hour  # noqa: E402
+from soak import BOUNDS, growth_window, judge, judged_heaps, key_family, left_behind, settled, slope_per_hour  # noqa: E402
 
 
 @pytest.mark.parametrize(("points", "slope", "ci_below"), [
@@ -38,7 +38,7 @@ def test_a_process_born_late_is_fitted_after_its_own_warmup():
 
 
 def _figures(**over):
-    good = {"max_rss_slope_mib_per_h": 3.0, "redis_bytes_per_1k_requests": 1000.0,
+    good = {"max_rss_slope_mib_per_h": 3.0, "redis_left_bytes_per_1k_requests": 1000.0,
             "postgres_bytes_per_1k_requests": 400_000.0, "http_5xx": 0, "lost": 0, "expired_on_disk": 0}
     return {**good, **over}
 
@@ -47,9 +47,10 @@ def _figures(**over):
     ({}, []),
     ({"max_rss_slope_mib_per_h": BOUNDS["max_rss_slope_mib_per_h"]}, []),  # at the bound is within it
     ({"max_rss_slope_mib_per_h": BOUNDS["max_rss_slope_mib_per_h"] + 0.01}, ["max_rss_slope_mib_per_h"]),
-    ({"redis_bytes_per_1k_requests": 10 * BOUNDS["redis_bytes_per_1k_requests"]}, ["redis_bytes_per_1k_requests"]),
+    ({"redis_left_bytes_per_1k_requests": 10 * BOUNDS["redis_left_bytes_per_1k_requests"]},
+     ["redis_left_bytes_per_1k_requests"]),
     ({"postgres_bytes_per_1k_requests": None}, ["postgres_bytes_per_1k_requests"]),  # not measured: not kept
-    ({"redis_bytes_per_1k_requests": -5e5}, []),  # shrinking is within
+    ({"redis_left_bytes_per_1k_requests": -5e5}, []),  # shrinking is within
     ({"http_5xx": 1, "lost": 2}, ["http_5xx", "lost"]),
     ({"expired_on_disk": 3, "max_rss_slope_mib_per_h": None}, ["max_rss_slope_mib_per_h", "expired_on_disk"]),
 ])
@@ -84,7 +85,8 @@ def _run_report(capsys, pg_bytes_per_request: float) -> dict:
         looks.append((float(t), look, 10 * i))
         for name, value in look.items():
             series.setdefault(name, []).append((float(t), value))
-    report(args, tenants, series, looks, on_disk=[], restarted=True)
+    after = {**looks[-1][1], "redis_used_memory": 9e6 + 20_000.0}  # the load stopped, the TTLs passed
+    report(args, tenants, series, looks, on_disk=[], restarted=True, after=after)
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
@@ -93,6 +95,7 @@ def test_the_report_judges_its_figures_over_the_steady_window(capsys):
     assert out["growth_window_s"] == [480, 1185] and out["requests_in_window"] == 6 * 705
     assert out["postgres_bytes_per_1k_requests"] == pytest.approx(800_000, rel=1e-3)
     assert abs(out["redis_bytes_per_1k_requests"]) < 10_000 and out["max_rss_slope_mib_per_h"] == 0.0
+    assert 0 < out["redis_left_bytes_per_1k_requests"] < 10_000
     assert out["within_bounds"] is True and out["failed_bounds"] == []
     leak = _run_report(capsys, pg_bytes_per_request=800.0 + 730.0)  # and each request's row kept
     assert leak["within_bounds"] is False
@@ -110,6 +113,19 @@ def test_the_rss_bound_judges_the_processes_alive_at_the_end():
 
 
 @pytest.mark.parametrize("key, family", [("quilt:future:req-1", "quilt:future"), ("quilt:stability:t:req-1:0", "quilt:stability"),
-                                         ("celery", "celery"), ("_kombu.binding.celery", "_kombu.binding.celery")])
+                                         ("celery", "celery"), ("_kombu.binding.celery", "_kombu.binding.celery"),
+                                         ("celery-task-meta-0259cb37-f71c-42d9-99f4-67a3d75633fa", "celery-task-meta")])
 def test_keys_are_counted_by_family(key, family):
     assert key_family(key) == family
+
+
+def test_what_outlives_its_requests_is_counted_per_thousand():
+    first = {"pg_requests_inserted": 1000.0, "redis_used_memory": 5e6, "redis_keys:quilt:future": 700.0,
+             "redis_keys:celery-task-meta": 10.0}
+    after = {"pg_requests_inserted": 11000.0, "redis_used_memory": 5.5e6, "redis_keys:quilt:future": 0.0,
+             "redis_keys:celery-task-meta": 40.0, "redis_keys:quilt:stability": 3.0}
+    assert left_behind(first, after) == {"redis_left_bytes": 5e5, "redis_left_bytes_per_1k_requests": 50_000.0,
+                                         "left:celery-task-meta": 30.0, "left:quilt:stability": 3.0}
+    # fewer bytes than at the first look (its live futures gone): nothing left behind
+    assert left_behind(first, {**after, "redis_used_memory": 4e6})["redis_left_bytes_per_1k_requests"] == -100_000.0
+    assert left_behind(first, {"pg_requests_inserted": 1000.0})["redis_left_bytes_per_1k_requests"] is None
