@@ -63,13 +63,17 @@ def _trained(be: LoraBackend, name: str, lora: LoraShape, prompt, image, out) ->
     return AdapterRef(key=str(out / name), path=str(out / name), model_id=name, name=name)
 
 
+def _vision_base(tmp_path_factory, architecture: str):
+    """A tiny vision base of `architecture`: its path, an image prompt, its trainer and an adapters directory."""
+    path = build_tiny_model(tmp_path_factory.mktemp(architecture) / "base",
+                            spec=TinyModelSpec(architecture=architecture, num_layers=2)).path
+    prompt, image = _image_prompt(path)
+    return path, prompt, image, LoraBackend(path), tmp_path_factory.mktemp(f"{architecture}-adapters")
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    path = build_tiny_model(tmp_path_factory.mktemp("vl") / "base",
-                            spec=TinyModelSpec(architecture="qwen3_vl", num_layers=2)).path
-    prompt, image = _image_prompt(path)
-    be = LoraBackend(path)
-    out = tmp_path_factory.mktemp("adapters")
+    path, prompt, image, be, out = _vision_base(tmp_path_factory, "qwen3_vl")
     refs = {name: _trained(be, name, LoraShape(rank=8, seed=seed), prompt, image, out) for name, seed in (("a", 1), ("b", 2))}
     be.create("fresh", LoraShape(rank=8, seed=3))  # B = 0: the base's logprobs
     loop = Loop()
@@ -200,11 +204,7 @@ def test_each_expert_s_lora_lands_in_its_rows_of_the_fused_experts_weights():
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
-    path = build_tiny_model(tmp_path_factory.mktemp("vl-moe") / "base",
-                            spec=TinyModelSpec(architecture="qwen3_vl_moe", num_layers=2)).path
-    prompt, image = _image_prompt(path)
-    be = LoraBackend(path)
-    out = tmp_path_factory.mktemp("moe-adapters")
+    path, prompt, image, be, out = _vision_base(tmp_path_factory, "qwen3_vl_moe")
     experts_only = LoraShape(rank=8, seed=4, train_attn=False, train_mlp=True, train_unembed=False)
     ref = _trained(be, "experts", experts_only, prompt, image, out)
     be.create("fresh", LoraShape(rank=8, seed=5, train_attn=False, train_mlp=True, train_unembed=False))
