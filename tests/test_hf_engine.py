@@ -71,6 +71,17 @@ def _vision_base(tmp_path_factory, architecture: str):
     return path, prompt, image, LoraBackend(path), tmp_path_factory.mktemp(f"{architecture}-adapters")
 
 
+def _within_mismatch_bounds(be, name: str, prompt, image, results, what: str) -> None:
+    """The trainer scores the sampled tokens with adapter `name` within the mismatch bounds, and an
+    untrained adapter (the base) far outside them: the adapter was applied."""
+    trained, fresh = _score(be, name, prompt, image, results), _score(be, "fresh", prompt, image, results)
+    diff, kl = trained["metrics"]["logprob_diff_abs:mean"], trained["metrics"]["mismatch_kl:mean"]
+    print(f"\n{what}: logprob_diff_abs:mean={diff:.2e} mismatch_kl:mean={kl:.2e} "
+          f"adapter effect={fresh['metrics']['logprob_diff_abs:mean']:.3f} nats")
+    assert diff <= LOGPROB_DIFF_TOL and kl <= MISMATCH_KL_TOL, (diff, kl)
+    assert fresh["metrics"]["logprob_diff_abs:mean"] > 100 * LOGPROB_DIFF_TOL, fresh["metrics"]
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     path, prompt, image, be, out = _vision_base(tmp_path_factory, "qwen3_vl")
@@ -108,12 +119,7 @@ def test_a_prompt_with_an_image_samples_as_the_trainer_scores_it(setup):
     # the same seed draws the same tokens; another seed other ones
     again = loop.run(engine.generate(SeqRequest("again", prompt, spec, 1, refs["a"], images=(image,))))
     assert again.tokens == results[0].tokens and results[0].tokens != results[1].tokens
-    trained, fresh = _score(be, "a", prompt, image, results), _score(be, "fresh", prompt, image, results)
-    diff, kl = trained["metrics"]["logprob_diff_abs:mean"], trained["metrics"]["mismatch_kl:mean"]
-    print(f"\nqwen3_vl with an image: logprob_diff_abs:mean={diff:.2e} mismatch_kl:mean={kl:.2e} "
-          f"adapter effect={fresh['metrics']['logprob_diff_abs:mean']:.3f} nats")
-    assert diff <= LOGPROB_DIFF_TOL and kl <= MISMATCH_KL_TOL, (diff, kl)
-    assert fresh["metrics"]["logprob_diff_abs:mean"] > 100 * LOGPROB_DIFF_TOL, fresh["metrics"]
+    _within_mismatch_bounds(be, "a", prompt, image, results, "qwen3_vl with an image")
 
 
 def test_each_tenant_samples_its_own_adapter_and_the_base_comes_back(setup):
@@ -232,12 +238,7 @@ def test_lora_on_the_experts_samples_as_the_trainer_scores_it_and_leaves_the_bas
     results = [run(ref, seed) for seed in (1, 2)]
     merged = [k for k in engine.params if not torch.equal(engine.params[k], pristine[k])]
     assert merged and all(k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) for k in merged), merged
-    trained, fresh = _score(be, "experts", prompt, image, results), _score(be, "fresh", prompt, image, results)
-    diff, kl = trained["metrics"]["logprob_diff_abs:mean"], trained["metrics"]["mismatch_kl:mean"]
-    print(f"\nqwen3_vl_moe, LoRA on the experts alone: logprob_diff_abs:mean={diff:.2e} mismatch_kl:mean={kl:.2e} "
-          f"adapter effect={fresh['metrics']['logprob_diff_abs:mean']:.3f} nats")
-    assert diff <= LOGPROB_DIFF_TOL and kl <= MISMATCH_KL_TOL, (diff, kl)
-    assert fresh["metrics"]["logprob_diff_abs:mean"] > 100 * LOGPROB_DIFF_TOL, fresh["metrics"]
+    _within_mismatch_bounds(be, "experts", prompt, image, results, "qwen3_vl_moe, LoRA on the experts alone")
     again = run(None, 1)  # the experts' own weights back, bit for bit
     assert all(torch.equal(v, pristine[k]) for k, v in engine.params.items())
     assert again.tokens == base.tokens and again.prompt_logprobs == base.prompt_logprobs
