@@ -28,7 +28,6 @@ def _warmup_rows(count: int) -> list[dict]:
 
 
 @pytest.mark.extended
-@pytest.mark.unproven
 def test_math_rl_arithmetic_reward_rises(cookbook, tmp_path):
     """Nothing is replaced: the arithmetic env makes its own problems. The random tiny model never
     ends an answer with the renderer's stop sequence, so every reward would be the format penalty

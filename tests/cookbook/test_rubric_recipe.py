@@ -6,10 +6,8 @@ server, against a rubric per datapoint.
 Replaced: the hosted grader (Qwen3.6-35B-A3B) by the tiny base, named by the recipe's own
 `grader_llm_name`; and the grader's budget of 2,048 new tokens, which `RubricGradedDatasetBuilder`
 fixes in code, by 24 (2,048 plus any prompt is past the tiny base's whole 2,048-token context, which
-Quilt, like Tinker, answers with a 400). The recipe's default loss, `stable_reinforce`, is not in
-Quilt yet (`POST /api/v1/forward_backward -> 400 loss_fn 'stable_reinforce' is not supported`, a gap
-this test leaves open and names): it trains with the CLIConfig's `loss_fn="importance_sampling"`.
-A random grader never writes `<score>x</score>`, so every
+Quilt, like Tinker, answers with a 400). It trains with the recipe's default loss,
+`stable_reinforce`, on the stability records its samplers keep. A random grader never writes `<score>x</score>`, so every
 rubric score is 0 and only the format term moves: the test runs the protocol to the end (policy
 sampled, grader sampled per rollout, rewards logged, train and eval steps done), not a curve."""
 
@@ -43,8 +41,7 @@ def test_rubric_recipe_generates_data_and_trains_against_a_grader(cookbook, tmp_
     cli = script.CLIConfig(model_name=TINY, renderer_name=RENDERER, grader_llm_name=TINY,
                            grader_renderer_name=RENDERER, train_jsonl_path=train_path, test_jsonl_path=test_path,
                            train_group_size=2, groups_per_batch=2, learning_rate=1e-3, max_tokens=8, lora_rank=8,
-                           eval_every=2, save_every=0, log_path=str(log), base_url=cookbook, max_steps=2,
-                           loss_fn="importance_sampling")
+                           eval_every=2, save_every=0, log_path=str(log), base_url=cookbook, max_steps=2)
     asyncio.run(script.cli_main(cli))
     rows = metrics(log)
     rubric, fmt = series(rows, "env/all/rubric_score"), series(rows, "env/all/format")

@@ -75,8 +75,6 @@ def test_copy_checkpoint_copies_into_the_callers_account_and_across_tenants(cook
         _run_main(monkeypatch, copy_checkpoint, "--source-path", state)
 
 
-@pytest.mark.skip(reason="in r4's run the exchange worked and the SDK made a training run with the JWT, then "
-                         "create_rest_client().list_training_runs() with it hung; undiagnosed at the deadline")
 def test_get_access_token_exchanges_a_key_for_a_token_the_api_takes(cookbook, stack, tmp_path, monkeypatch, capsys):
     """The credential command is `echo <key>`; the exchange needs QUILT_SDK_JWT_AUTH, which the
     session stack leaves off, so the script talks to a second API process with it on."""
@@ -93,9 +91,14 @@ def test_get_access_token_exchanges_a_key_for_a_token_the_api_takes(cookbook, st
     line = capsys.readouterr().out.strip()
     jwt = line.removeprefix("export TINKER_API_KEY=")
     assert line.startswith("export TINKER_API_KEY=eyJ") and tenant.key not in jwt
+    # The training client is awaited before anything else: tinker 0.38 creates it on its event-loop
+    # thread, which takes the ServiceClient's lifecycle lock for `holder`, while
+    # `ServiceClient.create_rest_client()` holds that lock on the caller's thread and waits on the
+    # same loop for the server's client config: a deadlock against any server, whichever wins the
+    # race (this test hung there once). The runs are listed with `RestClient`, as the SDK advises.
     with tinker.ServiceClient(base_url=cookbook, api_key=jwt) as service:
-        trainer = service.create_lora_training_client(base_model=TINY, rank=8)
-        runs = service.create_rest_client().list_training_runs().result().training_runs
+        trainer = service.create_lora_training_client(base_model=TINY, rank=8).result()
+        runs = tinker.RestClient(base_url=cookbook, api_key=jwt).list_training_runs().result().training_runs
     assert trainer.model_id in [run.training_run_id for run in runs]
 
 
