@@ -19,7 +19,6 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from recipes import RENDERER, TINY, metrics, series
@@ -54,7 +53,10 @@ def local_chroma(tmp_path) -> Iterator[int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([str(Path(sys.executable).parent / "chroma"), "run", "--path",
+    # The `chroma` command's own code, run by this interpreter (not its script, whose first line
+    # names the interpreter of whichever venv installed it).
+    server = subprocess.Popen([sys.executable, "-c", "import sys; from chromadb.cli.cli import app; sys.argv[0] = 'chroma'; "
+                               "sys.exit(app())", "run", "--path",
                                str(tmp_path / "chroma"), "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
