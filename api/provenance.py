@@ -99,17 +99,16 @@ def from_json(raw: Sequence[Any], field: str) -> tuple[Span, ...]:
 
 
 def from_proto(spans: Sequence[Any], field: str) -> tuple[Span, ...]:
-    """Spans of a protobuf `Datum` (`tinker_public_pb2.ProvenanceSpan`, a oneof per run)."""
-    if len(spans) > MAX_SPANS:
-        raise InvalidInput(f"{field}: {len(spans)} spans exceed the limit of {MAX_SPANS}", field=field)
-    out = []
-    for j, s in enumerate(spans):
+    """Spans of a protobuf `Datum` (`tinker_public_pb2.ProvenanceSpan`, a oneof per run), read as
+    their JSON form (a run with neither arm set is refused there)."""
+    def as_json(s: Any) -> dict[str, Any]:
         key = s.WhichOneof("span")
-        if key not in _KINDS:
-            raise InvalidInput(f"{field}[{j}]: a span must be prompt_tokens or sampled_tokens", field=f"{field}[{j}]")
-        arm = getattr(s, key)
-        out.append(span(_KINDS[key], arm.sequence_id, arm.offset, arm.length, f"{field}[{j}].{key}"))
-    return tuple(out)
+        arm = getattr(s, key) if key else None
+        return {} if arm is None else {key: {"sequence_id": arm.sequence_id, "offset": arm.offset, "length": arm.length}}
+
+    if len(spans) > MAX_SPANS:  # before each run is converted
+        raise InvalidInput(f"{field}: {len(spans)} spans exceed the limit of {MAX_SPANS}", field=field)
+    return from_json([as_json(s) for s in spans], field)
 
 
 def pair(model_input: tuple[Span, ...] | None, loss_fn_inputs: tuple[Span, ...] | None,

@@ -314,10 +314,14 @@ def _importance_sampling(lp: Tensor, x: LossInputs) -> Tensor:
     return -_truncated_ratio(lp, x.logprobs, x.cap) * x.advantages
 
 
-def _ppo(lp: Tensor, x: LossInputs) -> Tensor:
-    ratio = _truncated_ratio(lp, x.logprobs, x.cap)
+def _clipped_objective(ratio: Tensor, x: LossInputs) -> Tensor:
+    """PPO's pessimistic objective, negated: `−min(ratio·A, clip(ratio, lo, hi)·A)` (ppo, gspo)."""
     clipped = torch.minimum(torch.maximum(ratio, x.lo), x.hi) * x.advantages
     return -torch.minimum(ratio * x.advantages, clipped)
+
+
+def _ppo(lp: Tensor, x: LossInputs) -> Tensor:
+    return _clipped_objective(_truncated_ratio(lp, x.logprobs, x.cap), x)
 
 
 def _cispo(lp: Tensor, x: LossInputs) -> Tensor:
@@ -337,9 +341,7 @@ def _gspo(lp: Tensor, x: LossInputs, datum: Tensor, datums: int) -> Tensor:
     total = lp.new_zeros(datums).index_add(0, datum, log_ratio)
     count = lp.new_zeros(datums).index_add(0, datum, x.seq_mask)
     sequence = (total / count.clamp_min(1.0)).index_select(0, datum)
-    ratio = torch.exp(sequence + lp - lp.detach())
-    clipped = torch.minimum(torch.maximum(ratio, x.lo), x.hi) * x.advantages
-    return -torch.minimum(ratio * x.advantages, clipped)
+    return _clipped_objective(torch.exp(sequence + lp - lp.detach()), x)
 
 
 def _stable_reinforce(lp: Tensor, x: LossInputs) -> Tensor:
